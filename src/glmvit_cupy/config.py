@@ -1,0 +1,193 @@
+"""The tower's geometry: one frozen object read from a checkpoint's config.json.
+
+Every field the encoder needs lives here, so the loader, the reference and the
+GPU engine cannot disagree on, say, which of two 4096s is the intermediate size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from .errors import CheckpointError
+
+VISION_MODEL_TYPES = ("glm5_next_vision", "glm_ocr_vision")
+
+
+@dataclass(frozen=True)
+class VisionGeometry:
+    """Glm5NextVisionConfig's fields that decide what the tower computes.
+
+    Defaults are Glm5NextVisionConfig's (transformers 5.23.0), used for any field
+    a config.json leaves out. The official GLM-5.3-Flash checkpoint sets
+    out_hidden_size = 4096 (the class default is 1536); see `official()`.
+    """
+
+    depth: int = 24
+    hidden_size: int = 1024
+    num_heads: int = 16
+    intermediate_size: int = 4096
+    out_hidden_size: int = 1536
+    projection_intermediate_size: int = 10240
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    in_channels: int = 3
+    spatial_merge_size: int = 2
+    rms_norm_eps: float = 1e-5
+    swiglu_limit: float = 10.0
+    rope_theta: float = 10000.0
+
+    # -- derived sizes ---------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Width of one pixel_values row: (channel, temporal, py, px) = 3 x 2 x 14 x 14 = 1176."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    @property
+    def merge_dim(self) -> int:
+        """Width of one downsample im2col row: hidden x 2 x 2 = 4096."""
+        return self.hidden_size * self.spatial_merge_size**2
+
+    @property
+    def tensor_count(self) -> int:
+        """14 tensors per block + 11 outside: 24 x 14 + 11 = 347."""
+        return 14 * self.depth + 11
+
+    @classmethod
+    def official(cls) -> "VisionGeometry":
+        """GLM-5.3-Flash's released geometry (SPEC.md)."""
+        return cls(out_hidden_size=4096)
+
+    def validate(self, where: str = "vision_config") -> "VisionGeometry":
+        """Reject geometries the encoder cannot compute, saying why."""
+
+        def bad(field, value, why):
+            raise CheckpointError(f"{where}: {field} = {value!r} cannot work: {why}")
+
+        for field in ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size",
+                      "projection_intermediate_size", "in_channels"):
+            v = getattr(self, field)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad(field, v, "it must be a positive integer")
+        for field in ("patch_size", "temporal_patch_size"):
+            v = getattr(self, field)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad(field, v, "a patch needs a non-zero integer size (the Conv3d kernel is this big)")
+        if self.hidden_size % self.num_heads:
+            bad("hidden_size", self.hidden_size,
+                f"it is not divisible by num_heads = {self.num_heads}, so heads would not tile the width")
+        if self.head_dim % 4:
+            bad("num_heads", self.num_heads,
+                f"head_dim = {self.hidden_size} / {self.num_heads} = {self.head_dim} is not a multiple of 4; "
+                "the axial RoPE splits a head into an h half and a w half, and rotates each half by halves")
+        if self.spatial_merge_size != 2:
+            bad("spatial_merge_size", self.spatial_merge_size,
+                "the 2x2 downsample, its im2col and the preprocessor's patch order are defined for 2 only")
+        if not (isinstance(self.rms_norm_eps, float) and math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            bad("rms_norm_eps", self.rms_norm_eps, "it must be a positive finite float (it sits under a square root)")
+        if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
+            bad("swiglu_limit", self.swiglu_limit, "the SwiGLU clamp needs a positive finite limit")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 1):
+            bad("rope_theta", self.rope_theta, "RoPE frequencies theta^(-2k/d) need theta > 1")
+        return self
+
+
+def _as_int_size(field, value, where):
+    # HF allows patch_size as [14, 14]; the tower only supports square patches.
+    if isinstance(value, (list, tuple)):
+        if len(value) == 0 or len(set(value)) != 1:
+            raise CheckpointError(f"{where}: {field} = {value!r} cannot work: only square patches are supported")
+        value = value[0]
+    return value
+
+
+def geometry_from_dict(vision: dict, *, text_hidden_size=None, where: str = "vision_config") -> VisionGeometry:
+    """Build and validate a geometry from a vision_config dictionary."""
+    if not isinstance(vision, dict):
+        raise CheckpointError(f"{where}: expected a JSON object, got {type(vision).__name__}")
+    mt = vision.get("model_type")
+    if mt is not None and mt not in VISION_MODEL_TYPES:
+        raise CheckpointError(
+            f"{where}: model_type = {mt!r} is not a GLM vision tower (expected one of {VISION_MODEL_TYPES})")
+    kw = {}
+    aliases = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
+    fields = {f.name: f for f in dataclasses.fields(VisionGeometry)}
+    for key, value in vision.items():
+        key = aliases.get(key, key)
+        if key in fields and key != "rope_theta":
+            kw[key] = value
+    for field in ("patch_size", "temporal_patch_size"):
+        if field in kw:
+            kw[field] = _as_int_size(field, kw[field], where)
+    rope = vision.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{where}: rope_parameters = {rope!r} must be an object")
+    rope_type = rope.get("rope_type", "axial")
+    if rope_type != "axial":
+        raise CheckpointError(f"{where}: rope_parameters.rope_type = {rope_type!r} cannot work: "
+                              "the GLM tower's rotary embedding is axial (h, w) only")
+    theta = rope.get("rope_theta", vision.get("rope_theta", 10000.0))
+    for key in ("rms_norm_eps", "swiglu_limit"):
+        if key in kw and isinstance(kw[key], int) and not isinstance(kw[key], bool):
+            kw[key] = float(kw[key])
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
+        raise CheckpointError(f"{where}: rope_theta = {theta!r} must be a number")
+    kw["rope_theta"] = float(theta)
+    for key in ("rms_norm_eps", "swiglu_limit"):
+        if key in kw and (not isinstance(kw[key], float)):
+            raise CheckpointError(f"{where}: {key} = {kw[key]!r} must be a number")
+    if vision.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act = {vision['hidden_act']!r} cannot work: "
+                              "the tower's SwiGLU kernels compute silu")
+    if vision.get("attention_bias", True) is not True:
+        raise CheckpointError(f"{where}: attention_bias = {vision['attention_bias']!r} is not supported: "
+                              "GLM-5.3-Flash's qkv, proj and MLP projections all carry biases")
+    geo = VisionGeometry(**kw).validate(where)
+    if text_hidden_size is not None and text_hidden_size != geo.out_hidden_size:
+        raise CheckpointError(
+            f"{where}: out_hidden_size = {geo.out_hidden_size} but text_config.hidden_size = {text_hidden_size}; "
+            "each image token's embedding replaces one text embedding row, so the widths must be equal")
+    return geo
+
+
+class NoVisionConfig(CheckpointError):
+    """config.json describes a text-only model (no vision_config)."""
+
+
+def read_config(path: str | os.PathLike) -> VisionGeometry:
+    """Read config.json (a file, or the directory holding it) into a VisionGeometry.
+
+    Accepts a multimodal config (model_type glm5_next, with vision_config) or a bare
+    vision config. A text-only config raises NoVisionConfig, a CheckpointError.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(16 << 20)
+        cfg = json.loads(raw)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no config.json; a checkpoint directory needs one to know its geometry") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: config.json is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: config.json must hold a JSON object, not {type(cfg).__name__}")
+    if cfg.get("model_type") in VISION_MODEL_TYPES:
+        return geometry_from_dict(cfg, where=f"{path}")
+    if "vision_config" not in cfg or cfg["vision_config"] is None:
+        raise NoVisionConfig(
+            f"{path}: text-only checkpoint (model_type {cfg.get('model_type')!r} has no vision_config); "
+            "it has no vision tower to load")
+    text = cfg.get("text_config")
+    text_hidden = text.get("hidden_size") if isinstance(text, dict) else None
+    if text_hidden is None and text is None:
+        text_hidden = cfg.get("hidden_size")  # flat text fields, as HF accepts them
+    return geometry_from_dict(cfg["vision_config"], text_hidden_size=text_hidden, where=f"{path}: vision_config")

@@ -1,0 +1,209 @@
+"""Host preprocessor: images -> (pixel_values [N, 1176] float32, grid_thw [n, 3] int64).
+
+Bit-identical to transformers' Glm5NextImageProcessorPil: the same PIL decode and
+RGB conversion, the same canvas (smart_resize), BICUBIC content resize, zero pad
+bottom/right, rescale in float64 then float32, normalise in float32, and patches in
+2x2 merge-block order with the frame repeated along the temporal axis.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from .errors import ImageError
+
+PATCH = 14
+MERGE = 2
+TEMPORAL = 2
+FACTOR = PATCH * MERGE  # 28: one merged token is a 28 x 28 pixel square
+MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP
+STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def smart_resize(height: int, width: int, *, min_image_tokens: int = 16, max_image_tokens: int = 8000,
+                 factor: int = FACTOR, temporal_factor: int = TEMPORAL) -> tuple[int, int]:
+    """The canvas (H, W), multiples of `factor`, for an image of height x width pixels.
+
+    Follows the reference's rules, edge cases included: align up; scale up when under
+    the token minimum; when over the maximum, binary-search the largest content
+    height (1..height) whose aligned canvas fits, keeping the width proportional.
+    """
+    num_frames = temporal_factor  # a still image is treated as `temporal_factor` frames
+    per_token = temporal_factor * factor * factor
+    min_px = min_image_tokens * per_token
+    max_px = max_image_tokens * per_token
+    frames = max(temporal_factor, round(num_frames / temporal_factor) * temporal_factor)
+
+    def up(v):
+        return math.ceil(v / factor) * factor
+
+    h, w = up(height), up(width)
+    if frames * h * w < min_px:
+        s = math.sqrt(min_px / (num_frames * height * width))
+        h = up(max(1, math.ceil(height * s)))
+        w = up(max(1, math.ceil(width * s)))
+    if frames * h * w > max_px:
+        if max_px < frames * factor * factor:
+            raise ValueError(f"max_image_tokens={max_image_tokens} is too small: one aligned "
+                             f"{factor}x{factor} patch needs {frames * factor * factor} pixels of budget")
+        lo, hi = 1, height
+        h, w = factor, factor
+        while lo <= hi:
+            ch = (lo + hi) // 2
+            cw = max(1, math.floor(width * ch / height))
+            th, tw = up(ch), up(cw)
+            if frames * th * tw <= max_px:
+                h, w = th, tw
+                lo = ch + 1
+            else:
+                hi = ch - 1
+    return h, w
+
+
+def content_size(height: int, width: int, canvas: tuple[int, int], *, min_image_tokens: int = 16,
+                 factor: int = FACTOR, temporal_factor: int = TEMPORAL) -> tuple[int, int]:
+    """Size the image is resized to before padding to the canvas: aspect kept, never upscaled
+    once the image already meets the token minimum."""
+    ch_, cw_ = canvas
+    scale = min(ch_ / height, cw_ / width)
+    if temporal_factor * height * width >= temporal_factor * factor * factor * min_image_tokens:
+        scale = min(1.0, scale)
+    return (max(1, min(ch_, math.floor(height * scale))), max(1, min(cw_, math.floor(width * scale))))
+
+
+def _name(image, index):
+    if isinstance(image, (str, os.PathLike)):
+        return os.fspath(image)
+    name = getattr(image, "name", None)
+    if isinstance(name, str):
+        return f"{name} (image {index})"
+    return f"image {index} ({type(image).__name__})"
+
+
+def _decode(image, name) -> Image.Image:
+    """Open a path or file object the way the reference loads a path: EXIF transpose, convert('RGB')."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(image)
+            img.load()
+            img = ImageOps.exif_transpose(img)
+            return img.convert("RGB")
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"{name}: refused as a decompression bomb ({e})") from None
+    except FileNotFoundError:
+        raise ImageError(f"{name}: no such file") from None
+    except (OSError, ValueError, SyntaxError, EOFError, TypeError, MemoryError, Image.UnidentifiedImageError) as e:
+        raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e})") from None
+
+
+def _from_pil(img: Image.Image, name) -> np.ndarray:
+    """RGB uint8 HxWx3 from a PIL image, compositing transparency onto white as the reference does."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img.load()
+            if "A" in img.getbands() or img.info.get("transparency") is not None:
+                rgba = img.convert("RGBA")
+                white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                img = Image.alpha_composite(white, rgba).convert("RGB")
+            else:
+                img = img.convert("RGB")
+            return np.asarray(img)
+    except (OSError, ValueError, SyntaxError, EOFError, MemoryError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"{name}: cannot convert PIL image to RGB ({type(e).__name__}: {e})") from None
+
+
+def _from_array(a: np.ndarray, name) -> np.ndarray:
+    if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] not in (1, 3, 4):
+        raise ImageError(f"{name}: array of dtype {a.dtype} and shape {a.shape}; expected an HxWx3 "
+                         "(or HxWx1, HxWx4) uint8 array")
+    if a.shape[2] == 1:
+        return np.repeat(a, 3, axis=2)
+    if a.shape[2] == 4:
+        alpha = a[..., 3:4] / 255
+        return np.round(alpha * a[..., :3] + (1 - alpha) * 255).astype(np.uint8)
+    return np.ascontiguousarray(a)
+
+
+def load_rgb(image, index: int = 0) -> np.ndarray:
+    """Any accepted image input -> HxWx3 uint8 RGB. Raises ImageError naming the image."""
+    name = _name(image, index)
+    if isinstance(image, (str, os.PathLike)):
+        if not os.path.isfile(image):
+            raise ImageError(f"{name}: no such file")
+        rgb = np.asarray(_decode(image, name))
+    elif isinstance(image, (bytes, bytearray)):
+        rgb = np.asarray(_decode(io.BytesIO(image), name))
+    elif hasattr(image, "read"):
+        rgb = np.asarray(_decode(image, name))
+    elif isinstance(image, Image.Image):
+        rgb = _from_pil(image, name)
+    elif isinstance(image, np.ndarray):
+        rgb = _from_array(image, name)
+    else:
+        raise ImageError(f"{name}: unsupported input type {type(image).__name__}; pass a path, a file object, "
+                         "a PIL image or an HxWx3 uint8 array")
+    if rgb.ndim != 3 or rgb.shape[0] == 0 or rgb.shape[1] == 0:
+        raise ImageError(f"{name}: zero-size image {rgb.shape[:2]}")
+    return rgb
+
+
+def _normalise_patchify(canvas_u8: np.ndarray) -> np.ndarray:
+    """HxWx3 uint8 canvas -> [H/14 * W/14, 1176] float32 in merge-block patch order."""
+    chw = np.moveaxis(canvas_u8, -1, 0)
+    x = (chw.astype(np.float64) * (1 / 255)).astype(np.float32)
+    mean = np.array(MEAN, dtype=np.float32)[:, None, None]
+    std = np.array(STD, dtype=np.float32)[:, None, None]
+    x = (x - mean) / std
+    c, hh, ww = x.shape
+    gh, gw = hh // PATCH, ww // PATCH
+    p = x.reshape(c, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH)
+    p = p.transpose(1, 4, 2, 5, 0, 3, 6)  # (bh, bw, r, c, channel, py, px)
+    p = np.broadcast_to(p[:, :, :, :, :, None], p.shape[:5] + (TEMPORAL,) + p.shape[5:])
+    return p.reshape(gh * gw, c * TEMPORAL * PATCH * PATCH)
+
+
+def prepare(image, index: int = 0, *, min_image_tokens: int = 16, max_image_tokens: int = 8000):
+    """One image -> (patches [h*w, 1176] float32, (1, h, w), info dict)."""
+    rgb = load_rgb(image, index)
+    height, width = rgb.shape[:2]
+    canvas = smart_resize(height, width, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
+    ch, cw = content_size(height, width, canvas, min_image_tokens=min_image_tokens)
+    if (ch, cw) != (height, width):
+        rgb = np.asarray(Image.fromarray(rgb).resize((cw, ch), resample=Image.Resampling.BICUBIC))
+    padded = np.zeros((canvas[0], canvas[1], 3), dtype=np.uint8)
+    padded[:ch, :cw] = rgb
+    patches = _normalise_patchify(padded)
+    grid = (1, canvas[0] // PATCH, canvas[1] // PATCH)
+    info = {"source": _name(image, index), "size": (height, width), "canvas": canvas, "content": (ch, cw),
+            "grid": grid, "tokens": grid[1] * grid[2] // (MERGE * MERGE)}
+    return patches, grid, info
+
+
+def preprocess(images, *, min_image_tokens: int = 16, max_image_tokens: int = 8000):
+    """Images -> (pixel_values float32 [N, 1176], grid_thw int64 [n, 3]), as the reference processor.
+
+    `images` is one image or a list of them: paths, file objects, bytes, PIL images, or
+    HxWx3 uint8 arrays. Raises ImageError naming the first image that cannot be used.
+    """
+    if not isinstance(min_image_tokens, int) or not isinstance(max_image_tokens, int) \
+            or min_image_tokens < 1 or max_image_tokens < 1:
+        raise ValueError(f"min_image_tokens={min_image_tokens!r} and max_image_tokens={max_image_tokens!r} "
+                         "must be positive integers")
+    if not isinstance(images, (list, tuple)):
+        images = [images]
+    if not images:
+        raise ImageError("preprocess: no images given")
+    rows, grids = [], []
+    for i, image in enumerate(images):
+        patches, grid, _ = prepare(image, i, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
+        rows.append(patches)
+        grids.append(grid)
+    return np.concatenate(rows, axis=0), np.array(grids, dtype=np.int64)

@@ -1,0 +1,164 @@
+"""The tower's forward pass in plain NumPy float32 (or float64): the oracle for the GPU path.
+
+Written for clarity, one function per sub-layer, names as in the checkpoint. It
+shares no compute code with the GPU engine, so a bug in one cannot hide in both.
+Attention runs per segment, per head, in query chunks, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .checkpoint import TowerBinding, bind_tower
+from .config import VisionGeometry
+
+
+def rms_norm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def layer_norm(x, w, b, eps=1e-5):
+    mu = x.mean(axis=-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * w + b
+
+
+def gelu_erf(x):
+    from math import erf, sqrt
+
+    verf = np.vectorize(erf, otypes=[np.float64])
+    return (0.5 * x * (1.0 + verf(x / sqrt(2.0)))).astype(x.dtype)
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def clamped_swiglu(g, u, limit, stats=None, where=""):
+    if stats is not None:
+        stats.setdefault(where, {"gate_above": 0, "up_outside": 0})
+        stats[where]["gate_above"] += int((g > limit).sum())
+        stats[where]["up_outside"] += int((np.abs(u) > limit).sum())
+    g = np.minimum(g, limit)
+    u = np.clip(u, -limit, limit)
+    return silu(g) * u
+
+
+def position_ids(grid_thw):
+    """(h, w) of every patch, in the input's merge-block row order, frame after frame."""
+    rows = []
+    for t, h, w in grid_thw:
+        hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        blocks = (h // 2, 2, w // 2, 2)
+        hh = hh.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)
+        ww = ww.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)
+        rows.append(np.tile(np.stack([hh, ww], axis=1), (t, 1)))
+    return np.concatenate(rows, axis=0)
+
+
+def segments(grid_thw):
+    """Attention segments: each frame (h*w patches) of each image is its own."""
+    bounds, start = [], 0
+    for t, h, w in grid_thw:
+        for _ in range(t):
+            bounds.append((start, start + h * w))
+            start += h * w
+    return bounds
+
+
+def rotary(pos, head_dim, theta, dtype):
+    """cos, sin [N, head_dim]: angles [h*f, w*f] repeated twice, f = theta^(-2k/(head_dim/2))."""
+    spatial = head_dim // 2
+    inv_freq = 1.0 / (theta ** (np.arange(0, spatial, 2, dtype=dtype) / spatial))
+    ang = np.concatenate([pos[:, :1] * inv_freq, pos[:, 1:] * inv_freq], axis=1).astype(dtype)
+    ang = np.concatenate([ang, ang], axis=1)
+    return np.cos(ang), np.sin(ang)
+
+
+def rotate_half(x):
+    d = x.shape[-1] // 2
+    return np.concatenate([-x[..., d:], x[..., :d]], axis=-1)
+
+
+def attention(q, k, v, bounds, chunk=1024):
+    """softmax(q k^T / sqrt(d)) v inside each segment. q, k, v: [N, heads, d]."""
+    n, heads, d = q.shape
+    out = np.empty_like(q)
+    scale = 1.0 / np.sqrt(d)
+    for s, e in bounds:
+        for hd in range(heads):
+            ks, vs = k[s:e, hd], v[s:e, hd]
+            for q0 in range(s, e, chunk):
+                q1 = min(q0 + chunk, e)
+                sc = (q[q0:q1, hd] @ ks.T) * scale
+                sc = np.exp(sc - sc.max(axis=1, keepdims=True))
+                out[q0:q1, hd] = (sc / sc.sum(axis=1, keepdims=True)) @ vs
+    return out
+
+
+class Tower:
+    """The tower's weights as float arrays, keyed by checkpoint name (without prefix)."""
+
+    def __init__(self, binding: TowerBinding, dtype=np.float32):
+        self.geo: VisionGeometry = binding.geometry
+        self.w = {s: binding.host(s).astype(dtype) for s in binding.layout}
+        self.dtype = dtype
+
+    def block(self, i, x, cos, sin, bounds, stats):
+        g, w, p = self.geo, self.w, f"blocks.{i}."
+        n = x.shape[0]
+        h = rms_norm(x, w[p + "norm1.weight"], g.rms_norm_eps)
+        qkv = h @ w[p + "attn.qkv.weight"].T + w[p + "attn.qkv.bias"]
+        q, k, v = qkv.reshape(n, 3, g.num_heads, g.head_dim).transpose(1, 0, 2, 3)
+        q = rms_norm(q, w[p + "attn.q_norm.weight"], g.rms_norm_eps)
+        k = rms_norm(k, w[p + "attn.k_norm.weight"], g.rms_norm_eps)
+        c, s = cos[:, None, :], sin[:, None, :]
+        q = q * c + rotate_half(q) * s
+        k = k * c + rotate_half(k) * s
+        o = attention(q, k, v, bounds).reshape(n, -1)
+        x = x + o @ w[p + "attn.proj.weight"].T + w[p + "attn.proj.bias"]
+        h = rms_norm(x, w[p + "norm2.weight"], g.rms_norm_eps)
+        gate = h @ w[p + "mlp.gate_proj.weight"].T + w[p + "mlp.gate_proj.bias"]
+        up = h @ w[p + "mlp.up_proj.weight"].T + w[p + "mlp.up_proj.bias"]
+        act = clamped_swiglu(gate, up, g.swiglu_limit, stats, f"blocks.{i}")
+        return x + act @ w[p + "mlp.down_proj.weight"].T + w[p + "mlp.down_proj.bias"]
+
+    def merger(self, x, stats):
+        g, w = self.geo, self.w
+        x = rms_norm(x, w["post_layernorm.weight"], g.rms_norm_eps)
+        # 4 consecutive rows are one 2x2 block; im2col in (channel, kh, kw) order.
+        cols = x.reshape(-1, 4, g.hidden_size).transpose(0, 2, 1).reshape(-1, g.merge_dim)
+        y = cols @ w["downsample.weight"].T + w["downsample.bias"]
+        y = y @ w["merger.proj.weight"].T
+        y = gelu_erf(layer_norm(y, w["merger.post_projection_norm.weight"], w["merger.post_projection_norm.bias"]))
+        gate = y @ w["merger.gate_proj.weight"].T
+        up = y @ w["merger.up_proj.weight"].T
+        return clamped_swiglu(gate, up, g.swiglu_limit, stats, "merger") @ w["merger.down_proj.weight"].T
+
+    def forward(self, pixel_values, grid_thw, stats=None):
+        g = self.geo
+        grid_thw = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+        x = np.asarray(pixel_values, dtype=self.dtype).reshape(-1, g.patch_dim)
+        if x.shape[0] != int(np.prod(grid_thw, axis=1).sum()):
+            raise ValueError(f"pixel_values has {x.shape[0]} rows but grid_thw describes "
+                             f"{int(np.prod(grid_thw, axis=1).sum())} patches")
+        x = x @ self.w["patch_embed.proj.weight"].T + self.w["patch_embed.proj.bias"]
+        cos, sin = rotary(position_ids(grid_thw).astype(self.dtype), g.head_dim, g.rope_theta, self.dtype)
+        bounds = segments(grid_thw)
+        for i in range(g.depth):
+            x = self.block(i, x, cos, sin, bounds, stats)
+        return self.merger(x, stats)
+
+
+def encode_pixels(checkpoint_path, pixel_values, grid_thw, *, dtype=np.float32, stats=None) -> np.ndarray:
+    """The whole forward of SPEC.md in NumPy: [N, patch_dim] pixels -> [N/4, out_hidden_size].
+
+    `checkpoint_path` may also be a TowerBinding or a Tower (to reuse loaded weights).
+    `stats`, a dict, receives per-layer counts of values the SwiGLU clamp cut.
+    """
+    if isinstance(checkpoint_path, Tower):
+        tower = checkpoint_path
+    else:
+        binding = checkpoint_path if isinstance(checkpoint_path, TowerBinding) else bind_tower(checkpoint_path)
+        tower = Tower(binding, dtype)
+    return tower.forward(pixel_values, grid_thw, stats)

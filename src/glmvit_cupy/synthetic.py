@@ -1,0 +1,116 @@
+"""Random-weight checkpoints in GLM-5.3's exact on-disk layout, for tests and benchmarks.
+
+The weights are scaled so the tower's activations stay in a realistic range while
+the SwiGLU clamp (swiglu_limit) fires in every block and in the merger: a test run
+on these weights fails if the clamp is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from .checkpoint import tower_layout
+from .config import VisionGeometry
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _scale(suffix: str, geo: VisionGeometry) -> tuple[float, float]:
+    """(std, mean) of a tensor's random values, chosen per role."""
+    h, i, out, pi = geo.hidden_size, geo.intermediate_size, geo.out_hidden_size, geo.projection_intermediate_size
+    if suffix.endswith("norm1.weight") or suffix.endswith("norm2.weight") or "q_norm" in suffix \
+            or "k_norm" in suffix or suffix == "post_layernorm.weight" \
+            or suffix == "merger.post_projection_norm.weight":
+        return 0.1, 1.0
+    if suffix.endswith(".bias"):
+        return (0.3 if "gate_proj" in suffix or "up_proj" in suffix else 0.05), 0.0
+    fan_in = {"patch_embed.proj.weight": geo.patch_dim, "downsample.weight": geo.merge_dim}.get(suffix)
+    if fan_in is None:
+        fan_in = i if "mlp.down_proj" in suffix else pi if suffix == "merger.down_proj.weight" \
+            else out if suffix.startswith("merger.") else h
+    gain = {"mlp.gate_proj": 3.5, "mlp.up_proj": 3.5, "merger.gate_proj": 7.0, "merger.up_proj": 7.0,
+            "mlp.down_proj": 0.1, "merger.down_proj": 0.5, "attn.proj": 0.5}
+    g = next((v for k, v in gain.items() if k in suffix), 1.0)
+    return g / np.sqrt(fan_in), 0.0
+
+
+def random_tower(geo: VisionGeometry, seed: int = 0) -> dict[str, np.ndarray]:
+    """{suffix: bf16 array in its on-disk shape} for every tower tensor."""
+    rng = np.random.default_rng(seed)
+    disk_shape = {
+        "patch_embed.proj.weight": (geo.hidden_size, geo.in_channels, geo.temporal_patch_size,
+                                    geo.patch_size, geo.patch_size),
+        "downsample.weight": (geo.out_hidden_size, geo.hidden_size, 2, 2),
+    }
+    tensors = {}
+    for suffix, flat in tower_layout(geo).items():
+        std, mean = _scale(suffix, geo)
+        shape = disk_shape.get(suffix, flat)
+        v = rng.standard_normal(int(np.prod(shape)), dtype=np.float32) * np.float32(std) + np.float32(mean)
+        tensors[suffix] = v.astype(BF16).reshape(shape)
+    return tensors
+
+
+def text_tensors(seed: int = 1) -> dict[str, np.ndarray]:
+    """A few stand-ins for the quantised text stack: FP8 weights, packed U8, F32 scales."""
+    rng = np.random.default_rng(seed)
+    return {
+        "model.language_model.layers.0.mlp.experts.0.gate_proj.weight":
+            rng.standard_normal((64, 32), dtype=np.float32).astype(ml_dtypes.float8_e4m3fn),
+        "model.language_model.layers.0.mlp.experts.0.gate_proj.weight_packed":
+            rng.integers(0, 256, (64, 16), dtype=np.uint8),
+        "model.language_model.layers.0.mlp.experts.0.gate_proj.weight_scale":
+            rng.random((64, 1), dtype=np.float32),
+        "model.language_model.embed_tokens.weight":
+            rng.standard_normal((16, 32), dtype=np.float32).astype(BF16),
+    }
+
+
+def config_dict(geo: VisionGeometry, text_hidden_size: int | None = None) -> dict:
+    """A multimodal glm5_next config.json with this vision_config."""
+    vision = dataclasses.asdict(geo)
+    theta = vision.pop("rope_theta")
+    vision.update(model_type="glm5_next_vision", hidden_act="silu", attention_bias=True,
+                  rope_parameters={"rope_type": "axial", "rope_theta": theta})
+    return {
+        "architectures": ["Glm5NextForConditionalGeneration"],
+        "model_type": "glm5_next",
+        "text_config": {"model_type": "glm5_next_text",
+                        "hidden_size": text_hidden_size or geo.out_hidden_size},
+        "vision_config": vision,
+    }
+
+
+def write_checkpoint(path, geo: VisionGeometry, *, seed: int = 0, prefix: str = "model.visual.",
+                     shards: int = 2, with_text: bool = True, tensors: dict | None = None) -> str:
+    """Write config.json, `shards` safetensors shards and the index, in GLM-5.3's layout.
+
+    Vision tensors are spread over the shards in checkpoint order, with the text
+    stand-ins in the first and last shard. Returns the directory.
+    """
+    os.makedirs(path, exist_ok=True)
+    tensors = tensors if tensors is not None else random_tower(geo, seed)
+    named = {prefix + s: np.ascontiguousarray(v) for s, v in tensors.items()}
+    extra = text_tensors(seed + 1) if with_text else {}
+    names = list(named)
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for k in range(shards):
+        part = {n: named[n] for n in names[k * per:(k + 1) * per]}
+        if extra and k in (0, shards - 1):
+            part.update(dict(list(extra.items())[: 2] if k == 0 else list(extra.items())[2:]))
+        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(part, os.path.join(path, fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    total = sum(v.nbytes for v in named.values()) + sum(v.nbytes for v in extra.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_dict(geo), f, indent=1)
+    return os.fspath(path)

@@ -1,0 +1,286 @@
+"""WeightStore: memory-mapped safetensors shards with every header checked up front.
+
+A GLM-5.3 checkpoint's shards hold hundreds of GB of text weights in FP8, U8 and
+F32 beside the 1 GiB BF16 vision tower. The store parses and validates every
+header it opens before any tensor byte is touched, maps the files read-only, and
+reads only the tensors a caller asks for.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import ml_dtypes
+import numpy as np
+
+from .errors import CheckpointError
+
+# The safetensors dtype names this store can map, with their NumPy types.
+DTYPES = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "U16": np.dtype(np.uint16),
+    "I16": np.dtype(np.int16),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "U32": np.dtype(np.uint32),
+    "I32": np.dtype(np.int32),
+    "F32": np.dtype(np.float32),
+    "U64": np.dtype(np.uint64),
+    "I64": np.dtype(np.int64),
+    "F64": np.dtype(np.float64),
+}
+
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own bound on a header
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes live, as its shard header declares them."""
+
+    name: str
+    dtype: str
+    shape: tuple
+    file: str
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def read_header(path: str) -> dict:
+    """Parse and validate one shard's header; return {name: TensorInfo}. Touches no tensor data."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: file is {size} bytes, too short for the 8-byte safetensors header length")
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen > MAX_HEADER_BYTES:
+                raise CheckpointError(
+                    f"{path}: header length {hlen} exceeds the {MAX_HEADER_BYTES}-byte limit; "
+                    "this is not a safetensors file (or it is corrupt)")
+            if 8 + hlen > size:
+                raise CheckpointError(
+                    f"{path}: header length {hlen} runs past the end of the {size}-byte file (truncated?)")
+            raw = f.read(hlen)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read shard ({e})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header must be a JSON object, got {type(header).__name__}")
+    data_start = 8 + hlen
+    data_len = size - data_start
+    infos = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict):
+                raise CheckpointError(f"{path}: __metadata__ must be an object of strings")
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{where}: header entry must be an object, got {entry!r:.80}")
+        dtype = entry.get("dtype")
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+        shape = entry.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        offs = entry.get("data_offsets")
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
+            raise CheckpointError(f"{where}: data_offsets {offs!r} must be two integers [begin, end]")
+        begin, end = offs
+        if begin < 0 or end < begin:
+            raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] are negative or reversed")
+        if end > data_len:
+            raise CheckpointError(
+                f"{where}: data_offsets [{begin}, {end}] lie outside the {data_len}-byte data section "
+                "(the shard is truncated or its header is wrong)")
+        want = DTYPES[dtype].itemsize * _prod(shape)
+        if end - begin != want:
+            raise CheckpointError(
+                f"{where}: {end - begin} bytes on disk, but dtype {dtype} x shape {tuple(shape)} needs {want}")
+        infos[name] = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, end - begin)
+    spans = sorted((i.offset, i.offset + i.nbytes, i.name) for i in infos.values() if i.nbytes)
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap in the data section "
+                                  f"(bytes {b0}-{e0} and {b1}-{e1})")
+    return infos
+
+
+def _shard_list(path) -> tuple[list[str], dict | None, str]:
+    """Resolve what open() was given into (shard files, index weight_map or None, display name)."""
+    if isinstance(path, (list, tuple)):
+        files = [os.fspath(p) for p in path]
+        if not files:
+            raise CheckpointError("WeightStore.open: an empty list of shards")
+        return files, None, ", ".join(files)
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        if path.endswith(".json"):
+            return _from_index(path)
+        return [path], None, path
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such file or directory")
+    index = os.path.join(path, INDEX_NAME)
+    if os.path.isfile(index):
+        return _from_index(index)
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: the directory holds no *.safetensors shards and no {INDEX_NAME}")
+    return files, None, path
+
+
+def _from_index(index_path):
+    try:
+        with open(index_path, "rb") as f:
+            index = json.loads(f.read(64 << 20))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index_path}: index is not valid JSON ({e})") from None
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise CheckpointError(f"{index_path}: index needs a 'weight_map' object of tensor name -> shard file name")
+    folder = os.path.dirname(index_path)
+    for name, shard in wm.items():
+        if os.path.basename(shard) != shard or shard in ("", ".", ".."):
+            raise CheckpointError(f"{index_path}: tensor {name!r} maps to {shard!r}, which is not a file name "
+                                  "inside the checkpoint directory")
+    return None, {k: os.path.join(folder, v) for k, v in wm.items()}, index_path
+
+
+class WeightStore:
+    """Read-only, memory-mapped view of a checkpoint's tensors."""
+
+    def __init__(self, infos: dict, display: str):
+        self._infos = infos
+        self.display = display
+        self._maps: dict[str, mmap.mmap] = {}
+
+    @classmethod
+    def open(cls, path, *, only: Callable[[str], bool] | None = None) -> "WeightStore":
+        """Open a directory (with an index json, or a set of *.safetensors), one file, or a list of shards.
+
+        `only`, when given, limits an indexed checkpoint to the tensors it accepts:
+        shards holding none of them need not exist and are never opened.
+        """
+        files, weight_map, display = _shard_list(path)
+        infos: dict[str, TensorInfo] = {}
+        if weight_map is not None:
+            wanted = {n: f for n, f in weight_map.items() if only is None or only(n)}
+            headers = {}
+            for name, shard in sorted(wanted.items()):
+                if shard not in headers:
+                    if not os.path.isfile(shard):
+                        raise CheckpointError(f"{display}: tensor {name!r} is indexed in shard "
+                                              f"{os.path.basename(shard)!r}, which does not exist")
+                    headers[shard] = read_header(shard)
+                if name not in headers[shard]:
+                    raise CheckpointError(f"{display}: the index puts tensor {name!r} in {shard}, "
+                                          "but that shard's header does not hold it")
+                infos[name] = headers[shard][name]
+        else:
+            for shard in files:
+                for name, info in read_header(shard).items():
+                    if only is not None and not only(name):
+                        continue
+                    if name in infos:
+                        raise CheckpointError(f"tensor {name!r} appears in both {infos[name].file} and {shard}")
+                    infos[name] = info
+        return cls(infos, display)
+
+    # -- lookup -------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._infos)
+
+    def __contains__(self, name) -> bool:
+        return name in self._infos
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise CheckpointError(f"{self.display}: missing tensor {name!r}") from None
+
+    def get(self, name: str) -> np.ndarray:
+        """A zero-copy, read-only NumPy view of one tensor (bf16 as ml_dtypes.bfloat16)."""
+        info = self.info(name)
+        mm = self._map(info.file)
+        dtype = DTYPES[info.dtype]
+        count = info.nbytes // dtype.itemsize
+        return np.frombuffer(mm, dtype=dtype, count=count, offset=info.offset).reshape(info.shape)
+
+    def require_bf16(self, name: str) -> TensorInfo:
+        """Refuse any dtype but BF16 for a tensor the encoder will read as BF16."""
+        info = self.info(name)
+        if info.dtype != "BF16":
+            raise CheckpointError(
+                f"{info.file}: tensor {name!r} is {info.dtype}, but the GLM vision tower is BF16 throughout "
+                f"(347/347 tensors even in FP8/NVFP4 exports). Reading these {info.nbytes} bytes as BF16 would "
+                "be a dtype pun that walks the wrong number of bytes; a quantised tower needs a dequant path, "
+                "not a cast.")
+        return info
+
+    def to_device(self, name: str, stream=None):
+        """Upload one tensor to the current CuPy device; only this tensor's bytes are read."""
+        import cupy
+
+        host = self.get(name)
+        out = cupy.empty(host.shape, dtype=host.dtype)
+        out.set(host, stream=stream)
+        return out
+
+    def _map(self, file: str) -> mmap.mmap:
+        mm = self._maps.get(file)
+        if mm is None:
+            try:
+                size = os.path.getsize(file)
+                with open(file, "rb") as f:
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{file}: cannot memory-map shard ({e})") from None
+            # A shard truncated after its header was read would fault on access (SIGBUS).
+            end = max((i.offset + i.nbytes for i in self._infos.values() if i.file == file), default=0)
+            if size < end or len(mm) < end:
+                mm.close()
+                raise CheckpointError(f"{file}: shard shrank to {size} bytes since its header was read "
+                                      f"(tensors need {end}); refusing to map it")
+            self._maps[file] = mm
+        return mm
+
+    def files(self) -> list[str]:
+        return sorted({i.file for i in self._infos.values()})
+
+    def close(self):
+        """Drop the maps (views handed out keep their pages alive until they are freed)."""
+        self._maps.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,135 @@
+"""Tower binding: prefixes, the flattened-shape rule, strict BF16, and the two no-tower outcomes."""
+
+import logging
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from glmvit_cupy import AbsentTower, CheckpointError, NoVisionConfig, bind_tower, inspect_checkpoint
+from glmvit_cupy.checkpoint import PREFIXES, probe_tower, tower_layout
+from glmvit_cupy.config import VisionGeometry
+from glmvit_cupy.synthetic import random_tower, write_checkpoint
+from tests.golden import cases
+
+GEO = cases.GEOMETRY
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    return random_tower(GEO, seed=5)
+
+
+def test_official_layout_is_347_tensors_and_564m_parameters():
+    layout = tower_layout(VisionGeometry.official())
+    assert len(layout) == 24 * 14 + 11 == 347
+    params = sum(int(np.prod(s)) for s in layout.values())
+    assert 563e6 < params < 565e6  # about 564 M, 1.05 GiB in bf16
+    assert layout["patch_embed.proj.weight"] == (1024, 1176)
+    assert layout["downsample.weight"] == (4096, 4096)
+
+
+def test_golden_tower_inspects():
+    s = inspect_checkpoint(cases.TOWER_DIR)
+    assert s["prefix"] == "model.visual." and s["geometry"] == GEO
+    assert s["tensors"] == 2 * 14 + 11 == 39
+    assert s["bytes"] == 2 * s["parameters"]
+    assert len(s["shards"]) == 2
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_every_prefix_binds(tmp_path, tensors, prefix):
+    write_checkpoint(tmp_path, GEO, tensors=tensors, prefix=prefix)
+    assert bind_tower(tmp_path).prefix == prefix
+
+
+def test_text_tensors_are_never_read(tmp_path, tensors):
+    write_checkpoint(tmp_path, GEO, tensors=tensors)
+    b = bind_tower(tmp_path)
+    # The store opened with the vision filter knows no text tensor at all.
+    assert not [n for n in b.store.names() if "language_model" in n]
+
+
+def mutated(tmp_path, tensors, **changes):
+    t = dict(tensors)
+    for k, v in changes.items():
+        k = k.replace("__", ".")
+        if v is None:
+            del t[k]
+        else:
+            t[k] = v
+    return write_checkpoint(tmp_path, GEO, tensors=t)
+
+
+@pytest.mark.parametrize("dtype,name", [(np.float16, "F16"), (np.float32, "F32"),
+                                        (ml_dtypes.float8_e4m3fn, "F8_E4M3")])
+def test_non_bf16_vision_tensor(tmp_path, tensors, dtype, name):
+    bad = tensors["blocks.1.attn.qkv.weight"].astype(np.float32).astype(dtype)
+    mutated(tmp_path, tensors, **{"blocks__1__attn__qkv__weight": bad})
+    with pytest.raises(CheckpointError) as e:
+        bind_tower(tmp_path)
+    msg = str(e.value)
+    assert "model.visual.blocks.1.attn.qkv.weight" in msg and f"is {name}" in msg and "cast" in msg
+
+
+def test_missing_tensor(tmp_path, tensors):
+    mutated(tmp_path, tensors, **{"blocks__0__mlp__down_proj__bias": None})
+    with pytest.raises(CheckpointError, match="missing tensor 'model.visual.blocks.0.mlp.down_proj.bias'"):
+        bind_tower(tmp_path)
+
+
+def test_missing_layernorm_bias(tmp_path, tensors):
+    mutated(tmp_path, tensors, **{"merger__post_projection_norm__bias": None})
+    with pytest.raises(CheckpointError, match="post_projection_norm.bias"):
+        bind_tower(tmp_path)
+
+
+def test_wrong_shape_names_flat_view(tmp_path, tensors):
+    w = tensors["downsample.weight"]  # (256, 128, 2, 2) read as [256, 512]
+    mutated(tmp_path, tensors, **{"downsample__weight": np.ascontiguousarray(w[:, :64])})
+    with pytest.raises(CheckpointError, match=r"\(256, 64, 2, 2\) \(flattens to \[256, 256\]\).*\[256, 512\]"):
+        bind_tower(tmp_path)
+
+
+def test_flattened_shape_rule_accepts_other_axes(tmp_path, tensors):
+    # [256, 512] stored 2-D instead of (256, 128, 2, 2): same bytes, same GEMM view.
+    flat = tensors["downsample.weight"].reshape(256, 512)
+    mutated(tmp_path, tensors, **{"downsample__weight": flat})
+    assert bind_tower(tmp_path).host("downsample.weight").shape == (256, 512)
+
+
+def test_text_only_and_absent_tower_are_distinct(tmp_path, tensors, caplog):
+    import json
+
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "config.json").write_text(json.dumps({"model_type": "glm5_next", "hidden_size": 256}))
+    with pytest.raises(NoVisionConfig, match="text-only"):
+        inspect_checkpoint(text)
+    absent = tmp_path / "absent"
+    write_checkpoint(absent, GEO, tensors=tensors, prefix="model.other.")
+    with pytest.raises(AbsentTower, match="declares a vision tower"):
+        inspect_checkpoint(absent)
+    with caplog.at_level(logging.WARNING, logger="glmvit_cupy"):
+        assert probe_tower(text) is None
+        assert not caplog.records
+        assert probe_tower(absent) is None
+        assert "text-only" in caplog.text
+
+
+def test_empty_directory_and_missing_path(tmp_path):
+    with pytest.raises(CheckpointError, match="empty directory"):
+        inspect_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="no such file"):
+        inspect_checkpoint(tmp_path / "nope")
+
+
+def test_geometry_disagreeing_with_tensors(tmp_path, tensors):
+    import json
+
+    write_checkpoint(tmp_path, GEO, tensors=tensors)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["vision_config"]["intermediate_size"] = 512
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="mlp.gate_proj.weight.*does not match its config"):
+        bind_tower(tmp_path)

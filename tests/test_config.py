@@ -1,0 +1,76 @@
+import json
+
+import pytest
+
+from glmvit_cupy import CheckpointError, NoVisionConfig, VisionGeometry, read_config
+from glmvit_cupy.config import geometry_from_dict
+
+
+def write(tmp_path, cfg):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_official_geometry_arithmetic():
+    g = VisionGeometry.official()
+    assert g.patch_dim == 3 * 2 * 14 * 14 == 1176
+    assert g.merge_dim == 1024 * 2 * 2 == 4096
+    assert g.head_dim == 1024 // 16 == 64
+    assert g.tensor_count == 24 * 14 + 11 == 347
+
+
+def test_defaults_are_the_config_class_defaults(tmp_path):
+    g = read_config(write(tmp_path, {"model_type": "glm5_next", "vision_config": {}}))
+    assert g == VisionGeometry()
+    assert g.out_hidden_size == 1536  # Glm5NextVisionConfig's default; the release sets 4096
+
+
+def test_multimodal_and_bare_and_old_model_type(tmp_path):
+    v = {"model_type": "glm_ocr_vision", "out_hidden_size": 4096, "num_attention_heads": 16,
+         "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0}}
+    g = read_config(write(tmp_path, {"model_type": "glm5_next", "vision_config": v,
+                                     "text_config": {"hidden_size": 4096}}))
+    assert g == VisionGeometry.official()
+    assert read_config(write(tmp_path, v)) == VisionGeometry.official()
+
+
+def test_text_only_is_its_own_error(tmp_path):
+    with pytest.raises(NoVisionConfig, match="text-only"):
+        read_config(write(tmp_path, {"model_type": "glm5_next", "hidden_size": 4096}))
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"num_heads": 3}, "num_heads = 3"),                              # 1024 / 3 does not tile
+    ({"hidden_size": 1020, "num_heads": 10}, "head_dim = 1020 / 10 = 102"),  # 102 is not a multiple of 4
+    ({"spatial_merge_size": 3}, "spatial_merge_size = 3"),
+    ({"patch_size": 0}, "patch_size = 0"),
+    ({"temporal_patch_size": 0}, "temporal_patch_size = 0"),
+    ({"hidden_size": -8}, "hidden_size = -8"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps = 0.0"),
+    ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+    ({"attention_bias": False}, "attention_bias = False"),
+    ({"model_type": "siglip_vision_model"}, "not a GLM vision tower"),
+    ({"rope_parameters": {"rope_type": "default"}}, "axial"),
+])
+def test_impossible_geometry_names_the_field(fields, needle):
+    with pytest.raises(CheckpointError) as e:
+        geometry_from_dict(fields)
+    assert needle in str(e.value)
+
+
+def test_out_hidden_must_match_text_hidden(tmp_path):
+    with pytest.raises(CheckpointError, match="text_config.hidden_size = 2048"):
+        read_config(write(tmp_path, {"model_type": "glm5_next", "vision_config": {"out_hidden_size": 4096},
+                                     "text_config": {"hidden_size": 2048}}))
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", ""])
+def test_bad_config_json(tmp_path, text):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match="config.json"):
+        read_config(tmp_path)
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        read_config(tmp_path)

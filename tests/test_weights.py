@@ -1,0 +1,153 @@
+"""Every malformed shard raises CheckpointError naming what is wrong; none crashes the process."""
+
+import json
+import shutil
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from glmvit_cupy import CheckpointError, WeightStore
+from glmvit_cupy.weights import read_header
+
+
+def shard(path, header, data=b""):
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return str(path)
+
+
+def ok_header():
+    return {"a": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]}}
+
+
+def test_good_shard_is_zero_copy_and_typed(tmp_path):
+    data = np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16).tobytes() + np.float32([7, 8]).tobytes()
+    p = shard(tmp_path / "x.safetensors", ok_header(), data)
+    st = WeightStore.open(p)
+    a = st.get("a")
+    assert a.dtype == ml_dtypes.bfloat16 and a.shape == (2, 3)
+    assert a.astype(np.float32).tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert not a.flags.writeable and not a.flags.owndata  # a view of the map
+    assert st.get("b").tolist() == [7.0, 8.0]
+    # Cross-check with the safetensors library's own reader.
+    with safe_open(p, "numpy") as f:
+        assert f.get_tensor("b").tolist() == [7.0, 8.0]
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda h: h["a"].update(dtype="Q99"), "unknown dtype"),
+    (lambda h: h["a"].update(data_offsets=[12, 0]), "reversed"),
+    (lambda h: h["b"].update(data_offsets=[12, 2000]), "outside"),
+    (lambda h: h["a"].update(shape=[2, 4]), "needs 16"),
+    (lambda h: h["b"].update(data_offsets=[8, 16]), "overlap"),
+    (lambda h: h["a"].update(shape=[2, -3]), "non-negative"),
+    (lambda h: h["a"].update(data_offsets="0-12"), "two integers"),
+    (lambda h: h.update(c=5), "must be an object"),
+])
+def test_bad_headers(tmp_path, mutate, needle):
+    h = ok_header()
+    mutate(h)
+    p = shard(tmp_path / "bad.safetensors", h, bytes(20))
+    with pytest.raises(CheckpointError) as e:
+        WeightStore.open(p)
+    assert needle in str(e.value) and "bad.safetensors" in str(e.value)
+
+
+def test_absurd_header_length(tmp_path):
+    p = tmp_path / "huge.safetensors"
+    p.write_bytes(struct.pack("<Q", 10**12) + b"{}")
+    with pytest.raises(CheckpointError, match="exceeds"):
+        read_header(str(p))
+
+
+def test_header_past_end_of_file(tmp_path):
+    p = tmp_path / "short.safetensors"
+    p.write_bytes(struct.pack("<Q", 500) + b"{}")
+    with pytest.raises(CheckpointError, match="past the end"):
+        read_header(str(p))
+
+
+def test_header_not_json(tmp_path):
+    p = tmp_path / "nj.safetensors"
+    p.write_bytes(struct.pack("<Q", 5) + b"{abc}")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        read_header(str(p))
+
+
+def test_header_not_object(tmp_path):
+    p = tmp_path / "arr.safetensors"
+    p.write_bytes(struct.pack("<Q", 2) + b"[]")
+    with pytest.raises(CheckpointError, match="JSON object"):
+        read_header(str(p))
+
+
+def test_tiny_file(tmp_path):
+    p = tmp_path / "tiny.safetensors"
+    p.write_bytes(b"abc")
+    with pytest.raises(CheckpointError, match="too short"):
+        read_header(str(p))
+
+
+def test_truncated_shard_is_refused_before_mapping(tmp_path):
+    data = bytes(20)
+    p = shard(tmp_path / "t.safetensors", ok_header(), data)
+    raw = open(p, "rb").read()
+    open(p, "wb").write(raw[:-5])
+    with pytest.raises(CheckpointError, match="truncated"):
+        WeightStore.open(p)
+
+
+def test_shard_truncated_after_open_is_refused_not_a_sigbus(tmp_path):
+    p = shard(tmp_path / "t.safetensors", ok_header(), bytes(20))
+    st = WeightStore.open(p)
+    raw = open(p, "rb").read()
+    open(p, "wb").write(raw[:-10])
+    with pytest.raises(CheckpointError, match="shrank"):
+        st.get("b")
+
+
+def test_index_naming_missing_or_wrong_shard(tmp_path):
+    shard(tmp_path / "s1.safetensors", ok_header(), bytes(20))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s2.safetensors"}}))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        WeightStore.open(tmp_path)
+    shard(tmp_path / "s2.safetensors", {"z": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, b"x")
+    with pytest.raises(CheckpointError, match="does not hold it"):
+        WeightStore.open(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../s1.safetensors"}}))
+    with pytest.raises(CheckpointError, match="not a file name"):
+        WeightStore.open(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match="index is not valid JSON"):
+        WeightStore.open(tmp_path)
+
+
+def test_only_filter_skips_absent_text_shards(tmp_path):
+    shard(tmp_path / "v.safetensors", ok_header(), bytes(20))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "v.safetensors", "text.w": "text-00009.safetensors"}}))
+    st = WeightStore.open(tmp_path, only=lambda n: not n.startswith("text."))
+    assert st.names() == ["a"]
+
+
+def test_empty_directory_and_duplicate_names(tmp_path):
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        WeightStore.open(tmp_path)
+    shard(tmp_path / "a.safetensors", ok_header(), bytes(20))
+    shutil.copy(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    with pytest.raises(CheckpointError, match="appears in both"):
+        WeightStore.open(tmp_path)
+
+
+def test_require_bf16_explains(tmp_path):
+    p = shard(tmp_path / "x.safetensors", ok_header(), bytes(20))
+    st = WeightStore.open(p)
+    st.require_bf16("a")
+    with pytest.raises(CheckpointError, match="'b' is F32.*dtype pun"):
+        st.require_bf16("b")
+    with pytest.raises(CheckpointError, match="missing tensor 'c'"):
+        st.get("c")
