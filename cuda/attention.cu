@@ -1,0 +1,208 @@
+// Flash attention forward for the vision tower: variable-length segments (one per image
+// frame) packed in one launch, non-causal, O(n) memory, bf16 tensor-core MMA
+// (mma.sync m16n8k16, sm_80+) with fp32 accumulation and an online softmax.
+//
+// q, k, v, o: bf16 [N, H*D], head h at columns h*D.. — where qk_norm_rope leaves q/k/v
+// and where the proj GEMM reads o: no transposes through memory.
+// Grid: (query tiles over all segments, heads). tile_seg[t] is the tile's segment,
+// tile_q0[t] its first query row; cu_seqlens [S+1] bounds the segments.
+#include "common.cuh"
+
+#define BN 64  // keys per K/V tile
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy global -> shared; zero-fills when !valid (rows past a segment's end).
+__device__ __forceinline__ void cp16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// Copy `rows` rows of D bf16 (row stride ld elements) into shared rows of D + 8 (the pad
+// keeps ldmatrix's 8 row addresses on distinct banks). Rows at or past `valid` read as 0.
+template <int D, int NT>
+__device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int rows, int valid, long ld) {
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    for (int i = threadIdx.x; i < rows * CH; i += NT) {
+        const int r = i / CH, c = (i % CH) * 8;
+        const bool ok = r < valid;
+        cp16(s + r * (D + 8) + c, g + (ok ? (long)r * ld + c : 0), ok);
+    }
+}
+
+template <int D, int NW>
+__device__ void flash_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                          bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
+                          const int* __restrict__ tile_q0, int heads, float scale_log2) {
+    constexpr int BM = 16 * NW, NT = 32 * NW, LDS = D + 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
+    bf16* sK = sQ + BM * LDS;          // [2][BN][LDS]
+    bf16* sV = sK + 2 * BN * LDS;      // [2][BN][LDS]
+
+    const int tile = blockIdx.x, h = blockIdx.y;
+    const int seg = tile_seg[tile];
+    const int s0 = cu[seg], s1 = cu[seg + 1];
+    const int q0 = tile_q0[tile];
+    const long ld = (long)heads * D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+
+    load_tile<D, NT>(sQ, q + (long)q0 * ld + h * D, BM, s1 - q0, ld);
+    load_tile<D, NT>(sK, k + (long)s0 * ld + h * D, BN, s1 - s0, ld);
+    load_tile<D, NT>(sV, v + (long)s0 * ld + h * D, BN, s1 - s0, ld);
+    cp_commit();
+    cp_wait_all();
+    __syncthreads();
+
+    unsigned qf[D / 16][4];
+    {
+        const bf16* base = sQ + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], base + kk * 16);
+    }
+
+    float acc[D / 8][4];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    const int ntiles = (s1 - s0 + BN - 1) / BN;
+    for (int it = 0; it < ntiles; ++it) {
+        const int buf = it & 1;
+        if (it + 1 < ntiles) {
+            const int kb = s0 + (it + 1) * BN;
+            load_tile<D, NT>(sK + (buf ^ 1) * BN * LDS, k + (long)kb * ld + h * D, BN, s1 - kb, ld);
+            load_tile<D, NT>(sV + (buf ^ 1) * BN * LDS, v + (long)kb * ld + h * D, BN, s1 - kb, ld);
+        }
+        cp_commit();
+        const bf16* K = sK + buf * BN * LDS;
+        const bf16* V = sV + buf * BN * LDS;
+
+        // S = Q K^T for this warp's 16 rows x BN keys.
+        float s[BN / 8][4];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int j = 0; j < BN / 8; j += 2) {
+                unsigned b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3,
+                        K + (j * 8 + (lane & 7) + (lane >> 4) * 8) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+                mma16816(s[j], qf[kk], b0, b1);
+                mma16816(s[j + 1], qf[kk], b2, b3);
+            }
+        }
+        // Keys past the segment's end do not exist.
+        const int kvalid = s1 - (s0 + it * BN);
+        if (kvalid < BN) {
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                const int c = j * 8 + 2 * t;
+                if (c >= kvalid) s[j][0] = s[j][2] = -INFINITY;
+                if (c + 1 >= kvalid) s[j][1] = s[j][3] = -INFINITY;
+            }
+        }
+        // Online softmax on rows g (values 0,1) and g + 8 (values 2,3), in log2 units.
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]) * scale_log2);
+            mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]) * scale_log2);
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
+        m0 = mx0;
+        m1 = mx1;
+        float r0 = 0.f, r1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            s[j][0] = exp2f(s[j][0] * scale_log2 - mx0);
+            s[j][1] = exp2f(s[j][1] * scale_log2 - mx0);
+            s[j][2] = exp2f(s[j][2] * scale_log2 - mx1);
+            s[j][3] = exp2f(s[j][3] * scale_log2 - mx1);
+            r0 += s[j][0] + s[j][1];
+            r1 += s[j][2] + s[j][3];
+        }
+        l0 = l0 * c0 + r0;
+        l1 = l1 * c1 + r1;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            acc[j][0] *= c0; acc[j][1] *= c0;
+            acc[j][2] *= c1; acc[j][3] *= c1;
+        }
+        // O += P V, P re-packed from the S accumulators as bf16 A fragments.
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            unsigned a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int j = 0; j < D / 8; j += 2) {
+                unsigned b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3,
+                          V + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + j * 8 + (lane >> 4) * 8);
+                mma16816(acc[j], a, b0, b1);
+                mma16816(acc[j + 1], a, b2, b3);
+            }
+        }
+        cp_wait_all();
+        __syncthreads();
+    }
+
+    // Row sums live split over the 4 threads of a row.
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float i0 = 1.f / l0, i1 = 1.f / l1;
+    const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        const int c = h * D + j * 8 + 2 * t;
+        if (row0 < s1)
+            *reinterpret_cast<unsigned*>(o + (long)row0 * ld + c) = pack_bf16(acc[j][0] * i0, acc[j][1] * i0);
+        if (row1 < s1)
+            *reinterpret_cast<unsigned*>(o + (long)row1 * ld + c) = pack_bf16(acc[j][2] * i1, acc[j][3] * i1);
+    }
+}
+
+#define FLASH_ENTRY(D, NW)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * NW) flash_attn_d##D##_w##NW(                         \
+        const bf16* q, const bf16* k, const bf16* v, bf16* o, const int* cu, const int* tile_seg,         \
+        const int* tile_q0, int heads, float scale_log2) {                                                 \
+        flash_fwd<D, NW>(q, k, v, o, cu, tile_seg, tile_q0, heads, scale_log2);                            \
+    }
+
+FLASH_ENTRY(32, 4)
+FLASH_ENTRY(64, 4)
+FLASH_ENTRY(64, 8)
+FLASH_ENTRY(128, 4)

@@ -1,0 +1,27 @@
+// Shared helpers for the glmvit-cupy kernels: bf16 conversion and warp/block reductions.
+#pragma once
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over a block of up to 1024 threads; every thread gets the total.
+// `red` is __shared__ float[32]; the call ends with the buffer free for reuse.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nwarps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float t = (lane < nwarps) ? red[lane] : 0.f;
+    t = warp_sum(t);
+    __syncthreads();
+    return t;
+}
+
+__device__ __forceinline__ float ldf(const bf16* p, long i) { return p ? __bfloat162float(p[i]) : 0.f; }

@@ -1,0 +1,66 @@
+// Norms of the GLM vision tower. The residual stream x is float32 (more accurate than
+// the reference's bf16 stream); norms read it in fp32 and emit bf16 GEMM inputs.
+#include "common.cuh"
+
+// x[r] += bias (the bias of the GEMM that just accumulated into x, if any), then
+// out[r] = bf16(x[r] * rsqrt(mean(x[r]^2) + eps) * w). One block per row.
+extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const bf16* __restrict__ bias,
+                                            const bf16* __restrict__ w, bf16* __restrict__ out,
+                                            int rows, int cols, float eps) {
+    __shared__ float red[32];
+    const long r = blockIdx.x;
+    if (r >= rows) return;
+    float* xr = x + r * cols;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = xr[c];
+        if (bias) { v += __bfloat162float(bias[c]); xr[c] = v; }
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+        out[r * cols + c] = __float2bfloat16(xr[c] * inv * __bfloat162float(w[c]));
+}
+
+// The final post_layernorm fused with the downsample's 2x2 im2col: patch row r is
+// position j = r % 4 of merged row m = r / 4, and channel c lands at column c*4 + j,
+// the Conv2d weight's (channel, kh, kw) order. x gets the last block's bias added.
+extern "C" __global__ void rmsnorm_im2col(float* __restrict__ x, const bf16* __restrict__ bias,
+                                          const bf16* __restrict__ w, bf16* __restrict__ out,
+                                          int rows, int cols, float eps) {
+    __shared__ float red[32];
+    const long r = blockIdx.x;
+    if (r >= rows) return;
+    float* xr = x + r * cols;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = xr[c];
+        if (bias) { v += __bfloat162float(bias[c]); xr[c] = v; }
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / cols + eps);
+    bf16* o = out + (r / 4) * (long)cols * 4 + (r % 4);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+        o[(long)c * 4] = __float2bfloat16(xr[c] * inv * __bfloat162float(w[c]));
+}
+
+// The merger's LayerNorm (eps, weight, bias) fused with exact (erf) GELU:
+// out = bf16(gelu((y - mean) / sqrt(var + eps) * w + b)). Two-pass variance for accuracy.
+extern "C" __global__ void layernorm_gelu(const float* __restrict__ y, const bf16* __restrict__ w,
+                                          const bf16* __restrict__ b, bf16* __restrict__ out,
+                                          int rows, int cols, float eps) {
+    __shared__ float red[32];
+    const long r = blockIdx.x;
+    if (r >= rows) return;
+    const float* yr = y + r * cols;
+    float s = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) s += yr[c];
+    const float mean = block_sum(s, red) / cols;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) { float d = yr[c] - mean; ss += d * d; }
+    const float inv = rsqrtf(block_sum(ss, red) / cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = (yr[c] - mean) * inv * __bfloat162float(w[c]) + __bfloat162float(b[c]);
+        out[r * cols + c] = __float2bfloat16(0.5f * v * (1.f + erff(v * 0.70710678118654752f)));
+    }
+}

@@ -1,0 +1,59 @@
+"""cuBLAS BF16 GEMMs through CuPy: out[M, N] = a[M, K] @ w[N, K]^T (+ beta * out).
+
+Inputs are bf16 with fp32 accumulation; `out` is bf16 or float32. With a float32
+`out` and beta = 1 the product accumulates into it: that is how the encoder adds
+each sub-layer to its float32 residual stream without a separate pass.
+"""
+
+from __future__ import annotations
+
+import cupy
+import ml_dtypes
+import numpy as np
+from cupy_backends.cuda.libs import cublas
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+CUDA_R_16BF, CUDA_R_32F = 14, 0
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+_ONE = np.ones((), np.float32)
+_ZERO = np.zeros((), np.float32)
+
+
+def _rows(x, name):
+    if x.ndim != 2 or x.strides[1] != x.itemsize or x.strides[0] < x.shape[1] * x.itemsize:
+        raise ValueError(f"gemm: {name} must be a 2-D row-major array (shape {x.shape}, strides {x.strides})")
+    return x.strides[0] // x.itemsize
+
+
+def gemm(a: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray, beta: float = 0.0) -> cupy.ndarray:
+    """out = a @ w.T + beta * out, on the current stream. a: [M, K] bf16, w: [N, K] bf16."""
+    if a.dtype != BF16 or w.dtype != BF16:
+        raise TypeError(f"gemm: inputs must be bfloat16, got {a.dtype} and {w.dtype}")
+    if out.dtype == BF16:
+        ctype = CUDA_R_16BF
+    elif out.dtype == np.float32:
+        ctype = CUDA_R_32F
+    else:
+        raise TypeError(f"gemm: out must be bfloat16 or float32, got {out.dtype}")
+    m, k = a.shape
+    n, k2 = w.shape
+    if k != k2 or out.shape != (m, n):
+        raise ValueError(f"gemm: shapes a{a.shape} @ w{w.shape}.T -> out{out.shape} do not agree")
+    if m == 0:
+        return out
+    lda, ldw, ldo = _rows(a, "a"), _rows(w, "w"), _rows(out, "out")
+    beta_h = _ONE if beta == 1.0 else _ZERO if beta == 0.0 else np.asarray(beta, np.float32)
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    # Row-major out = a w^T is column-major out^T = w a^T: cuBLAS sees w transposed, a as is.
+    cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, m, k,
+                  _ONE.ctypes.data, w.data.ptr, CUDA_R_16BF, ldw, a.data.ptr, CUDA_R_16BF, lda,
+                  beta_h.ctypes.data, out.data.ptr, ctype, ldo, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+    return out
+
+
+def gemm_new(a: cupy.ndarray, w: cupy.ndarray, dtype=np.float32) -> cupy.ndarray:
+    """A fresh [M, N] array holding a @ w.T, in `dtype` (float32 or bfloat16)."""
+    out = cupy.empty((a.shape[0], w.shape[0]), dtype=dtype)
+    return gemm(a, w, out)

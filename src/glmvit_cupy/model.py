@@ -1,0 +1,410 @@
+"""GlmVit: the GLM-5.3-Flash vision tower on the GPU.
+
+Reads top-down: from_checkpoint binds and uploads the weights; forward() runs the
+patch embed, the blocks (attention, then MLP) and the merger, one small method each.
+The residual stream is float32 (the reference keeps it in bf16): every sub-layer's
+GEMM accumulates straight into it (cuBLAS beta = 1), and its bias is added by the
+next norm, which reads the stream anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from .checkpoint import TowerBinding, bind_tower, probe_tower
+from .config import VisionGeometry
+from .gemm import BF16, gemm
+from .kernels import kernel
+from .preprocess import MERGE, prepare
+
+log = logging.getLogger("glmvit_cupy")
+
+
+class GpuOutOfMemory(MemoryError):
+    """The GPU ran out of memory; the model is still usable (try fewer tokens per call)."""
+
+
+@dataclass
+class Block:
+    norm1: cupy.ndarray
+    qkv_w: cupy.ndarray
+    qkv_b: cupy.ndarray
+    q_norm: cupy.ndarray
+    k_norm: cupy.ndarray
+    proj_w: cupy.ndarray
+    proj_b: cupy.ndarray
+    norm2: cupy.ndarray
+    gate_up_w: cupy.ndarray  # [gate; up] concatenated at load: one GEMM for both
+    gate_b: cupy.ndarray
+    up_b: cupy.ndarray
+    down_w: cupy.ndarray
+    down_b: cupy.ndarray
+
+
+@dataclass
+class Merger:
+    post_layernorm: cupy.ndarray
+    downsample_w: cupy.ndarray
+    downsample_b: cupy.ndarray
+    proj_w: cupy.ndarray
+    norm_w: cupy.ndarray
+    norm_b: cupy.ndarray
+    gate_up_w: cupy.ndarray
+    down_w: cupy.ndarray
+
+
+def _upload(binding: TowerBinding, *suffixes):
+    """Upload one tensor, or several concatenated along rows (gate and up)."""
+    hosts = [binding.host(s) for s in suffixes]
+    if len(hosts) == 1:
+        out = cupy.empty(hosts[0].shape, dtype=BF16)
+        out.set(np.ascontiguousarray(hosts[0]))
+        return out
+    out = cupy.empty((sum(h.shape[0] for h in hosts),) + hosts[0].shape[1:], dtype=BF16)
+    row = 0
+    for h in hosts:
+        out[row:row + h.shape[0]].set(np.ascontiguousarray(h))
+        row += h.shape[0]
+    return out
+
+
+class Arena:
+    """One device allocation carved into named views. Phases that never overlap in time
+    (input staging, the blocks, the merger) share the same bytes."""
+
+    def __init__(self, layout: dict):
+        # layout: {phase: {name: (shape, dtype)}}; phase "keep" is never shared.
+        def size(spec):
+            return sum(-(-int(np.prod(s)) * np.dtype(d).itemsize // 256) * 256 for s, d in spec.values())
+
+        keep = size(layout.get("keep", {}))
+        shared = max((size(v) for k, v in layout.items() if k != "keep"), default=0)
+        self.nbytes = keep + shared
+        self.base = cupy.empty(self.nbytes, dtype=cupy.uint8)
+        self.views = {}
+        for phase, spec in layout.items():
+            off = 0 if phase == "keep" else keep
+            for name, (shape, dtype) in spec.items():
+                dtype = np.dtype(dtype)
+                self.views[name] = cupy.ndarray(shape, dtype=dtype, memptr=self.base.data + off)
+                off += -(-int(np.prod(shape)) * dtype.itemsize // 256) * 256
+
+    def __getitem__(self, name):
+        return self.views[name]
+
+
+def _blocks(n, threads=256):
+    return (int(min(max(1, -(-n // threads)), 65535 * 8)),)
+
+
+class GlmVit:
+    """The vision tower on one GPU. Build with `GlmVit.from_checkpoint(path)`."""
+
+    QKV_CHUNK = 4096     # rows per QKV / MLP GEMM chunk (bounds the fp32 intermediates)
+    MERGER_CHUNK = 2048  # merged rows per merger chunk
+    ATTN_WARPS = 4
+
+    def __init__(self, binding: TowerBinding, *, device=None, max_image_tokens: int = 8000):
+        geo = binding.geometry
+        if not isinstance(max_image_tokens, int) or max_image_tokens < 1:
+            raise ValueError(f"max_image_tokens={max_image_tokens!r} must be a positive integer")
+        if geo.head_dim not in (32, 64, 128):
+            raise ValueError(f"head_dim {geo.head_dim}: the attention kernel is built for 32, 64 and 128")
+        self.geometry: VisionGeometry = geo
+        self.max_image_tokens = max_image_tokens
+        self.max_patches = max_image_tokens * MERGE * MERGE
+        self.device = cupy.cuda.Device(device if device is not None else cupy.cuda.Device().id)
+        self._lock = threading.Lock()
+        self._arena = None
+        self.last_timing: dict = {}
+        t0 = time.perf_counter()
+        with self.device:
+            self.patch_w = _upload(binding, "patch_embed.proj.weight")
+            self.patch_b = _upload(binding, "patch_embed.proj.bias")
+            self.blocks = [self._bind_block(binding, i) for i in range(geo.depth)]
+            self.merger = Merger(
+                post_layernorm=_upload(binding, "post_layernorm.weight"),
+                downsample_w=_upload(binding, "downsample.weight"),
+                downsample_b=_upload(binding, "downsample.bias"),
+                proj_w=_upload(binding, "merger.proj.weight"),
+                norm_w=_upload(binding, "merger.post_projection_norm.weight"),
+                norm_b=_upload(binding, "merger.post_projection_norm.bias"),
+                gate_up_w=_upload(binding, "merger.gate_proj.weight", "merger.up_proj.weight"),
+                down_w=_upload(binding, "merger.down_proj.weight"),
+            )
+            spatial = geo.head_dim // 2
+            # As the reference computes it, in float32: 1 / theta^(arange(0, spatial, 2) / spatial).
+            exps = np.arange(0, spatial, 2, dtype=np.float32) / np.float32(spatial)
+            self.inv_freq = cupy.asarray(np.float32(1.0) / np.power(np.float32(geo.rope_theta), exps))
+            self._kernels()
+            self.device.synchronize()
+        self.weight_bytes = binding.nbytes
+        self.load_seconds = time.perf_counter() - t0
+        log.info("GLM vision tower bound from %s: %d tensors, %.1f MiB of BF16 uploaded in %.2f s "
+                 "(only vision bytes were read)", binding.path, len(binding.layout),
+                 binding.nbytes / 2**20, self.load_seconds)
+
+    @classmethod
+    def from_checkpoint(cls, path, device=None, max_image_tokens: int = 8000, **kw) -> "GlmVit":
+        """Check, bind and upload a checkpoint's tower (CheckpointError on any problem)."""
+        return cls(bind_tower(path), device=device, max_image_tokens=max_image_tokens, **kw)
+
+    @staticmethod
+    def _bind_block(b: TowerBinding, i: int) -> Block:
+        p = f"blocks.{i}."
+        return Block(
+            norm1=_upload(b, p + "norm1.weight"), qkv_w=_upload(b, p + "attn.qkv.weight"),
+            qkv_b=_upload(b, p + "attn.qkv.bias"), q_norm=_upload(b, p + "attn.q_norm.weight"),
+            k_norm=_upload(b, p + "attn.k_norm.weight"), proj_w=_upload(b, p + "attn.proj.weight"),
+            proj_b=_upload(b, p + "attn.proj.bias"), norm2=_upload(b, p + "norm2.weight"),
+            gate_up_w=_upload(b, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            gate_b=_upload(b, p + "mlp.gate_proj.bias"), up_b=_upload(b, p + "mlp.up_proj.bias"),
+            down_w=_upload(b, p + "mlp.down_proj.weight"), down_b=_upload(b, p + "mlp.down_proj.bias"),
+        )
+
+    def _kernels(self):
+        d = self.geometry.head_dim
+        self.k_rms = kernel("norms", "rmsnorm_residual")
+        self.k_rms_im2col = kernel("norms", "rmsnorm_im2col")
+        self.k_ln_gelu = kernel("norms", "layernorm_gelu")
+        self.k_rope = kernel("rotary", "qk_norm_rope")
+        self.k_swiglu = kernel("activations", "swiglu_clamp")
+        self.k_bias = kernel("activations", "bias_to_bf16")
+        self.k_cast = kernel("activations", "f32_to_bf16")
+        self.k_attn = kernel("attention", f"flash_attn_d{d}_w{self.ATTN_WARPS}")
+        bm = 16 * self.ATTN_WARPS
+        self.attn_smem = (bm + 4 * 64) * (d + 8) * 2
+        self.k_attn.max_dynamic_shared_size_bytes = self.attn_smem
+
+    # -- scratch ----------------------------------------------------------------------
+    def _scratch(self) -> Arena:
+        """Allocated on the first encode, once, sized from max_image_tokens."""
+        if self._arena is None:
+            g, p = self.geometry, self.max_patches
+            ch, cm = min(p, self.QKV_CHUNK), min(p // 4, self.MERGER_CHUNK)
+            h, f32, bf = g.hidden_size, np.float32, BF16
+            layout = {
+                "keep": {"x": ((p, h), f32)},
+                "input": {"pixels_f32": ((p, g.patch_dim), f32), "pixels": ((p, g.patch_dim), bf)},
+                "blocks": {"n": ((p, h), bf), "q": ((p, h), bf), "k": ((p, h), bf), "v": ((p, h), bf),
+                           "o": ((p, h), bf), "qkv": ((ch, 3 * h), f32),
+                           "gu": ((ch, 2 * g.intermediate_size), f32), "act": ((ch, g.intermediate_size), bf)},
+                "merger": {"cols": ((p // 4, g.merge_dim), bf), "y": ((cm, g.out_hidden_size), f32),
+                           "yb": ((cm, g.out_hidden_size), bf),
+                           "mgu": ((cm, 2 * g.projection_intermediate_size), f32),
+                           "mact": ((cm, g.projection_intermediate_size), bf)},
+            }
+            self._arena = Arena(layout)
+            log.info("GLM vision scratch allocated on first encode: %d patches (%d tokens), %.1f MiB",
+                     p, self.max_image_tokens, self._arena.nbytes / 2**20)
+        return self._arena
+
+    # -- input checks -----------------------------------------------------------------
+    def _check(self, pixel_values, grid_thw):
+        g = self.geometry
+        grid = np.asarray(grid_thw.get() if isinstance(grid_thw, cupy.ndarray) else grid_thw)
+        if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or not np.issubdtype(grid.dtype, np.integer):
+            raise ValueError(f"grid_thw must be an integer array of shape [images, 3], got {grid.dtype} {grid.shape}")
+        grid = grid.astype(np.int64)
+        for i, (t, h, w) in enumerate(grid.tolist()):
+            if t < 1 or h < 2 or w < 2 or h % 2 or w % 2:
+                raise ValueError(f"grid_thw[{i}] = ({t}, {h}, {w}): t must be >= 1 and h, w positive and even "
+                                 "(patches merge in 2x2 blocks)")
+        n = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
+        if pixel_values.ndim != 2 or pixel_values.shape[1] != g.patch_dim:
+            raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}; each row must be one patch of "
+                             f"{g.patch_dim} values (channel {g.in_channels} x temporal {g.temporal_patch_size} x "
+                             f"{g.patch_size} x {g.patch_size})")
+        if pixel_values.shape[0] != n:
+            raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows but grid_thw describes {n} patches")
+        if n > self.max_patches:
+            raise ValueError(f"{n} patches ({n // 4} tokens) exceed this model's capacity of {self.max_patches} "
+                             f"patches (max_image_tokens={self.max_image_tokens}); split the batch or build the "
+                             "model with a larger max_image_tokens")
+        return grid, n
+
+    @staticmethod
+    def _plan(grid, bm):
+        """Per-call index data: positions (h, w) per patch, segment bounds, attention tiles."""
+        pos, cu, tile_seg, tile_q0 = [], [0], [], []
+        for t, h, w in grid.tolist():
+            hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+            blk = (h // 2, 2, w // 2, 2)
+            p = np.stack([hh.reshape(blk).transpose(0, 2, 1, 3).ravel(),
+                          ww.reshape(blk).transpose(0, 2, 1, 3).ravel()], axis=1)
+            for _ in range(t):
+                pos.append(p)
+                start = cu[-1]
+                seg = len(cu) - 1
+                for q0 in range(start, start + h * w, bm):
+                    tile_seg.append(seg)
+                    tile_q0.append(q0)
+                cu.append(start + h * w)
+        return (np.concatenate(pos).astype(np.int32), np.array(cu, np.int32), np.array(tile_seg, np.int32),
+                np.array(tile_q0, np.int32))
+
+    # -- the forward pass ---------------------------------------------------------------
+    def encode_pixels(self, pixel_values, grid_thw) -> cupy.ndarray:
+        """HF-layout input ([N, patch_dim] pixels, [n, 3] grid; NumPy or CuPy) -> bf16 [N/4, out_hidden_size]."""
+        grid, n = self._check(pixel_values, grid_thw)
+        with self._lock, self.device:
+            try:
+                return self._forward(pixel_values, grid, n)
+            except cupy.cuda.memory.OutOfMemoryError as e:
+                # Nothing half-built is kept: the arena is either whole or absent.
+                cupy.get_default_memory_pool().free_all_blocks()
+                raise GpuOutOfMemory(f"GPU out of memory encoding {n} patches on device {self.device.id} "
+                                     f"({e}); the model is still usable: encode fewer tokens per call or build it "
+                                     "with a smaller max_image_tokens") from None
+
+    def _forward(self, pixel_values, grid, n):
+        g, s = self.geometry, self._scratch()
+        timing, ev = {}, []
+
+        def mark(name):
+            e = cupy.cuda.Event()
+            e.record()
+            ev.append((name, e))
+
+        out = cupy.empty((n // 4, g.out_hidden_size), dtype=BF16)
+        mark("start")
+        pos, cu, tile_seg, tile_q0 = self._plan(grid, 16 * self.ATTN_WARPS)
+        self._meta = [cupy.asarray(a) for a in (pos, cu, tile_seg, tile_q0)]
+        x = s["x"][:n]
+        self.patch_embed(pixel_values, x, n)
+        mark("patch_embed")
+        bias = self.patch_b
+        for blk in self.blocks:
+            self.attention(blk, x, bias, n)
+            self.mlp(blk, x, n)
+            bias = blk.down_b
+        mark("blocks")
+        self.merge(x, bias, n, out)
+        mark("merger")
+        ev[-1][1].synchronize()
+        for (a, ea), (b, eb) in zip(ev, ev[1:]):
+            timing[b] = cupy.cuda.get_elapsed_time(ea, eb)
+        self.last_timing = timing
+        return out
+
+    def patch_embed(self, pixel_values, x, n):
+        """x = bf16(pixels) @ Wpe^T (the bias is added by block 0's norm)."""
+        s, pd = self._scratch(), self.geometry.patch_dim
+        pix = s["pixels"][:n]
+        if isinstance(pixel_values, cupy.ndarray) and pixel_values.dtype == BF16:
+            pix[...] = pixel_values
+        else:
+            if isinstance(pixel_values, cupy.ndarray):
+                src = cupy.ascontiguousarray(pixel_values, dtype=np.float32)
+            else:
+                src = s["pixels_f32"][:n]
+                src.set(np.ascontiguousarray(pixel_values, dtype=np.float32))
+            self.k_cast(_blocks(n * pd), (256,), (src, pix, np.int64(n * pd)))
+        gemm(pix, self.patch_w, x)
+
+    def attention(self, blk: Block, x, bias, n):
+        """x += proj(attn(rope(norm(qkv(rmsnorm(x + bias))))))."""
+        g, s = self.geometry, self._scratch()
+        h, heads, d = g.hidden_size, g.num_heads, g.head_dim
+        nrm, q, k, v, o = (s[a][:n] for a in ("n", "q", "k", "v", "o"))
+        self.k_rms((n,), (256,), (x, bias, blk.norm1, nrm, np.int32(n), np.int32(h), np.float32(g.rms_norm_eps)))
+        pos, cu, tile_seg, tile_q0 = self._meta
+        for r0 in range(0, n, self.QKV_CHUNK):
+            rows = min(self.QKV_CHUNK, n - r0)
+            qkv = s["qkv"][:rows]
+            gemm(nrm[r0:r0 + rows], blk.qkv_w, qkv)
+            self.k_rope(_blocks(rows * heads * 32), (256,),
+                        (qkv, blk.qkv_b, blk.q_norm, blk.k_norm, pos, self.inv_freq, q, k, v,
+                         np.int32(rows), np.int32(r0), np.int32(heads), np.int32(d), np.float32(g.rms_norm_eps)))
+        self.k_attn((len(tile_q0), heads), (32 * self.ATTN_WARPS,),
+                    (q, k, v, o, cu, tile_seg, tile_q0, np.int32(heads),
+                     np.float32(1.4426950408889634 / np.sqrt(d))), shared_mem=self.attn_smem)
+        gemm(o, blk.proj_w, x, beta=1.0)
+
+    def mlp(self, blk: Block, x, n):
+        """x += down(silu(min(gate, L)) * clamp(up, -L, L)), row chunk by row chunk."""
+        g, s = self.geometry, self._scratch()
+        nrm, inter = s["n"][:n], g.intermediate_size
+        self.k_rms((n,), (256,), (x, blk.proj_b, blk.norm2, nrm, np.int32(n), np.int32(g.hidden_size),
+                                  np.float32(g.rms_norm_eps)))
+        for r0 in range(0, n, self.QKV_CHUNK):
+            rows = min(self.QKV_CHUNK, n - r0)
+            gu, act = s["gu"][:rows], s["act"][:rows]
+            gemm(nrm[r0:r0 + rows], blk.gate_up_w, gu)
+            self.k_swiglu(_blocks(rows * inter), (256,),
+                          (gu, blk.gate_b, blk.up_b, act, np.int64(rows), np.int32(inter), np.float32(g.swiglu_limit)))
+            gemm(act, blk.down_w, x[r0:r0 + rows], beta=1.0)
+
+    def merge(self, x, bias, n, out):
+        """post_layernorm -> 2x2 im2col -> downsample conv -> merger MLP, into out [n/4, out_hidden]."""
+        g, s, m = self.geometry, self._scratch(), self.merger
+        cols = s["cols"][:n // 4]
+        self.k_rms_im2col((n,), (256,), (x, bias, m.post_layernorm, cols, np.int32(n), np.int32(g.hidden_size),
+                                         np.float32(g.rms_norm_eps)))
+        oh, pi = g.out_hidden_size, g.projection_intermediate_size
+        for r0 in range(0, n // 4, self.MERGER_CHUNK):
+            rows = min(self.MERGER_CHUNK, n // 4 - r0)
+            y, yb, mgu, mact = s["y"][:rows], s["yb"][:rows], s["mgu"][:rows], s["mact"][:rows]
+            gemm(cols[r0:r0 + rows], m.downsample_w, y)
+            self.k_bias(_blocks(rows * oh), (256,), (y, m.downsample_b, yb, np.int64(rows), np.int32(oh)))
+            gemm(yb, m.proj_w, y)
+            self.k_ln_gelu((rows,), (256,), (y, m.norm_w, m.norm_b, yb, np.int32(rows), np.int32(oh),
+                                             np.float32(1e-5)))
+            gemm(yb, m.gate_up_w, mgu)
+            self.k_swiglu(_blocks(rows * pi), (256,), (mgu, np.uint64(0), np.uint64(0), mact, np.int64(rows),
+                                                       np.int32(pi), np.float32(g.swiglu_limit)))
+            gemm(mact, m.down_w, out[r0:r0 + rows])
+
+    # -- images -------------------------------------------------------------------------
+    def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int = 8000) -> list:
+        """Images (paths, file objects, PIL images, HxWx3 uint8 arrays) -> one bf16 [tokens_i, out_hidden]
+        CuPy array per image, preprocessed exactly as the reference processor with these token limits.
+        Images are packed into as few forward passes as the model's capacity allows."""
+        if self.geometry.in_channels != 3 or self.geometry.patch_size != 14 or self.geometry.temporal_patch_size != 2:
+            raise ValueError("encode(images) needs the RGB, 14-pixel, 2-frame patch geometry of the preprocessor; "
+                             "use encode_pixels for others")
+        single = not isinstance(images, (list, tuple))
+        images = [images] if single else list(images)
+        prepared = [prepare(im, i, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
+                    for i, im in enumerate(images)]
+        for p, _, info in prepared:
+            if p.shape[0] > self.max_patches:
+                raise ValueError(f"{info['source']}: {info['tokens']} tokens exceed this model's capacity of "
+                                 f"{self.max_image_tokens} tokens; build it with max_image_tokens >= "
+                                 f"{info['tokens']} or pass a smaller max_image_tokens to encode()")
+        results, batch = [], []
+
+        def flush():
+            if not batch:
+                return
+            pv = np.concatenate([p for p, _, _ in batch])
+            grid = np.array([gr for _, gr, _ in batch], np.int64)
+            out = self.encode_pixels(pv, grid)
+            row = 0
+            for _, _, info in batch:
+                results.append(out[row:row + info["tokens"]])
+                row += info["tokens"]
+            batch.clear()
+
+        used = 0
+        for item in prepared:
+            if used + item[0].shape[0] > self.max_patches:
+                flush()
+                used = 0
+            batch.append(item)
+            used += item[0].shape[0]
+        flush()
+        return results
+
+
+def load_vision_tower(path, **kw) -> GlmVit | None:
+    """For serving engines: the tower, or None for a text-only checkpoint (quietly) and for a
+    declared-but-absent tower (with a warning). Any other problem raises CheckpointError."""
+    binding = probe_tower(path)
+    return None if binding is None else GlmVit(binding, **kw)

@@ -1,0 +1,239 @@
+"""Each kernel in cuda/ against a NumPy float32 reference, with poisoned outputs and fresh random inputs."""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.conftest import gpu_or_skip
+
+cupy = gpu_or_skip()
+
+from glmvit_cupy.gemm import gemm  # noqa: E402
+from glmvit_cupy.kernels import KernelError, kernel  # noqa: E402
+
+BF = ml_dtypes.bfloat16
+rng = np.random.default_rng()  # fresh inputs every run
+
+
+def bf(a):
+    return np.asarray(a, np.float32).astype(BF)
+
+
+def dev(a):
+    return cupy.asarray(a)
+
+
+def poison(shape, dtype=BF):
+    return cupy.full(shape, np.nan, dtype=dtype)
+
+
+def host(a):
+    return cupy.asnumpy(a).astype(np.float32)
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_registry_names_what_exists():
+    with pytest.raises(KernelError, match="modules: .*norms"):
+        kernel("nope", "x")
+    with pytest.raises(KernelError, match="rmsnorm_residual"):
+        kernel("norms", "nope")
+
+
+@pytest.mark.parametrize("rows,cols,with_bias", [(1037, 1024, True), (5, 128, False)])
+def test_rmsnorm_residual(rows, cols, with_bias):
+    x = rng.standard_normal((rows, cols), dtype=np.float32) * 3
+    b, w = bf(rng.standard_normal(cols)), bf(1 + 0.1 * rng.standard_normal(cols))
+    xd, out = dev(x), poison((rows, cols))
+    kernel("norms", "rmsnorm_residual")((rows,), (256,), (xd, dev(b) if with_bias else np.uint64(0), dev(w), out,
+                                                          np.int32(rows), np.int32(cols), np.float32(1e-5)))
+    xr = x + (b.astype(np.float32) if with_bias else 0)
+    ref = xr / np.sqrt((xr * xr).mean(1, keepdims=True) + 1e-5) * w.astype(np.float32)
+    assert np.array_equal(host(xd), xr)  # the residual got exactly the bias
+    assert rel(host(out), ref) < 5e-3
+
+
+def test_rmsnorm_im2col_layout():
+    rows, cols = 4 * 37, 256
+    x = rng.standard_normal((rows, cols), dtype=np.float32)
+    b, w = bf(rng.standard_normal(cols)), bf(1 + 0.1 * rng.standard_normal(cols))
+    out = poison((rows // 4, cols * 4))
+    kernel("norms", "rmsnorm_im2col")((rows,), (256,), (dev(x), dev(b), dev(w), out, np.int32(rows),
+                                                        np.int32(cols), np.float32(1e-5)))
+    xr = x + b.astype(np.float32)
+    n = xr / np.sqrt((xr * xr).mean(1, keepdims=True) + 1e-5) * w.astype(np.float32)
+    # merged row m, column c*4 + j  <-  patch row 4m + j, channel c
+    ref = n.reshape(-1, 4, cols).transpose(0, 2, 1).reshape(-1, 4 * cols)
+    assert rel(host(out), ref) < 5e-3
+
+
+def test_layernorm_gelu():
+    rows, cols = 301, 4096
+    y = rng.standard_normal((rows, cols), dtype=np.float32) * 2 + 0.5
+    w, b = bf(1 + 0.1 * rng.standard_normal(cols)), bf(0.3 * rng.standard_normal(cols))
+    out = poison((rows, cols))
+    kernel("norms", "layernorm_gelu")((rows,), (256,), (dev(y), dev(w), dev(b), out, np.int32(rows),
+                                                        np.int32(cols), np.float32(1e-5)))
+    mu = y.mean(1, keepdims=True)
+    v = (y - mu) / np.sqrt(((y - mu) ** 2).mean(1, keepdims=True) + 1e-5) * w.astype(np.float32) + b.astype(np.float32)
+    erf = np.vectorize(math.erf)
+    ref = 0.5 * v * (1 + erf(v / math.sqrt(2)))
+    assert rel(host(out), ref) < 5e-3
+
+
+@pytest.mark.parametrize("heads,d", [(16, 64), (2, 64), (4, 32), (8, 128)])
+def test_qk_norm_rope(heads, d):
+    total, row0, rows = 700, 123, 400
+    hd = heads * d
+    qkv = rng.standard_normal((rows, 3 * hd), dtype=np.float32)
+    bias = bf(0.5 * rng.standard_normal(3 * hd))
+    qn, kn = bf(1 + 0.2 * rng.standard_normal(d)), bf(1 + 0.2 * rng.standard_normal(d))
+    pos = rng.integers(0, 230, (total, 2)).astype(np.int32)
+    spatial = d // 2
+    inv_freq = (np.float32(1) / np.power(np.float32(10000), np.arange(0, spatial, 2, dtype=np.float32) / spatial))
+    q, k, v = poison((total, hd)), poison((total, hd)), poison((total, hd))
+    kernel("rotary", "qk_norm_rope")((-(-rows * heads * 32 // 256),), (256,),
+                                     (dev(qkv), dev(bias), dev(qn), dev(kn), dev(pos), dev(inv_freq), q, k, v,
+                                      np.int32(rows), np.int32(row0), np.int32(heads), np.int32(d), np.float32(1e-5)))
+    t = (qkv + bias.astype(np.float32)).reshape(rows, 3, heads, d)
+    p = pos[row0:row0 + rows].astype(np.float64)
+    f = inv_freq.astype(np.float64)
+    ang = np.concatenate([p[:, :1] * f, p[:, 1:] * f], axis=1)
+    ang = np.concatenate([ang, ang], axis=1)[:, None, :]
+    for part, (outp, nw) in enumerate([(q, qn), (k, kn)]):
+        x = t[:, part].astype(np.float64)
+        x = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * nw.astype(np.float64)
+        rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
+        ref = (x * np.cos(ang) + rot * np.sin(ang)).reshape(rows, hd)
+        got = host(outp)
+        assert rel(got[row0:row0 + rows], ref) < 5e-3
+        assert np.isnan(got[:row0]).all() and np.isnan(got[row0 + rows:]).all()  # outside the chunk: untouched
+    assert rel(host(v)[row0:row0 + rows], t[:, 2].reshape(rows, hd)) < 5e-3
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_swiglu_clamp_fires(with_bias):
+    rows, inter, limit = 333, 1024, 10.0
+    gu = rng.standard_normal((rows, 2 * inter), dtype=np.float32) * 6
+    bg, bu = bf(rng.standard_normal(inter)), bf(rng.standard_normal(inter))
+    out = poison((rows, inter))
+    kernel("activations", "swiglu_clamp")((256,), (256,), (dev(gu), dev(bg) if with_bias else np.uint64(0),
+                                                           dev(bu) if with_bias else np.uint64(0), out,
+                                                           np.int64(rows), np.int32(inter), np.float32(limit)))
+    g, u = gu[:, :inter], gu[:, inter:]
+    if with_bias:
+        g, u = g + bg.astype(np.float32), u + bu.astype(np.float32)
+    assert (g > limit).sum() > 0 and (np.abs(u) > limit).sum() > 0  # the clamp must matter here
+    gc, uc = np.minimum(g, limit), np.clip(u, -limit, limit)
+    ref = gc / (1 + np.exp(-gc)) * uc
+    assert rel(host(out), ref) < 5e-3
+    unclamped = g / (1 + np.exp(-g)) * u
+    assert rel(host(out), unclamped) > 1e-2
+
+
+def test_bias_and_cast():
+    rows, cols = 129, 4096
+    y = rng.standard_normal((rows, cols), dtype=np.float32)
+    b = bf(rng.standard_normal(cols))
+    out = poison((rows, cols))
+    kernel("activations", "bias_to_bf16")((512,), (256,), (dev(y), dev(b), out, np.int64(rows), np.int32(cols)))
+    assert np.array_equal(cupy.asnumpy(out), (y + b.astype(np.float32)).astype(BF))
+    out2 = poison((rows, cols))
+    kernel("activations", "f32_to_bf16")((512,), (256,), (dev(y), out2, np.int64(y.size)))
+    assert np.array_equal(cupy.asnumpy(out2), y.astype(BF))
+
+
+# -- attention --------------------------------------------------------------------------------
+
+def attention_ref(q, k, v, cu, rows):
+    """float64 softmax(q k^T / sqrt(d)) v for the given query rows, inside their segments."""
+    n, heads, d = q.shape
+    out = np.zeros((len(rows), heads, d))
+    seg = np.searchsorted(cu, rows, side="right") - 1
+    for i, (r, s) in enumerate(zip(rows, seg)):
+        a, b = cu[s], cu[s + 1]
+        sc = np.einsum("hd,nhd->hn", q[r], k[a:b]) / math.sqrt(d)
+        p = np.exp(sc - sc.max(1, keepdims=True))
+        out[i] = np.einsum("hn,nhd->hd", p / p.sum(1, keepdims=True), v[a:b])
+    return out
+
+
+def run_attention(lengths, heads=16, d=64, warps=4, sample=None):
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    n = int(cu[-1])
+    bm = 16 * warps
+    tile_seg, tile_q0 = [], []
+    for s in range(len(lengths)):
+        for q0 in range(cu[s], cu[s + 1], bm):
+            tile_seg.append(s)
+            tile_q0.append(q0)
+    q, k, v = (rng.standard_normal((n, heads, d), dtype=np.float32).astype(BF) for _ in range(3))
+    q = (q.astype(np.float32) * 2).astype(BF)  # peakier softmax than unit scores
+    o = poison((n, heads * d))
+    kern = kernel("attention", f"flash_attn_d{d}_w{warps}")
+    smem = (bm + 4 * 64) * (d + 8) * 2
+    kern.max_dynamic_shared_size_bytes = smem
+    kern((len(tile_q0), heads), (32 * warps,),
+         (dev(q.reshape(n, -1)), dev(k.reshape(n, -1)), dev(v.reshape(n, -1)), o, dev(cu),
+          dev(np.array(tile_seg, np.int32)), dev(np.array(tile_q0, np.int32)), np.int32(heads),
+          np.float32(1.4426950408889634 / math.sqrt(d))), shared_mem=smem)
+    got = cupy.asnumpy(o).astype(np.float32).reshape(n, heads, d)
+    assert not np.isnan(got).any(), "some output element was never written"
+    rows = np.arange(n) if sample is None or n <= sample else np.unique(
+        np.concatenate([rng.choice(n, sample, replace=False), cu[:-1], cu[1:] - 1]))
+    ref = attention_ref(*(a.astype(np.float64) for a in (q, k, v)), cu, rows)
+    return rel(got[rows], ref)
+
+
+@pytest.mark.parametrize("lengths", [[1], [7], [63], [64], [65], [1000], [1, 7, 63, 64, 65, 1000]])
+def test_attention_small_segments(lengths):
+    assert run_attention(lengths) <= 1e-2
+
+
+def test_attention_16_segments_one_launch():
+    lengths = rng.integers(1, 700, 16).tolist()
+    assert run_attention(lengths, sample=800) <= 1e-2
+
+
+@pytest.mark.parametrize("n", [4096, 32000])
+def test_attention_long(n):
+    assert run_attention([n], heads=2 if n > 4096 else 16, sample=256) <= 1e-2
+
+
+@pytest.mark.parametrize("d,warps", [(32, 4), (128, 4), (64, 8)])
+def test_attention_other_shapes(d, warps):
+    assert run_attention([5, 130, 64, 300], heads=4, d=d, warps=warps) <= 1e-2
+
+
+# -- GEMM ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m", [1, 7, 1003, 4097])
+@pytest.mark.parametrize("n,k", [(3072, 1024), (1024, 4096), (20480, 4096), (1024, 1176)])
+def test_gemm_against_numpy(m, n, k):
+    if m * n * k > 2e10:
+        m = 1003
+    a, w = bf(rng.standard_normal((m, k))), bf(rng.standard_normal((n, k)) / math.sqrt(k))
+    ref = a.astype(np.float32) @ w.astype(np.float32).T
+    out32 = cupy.full((m, n), np.nan, np.float32)
+    gemm(dev(a), dev(w), out32)
+    assert rel(cupy.asnumpy(out32), ref) < 1e-5
+    out16 = poison((m, n))
+    gemm(dev(a), dev(w), out16)
+    assert rel(host(out16), ref) < 5e-3
+    # beta = 1 accumulates into a float32 output: the residual-stream path.
+    base = rng.standard_normal((m, n), dtype=np.float32)
+    acc = dev(base)
+    gemm(dev(a), dev(w), acc, beta=1.0)
+    assert rel(cupy.asnumpy(acc), base + ref) < 1e-5
+
+
+def test_gemm_rejects_bad_arguments():
+    a = cupy.zeros((4, 8), BF)
+    with pytest.raises(ValueError, match="do not agree"):
+        gemm(a, cupy.zeros((3, 9), BF), cupy.zeros((4, 3), np.float32))
+    with pytest.raises(TypeError, match="bfloat16"):
+        gemm(a.astype(np.float32), cupy.zeros((3, 8), BF), cupy.zeros((4, 3), np.float32))

@@ -1,0 +1,162 @@
+"""GlmVit on the GPU against HF's float32 output (golden tower) and the NumPy float32 reference
+(official geometry, random weights with the clamp firing). The bar is HF transformers' own bf16
+error on the same inputs."""
+
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.conftest import gpu_or_skip
+
+cupy = gpu_or_skip()
+
+from glmvit_cupy import GlmVit, reference  # noqa: E402
+from glmvit_cupy.checkpoint import bind_tower  # noqa: E402
+from glmvit_cupy.config import VisionGeometry  # noqa: E402
+from glmvit_cupy.model import GpuOutOfMemory  # noqa: E402
+from glmvit_cupy.synthetic import write_checkpoint  # noqa: E402
+from tests import hf_bar  # noqa: E402
+from tests.golden import cases  # noqa: E402
+
+G = np.load(cases.OUTPUTS)
+GOLDEN = sorted({k.split("/")[0] for k in G.files})
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def f32(x):
+    return cupy.asnumpy(x).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return GlmVit.from_checkpoint(cases.TOWER_DIR, max_image_tokens=600)
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+def test_golden_vs_hf_fp32(small, name):
+    pv, grid, want = G[f"{name}/pixel_values"], G[f"{name}/grid_thw"], G[f"{name}/hf_fp32"]
+    out = small.encode_pixels(pv, grid)
+    assert out.dtype == ml_dtypes.bfloat16 and out.shape == want.shape
+    ours = rel(f32(out), want)
+    bar = rel(G[f"{name}/hf_bf16"], want)  # HF bf16 (CPU, in the golden file)
+    why = hf_bar.available()
+    if why is None:
+        bar = rel(hf_bar.hf_forward(small_binding(), pv, grid), want)  # HF bf16 on this GPU
+    print(f"{name}: ours {ours:.3e}  HF bf16 {bar:.3e}")
+    assert ours <= bar
+
+
+def small_binding():
+    return bind_tower(cases.TOWER_DIR)
+
+
+def test_scratch_is_lazy():
+    m = GlmVit.from_checkpoint(cases.TOWER_DIR, max_image_tokens=64)
+    assert m._arena is None
+    m.encode_pixels(G["img_64x64/pixel_values"], G["img_64x64/grid_thw"])
+    assert m._arena is not None
+
+
+def test_bad_input_leaves_model_usable(small):
+    pv, grid = G["img_100x150/pixel_values"], G["img_100x150/grid_thw"]
+    good = f32(small.encode_pixels(pv, grid))
+    with pytest.raises(ValueError, match="1176 values"):
+        small.encode_pixels(pv[:, :1000], grid)
+    with pytest.raises(ValueError, match="even"):
+        small.encode_pixels(pv, [[1, 3, 4]])
+    with pytest.raises(ValueError, match="rows but grid_thw describes"):
+        small.encode_pixels(pv[:-4], grid)
+    with pytest.raises(ValueError, match="capacity"):
+        small.encode_pixels(np.zeros((4 * 601 * 4, 1176), np.float32), [[1, 4 * 2, 601 * 2]])
+    assert np.array_equal(f32(small.encode_pixels(pv, grid)), good)
+
+
+def test_cupy_and_numpy_inputs_agree(small):
+    pv, grid = G["img_140x90/pixel_values"], G["img_140x90/grid_thw"]
+    a = f32(small.encode_pixels(pv, grid))
+    assert np.array_equal(f32(small.encode_pixels(cupy.asarray(pv), cupy.asarray(grid))), a)
+
+
+def test_threads_match_sequential(small):
+    names = GOLDEN * 3
+    seq = {n: f32(small.encode_pixels(G[f"{n}/pixel_values"], G[f"{n}/grid_thw"])) for n in GOLDEN}
+    got, errors = {}, []
+
+    def work(i, n):
+        try:
+            got[i] = f32(small.encode_pixels(G[f"{n}/pixel_values"], G[f"{n}/grid_thw"]))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=work, args=(i, n)) for i, n in enumerate(names)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert not errors
+    assert all(np.array_equal(got[i], seq[n]) for i, n in enumerate(names))
+
+
+def test_out_of_memory_is_reported_and_recovered():
+    pool = cupy.get_default_memory_pool()
+    m = GlmVit.from_checkpoint(cases.TOWER_DIR, max_image_tokens=600)
+    pv, grid = G["img_64x64/pixel_values"], G["img_64x64/grid_thw"]
+    old = pool.get_limit()
+    pool.set_limit(size=pool.used_bytes() + 1024)
+    try:
+        with pytest.raises(GpuOutOfMemory, match="out of memory"):
+            m.encode_pixels(pv, grid)
+    finally:
+        pool.set_limit(size=old)
+    assert rel(f32(m.encode_pixels(pv, grid)), G["img_64x64/hf_fp32"]) < 0.05
+
+
+def test_encode_images_equals_pixels(small):
+    imgs = cases.tower_cases()["batch_abc"]
+    outs = small.encode(imgs)
+    assert [o.shape[0] for o in outs] == [g[1] * g[2] // 4 for g in G["batch_abc/grid_thw"]]
+    whole = f32(small.encode_pixels(G["batch_abc/pixel_values"], G["batch_abc/grid_thw"]))
+    assert np.array_equal(np.concatenate([f32(o) for o in outs]), whole)
+
+
+# -- the official geometry, random weights -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def official(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("official"), VisionGeometry.official(), seed=11)
+    binding = bind_tower(path)
+    return binding, GlmVit(binding, max_image_tokens=8000), reference.Tower(binding)
+
+
+def official_images():
+    return {"448x448": cases._smooth(448, 448, seed=40), "896x672": cases._smooth(896, 672, seed=41),
+            "300x500": cases._smooth(300, 500, seed=42)}
+
+
+def test_official_geometry_vs_reference(official):
+    from glmvit_cupy import preprocess
+
+    binding, model, tower = official
+    imgs = official_images()
+    refs = {}
+    for name, img in imgs.items():
+        pv, grid = preprocess([img])
+        stats = {}
+        ref = reference.encode_pixels(tower, pv, grid, stats=stats)
+        assert all(s["gate_above"] > 0 and s["up_outside"] > 0 for s in stats.values()), stats
+        refs[name] = ref
+        ours = rel(f32(model.encode_pixels(pv, grid)), ref)
+        why = hf_bar.available()
+        bar = rel(hf_bar.hf_forward(binding, pv, grid), ref) if why is None else 2e-2
+        print(f"official {name}: {grid.tolist()} ours {ours:.3e}  HF bf16 {bar:.3e} ({why or 'measured'})")
+        assert ours <= bar
+    # three images of different sizes in one call equal the three encoded one by one
+    together = model.encode(list(imgs.values()))
+    alone = [model.encode([img])[0] for img in imgs.values()]
+    for t, a, name in zip(together, alone, imgs):
+        assert np.array_equal(f32(t), f32(a)), name
+        assert rel(f32(t), refs[name]) <= 2e-2

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything the GPU machine proves, in one call: the GPU test suite, the parity check against
+# HF transformers 5.23.0 and the benchmarks. Short table last; full logs under $OUT.
+#   tools/gpu_check.sh [tests|parity|bench|all]...   (default: all)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+if compgen -G ".whl/transformers-5.23.0*.whl" >/dev/null && [ ! -d .site/transformers ]; then
+    python3 -m pip install -q --no-index --no-deps --target .site .whl/transformers-5.23.0*.whl
+fi
+[ -d .site ] && export PYTHONPATH="$PWD/.site:${PYTHONPATH:-}"
+export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}"
+what=${*:-all}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+python3 -c "import cupy, numpy, ml_dtypes; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion())"
+rc=0
+run() { local name=$1; shift; echo "== $name: $*"; "$@" 2>&1 | tee "$OUT/$name.log"; local r=${PIPESTATUS[0]}; echo "== $name rc=$r"; [ $r -eq 0 ] || rc=1; }
+case " $what " in *" all "*|*" tests "*)
+    run test_kernels python3 -m pytest -q -rs -s tests/test_kernels_gpu.py
+    run test_model python3 -m pytest -q -rs -s tests/test_model_gpu.py
+    run test_cpu python3 -m pytest -q -rs tests --ignore=tests/test_kernels_gpu.py --ignore=tests/test_model_gpu.py
+;; esac
+case " $what " in *" all "*|*" parity "*) run parity python3 benchmarks/parity.py ;; esac
+case " $what " in *" all "*|*" bench "*)
+    run bench_kernels python3 benchmarks/bench_kernels.py
+    run bench_encoder python3 benchmarks/bench_encoder.py
+;; esac
+echo "== summary"; grep -h "^|" "$OUT"/*.log 2>/dev/null; grep -h -E "passed|failed" "$OUT"/test_*.log
+exit $rc
