@@ -89,7 +89,7 @@ __device__ void flash_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     float acc[D / 8][4];
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
 
     const int ntiles = (s1 - s0 + BN - 1) / BN;
     for (int it = 0; it < ntiles; ++it) {
@@ -124,8 +124,8 @@ __device__ void flash_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
                 const int c = j * 8 + 2 * t;
-                if (c >= kvalid) s[j][0] = s[j][2] = -INFINITY;
-                if (c + 1 >= kvalid) s[j][1] = s[j][3] = -INFINITY;
+                if (c >= kvalid) s[j][0] = s[j][2] = NEG_INF;
+                if (c + 1 >= kvalid) s[j][1] = s[j][3] = NEG_INF;
             }
         }
         // Online softmax on rows g (values 0,1) and g + 8 (values 2,3), in log2 units.

@@ -4,6 +4,9 @@
 
 typedef __nv_bfloat16 bf16;
 
+// NVRTC has no <math.h>: spell -inf by its bits.
+#define NEG_INF __int_as_float(0xff800000)
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

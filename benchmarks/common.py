@@ -1,0 +1,55 @@
+"""Shared helpers for the GPU benchmark scripts: CUDA-event timing, FLOP counts, official weights."""
+
+import os
+import tempfile
+
+import numpy as np
+
+PEAK_BW = 4.8e12       # H200 HBM3e, bytes/s (datasheet)
+GEMM_CEIL = 756e12     # bf16 GEMM 8192^3 measured on this H200 (SPEC.md)
+
+
+def time_ms(fn, warmup=3, repeat=10):
+    """Median milliseconds of fn() between CUDA events on the current stream."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    times = []
+    for _ in range(repeat):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b))
+    return float(np.median(times))
+
+
+def forward_flop(geo, grids):
+    """Linear layers + attention + merger FLOP of one forward (SPEC.md's formulas)."""
+    h, i, out, pi = geo.hidden_size, geo.intermediate_size, geo.out_hidden_size, geo.projection_intermediate_size
+    n = sum(t * hh * ww for t, hh, ww in grids)
+    lin = 2 * n * geo.depth * (4 * h * h + 3 * h * i) + 2 * n * geo.patch_dim * h
+    attn = sum(t * geo.depth * 4 * (hh * ww) ** 2 * h for t, hh, ww in grids)
+    merger = 2 * (n // 4) * (4 * h * out + out * out + 3 * out * pi)
+    return lin + attn + merger
+
+
+def official_checkpoint():
+    """A random-weight checkpoint of the official geometry, written once per machine."""
+    from glmvit_cupy.config import VisionGeometry
+    from glmvit_cupy.synthetic import write_checkpoint
+
+    path = os.path.join(tempfile.gettempdir(), "glmvit_official_seed11")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        write_checkpoint(path, VisionGeometry.official(), seed=11)
+    return path
+
+
+def table(header, rows):
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" for _ in header) + "|")
+    for r in rows:
+        print("| " + " | ".join(str(x) for x in r) + " |")
