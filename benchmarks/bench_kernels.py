@@ -30,7 +30,7 @@ def main():
 
     def bw(name, fn, nbytes):
         ms = time_ms(fn)
-        rows.append([name, f"{ms * 1e3:.0f}", f"{nbytes / ms / 1e6:.0f}", f"{100 * nbytes / ms / 1e9 / PEAK_BW:.0f}%"])
+        rows.append([name, f"{ms * 1e3:.0f}", f"{nbytes / ms / 1e6:.0f}", f"{100 * nbytes / (ms / 1e3) / PEAK_BW:.0f}%"])
 
     x, w, b = rnd((N, H)), rnd((H,), BF), rnd((H,), BF)
     nb = cupy.empty((N, H), BF)

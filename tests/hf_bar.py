@@ -42,7 +42,8 @@ def hf_model(binding, dtype_name="bfloat16"):
         state = {}
         for s in binding.layout:
             arr = binding.store.get(binding.prefix + s)
-            state[s] = torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16).to(dtype)
+            bits = np.array(arr, copy=True).view(np.int16)  # a writable copy: torch wants one
+            state[s] = torch.from_numpy(bits).view(torch.bfloat16).to(dtype)
         model.load_state_dict(state, strict=False, assign=True)
         model.rotary_pos_emb.__init__(cfg)  # non-persistent buffers were left on meta
         _models[key] = model.to("cuda").eval()

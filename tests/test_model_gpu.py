@@ -160,3 +160,35 @@ def test_official_geometry_vs_reference(official):
     for t, a, name in zip(together, alone, imgs):
         assert np.array_equal(f32(t), f32(a)), name
         assert rel(f32(t), refs[name]) <= 2e-2
+
+
+def test_load_vision_tower_for_serving(tmp_path, caplog):
+    import json
+    import logging
+
+    from glmvit_cupy import load_vision_tower
+    from glmvit_cupy.synthetic import random_tower
+
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "config.json").write_text(json.dumps({"model_type": "glm5_next", "hidden_size": 256}))
+    absent = write_checkpoint(tmp_path / "absent", cases.GEOMETRY, tensors=random_tower(cases.GEOMETRY, 3),
+                              prefix="model.other.")
+    with caplog.at_level(logging.WARNING, logger="glmvit_cupy"):
+        assert load_vision_tower(text) is None and not caplog.records
+        assert load_vision_tower(absent) is None and "text-only" in caplog.text
+    m = load_vision_tower(cases.TOWER_DIR, max_image_tokens=64)
+    assert isinstance(m, GlmVit)
+    assert rel(f32(m.encode_pixels(G["img_64x64/pixel_values"], G["img_64x64/grid_thw"])),
+               G["img_64x64/hf_fp32"]) < 0.02
+
+
+def test_bad_checkpoint_never_touches_a_loaded_model(small, tmp_path):
+    from glmvit_cupy import CheckpointError
+
+    pv, grid = G["img_64x64/pixel_values"], G["img_64x64/grid_thw"]
+    before = f32(small.encode_pixels(pv, grid))
+    (tmp_path / "config.json").write_text("{broken")
+    with pytest.raises(CheckpointError):
+        GlmVit.from_checkpoint(tmp_path)
+    assert np.array_equal(f32(small.encode_pixels(pv, grid)), before)

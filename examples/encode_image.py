@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Encode images with the GLM-5.3-Flash vision tower.
+
+    python examples/encode_image.py                                  # the bundled photo, random weights
+    python examples/encode_image.py a.jpg b.png --checkpoint /models/GLM-5.3-Flash --save emb.safetensors
+
+Without --checkpoint the tower has RANDOM weights of the official geometry (the embeddings are
+meaningless; the shapes, the speed and the code path are real). Without a GPU (or with --cpu) the
+float32 NumPy reference runs on the CPU instead: slowly, and it says so.
+"""
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout without installing
+
+from glmvit_cupy import VisionGeometry, bind_tower, preprocess  # noqa: E402
+from glmvit_cupy.preprocess import prepare  # noqa: E402
+
+PHOTO = os.path.join(HERE, "grace_hopper.jpg")
+
+
+def gpu_problem():
+    """None if CuPy sees a GPU, else why not."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install -e '.[cuda12]' or '.[cuda13]')"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            return "no CUDA device"
+    except Exception as e:
+        return f"no usable CUDA device ({type(e).__name__})"
+    return None
+
+
+def random_checkpoint():
+    from glmvit_cupy.synthetic import write_checkpoint
+
+    path = os.path.join(os.path.expanduser("~"), ".cache", "glmvit_cupy", "random-official-seed0")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        print(f"writing a random-weight checkpoint of the official geometry to {path} (1.05 GiB, once)")
+        write_checkpoint(path + ".tmp", VisionGeometry.official(), seed=0, shards=2)
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def save(path, names, arrays):
+    if path.endswith(".safetensors"):
+        from safetensors.numpy import save_file
+
+        save_file({n: np.ascontiguousarray(a) for n, a in zip(names, arrays)}, path)
+    elif path.endswith(".npy"):
+        np.save(path, np.concatenate(arrays).astype(np.float32))  # NumPy files cannot hold bf16
+    else:
+        raise SystemExit(f"--save {path}: use a .safetensors or .npy file name")
+    print(f"saved {len(arrays)} embedding(s) to {path}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("images", nargs="*", help="image files (default: the bundled photo)")
+    ap.add_argument("--checkpoint", help="GLM-5.3 checkpoint directory (default: random weights, said loudly)")
+    ap.add_argument("--save", help="write embeddings to a .safetensors (bf16, one tensor per image) or .npy file")
+    ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference even if a GPU exists")
+    ap.add_argument("--max-image-tokens", type=int, default=8000)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    images = args.images or [PHOTO]
+    if args.checkpoint:
+        ckpt = args.checkpoint
+    else:
+        print("!! no --checkpoint given: using RANDOM weights of the official geometry; "
+              "the embeddings are meaningless, the shapes and timings are real !!")
+        ckpt = random_checkpoint()
+    why = "--cpu given" if args.cpu else gpu_problem()
+
+    t = time.perf_counter()
+    prepared = [prepare(im, i, max_image_tokens=args.max_image_tokens) for i, im in enumerate(images)]
+    t_pre = time.perf_counter() - t
+    for _, grid, info in prepared:
+        print(f"{info['source']}: {info['size'][1]}x{info['size'][0]} px -> canvas {info['canvas'][1]}x"
+              f"{info['canvas'][0]}, grid {grid}, {info['tokens']} tokens")
+    print(f"preprocess: {1e3 * t_pre:.1f} ms")
+
+    if why is None:
+        from glmvit_cupy import GlmVit
+
+        model = GlmVit.from_checkpoint(ckpt, max_image_tokens=max(args.max_image_tokens, 16))
+        outs = model.encode(images, max_image_tokens=args.max_image_tokens)  # warm-up: compiles kernels
+        t = time.perf_counter()
+        outs = model.encode(images, max_image_tokens=args.max_image_tokens)
+        outs[-1].get()
+        wall = time.perf_counter() - t
+        stages = ", ".join(f"{k} {v:.2f} ms" for k, v in model.last_timing.items())
+        print(f"GPU encode: {1e3 * wall:.1f} ms end to end (preprocess included); last forward: {stages}")
+        arrays = [o.get() for o in outs]
+    else:
+        from glmvit_cupy import reference
+
+        print(f"!! no GPU ({why}): running the float32 NumPy reference on the CPU; this is slow "
+              "(about a minute for one photo at the official geometry) !!")
+        pv, grid = preprocess(images, max_image_tokens=args.max_image_tokens)
+        t = time.perf_counter()
+        ref = reference.encode_pixels(bind_tower(ckpt), pv, grid)
+        print(f"CPU reference: {time.perf_counter() - t:.1f} s")
+        splits = np.cumsum([info["tokens"] for _, _, info in prepared])[:-1]
+        import ml_dtypes
+
+        arrays = [a.astype(ml_dtypes.bfloat16) for a in np.split(ref, splits)]
+    for (_, _, info), a in zip(prepared, arrays):
+        f = a.astype(np.float32)
+        print(f"{info['source']}: embeddings {a.shape} {a.dtype}, mean {f.mean():+.4f}, std {f.std():.4f}")
+    if args.save:
+        save(args.save, [info["source"] for _, _, info in prepared], arrays)
+
+
+if __name__ == "__main__":
+    main()
