@@ -206,3 +206,167 @@ FLASH_ENTRY(32, 4)
 FLASH_ENTRY(64, 4)
 FLASH_ENTRY(64, 8)
 FLASH_ENTRY(128, 4)
+
+// ---------------------------------------------------------------------------------------------
+// Hopper path (sm_90a): the same algorithm on warpgroup MMA. Each warpgroup (128 threads) owns 64
+// query rows; S = Q K^T reads Q and K straight from 128B-swizzled shared memory (wgmma SS), and
+// O += P V takes P from registers (wgmma RS) with V read transposed from shared memory. K/V tiles
+// are double-buffered with cp.async. Head dim 64 only.
+#include "wgmma.cuh"
+
+// Byte offset of 16-byte chunk c of row r in a 128B-swizzled tile of 128-byte rows.
+__device__ __forceinline__ int sw128(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+
+template <int ROWS, int NT>
+__device__ __forceinline__ void load_tile_sw(unsigned char* s, const bf16* g, int valid, long ld) {
+    for (int i = threadIdx.x; i < ROWS * 8; i += NT) {
+        const int r = i >> 3, c = i & 7;
+        const bool ok = r < valid;
+        cp16(s + sw128(r, c), g + (ok ? (long)r * ld + c * 8 : 0), ok);
+    }
+}
+
+template <int NWG, int BNW>
+__device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                               bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
+                               const int* __restrict__ tile_q0, int heads, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int D = 64, BM = 64 * NWG, NT = 128 * NWG;
+    constexpr int TILE = BNW * 128;  // bytes of one K or V tile
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    // wgmma's 128B swizzle is anchored to 1024-byte boundaries: align the tiles to one.
+    unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    unsigned char* sQ = base;
+    unsigned char* sK = sQ + BM * 128;
+    unsigned char* sV = sK + 2 * TILE;
+
+    const int tile = blockIdx.x, h = blockIdx.y;
+    const int seg = tile_seg[tile];
+    const int s0 = cu[seg], s1 = cu[seg + 1];
+    const int q0 = tile_q0[tile];
+    const long ld = (long)heads * D;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+
+    load_tile_sw<BM, NT>(sQ, q + (long)q0 * ld + h * D, s1 - q0, ld);
+    load_tile_sw<BNW, NT>(sK, k + (long)s0 * ld + h * D, s1 - s0, ld);
+    load_tile_sw<BNW, NT>(sV, v + (long)s0 * ld + h * D, s1 - s0, ld);
+    cp_commit();
+    cp_wait_all();
+    fence_proxy_async();
+    __syncthreads();
+
+    const unsigned long long dq = sw128_desc(sQ + wg * 64 * 128);
+    float acc[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+
+    const int ntiles = (s1 - s0 + BNW - 1) / BNW;
+    for (int it = 0; it < ntiles; ++it) {
+        const int buf = it & 1;
+        if (it + 1 < ntiles) {
+            const int kb = s0 + (it + 1) * BNW;
+            load_tile_sw<BNW, NT>(sK + (buf ^ 1) * TILE, k + (long)kb * ld + h * D, s1 - kb, ld);
+            load_tile_sw<BNW, NT>(sV + (buf ^ 1) * TILE, v + (long)kb * ld + h * D, s1 - kb, ld);
+        }
+        cp_commit();
+        const unsigned long long dk = sw128_desc(sK + buf * TILE), dv = sw128_desc(sV + buf * TILE);
+
+        float s[BNW / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            if constexpr (BNW == 64) wgmma_ss_n64(s, dq + 2 * kk, dk + 2 * kk, kk);
+            else wgmma_ss_n128(s, dq + 2 * kk, dk + 2 * kk, kk);
+        }
+        wgmma_commit();
+        wgmma_wait0();
+
+        const int kvalid = s1 - (s0 + it * BNW);
+        if (kvalid < BNW) {
+#pragma unroll
+            for (int j = 0; j < BNW / 8; ++j) {
+                const int c = j * 8 + 2 * t;
+                if (c >= kvalid) s[4 * j] = s[4 * j + 2] = NEG_INF;
+                if (c + 1 >= kvalid) s[4 * j + 1] = s[4 * j + 3] = NEG_INF;
+            }
+        }
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int j = 0; j < BNW / 8; ++j) {
+            mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]) * scale_log2);
+            mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]) * scale_log2);
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
+        m0 = mx0;
+        m1 = mx1;
+        float r0 = 0.f, r1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < BNW / 8; ++j) {
+            s[4 * j] = exp2f(fmaf(s[4 * j], scale_log2, -mx0));
+            s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], scale_log2, -mx0));
+            s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], scale_log2, -mx1));
+            s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], scale_log2, -mx1));
+            r0 += s[4 * j] + s[4 * j + 1];
+            r1 += s[4 * j + 2] + s[4 * j + 3];
+        }
+        l0 = l0 * c0 + r0;
+        l1 = l1 * c1 + r1;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            acc[4 * j] *= c0; acc[4 * j + 1] *= c0;
+            acc[4 * j + 2] *= c1; acc[4 * j + 3] *= c1;
+        }
+        unsigned pa[BNW / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BNW / 16; ++kk) {
+            pa[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
+            pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BNW / 16; ++kk) wgmma_rs_n64_tb(acc, pa[kk], dv + kk * (2048 >> 4));
+        wgmma_commit();
+        wgmma_wait0();
+        cp_wait_all();
+        fence_proxy_async();
+        __syncthreads();
+    }
+
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float i0 = 1.f / l0, i1 = 1.f / l1;
+    const int row0 = q0 + wg * 64 + warp * 16 + g, row1 = row0 + 8;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        const int c = h * D + j * 8 + 2 * t;
+        if (row0 < s1)
+            *reinterpret_cast<unsigned*>(o + (long)row0 * ld + c) = pack_bf16(acc[4 * j] * i0, acc[4 * j + 1] * i0);
+        if (row1 < s1)
+            *reinterpret_cast<unsigned*>(o + (long)row1 * ld + c) = pack_bf16(acc[4 * j + 2] * i1, acc[4 * j + 3] * i1);
+    }
+#else
+    __trap();  // built for a device without sm_90a's wgmma: the caller picks the mma.sync kernel
+#endif
+}
+
+#define FLASH90_ENTRY(NWG, BNW)                                                                             \
+    extern "C" __global__ void __launch_bounds__(128 * NWG) flash90_attn_d64_g##NWG##_n##BNW(              \
+        const bf16* q, const bf16* k, const bf16* v, bf16* o, const int* cu, const int* tile_seg,         \
+        const int* tile_q0, int heads, float scale_log2) {                                                 \
+        flash_fwd_sm90<NWG, BNW>(q, k, v, o, cu, tile_seg, tile_q0, heads, scale_log2);                    \
+    }
+
+FLASH90_ENTRY(1, 64)
+FLASH90_ENTRY(2, 64)
+FLASH90_ENTRY(2, 128)
+FLASH90_ENTRY(3, 128)

@@ -10,6 +10,7 @@ from tests.conftest import gpu_or_skip
 
 cupy = gpu_or_skip()
 
+from glmvit_cupy.attention import VARIANTS, FlashAttention  # noqa: E402
 from glmvit_cupy.gemm import gemm  # noqa: E402
 from glmvit_cupy.kernels import KernelError, kernel  # noqa: E402
 
@@ -162,25 +163,16 @@ def attention_ref(q, k, v, cu, rows):
     return out
 
 
-def run_attention(lengths, heads=16, d=64, warps=4, sample=None):
+def run_attention(lengths, heads=16, d=64, variant=None, sample=None):
+    attn = FlashAttention(d, variant)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     n = int(cu[-1])
-    bm = 16 * warps
-    tile_seg, tile_q0 = [], []
-    for s in range(len(lengths)):
-        for q0 in range(cu[s], cu[s + 1], bm):
-            tile_seg.append(s)
-            tile_q0.append(q0)
+    tile_seg, tile_q0 = attn.tiles(cu)
     q, k, v = (rng.standard_normal((n, heads, d), dtype=np.float32).astype(BF) for _ in range(3))
     q = (q.astype(np.float32) * 2).astype(BF)  # peakier softmax than unit scores
     o = poison((n, heads * d))
-    kern = kernel("attention", f"flash_attn_d{d}_w{warps}")
-    smem = (bm + 4 * 64) * (d + 8) * 2
-    kern.max_dynamic_shared_size_bytes = smem
-    kern((len(tile_q0), heads), (32 * warps,),
-         (dev(q.reshape(n, -1)), dev(k.reshape(n, -1)), dev(v.reshape(n, -1)), o, dev(cu),
-          dev(np.array(tile_seg, np.int32)), dev(np.array(tile_q0, np.int32)), np.int32(heads),
-          np.float32(1.4426950408889634 / math.sqrt(d))), shared_mem=smem)
+    attn(dev(q.reshape(n, -1)), dev(k.reshape(n, -1)), dev(v.reshape(n, -1)), o, dev(cu), dev(tile_seg),
+         dev(tile_q0), heads)
     got = cupy.asnumpy(o).astype(np.float32).reshape(n, heads, d)
     assert not np.isnan(got).any(), "some output element was never written"
     rows = np.arange(n) if sample is None or n <= sample else np.unique(
@@ -189,24 +181,33 @@ def run_attention(lengths, heads=16, d=64, warps=4, sample=None):
     return rel(got[rows], ref)
 
 
+SM90 = cupy.cuda.Device().compute_capability == "90"
+D64 = [v for v in VARIANTS if "d64" in v or v.startswith("sm90")]
+if not SM90:
+    D64 = [v for v in D64 if not v.startswith("sm90")]
+
+
+@pytest.mark.parametrize("variant", D64)
 @pytest.mark.parametrize("lengths", [[1], [7], [63], [64], [65], [1000], [1, 7, 63, 64, 65, 1000]])
-def test_attention_small_segments(lengths):
-    assert run_attention(lengths) <= 1e-2
+def test_attention_small_segments(lengths, variant):
+    assert run_attention(lengths, variant=variant) <= 1e-2
 
 
-def test_attention_16_segments_one_launch():
+@pytest.mark.parametrize("variant", D64)
+def test_attention_16_segments_one_launch(variant):
     lengths = rng.integers(1, 700, 16).tolist()
-    assert run_attention(lengths, sample=800) <= 1e-2
+    assert run_attention(lengths, sample=800, variant=variant) <= 1e-2
 
 
+@pytest.mark.parametrize("variant", D64)
 @pytest.mark.parametrize("n", [4096, 32000])
-def test_attention_long(n):
-    assert run_attention([n], heads=2 if n > 4096 else 16, sample=256) <= 1e-2
+def test_attention_long(n, variant):
+    assert run_attention([n], heads=2 if n > 4096 else 16, sample=256, variant=variant) <= 1e-2
 
 
-@pytest.mark.parametrize("d,warps", [(32, 4), (128, 4), (64, 8)])
-def test_attention_other_shapes(d, warps):
-    assert run_attention([5, 130, 64, 300], heads=4, d=d, warps=warps) <= 1e-2
+@pytest.mark.parametrize("d", [32, 128])
+def test_attention_other_head_dims(d):
+    assert run_attention([5, 130, 64, 300], heads=4, d=d) <= 1e-2
 
 
 # -- GEMM ---------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ run() { local name=$1; shift; echo "== $name: $*"; "$@" 2>&1 | tee "$OUT/$name.l
 case " $what " in *" all "*|*" tests "*)
     run test_kernels python3 -m pytest -q -rs -s tests/test_kernels_gpu.py
     run test_model python3 -m pytest -q -rs -s tests/test_model_gpu.py
+    run example python3 examples/encode_image.py --save "$OUT/example_embeddings.safetensors"
     run test_cpu python3 -m pytest -q -rs tests --ignore=tests/test_kernels_gpu.py --ignore=tests/test_model_gpu.py
 ;; esac
 case " $what " in *" all "*|*" parity "*) run parity python3 benchmarks/parity.py ;; esac

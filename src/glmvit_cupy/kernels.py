@@ -42,8 +42,9 @@ def modules() -> list[str]:
 def kernel_names(module: str) -> list[str]:
     """The entry points a module's source declares (extern "C" kernels and FLASH_ENTRY instances)."""
     src = (cuda_dir() / f"{module}.cu").read_text()
-    names = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(', src)
+    names = [n for n in re.findall(r'extern "C" __global__ void (\w+)\(', src) if not n.startswith("__")]
     names += [f"flash_attn_d{d}_w{w}" for d, w in re.findall(r"^FLASH_ENTRY\((\d+),\s*(\d+)\)", src, re.M)]
+    names += [f"flash90_attn_d64_g{g}_n{n}" for g, n in re.findall(r"^FLASH90_ENTRY\((\d+),\s*(\d+)\)", src, re.M)]
     return names
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
+from .attention import FlashAttention
 from .checkpoint import TowerBinding, bind_tower, probe_tower
 from .config import VisionGeometry
 from .gemm import BF16, gemm
@@ -108,9 +109,9 @@ class GlmVit:
 
     QKV_CHUNK = 4096     # rows per QKV / MLP GEMM chunk (bounds the fp32 intermediates)
     MERGER_CHUNK = 2048  # merged rows per merger chunk
-    ATTN_WARPS = 4
 
-    def __init__(self, binding: TowerBinding, *, device=None, max_image_tokens: int = 8000):
+    def __init__(self, binding: TowerBinding, *, device=None, max_image_tokens: int = 8000,
+                 attention_variant: str | None = None):
         geo = binding.geometry
         if not isinstance(max_image_tokens, int) or max_image_tokens < 1:
             raise ValueError(f"max_image_tokens={max_image_tokens!r} must be a positive integer")
@@ -142,7 +143,7 @@ class GlmVit:
             # As the reference computes it, in float32: 1 / theta^(arange(0, spatial, 2) / spatial).
             exps = np.arange(0, spatial, 2, dtype=np.float32) / np.float32(spatial)
             self.inv_freq = cupy.asarray(np.float32(1.0) / np.power(np.float32(geo.rope_theta), exps))
-            self._kernels()
+            self._kernels(attention_variant)
             self.device.synchronize()
         self.weight_bytes = binding.nbytes
         self.load_seconds = time.perf_counter() - t0
@@ -168,8 +169,7 @@ class GlmVit:
             down_w=_upload(b, p + "mlp.down_proj.weight"), down_b=_upload(b, p + "mlp.down_proj.bias"),
         )
 
-    def _kernels(self):
-        d = self.geometry.head_dim
+    def _kernels(self, attention_variant):
         self.k_rms = kernel("norms", "rmsnorm_residual")
         self.k_rms_im2col = kernel("norms", "rmsnorm_im2col")
         self.k_ln_gelu = kernel("norms", "layernorm_gelu")
@@ -177,10 +177,7 @@ class GlmVit:
         self.k_swiglu = kernel("activations", "swiglu_clamp")
         self.k_bias = kernel("activations", "bias_to_bf16")
         self.k_cast = kernel("activations", "f32_to_bf16")
-        self.k_attn = kernel("attention", f"flash_attn_d{d}_w{self.ATTN_WARPS}")
-        bm = 16 * self.ATTN_WARPS
-        self.attn_smem = (bm + 4 * 64) * (d + 8) * 2
-        self.k_attn.max_dynamic_shared_size_bytes = self.attn_smem
+        self.attn = FlashAttention(self.geometry.head_dim, attention_variant)
 
     # -- scratch ----------------------------------------------------------------------
     def _scratch(self) -> Arena:
@@ -229,25 +226,19 @@ class GlmVit:
                              "model with a larger max_image_tokens")
         return grid, n
 
-    @staticmethod
-    def _plan(grid, bm):
+    def _plan(self, grid):
         """Per-call index data: positions (h, w) per patch, segment bounds, attention tiles."""
-        pos, cu, tile_seg, tile_q0 = [], [0], [], []
+        pos, cu = [], [0]
         for t, h, w in grid.tolist():
             hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
             blk = (h // 2, 2, w // 2, 2)
             p = np.stack([hh.reshape(blk).transpose(0, 2, 1, 3).ravel(),
                           ww.reshape(blk).transpose(0, 2, 1, 3).ravel()], axis=1)
-            for _ in range(t):
+            for _ in range(t):  # each frame is its own attention segment
                 pos.append(p)
-                start = cu[-1]
-                seg = len(cu) - 1
-                for q0 in range(start, start + h * w, bm):
-                    tile_seg.append(seg)
-                    tile_q0.append(q0)
-                cu.append(start + h * w)
-        return (np.concatenate(pos).astype(np.int32), np.array(cu, np.int32), np.array(tile_seg, np.int32),
-                np.array(tile_q0, np.int32))
+                cu.append(cu[-1] + h * w)
+        cu = np.array(cu, np.int32)
+        return (np.concatenate(pos).astype(np.int32), cu) + self.attn.tiles(cu)
 
     # -- the forward pass ---------------------------------------------------------------
     def encode_pixels(self, pixel_values, grid_thw) -> cupy.ndarray:
@@ -274,7 +265,7 @@ class GlmVit:
 
         out = cupy.empty((n // 4, g.out_hidden_size), dtype=BF16)
         mark("start")
-        pos, cu, tile_seg, tile_q0 = self._plan(grid, 16 * self.ATTN_WARPS)
+        pos, cu, tile_seg, tile_q0 = self._plan(grid)
         self._meta = [cupy.asarray(a) for a in (pos, cu, tile_seg, tile_q0)]
         x = s["x"][:n]
         self.patch_embed(pixel_values, x, n)
@@ -322,9 +313,7 @@ class GlmVit:
             self.k_rope(_blocks(rows * heads * 32), (256,),
                         (qkv, blk.qkv_b, blk.q_norm, blk.k_norm, pos, self.inv_freq, q, k, v,
                          np.int32(rows), np.int32(r0), np.int32(heads), np.int32(d), np.float32(g.rms_norm_eps)))
-        self.k_attn((len(tile_q0), heads), (32 * self.ATTN_WARPS,),
-                    (q, k, v, o, cu, tile_seg, tile_q0, np.int32(heads),
-                     np.float32(1.4426950408889634 / np.sqrt(d))), shared_mem=self.attn_smem)
+        self.attn(q, k, v, o, cu, tile_seg, tile_q0, heads)
         gemm(o, blk.proj_w, x, beta=1.0)
 
     def mlp(self, blk: Block, x, n):

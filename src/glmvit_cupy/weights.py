@@ -13,7 +13,7 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 import ml_dtypes
 import numpy as np

@@ -1,0 +1,59 @@
+"""Flash attention launcher: picks the kernel variant for the device and head size, builds the
+per-call tile table, launches. q, k, v, o are bf16 [N, heads * head_dim]; segments come from
+cu_seqlens and never attend to each other."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .kernels import kernel
+
+# name -> (kernel, query rows per CTA, dynamic shared memory bytes); see cuda/attention.cu.
+VARIANTS = {
+    "sm90_g1_n64": ("flash90_attn_d64_g1_n64", 64, 64 * 128 + 4 * 64 * 128 + 1024),
+    "sm90_g2_n64": ("flash90_attn_d64_g2_n64", 128, 128 * 128 + 4 * 64 * 128 + 1024),
+    "sm90_g2_n128": ("flash90_attn_d64_g2_n128", 128, 128 * 128 + 4 * 128 * 128 + 1024),
+    "sm90_g3_n128": ("flash90_attn_d64_g3_n128", 192, 192 * 128 + 4 * 128 * 128 + 1024),
+}
+for _d in (32, 64, 128):
+    VARIANTS[f"sm80_d{_d}_w4"] = (f"flash_attn_d{_d}_w4", 64, (64 + 4 * 64) * (_d + 8) * 2)
+VARIANTS["sm80_d64_w8"] = ("flash_attn_d64_w8", 128, (128 + 4 * 64) * 72 * 2)
+
+SM90_DEFAULT = "sm90_g2_n128"
+
+
+def default_variant(head_dim: int, compute_capability: str) -> str:
+    if head_dim == 64 and compute_capability == "90":
+        return SM90_DEFAULT  # wgmma; sm_90a code runs on compute capability 9.0 only
+    if head_dim not in (32, 64, 128):
+        raise ValueError(f"head_dim {head_dim}: the attention kernels are built for 32, 64 and 128")
+    return f"sm80_d{head_dim}_w4"
+
+
+class FlashAttention:
+    def __init__(self, head_dim: int, variant: str | None = None):
+        import cupy
+
+        cc = cupy.cuda.Device().compute_capability
+        self.variant = variant or default_variant(head_dim, cc)
+        name, self.rows, self.smem = VARIANTS[self.variant]
+        self.head_dim = head_dim
+        self.kernel = kernel("attention", name)
+        self.kernel.max_dynamic_shared_size_bytes = self.smem
+        self.scale_log2 = np.float32(math.log2(math.e) / math.sqrt(head_dim))
+
+    def tiles(self, cu_seqlens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(segment, first query row) of every CTA's query tile."""
+        seg, q0 = [], []
+        for s in range(len(cu_seqlens) - 1):
+            starts = range(int(cu_seqlens[s]), int(cu_seqlens[s + 1]), self.rows)
+            seg.extend([s] * len(starts))
+            q0.extend(starts)
+        return np.array(seg, np.int32), np.array(q0, np.int32)
+
+    def __call__(self, q, k, v, o, cu, tile_seg, tile_q0, heads: int):
+        threads = 128 * (self.rows // 64) if self.variant.startswith("sm90") else 2 * self.rows
+        self.kernel((len(tile_q0), heads), (threads,),
+                    (q, k, v, o, cu, tile_seg, tile_q0, np.int32(heads), self.scale_log2), shared_mem=self.smem)
