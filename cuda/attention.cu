@@ -207,6 +207,13 @@ FLASH_ENTRY(64, 4)
 FLASH_ENTRY(64, 8)
 FLASH_ENTRY(128, 4)
 
+// 2^x on the special-function unit; x <= 0 here (scores minus their running max), -inf -> 0.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Hopper path (sm_90a): the same algorithm on warpgroup MMA. Each warpgroup (128 threads) owns 64
 // query rows; S = Q K^T reads Q and K straight from 128B-swizzled shared memory (wgmma SS), and
@@ -226,19 +233,21 @@ __device__ __forceinline__ void load_tile_sw(unsigned char* s, const bf16* g, in
     }
 }
 
-template <int NWG, int BNW>
+template <int NWG, int BNW, bool PIPE>
 __device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                                bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
                                const int* __restrict__ tile_q0, int heads, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int D = 64, BM = 64 * NWG, NT = 128 * NWG;
+    // PIPE: three K/V stages, and the next tile's S = Q K^T is issued right behind this tile's
+    // P V, so the tensor cores are fed across the barrier. Otherwise: two stages, no overlap.
+    constexpr int D = 64, BM = 64 * NWG, NT = 128 * NWG, STAGES = PIPE ? 3 : 2;
     constexpr int TILE = BNW * 128;  // bytes of one K or V tile
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // wgmma's 128B swizzle is anchored to 1024-byte boundaries: align the tiles to one.
     unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
     unsigned char* sQ = base;
     unsigned char* sK = sQ + BM * 128;
-    unsigned char* sV = sK + 2 * TILE;
+    unsigned char* sV = sK + STAGES * TILE;
 
     const int tile = blockIdx.x, h = blockIdx.y;
     const int seg = tile_seg[tile];
@@ -257,30 +266,41 @@ __device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restric
     __syncthreads();
 
     const unsigned long long dq = sw128_desc(sQ + wg * 64 * 128);
+    // acc is first written by the first P V wgmma (scale_d = 0): zeroing it here instead would put
+    // non-wgmma writes to its registers inside the S wgmma's pipeline stage, and serialize both.
     float acc[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+    float s[BNW / 2];
 
-    const int ntiles = (s1 - s0 + BNW - 1) / BNW;
-    for (int it = 0; it < ntiles; ++it) {
-        const int buf = it & 1;
-        if (it + 1 < ntiles) {
-            const int kb = s0 + (it + 1) * BNW;
-            load_tile_sw<BNW, NT>(sK + (buf ^ 1) * TILE, k + (long)kb * ld + h * D, s1 - kb, ld);
-            load_tile_sw<BNW, NT>(sV + (buf ^ 1) * TILE, v + (long)kb * ld + h * D, s1 - kb, ld);
-        }
-        cp_commit();
-        const unsigned long long dk = sw128_desc(sK + buf * TILE), dv = sw128_desc(sV + buf * TILE);
-
-        float s[BNW / 2];
-        wgmma_fence();
+    auto issue_s = [&](int stage) {
+        const unsigned long long dk = sw128_desc(sK + stage * TILE);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             if constexpr (BNW == 64) wgmma_ss_n64(s, dq + 2 * kk, dk + 2 * kk, kk);
             else wgmma_ss_n128(s, dq + 2 * kk, dk + 2 * kk, kk);
         }
+    };
+
+    const int ntiles = (s1 - s0 + BNW - 1) / BNW;
+    if constexpr (PIPE) {
+        wgmma_fence();
+        issue_s(0);
         wgmma_commit();
+    }
+    for (int it = 0; it < ntiles; ++it) {
+        const int st = it % STAGES, nx = (it + 1) % STAGES;
+        if (it + 1 < ntiles) {
+            // Stage nx last held tile it + 1 - STAGES, whose MMAs every warpgroup has finished.
+            const int kb = s0 + (it + 1) * BNW;
+            load_tile_sw<BNW, NT>(sK + nx * TILE, k + (long)kb * ld + h * D, s1 - kb, ld);
+            load_tile_sw<BNW, NT>(sV + nx * TILE, v + (long)kb * ld + h * D, s1 - kb, ld);
+        }
+        cp_commit();
+        if constexpr (!PIPE) {
+            wgmma_fence();
+            issue_s(st);
+            wgmma_commit();
+        }
         wgmma_wait0();
 
         const int kvalid = s1 - (s0 + it * BNW);
@@ -302,25 +322,27 @@ __device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restric
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
+        const float c0 = ex2(m0 - mx0), c1 = ex2(m1 - mx1);
         m0 = mx0;
         m1 = mx1;
         float r0 = 0.f, r1 = 0.f;
 #pragma unroll
         for (int j = 0; j < BNW / 8; ++j) {
-            s[4 * j] = exp2f(fmaf(s[4 * j], scale_log2, -mx0));
-            s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], scale_log2, -mx0));
-            s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], scale_log2, -mx1));
-            s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], scale_log2, -mx1));
+            s[4 * j] = ex2(fmaf(s[4 * j], scale_log2, -mx0));
+            s[4 * j + 1] = ex2(fmaf(s[4 * j + 1], scale_log2, -mx0));
+            s[4 * j + 2] = ex2(fmaf(s[4 * j + 2], scale_log2, -mx1));
+            s[4 * j + 3] = ex2(fmaf(s[4 * j + 3], scale_log2, -mx1));
             r0 += s[4 * j] + s[4 * j + 1];
             r1 += s[4 * j + 2] + s[4 * j + 3];
         }
         l0 = l0 * c0 + r0;
         l1 = l1 * c1 + r1;
+        if (it > 0) {
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            acc[4 * j] *= c0; acc[4 * j + 1] *= c0;
-            acc[4 * j + 2] *= c1; acc[4 * j + 3] *= c1;
+            for (int j = 0; j < D / 8; ++j) {
+                acc[4 * j] *= c0; acc[4 * j + 1] *= c0;
+                acc[4 * j + 2] *= c1; acc[4 * j + 3] *= c1;
+            }
         }
         unsigned pa[BNW / 16][4];
 #pragma unroll
@@ -330,15 +352,28 @@ __device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restric
             pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
             pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
         }
+        const unsigned long long dv = sw128_desc(sV + st * TILE);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BNW / 16; ++kk) wgmma_rs_n64_tb(acc, pa[kk], dv + kk * (2048 >> 4));
+        for (int kk = 0; kk < BNW / 16; ++kk) wgmma_rs_n64_tb(acc, pa[kk], dv + kk * (2048 >> 4), it > 0 || kk > 0);
         wgmma_commit();
-        wgmma_wait0();
-        cp_wait_all();
-        fence_proxy_async();
-        __syncthreads();
+        if constexpr (PIPE) {
+            if (it + 1 < ntiles) {
+                cp_wait_all();
+                fence_proxy_async();
+                __syncthreads();
+                wgmma_fence();
+                issue_s(nx);
+                wgmma_commit();
+            }
+        } else {
+            wgmma_wait0();
+            cp_wait_all();
+            fence_proxy_async();
+            __syncthreads();
+        }
     }
+    wgmma_wait0();
 
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -359,14 +394,17 @@ __device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restric
 #endif
 }
 
-#define FLASH90_ENTRY(NWG, BNW)                                                                             \
-    extern "C" __global__ void __launch_bounds__(128 * NWG) flash90_attn_d64_g##NWG##_n##BNW(              \
+#define FLASH90_ENTRY(NWG, BNW, MINB, PIPE, SUFFIX)                                                         \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, MINB) flash90_attn_d64_g##NWG##_n##BNW##SUFFIX( \
         const bf16* q, const bf16* k, const bf16* v, bf16* o, const int* cu, const int* tile_seg,         \
         const int* tile_q0, int heads, float scale_log2) {                                                 \
-        flash_fwd_sm90<NWG, BNW>(q, k, v, o, cu, tile_seg, tile_q0, heads, scale_log2);                    \
+        flash_fwd_sm90<NWG, BNW, PIPE>(q, k, v, o, cu, tile_seg, tile_q0, heads, scale_log2);              \
     }
 
-FLASH90_ENTRY(1, 64)
-FLASH90_ENTRY(2, 64)
-FLASH90_ENTRY(2, 128)
-FLASH90_ENTRY(3, 128)
+// (warpgroups per CTA, keys per tile, CTAs per SM the registers are budgeted for, pipelined, suffix)
+FLASH90_ENTRY(1, 64, 4, false, )
+FLASH90_ENTRY(1, 128, 3, false, )
+FLASH90_ENTRY(2, 64, 2, false, )
+FLASH90_ENTRY(3, 128, 1, false, )
+FLASH90_ENTRY(1, 128, 2, true, _p)
+FLASH90_ENTRY(3, 128, 1, true, _p)

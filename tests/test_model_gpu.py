@@ -85,12 +85,13 @@ def test_cupy_and_numpy_inputs_agree(small):
 
 def test_threads_match_sequential(small):
     names = GOLDEN * 3
-    seq = {n: f32(small.encode_pixels(G[f"{n}/pixel_values"], G[f"{n}/grid_thw"])) for n in GOLDEN}
+    inputs = {n: (G[f"{n}/pixel_values"], G[f"{n}/grid_thw"]) for n in GOLDEN}  # NpzFile is not thread-safe
+    seq = {n: f32(small.encode_pixels(*inputs[n])) for n in GOLDEN}
     got, errors = {}, []
 
     def work(i, n):
         try:
-            got[i] = f32(small.encode_pixels(G[f"{n}/pixel_values"], G[f"{n}/grid_thw"]))
+            got[i] = f32(small.encode_pixels(*inputs[n]))
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 

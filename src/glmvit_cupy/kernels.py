@@ -44,7 +44,8 @@ def kernel_names(module: str) -> list[str]:
     src = (cuda_dir() / f"{module}.cu").read_text()
     names = [n for n in re.findall(r'extern "C" __global__ void (\w+)\(', src) if not n.startswith("__")]
     names += [f"flash_attn_d{d}_w{w}" for d, w in re.findall(r"^FLASH_ENTRY\((\d+),\s*(\d+)\)", src, re.M)]
-    names += [f"flash90_attn_d64_g{g}_n{n}" for g, n in re.findall(r"^FLASH90_ENTRY\((\d+),\s*(\d+)\)", src, re.M)]
+    names += [f"flash90_attn_d64_g{g}_n{n}{sfx}" for g, n, sfx in
+              re.findall(r"^FLASH90_ENTRY\((\d+),\s*(\d+),\s*\d+,\s*\w+,\s*(\w*)\)", src, re.M)]
     return names
 
 
