@@ -193,3 +193,35 @@ def test_bad_checkpoint_never_touches_a_loaded_model(small, tmp_path):
     with pytest.raises(CheckpointError):
         GlmVit.from_checkpoint(tmp_path)
     assert np.array_equal(f32(small.encode_pixels(pv, grid)), before)
+
+
+MEMORY_PROBE = r"""
+import sys, numpy as np, cupy
+free0, total = cupy.cuda.runtime.memGetInfo()
+from glmvit_cupy import GlmVit
+m = GlmVit.from_checkpoint(sys.argv[1], max_image_tokens=8000)
+pv = np.random.default_rng(0).standard_normal((32000, 1176), dtype=np.float32)
+out = m.encode_pixels(pv, [[1, 160, 200]])
+cupy.cuda.Device().synchronize()
+free1, _ = cupy.cuda.runtime.memGetInfo()
+print(cupy.get_default_memory_pool().total_bytes(), free0 - free1, bool(cupy.isfinite(out.astype(cupy.float32)).all()))
+"""
+
+
+def test_32000_patch_forward_fits_in_2_gib(official):
+    """The whole forward's GPU memory at the 8000-token maximum, weights included: the pool
+    (weights 1.05 GiB + scratch + output) and everything else the process took from the device."""
+    import os
+    import subprocess
+    import sys
+
+    binding = official[0]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", MEMORY_PROBE, binding.path], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    pool, device, finite = r.stdout.split()
+    print(f"32000 patches: CuPy pool {int(pool) / 2**30:.3f} GiB, device memory taken {int(device) / 2**30:.3f} GiB")
+    assert finite == "True"
+    assert int(pool) < 2.0 * 2**30
