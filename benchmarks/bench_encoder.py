@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))  # run from a checkout
 from benchmarks.common import GEMM_CEIL, forward_flop, official_checkpoint, table, time_ms  # noqa: E402
 
 CASES = {

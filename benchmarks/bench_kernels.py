@@ -8,6 +8,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))  # run from a checkout
 from benchmarks.common import GEMM_CEIL, PEAK_BW, table, time_ms  # noqa: E402
 
 

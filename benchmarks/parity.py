@@ -11,6 +11,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))  # run from a checkout
 from benchmarks.common import official_checkpoint, table  # noqa: E402
 from glmvit_cupy import GlmVit, preprocess  # noqa: E402
 from glmvit_cupy.checkpoint import bind_tower  # noqa: E402
