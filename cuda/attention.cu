@@ -274,10 +274,12 @@ __device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restric
 
     auto issue_s = [&](int stage) {
         const unsigned long long dk = sw128_desc(sK + stage * TILE);
+        if constexpr (BNW == 64) wgmma_ss_n64_init(s, dq, dk);
+        else wgmma_ss_n128_init(s, dq, dk);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            if constexpr (BNW == 64) wgmma_ss_n64(s, dq + 2 * kk, dk + 2 * kk, kk);
-            else wgmma_ss_n128(s, dq + 2 * kk, dk + 2 * kk, kk);
+        for (int kk = 1; kk < D / 16; ++kk) {
+            if constexpr (BNW == 64) wgmma_ss_n64(s, dq + 2 * kk, dk + 2 * kk, 1);
+            else wgmma_ss_n128(s, dq + 2 * kk, dk + 2 * kk, 1);
         }
     };
 
@@ -393,6 +395,176 @@ __device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restric
     __trap();  // built for a device without sm_90a's wgmma: the caller picks the mma.sync kernel
 #endif
 }
+
+// FA3-style intra-warpgroup overlap: S(j+1) = Q K(j+1)^T is issued before the softmax of S(j), so
+// the tensor cores work while the warpgroup does its exponentials. Two S register sets alternate
+// (the loop is unrolled by two so they stay in registers); K/V have three stages, tile j+2 loading
+// while tile j is consumed.
+template <int NWG, int BNW>
+__device__ void flash_fwd_sm90_ov(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                                  bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
+                                  const int* __restrict__ tile_q0, int heads, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int D = 64, BM = 64 * NWG, NT = 128 * NWG, STAGES = 3;
+    constexpr int TILE = BNW * 128;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    unsigned char* sQ = base;
+    unsigned char* sK = sQ + BM * 128;
+    unsigned char* sV = sK + STAGES * TILE;
+
+    const int tile = blockIdx.x, h = blockIdx.y;
+    const int seg = tile_seg[tile];
+    const int s0 = cu[seg], s1 = cu[seg + 1];
+    const int q0 = tile_q0[tile];
+    const long ld = (long)heads * D;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    const int ntiles = (s1 - s0 + BNW - 1) / BNW;
+
+    auto load_kv = [&](int j) {
+        const int kb = s0 + j * BNW, st = j % STAGES;
+        load_tile_sw<BNW, NT>(sK + st * TILE, k + (long)kb * ld + h * D, s1 - kb, ld);
+        load_tile_sw<BNW, NT>(sV + st * TILE, v + (long)kb * ld + h * D, s1 - kb, ld);
+    };
+    load_tile_sw<BM, NT>(sQ, q + (long)q0 * ld + h * D, s1 - q0, ld);
+    load_kv(0);
+    cp_commit();
+    if (ntiles > 1) load_kv(1);
+    cp_commit();  // possibly empty: there are always two groups, so wait_group 1 means "Q and tile 0"
+    asm volatile("cp.async.wait_group 1;\n" ::);
+    fence_proxy_async();
+    __syncthreads();
+
+    const unsigned long long dq = sw128_desc(sQ + wg * 64 * 128);
+    float acc[32];
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+    float sa[BNW / 2], sb[BNW / 2];
+
+    auto issue_s = [&](float (&s)[BNW / 2], int j) {
+        const unsigned long long dk = sw128_desc(sK + (j % STAGES) * TILE);
+        if constexpr (BNW == 64) wgmma_ss_n64_init(s, dq, dk);
+        else wgmma_ss_n128_init(s, dq, dk);
+#pragma unroll
+        for (int kk = 1; kk < D / 16; ++kk) {
+            if constexpr (BNW == 64) wgmma_ss_n64(s, dq + 2 * kk, dk + 2 * kk, 1);
+            else wgmma_ss_n128(s, dq + 2 * kk, dk + 2 * kk, 1);
+        }
+    };
+    wgmma_fence();
+    issue_s(sa, 0);
+    wgmma_commit();
+
+    auto step = [&](int it, float (&sacc)[BNW / 2], float (&sn)[BNW / 2]) {
+        wgmma_wait0();  // S(it) and P V(it - 1) are done (this warpgroup)
+        // The softmax works on a copy: writing the accumulator registers themselves while S(it + 1)
+        // is in flight would make ptxas serialise the wgmmas.
+        float s[BNW / 2];
+#pragma unroll
+        for (int i = 0; i < BNW / 2; ++i) asm volatile("mov.b32 %0, %1;" : "=f"(s[i]) : "f"(sacc[i]));
+        if (it + 1 < ntiles) {
+            cp_wait_all();  // tile it + 1 has landed (this thread's copies) ...
+            fence_proxy_async();
+            __syncthreads();  // ... everyone's; and every warpgroup is done with tile it - 1's stage
+            if (it + 2 < ntiles) load_kv(it + 2);
+            cp_commit();
+            wgmma_fence();
+            issue_s(sn, it + 1);  // runs on the tensor cores during this softmax
+            wgmma_commit();
+        }
+        const int kvalid = s1 - (s0 + it * BNW);
+        if (kvalid < BNW) {
+#pragma unroll
+            for (int j = 0; j < BNW / 8; ++j) {
+                const int c = j * 8 + 2 * t;
+                if (c >= kvalid) s[4 * j] = s[4 * j + 2] = NEG_INF;
+                if (c + 1 >= kvalid) s[4 * j + 1] = s[4 * j + 3] = NEG_INF;
+            }
+        }
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int j = 0; j < BNW / 8; ++j) {
+            mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]) * scale_log2);
+            mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]) * scale_log2);
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float c0 = ex2(m0 - mx0), c1 = ex2(m1 - mx1);
+        m0 = mx0;
+        m1 = mx1;
+        float r0 = 0.f, r1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < BNW / 8; ++j) {
+            s[4 * j] = ex2(fmaf(s[4 * j], scale_log2, -mx0));
+            s[4 * j + 1] = ex2(fmaf(s[4 * j + 1], scale_log2, -mx0));
+            s[4 * j + 2] = ex2(fmaf(s[4 * j + 2], scale_log2, -mx1));
+            s[4 * j + 3] = ex2(fmaf(s[4 * j + 3], scale_log2, -mx1));
+            r0 += s[4 * j] + s[4 * j + 1];
+            r1 += s[4 * j + 2] + s[4 * j + 3];
+        }
+        l0 = l0 * c0 + r0;
+        l1 = l1 * c1 + r1;
+        unsigned pa[BNW / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BNW / 16; ++kk) {
+            pa[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
+            pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        // Touch O only once no wgmma is in flight: a register write inside another wgmma's stage
+        // makes ptxas serialise every wgmma of the kernel.
+        wgmma_wait0();
+        if (it > 0) {
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+                acc[4 * j] *= c0; acc[4 * j + 1] *= c0;
+                acc[4 * j + 2] *= c1; acc[4 * j + 3] *= c1;
+            }
+        }
+        const unsigned long long dv = sw128_desc(sV + (it % STAGES) * TILE);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BNW / 16; ++kk) wgmma_rs_n64_tb(acc, pa[kk], dv + kk * (2048 >> 4), it > 0 || kk > 0);
+        wgmma_commit();
+    };
+    for (int it = 0; it < ntiles; it += 2) {
+        step(it, sa, sb);
+        if (it + 1 < ntiles) step(it + 1, sb, sa);
+    }
+    wgmma_wait0();
+
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float i0 = 1.f / l0, i1 = 1.f / l1;
+    const int row0 = q0 + wg * 64 + warp * 16 + g, row1 = row0 + 8;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        const int c = h * D + j * 8 + 2 * t;
+        if (row0 < s1)
+            *reinterpret_cast<unsigned*>(o + (long)row0 * ld + c) = pack_bf16(acc[4 * j] * i0, acc[4 * j + 1] * i0);
+        if (row1 < s1)
+            *reinterpret_cast<unsigned*>(o + (long)row1 * ld + c) = pack_bf16(acc[4 * j + 2] * i1, acc[4 * j + 3] * i1);
+    }
+#else
+    __trap();
+#endif
+}
+
+#define FLASH90_OV_ENTRY(NWG, BNW, MINB)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, MINB) flash90_attn_d64_g##NWG##_n##BNW##_ov(   \
+        const bf16* q, const bf16* k, const bf16* v, bf16* o, const int* cu, const int* tile_seg,         \
+        const int* tile_q0, int heads, float scale_log2) {                                                 \
+        flash_fwd_sm90_ov<NWG, BNW>(q, k, v, o, cu, tile_seg, tile_q0, heads, scale_log2);                 \
+    }
+
+FLASH90_OV_ENTRY(2, 128, 1)
+FLASH90_OV_ENTRY(3, 64, 1)
+FLASH90_OV_ENTRY(2, 64, 1)
 
 #define FLASH90_ENTRY(NWG, BNW, MINB, PIPE, SUFFIX)                                                         \
     extern "C" __global__ void __launch_bounds__(128 * NWG, MINB) flash90_attn_d64_g##NWG##_n##BNW##SUFFIX( \
