@@ -26,7 +26,7 @@ for _d in (32, 64, 128):
     VARIANTS[f"sm80_d{_d}_w4"] = (f"flash_attn_d{_d}_w4", 64, (64 + 4 * 64) * (_d + 8) * 2)
 VARIANTS["sm80_d64_w8"] = ("flash_attn_d64_w8", 128, (128 + 4 * 64) * 72 * 2)
 
-SM90_DEFAULT = "sm90_g2_n128_ov"  # fastest measured on the H200 (benchmarks/bench_kernels.py)
+SM90_DEFAULT = "sm90_g3_n128"  # fastest measured on the H200 (benchmarks/bench_kernels.py, docs/PERFORMANCE.md)
 
 
 def default_variant(head_dim: int, compute_capability: str) -> str:
