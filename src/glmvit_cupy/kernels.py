@@ -46,7 +46,6 @@ def kernel_names(module: str) -> list[str]:
     names += [f"flash_attn_d{d}_w{w}" for d, w in re.findall(r"^FLASH_ENTRY\((\d+),\s*(\d+)\)", src, re.M)]
     names += [f"flash90_attn_d64_g{g}_n{n}{sfx}" for g, n, sfx in
               re.findall(r"^FLASH90_ENTRY\((\d+),\s*(\d+),\s*\d+,\s*\w+,\s*(\w*)\)", src, re.M)]
-    names += [f"flash90_attn_d64_g{g}_n{n}_ov" for g, n in re.findall(r"^FLASH90_OV_ENTRY\((\d+),\s*(\d+),", src, re.M)]
     return names
 
 
