@@ -40,6 +40,11 @@ def test_good_shard_is_zero_copy_and_typed(tmp_path):
 
 @pytest.mark.parametrize("mutate,needle", [
     (lambda h: h["a"].update(dtype="Q99"), "unknown dtype"),
+    (lambda h: h["a"].update(dtype=["BF16"]), "unknown dtype"),
+    (lambda h: h["a"].pop("dtype"), "unknown dtype"),
+    (lambda h: h["a"].pop("shape"), "non-negative"),
+    (lambda h: h["a"].update(data_offsets=[0, 12.0]), "two integers"),
+    (lambda h: h.update(__metadata__=[1]), "__metadata__"),
     (lambda h: h["a"].update(data_offsets=[12, 0]), "reversed"),
     (lambda h: h["b"].update(data_offsets=[12, 2000]), "outside"),
     (lambda h: h["a"].update(shape=[2, 4]), "needs 16"),
@@ -151,3 +156,26 @@ def test_require_bf16_explains(tmp_path):
         st.require_bf16("b")
     with pytest.raises(CheckpointError, match="missing tensor 'c'"):
         st.get("c")
+
+
+def test_mangled_shards_only_ever_raise_checkpoint_error(tmp_path):
+    """300 random corruptions of a good shard (flipped bytes in the header, truncations): each one
+    opens and reads cleanly or raises CheckpointError — never another exception, never a crash."""
+    data = np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16).tobytes() + np.float32([7, 8]).tobytes()
+    good = open(shard(tmp_path / "good.safetensors", ok_header(), data), "rb").read()
+    rng = np.random.default_rng(1234)
+    p = tmp_path / "mangled.safetensors"
+    for i in range(300):
+        raw = bytearray(good)
+        if i % 3 == 0:
+            raw = raw[: rng.integers(0, len(raw))]
+        else:
+            for _ in range(rng.integers(1, 4)):
+                raw[rng.integers(0, min(len(raw), 8 + 120))] = rng.integers(0, 256)
+        p.write_bytes(bytes(raw))
+        try:
+            st = WeightStore.open(str(p))
+            for name in st.names():
+                st.get(name).tobytes()
+        except CheckpointError:
+            pass

@@ -100,7 +100,7 @@ def read_header(path: str) -> dict:
         if not isinstance(entry, dict):
             raise CheckpointError(f"{where}: header entry must be an object, got {entry!r:.80}")
         dtype = entry.get("dtype")
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CheckpointError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
         shape = entry.get("shape")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
