@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 from .config import NoVisionConfig, VisionGeometry, read_config
 from .errors import CheckpointError
+from .hub import VISION_PREFIXES, resolve
 from .weights import WeightStore
 
 log = logging.getLogger("glmvit_cupy")
 
 # The flat layout, the nested one a re-quantisation through AutoModelForImageTextToText
 # leaves, and a bare tower export.
-PREFIXES = ("model.visual.", "model.language_model.visual.", "visual.")
+PREFIXES = VISION_PREFIXES
 
 
 class AbsentTower(CheckpointError):
@@ -134,10 +135,12 @@ def _check_shape(store: WeightStore, name: str, want: tuple):
 def bind_tower(path: str | os.PathLike) -> TowerBinding:
     """Validate a checkpoint's vision tower without a GPU.
 
+    `path` is a directory, a shard or index file, or a Hub id ('org/name': only config.json,
+    the index and the shards holding vision tensors are downloaded; needs the `hub` extra).
     Raises NoVisionConfig for a text-only checkpoint, AbsentTower when the config
     declares a tower the shards do not hold, and CheckpointError for anything else.
     """
-    path = os.fspath(path)
+    path = resolve(path)
     if os.path.isdir(path):
         if not os.listdir(path):
             raise CheckpointError(f"{path}: empty directory; expected config.json and *.safetensors shards")

@@ -1,0 +1,236 @@
+"""glmvit-encode: images from files, folders or globs -> embeddings in safetensors + a JSON manifest.
+
+    glmvit-encode photos/ 'scans/**/*.png' --checkpoint zai-org/GLM-5.3-Flash --out embeddings/
+    glmvit-encode --inspect /models/GLM-5.3-Flash
+
+The output folder holds embeddings-NNNNN.safetensors shards (one bf16 tensor per image, keyed by
+its path) and manifest.json (source, size_hw, canvas_hw, grid_thw, tokens, shard per image; the
+images that failed, with why). Each batch is written to a temporary name and renamed, then the
+manifest likewise: an interrupted run loses nothing it finished, and a re-run skips what the
+manifest already holds. A bad image is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from .checkpoint import bind_tower
+from .errors import CheckpointError, ImageError
+from .preprocess import prepare
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+MANIFEST = "manifest.json"
+
+
+def expand_inputs(items) -> list[str]:
+    """Files as given, folders walked for images (sorted), globs expanded; missing inputs are an error."""
+    out, missing = [], []
+    for item in items:
+        if os.path.isdir(item):
+            for root, dirs, files in os.walk(item):
+                dirs.sort()
+                out += [os.path.join(root, f) for f in sorted(files) if f.lower().endswith(IMAGE_EXTENSIONS)]
+        elif os.path.isfile(item):
+            out.append(item)
+        elif glob.has_magic(item):
+            out += sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
+        else:
+            missing.append(item)
+    if missing:
+        raise SystemExit(f"glmvit-encode: no such file, folder or matching glob: {', '.join(missing)}")
+    seen, unique = set(), []
+    for p in out:
+        key = os.path.normpath(p)
+        if key not in seen:
+            seen.add(key)
+            unique.append(key)
+    return unique
+
+
+class Output:
+    """The output folder: shards written atomically, the manifest rewritten atomically after each."""
+
+    def __init__(self, folder: str, header: dict):
+        self.folder = folder
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, MANIFEST)
+        self.manifest = {"header": header, "images": {}, "failed": {}}
+        if os.path.exists(path):
+            with open(path) as f:
+                old = json.load(f)
+            if old.get("header", {}).get("checkpoint") != header["checkpoint"] \
+                    or old.get("header", {}).get("geometry") != header["geometry"]:
+                raise SystemExit(f"glmvit-encode: {path} was written with another checkpoint "
+                                 f"({old.get('header', {}).get('checkpoint')}); use another --out folder")
+            # Keep only entries whose shard exists: a shard lost since is re-encoded.
+            self.manifest["images"] = {k: v for k, v in old.get("images", {}).items()
+                                       if os.path.exists(os.path.join(folder, v["shard"]))}
+        taken = [int(f[11:16]) for f in os.listdir(folder) if f.startswith("embeddings-") and f[11:16].isdigit()]
+        self.next_shard = max(taken, default=0) + 1
+
+    def done(self, key) -> bool:
+        return key in self.manifest["images"]
+
+    def _write_json(self):
+        path = os.path.join(self.folder, MANIFEST)
+        with open(path + ".tmp", "w") as f:
+            json.dump(self.manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+
+    def add_batch(self, entries: list[tuple[str, dict, np.ndarray]]):
+        from safetensors.numpy import save_file
+
+        name = f"embeddings-{self.next_shard:05d}.safetensors"
+        self.next_shard += 1
+        tmp = os.path.join(self.folder, name + ".tmp")
+        save_file({key: np.ascontiguousarray(emb) for key, _, emb in entries}, tmp)
+        os.replace(tmp, os.path.join(self.folder, name))
+        for key, info, _ in entries:
+            self.manifest["images"][key] = dict(info, shard=name)
+            self.manifest["failed"].pop(key, None)
+        self._write_json()
+
+    def fail(self, key, why):
+        self.manifest["failed"][key] = why
+        self._write_json()
+
+
+class Encoder:
+    """GPU (GlmVit) or, with --cpu, the float32 NumPy reference: pixels -> bf16 host arrays."""
+
+    def __init__(self, binding, *, cpu: bool, device: int | None, capacity_tokens: int):
+        import ml_dtypes
+
+        self.bf16 = ml_dtypes.bfloat16
+        self.cpu = cpu
+        if cpu:
+            from . import reference
+
+            self.tower = reference.Tower(binding)
+            self.run = lambda pv, grid: reference.encode_pixels(self.tower, pv, grid).astype(self.bf16)
+        else:
+            from .model import GlmVit
+
+            self.model = GlmVit(binding, device=device, max_image_tokens=capacity_tokens)
+            self.run = lambda pv, grid: self.model.encode_pixels(pv, grid).get()
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(prog="glmvit-encode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("inputs", nargs="*", help="image files, folders (walked for images) or globs")
+    ap.add_argument("--checkpoint", help="checkpoint folder or Hub id (org/name)")
+    ap.add_argument("--out", help="output folder (created; re-running resumes)")
+    ap.add_argument("--inspect", metavar="CHECKPOINT", help="print what the load-time checks find, then exit")
+    ap.add_argument("--batch-tokens", type=int, default=8000, help="tokens per forward pass (default 8000)")
+    ap.add_argument("--max-image-tokens", type=int, default=8000)
+    ap.add_argument("--min-image-tokens", type=int, default=16)
+    ap.add_argument("--device", type=int, default=None, help="CUDA device (default: the current one)")
+    ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference (slow; no GPU needed)")
+    return ap.parse_args(argv)
+
+
+def inspect(path) -> int:
+    try:
+        s = bind_tower(path).summary()
+    except CheckpointError as e:
+        print(f"glmvit-encode: {e}", file=sys.stderr)
+        return 2
+    g = s["geometry"]
+    print(f"checkpoint  {s['path']}\nprefix      {s['prefix']}\ntensors     {s['tensors']} "
+          f"({s['parameters'] / 1e6:.1f} M parameters, {s['bytes'] / 2**30:.2f} GiB BF16)\n"
+          f"shards      {', '.join(s['shards'])}\ngeometry    depth {g.depth}, hidden {g.hidden_size}, "
+          f"heads {g.num_heads}, mlp {g.intermediate_size}, out {g.out_hidden_size}, merger "
+          f"{g.projection_intermediate_size}, patch {g.patch_size}x{g.temporal_patch_size}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.inspect:
+        return inspect(args.inspect)
+    if not args.inputs or not args.checkpoint or not args.out:
+        print("glmvit-encode: give images, --checkpoint and --out (or --inspect CHECKPOINT); see --help",
+              file=sys.stderr)
+        return 2
+    if args.batch_tokens < args.max_image_tokens:
+        print(f"glmvit-encode: --batch-tokens {args.batch_tokens} must be at least --max-image-tokens "
+              f"{args.max_image_tokens}, so that the largest image fits one pass", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    paths = expand_inputs(args.inputs)
+    try:
+        binding = bind_tower(args.checkpoint)
+    except CheckpointError as e:
+        print(f"glmvit-encode: {e}", file=sys.stderr)
+        return 2
+    header = {"checkpoint": os.path.abspath(binding.path), "geometry": {k: v for k, v in vars(binding.geometry).items()},
+              "min_image_tokens": args.min_image_tokens, "max_image_tokens": args.max_image_tokens}
+    out = Output(args.out, header)
+    todo = [p for p in paths if not out.done(p)]
+    if len(todo) < len(paths):
+        print(f"glmvit-encode: {len(paths) - len(todo)} of {len(paths)} images already in {args.out}; skipping them")
+    if not todo:
+        return 0
+    if args.cpu:
+        print("glmvit-encode: --cpu: the float32 NumPy reference encodes on the CPU; this is slow", file=sys.stderr)
+    enc = Encoder(binding, cpu=args.cpu, device=args.device, capacity_tokens=args.batch_tokens)
+
+    batch, batch_tokens, tokens_done, failed = [], 0, 0, 0
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(todo), unit="img", dynamic_ncols=True)
+
+    def flush():
+        nonlocal batch, batch_tokens, tokens_done
+        if not batch:
+            return
+        pv = np.concatenate([p for _, p, _, _ in batch])
+        grid = np.array([g for _, _, g, _ in batch], np.int64)
+        emb = enc.run(pv, grid)
+        entries, row = [], 0
+        for key, _, _, info in batch:
+            entries.append((key, info, emb[row:row + info["tokens"]]))
+            row += info["tokens"]
+        out.add_batch(entries)
+        tokens_done += batch_tokens
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}", failed=failed)
+        batch, batch_tokens = [], 0
+
+    for i, path in enumerate(todo):
+        try:
+            patches, grid, info = prepare(path, i, min_image_tokens=args.min_image_tokens,
+                                          max_image_tokens=args.max_image_tokens)
+        except (ImageError, ValueError) as e:
+            failed += 1
+            out.fail(path, str(e))
+            bar.write(f"skipped {path}: {e}")
+            bar.update(1)
+            continue
+        info = {"source": os.path.abspath(path), "size_hw": list(info["size"]), "canvas_hw": list(info["canvas"]),
+                "grid_thw": list(grid), "tokens": info["tokens"]}
+        if batch_tokens + info["tokens"] > args.batch_tokens:
+            flush()
+        batch.append((path, patches, grid, info))
+        batch_tokens += info["tokens"]
+    flush()
+    bar.close()
+    dt = time.perf_counter() - t0
+    print(f"glmvit-encode: {len(todo) - failed} images, {tokens_done} tokens in {dt:.1f} s "
+          f"({(len(todo) - failed) / dt:.1f} images/s, {tokens_done / dt:.0f} tokens/s); {failed} failed; "
+          f"output in {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

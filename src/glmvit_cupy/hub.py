@@ -1,0 +1,87 @@
+"""Fetch only the vision part of a checkpoint from the Hugging Face Hub.
+
+A GLM-5.3 repository holds hundreds of GB of text weights; the tower is 1.05 GiB in a few of
+its shards. config.json and the shard index come first, then only the shards that hold a
+`*visual.*` tensor. Needs the `hub` extra (huggingface_hub).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from .errors import CheckpointError
+from .weights import INDEX_NAME
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+VISION_PREFIXES = ("model.visual.", "model.language_model.visual.", "visual.")
+
+
+def is_hub_id(path) -> bool:
+    """'org/name' that is not a local path."""
+    return isinstance(path, str) and _HUB_ID.match(path) is not None and not os.path.exists(path)
+
+
+def vision_shards(weight_map: dict) -> list[str]:
+    return sorted({f for n, f in weight_map.items() if n.startswith(VISION_PREFIXES)})
+
+
+def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_dir=None) -> str:
+    """Download config.json, the index and the shards holding vision tensors; return the local folder."""
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
+    except ImportError:
+        raise CheckpointError(f"{repo_id}: looks like a Hub id, but huggingface_hub is not installed "
+                              "(pip install 'glmvit-cupy[hub]'), and no local path of that name exists") from None
+
+    def get(name):
+        try:
+            return hf_hub_download(repo_id, name, revision=revision, cache_dir=cache_dir)
+        except EntryNotFoundError:
+            raise
+        except Exception as e:  # network, auth, missing repo: say which file of which repo
+            raise CheckpointError(f"{repo_id}: cannot download {name} from the Hub ({type(e).__name__}: {e})") \
+                from None
+
+    try:
+        config = get("config.json")
+    except EntryNotFoundError:
+        raise CheckpointError(f"{repo_id}: the repository has no config.json") from None
+    folder = os.path.dirname(config)
+    try:
+        with open(config, "rb") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{repo_id}: config.json is not valid JSON ({e})") from None
+    if isinstance(cfg, dict) and cfg.get("vision_config") is None and "vision" not in str(cfg.get("model_type")):
+        return folder  # text-only: nothing to fetch; bind_tower says so
+    try:
+        index = get(INDEX_NAME)
+    except EntryNotFoundError:
+        try:
+            get("model.safetensors")  # an unsharded checkpoint
+        except EntryNotFoundError:
+            raise CheckpointError(f"{repo_id}: neither {INDEX_NAME} nor model.safetensors is in the repository") \
+                from None
+        return folder
+    try:
+        with open(index, "rb") as f:
+            weight_map = json.load(f)["weight_map"]
+        shards = vision_shards(weight_map)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{repo_id}: {INDEX_NAME} has no usable weight_map ({type(e).__name__}: {e})") from None
+    for shard in shards:
+        try:
+            get(shard)
+        except EntryNotFoundError:
+            raise CheckpointError(f"{repo_id}: the index names shard {shard!r}, which the repository lacks") from None
+    return folder
+
+
+def resolve(path) -> str:
+    """A local path as it is; a Hub id fetched (vision shards only) to the local cache."""
+    if is_hub_id(path):
+        return fetch_vision_checkpoint(path)
+    return os.fspath(path)

@@ -1,0 +1,137 @@
+"""glmvit-encode on the CPU backend (the float32 reference) with the golden tower: outputs, manifest,
+skipped bad images, resume, an interrupted run, batching by tokens, --inspect."""
+
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from PIL import Image
+from safetensors.numpy import load_file
+
+from glmvit_cupy import cli, preprocess, reference
+from tests.golden import cases
+
+
+@pytest.fixture
+def images(tmp_path):
+    folder = tmp_path / "imgs"
+    (folder / "sub").mkdir(parents=True)
+    Image.fromarray(cases._smooth(100, 150, 1)).save(folder / "a.png")
+    Image.fromarray(cases._smooth(64, 64, 2)).save(folder / "sub" / "b.png")
+    Image.fromarray(cases._smooth(140, 90, 3)).save(folder / "c.jpg")
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    (folder / "notes.txt").write_text("not an image")
+    return folder
+
+
+def run(args):
+    return cli.main([str(a) for a in args])
+
+
+def load_all(out):
+    manifest = json.loads((out / "manifest.json").read_text())
+    tensors = {}
+    for f in sorted(os.listdir(out)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(str(out / f)))
+    return manifest, tensors
+
+
+def test_encode_folder_skips_bad_image_and_matches_reference(images, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = run([images, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu"])
+    assert rc == 1  # one image failed
+    manifest, tensors = load_all(out)
+    keys = sorted(manifest["images"])
+    assert sorted(os.path.basename(k) for k in keys) == ["a.png", "b.png", "c.jpg"]  # notes.txt: not an image
+    assert list(manifest["failed"]) == [os.path.join(str(images), "broken.png")]
+    tower = reference.Tower(reference.bind_tower(cases.TOWER_DIR))
+    for key in keys:
+        entry = manifest["images"][key]
+        pv, grid = preprocess([key])
+        assert entry["grid_thw"] == grid[0].tolist() and entry["tokens"] == grid[0, 1] * grid[0, 2] // 4
+        assert tensors[key].dtype == ml_dtypes.bfloat16 and tensors[key].shape == (entry["tokens"], 256)
+        # The CLI ran the three images as one batch; alone, BLAS may round the last bit differently.
+        ref = reference.encode_pixels(tower, pv, grid)
+        got = tensors[key].astype(np.float32)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 4e-3  # bf16 storage: 2^-8 at worst
+    captured = capsys.readouterr()
+    assert "skipped" in captured.out and "broken.png" in captured.out and "1 failed" in captured.out
+
+
+def test_resume_skips_finished_images(images, tmp_path, capsys):
+    out = tmp_path / "out"
+    run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu"])
+    shards = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    rc = run([images / "a.png", images / "c.jpg", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu"])
+    assert rc == 0
+    assert "1 of 2 images already" in capsys.readouterr().out
+    manifest, tensors = load_all(out)
+    assert len(manifest["images"]) == 2 and len(tensors) == 2
+    assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))[: len(shards)] == shards
+
+
+def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    calls = {"n": 0}
+    real = cli.Encoder.__init__
+
+    def init(self, *a, **kw):
+        real(self, *a, **kw)
+        inner = self.run
+
+        def run_once(pv, grid):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt
+            return inner(pv, grid)
+
+        self.run = run_once
+
+    monkeypatch.setattr(cli.Encoder, "__init__", init)
+    # 16-token minimum images: a.png has 8x12 patches = 24 tokens; one image per batch at 30 tokens.
+    args = [images / "a.png", images / "c.jpg", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu",
+            "--batch-tokens", 30, "--max-image-tokens", 30]
+    with pytest.raises(KeyboardInterrupt):
+        run(args)
+    manifest, tensors = load_all(out)
+    assert list(manifest["images"]) == [os.path.normpath(str(images / "a.png"))]
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+    monkeypatch.setattr(cli.Encoder, "__init__", real)
+    assert run(args) == 0
+    manifest, tensors = load_all(out)
+    assert len(manifest["images"]) == 2 and len(tensors) == 2
+
+
+def test_batches_respect_the_token_budget(images, tmp_path):
+    out = tmp_path / "out"
+    run([images / "a.png", images / "c.jpg", images / "sub", "--checkpoint", cases.TOWER_DIR, "--out", out,
+         "--cpu", "--batch-tokens", 40, "--max-image-tokens", 40])
+    manifest, _ = load_all(out)
+    per_shard = {}
+    for entry in manifest["images"].values():
+        per_shard[entry["shard"]] = per_shard.get(entry["shard"], 0) + entry["tokens"]
+    assert len(per_shard) >= 2 and max(per_shard.values()) <= 40
+
+
+def test_other_checkpoint_in_same_folder_is_refused(images, tmp_path):
+    out = tmp_path / "out"
+    run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["header"]["checkpoint"] = "/elsewhere"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit, match="another checkpoint"):
+        run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu"])
+
+
+def test_inspect_and_usage(capsys, tmp_path):
+    assert run(["--inspect", cases.TOWER_DIR]) == 0
+    text = capsys.readouterr().out
+    assert "model.visual." in text and "39 (" in text
+    assert run(["--inspect", tmp_path]) == 2
+    assert "empty directory" in capsys.readouterr().err
+    assert run([]) == 2
+    with pytest.raises(SystemExit, match="no such file"):
+        run([tmp_path / "nope.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o", "--cpu"])

@@ -1,0 +1,76 @@
+"""Hub ids fetch config.json, the index, and only the shards that hold vision tensors.
+Offline: huggingface_hub.hf_hub_download is replaced by a fake serving a local repository."""
+
+import json
+import shutil
+
+import pytest
+
+from glmvit_cupy import CheckpointError, inspect_checkpoint
+from glmvit_cupy.hub import is_hub_id
+from glmvit_cupy.synthetic import random_tower, write_checkpoint
+from tests.golden import cases
+
+hub = pytest.importorskip("huggingface_hub", reason="the hub extra (huggingface_hub) is not installed")
+from huggingface_hub.errors import EntryNotFoundError  # noqa: E402
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    """A local 'repository' of 4 shards: text-only shards first and last, the tower in the middle two."""
+    repo = tmp_path / "repo"
+    write_checkpoint(repo, cases.GEOMETRY, tensors=random_tower(cases.GEOMETRY, 9), shards=2, with_text=False)
+    index = json.loads((repo / "model.safetensors.index.json").read_text())
+    from safetensors.numpy import save_file
+
+    from glmvit_cupy.synthetic import text_tensors
+
+    text = text_tensors(2)
+    names = list(text)
+    save_file({n: text[n] for n in names[:2]}, str(repo / "text-00001.safetensors"))
+    save_file({n: text[n] for n in names[2:]}, str(repo / "text-00002.safetensors"))
+    index["weight_map"].update({n: "text-00001.safetensors" for n in names[:2]})
+    index["weight_map"].update({n: "text-00002.safetensors" for n in names[2:]})
+    (repo / "model.safetensors.index.json").write_text(json.dumps(index))
+    snapshot = tmp_path / "cache" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    requested = []
+
+    def download(repo_id, filename, *, revision=None, cache_dir=None, **kw):
+        assert repo_id == "zai-org/GLM-5.3-Flash-test"
+        requested.append(filename)
+        src = repo / filename
+        if not src.exists():
+            raise EntryNotFoundError(f"{filename} not in {repo_id}")
+        shutil.copy(src, snapshot / filename)
+        return str(snapshot / filename)
+
+    monkeypatch.setattr(hub, "hf_hub_download", download)
+    return requested
+
+
+def test_hub_id_fetches_only_vision_shards(fake_hub):
+    s = inspect_checkpoint("zai-org/GLM-5.3-Flash-test")
+    assert s["tensors"] == 2 * 14 + 11
+    assert fake_hub[:2] == ["config.json", "model.safetensors.index.json"]
+    assert sorted(fake_hub[2:]) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert not [f for f in fake_hub if f.startswith("text-")]
+
+
+def test_hub_errors_are_checkpoint_errors(fake_hub, monkeypatch):
+    def broken(*a, **kw):
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(hub, "hf_hub_download", broken)
+    with pytest.raises(CheckpointError, match="cannot download config.json"):
+        inspect_checkpoint("zai-org/GLM-5.3-Flash-test")
+
+
+def test_local_paths_are_not_hub_ids(tmp_path, monkeypatch):
+    assert is_hub_id("org/name")
+    assert not is_hub_id(str(tmp_path))
+    assert not is_hub_id("a/b/c") and not is_hub_id("/abs/path")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "name").mkdir()
+    assert not is_hub_id("org/name")  # an existing local folder wins
