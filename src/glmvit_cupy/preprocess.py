@@ -155,19 +155,32 @@ def load_rgb(image, index: int = 0) -> np.ndarray:
     return rgb
 
 
+def _value_table() -> np.ndarray:
+    """float32 [3, 256]: what rescale-then-normalise makes of each uint8 value, per channel.
+
+    Computed with the reference's own operations (x * (1/255) in float64, cast to float32, then
+    (x - mean) / std in float32), so looking values up is bit-identical to computing them, and
+    ~15x faster on a full-size canvas."""
+    x = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
+    mean = np.array(MEAN, dtype=np.float32)[:, None]
+    std = np.array(STD, dtype=np.float32)[:, None]
+    return (x[None, :] - mean) / std
+
+
+_TABLE = _value_table()
+
+
 def _normalise_patchify(canvas_u8: np.ndarray) -> np.ndarray:
     """HxWx3 uint8 canvas -> [H/14 * W/14, 1176] float32 in merge-block patch order."""
-    chw = np.moveaxis(canvas_u8, -1, 0)
-    x = (chw.astype(np.float64) * (1 / 255)).astype(np.float32)
-    mean = np.array(MEAN, dtype=np.float32)[:, None, None]
-    std = np.array(STD, dtype=np.float32)[:, None, None]
-    x = (x - mean) / std
-    c, hh, ww = x.shape
+    hh, ww, c = canvas_u8.shape
     gh, gw = hh // PATCH, ww // PATCH
-    p = x.reshape(c, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH)
-    p = p.transpose(1, 4, 2, 5, 0, 3, 6)  # (bh, bw, r, c, channel, py, px)
-    p = np.broadcast_to(p[:, :, :, :, :, None], p.shape[:5] + (TEMPORAL,) + p.shape[5:])
-    return p.reshape(gh * gw, c * TEMPORAL * PATCH * PATCH)
+    # Reorder the bytes first (a quarter of the float traffic): (bh, bw, r, c, channel, py, px).
+    p = canvas_u8.reshape(gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH, c)
+    p = np.ascontiguousarray(p.transpose(0, 3, 1, 4, 6, 2, 5)).reshape(gh * gw, c, PATCH * PATCH)
+    vals = _TABLE[np.arange(c)[None, :, None], p]  # [N, channel, py*px] float32
+    out = np.empty((gh * gw, c, TEMPORAL, PATCH * PATCH), dtype=np.float32)
+    out[...] = vals[:, :, None, :]  # the still frame repeated along the temporal axis
+    return out.reshape(gh * gw, c * TEMPORAL * PATCH * PATCH)
 
 
 def prepare(image, index: int = 0, *, min_image_tokens: int = 16, max_image_tokens: int = 8000):
