@@ -40,12 +40,10 @@ def forward_flop(geo, grids):
 def official_checkpoint():
     """A random-weight checkpoint of the official geometry, written once per machine."""
     from glmvit_cupy.config import VisionGeometry
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.synthetic import cached_checkpoint
 
-    path = os.path.join(tempfile.gettempdir(), "glmvit_official_seed11")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        write_checkpoint(path, VisionGeometry.official(), seed=11)
-    return path
+    return cached_checkpoint(os.path.join(tempfile.gettempdir(), "glmvit_official_seed11"),
+                             VisionGeometry.official(), seed=11)
 
 
 def table(header, rows):

@@ -41,14 +41,12 @@ def gpu_problem():
 
 
 def random_checkpoint():
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.synthetic import cached_checkpoint
 
     path = os.path.join(os.path.expanduser("~"), ".cache", "glmvit_cupy", "random-official-seed0")
     if not os.path.exists(os.path.join(path, "config.json")):
         print(f"writing a random-weight checkpoint of the official geometry to {path} (1.05 GiB, once)")
-        write_checkpoint(path + ".tmp", VisionGeometry.official(), seed=0, shards=2)
-        os.replace(path + ".tmp", path)
-    return path
+    return cached_checkpoint(path, VisionGeometry.official(), seed=0)
 
 
 def save(path, names, arrays):

@@ -133,3 +133,12 @@ def test_geometry_disagreeing_with_tensors(tmp_path, tensors):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="mlp.gate_proj.weight.*does not match its config"):
         bind_tower(tmp_path)
+
+
+def test_cached_checkpoint_writes_once(tmp_path, tensors, monkeypatch):
+    from glmvit_cupy import synthetic
+
+    path = synthetic.cached_checkpoint(tmp_path / "c", GEO, seed=5)
+    assert bind_tower(path).geometry == GEO and not (tmp_path / "c.tmp").exists()
+    monkeypatch.setattr(synthetic, "write_checkpoint", lambda *a, **k: pytest.fail("written twice"))
+    assert synthetic.cached_checkpoint(tmp_path / "c", GEO, seed=5) == str(tmp_path / "c")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .config import NoVisionConfig, VisionGeometry, read_config
 from .errors import CheckpointError
-from .hub import VISION_PREFIXES, resolve
+from .hub import VISION_PREFIXES, is_vision_name, resolve
 from .weights import WeightStore
 
 log = logging.getLogger("glmvit_cupy")
@@ -74,10 +74,6 @@ def tower_layout(geo: VisionGeometry) -> dict[str, tuple]:
     })
     assert len(t) == geo.tensor_count  # 14 per block + 11
     return t
-
-
-def _is_vision_name(name: str) -> bool:
-    return any(name.startswith(p) for p in PREFIXES)
 
 
 @dataclass
@@ -152,7 +148,7 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
         source = path
     else:
         raise CheckpointError(f"{path}: no such file or directory")
-    store = WeightStore.open(source, only=_is_vision_name)
+    store = WeightStore.open(source, only=is_vision_name)
     prefix = next((p for p in PREFIXES if p + "patch_embed.proj.weight" in store), None)
     if prefix is None:
         raise AbsentTower(

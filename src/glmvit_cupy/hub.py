@@ -23,8 +23,12 @@ def is_hub_id(path) -> bool:
     return isinstance(path, str) and _HUB_ID.match(path) is not None and not os.path.exists(path)
 
 
+def is_vision_name(name: str) -> bool:
+    return name.startswith(VISION_PREFIXES)
+
+
 def vision_shards(weight_map: dict) -> list[str]:
-    return sorted({f for n, f in weight_map.items() if n.startswith(VISION_PREFIXES)})
+    return sorted({f for n, f in weight_map.items() if is_vision_name(n)})
 
 
 def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_dir=None) -> str:

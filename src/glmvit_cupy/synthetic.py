@@ -114,3 +114,14 @@ def write_checkpoint(path, geo: VisionGeometry, *, seed: int = 0, prefix: str = 
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config_dict(geo), f, indent=1)
     return os.fspath(path)
+
+
+def cached_checkpoint(path, geo: VisionGeometry, *, seed: int = 0) -> str:
+    """write_checkpoint once: reuse `path` if a finished checkpoint is there, else write it under a
+    temporary name and rename it, so an interrupted write is never mistaken for a finished one."""
+    path = os.fspath(path)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        tmp = path + ".tmp"
+        write_checkpoint(tmp, geo, seed=seed)
+        os.replace(tmp, path)
+    return path
