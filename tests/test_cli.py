@@ -82,11 +82,11 @@ def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch):
         real(self, *a, **kw)
         inner = self.run
 
-        def run_once(pv, grid):
+        def run_once(batches):
             calls["n"] += 1
             if calls["n"] == 2:
                 raise KeyboardInterrupt
-            return inner(pv, grid)
+            return inner(batches)
 
         self.run = run_once
 
@@ -135,3 +135,11 @@ def test_inspect_and_usage(capsys, tmp_path):
     assert run([]) == 2
     with pytest.raises(SystemExit, match="no such file"):
         run([tmp_path / "nope.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o", "--cpu"])
+
+
+def test_devices_flag_parses_ordinals():
+    assert cli.parse(["--devices", "0,1"]).devices == [0, 1]
+    assert cli.parse(["--devices", "3"]).devices == [3]
+    for bad in ("", "a,b", "-1", "0;1"):
+        with pytest.raises(SystemExit):
+            cli.parse(["--devices", bad])

@@ -163,6 +163,50 @@ def test_official_geometry_vs_reference(official):
         assert rel(f32(t), refs[name]) <= 2e-2
 
 
+def test_graph_replay_equals_eager_and_reads_fresh_inputs(official):
+    """The second call of a shape captures a CUDA graph, later calls replay it: every replay must read
+    that call's pixels (not the captured call's) and write every output row (poisoned first)."""
+    binding, model, _ = official
+    eager = GlmVit(binding, max_image_tokens=2048, graphs=False)
+    grid = [[1, 32, 32], [1, 16, 24]]  # 1024 + 384 = 1408 patches, two segments
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        pv = rng.standard_normal((1408, 1176), dtype=np.float32)
+        want = f32(eager.encode_pixels(pv, grid))
+        model._scratch()["out"].view(cupy.uint16).fill(0x7FC0)  # bf16 NaN
+        got = f32(model.encode_pixels(pv, grid))
+        assert np.isfinite(got).all() and np.array_equal(got, want)
+    plan = model._plans[((1, 32, 32), (1, 16, 24))]
+    assert plan.graph is not None and plan.uses == 3 and not plan.capture_failed
+    assert set(model.last_timing) == {"forward", "copy_out"}
+    assert set(eager.last_timing) == {"patch_embed", "blocks", "merger", "copy_out"}
+
+
+def test_replicas_match_one_gpu(official):
+    """Two replicas (two GPUs when the machine has them, else twice GPU 0) give bit-identical outputs."""
+    from glmvit_cupy import preprocess
+    from glmvit_cupy.replicas import Replicas
+
+    binding, model, _ = official
+    devices = [0, 1] if cupy.cuda.runtime.getDeviceCount() >= 2 else [0, 0]
+    reps = GlmVit.from_checkpoint(binding.path, devices=devices, max_image_tokens=2048)
+    assert isinstance(reps, Replicas) and [m.device.id for m in reps.models] == devices
+    imgs = list(official_images().values()) + [cases._smooth(200, 300, seed=43)]
+    want = [f32(o) for o in model.encode(imgs)]
+    got = reps.encode(imgs)
+    assert {o.device.id for o in got} == set(devices)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert np.array_equal(f32(g), w), i
+    pv, grid = preprocess(imgs)
+    for source in (pv, cupy.asarray(pv)):
+        whole = reps.encode_pixels(source, grid)
+        assert whole.device.id == devices[0]
+        assert np.array_equal(f32(whole), np.concatenate(want))
+    print(f"replicas on devices {devices}: {len(imgs)} images bit-equal to one GPU")
+    with pytest.raises(ValueError, match="not a CUDA device of this machine"):
+        GlmVit.from_checkpoint(binding.path, devices=[0, 99])
+
+
 def test_load_vision_tower_for_serving(tmp_path, caplog):
     import json
     import logging

@@ -105,23 +105,37 @@ class Output:
 
 
 class Encoder:
-    """GPU (GlmVit) or, with --cpu, the float32 NumPy reference: pixels -> bf16 host arrays."""
+    """GPU (GlmVit, one replica per --devices entry) or, with --cpu, the float32 NumPy reference:
+    a list of (pixels, grid) batches -> bf16 host arrays; `lanes` batches run at once."""
 
-    def __init__(self, binding, *, cpu: bool, device: int | None, capacity_tokens: int):
+    def __init__(self, binding, *, cpu: bool, devices: list[int] | None, capacity_tokens: int):
         import ml_dtypes
 
-        self.bf16 = ml_dtypes.bfloat16
-        self.cpu = cpu
+        bf16 = ml_dtypes.bfloat16
         if cpu:
             from . import reference
 
-            self.tower = reference.Tower(binding)
-            self.run = lambda pv, grid: reference.encode_pixels(self.tower, pv, grid).astype(self.bf16)
+            tower = reference.Tower(binding)
+            self.lanes = 1
+            self.run = lambda batches: [reference.encode_pixels(tower, pv, g).astype(bf16) for pv, g in batches]
         else:
-            from .model import GlmVit
+            import cupy
 
-            self.model = GlmVit(binding, device=device, max_image_tokens=capacity_tokens)
-            self.run = lambda pv, grid: self.model.encode_pixels(pv, grid).get()
+            from .replicas import Replicas
+
+            engine = Replicas(binding, devices or [cupy.cuda.Device().id], max_image_tokens=capacity_tokens)
+            self.lanes = len(engine)
+            self.run = lambda batches: engine.map(lambda m, b: m.encode_pixels(*b).get(), batches)
+
+
+def device_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give CUDA device ordinals separated by commas, e.g. 0,1")
+    return out
 
 
 def parse(argv):
@@ -134,7 +148,8 @@ def parse(argv):
     ap.add_argument("--batch-tokens", type=int, default=8000, help="tokens per forward pass (default 8000)")
     ap.add_argument("--max-image-tokens", type=int, default=8000)
     ap.add_argument("--min-image-tokens", type=int, default=16)
-    ap.add_argument("--device", type=int, default=None, help="CUDA device (default: the current one)")
+    ap.add_argument("--devices", type=device_list, default=None, metavar="0,1,...",
+                    help="CUDA devices, one replica each; batches are spread across them (default: the current one)")
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference (slow; no GPU needed)")
     return ap.parse_args(argv)
 
@@ -184,28 +199,39 @@ def main(argv=None) -> int:
         return 0
     if args.cpu:
         print("glmvit-encode: --cpu: the float32 NumPy reference encodes on the CPU; this is slow", file=sys.stderr)
-    enc = Encoder(binding, cpu=args.cpu, device=args.device, capacity_tokens=args.batch_tokens)
+    try:
+        enc = Encoder(binding, cpu=args.cpu, devices=args.devices, capacity_tokens=args.batch_tokens)
+    except ValueError as e:
+        print(f"glmvit-encode: {e}", file=sys.stderr)
+        return 2
 
-    batch, batch_tokens, tokens_done, failed = [], 0, 0, 0
+    batch, batch_tokens, ready, tokens_done, failed = [], 0, [], 0, 0
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), unit="img", dynamic_ncols=True)
 
-    def flush():
-        nonlocal batch, batch_tokens, tokens_done
-        if not batch:
-            return
-        pv = np.concatenate([p for _, p, _, _ in batch])
-        grid = np.array([g for _, _, g, _ in batch], np.int64)
-        emb = enc.run(pv, grid)
-        entries, row = [], 0
-        for key, _, _, info in batch:
-            entries.append((key, info, emb[row:row + info["tokens"]]))
-            row += info["tokens"]
-        out.add_batch(entries)
-        tokens_done += batch_tokens
-        bar.update(len(batch))
+    def run_ready():
+        nonlocal tokens_done
+        embs = enc.run([(np.concatenate([p for _, p, _, _ in b]), np.array([g for _, _, g, _ in b], np.int64))
+                        for b in ready])
+        for b, emb in zip(ready, embs):
+            entries, row = [], 0
+            for key, _, _, info in b:
+                entries.append((key, info, emb[row:row + info["tokens"]]))
+                row += info["tokens"]
+            out.add_batch(entries)
+            tokens_done += row
+            bar.update(len(b))
         bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}", failed=failed)
+        ready.clear()
+
+    def flush():
+        """Close the current batch; run the closed ones once every device has one."""
+        nonlocal batch, batch_tokens
+        if batch:
+            ready.append(batch)
         batch, batch_tokens = [], 0
+        if len(ready) >= enc.lanes:
+            run_ready()
 
     for i, path in enumerate(todo):
         try:
@@ -224,6 +250,8 @@ def main(argv=None) -> int:
         batch.append((path, patches, grid, info))
         batch_tokens += info["tokens"]
     flush()
+    if ready:
+        run_ready()
     bar.close()
     dt = time.perf_counter() - t0
     print(f"glmvit-encode: {len(todo) - failed} images, {tokens_done} tokens in {dt:.1f} s "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import cupy
@@ -58,6 +59,20 @@ class Merger:
     norm_b: cupy.ndarray
     gate_up_w: cupy.ndarray
     down_w: cupy.ndarray
+
+
+@dataclass
+class _Plan:
+    """One input shape: its per-patch positions, segment bounds and attention tiles on the device,
+    and, once the shape repeats, the CUDA graph of its forward."""
+    n: int
+    pos: cupy.ndarray
+    cu: cupy.ndarray
+    tile_seg: cupy.ndarray
+    tile_q0: cupy.ndarray
+    uses: int = 0
+    graph: object = None
+    capture_failed: bool = False
 
 
 def _upload(binding: TowerBinding, *suffixes):
@@ -109,9 +124,10 @@ class GlmVit:
 
     QKV_CHUNK = 4096     # rows per QKV / MLP GEMM chunk (bounds the fp32 intermediates)
     MERGER_CHUNK = 2048  # merged rows per merger chunk
+    MAX_PLANS = 32       # input shapes whose index data (and CUDA graph) stay cached
 
     def __init__(self, binding: TowerBinding, *, device=None, max_image_tokens: int = 8000,
-                 attention_variant: str | None = None):
+                 attention_variant: str | None = None, graphs: bool = True):
         geo = binding.geometry
         if not isinstance(max_image_tokens, int) or max_image_tokens < 1:
             raise ValueError(f"max_image_tokens={max_image_tokens!r} must be a positive integer")
@@ -123,7 +139,9 @@ class GlmVit:
         self.device = cupy.cuda.Device(device if device is not None else cupy.cuda.Device().id)
         self._lock = threading.Lock()
         self._arena = None
-        self.last_timing: dict = {}
+        self._events: list = []
+        self._plans: OrderedDict = OrderedDict()
+        self.graphs = graphs
         t0 = time.perf_counter()
         with self.device:
             self.patch_w = _upload(binding, "patch_embed.proj.weight")
@@ -144,6 +162,7 @@ class GlmVit:
             exps = np.arange(0, spatial, 2, dtype=np.float32) / np.float32(spatial)
             self.inv_freq = cupy.asarray(np.float32(1.0) / np.power(np.float32(geo.rope_theta), exps))
             self._kernels(attention_variant)
+            self._stream = cupy.cuda.Stream(non_blocking=True)  # ours: graphs capture on it
             self.device.synchronize()
         self.weight_bytes = binding.nbytes
         self.load_seconds = time.perf_counter() - t0
@@ -152,9 +171,18 @@ class GlmVit:
                  binding.nbytes / 2**20, self.load_seconds)
 
     @classmethod
-    def from_checkpoint(cls, path, device=None, max_image_tokens: int = 8000, **kw) -> "GlmVit":
-        """Check, bind and upload a checkpoint's tower (CheckpointError on any problem)."""
-        return cls(bind_tower(path), device=device, max_image_tokens=max_image_tokens, **kw)
+    def from_checkpoint(cls, path, device=None, max_image_tokens: int = 8000, *, devices=None, **kw):
+        """Check, bind and upload a checkpoint's tower (CheckpointError on any problem).
+
+        With devices=[0, 1, ...] the result is a Replicas: one copy per GPU, batches spread across them."""
+        binding = bind_tower(path)
+        if devices is not None:
+            if device is not None:
+                raise ValueError("give device or devices, not both")
+            from .replicas import Replicas
+
+            return Replicas(binding, devices, max_image_tokens=max_image_tokens, **kw)
+        return cls(binding, device=device, max_image_tokens=max_image_tokens, **kw)
 
     @staticmethod
     def _bind_block(b: TowerBinding, i: int) -> Block:
@@ -192,7 +220,9 @@ class GlmVit:
                 "blocks": {"n": ((p, h), bf), "q": ((p, h), bf), "k": ((p, h), bf), "v": ((p, h), bf),
                            "o": ((p, h), bf), "qkv": ((ch, 3 * h), f32),
                            "gu": ((ch, 2 * g.intermediate_size), f32), "act": ((ch, g.intermediate_size), bf)},
-                "merger": {"cols": ((p // 4, g.merge_dim), bf), "y": ((cm, g.out_hidden_size), f32),
+                # "out" lives in the merger phase, smaller than the blocks phase: it costs no bytes.
+                "merger": {"out": ((p // 4, g.out_hidden_size), bf),
+                           "cols": ((p // 4, g.merge_dim), bf), "y": ((cm, g.out_hidden_size), f32),
                            "yb": ((cm, g.out_hidden_size), bf),
                            "mgu": ((cm, 2 * g.projection_intermediate_size), f32),
                            "mact": ((cm, g.projection_intermediate_size), bf)},
@@ -226,8 +256,13 @@ class GlmVit:
                              "model with a larger max_image_tokens")
         return grid, n
 
-    def _plan(self, grid):
-        """Per-call index data: positions (h, w) per patch, segment bounds, attention tiles."""
+    def _plan_for(self, grid, n) -> "_Plan":
+        """This input shape's device-side index data (cached per shape, with its CUDA graph)."""
+        key = tuple(map(tuple, grid.tolist()))
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
         pos, cu = [], [0]
         for t, h, w in grid.tolist():
             hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
@@ -238,11 +273,19 @@ class GlmVit:
                 pos.append(p)
                 cu.append(cu[-1] + h * w)
         cu = np.array(cu, np.int32)
-        return (np.concatenate(pos).astype(np.int32), cu) + self.attn.tiles(cu)
+        tile_seg, tile_q0 = self.attn.tiles(cu)
+        plan = _Plan(n, *(cupy.asarray(a) for a in (np.concatenate(pos).astype(np.int32), cu, tile_seg, tile_q0)))
+        self._plans[key] = plan
+        while len(self._plans) > self.MAX_PLANS:
+            self._plans.popitem(last=False)
+        return plan
 
     # -- the forward pass ---------------------------------------------------------------
     def encode_pixels(self, pixel_values, grid_thw) -> cupy.ndarray:
-        """HF-layout input ([N, patch_dim] pixels, [n, 3] grid; NumPy or CuPy) -> bf16 [N/4, out_hidden_size]."""
+        """HF-layout input ([N, patch_dim] pixels, [n, 3] grid; NumPy or CuPy) -> bf16 [N/4, out_hidden_size].
+
+        The work runs on the model's own stream; the caller's current stream is made to wait for
+        the result (no host synchronisation), so the output is ready for whatever runs next there."""
         grid, n = self._check(pixel_values, grid_thw)
         with self._lock, self.device:
             try:
@@ -255,57 +298,98 @@ class GlmVit:
                                      "with a smaller max_image_tokens") from None
 
     def _forward(self, pixel_values, grid, n):
-        g, s = self.geometry, self._scratch()
-        timing, ev = {}, []
-
-        def mark(name):
-            e = cupy.cuda.Event()
-            e.record()
-            ev.append((name, e))
-
-        out = cupy.empty((n // 4, g.out_hidden_size), dtype=BF16)
-        mark("start")
-        pos, cu, tile_seg, tile_q0 = self._plan(grid)
-        self._meta = [cupy.asarray(a) for a in (pos, cu, tile_seg, tile_q0)]
-        x = s["x"][:n]
-        self.patch_embed(pixel_values, x, n)
-        mark("patch_embed")
-        bias = self.patch_b
-        for blk in self.blocks:
-            self.attention(blk, x, bias, n)
-            self.mlp(blk, x, n)
-            bias = blk.down_b
-        mark("blocks")
-        self.merge(x, bias, n, out)
-        mark("merger")
-        ev[-1][1].synchronize()
-        for (a, ea), (b, eb) in zip(ev, ev[1:]):
-            timing[b] = cupy.cuda.get_elapsed_time(ea, eb)
-        self.last_timing = timing
+        if isinstance(pixel_values, cupy.ndarray) and pixel_values.device.id != self.device.id:
+            pixel_values = cupy.asnumpy(pixel_values)  # another GPU's array: through the host, safely ordered
+        s, stream, caller = self._scratch(), self._stream, cupy.cuda.get_current_stream()
+        with stream:
+            plan = self._plan_for(grid, n)  # its uploads are ordered before the kernels that read them
+            stream.wait_event(caller.record())  # stream-ordered after the caller's work (its input, say)
+            ev = [("start", stream.record())]
+            self._stage_pixels(pixel_values, n)
+            # A shape seen twice is worth a graph: ~250 launches become one (capture costs ~one forward).
+            if self.graphs and plan.graph is None and plan.uses and not plan.capture_failed:
+                self._capture(plan)
+            plan.uses += 1
+            if self.graphs and plan.graph is not None:
+                plan.graph.launch(stream)
+                ev.append(("forward", stream.record()))
+            else:
+                self._body(plan, ev)
+            out = s["out"][:n // 4].copy()  # the arena is reused by the next call; the caller owns this
+            ev.append(("copy_out", stream.record()))
+            caller.wait_event(ev[-1][1])
+        self._events = ev
         return out
 
-    def patch_embed(self, pixel_values, x, n):
-        """x = bf16(pixels) @ Wpe^T (the bias is added by block 0's norm)."""
+    def _body(self, plan, ev=None):
+        """The whole forward from staged bf16 pixels to s["out"]: the part a CUDA graph captures."""
+        s, n = self._scratch(), plan.n
+        x = s["x"][:n]
+        gemm(s["pixels"][:n], self.patch_w, x)  # the bias is added by block 0's norm
+        if ev is not None:
+            ev.append(("patch_embed", self._stream.record()))
+        bias = self.patch_b
+        for blk in self.blocks:
+            self.attention(blk, x, bias, plan)
+            self.mlp(blk, x, n)
+            bias = blk.down_b
+        if ev is not None:
+            ev.append(("blocks", self._stream.record()))
+        self.merge(x, bias, n, s["out"][:n // 4])
+        if ev is not None:
+            ev.append(("merger", self._stream.record()))
+
+    def _capture(self, plan):
+        stream = self._stream
+        stream.begin_capture()
+        try:
+            self._body(plan)
+        except Exception as e:
+            try:
+                stream.end_capture()
+            except Exception:
+                pass
+            plan.capture_failed = True
+            log.warning("CUDA graph capture failed (%s); this shape runs without a graph", e)
+            return
+        try:
+            plan.graph = stream.end_capture()
+        except Exception as e:
+            plan.capture_failed = True
+            log.warning("CUDA graph capture failed (%s); this shape runs without a graph", e)
+
+    @property
+    def last_timing(self) -> dict:
+        """Milliseconds per stage of the last forward (waits for it): patch_embed (with the pixel upload),
+        blocks, merger, copy_out; a forward replayed from its CUDA graph has one "forward" stage instead
+        of the first three."""
+        ev = self._events
+        if not ev:
+            return {}
+        ev[-1][1].synchronize()
+        return {b: cupy.cuda.get_elapsed_time(ea, eb) for (_, ea), (b, eb) in zip(ev, ev[1:])}
+
+    def _stage_pixels(self, pixel_values, n):
+        """Pixels -> the arena's bf16 staging rows (outside any graph: the source differs per call)."""
         s, pd = self._scratch(), self.geometry.patch_dim
         pix = s["pixels"][:n]
         if isinstance(pixel_values, cupy.ndarray) and pixel_values.dtype == BF16:
             pix[...] = pixel_values
+            return
+        if isinstance(pixel_values, cupy.ndarray):
+            src = cupy.ascontiguousarray(pixel_values, dtype=np.float32)
         else:
-            if isinstance(pixel_values, cupy.ndarray):
-                src = cupy.ascontiguousarray(pixel_values, dtype=np.float32)
-            else:
-                src = s["pixels_f32"][:n]
-                src.set(np.ascontiguousarray(pixel_values, dtype=np.float32))
-            self.k_cast(_blocks(n * pd), (256,), (src, pix, np.int64(n * pd)))
-        gemm(pix, self.patch_w, x)
+            src = s["pixels_f32"][:n]
+            src.set(np.ascontiguousarray(pixel_values, dtype=np.float32))
+        self.k_cast(_blocks(n * pd), (256,), (src, pix, np.int64(n * pd)))
 
-    def attention(self, blk: Block, x, bias, n):
+    def attention(self, blk: Block, x, bias, plan):
         """x += proj(attn(rope(norm(qkv(rmsnorm(x + bias))))))."""
-        g, s = self.geometry, self._scratch()
+        g, s, n = self.geometry, self._scratch(), plan.n
         h, heads, d = g.hidden_size, g.num_heads, g.head_dim
         nrm, q, k, v, o = (s[a][:n] for a in ("n", "q", "k", "v", "o"))
         self.k_rms((n,), (256,), (x, bias, blk.norm1, nrm, np.int32(n), np.int32(h), np.float32(g.rms_norm_eps)))
-        pos, cu, tile_seg, tile_q0 = self._meta
+        pos = plan.pos
         for r0 in range(0, n, self.QKV_CHUNK):
             rows = min(self.QKV_CHUNK, n - r0)
             qkv = s["qkv"][:rows]
@@ -313,7 +397,7 @@ class GlmVit:
             self.k_rope(_blocks(rows * heads * 32), (256,),
                         (qkv, blk.qkv_b, blk.q_norm, blk.k_norm, pos, self.inv_freq, q, k, v,
                          np.int32(rows), np.int32(r0), np.int32(heads), np.int32(d), np.float32(g.rms_norm_eps)))
-        self.attn(q, k, v, o, cu, tile_seg, tile_q0, heads)
+        self.attn(q, k, v, o, plan.cu, plan.tile_seg, plan.tile_q0, heads)
         gemm(o, blk.proj_w, x, beta=1.0)
 
     def mlp(self, blk: Block, x, n):
@@ -355,18 +439,12 @@ class GlmVit:
         """Images (paths, file objects, PIL images, HxWx3 uint8 arrays) -> one bf16 [tokens_i, out_hidden]
         CuPy array per image, preprocessed exactly as the reference processor with these token limits.
         Images are packed into as few forward passes as the model's capacity allows."""
-        if self.geometry.in_channels != 3 or self.geometry.patch_size != 14 or self.geometry.temporal_patch_size != 2:
-            raise ValueError("encode(images) needs the RGB, 14-pixel, 2-frame patch geometry of the preprocessor; "
-                             "use encode_pixels for others")
         single = not isinstance(images, (list, tuple))
-        images = [images] if single else list(images)
-        prepared = [prepare(im, i, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
-                    for i, im in enumerate(images)]
-        for p, _, info in prepared:
-            if p.shape[0] > self.max_patches:
-                raise ValueError(f"{info['source']}: {info['tokens']} tokens exceed this model's capacity of "
-                                 f"{self.max_image_tokens} tokens; build it with max_image_tokens >= "
-                                 f"{info['tokens']} or pass a smaller max_image_tokens to encode()")
+        prepared = prepare_images(self, [images] if single else list(images), min_image_tokens, max_image_tokens)
+        return self.encode_prepared(prepared)
+
+    def encode_prepared(self, prepared) -> list:
+        """(patches, grid, info) triples from prepare_images -> one output per image, in order."""
         results, batch = [], []
 
         def flush():
@@ -390,6 +468,22 @@ class GlmVit:
             used += item[0].shape[0]
         flush()
         return results
+
+
+def prepare_images(model, images, min_image_tokens, max_image_tokens) -> list:
+    """Host preprocessing for encode(): checks the geometry, prepares each image, checks capacity."""
+    g = model.geometry
+    if g.in_channels != 3 or g.patch_size != 14 or g.temporal_patch_size != 2:
+        raise ValueError("encode(images) needs the RGB, 14-pixel, 2-frame patch geometry of the preprocessor; "
+                         "use encode_pixels for others")
+    prepared = [prepare(im, i, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
+                for i, im in enumerate(images)]
+    for p, _, info in prepared:
+        if p.shape[0] > model.max_patches:
+            raise ValueError(f"{info['source']}: {info['tokens']} tokens exceed this model's capacity of "
+                             f"{model.max_image_tokens} tokens; build it with max_image_tokens >= "
+                             f"{info['tokens']} or pass a smaller max_image_tokens to encode()")
+    return prepared
 
 
 def load_vision_tower(path, **kw) -> GlmVit | None:

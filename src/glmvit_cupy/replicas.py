@@ -1,0 +1,135 @@
+"""Several GPUs: one GlmVit replica per device, work spread across them.
+
+Each replica owns its weights, scratch, stream and CUDA graphs; a thread per replica drives it, so
+the GPUs run at the same time (CuPy releases the GIL inside CUDA calls, and a replayed graph is one
+launch). `spread` is plain Python so that the balancing is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+
+def spread(costs, bins: int) -> list[list[int]]:
+    """Indices of `costs` split into `bins` groups of near-equal total cost (longest first to the
+    least-loaded group); each group keeps its indices in ascending order."""
+    if bins < 1:
+        raise ValueError(f"bins={bins}: need at least one")
+    groups, load = [[] for _ in range(bins)], [0] * bins
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        b = min(range(bins), key=lambda b: (load[b], b))
+        groups[b].append(i)
+        load[b] += costs[i]
+    return [sorted(g) for g in groups]
+
+
+def check_devices(devices, count: int) -> list[int]:
+    """The device list as ints, or ValueError saying what is wrong with it."""
+    if isinstance(devices, (int, str)) or not hasattr(devices, "__iter__"):
+        raise ValueError(f"devices={devices!r}: give a list of CUDA device ordinals, e.g. [0, 1]")
+    out = list(devices)
+    if not out:
+        raise ValueError("devices=[]: give at least one CUDA device ordinal")
+    for d in out:
+        if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or not 0 <= d < count:
+            raise ValueError(f"devices={out!r}: {d!r} is not a CUDA device of this machine "
+                             f"(it has {count}: ordinals 0..{count - 1})")
+    return [int(d) for d in out]
+
+
+class Replicas:
+    """The tower on several GPUs (the same GPU may be listed twice). Same calls as GlmVit:
+    encode(images) returns each image's embedding on the GPU that computed it; encode_pixels
+    gathers the batch's output onto the first device."""
+
+    def __init__(self, binding, devices, **kw):
+        import cupy
+
+        from .model import GlmVit
+
+        self.devices = check_devices(devices, cupy.cuda.runtime.getDeviceCount())
+        self.models = [GlmVit(binding, device=d, **kw) for d in self.devices]
+        self.geometry = self.models[0].geometry
+        self.max_image_tokens = self.models[0].max_image_tokens
+        self.max_patches = self.models[0].max_patches
+        self._pool = ThreadPoolExecutor(len(self.models), thread_name_prefix="glmvit")
+
+    def __len__(self):
+        return len(self.models)
+
+    def map(self, fn, work: list) -> list:
+        """fn(model, item) for each item, item j on replica j % len(self), all replicas at once;
+        results in order. The first error is raised after every replica has stopped."""
+        lanes = [list(range(r, len(work), len(self))) for r in range(len(self))]
+
+        def lane(r):
+            done = [(j, fn(self.models[r], work[j])) for j in lanes[r]]
+            self.models[r]._stream.synchronize()  # results are final whichever stream reads them next
+            return done
+
+        futures = [self._pool.submit(lane, r) for r in range(len(self)) if lanes[r]]
+        results, error = [None] * len(work), None
+        for f in futures:
+            try:
+                for j, out in f.result():
+                    results[j] = out
+            except Exception as e:  # keep waiting for the other lanes, then raise
+                error = error or e
+        if error is not None:
+            raise error
+        return results
+
+    def encode_batches(self, batches) -> list:
+        """[(pixel_values, grid_thw), ...] -> one output per batch, batch j on replica j % len(self)."""
+        return self.map(lambda m, b: m.encode_pixels(*b), list(batches))
+
+    def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int = 8000) -> list:
+        from .model import prepare_images
+
+        single = not isinstance(images, (list, tuple))
+        prepared = prepare_images(self, [images] if single else list(images), min_image_tokens, max_image_tokens)
+        groups = spread([p[0].shape[0] for p in prepared], len(self))
+        outs = self.map(lambda m, g: m.encode_prepared([prepared[i] for i in g]), groups)
+        results = [None] * len(prepared)
+        for g, o in zip(groups, outs):
+            for i, emb in zip(g, o):
+                results[i] = emb
+        return results
+
+    def encode_pixels(self, pixel_values, grid_thw):
+        """A batch of images split across the replicas by patches; the output, in order, on devices[0]."""
+        import cupy
+
+        from .gemm import BF16
+
+        grid = np.asarray(grid_thw.get() if isinstance(grid_thw, cupy.ndarray) else grid_thw)
+        if grid.ndim != 2 or grid.shape[1] != 3 or not np.issubdtype(grid.dtype, np.integer):
+            raise ValueError(f"grid_thw must be an integer array of shape [images, 3], got {grid.dtype} {grid.shape}")
+        if isinstance(pixel_values, cupy.ndarray):
+            pixel_values = cupy.asnumpy(pixel_values)  # rows go to other GPUs: stage them once on the host
+        sizes = (grid[:, 0] * grid[:, 1] * grid[:, 2]).astype(np.int64)
+        if pixel_values.ndim != 2 or pixel_values.shape[0] != sizes.sum():
+            raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)} but grid_thw describes "
+                             f"{int(sizes.sum())} patches")
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        groups = spread(sizes.tolist(), len(self))
+        work = [(np.concatenate([pixel_values[starts[i]:starts[i + 1]] for i in g]), grid[g]) if g else None
+                for g in groups]
+        outs = self.map(lambda m, b: None if b is None else m.encode_pixels(*b), work)
+        d0 = self.devices[0]
+        with cupy.cuda.Device(d0):
+            result = cupy.empty((int(sizes.sum()) // 4, self.geometry.out_hidden_size), dtype=BF16)
+            tok_start = starts // 4
+            for g, o in zip(groups, outs):
+                row = 0
+                for i in g:
+                    t = int(sizes[i]) // 4
+                    part = o[row:row + t]
+                    if o.device.id != d0:
+                        result[tok_start[i]:tok_start[i] + t].data.copy_from_device(part.data, part.nbytes)
+                    else:
+                        result[tok_start[i]:tok_start[i] + t] = part
+                    row += t
+        return result
