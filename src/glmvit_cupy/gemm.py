@@ -7,6 +7,8 @@ each sub-layer to its float32 residual stream without a separate pass.
 
 from __future__ import annotations
 
+import weakref
+
 import cupy
 import ml_dtypes
 import numpy as np
@@ -26,8 +28,22 @@ def _rows(x, name):
     return x.strides[0] // x.itemsize
 
 
-def gemm(a: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray, beta: float = 0.0) -> cupy.ndarray:
-    """out = a @ w.T + beta * out, on the current stream. a: [M, K] bf16, w: [N, K] bf16."""
+class Handle:
+    """A cuBLAS handle of our own, bound once to one stream. CuPy refuses cublasSetStream while a
+    stream captures a CUDA graph; a handle that never needs it can be captured. Its own workspace
+    also keeps two models' graphs on one GPU from sharing (and racing on) CuPy's."""
+
+    def __init__(self, stream: cupy.cuda.Stream):
+        self.ptr = cublas.create()
+        self.stream = stream
+        cublas.setStream(self.ptr, stream.ptr)
+        self._finalizer = weakref.finalize(self, cublas.destroy, self.ptr)
+
+
+def gemm(a: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray, beta: float = 0.0,
+         handle: Handle | None = None) -> cupy.ndarray:
+    """out = a @ w.T + beta * out. a: [M, K] bf16, w: [N, K] bf16. Runs on `handle`'s stream, or
+    without one on the current stream through CuPy's handle."""
     if a.dtype != BF16 or w.dtype != BF16:
         raise TypeError(f"gemm: inputs must be bfloat16, got {a.dtype} and {w.dtype}")
     if out.dtype == BF16:
@@ -44,10 +60,13 @@ def gemm(a: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray, beta: float = 0.0)
         return out
     lda, ldw, ldo = _rows(a, "a"), _rows(w, "w"), _rows(out, "out")
     beta_h = _ONE if beta == 1.0 else _ZERO if beta == 0.0 else np.asarray(beta, np.float32)
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    if handle is None:
+        h = cupy.cuda.device.get_cublas_handle()
+        cublas.setStream(h, cupy.cuda.get_current_stream().ptr)
+    else:
+        h = handle.ptr
     # Row-major out = a w^T is column-major out^T = w a^T: cuBLAS sees w transposed, a as is.
-    cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, m, k,
+    cublas.gemmEx(h, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, m, k,
                   _ONE.ctypes.data, w.data.ptr, CUDA_R_16BF, ldw, a.data.ptr, CUDA_R_16BF, lda,
                   beta_h.ctypes.data, out.data.ptr, ctype, ldo, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
     return out

@@ -21,7 +21,7 @@ import numpy as np
 from .attention import FlashAttention
 from .checkpoint import TowerBinding, bind_tower, probe_tower
 from .config import VisionGeometry
-from .gemm import BF16, gemm
+from .gemm import BF16, Handle, gemm
 from .kernels import kernel
 from .preprocess import MERGE, prepare
 
@@ -163,6 +163,7 @@ class GlmVit:
             self.inv_freq = cupy.asarray(np.float32(1.0) / np.power(np.float32(geo.rope_theta), exps))
             self._kernels(attention_variant)
             self._stream = cupy.cuda.Stream(non_blocking=True)  # ours: graphs capture on it
+            self._blas = Handle(self._stream)
             self.device.synchronize()
         self.weight_bytes = binding.nbytes
         self.load_seconds = time.perf_counter() - t0
@@ -325,7 +326,7 @@ class GlmVit:
         """The whole forward from staged bf16 pixels to s["out"]: the part a CUDA graph captures."""
         s, n = self._scratch(), plan.n
         x = s["x"][:n]
-        gemm(s["pixels"][:n], self.patch_w, x)  # the bias is added by block 0's norm
+        self._gemm(s["pixels"][:n], self.patch_w, x)  # the bias is added by block 0's norm
         if ev is not None:
             ev.append(("patch_embed", self._stream.record()))
         bias = self.patch_b
@@ -338,6 +339,9 @@ class GlmVit:
         self.merge(x, bias, n, s["out"][:n // 4])
         if ev is not None:
             ev.append(("merger", self._stream.record()))
+
+    def _gemm(self, a, w, out, beta=0.0):
+        gemm(a, w, out, beta, handle=self._blas)
 
     def _capture(self, plan):
         stream = self._stream
@@ -393,12 +397,12 @@ class GlmVit:
         for r0 in range(0, n, self.QKV_CHUNK):
             rows = min(self.QKV_CHUNK, n - r0)
             qkv = s["qkv"][:rows]
-            gemm(nrm[r0:r0 + rows], blk.qkv_w, qkv)
+            self._gemm(nrm[r0:r0 + rows], blk.qkv_w, qkv)
             self.k_rope(_blocks(rows * heads * 32), (256,),
                         (qkv, blk.qkv_b, blk.q_norm, blk.k_norm, pos, self.inv_freq, q, k, v,
                          np.int32(rows), np.int32(r0), np.int32(heads), np.int32(d), np.float32(g.rms_norm_eps)))
         self.attn(q, k, v, o, plan.cu, plan.tile_seg, plan.tile_q0, heads)
-        gemm(o, blk.proj_w, x, beta=1.0)
+        self._gemm(o, blk.proj_w, x, beta=1.0)
 
     def mlp(self, blk: Block, x, n):
         """x += down(silu(min(gate, L)) * clamp(up, -L, L)), row chunk by row chunk."""
@@ -409,10 +413,10 @@ class GlmVit:
         for r0 in range(0, n, self.QKV_CHUNK):
             rows = min(self.QKV_CHUNK, n - r0)
             gu, act = s["gu"][:rows], s["act"][:rows]
-            gemm(nrm[r0:r0 + rows], blk.gate_up_w, gu)
+            self._gemm(nrm[r0:r0 + rows], blk.gate_up_w, gu)
             self.k_swiglu(_blocks(rows * inter), (256,),
                           (gu, blk.gate_b, blk.up_b, act, np.int64(rows), np.int32(inter), np.float32(g.swiglu_limit)))
-            gemm(act, blk.down_w, x[r0:r0 + rows], beta=1.0)
+            self._gemm(act, blk.down_w, x[r0:r0 + rows], beta=1.0)
 
     def merge(self, x, bias, n, out):
         """post_layernorm -> 2x2 im2col -> downsample conv -> merger MLP, into out [n/4, out_hidden]."""
@@ -424,15 +428,15 @@ class GlmVit:
         for r0 in range(0, n // 4, self.MERGER_CHUNK):
             rows = min(self.MERGER_CHUNK, n // 4 - r0)
             y, yb, mgu, mact = s["y"][:rows], s["yb"][:rows], s["mgu"][:rows], s["mact"][:rows]
-            gemm(cols[r0:r0 + rows], m.downsample_w, y)
+            self._gemm(cols[r0:r0 + rows], m.downsample_w, y)
             self.k_bias(_blocks(rows * oh), (256,), (y, m.downsample_b, yb, np.int64(rows), np.int32(oh)))
-            gemm(yb, m.proj_w, y)
+            self._gemm(yb, m.proj_w, y)
             self.k_ln_gelu((rows,), (256,), (y, m.norm_w, m.norm_b, yb, np.int32(rows), np.int32(oh),
                                              np.float32(1e-5)))
-            gemm(yb, m.gate_up_w, mgu)
+            self._gemm(yb, m.gate_up_w, mgu)
             self.k_swiglu(_blocks(rows * pi), (256,), (mgu, np.uint64(0), np.uint64(0), mact, np.int64(rows),
                                                        np.int32(pi), np.float32(g.swiglu_limit)))
-            gemm(mact, m.down_w, out[r0:r0 + rows])
+            self._gemm(mact, m.down_w, out[r0:r0 + rows])
 
     # -- images -------------------------------------------------------------------------
     def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int = 8000) -> list:
