@@ -232,6 +232,33 @@ def test_gemm_against_numpy(m, n, k):
     assert rel(cupy.asnumpy(acc), base + ref) < 1e-5
 
 
+def test_gemm_on_own_handle_is_capturable_and_equal():
+    """The model's path: a cuBLAS handle bound to its own stream, called through ctypes (so a CUDA
+    graph can capture it), gives the bits CuPy's handle gives; a captured GEMM replays with new data."""
+    from glmvit_cupy.gemm import Handle
+
+    m, n, k = 1003, 3072, 1024
+    stream = cupy.cuda.Stream(non_blocking=True)
+    h = Handle(stream)
+    assert h.capturable, "cublasGemmEx was not found in the loaded libcublas"
+    a, w = dev(bf(rng.standard_normal((m, k)))), dev(bf(rng.standard_normal((n, k)) / math.sqrt(k)))
+    want = cupy.full((m, n), np.nan, np.float32)
+    gemm(a, w, want)
+    with stream:
+        got = cupy.full((m, n), np.nan, np.float32)
+        gemm(a, w, got, handle=h)
+        stream.synchronize()
+        assert cupy.array_equal(got, want)
+        stream.begin_capture()
+        gemm(a, w, got, beta=1.0, handle=h)
+        graph = stream.end_capture()
+        a[...] = dev(bf(rng.standard_normal((m, k))))  # new data after capture: the replay must read it
+        ref = cupy.asnumpy(got) + cupy.asnumpy(a).astype(np.float32) @ cupy.asnumpy(w).astype(np.float32).T
+        graph.launch(stream)
+        stream.synchronize()
+    assert rel(cupy.asnumpy(got), ref) < 1e-5
+
+
 def test_gemm_rejects_bad_arguments():
     a = cupy.zeros((4, 8), BF)
     with pytest.raises(ValueError, match="do not agree"):

@@ -7,6 +7,7 @@ each sub-layer to its float32 residual stream without a separate pass.
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 
 import cupy
@@ -28,12 +29,39 @@ def _rows(x, name):
     return x.strides[0] // x.itemsize
 
 
+def _cublas_gemm_ex():
+    """cublasGemmEx of the libcublas CuPy loaded, called through ctypes, or None. CuPy's wrappers
+    re-bind the handle to the current stream on every call and refuse that during graph capture."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({ln.split()[-1] for ln in f if ln.rstrip().split("/")[-1].startswith("libcublas.so")})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).cublasGemmEx
+        except (OSError, AttributeError):
+            continue
+        p, i = ctypes.c_void_p, ctypes.c_int
+        fn.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]
+        fn.restype = i
+        return fn
+    return None
+
+
+_GEMM_EX = None
+
+
 class Handle:
     """A cuBLAS handle of our own, bound once to one stream. CuPy refuses cublasSetStream while a
     stream captures a CUDA graph; a handle that never needs it can be captured. Its own workspace
     also keeps two models' graphs on one GPU from sharing (and racing on) CuPy's."""
 
     def __init__(self, stream: cupy.cuda.Stream):
+        global _GEMM_EX
+        if _GEMM_EX is None:
+            _GEMM_EX = _cublas_gemm_ex() or False
+        self.capturable = bool(_GEMM_EX)
         self.ptr = cublas.create()
         self.stream = stream
         cublas.setStream(self.ptr, stream.ptr)
@@ -60,15 +88,18 @@ def gemm(a: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray, beta: float = 0.0,
         return out
     lda, ldw, ldo = _rows(a, "a"), _rows(w, "w"), _rows(out, "out")
     beta_h = _ONE if beta == 1.0 else _ZERO if beta == 0.0 else np.asarray(beta, np.float32)
-    if handle is None:
+    # Row-major out = a w^T is column-major out^T = w a^T: cuBLAS sees w transposed, a as is.
+    args = (cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, m, k, _ONE.ctypes.data, w.data.ptr, CUDA_R_16BF, ldw,
+            a.data.ptr, CUDA_R_16BF, lda, beta_h.ctypes.data, out.data.ptr, ctype, ldo, CUBLAS_COMPUTE_32F,
+            CUBLAS_GEMM_DEFAULT)
+    if handle is not None and handle.capturable:
+        cublas.check_status(_GEMM_EX(handle.ptr, *args))  # on the handle's own stream
+    elif handle is not None:
+        cublas.gemmEx(handle.ptr, *args)  # CuPy's wrapper: binds the handle to the current stream
+    else:
         h = cupy.cuda.device.get_cublas_handle()
         cublas.setStream(h, cupy.cuda.get_current_stream().ptr)
-    else:
-        h = handle.ptr
-    # Row-major out = a w^T is column-major out^T = w a^T: cuBLAS sees w transposed, a as is.
-    cublas.gemmEx(h, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, m, k,
-                  _ONE.ctypes.data, w.data.ptr, CUDA_R_16BF, ldw, a.data.ptr, CUDA_R_16BF, lda,
-                  beta_h.ctypes.data, out.data.ptr, ctype, ldo, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        cublas.gemmEx(h, *args)
     return out
 
 

@@ -308,7 +308,7 @@ class GlmVit:
             ev = [("start", stream.record())]
             self._stage_pixels(pixel_values, n)
             # A shape seen twice is worth a graph: ~250 launches become one (capture costs ~one forward).
-            if self.graphs and plan.graph is None and plan.uses and not plan.capture_failed:
+            if self.graphs and self._blas.capturable and plan.graph is None and plan.uses and not plan.capture_failed:
                 self._capture(plan)
             plan.uses += 1
             if self.graphs and plan.graph is not None:
