@@ -233,6 +233,80 @@ __device__ __forceinline__ void load_tile_sw(unsigned char* s, const bf16* g, in
     }
 }
 
+// One K/V tile's online softmax on the S accumulators of a 64 x BNW wgmma (this thread's rows g and
+// g + 8): mask keys at or past kvalid, update the running max and sum, rescale O (unless this is the
+// first tile), and pack P = exp2(S * scale - max) as the bf16 A fragments of the P V wgmma.
+template <int BNW>
+__device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float* acc, float& m0, float& m1, float& l0,
+                                             float& l1, int kvalid, int t, float scale_log2, bool rescale) {
+    if (kvalid < BNW) {
+#pragma unroll
+        for (int j = 0; j < BNW / 8; ++j) {
+            const int c = j * 8 + 2 * t;
+            if (c >= kvalid) s[4 * j] = s[4 * j + 2] = NEG_INF;
+            if (c + 1 >= kvalid) s[4 * j + 1] = s[4 * j + 3] = NEG_INF;
+        }
+    }
+    float mx0 = m0, mx1 = m1;
+#pragma unroll
+    for (int j = 0; j < BNW / 8; ++j) {
+        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]) * scale_log2);
+        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]) * scale_log2);
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float c0 = ex2(m0 - mx0), c1 = ex2(m1 - mx1);
+    m0 = mx0;
+    m1 = mx1;
+    float r0 = 0.f, r1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < BNW / 8; ++j) {
+        s[4 * j] = ex2(fmaf(s[4 * j], scale_log2, -mx0));
+        s[4 * j + 1] = ex2(fmaf(s[4 * j + 1], scale_log2, -mx0));
+        s[4 * j + 2] = ex2(fmaf(s[4 * j + 2], scale_log2, -mx1));
+        s[4 * j + 3] = ex2(fmaf(s[4 * j + 3], scale_log2, -mx1));
+        r0 += s[4 * j] + s[4 * j + 1];
+        r1 += s[4 * j + 2] + s[4 * j + 3];
+    }
+    l0 = l0 * c0 + r0;
+    l1 = l1 * c1 + r1;
+    if (rescale) {
+#pragma unroll
+        for (int j = 0; j < 64 / 8; ++j) {
+            acc[4 * j] *= c0; acc[4 * j + 1] *= c0;
+            acc[4 * j + 2] *= c1; acc[4 * j + 3] *= c1;
+        }
+    }
+#pragma unroll
+    for (int kk = 0; kk < BNW / 16; ++kk) {
+        pa[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
+        pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
+// O / l for this thread's two rows, stored as bf16 where the proj GEMM reads o.
+__device__ __forceinline__ void store_o_wg(bf16* o, const float* acc, float l0, float l1, int row0, int s1, long ld,
+                                           int col0, int t) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float i0 = 1.f / l0, i1 = 1.f / l1;
+    const int row1 = row0 + 8;
+#pragma unroll
+    for (int j = 0; j < 64 / 8; ++j) {
+        const int c = col0 + j * 8 + 2 * t;
+        if (row0 < s1)
+            *reinterpret_cast<unsigned*>(o + (long)row0 * ld + c) = pack_bf16(acc[4 * j] * i0, acc[4 * j + 1] * i0);
+        if (row1 < s1)
+            *reinterpret_cast<unsigned*>(o + (long)row1 * ld + c) = pack_bf16(acc[4 * j + 2] * i1, acc[4 * j + 3] * i1);
+    }
+}
+
 template <int NWG, int BNW, bool PIPE>
 __device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                                bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
@@ -305,55 +379,8 @@ __device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restric
         }
         wgmma_wait0();
 
-        const int kvalid = s1 - (s0 + it * BNW);
-        if (kvalid < BNW) {
-#pragma unroll
-            for (int j = 0; j < BNW / 8; ++j) {
-                const int c = j * 8 + 2 * t;
-                if (c >= kvalid) s[4 * j] = s[4 * j + 2] = NEG_INF;
-                if (c + 1 >= kvalid) s[4 * j + 1] = s[4 * j + 3] = NEG_INF;
-            }
-        }
-        float mx0 = m0, mx1 = m1;
-#pragma unroll
-        for (int j = 0; j < BNW / 8; ++j) {
-            mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]) * scale_log2);
-            mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]) * scale_log2);
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float c0 = ex2(m0 - mx0), c1 = ex2(m1 - mx1);
-        m0 = mx0;
-        m1 = mx1;
-        float r0 = 0.f, r1 = 0.f;
-#pragma unroll
-        for (int j = 0; j < BNW / 8; ++j) {
-            s[4 * j] = ex2(fmaf(s[4 * j], scale_log2, -mx0));
-            s[4 * j + 1] = ex2(fmaf(s[4 * j + 1], scale_log2, -mx0));
-            s[4 * j + 2] = ex2(fmaf(s[4 * j + 2], scale_log2, -mx1));
-            s[4 * j + 3] = ex2(fmaf(s[4 * j + 3], scale_log2, -mx1));
-            r0 += s[4 * j] + s[4 * j + 1];
-            r1 += s[4 * j + 2] + s[4 * j + 3];
-        }
-        l0 = l0 * c0 + r0;
-        l1 = l1 * c1 + r1;
-        if (it > 0) {
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                acc[4 * j] *= c0; acc[4 * j + 1] *= c0;
-                acc[4 * j + 2] *= c1; acc[4 * j + 3] *= c1;
-            }
-        }
         unsigned pa[BNW / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BNW / 16; ++kk) {
-            pa[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
-            pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-            pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
-            pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-        }
+        softmax_tile<BNW>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
         const unsigned long long dv = sw128_desc(sV + st * TILE);
         wgmma_fence();
 #pragma unroll
@@ -376,21 +403,7 @@ __device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restric
         }
     }
     wgmma_wait0();
-
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float i0 = 1.f / l0, i1 = 1.f / l1;
-    const int row0 = q0 + wg * 64 + warp * 16 + g, row1 = row0 + 8;
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-        const int c = h * D + j * 8 + 2 * t;
-        if (row0 < s1)
-            *reinterpret_cast<unsigned*>(o + (long)row0 * ld + c) = pack_bf16(acc[4 * j] * i0, acc[4 * j + 1] * i0);
-        if (row1 < s1)
-            *reinterpret_cast<unsigned*>(o + (long)row1 * ld + c) = pack_bf16(acc[4 * j + 2] * i1, acc[4 * j + 3] * i1);
-    }
+    store_o_wg(o, acc, l0, l1, q0 + wg * 64 + warp * 16 + g, s1, ld, h * D, t);
 #else
     __trap();  // built for a device without sm_90a's wgmma: the caller picks the mma.sync kernel
 #endif
@@ -410,3 +423,192 @@ FLASH90_ENTRY(2, 64, 2, false, )
 FLASH90_ENTRY(3, 128, 1, false, )
 FLASH90_ENTRY(1, 128, 2, true, _p)
 FLASH90_ENTRY(3, 128, 1, true, _p)
+
+// ---------------------------------------------------------------------------------------------
+// Hopper, warp-specialised: a producer warpgroup streams K/V through STAGES shared-memory slots
+// with cp.async, each slot guarded by a "full" mbarrier (completed by the copies themselves) and an
+// "empty" one (one arrival per consumer warp once its wgmmas have read the slot). NC consumer
+// warpgroups own 64 query rows each and never meet at a CTA-wide barrier; they take turns issuing
+// their wgmmas (named barriers, round robin), so one warpgroup's softmax runs while another's
+// P V and Q K^T keep the tensor cores busy. Registers move from the producer to the consumers
+// (setmaxnreg).
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Arrives once every cp.async this thread issued before it has landed (the count was set for it).
+__device__ __forceinline__ void mbar_arrive_copies(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    unsigned done = 0;
+    while (!done) {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    }
+}
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// ROWS rows of 64 bf16 into a 128B-swizzled tile, by the 128 threads of one warpgroup (tid 0..127).
+template <int ROWS>
+__device__ __forceinline__ void load_tile_wg(unsigned char* s, const bf16* g, int valid, long ld, int tid) {
+#pragma unroll 4
+    for (int i = tid; i < ROWS * 8; i += 128) {
+        const int r = i >> 3, c = i & 7;
+        const bool ok = r < valid;
+        cp16(s + sw128(r, c), g + (ok ? (long)r * ld + c * 8 : 0), ok);
+    }
+}
+
+template <int NC, int STAGES, int CREG, bool FUSED>
+__device__ void flash_fwd_sm90_ws(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                                  bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
+                                  const int* __restrict__ tile_q0, int heads, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int D = 64, BNW = 128, BM = 64 * NC, TILE = BNW * 128;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ __align__(8) unsigned long long bars[1 + 2 * STAGES];  // q, full[STAGES], empty[STAGES]
+    unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    unsigned char* sQ = base;
+    unsigned char* sK = sQ + BM * 128;
+    unsigned char* sV = sK + STAGES * TILE;
+    const unsigned qbar = smem_u32(&bars[0]), full0 = smem_u32(&bars[1]), empty0 = smem_u32(&bars[1 + STAGES]);
+
+    const int tile = blockIdx.x, h = blockIdx.y;
+    const int seg = tile_seg[tile];
+    const int s0 = cu[seg], s1 = cu[seg + 1];
+    const int q0 = tile_q0[tile];
+    const long ld = (long)heads * D;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int ntiles = (s1 - s0 + BNW - 1) / BNW;
+
+    if (threadIdx.x == 0) {
+        mbar_init(qbar, 128);
+#pragma unroll
+        for (int i = 0; i < STAGES; ++i) {
+            mbar_init(full0 + 8 * i, 128);
+            mbar_init(empty0 + 8 * i, NC * 4);
+        }
+    }
+    __syncthreads();
+
+    if (wg == NC) {  // the producer warpgroup
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        const int tid = threadIdx.x - NC * 128;
+        load_tile_wg<BM>(sQ, q + (long)q0 * ld + h * D, s1 - q0, ld, tid);
+        mbar_arrive_copies(qbar);
+        for (int it = 0; it < ntiles; ++it) {
+            const int st = it % STAGES;
+            if (it >= STAGES) mbar_wait(empty0 + 8 * st, ((it / STAGES) - 1) & 1);
+            const int kb = s0 + it * BNW;
+            load_tile_wg<BNW>(sK + st * TILE, k + (long)kb * ld + h * D, s1 - kb, ld, tid);
+            load_tile_wg<BNW>(sV + st * TILE, v + (long)kb * ld + h * D, s1 - kb, ld, tid);
+            mbar_arrive_copies(full0 + 8 * st);
+        }
+        cp_wait_all();
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CREG) : "memory");
+    const int g = lane >> 2, t = lane & 3;
+    const int turn = 1 + wg, next = 1 + (wg + 1) % NC;  // named barriers 1..NC: whose turn to issue
+    if (NC > 1 && wg == NC - 1) named_arrive(1, 256);    // warpgroup 0 goes first
+    mbar_wait(qbar, 0);
+    fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+    const unsigned long long dq = sw128_desc(sQ + wg * 64 * 128);
+
+    float acc[32];
+    float s[BNW / 2];
+    unsigned pa[BNW / 16][4];
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+
+    auto issue_s = [&](int st) {
+        const unsigned long long dk = sw128_desc(sK + st * TILE);
+        wgmma_ss_n128_init(s, dq, dk);
+#pragma unroll
+        for (int kk = 1; kk < D / 16; ++kk) wgmma_ss_n128(s, dq + 2 * kk, dk + 2 * kk, 1);
+    };
+    auto issue_pv = [&](int st, bool accumulate) {
+        const unsigned long long dv = sw128_desc(sV + st * TILE);
+#pragma unroll
+        for (int kk = 0; kk < BNW / 16; ++kk) wgmma_rs_n64_tb(acc, pa[kk], dv + kk * (2048 >> 4), accumulate || kk > 0);
+    };
+
+    if constexpr (FUSED) {
+        // Per turn: P V of the previous tile and Q K^T of this one, back to back (no wgmma sits in a
+        // branch: the first tile is peeled).
+        mbar_wait(full0, 0);
+        fence_proxy_async();
+        if (NC > 1) named_sync(turn, 256);
+        wgmma_fence();
+        issue_s(0);
+        wgmma_commit();
+        if (NC > 1 && !(wg == NC - 1 && ntiles == 1)) named_arrive(next, 256);
+        wgmma_wait0();
+        softmax_tile<BNW>(s, pa, acc, m0, m1, l0, l1, s1 - s0, t, scale_log2, false);
+        for (int it = 1; it < ntiles; ++it) {
+            const int st = it % STAGES, prev = (it - 1) % STAGES;
+            mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
+            fence_proxy_async();
+            if (NC > 1) named_sync(turn, 256);
+            wgmma_fence();
+            issue_pv(prev, it > 1);
+            issue_s(st);
+            wgmma_commit();
+            if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
+            wgmma_wait0();
+            if (lane == 0) mbar_arrive(empty0 + 8 * prev);  // both its wgmmas have read it
+            softmax_tile<BNW>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, true);
+        }
+        wgmma_fence();
+        issue_pv((ntiles - 1) % STAGES, ntiles > 1);
+        wgmma_commit();
+        wgmma_wait0();
+    } else {
+        // Per turn: Q K^T only; softmax and P V follow outside the turn (fewer live registers).
+        for (int it = 0; it < ntiles; ++it) {
+            const int st = it % STAGES;
+            mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
+            fence_proxy_async();
+            if (NC > 1) named_sync(turn, 256);
+            wgmma_fence();
+            issue_s(st);
+            wgmma_commit();
+            if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
+            wgmma_wait0();
+            softmax_tile<BNW>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
+            wgmma_fence();
+            issue_pv(st, it > 0);
+            wgmma_commit();
+            wgmma_wait0();
+            if (lane == 0) mbar_arrive(empty0 + 8 * st);
+        }
+    }
+    store_o_wg(o, acc, l0, l1, q0 + wg * 64 + warp * 16 + g, s1, ld, h * D, t);
+#else
+    __trap();
+#endif
+}
+
+#define FLASH90_WS_ENTRY(NC, STAGES, CREG, FUSED, SUFFIX)                                                   \
+    extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) flash90_attn_d64_ws##NC##_s##STAGES##SUFFIX( \
+        const bf16* q, const bf16* k, const bf16* v, bf16* o, const int* cu, const int* tile_seg,         \
+        const int* tile_q0, int heads, float scale_log2) {                                                 \
+        flash_fwd_sm90_ws<NC, STAGES, CREG, FUSED>(q, k, v, o, cu, tile_seg, tile_q0, heads, scale_log2);  \
+    }
+
+// (consumer warpgroups, K/V slots, consumer registers after setmaxnreg, P V fused into the turn, suffix)
+FLASH90_WS_ENTRY(2, 2, 232, true, _f)
+FLASH90_WS_ENTRY(2, 3, 232, true, _f)
+FLASH90_WS_ENTRY(3, 2, 152, true, _f)
+FLASH90_WS_ENTRY(2, 2, 232, false, )
+FLASH90_WS_ENTRY(2, 3, 232, false, )
+FLASH90_WS_ENTRY(3, 2, 152, false, )
+FLASH90_WS_ENTRY(3, 3, 152, false, )

@@ -11,12 +11,13 @@ def test_modules_and_kernels_the_engine_uses_exist():
     assert set(kernel_names("activations")) == {"swiglu_clamp", "bias_to_bf16", "f32_to_bf16"}
     assert kernel_names("rotary") == ["qk_norm_rope"]
     attention = set(kernel_names("attention"))
-    assert all(name in attention for name, _, _ in VARIANTS.values())
+    assert all(name in attention for name, _, _, _ in VARIANTS.values())
 
 
 def test_attention_variant_choice():
     assert default_variant(64, "90").startswith("sm90")  # wgmma on Hopper
     assert default_variant(64, "80") == "sm80_d64_w4"  # mma.sync elsewhere
     assert default_variant(128, "90") == "sm80_d128_w4"  # the wgmma kernel is head_dim 64 only
-    for _, rows, smem in VARIANTS.values():
+    for _, rows, smem, threads in VARIANTS.values():
         assert rows % 64 == 0 and smem <= 227 * 1024  # an H100/H200 SM's shared memory
+        assert threads % 128 == 0 and threads <= 512

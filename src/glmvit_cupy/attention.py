@@ -10,18 +10,24 @@ import numpy as np
 
 from .kernels import kernel
 
-# name -> (kernel, query rows per CTA, dynamic shared memory bytes); see cuda/attention.cu.
+# name -> (kernel, query rows per CTA, dynamic shared memory bytes, threads); see cuda/attention.cu.
+_KV = 2 * 128 * 128  # one K and one V tile of 128 keys x 64 bf16
 VARIANTS = {
-    "sm90_g1_n64": ("flash90_attn_d64_g1_n64", 64, 64 * 128 + 4 * 64 * 128 + 1024),
-    "sm90_g2_n64": ("flash90_attn_d64_g2_n64", 128, 128 * 128 + 4 * 64 * 128 + 1024),
-    "sm90_g1_n128": ("flash90_attn_d64_g1_n128", 64, 64 * 128 + 4 * 128 * 128 + 1024),
-    "sm90_g3_n128": ("flash90_attn_d64_g3_n128", 192, 192 * 128 + 4 * 128 * 128 + 1024),
-    "sm90_g1_n128_pipe": ("flash90_attn_d64_g1_n128_p", 64, 64 * 128 + 6 * 128 * 128 + 1024),
-    "sm90_g3_n128_pipe": ("flash90_attn_d64_g3_n128_p", 192, 192 * 128 + 6 * 128 * 128 + 1024),
+    "sm90_g1_n64": ("flash90_attn_d64_g1_n64", 64, 64 * 128 + 4 * 64 * 128 + 1024, 128),
+    "sm90_g2_n64": ("flash90_attn_d64_g2_n64", 128, 128 * 128 + 4 * 64 * 128 + 1024, 256),
+    "sm90_g1_n128": ("flash90_attn_d64_g1_n128", 64, 64 * 128 + 2 * _KV + 1024, 128),
+    "sm90_g3_n128": ("flash90_attn_d64_g3_n128", 192, 192 * 128 + 2 * _KV + 1024, 384),
+    "sm90_g1_n128_pipe": ("flash90_attn_d64_g1_n128_p", 64, 64 * 128 + 3 * _KV + 1024, 128),
+    "sm90_g3_n128_pipe": ("flash90_attn_d64_g3_n128_p", 192, 192 * 128 + 3 * _KV + 1024, 384),
 }
+# Warp-specialised: NC consumer warpgroups (64 query rows each) + one producer warpgroup, S K/V slots;
+# "_f" issues the previous tile's P V together with this tile's Q K^T.
+for _nc, _st, _f in ((2, 2, ""), (2, 3, ""), (3, 2, ""), (3, 3, ""), (2, 2, "_f"), (2, 3, "_f"), (3, 2, "_f")):
+    VARIANTS[f"sm90_ws{_nc}_s{_st}{_f}"] = (f"flash90_attn_d64_ws{_nc}_s{_st}{_f}", 64 * _nc,
+                                           64 * _nc * 128 + _st * _KV + 1024, 128 * (_nc + 1))
 for _d in (32, 64, 128):
-    VARIANTS[f"sm80_d{_d}_w4"] = (f"flash_attn_d{_d}_w4", 64, (64 + 4 * 64) * (_d + 8) * 2)
-VARIANTS["sm80_d64_w8"] = ("flash_attn_d64_w8", 128, (128 + 4 * 64) * 72 * 2)
+    VARIANTS[f"sm80_d{_d}_w4"] = (f"flash_attn_d{_d}_w4", 64, (64 + 4 * 64) * (_d + 8) * 2, 128)
+VARIANTS["sm80_d64_w8"] = ("flash_attn_d64_w8", 128, (128 + 4 * 64) * 72 * 2, 256)
 
 SM90_DEFAULT = "sm90_g3_n128"  # fastest measured on the H200 (benchmarks/bench_kernels.py, docs/PERFORMANCE.md)
 
@@ -40,7 +46,7 @@ class FlashAttention:
 
         cc = cupy.cuda.Device().compute_capability
         self.variant = variant or default_variant(head_dim, cc)
-        name, self.rows, self.smem = VARIANTS[self.variant]
+        name, self.rows, self.smem, self.threads = VARIANTS[self.variant]
         self.head_dim = head_dim
         self.kernel = kernel("attention", name)
         self.kernel.max_dynamic_shared_size_bytes = self.smem
@@ -56,6 +62,5 @@ class FlashAttention:
         return np.array(seg, np.int32), np.array(q0, np.int32)
 
     def __call__(self, q, k, v, o, cu, tile_seg, tile_q0, heads: int):
-        threads = 128 * (self.rows // 64) if self.variant.startswith("sm90") else 2 * self.rows
-        self.kernel((len(tile_q0), heads), (threads,),
+        self.kernel((len(tile_q0), heads), (self.threads,),
                     (q, k, v, o, cu, tile_seg, tile_q0, np.int32(heads), self.scale_log2), shared_mem=self.smem)

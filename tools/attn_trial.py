@@ -1,0 +1,58 @@
+"""Try attention variants one subprocess each (a hung or faulting kernel costs one line, not the run):
+correctness on the issue's segment mixes, then TFLOP/s beside torch SDPA at 16 heads x 64.
+
+    python tools/attn_trial.py sm90_ws2_s2 sm90_ws3_s2 ...      (default: every sm90 variant)
+"""
+
+import os
+import subprocess
+import sys
+
+CHILD = r"""
+import sys, numpy as np, cupy
+sys.path[:0] = ["src", "."]
+from tests.test_kernels_gpu import run_attention
+import ml_dtypes
+from benchmarks.common import time_ms
+BF, H = ml_dtypes.bfloat16, 1024
+rng = cupy.random.default_rng(0)
+def rnd(shape, dtype):
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+from glmvit_cupy.attention import FlashAttention
+v = sys.argv[1]
+errs = [run_attention(l, variant=v) for l in ([1], [7], [63, 64, 65], [1000])]
+errs.append(run_attention(list(np.random.default_rng(1).integers(1, 700, 16)), sample=800, variant=v))
+errs.append(run_attention([32000], heads=2, sample=256, variant=v))
+attn = FlashAttention(64, v)
+perf = []
+for n in (4096, 16384, 32000):
+    q, k, vv, o = (rnd((n, H), BF) for _ in range(4))
+    cu_h = np.array([0, n], np.int32)
+    ts, tq = (cupy.asarray(a) for a in attn.tiles(cu_h))
+    ms = time_ms(lambda: attn(q, k, vv, o, cupy.asarray(cu_h), ts, tq, 16))
+    perf.append(4 * n * n * H / ms / 1e9)
+print(f"| {v} | {max(errs):.2e} | " + " | ".join(f"{p:.0f}" for p in perf) + " |")
+"""
+
+
+def main():
+    sys.path[:0] = ["src"]
+    from glmvit_cupy.attention import VARIANTS
+
+    names = sys.argv[1:] or [v for v in VARIANTS if v.startswith("sm90")]
+    print("| variant | max rel L2 | TFLOP/s 4096 | 16384 | 32000 |\n|---|---|---|---|---|")
+    sys.stdout.flush()
+    for v in names:
+        try:
+            r = subprocess.run([sys.executable, "-c", CHILD, v], capture_output=True, text=True, timeout=90,
+                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(["src", ".", os.environ.get("PYTHONPATH", "")])))
+            line = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
+            print(line[-1] if line and r.returncode == 0 else f"| {v} | FAILED rc={r.returncode}: "
+                  f"{(r.stderr.strip().splitlines() or ['?'])[-1][:200]} | | | |")
+        except subprocess.TimeoutExpired:
+            print(f"| {v} | HUNG (killed after 90 s) | | | |")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
