@@ -467,7 +467,7 @@ __device__ __forceinline__ void load_tile_wg(unsigned char* s, const bf16* g, in
     }
 }
 
-template <int NC, int STAGES, int CREG, bool FUSED>
+template <int NC, int STAGES, int CREG>
 __device__ void flash_fwd_sm90_ws(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                                   bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
                                   const int* __restrict__ tile_q0, int heads, float scale_log2) {
@@ -541,55 +541,25 @@ __device__ void flash_fwd_sm90_ws(const bf16* __restrict__ q, const bf16* __rest
         for (int kk = 0; kk < BNW / 16; ++kk) wgmma_rs_n64_tb(acc, pa[kk], dv + kk * (2048 >> 4), accumulate || kk > 0);
     };
 
-    if constexpr (FUSED) {
-        // Per turn: P V of the previous tile and Q K^T of this one, back to back (no wgmma sits in a
-        // branch: the first tile is peeled).
-        mbar_wait(full0, 0);
+    // A turn is one warpgroup issuing its Q K^T; its softmax and P V follow outside the turn, while
+    // the next warpgroup's Q K^T runs. (Issuing the previous tile's P V inside the turn as well,
+    // FA3's intra-warpgroup overlap, measured 25-40% slower here: docs/PERFORMANCE.md.)
+    for (int it = 0; it < ntiles; ++it) {
+        const int st = it % STAGES;
+        mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
         fence_proxy_async();
         if (NC > 1) named_sync(turn, 256);
         wgmma_fence();
-        issue_s(0);
+        issue_s(st);
         wgmma_commit();
-        if (NC > 1 && !(wg == NC - 1 && ntiles == 1)) named_arrive(next, 256);
+        if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
         wgmma_wait0();
-        softmax_tile<BNW>(s, pa, acc, m0, m1, l0, l1, s1 - s0, t, scale_log2, false);
-        for (int it = 1; it < ntiles; ++it) {
-            const int st = it % STAGES, prev = (it - 1) % STAGES;
-            mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
-            fence_proxy_async();
-            if (NC > 1) named_sync(turn, 256);
-            wgmma_fence();
-            issue_pv(prev, it > 1);
-            issue_s(st);
-            wgmma_commit();
-            if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
-            wgmma_wait0();
-            if (lane == 0) mbar_arrive(empty0 + 8 * prev);  // both its wgmmas have read it
-            softmax_tile<BNW>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, true);
-        }
+        softmax_tile<BNW>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
         wgmma_fence();
-        issue_pv((ntiles - 1) % STAGES, ntiles > 1);
+        issue_pv(st, it > 0);
         wgmma_commit();
         wgmma_wait0();
-    } else {
-        // Per turn: Q K^T only; softmax and P V follow outside the turn (fewer live registers).
-        for (int it = 0; it < ntiles; ++it) {
-            const int st = it % STAGES;
-            mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
-            fence_proxy_async();
-            if (NC > 1) named_sync(turn, 256);
-            wgmma_fence();
-            issue_s(st);
-            wgmma_commit();
-            if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
-            wgmma_wait0();
-            softmax_tile<BNW>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
-            wgmma_fence();
-            issue_pv(st, it > 0);
-            wgmma_commit();
-            wgmma_wait0();
-            if (lane == 0) mbar_arrive(empty0 + 8 * st);
-        }
+        if (lane == 0) mbar_arrive(empty0 + 8 * st);  // both wgmmas that read the slot are done
     }
     store_o_wg(o, acc, l0, l1, q0 + wg * 64 + warp * 16 + g, s1, ld, h * D, t);
 #else
@@ -597,18 +567,15 @@ __device__ void flash_fwd_sm90_ws(const bf16* __restrict__ q, const bf16* __rest
 #endif
 }
 
-#define FLASH90_WS_ENTRY(NC, STAGES, CREG, FUSED, SUFFIX)                                                   \
-    extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) flash90_attn_d64_ws##NC##_s##STAGES##SUFFIX( \
+#define FLASH90_WS_ENTRY(NC, STAGES, CREG)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) flash90_attn_d64_ws##NC##_s##STAGES(   \
         const bf16* q, const bf16* k, const bf16* v, bf16* o, const int* cu, const int* tile_seg,         \
         const int* tile_q0, int heads, float scale_log2) {                                                 \
-        flash_fwd_sm90_ws<NC, STAGES, CREG, FUSED>(q, k, v, o, cu, tile_seg, tile_q0, heads, scale_log2);  \
+        flash_fwd_sm90_ws<NC, STAGES, CREG>(q, k, v, o, cu, tile_seg, tile_q0, heads, scale_log2);         \
     }
 
-// (consumer warpgroups, K/V slots, consumer registers after setmaxnreg, P V fused into the turn, suffix)
-FLASH90_WS_ENTRY(2, 2, 232, true, _f)
-FLASH90_WS_ENTRY(2, 3, 232, true, _f)
-FLASH90_WS_ENTRY(3, 2, 152, true, _f)
-FLASH90_WS_ENTRY(2, 2, 232, false, )
-FLASH90_WS_ENTRY(2, 3, 232, false, )
-FLASH90_WS_ENTRY(3, 2, 152, false, )
-FLASH90_WS_ENTRY(3, 3, 152, false, )
+// (consumer warpgroups, K/V slots, consumer registers after setmaxnreg: the producer keeps 40)
+FLASH90_WS_ENTRY(2, 2, 232)
+FLASH90_WS_ENTRY(2, 3, 232)
+FLASH90_WS_ENTRY(3, 2, 152)
+FLASH90_WS_ENTRY(3, 3, 152)

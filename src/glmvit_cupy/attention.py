@@ -20,16 +20,15 @@ VARIANTS = {
     "sm90_g1_n128_pipe": ("flash90_attn_d64_g1_n128_p", 64, 64 * 128 + 3 * _KV + 1024, 128),
     "sm90_g3_n128_pipe": ("flash90_attn_d64_g3_n128_p", 192, 192 * 128 + 3 * _KV + 1024, 384),
 }
-# Warp-specialised: NC consumer warpgroups (64 query rows each) + one producer warpgroup, S K/V slots;
-# "_f" issues the previous tile's P V together with this tile's Q K^T.
-for _nc, _st, _f in ((2, 2, ""), (2, 3, ""), (3, 2, ""), (3, 3, ""), (2, 2, "_f"), (2, 3, "_f"), (3, 2, "_f")):
-    VARIANTS[f"sm90_ws{_nc}_s{_st}{_f}"] = (f"flash90_attn_d64_ws{_nc}_s{_st}{_f}", 64 * _nc,
-                                           64 * _nc * 128 + _st * _KV + 1024, 128 * (_nc + 1))
+# Warp-specialised: NC consumer warpgroups (64 query rows each) + one producer warpgroup, S K/V slots.
+for _nc, _st in ((2, 2), (2, 3), (3, 2), (3, 3)):
+    VARIANTS[f"sm90_ws{_nc}_s{_st}"] = (f"flash90_attn_d64_ws{_nc}_s{_st}", 64 * _nc,
+                                       64 * _nc * 128 + _st * _KV + 1024, 128 * (_nc + 1))
 for _d in (32, 64, 128):
     VARIANTS[f"sm80_d{_d}_w4"] = (f"flash_attn_d{_d}_w4", 64, (64 + 4 * 64) * (_d + 8) * 2, 128)
 VARIANTS["sm80_d64_w8"] = ("flash_attn_d64_w8", 128, (128 + 4 * 64) * 72 * 2, 256)
 
-SM90_DEFAULT = "sm90_g3_n128"  # fastest measured on the H200 (benchmarks/bench_kernels.py, docs/PERFORMANCE.md)
+SM90_DEFAULT = "sm90_ws3_s3"  # fastest measured on the H200 (benchmarks/bench_kernels.py, docs/PERFORMANCE.md)
 
 
 def default_variant(head_dim: int, compute_capability: str) -> str:
