@@ -54,6 +54,100 @@ __device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int rows, int 
     }
 }
 
+// The CTA's query tile: head blockIdx.y, tile blockIdx.x of segment [s0, s1), first row q0; rows of
+// q/k/v/o are ld elements apart (all heads side by side).
+struct QTile {
+    int h, s0, s1, q0;
+    long ld;
+};
+__device__ __forceinline__ QTile query_tile(const int* cu, const int* tile_seg, const int* tile_q0, int heads, int d) {
+    const int seg = tile_seg[blockIdx.x];
+    return {static_cast<int>(blockIdx.y), cu[seg], cu[seg + 1], tile_q0[blockIdx.x], (long)heads * d};
+}
+
+// 2^x on the special-function unit; x <= 0 here (scores minus their running max), -inf -> 0.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// One K/V tile's online softmax on this thread's S accumulators (rows g and g + 8 of its 16-row
+// slice; the m16n8 mma.sync and the m64nN wgmma lay them out alike: 4 values per 8 keys): mask keys at or past kvalid, update the running max and sum, rescale O (unless this is the
+// first tile; NACC floats of O per thread), and pack P = exp2(S * scale - max) as the bf16 A
+// fragments of the P V MMA (the same register layout for mma.sync m16n8k16 and wgmma RS).
+template <int BNW, int NACC>
+__device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float* acc, float& m0, float& m1, float& l0,
+                                             float& l1, int kvalid, int t, float scale_log2, bool rescale) {
+    if (kvalid < BNW) {
+#pragma unroll
+        for (int j = 0; j < BNW / 8; ++j) {
+            const int c = j * 8 + 2 * t;
+            if (c >= kvalid) s[4 * j] = s[4 * j + 2] = NEG_INF;
+            if (c + 1 >= kvalid) s[4 * j + 1] = s[4 * j + 3] = NEG_INF;
+        }
+    }
+    float mx0 = m0, mx1 = m1;
+#pragma unroll
+    for (int j = 0; j < BNW / 8; ++j) {
+        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]) * scale_log2);
+        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]) * scale_log2);
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float c0 = ex2(m0 - mx0), c1 = ex2(m1 - mx1);
+    m0 = mx0;
+    m1 = mx1;
+    float r0 = 0.f, r1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < BNW / 8; ++j) {
+        s[4 * j] = ex2(fmaf(s[4 * j], scale_log2, -mx0));
+        s[4 * j + 1] = ex2(fmaf(s[4 * j + 1], scale_log2, -mx0));
+        s[4 * j + 2] = ex2(fmaf(s[4 * j + 2], scale_log2, -mx1));
+        s[4 * j + 3] = ex2(fmaf(s[4 * j + 3], scale_log2, -mx1));
+        r0 += s[4 * j] + s[4 * j + 1];
+        r1 += s[4 * j + 2] + s[4 * j + 3];
+    }
+    l0 = l0 * c0 + r0;
+    l1 = l1 * c1 + r1;
+    if (rescale) {
+#pragma unroll
+        for (int j = 0; j < NACC / 4; ++j) {
+            acc[4 * j] *= c0; acc[4 * j + 1] *= c0;
+            acc[4 * j + 2] *= c1; acc[4 * j + 3] *= c1;
+        }
+    }
+#pragma unroll
+    for (int kk = 0; kk < BNW / 16; ++kk) {
+        pa[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
+        pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
+// O / l for this thread's two rows, stored as bf16 where the proj GEMM reads o.
+template <int D>
+__device__ __forceinline__ void store_o(bf16* o, const float* acc, float l0, float l1, int row0, int s1, long ld,
+                                        int col0, int t) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float i0 = 1.f / l0, i1 = 1.f / l1;
+    const int row1 = row0 + 8;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        const int c = col0 + j * 8 + 2 * t;
+        if (row0 < s1)
+            *reinterpret_cast<unsigned*>(o + (long)row0 * ld + c) = pack_bf16(acc[4 * j] * i0, acc[4 * j + 1] * i0);
+        if (row1 < s1)
+            *reinterpret_cast<unsigned*>(o + (long)row1 * ld + c) = pack_bf16(acc[4 * j + 2] * i1, acc[4 * j + 3] * i1);
+    }
+}
+
 template <int D, int NW>
 __device__ void flash_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                           bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
@@ -64,11 +158,7 @@ __device__ void flash_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     bf16* sK = sQ + BM * LDS;          // [2][BN][LDS]
     bf16* sV = sK + 2 * BN * LDS;      // [2][BN][LDS]
 
-    const int tile = blockIdx.x, h = blockIdx.y;
-    const int seg = tile_seg[tile];
-    const int s0 = cu[seg], s1 = cu[seg + 1];
-    const int q0 = tile_q0[tile];
-    const long ld = (long)heads * D;
+    const auto [h, s0, s1, q0, ld] = query_tile(cu, tile_seg, tile_q0, heads, D);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
 
@@ -118,81 +208,26 @@ __device__ void flash_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
                 mma16816(s[j + 1], qf[kk], b2, b3);
             }
         }
-        // Keys past the segment's end do not exist.
-        const int kvalid = s1 - (s0 + it * BN);
-        if (kvalid < BN) {
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                const int c = j * 8 + 2 * t;
-                if (c >= kvalid) s[j][0] = s[j][2] = NEG_INF;
-                if (c + 1 >= kvalid) s[j][1] = s[j][3] = NEG_INF;
-            }
-        }
-        // Online softmax on rows g (values 0,1) and g + 8 (values 2,3), in log2 units.
-        float mx0 = m0, mx1 = m1;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]) * scale_log2);
-            mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]) * scale_log2);
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
-        m0 = mx0;
-        m1 = mx1;
-        float r0 = 0.f, r1 = 0.f;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            s[j][0] = exp2f(s[j][0] * scale_log2 - mx0);
-            s[j][1] = exp2f(s[j][1] * scale_log2 - mx0);
-            s[j][2] = exp2f(s[j][2] * scale_log2 - mx1);
-            s[j][3] = exp2f(s[j][3] * scale_log2 - mx1);
-            r0 += s[j][0] + s[j][1];
-            r1 += s[j][2] + s[j][3];
-        }
-        l0 = l0 * c0 + r0;
-        l1 = l1 * c1 + r1;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            acc[j][0] *= c0; acc[j][1] *= c0;
-            acc[j][2] *= c1; acc[j][3] *= c1;
-        }
-        // O += P V, P re-packed from the S accumulators as bf16 A fragments.
+        // Keys past the segment's end do not exist; online softmax in log2 units; P as A fragments.
+        unsigned pa[BN / 16][4];
+        softmax_tile<BN, D / 2>(&s[0][0], pa, &acc[0][0], m0, m1, l0, l1, s1 - (s0 + it * BN), t, scale_log2, true);
+        // O += P V.
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            unsigned a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
             for (int j = 0; j < D / 8; j += 2) {
                 unsigned b0, b1, b2, b3;
                 ldsm_x4_t(b0, b1, b2, b3,
                           V + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + j * 8 + (lane >> 4) * 8);
-                mma16816(acc[j], a, b0, b1);
-                mma16816(acc[j + 1], a, b2, b3);
+                mma16816(acc[j], pa[kk], b0, b1);
+                mma16816(acc[j + 1], pa[kk], b2, b3);
             }
         }
         cp_wait_all();
         __syncthreads();
     }
 
-    // Row sums live split over the 4 threads of a row.
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float i0 = 1.f / l0, i1 = 1.f / l1;
-    const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-        const int c = h * D + j * 8 + 2 * t;
-        if (row0 < s1)
-            *reinterpret_cast<unsigned*>(o + (long)row0 * ld + c) = pack_bf16(acc[j][0] * i0, acc[j][1] * i0);
-        if (row1 < s1)
-            *reinterpret_cast<unsigned*>(o + (long)row1 * ld + c) = pack_bf16(acc[j][2] * i1, acc[j][3] * i1);
-    }
+    store_o<D>(o, &acc[0][0], l0, l1, q0 + warp * 16 + g, s1, ld, h * D, t);
 }
 
 #define FLASH_ENTRY(D, NW)                                                                                  \
@@ -207,13 +242,6 @@ FLASH_ENTRY(64, 4)
 FLASH_ENTRY(64, 8)
 FLASH_ENTRY(128, 4)
 
-// 2^x on the special-function unit; x <= 0 here (scores minus their running max), -inf -> 0.
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Hopper path (sm_90a): the same algorithm on warpgroup MMA. Each warpgroup (128 threads) owns 64
 // query rows; S = Q K^T reads Q and K straight from 128B-swizzled shared memory (wgmma SS), and
@@ -224,86 +252,14 @@ __device__ __forceinline__ float ex2(float x) {
 // Byte offset of 16-byte chunk c of row r in a 128B-swizzled tile of 128-byte rows.
 __device__ __forceinline__ int sw128(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
 
+// ROWS rows of 64 bf16 into a 128B-swizzled tile, by NT threads numbered tid = 0..NT-1.
 template <int ROWS, int NT>
-__device__ __forceinline__ void load_tile_sw(unsigned char* s, const bf16* g, int valid, long ld) {
-    for (int i = threadIdx.x; i < ROWS * 8; i += NT) {
+__device__ __forceinline__ void load_tile_sw(unsigned char* s, const bf16* g, int valid, long ld, int tid) {
+#pragma unroll 4
+    for (int i = tid; i < ROWS * 8; i += NT) {
         const int r = i >> 3, c = i & 7;
         const bool ok = r < valid;
         cp16(s + sw128(r, c), g + (ok ? (long)r * ld + c * 8 : 0), ok);
-    }
-}
-
-// One K/V tile's online softmax on the S accumulators of a 64 x BNW wgmma (this thread's rows g and
-// g + 8): mask keys at or past kvalid, update the running max and sum, rescale O (unless this is the
-// first tile), and pack P = exp2(S * scale - max) as the bf16 A fragments of the P V wgmma.
-template <int BNW>
-__device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float* acc, float& m0, float& m1, float& l0,
-                                             float& l1, int kvalid, int t, float scale_log2, bool rescale) {
-    if (kvalid < BNW) {
-#pragma unroll
-        for (int j = 0; j < BNW / 8; ++j) {
-            const int c = j * 8 + 2 * t;
-            if (c >= kvalid) s[4 * j] = s[4 * j + 2] = NEG_INF;
-            if (c + 1 >= kvalid) s[4 * j + 1] = s[4 * j + 3] = NEG_INF;
-        }
-    }
-    float mx0 = m0, mx1 = m1;
-#pragma unroll
-    for (int j = 0; j < BNW / 8; ++j) {
-        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]) * scale_log2);
-        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]) * scale_log2);
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float c0 = ex2(m0 - mx0), c1 = ex2(m1 - mx1);
-    m0 = mx0;
-    m1 = mx1;
-    float r0 = 0.f, r1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < BNW / 8; ++j) {
-        s[4 * j] = ex2(fmaf(s[4 * j], scale_log2, -mx0));
-        s[4 * j + 1] = ex2(fmaf(s[4 * j + 1], scale_log2, -mx0));
-        s[4 * j + 2] = ex2(fmaf(s[4 * j + 2], scale_log2, -mx1));
-        s[4 * j + 3] = ex2(fmaf(s[4 * j + 3], scale_log2, -mx1));
-        r0 += s[4 * j] + s[4 * j + 1];
-        r1 += s[4 * j + 2] + s[4 * j + 3];
-    }
-    l0 = l0 * c0 + r0;
-    l1 = l1 * c1 + r1;
-    if (rescale) {
-#pragma unroll
-        for (int j = 0; j < 64 / 8; ++j) {
-            acc[4 * j] *= c0; acc[4 * j + 1] *= c0;
-            acc[4 * j + 2] *= c1; acc[4 * j + 3] *= c1;
-        }
-    }
-#pragma unroll
-    for (int kk = 0; kk < BNW / 16; ++kk) {
-        pa[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
-        pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
-        pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-}
-
-// O / l for this thread's two rows, stored as bf16 where the proj GEMM reads o.
-__device__ __forceinline__ void store_o_wg(bf16* o, const float* acc, float l0, float l1, int row0, int s1, long ld,
-                                           int col0, int t) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float i0 = 1.f / l0, i1 = 1.f / l1;
-    const int row1 = row0 + 8;
-#pragma unroll
-    for (int j = 0; j < 64 / 8; ++j) {
-        const int c = col0 + j * 8 + 2 * t;
-        if (row0 < s1)
-            *reinterpret_cast<unsigned*>(o + (long)row0 * ld + c) = pack_bf16(acc[4 * j] * i0, acc[4 * j + 1] * i0);
-        if (row1 < s1)
-            *reinterpret_cast<unsigned*>(o + (long)row1 * ld + c) = pack_bf16(acc[4 * j + 2] * i1, acc[4 * j + 3] * i1);
     }
 }
 
@@ -323,17 +279,13 @@ __device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restric
     unsigned char* sK = sQ + BM * 128;
     unsigned char* sV = sK + STAGES * TILE;
 
-    const int tile = blockIdx.x, h = blockIdx.y;
-    const int seg = tile_seg[tile];
-    const int s0 = cu[seg], s1 = cu[seg + 1];
-    const int q0 = tile_q0[tile];
-    const long ld = (long)heads * D;
+    const auto [h, s0, s1, q0, ld] = query_tile(cu, tile_seg, tile_q0, heads, D);
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
 
-    load_tile_sw<BM, NT>(sQ, q + (long)q0 * ld + h * D, s1 - q0, ld);
-    load_tile_sw<BNW, NT>(sK, k + (long)s0 * ld + h * D, s1 - s0, ld);
-    load_tile_sw<BNW, NT>(sV, v + (long)s0 * ld + h * D, s1 - s0, ld);
+    load_tile_sw<BM, NT>(sQ, q + (long)q0 * ld + h * D, s1 - q0, ld, threadIdx.x);
+    load_tile_sw<BNW, NT>(sK, k + (long)s0 * ld + h * D, s1 - s0, ld, threadIdx.x);
+    load_tile_sw<BNW, NT>(sV, v + (long)s0 * ld + h * D, s1 - s0, ld, threadIdx.x);
     cp_commit();
     cp_wait_all();
     fence_proxy_async();
@@ -368,8 +320,8 @@ __device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restric
         if (it + 1 < ntiles) {
             // Stage nx last held tile it + 1 - STAGES, whose MMAs every warpgroup has finished.
             const int kb = s0 + (it + 1) * BNW;
-            load_tile_sw<BNW, NT>(sK + nx * TILE, k + (long)kb * ld + h * D, s1 - kb, ld);
-            load_tile_sw<BNW, NT>(sV + nx * TILE, v + (long)kb * ld + h * D, s1 - kb, ld);
+            load_tile_sw<BNW, NT>(sK + nx * TILE, k + (long)kb * ld + h * D, s1 - kb, ld, threadIdx.x);
+            load_tile_sw<BNW, NT>(sV + nx * TILE, v + (long)kb * ld + h * D, s1 - kb, ld, threadIdx.x);
         }
         cp_commit();
         if constexpr (!PIPE) {
@@ -380,7 +332,7 @@ __device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restric
         wgmma_wait0();
 
         unsigned pa[BNW / 16][4];
-        softmax_tile<BNW>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
+        softmax_tile<BNW, 32>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
         const unsigned long long dv = sw128_desc(sV + st * TILE);
         wgmma_fence();
 #pragma unroll
@@ -403,7 +355,7 @@ __device__ void flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restric
         }
     }
     wgmma_wait0();
-    store_o_wg(o, acc, l0, l1, q0 + wg * 64 + warp * 16 + g, s1, ld, h * D, t);
+    store_o<64>(o, acc, l0, l1, q0 + wg * 64 + warp * 16 + g, s1, ld, h * D, t);
 #else
     __trap();  // built for a device without sm_90a's wgmma: the caller picks the mma.sync kernel
 #endif
@@ -456,17 +408,6 @@ __device__ __forceinline__ void named_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-// ROWS rows of 64 bf16 into a 128B-swizzled tile, by the 128 threads of one warpgroup (tid 0..127).
-template <int ROWS>
-__device__ __forceinline__ void load_tile_wg(unsigned char* s, const bf16* g, int valid, long ld, int tid) {
-#pragma unroll 4
-    for (int i = tid; i < ROWS * 8; i += 128) {
-        const int r = i >> 3, c = i & 7;
-        const bool ok = r < valid;
-        cp16(s + sw128(r, c), g + (ok ? (long)r * ld + c * 8 : 0), ok);
-    }
-}
-
 template <int NC, int STAGES, int CREG>
 __device__ void flash_fwd_sm90_ws(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                                   bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
@@ -481,11 +422,7 @@ __device__ void flash_fwd_sm90_ws(const bf16* __restrict__ q, const bf16* __rest
     unsigned char* sV = sK + STAGES * TILE;
     const unsigned qbar = smem_u32(&bars[0]), full0 = smem_u32(&bars[1]), empty0 = smem_u32(&bars[1 + STAGES]);
 
-    const int tile = blockIdx.x, h = blockIdx.y;
-    const int seg = tile_seg[tile];
-    const int s0 = cu[seg], s1 = cu[seg + 1];
-    const int q0 = tile_q0[tile];
-    const long ld = (long)heads * D;
+    const auto [h, s0, s1, q0, ld] = query_tile(cu, tile_seg, tile_q0, heads, D);
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const int ntiles = (s1 - s0 + BNW - 1) / BNW;
 
@@ -502,14 +439,14 @@ __device__ void flash_fwd_sm90_ws(const bf16* __restrict__ q, const bf16* __rest
     if (wg == NC) {  // the producer warpgroup
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         const int tid = threadIdx.x - NC * 128;
-        load_tile_wg<BM>(sQ, q + (long)q0 * ld + h * D, s1 - q0, ld, tid);
+        load_tile_sw<BM, 128>(sQ, q + (long)q0 * ld + h * D, s1 - q0, ld, tid);
         mbar_arrive_copies(qbar);
         for (int it = 0; it < ntiles; ++it) {
             const int st = it % STAGES;
             if (it >= STAGES) mbar_wait(empty0 + 8 * st, ((it / STAGES) - 1) & 1);
             const int kb = s0 + it * BNW;
-            load_tile_wg<BNW>(sK + st * TILE, k + (long)kb * ld + h * D, s1 - kb, ld, tid);
-            load_tile_wg<BNW>(sV + st * TILE, v + (long)kb * ld + h * D, s1 - kb, ld, tid);
+            load_tile_sw<BNW, 128>(sK + st * TILE, k + (long)kb * ld + h * D, s1 - kb, ld, tid);
+            load_tile_sw<BNW, 128>(sV + st * TILE, v + (long)kb * ld + h * D, s1 - kb, ld, tid);
             mbar_arrive_copies(full0 + 8 * st);
         }
         cp_wait_all();
@@ -543,7 +480,8 @@ __device__ void flash_fwd_sm90_ws(const bf16* __restrict__ q, const bf16* __rest
 
     // A turn is one warpgroup issuing its Q K^T; its softmax and P V follow outside the turn, while
     // the next warpgroup's Q K^T runs. (Issuing the previous tile's P V inside the turn as well,
-    // FA3's intra-warpgroup overlap, measured 25-40% slower here: docs/PERFORMANCE.md.)
+    // FA3's intra-warpgroup overlap, was 20-40% slower with three consumer warpgroups and no faster
+    // with two: docs/PERFORMANCE.md.)
     for (int it = 0; it < ntiles; ++it) {
         const int st = it % STAGES;
         mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
@@ -554,14 +492,14 @@ __device__ void flash_fwd_sm90_ws(const bf16* __restrict__ q, const bf16* __rest
         wgmma_commit();
         if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
         wgmma_wait0();
-        softmax_tile<BNW>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
+        softmax_tile<BNW, 32>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
         wgmma_fence();
         issue_pv(st, it > 0);
         wgmma_commit();
         wgmma_wait0();
         if (lane == 0) mbar_arrive(empty0 + 8 * st);  // both wgmmas that read the slot are done
     }
-    store_o_wg(o, acc, l0, l1, q0 + wg * 64 + warp * 16 + g, s1, ld, h * D, t);
+    store_o<64>(o, acc, l0, l1, q0 + wg * 64 + warp * 16 + g, s1, ld, h * D, t);
 #else
     __trap();
 #endif

@@ -2,6 +2,17 @@
 // the reference's bf16 stream); norms read it in fp32 and emit bf16 GEMM inputs.
 #include "common.cuh"
 
+// One row, one block: xr += bias (when given, written back), and 1 / sqrt(mean(xr^2) + eps).
+__device__ __forceinline__ float add_bias_rms_inv(float* xr, const bf16* bias, int cols, float eps, float* red) {
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = xr[c];
+        if (bias) { v += __bfloat162float(bias[c]); xr[c] = v; }
+        ss += v * v;
+    }
+    return rsqrtf(block_sum(ss, red) / cols + eps);
+}
+
 // x[r] += bias (the bias of the GEMM that just accumulated into x, if any), then
 // out[r] = bf16(x[r] * rsqrt(mean(x[r]^2) + eps) * w). One block per row.
 extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const bf16* __restrict__ bias,
@@ -11,13 +22,7 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const bf16* _
     const long r = blockIdx.x;
     if (r >= rows) return;
     float* xr = x + r * cols;
-    float ss = 0.f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = xr[c];
-        if (bias) { v += __bfloat162float(bias[c]); xr[c] = v; }
-        ss += v * v;
-    }
-    const float inv = rsqrtf(block_sum(ss, red) / cols + eps);
+    const float inv = add_bias_rms_inv(xr, bias, cols, eps, red);
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
         out[r * cols + c] = __float2bfloat16(xr[c] * inv * __bfloat162float(w[c]));
 }
@@ -32,13 +37,7 @@ extern "C" __global__ void rmsnorm_im2col(float* __restrict__ x, const bf16* __r
     const long r = blockIdx.x;
     if (r >= rows) return;
     float* xr = x + r * cols;
-    float ss = 0.f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = xr[c];
-        if (bias) { v += __bfloat162float(bias[c]); xr[c] = v; }
-        ss += v * v;
-    }
-    const float inv = rsqrtf(block_sum(ss, red) / cols + eps);
+    const float inv = add_bias_rms_inv(xr, bias, cols, eps, red);
     bf16* o = out + (r / 4) * (long)cols * 4 + (r % 4);
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
         o[(long)c * 4] = __float2bfloat16(xr[c] * inv * __bfloat162float(w[c]));
