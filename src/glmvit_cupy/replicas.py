@@ -105,7 +105,7 @@ class Replicas:
         from .gemm import BF16
 
         grid = np.asarray(grid_thw.get() if isinstance(grid_thw, cupy.ndarray) else grid_thw)
-        if grid.ndim != 2 or grid.shape[1] != 3 or not np.issubdtype(grid.dtype, np.integer):
+        if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or not np.issubdtype(grid.dtype, np.integer):
             raise ValueError(f"grid_thw must be an integer array of shape [images, 3], got {grid.dtype} {grid.shape}")
         if isinstance(pixel_values, cupy.ndarray):
             pixel_values = cupy.asnumpy(pixel_values)  # rows go to other GPUs: stage them once on the host
