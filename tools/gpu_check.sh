@@ -26,6 +26,7 @@ case " $what " in *" all "*|*" parity "*) run parity python3 benchmarks/parity.p
 case " $what " in *" all "*|*" bench "*)
     run bench_kernels python3 benchmarks/bench_kernels.py
     run bench_encoder python3 benchmarks/bench_encoder.py
+    run profile_encoder python3 benchmarks/profile_encoder.py
 ;; esac
 echo "== summary"; grep -h "^|" "$OUT"/*.log 2>/dev/null; grep -h -E "passed|failed" "$OUT"/test_*.log
 exit $rc
