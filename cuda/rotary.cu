@@ -6,7 +6,8 @@
 // inv_freq: fp32 [D/4]. Writes q, k, v bf16 [N, H*D] (head h at columns h*D..h*D+D-1),
 // the layout the attention kernel reads and the proj GEMM's input layout too.
 //
-// One warp per (row, head). Lane i holds elements d and d + D/2 (d = i, i+32, ...), which
+// One warp per (row, head, part): q, k and v of a head are three independent warps, so three
+// times the loads are in flight. Lane i holds elements d and d + D/2 (d = i, i+32, ...), which
 // are exactly the pair rotate_half mixes: out[d] = x[d] cos a_d - x[d+D/2] sin a_d,
 // out[d+D/2] = x[d+D/2] cos a_d + x[d] sin a_d, with a_d = a_{d+D/2} (angles repeat).
 extern "C" __global__ void qk_norm_rope(const float* __restrict__ qkv, const bf16* __restrict__ bias,
@@ -14,34 +15,32 @@ extern "C" __global__ void qk_norm_rope(const float* __restrict__ qkv, const bf1
                                         const int* __restrict__ pos, const float* __restrict__ inv_freq,
                                         bf16* __restrict__ q, bf16* __restrict__ k, bf16* __restrict__ v,
                                         int rows, int row0, int heads, int D, float eps) {
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const long warp = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
-    if (warp >= rows * heads) return;
-    const int lr = warp / heads, h = warp % heads;
+    if (warp >= (long)rows * heads * 3) return;
+    const int part = (int)(warp % 3);
+    const int lr = (int)(warp / 3 / heads), h = (int)(warp / 3 % heads);
     const long r = (long)row0 + lr;
     const int HD = heads * D, half = D / 2, quarter = D / 4;
-    const float* src = qkv + (long)lr * 3 * HD;
+    const float* s = qkv + (long)lr * 3 * HD + part * HD + h * D;
+    const bf16* bb = bias + part * HD + h * D;
+    bf16* dst = (part == 0 ? q : part == 1 ? k : v) + r * HD + h * D;
+    if (part == 2) {
+        for (int d = lane; d < D; d += 32) dst[d] = __float2bfloat16(s[d] + __bfloat162float(bb[d]));
+        return;
+    }
     const float ph = (float)pos[2 * r], pw = (float)pos[2 * r + 1];
-    for (int part = 0; part < 3; ++part) {
-        const float* s = src + part * HD + h * D;
-        const bf16* bb = bias + part * HD + h * D;
-        bf16* dst = (part == 0 ? q : part == 1 ? k : v) + r * HD + h * D;
-        if (part == 2) {
-            for (int d = lane; d < D; d += 32) dst[d] = __float2bfloat16(s[d] + __bfloat162float(bb[d]));
-            continue;
-        }
-        float ss = 0.f;
-        for (int d = lane; d < D; d += 32) { float t = s[d] + __bfloat162float(bb[d]); ss += t * t; }
-        const float inv = rsqrtf(warp_sum(ss) / D + eps);
-        const bf16* nw = part == 0 ? qn : kn;
-        for (int d = lane; d < half; d += 32) {
-            const float a = (s[d] + __bfloat162float(bb[d])) * inv * __bfloat162float(nw[d]);
-            const float b = (s[d + half] + __bfloat162float(bb[d + half])) * inv * __bfloat162float(nw[d + half]);
-            const float ang = d < quarter ? ph * inv_freq[d] : pw * inv_freq[d - quarter];
-            float sn, cs;
-            sincosf(ang, &sn, &cs);
-            dst[d] = __float2bfloat16(a * cs - b * sn);
-            dst[d + half] = __float2bfloat16(b * cs + a * sn);
-        }
+    float ss = 0.f;
+    for (int d = lane; d < D; d += 32) { float t = s[d] + __bfloat162float(bb[d]); ss += t * t; }
+    const float inv = rsqrtf(warp_sum(ss) / D + eps);
+    const bf16* nw = part == 0 ? qn : kn;
+    for (int d = lane; d < half; d += 32) {
+        const float a = (s[d] + __bfloat162float(bb[d])) * inv * __bfloat162float(nw[d]);
+        const float b = (s[d + half] + __bfloat162float(bb[d + half])) * inv * __bfloat162float(nw[d + half]);
+        const float ang = d < quarter ? ph * inv_freq[d] : pw * inv_freq[d - quarter];
+        float sn, cs;
+        sincosf(ang, &sn, &cs);
+        dst[d] = __float2bfloat16(a * cs - b * sn);
+        dst[d + half] = __float2bfloat16(b * cs + a * sn);
     }
 }

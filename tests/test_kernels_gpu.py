@@ -97,7 +97,7 @@ def test_qk_norm_rope(heads, d):
     spatial = d // 2
     inv_freq = (np.float32(1) / np.power(np.float32(10000), np.arange(0, spatial, 2, dtype=np.float32) / spatial))
     q, k, v = poison((total, hd)), poison((total, hd)), poison((total, hd))
-    kernel("rotary", "qk_norm_rope")((-(-rows * heads * 32 // 256),), (256,),
+    kernel("rotary", "qk_norm_rope")((-(-rows * heads * 3 * 32 // 256),), (256,),  # a warp per (row, head, part)
                                      (dev(qkv), dev(bias), dev(qn), dev(kn), dev(pos), dev(inv_freq), q, k, v,
                                       np.int32(rows), np.int32(row0), np.int32(heads), np.int32(d), np.float32(1e-5)))
     t = (qkv + bias.astype(np.float32)).reshape(rows, 3, heads, d)
@@ -117,8 +117,9 @@ def test_qk_norm_rope(heads, d):
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_swiglu_clamp_fires(with_bias):
-    rows, inter, limit = 333, 1024, 10.0
+@pytest.mark.parametrize("inter", [1024, 1022])  # four columns a thread; the one-column path (1022 % 4 = 2)
+def test_swiglu_clamp_fires(with_bias, inter):
+    rows, limit = 333, 10.0
     gu = rng.standard_normal((rows, 2 * inter), dtype=np.float32) * 6
     bg, bu = bf(rng.standard_normal(inter)), bf(rng.standard_normal(inter))
     out = poison((rows, inter))

@@ -398,7 +398,7 @@ class GlmVit:
             rows = min(self.QKV_CHUNK, n - r0)
             qkv = s["qkv"][:rows]
             self._gemm(nrm[r0:r0 + rows], blk.qkv_w, qkv)
-            self.k_rope(_blocks(rows * heads * 32), (256,),
+            self.k_rope(_blocks(rows * heads * 3 * 32), (256,),  # a warp per (row, head, q/k/v)
                         (qkv, blk.qkv_b, blk.q_norm, blk.k_norm, pos, self.inv_freq, q, k, v,
                          np.int32(rows), np.int32(r0), np.int32(heads), np.int32(d), np.float32(g.rms_norm_eps)))
         self.attn(q, k, v, o, plan.cu, plan.tile_seg, plan.tile_q0, heads)
@@ -414,7 +414,7 @@ class GlmVit:
             rows = min(self.QKV_CHUNK, n - r0)
             gu, act = s["gu"][:rows], s["act"][:rows]
             self._gemm(nrm[r0:r0 + rows], blk.gate_up_w, gu)
-            self.k_swiglu(_blocks(rows * inter), (256,),
+            self.k_swiglu(_blocks(-(-rows * inter // 4)), (256,),  # four columns a thread
                           (gu, blk.gate_b, blk.up_b, act, np.int64(rows), np.int32(inter), np.float32(g.swiglu_limit)))
             self._gemm(act, blk.down_w, x[r0:r0 + rows], beta=1.0)
 
@@ -434,7 +434,7 @@ class GlmVit:
             self.k_ln_gelu((rows,), (256,), (y, m.norm_w, m.norm_b, yb, np.int32(rows), np.int32(oh),
                                              np.float32(1e-5)))
             self._gemm(yb, m.gate_up_w, mgu)
-            self.k_swiglu(_blocks(rows * pi), (256,), (mgu, np.uint64(0), np.uint64(0), mact, np.int64(rows),
+            self.k_swiglu(_blocks(-(-rows * pi // 4)), (256,), (mgu, np.uint64(0), np.uint64(0), mact, np.int64(rows),
                                                        np.int32(pi), np.float32(g.swiglu_limit)))
             self._gemm(mact, m.down_w, out[r0:r0 + rows])
 
