@@ -54,10 +54,17 @@ def main():
     bw("rotary.qk_norm_rope [4096 rows x 16 heads]", lambda: kernel("rotary", "qk_norm_rope")(
         (ch * 16 * 3 * 32 // 256,), (256,), (qkv, bq, qn, qn, pos, invf, q, k, v, np.int32(ch), np.int32(0),
                                          np.int32(16), np.int32(64), eps)), ch * 3 * H * (4 + 2))
+    qkv16 = qkv.astype(BF)
+    bw("rotary.qk_norm_rope_bf16 [4096 rows x 16 heads]", lambda: kernel("rotary", "qk_norm_rope_bf16")(
+        (ch * 16 * 3 * 32 // 256,), (256,), (qkv16, bq, qn, qn, pos, invf, q, k, v, np.int32(ch), np.int32(0),
+                                             np.int32(16), np.int32(64), eps)), ch * 3 * H * (2 + 2))
     gu, act = rnd((ch, 2 * I)), cupy.empty((ch, I), BF)
     bg = rnd((I,), BF)
     bw("activations.swiglu_clamp [4096x4096]", lambda: kernel("activations", "swiglu_clamp")(
         (4096,), (256,), (gu, bg, bg, act, np.int64(ch), np.int32(I), np.float32(10))), ch * I * (8 + 2))
+    gu16 = gu.astype(BF)
+    bw("activations.swiglu_clamp_bf16 [4096x4096]", lambda: kernel("activations", "swiglu_clamp_bf16")(
+        (4096,), (256,), (gu16, bg, bg, act, np.int64(ch), np.int32(I), np.float32(10))), ch * I * (4 + 2))
     bw("activations.bias_to_bf16 [8000x4096]", lambda: kernel("activations", "bias_to_bf16")(
         (4096,), (256,), (y, bo, yb, np.int64(N // 4), np.int32(O))), N // 4 * O * 6)
     pf, pb = rnd((N, 1176)), cupy.empty((N, 1176), BF)

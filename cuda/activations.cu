@@ -7,13 +7,14 @@ __device__ __forceinline__ float swiglu1(float g, float u, float limit) {
     return g / (1.f + expf(-g)) * u;
 }
 
-// gu: fp32 [rows, 2*I] from one GEMM over [gate; up] weights concatenated at load.
+// gu: [rows, 2*I] (fp32 or bf16) from one GEMM over [gate; up] weights concatenated at load.
 // out[r, j] = bf16(silu(min(g, L)) * clamp(u, -L, L)), g = gu[r, j] + bg[j], u = gu[r, I + j] + bu[j].
 // Biases may be null (the merger has none). Memory-bound: when I % 4 == 0 each thread moves four
-// columns (16-byte loads, an 8-byte store); the arithmetic per element is the same either way.
-extern "C" __global__ void swiglu_clamp(const float* __restrict__ gu, const bf16* __restrict__ bg,
-                                        const bf16* __restrict__ bu, bf16* __restrict__ out,
-                                        long rows, int I, float limit) {
+// columns (one wide load per half, an 8-byte store); the arithmetic per element is the same.
+template <typename T>
+__device__ __forceinline__ void swiglu_rows(const T* __restrict__ gu, const bf16* __restrict__ bg,
+                                            const bf16* __restrict__ bu, bf16* __restrict__ out, long rows, int I,
+                                            float limit) {
     const long stride = (long)gridDim.x * blockDim.x;
     if ((I & 3) == 0) {
         const int I4 = I >> 2;
@@ -21,8 +22,8 @@ extern "C" __global__ void swiglu_clamp(const float* __restrict__ gu, const bf16
         for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n4; i += stride) {
             const long r = i / I4;
             const int j = (int)(i - r * I4) * 4;
-            const float4 g = *reinterpret_cast<const float4*>(gu + r * 2 * I + j);
-            const float4 u = *reinterpret_cast<const float4*>(gu + r * 2 * I + I + j);
+            const float4 g = load4(gu + r * 2 * I + j);
+            const float4 u = load4(gu + r * 2 * I + I + j);
             __nv_bfloat162 lo = __floats2bfloat162_rn(swiglu1(g.x + ldf(bg, j), u.x + ldf(bu, j), limit),
                                                       swiglu1(g.y + ldf(bg, j + 1), u.y + ldf(bu, j + 1), limit));
             __nv_bfloat162 hi = __floats2bfloat162_rn(swiglu1(g.z + ldf(bg, j + 2), u.z + ldf(bu, j + 2), limit),
@@ -38,8 +39,18 @@ extern "C" __global__ void swiglu_clamp(const float* __restrict__ gu, const bf16
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += stride) {
         const long r = i / I;
         const int j = (int)(i - r * I);
-        out[i] = __float2bfloat16(swiglu1(gu[r * 2 * I + j] + ldf(bg, j), gu[r * 2 * I + I + j] + ldf(bu, j), limit));
+        out[i] = __float2bfloat16(swiglu1(load1(gu + r * 2 * I + j) + ldf(bg, j),
+                                          load1(gu + r * 2 * I + I + j) + ldf(bu, j), limit));
     }
+}
+
+extern "C" __global__ void swiglu_clamp(const float* gu, const bf16* bg, const bf16* bu, bf16* out, long rows,
+                                        int I, float limit) {
+    swiglu_rows(gu, bg, bu, out, rows, I, limit);
+}
+extern "C" __global__ void swiglu_clamp_bf16(const bf16* gu, const bf16* bg, const bf16* bu, bf16* out, long rows,
+                                             int I, float limit) {
+    swiglu_rows(gu, bg, bu, out, rows, I, limit);
 }
 
 // out = bf16(y + bias), y fp32 [rows, cols]: the downsample conv's epilogue.

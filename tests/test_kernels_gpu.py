@@ -87,19 +87,23 @@ def test_layernorm_gelu():
 
 
 @pytest.mark.parametrize("heads,d", [(16, 64), (2, 64), (4, 32), (8, 128)])
-def test_qk_norm_rope(heads, d):
+@pytest.mark.parametrize("name", ["qk_norm_rope", "qk_norm_rope_bf16"])  # the QKV GEMM's fp32 or bf16 output
+def test_qk_norm_rope(heads, d, name):
     total, row0, rows = 700, 123, 400
     hd = heads * d
     qkv = rng.standard_normal((rows, 3 * hd), dtype=np.float32)
+    if name.endswith("bf16"):
+        qkv = bf(qkv).astype(np.float32)  # the reference sees exactly the values the kernel reads
     bias = bf(0.5 * rng.standard_normal(3 * hd))
     qn, kn = bf(1 + 0.2 * rng.standard_normal(d)), bf(1 + 0.2 * rng.standard_normal(d))
     pos = rng.integers(0, 230, (total, 2)).astype(np.int32)
     spatial = d // 2
     inv_freq = (np.float32(1) / np.power(np.float32(10000), np.arange(0, spatial, 2, dtype=np.float32) / spatial))
     q, k, v = poison((total, hd)), poison((total, hd)), poison((total, hd))
-    kernel("rotary", "qk_norm_rope")((-(-rows * heads * 3 * 32 // 256),), (256,),  # a warp per (row, head, part)
-                                     (dev(qkv), dev(bias), dev(qn), dev(kn), dev(pos), dev(inv_freq), q, k, v,
-                                      np.int32(rows), np.int32(row0), np.int32(heads), np.int32(d), np.float32(1e-5)))
+    qkv_in = dev(bf(qkv)) if name.endswith("bf16") else dev(qkv)
+    kernel("rotary", name)((-(-rows * heads * 3 * 32 // 256),), (256,),  # a warp per (row, head, part)
+                           (qkv_in, dev(bias), dev(qn), dev(kn), dev(pos), dev(inv_freq), q, k, v,
+                            np.int32(rows), np.int32(row0), np.int32(heads), np.int32(d), np.float32(1e-5)))
     t = (qkv + bias.astype(np.float32)).reshape(rows, 3, heads, d)
     p = pos[row0:row0 + rows].astype(np.float64)
     f = inv_freq.astype(np.float64)
@@ -118,12 +122,16 @@ def test_qk_norm_rope(heads, d):
 
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("inter", [1024, 1022])  # four columns a thread; the one-column path (1022 % 4 = 2)
-def test_swiglu_clamp_fires(with_bias, inter):
+@pytest.mark.parametrize("name", ["swiglu_clamp", "swiglu_clamp_bf16"])  # the GEMM's fp32 or bf16 output
+def test_swiglu_clamp_fires(with_bias, inter, name):
     rows, limit = 333, 10.0
     gu = rng.standard_normal((rows, 2 * inter), dtype=np.float32) * 6
+    if name.endswith("bf16"):
+        gu = bf(gu).astype(np.float32)
     bg, bu = bf(rng.standard_normal(inter)), bf(rng.standard_normal(inter))
     out = poison((rows, inter))
-    kernel("activations", "swiglu_clamp")((256,), (256,), (dev(gu), dev(bg) if with_bias else np.uint64(0),
+    kernel("activations", name)((256,), (256,), (dev(bf(gu)) if name.endswith("bf16") else dev(gu),
+                                                 dev(bg) if with_bias else np.uint64(0),
                                                            dev(bu) if with_bias else np.uint64(0), out,
                                                            np.int64(rows), np.int32(inter), np.float32(limit)))
     g, u = gu[:, :inter], gu[:, inter:]

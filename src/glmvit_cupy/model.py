@@ -202,8 +202,10 @@ class GlmVit:
         self.k_rms = kernel("norms", "rmsnorm_residual")
         self.k_rms_im2col = kernel("norms", "rmsnorm_im2col")
         self.k_ln_gelu = kernel("norms", "layernorm_gelu")
-        self.k_rope = kernel("rotary", "qk_norm_rope")
-        self.k_swiglu = kernel("activations", "swiglu_clamp")
+        # QKV and gate/up GEMMs write bf16 (as the reference's Linear layers do; their biases are
+        # added in fp32 by these kernels): half the bytes the two memory-bound kernels read.
+        self.k_rope = kernel("rotary", "qk_norm_rope_bf16")
+        self.k_swiglu = kernel("activations", "swiglu_clamp_bf16")
         self.k_bias = kernel("activations", "bias_to_bf16")
         self.k_cast = kernel("activations", "f32_to_bf16")
         self.attn = FlashAttention(self.geometry.head_dim, attention_variant)
@@ -219,13 +221,13 @@ class GlmVit:
                 "keep": {"x": ((p, h), f32)},
                 "input": {"pixels_f32": ((p, g.patch_dim), f32), "pixels": ((p, g.patch_dim), bf)},
                 "blocks": {"n": ((p, h), bf), "q": ((p, h), bf), "k": ((p, h), bf), "v": ((p, h), bf),
-                           "o": ((p, h), bf), "qkv": ((ch, 3 * h), f32),
-                           "gu": ((ch, 2 * g.intermediate_size), f32), "act": ((ch, g.intermediate_size), bf)},
+                           "o": ((p, h), bf), "qkv": ((ch, 3 * h), bf),
+                           "gu": ((ch, 2 * g.intermediate_size), bf), "act": ((ch, g.intermediate_size), bf)},
                 # "out" lives in the merger phase, smaller than the blocks phase: it costs no bytes.
                 "merger": {"out": ((p // 4, g.out_hidden_size), bf),
                            "cols": ((p // 4, g.merge_dim), bf), "y": ((cm, g.out_hidden_size), f32),
                            "yb": ((cm, g.out_hidden_size), bf),
-                           "mgu": ((cm, 2 * g.projection_intermediate_size), f32),
+                           "mgu": ((cm, 2 * g.projection_intermediate_size), bf),
                            "mact": ((cm, g.projection_intermediate_size), bf)},
             }
             self._arena = Arena(layout)
