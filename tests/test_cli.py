@@ -143,3 +143,34 @@ def test_devices_flag_parses_ordinals():
     for bad in ("", "a,b", "-1", "0;1"):
         with pytest.raises(SystemExit):
             cli.parse(["--devices", bad])
+
+
+def test_preparing_threads_keep_order_and_errors(images):
+    paths = [str(images / "a.png"), str(images / "broken.png"), str(images / "c.jpg"), str(images / "sub" / "b.png")]
+    paths = paths * 3  # 12 images through a window of 4 + 2
+    one = list(cli.prepared_in_order(paths, 1, max_image_tokens=100))
+    many = list(cli.prepared_in_order(paths, 4, max_image_tokens=100))
+    assert [p for p, _ in many] == paths
+    for (_, a), (_, b) in zip(one, many):
+        if isinstance(a, Exception):
+            assert type(b) is type(a) and str(b) == str(a)
+        else:
+            assert np.array_equal(a[0], b[0]) and a[1] == b[1] and a[2] == b[2]
+    gen = cli.prepared_in_order(paths, 4, max_image_tokens=100)
+    next(gen)
+    gen.close()  # stopping early shuts the threads down without waiting for the rest
+
+
+def test_workers_do_not_change_the_output(images, tmp_path):
+    outs = []
+    for workers in (1, 3):
+        out = tmp_path / f"out{workers}"
+        assert run([images, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--workers", workers]) == 1
+        manifest, tensors = load_all(out)
+        outs.append((manifest, tensors))
+    (m1, t1), (m3, t3) = outs
+    assert {k: dict(v, shard=None) for k, v in m1["images"].items()} == \
+        {k: dict(v, shard=None) for k, v in m3["images"].items()}
+    assert m1["failed"] == m3["failed"]
+    assert t1.keys() == t3.keys() and all(np.array_equal(t1[k].view(np.uint16), t3[k].view(np.uint16)) for k in t1)
+    assert run([images, "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o0", "--cpu", "--workers", 0]) == 2

@@ -13,11 +13,15 @@ manifest already holds. A bad image is reported and skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
+import itertools
 import json
 import os
 import sys
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -104,6 +108,35 @@ class Output:
         self._write_json()
 
 
+def prepared_in_order(paths, workers: int, **limits):
+    """(path, (patches, grid, info) or the ImageError / ValueError that image raised), in input order.
+    With workers > 1, up to workers + 2 images are prepared ahead on threads (PIL's decode and resize
+    and NumPy's copies release the GIL), so host preprocessing overlaps itself and the GPU."""
+    def one(i, path):
+        try:
+            return prepare(path, i, **limits)
+        except (ImageError, ValueError) as e:
+            return e
+
+    if workers <= 1:
+        for i, path in enumerate(paths):
+            yield path, one(i, path)
+        return
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="glmvit-prepare")
+    try:
+        todo, window = iter(enumerate(paths)), deque()
+        for i, path in itertools.islice(todo, workers + 2):
+            window.append((path, pool.submit(one, i, path)))
+        while window:
+            path, fut = window.popleft()
+            nxt = next(todo, None)
+            if nxt is not None:
+                window.append((nxt[1], pool.submit(one, *nxt)))
+            yield path, fut.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 class Encoder:
     """GPU (GlmVit, one replica per --devices entry) or, with --cpu, the float32 NumPy reference:
     a list of (pixels, grid) batches -> bf16 host arrays; `lanes` batches run at once."""
@@ -150,6 +183,9 @@ def parse(argv):
     ap.add_argument("--min-image-tokens", type=int, default=16)
     ap.add_argument("--devices", type=device_list, default=None, metavar="0,1,...",
                     help="CUDA devices, one replica each; batches are spread across them (default: the current one)")
+    ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                    help="threads preparing images ahead of the GPU (default: min(8, CPUs)); each holds one "
+                         "image's float32 patches, up to 150 MB at 8000 tokens")
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference (slow; no GPU needed)")
     return ap.parse_args(argv)
 
@@ -176,6 +212,9 @@ def main(argv=None) -> int:
     if not args.inputs or not args.checkpoint or not args.out:
         print("glmvit-encode: give images, --checkpoint and --out (or --inspect CHECKPOINT); see --help",
               file=sys.stderr)
+        return 2
+    if args.workers < 1:
+        print(f"glmvit-encode: --workers {args.workers} must be at least 1", file=sys.stderr)
         return 2
     if args.batch_tokens < args.max_image_tokens:
         print(f"glmvit-encode: --batch-tokens {args.batch_tokens} must be at least --max-image-tokens "
@@ -233,25 +272,26 @@ def main(argv=None) -> int:
         if len(ready) >= enc.lanes:
             run_ready()
 
-    for i, path in enumerate(todo):
-        try:
-            patches, grid, info = prepare(path, i, min_image_tokens=args.min_image_tokens,
-                                          max_image_tokens=args.max_image_tokens)
-        except (ImageError, ValueError) as e:
-            failed += 1
-            out.fail(path, str(e))
-            bar.write(f"skipped {path}: {e}")
-            bar.update(1)
-            continue
-        info = {"source": os.path.abspath(path), "size_hw": list(info["size"]), "canvas_hw": list(info["canvas"]),
-                "grid_thw": list(grid), "tokens": info["tokens"]}
-        if batch_tokens + info["tokens"] > args.batch_tokens:
-            flush()
-        batch.append((path, patches, grid, info))
-        batch_tokens += info["tokens"]
-    flush()
-    if ready:
-        run_ready()
+    stream = prepared_in_order(todo, args.workers, min_image_tokens=args.min_image_tokens,
+                               max_image_tokens=args.max_image_tokens)
+    with contextlib.closing(stream):  # an interrupted run stops the preparing threads too
+        for path, got in stream:
+            if isinstance(got, Exception):
+                failed += 1
+                out.fail(path, str(got))
+                bar.write(f"skipped {path}: {got}")
+                bar.update(1)
+                continue
+            patches, grid, info = got
+            info = {"source": os.path.abspath(path), "size_hw": list(info["size"]),
+                    "canvas_hw": list(info["canvas"]), "grid_thw": list(grid), "tokens": info["tokens"]}
+            if batch_tokens + info["tokens"] > args.batch_tokens:
+                flush()
+            batch.append((path, patches, grid, info))
+            batch_tokens += info["tokens"]
+        flush()
+        if ready:
+            run_ready()
     bar.close()
     dt = time.perf_counter() - t0
     print(f"glmvit-encode: {len(todo) - failed} images, {tokens_done} tokens in {dt:.1f} s "
