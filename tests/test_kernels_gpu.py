@@ -145,6 +145,20 @@ def test_swiglu_clamp_fires(with_bias, inter, name):
     assert rel(host(out), unclamped) > 1e-2
 
 
+@pytest.mark.parametrize("h,w", [(28, 28), (56, 84), (616, 532)])
+def test_patchify_u8_is_bit_identical_to_the_host(h, w):
+    """The GPU's normalise + patchify of a uint8 canvas equals bf16 of the host's float32 patches."""
+    import importlib
+
+    pre = importlib.import_module("glmvit_cupy.preprocess")
+    canvas = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    want = pre.normalise_patchify(canvas).astype(BF)
+    out = poison(want.shape)
+    kernel("pixels", "patchify_u8")((64,), (256,), (dev(canvas), dev(pre.value_table()), out, np.int32(h),
+                                                     np.int32(w), np.int32(2), np.int32(14)))
+    assert np.array_equal(cupy.asnumpy(out).view(np.uint16), want.view(np.uint16))
+
+
 def test_bias_and_cast():
     rows, cols = 129, 4096
     y = rng.standard_normal((rows, cols), dtype=np.float32)

@@ -5,7 +5,8 @@ from glmvit_cupy.kernels import cuda_dir, kernel_names, modules
 
 
 def test_modules_and_kernels_the_engine_uses_exist():
-    assert modules() == ["activations", "attention", "norms", "rotary"]
+    assert modules() == ["activations", "attention", "norms", "pixels", "rotary"]
+    assert kernel_names("pixels") == ["patchify_u8"]
     assert (cuda_dir() / "common.cuh").is_file()
     assert set(kernel_names("norms")) == {"rmsnorm_residual", "rmsnorm_im2col", "layernorm_gelu"}
     assert set(kernel_names("activations")) == {"swiglu_clamp", "swiglu_clamp_bf16", "bias_to_bf16", "f32_to_bf16"}

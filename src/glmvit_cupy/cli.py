@@ -27,7 +27,7 @@ import numpy as np
 
 from .checkpoint import bind_tower
 from .errors import CheckpointError, ImageError
-from .preprocess import prepare
+from .preprocess import normalise_patchify, prepare_canvas
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 MANIFEST = "manifest.json"
@@ -109,12 +109,12 @@ class Output:
 
 
 def prepared_in_order(paths, workers: int, **limits):
-    """(path, (patches, grid, info) or the ImageError / ValueError that image raised), in input order.
+    """(path, (uint8 canvas, grid, info) or the ImageError / ValueError that image raised), in input order.
     With workers > 1, up to workers + 2 images are prepared ahead on threads (PIL's decode and resize
     and NumPy's copies release the GIL), so host preprocessing overlaps itself and the GPU."""
     def one(i, path):
         try:
-            return prepare(path, i, **limits)
+            return prepare_canvas(path, i, **limits)
         except (ImageError, ValueError) as e:
             return e
 
@@ -139,7 +139,8 @@ def prepared_in_order(paths, workers: int, **limits):
 
 class Encoder:
     """GPU (GlmVit, one replica per --devices entry) or, with --cpu, the float32 NumPy reference:
-    a list of (pixels, grid) batches -> bf16 host arrays; `lanes` batches run at once."""
+    batches of (uint8 canvas, grid, info) -> per batch, one bf16 host array per image; `lanes`
+    batches run at once. The GPU normalises and patchifies the canvases itself."""
 
     def __init__(self, binding, *, cpu: bool, devices: list[int] | None, capacity_tokens: int):
         import ml_dtypes
@@ -150,7 +151,13 @@ class Encoder:
 
             tower = reference.Tower(binding)
             self.lanes = 1
-            self.run = lambda batches: [reference.encode_pixels(tower, pv, g).astype(bf16) for pv, g in batches]
+
+            def run_cpu(items):
+                pv = np.concatenate([normalise_patchify(c) for c, _, _ in items])
+                out = reference.encode_pixels(tower, pv, np.array([g for _, g, _ in items], np.int64)).astype(bf16)
+                return np.split(out, np.cumsum([info["tokens"] for _, _, info in items])[:-1])
+
+            self.run = lambda batches: [run_cpu(items) for items in batches]
         else:
             import cupy
 
@@ -158,7 +165,8 @@ class Encoder:
 
             engine = Replicas(binding, devices or [cupy.cuda.Device().id], max_image_tokens=capacity_tokens)
             self.lanes = len(engine)
-            self.run = lambda batches: engine.map(lambda m, b: m.encode_pixels(*b).get(), batches)
+            self.run = lambda batches: engine.map(lambda m, items: [o.get() for o in m.encode_prepared(items)],
+                                                  batches)
 
 
 def device_list(text: str) -> list[int]:
@@ -250,15 +258,10 @@ def main(argv=None) -> int:
 
     def run_ready():
         nonlocal tokens_done
-        embs = enc.run([(np.concatenate([p for _, p, _, _ in b]), np.array([g for _, _, g, _ in b], np.int64))
-                        for b in ready])
-        for b, emb in zip(ready, embs):
-            entries, row = [], 0
-            for key, _, _, info in b:
-                entries.append((key, info, emb[row:row + info["tokens"]]))
-                row += info["tokens"]
-            out.add_batch(entries)
-            tokens_done += row
+        embs = enc.run([[(canvas, grid, info) for _, canvas, grid, info in b] for b in ready])
+        for b, per_image in zip(ready, embs):
+            out.add_batch([(key, info, emb) for (key, _, _, info), emb in zip(b, per_image)])
+            tokens_done += sum(info["tokens"] for _, _, _, info in b)
             bar.update(len(b))
         bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}", failed=failed)
         ready.clear()
@@ -282,12 +285,12 @@ def main(argv=None) -> int:
                 bar.write(f"skipped {path}: {got}")
                 bar.update(1)
                 continue
-            patches, grid, info = got
+            canvas, grid, info = got
             info = {"source": os.path.abspath(path), "size_hw": list(info["size"]),
                     "canvas_hw": list(info["canvas"]), "grid_thw": list(grid), "tokens": info["tokens"]}
             if batch_tokens + info["tokens"] > args.batch_tokens:
                 flush()
-            batch.append((path, patches, grid, info))
+            batch.append((path, canvas, grid, info))
             batch_tokens += info["tokens"]
         flush()
         if ready:

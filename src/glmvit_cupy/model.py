@@ -23,7 +23,7 @@ from .checkpoint import TowerBinding, bind_tower, probe_tower
 from .config import VisionGeometry
 from .gemm import BF16, Handle, gemm
 from .kernels import kernel
-from .preprocess import MERGE, prepare
+from .preprocess import MERGE, prepare_canvas, value_table
 
 log = logging.getLogger("glmvit_cupy")
 
@@ -208,6 +208,8 @@ class GlmVit:
         self.k_swiglu = kernel("activations", "swiglu_clamp_bf16")
         self.k_bias = kernel("activations", "bias_to_bf16")
         self.k_cast = kernel("activations", "f32_to_bf16")
+        self.k_patchify = kernel("pixels", "patchify_u8")
+        self.value_table = cupy.asarray(value_table())  # [3, 256] float32: uint8 -> normalised value
         self.attn = FlashAttention(self.geometry.head_dim, attention_variant)
 
     # -- scratch ----------------------------------------------------------------------
@@ -219,7 +221,8 @@ class GlmVit:
             h, f32, bf = g.hidden_size, np.float32, BF16
             layout = {
                 "keep": {"x": ((p, h), f32)},
-                "input": {"pixels_f32": ((p, g.patch_dim), f32), "pixels": ((p, g.patch_dim), bf)},
+                "input": {"pixels_f32": ((p, g.patch_dim), f32), "pixels": ((p, g.patch_dim), bf),
+                          "canvas": ((p * g.in_channels * g.patch_size ** 2,), np.uint8)},
                 "blocks": {"n": ((p, h), bf), "q": ((p, h), bf), "k": ((p, h), bf), "v": ((p, h), bf),
                            "o": ((p, h), bf), "qkv": ((ch, 3 * h), bf),
                            "gu": ((ch, 2 * g.intermediate_size), bf), "act": ((ch, g.intermediate_size), bf)},
@@ -290,9 +293,15 @@ class GlmVit:
         The work runs on the model's own stream; the caller's current stream is made to wait for
         the result (no host synchronisation), so the output is ready for whatever runs next there."""
         grid, n = self._check(pixel_values, grid_thw)
+        if isinstance(pixel_values, cupy.ndarray) and pixel_values.device.id != self.device.id:
+            pixel_values = cupy.asnumpy(pixel_values)  # another GPU's array: through the host, safely ordered
+        return self._run(lambda: self._stage_pixels(pixel_values, n), grid, n)
+
+    def _run(self, stage, grid, n):
+        """One forward under the model lock; stage() fills the arena's bf16 pixel rows first."""
         with self._lock, self.device:
             try:
-                return self._forward(pixel_values, grid, n)
+                return self._forward(stage, grid, n)
             except cupy.cuda.memory.OutOfMemoryError as e:
                 # Nothing half-built is kept: the arena is either whole or absent.
                 cupy.get_default_memory_pool().free_all_blocks()
@@ -300,15 +309,13 @@ class GlmVit:
                                      f"({e}); the model is still usable: encode fewer tokens per call or build it "
                                      "with a smaller max_image_tokens") from None
 
-    def _forward(self, pixel_values, grid, n):
-        if isinstance(pixel_values, cupy.ndarray) and pixel_values.device.id != self.device.id:
-            pixel_values = cupy.asnumpy(pixel_values)  # another GPU's array: through the host, safely ordered
+    def _forward(self, stage, grid, n):
         s, stream, caller = self._scratch(), self._stream, cupy.cuda.get_current_stream()
         with stream:
             plan = self._plan_for(grid, n)  # its uploads are ordered before the kernels that read them
             stream.wait_event(caller.record())  # stream-ordered after the caller's work (its input, say)
             ev = [("start", stream.record())]
-            self._stage_pixels(pixel_values, n)
+            stage()
             # A shape seen twice is worth a graph: ~250 launches become one (capture costs ~one forward).
             if self.graphs and self._blas.capturable and plan.graph is None and plan.uses and not plan.capture_failed:
                 self._capture(plan)
@@ -389,6 +396,21 @@ class GlmVit:
             src.set(np.ascontiguousarray(pixel_values, dtype=np.float32))
         self.k_cast(_blocks(n * pd), (256,), (src, pix, np.int64(n * pd)))
 
+    def _stage_canvases(self, canvases):
+        """uint8 canvases -> the arena's bf16 pixel rows, one upload and one patchify launch each."""
+        s, g = self._scratch(), self.geometry
+        off = row = 0
+        for canvas in canvases:
+            h, w = canvas.shape[:2]
+            rows = (h // g.patch_size) * (w // g.patch_size)
+            dst = s["canvas"][off:off + canvas.size]
+            dst.set(np.ascontiguousarray(canvas).reshape(-1))
+            self.k_patchify(_blocks(rows * 3 * g.patch_size ** 2), (256,),
+                            (dst, self.value_table, s["pixels"][row:row + rows], np.int32(h), np.int32(w),
+                             np.int32(g.temporal_patch_size), np.int32(g.patch_size)))
+            off += canvas.size
+            row += rows
+
     def attention(self, blk: Block, x, bias, plan):
         """x += proj(attn(rope(norm(qkv(rmsnorm(x + bias))))))."""
         g, s, n = self.geometry, self._scratch(), plan.n
@@ -450,15 +472,16 @@ class GlmVit:
         return self.encode_prepared(prepared)
 
     def encode_prepared(self, prepared) -> list:
-        """(patches, grid, info) triples from prepare_images -> one output per image, in order."""
+        """(canvas, grid, info) triples from prepare_images -> one output per image, in order. The uint8
+        canvases are uploaded and normalised + patchified on the GPU (bit-identical to the host's)."""
         results, batch = [], []
 
         def flush():
             if not batch:
                 return
-            pv = np.concatenate([p for p, _, _ in batch])
+            canvases = [c for c, _, _ in batch]
             grid = np.array([gr for _, gr, _ in batch], np.int64)
-            out = self.encode_pixels(pv, grid)
+            out = self._run(lambda: self._stage_canvases(canvases), grid, int((grid[:, 1] * grid[:, 2]).sum()))
             row = 0
             for _, _, info in batch:
                 results.append(out[row:row + info["tokens"]])
@@ -467,11 +490,12 @@ class GlmVit:
 
         used = 0
         for item in prepared:
-            if used + item[0].shape[0] > self.max_patches:
+            patches = item[1][1] * item[1][2]
+            if used + patches > self.max_patches:
                 flush()
                 used = 0
             batch.append(item)
-            used += item[0].shape[0]
+            used += patches
         flush()
         return results
 
@@ -482,10 +506,10 @@ def prepare_images(model, images, min_image_tokens, max_image_tokens) -> list:
     if g.in_channels != 3 or g.patch_size != 14 or g.temporal_patch_size != 2:
         raise ValueError("encode(images) needs the RGB, 14-pixel, 2-frame patch geometry of the preprocessor; "
                          "use encode_pixels for others")
-    prepared = [prepare(im, i, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
+    prepared = [prepare_canvas(im, i, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
                 for i, im in enumerate(images)]
-    for p, _, info in prepared:
-        if p.shape[0] > model.max_patches:
+    for _, grid, info in prepared:
+        if grid[1] * grid[2] > model.max_patches:
             raise ValueError(f"{info['source']}: {info['tokens']} tokens exceed this model's capacity of "
                              f"{model.max_image_tokens} tokens; build it with max_image_tokens >= "
                              f"{info['tokens']} or pass a smaller max_image_tokens to encode()")

@@ -90,7 +90,7 @@ class Replicas:
 
         single = not isinstance(images, (list, tuple))
         prepared = prepare_images(self, [images] if single else list(images), min_image_tokens, max_image_tokens)
-        groups = spread([p[0].shape[0] for p in prepared], len(self))
+        groups = spread([grid[1] * grid[2] for _, grid, _ in prepared], len(self))  # patches per image
         outs = self.map(lambda m, g: m.encode_prepared([prepared[i] for i in g]), groups)
         results = [None] * len(prepared)
         for g, o in zip(groups, outs):
