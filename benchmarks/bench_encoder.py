@@ -15,7 +15,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))  # run from a checkout
-from benchmarks.common import GEMM_CEIL, forward_flop, official_checkpoint, table, time_ms  # noqa: E402
+from benchmarks.common import GEMM_CEIL, forward_flop, official_checkpoint, table, time_ms, torch_ms  # noqa: E402
 
 CASES = {
     "1 x 448x448": [(1, 32, 32)],
@@ -27,23 +27,6 @@ CASES = {
 TARGET_MS = {"1 x 448x448": 2.5, "1 x 896x896": 10, "1 x 1792x1792": 75, "1 x 8000 tokens (160x200)": 240,
              "16 x 448x448": 30}
 PHOTO = os.path.join(os.path.dirname(__file__), "..", "examples", "grace_hopper.jpg")
-
-
-def torch_ms(fn, warmup=3, repeat=10):
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return float(np.median(ts))
 
 
 def main():

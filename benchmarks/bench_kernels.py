@@ -9,7 +9,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))  # run from a checkout
-from benchmarks.common import GEMM_CEIL, PEAK_BW, table, time_ms  # noqa: E402
+from benchmarks.common import GEMM_CEIL, PEAK_BW, table, time_ms, torch_ms  # noqa: E402
 
 
 def main():
@@ -123,16 +123,7 @@ def bench_attention(rnd, time_ms, BF, H):
             if torch is not None:
                 if n not in sdpa:
                     tq_, tk, tv = (torch.randn(1, 16, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                    for _ in range(3):
-                        F.scaled_dot_product_attention(tq_, tk, tv)
-                    torch.cuda.synchronize()
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    for _ in range(10):
-                        F.scaled_dot_product_attention(tq_, tk, tv)
-                    e1.record()
-                    e1.synchronize()
-                    sdpa[n] = e0.elapsed_time(e1) / 10
+                    sdpa[n] = torch_ms(lambda: F.scaled_dot_product_attention(tq_, tk, tv))
                 sms = sdpa[n]
                 row += [f"{sms:.3f}", f"{fl / sms / 1e9:.0f}", f"{sms / ms:.2f}x"]
             arows.append(row)

@@ -27,6 +27,24 @@ def time_ms(fn, warmup=3, repeat=10):
     return float(np.median(times))
 
 
+def torch_ms(fn, warmup=3, repeat=10):
+    """time_ms for torch work: median milliseconds between CUDA events on torch's current stream."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return float(np.median(times))
+
+
 def forward_flop(geo, grids):
     """Linear layers + attention + merger FLOP of one forward (SPEC.md's formulas)."""
     h, i, out, pi = geo.hidden_size, geo.intermediate_size, geo.out_hidden_size, geo.projection_intermediate_size

@@ -8,6 +8,7 @@ each sub-layer to its float32 residual stream without a separate pass.
 from __future__ import annotations
 
 import ctypes
+import functools
 import weakref
 
 import cupy
@@ -29,6 +30,7 @@ def _rows(x, name):
     return x.strides[0] // x.itemsize
 
 
+@functools.cache
 def _cublas_gemm_ex():
     """cublasGemmEx of the libcublas CuPy loaded, called through ctypes, or None. CuPy's wrappers
     re-bind the handle to the current stream on every call and refuse that during graph capture."""
@@ -49,19 +51,14 @@ def _cublas_gemm_ex():
     return None
 
 
-_GEMM_EX = None
-
-
 class Handle:
     """A cuBLAS handle of our own, bound once to one stream. CuPy refuses cublasSetStream while a
     stream captures a CUDA graph; a handle that never needs it can be captured. Its own workspace
     also keeps two models' graphs on one GPU from sharing (and racing on) CuPy's."""
 
     def __init__(self, stream: cupy.cuda.Stream):
-        global _GEMM_EX
-        if _GEMM_EX is None:
-            _GEMM_EX = _cublas_gemm_ex() or False
-        self.capturable = bool(_GEMM_EX)
+        self.gemm_ex = _cublas_gemm_ex()  # None where libcublas cannot be reached through ctypes
+        self.capturable = self.gemm_ex is not None
         self.ptr = cublas.create()
         self.stream = stream
         cublas.setStream(self.ptr, stream.ptr)
@@ -93,7 +90,7 @@ def gemm(a: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray, beta: float = 0.0,
             a.data.ptr, CUDA_R_16BF, lda, beta_h.ctypes.data, out.data.ptr, ctype, ldo, CUBLAS_COMPUTE_32F,
             CUBLAS_GEMM_DEFAULT)
     if handle is not None and handle.capturable:
-        cublas.check_status(_GEMM_EX(handle.ptr, *args))  # on the handle's own stream
+        cublas.check_status(handle.gemm_ex(handle.ptr, *args))  # on the handle's own stream
     elif handle is not None:
         cublas.gemmEx(handle.ptr, *args)  # CuPy's wrapper: binds the handle to the current stream
     else:
