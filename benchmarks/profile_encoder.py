@@ -44,14 +44,17 @@ def main():
                        ("k_bias", "bias -> bf16"), ("k_cast", "f32 -> bf16")):
         setattr(model, attr, timed(lambda *a, n=name: n, getattr(model, attr)))
     cu_now = {}
-    attn = model.attn
 
-    class TimedAttention:  # keeps .tiles for the planner
-        tiles = attn.tiles
-        __call__ = staticmethod(timed(lambda *a: "flash attention", attn,
-                                      lambda q, k, v, o, cu, ts, tq, heads: 4 * cu_now["sq"] * q.shape[1]))
+    class TimedAttention:  # keeps .tiles for the planner; one per variant the model may pick
+        def __init__(self, attn):
+            self.tiles = attn.tiles
+            self.run = timed(lambda *a: f"flash attention ({attn.variant})", attn,
+                             lambda q, k, v, o, cu, ts, tq, heads: 4 * cu_now["sq"] * q.shape[1])
 
-    model.attn = TimedAttention()
+        def __call__(self, *a):
+            return self.run(*a)
+
+    model.attns = {v: TimedAttention(a) for v, a in model.attns.items()}
     rng = np.random.default_rng(0)
     for case, grids in CASES.items():
         n = sum(t * h * w for t, h, w in grids)

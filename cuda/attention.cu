@@ -72,11 +72,26 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
+// 2^x for x <= 0 on the FMA units instead (FA4's trick). At head_dim 64 the special-function unit's
+// 16 ex2 a clock per SM are exactly what the tensor cores need, so the softmax can hand a share of
+// its exps to the 128-a-clock FMA pipe. x = j + f with j = round(x) (the 1.5 * 2^23 shift leaves
+// j in the low mantissa bits), 2^f on [-0.5, 0.5] by a cubic (relative error 1.4e-4, well under
+// bf16's 3.9e-3 step), and j added to the exponent bits. Clamped at -127, where the result is 0.
+__device__ __forceinline__ float ex2_fma(float x) {
+    x = fmaxf(x, -127.f);
+    const float r = __fadd_rn(x, 12582912.f);
+    const float f = __fsub_rn(x, __fsub_rn(r, 12582912.f));
+    const float p = fmaf(fmaf(fmaf(0.05592212f, f, 0.24223785f), f, 0.693121f), f, 1.f);
+    return __int_as_float(__float_as_int(p) + (__float_as_int(r) << 23));
+}
+
 // One K/V tile's online softmax on this thread's S accumulators (rows g and g + 8 of its 16-row
 // slice; the m16n8 mma.sync and the m64nN wgmma lay them out alike: 4 values per 8 keys): mask keys at or past kvalid, update the running max and sum, rescale O (unless this is the
 // first tile; NACC floats of O per thread), and pack P = exp2(S * scale - max) as the bf16 A
 // fragments of the P V MMA (the same register layout for mma.sync m16n8k16 and wgmma RS).
-template <int BNW, int NACC>
+// FMA_EVERY > 0: one value per row in every FMA_EVERY-th group of 8 keys takes ex2_fma (a share of
+// 1 / (4 FMA_EVERY) of the exps).
+template <int BNW, int NACC, int FMA_EVERY = 0>
 __device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float* acc, float& m0, float& m1, float& l0,
                                              float& l1, int kvalid, int t, float scale_log2, bool rescale) {
     if (kvalid < BNW) {
@@ -87,12 +102,15 @@ __device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float*
             if (c + 1 >= kvalid) s[4 * j + 1] = s[4 * j + 3] = NEG_INF;
         }
     }
-    float mx0 = m0, mx1 = m1;
+    // The max of the raw scores, scaled once (scale_log2 > 0: the same value as scaling each).
+    float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
     for (int j = 0; j < BNW / 8; ++j) {
-        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]) * scale_log2);
-        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]) * scale_log2);
+        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
     }
+    mx0 = fmaxf(m0, mx0 * scale_log2);
+    mx1 = fmaxf(m1, mx1 * scale_log2);
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
@@ -103,9 +121,10 @@ __device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float*
     float r0 = 0.f, r1 = 0.f;
 #pragma unroll
     for (int j = 0; j < BNW / 8; ++j) {
-        s[4 * j] = ex2(fmaf(s[4 * j], scale_log2, -mx0));
+        const bool fma_pipe = FMA_EVERY > 0 && j % (FMA_EVERY > 0 ? FMA_EVERY : 1) == 0;
+        s[4 * j] = fma_pipe ? ex2_fma(fmaf(s[4 * j], scale_log2, -mx0)) : ex2(fmaf(s[4 * j], scale_log2, -mx0));
         s[4 * j + 1] = ex2(fmaf(s[4 * j + 1], scale_log2, -mx0));
-        s[4 * j + 2] = ex2(fmaf(s[4 * j + 2], scale_log2, -mx1));
+        s[4 * j + 2] = fma_pipe ? ex2_fma(fmaf(s[4 * j + 2], scale_log2, -mx1)) : ex2(fmaf(s[4 * j + 2], scale_log2, -mx1));
         s[4 * j + 3] = ex2(fmaf(s[4 * j + 3], scale_log2, -mx1));
         r0 += s[4 * j] + s[4 * j + 1];
         r1 += s[4 * j + 2] + s[4 * j + 3];
@@ -408,7 +427,7 @@ __device__ __forceinline__ void named_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-template <int NC, int STAGES, int CREG>
+template <int NC, int STAGES, int CREG, int FMA_EVERY>
 __device__ void flash_fwd_sm90_ws(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                                   bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
                                   const int* __restrict__ tile_q0, int heads, float scale_log2) {
@@ -492,7 +511,7 @@ __device__ void flash_fwd_sm90_ws(const bf16* __restrict__ q, const bf16* __rest
         wgmma_commit();
         if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
         wgmma_wait0();
-        softmax_tile<BNW, 32>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
+        softmax_tile<BNW, 32, FMA_EVERY>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
         wgmma_fence();
         issue_pv(st, it > 0);
         wgmma_commit();
@@ -505,15 +524,20 @@ __device__ void flash_fwd_sm90_ws(const bf16* __restrict__ q, const bf16* __rest
 #endif
 }
 
-#define FLASH90_WS_ENTRY(NC, STAGES, CREG)                                                                   \
-    extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) flash90_attn_d64_ws##NC##_s##STAGES(   \
-        const bf16* q, const bf16* k, const bf16* v, bf16* o, const int* cu, const int* tile_seg,         \
-        const int* tile_q0, int heads, float scale_log2) {                                                 \
-        flash_fwd_sm90_ws<NC, STAGES, CREG>(q, k, v, o, cu, tile_seg, tile_q0, heads, scale_log2);         \
+#define FLASH90_WS_ENTRY(NC, STAGES, CREG, FMA_EVERY, SUFFIX)                                                \
+    extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) flash90_attn_d64_ws##NC##_s##STAGES##SUFFIX( \
+        const bf16* q, const bf16* k, const bf16* v, bf16* o, const int* cu, const int* tile_seg,               \
+        const int* tile_q0, int heads, float scale_log2) {                                                       \
+        flash_fwd_sm90_ws<NC, STAGES, CREG, FMA_EVERY>(q, k, v, o, cu, tile_seg, tile_q0, heads, scale_log2);    \
     }
 
-// (consumer warpgroups, K/V slots, consumer registers after setmaxnreg: the producer keeps 40)
-FLASH90_WS_ENTRY(2, 2, 232)
-FLASH90_WS_ENTRY(2, 3, 232)
-FLASH90_WS_ENTRY(3, 2, 152)
-FLASH90_WS_ENTRY(3, 3, 152)
+// (consumer warpgroups, K/V slots, consumer registers after setmaxnreg: the producer keeps 40,
+//  a share of the exps on the FMA pipe: 1 / (4 FMA_EVERY), 0 = none)
+FLASH90_WS_ENTRY(2, 2, 232, 0, )
+FLASH90_WS_ENTRY(2, 3, 232, 0, )
+FLASH90_WS_ENTRY(3, 2, 152, 0, )
+FLASH90_WS_ENTRY(3, 3, 152, 0, )
+FLASH90_WS_ENTRY(2, 3, 232, 2, _f8)
+FLASH90_WS_ENTRY(3, 3, 152, 1, _f4)
+FLASH90_WS_ENTRY(3, 3, 152, 2, _f8)
+FLASH90_WS_ENTRY(3, 3, 152, 4, _f16)

@@ -20,23 +20,42 @@ VARIANTS = {
     "sm90_g1_n128_pipe": ("flash90_attn_d64_g1_n128_p", 64, 64 * 128 + 3 * _KV + 1024, 128),
     "sm90_g3_n128_pipe": ("flash90_attn_d64_g3_n128_p", 192, 192 * 128 + 3 * _KV + 1024, 384),
 }
-# Warp-specialised: NC consumer warpgroups (64 query rows each) + one producer warpgroup, S K/V slots.
-for _nc, _st in ((2, 2), (2, 3), (3, 2), (3, 3)):
-    VARIANTS[f"sm90_ws{_nc}_s{_st}"] = (f"flash90_attn_d64_ws{_nc}_s{_st}", 64 * _nc,
-                                       64 * _nc * 128 + _st * _KV + 1024, 128 * (_nc + 1))
+# Warp-specialised: NC consumer warpgroups (64 query rows each) + one producer warpgroup, S K/V slots;
+# "_fN": one exp in N on the FMA pipe instead of the special-function unit (cuda/attention.cu ex2_fma).
+for _nc, _st, _f in ((2, 2, ""), (2, 3, ""), (3, 2, ""), (3, 3, ""), (2, 3, "_f8"), (3, 3, "_f4"), (3, 3, "_f8"),
+                     (3, 3, "_f16")):
+    VARIANTS[f"sm90_ws{_nc}_s{_st}{_f}"] = (f"flash90_attn_d64_ws{_nc}_s{_st}{_f}", 64 * _nc,
+                                           64 * _nc * 128 + _st * _KV + 1024, 128 * (_nc + 1))
 for _d in (32, 64, 128):
     VARIANTS[f"sm80_d{_d}_w4"] = (f"flash_attn_d{_d}_w4", 64, (64 + 4 * 64) * (_d + 8) * 2, 128)
 VARIANTS["sm80_d64_w8"] = ("flash_attn_d64_w8", 128, (128 + 4 * 64) * 72 * 2, 256)
 
-SM90_DEFAULT = "sm90_ws3_s3"  # fastest measured on the H200 (benchmarks/bench_kernels.py, docs/PERFORMANCE.md)
+# On the H200 (benchmarks/bench_kernels.py, docs/PERFORMANCE.md): three consumer warpgroups are the
+# fastest on long segments, two on short ones, where 192-row tiles leave SMs idle. Each entry: the
+# TFLOP/s one full wave of its CTAs reaches on long segments, which pick_variant weighs.
+SM90_DEFAULTS = {"sm90_ws3_s3": 412.0, "sm90_ws2_s3": 370.0}
 
 
-def default_variant(head_dim: int, compute_capability: str) -> str:
+def default_variants(head_dim: int, compute_capability: str) -> tuple[str, ...]:
     if head_dim == 64 and compute_capability == "90":
-        return SM90_DEFAULT  # wgmma; sm_90a code runs on compute capability 9.0 only
+        return tuple(SM90_DEFAULTS)  # wgmma; sm_90a code runs on compute capability 9.0 only
     if head_dim not in (32, 64, 128):
         raise ValueError(f"head_dim {head_dim}: the attention kernels are built for 32, 64 and 128")
-    return f"sm80_d{head_dim}_w4"
+    return (f"sm80_d{head_dim}_w4",)
+
+
+def pick_variant(variants, seq_lens, heads: int, sms: int) -> str:
+    """The variant with the least estimated time on these segments: waves of CTAs (one CTA per SM,
+    as their shared memory allows) times the mean CTA's work (its padded query rows x its keys) over
+    the variant's speed. 1,024 keys x 16 heads: 96 CTAs of 192 rows (one partial wave) against 128 of
+    128 rows, so two warpgroups win; at 32,000 keys three do."""
+    def cost(v):
+        rows = VARIANTS[v][1]
+        tiles = [-(-int(n) // rows) for n in seq_lens]
+        ctas = sum(tiles) * heads
+        work = sum(t * rows * int(n) for t, n in zip(tiles, seq_lens)) * heads
+        return -(-ctas // sms) * (work / ctas) / SM90_DEFAULTS.get(v, 1.0)
+    return min(variants, key=cost)
 
 
 class FlashAttention:
@@ -44,7 +63,7 @@ class FlashAttention:
         import cupy
 
         cc = cupy.cuda.Device().compute_capability
-        self.variant = variant or default_variant(head_dim, cc)
+        self.variant = variant or default_variants(head_dim, cc)[0]
         name, self.rows, self.smem, self.threads = VARIANTS[self.variant]
         self.head_dim = head_dim
         self.kernel = kernel("attention", name)

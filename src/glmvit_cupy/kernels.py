@@ -46,8 +46,8 @@ def kernel_names(module: str) -> list[str]:
     names += [f"flash_attn_d{d}_w{w}" for d, w in re.findall(r"^FLASH_ENTRY\((\d+),\s*(\d+)\)", src, re.M)]
     names += [f"flash90_attn_d64_g{g}_n{n}{sfx}" for g, n, sfx in
               re.findall(r"^FLASH90_ENTRY\((\d+),\s*(\d+),\s*\d+,\s*\w+,\s*(\w*)\)", src, re.M)]
-    names += [f"flash90_attn_d64_ws{nc}_s{st}" for nc, st in
-              re.findall(r"^FLASH90_WS_ENTRY\((\d+),\s*(\d+),\s*\d+\)", src, re.M)]
+    names += [f"flash90_attn_d64_ws{nc}_s{st}{sfx}" for nc, st, sfx in
+              re.findall(r"^FLASH90_WS_ENTRY\((\d+),\s*(\d+),\s*\d+,\s*\d+,\s*(\w*)\)", src, re.M)]
     return names
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from .attention import FlashAttention
+from .attention import FlashAttention, default_variants, pick_variant
 from .checkpoint import TowerBinding, bind_tower, probe_tower
 from .config import VisionGeometry
 from .gemm import BF16, Handle, gemm
@@ -70,6 +70,7 @@ class _Plan:
     cu: cupy.ndarray
     tile_seg: cupy.ndarray
     tile_q0: cupy.ndarray
+    attn: FlashAttention
     uses: int = 0
     graph: object = None
     capture_failed: bool = False
@@ -161,6 +162,7 @@ class GlmVit:
             # As the reference computes it, in float32: 1 / theta^(arange(0, spatial, 2) / spatial).
             exps = np.arange(0, spatial, 2, dtype=np.float32) / np.float32(spatial)
             self.inv_freq = cupy.asarray(np.float32(1.0) / np.power(np.float32(geo.rope_theta), exps))
+            self._sms = self.device.attributes["MultiProcessorCount"]
             self._kernels(attention_variant)
             self._stream = cupy.cuda.Stream(non_blocking=True)  # ours: graphs capture on it
             self._blas = Handle(self._stream)
@@ -210,7 +212,9 @@ class GlmVit:
         self.k_cast = kernel("activations", "f32_to_bf16")
         self.k_patchify = kernel("pixels", "patchify_u8")
         self.value_table = cupy.asarray(value_table())  # [3, 256] float32: uint8 -> normalised value
-        self.attn = FlashAttention(self.geometry.head_dim, attention_variant)
+        d = self.geometry.head_dim
+        names = [attention_variant] if attention_variant else default_variants(d, self.device.compute_capability)
+        self.attns = {v: FlashAttention(d, v) for v in names}  # one is picked per input shape
 
     # -- scratch ----------------------------------------------------------------------
     def _scratch(self) -> Arena:
@@ -279,8 +283,10 @@ class GlmVit:
                 pos.append(p)
                 cu.append(cu[-1] + h * w)
         cu = np.array(cu, np.int32)
-        tile_seg, tile_q0 = self.attn.tiles(cu)
-        plan = _Plan(n, *(cupy.asarray(a) for a in (np.concatenate(pos).astype(np.int32), cu, tile_seg, tile_q0)))
+        attn = self.attns[pick_variant(self.attns, np.diff(cu), self.geometry.num_heads, self._sms)]
+        tile_seg, tile_q0 = attn.tiles(cu)
+        plan = _Plan(n, *(cupy.asarray(a) for a in (np.concatenate(pos).astype(np.int32), cu, tile_seg, tile_q0)),
+                     attn)
         self._plans[key] = plan
         while len(self._plans) > self.MAX_PLANS:
             self._plans.popitem(last=False)
@@ -425,7 +431,7 @@ class GlmVit:
             self.k_rope(_blocks(rows * heads * 3 * 32), (256,),  # a warp per (row, head, q/k/v)
                         (qkv, blk.qkv_b, blk.q_norm, blk.k_norm, pos, self.inv_freq, q, k, v,
                          np.int32(rows), np.int32(r0), np.int32(heads), np.int32(d), np.float32(g.rms_norm_eps)))
-        self.attn(q, k, v, o, plan.cu, plan.tile_seg, plan.tile_q0, heads)
+        plan.attn(q, k, v, o, plan.cu, plan.tile_seg, plan.tile_q0, heads)
         self._gemm(o, blk.proj_w, x, beta=1.0)
 
     def mlp(self, blk: Block, x, n):
