@@ -52,11 +52,11 @@ def main():
     invf = cupy.asarray((1 / 10000 ** (np.arange(0, 32, 2) / 32)).astype(np.float32))
     q, k, v = (cupy.empty((N, H), BF) for _ in range(3))
     bw("rotary.qk_norm_rope [4096 rows x 16 heads]", lambda: kernel("rotary", "qk_norm_rope")(
-        (ch * 16 * 3 * 32 // 256,), (256,), (qkv, bq, qn, qn, pos, invf, q, k, v, np.int32(ch), np.int32(0),
+        (ch * 16 * 64 // 8 // 256,), (256,), (qkv, bq, qn, qn, pos, invf, q, k, v, np.int32(ch), np.int32(0),
                                          np.int32(16), np.int32(64), eps)), ch * 3 * H * (4 + 2))
     qkv16 = qkv.astype(BF)
     bw("rotary.qk_norm_rope_bf16 [4096 rows x 16 heads]", lambda: kernel("rotary", "qk_norm_rope_bf16")(
-        (ch * 16 * 3 * 32 // 256,), (256,), (qkv16, bq, qn, qn, pos, invf, q, k, v, np.int32(ch), np.int32(0),
+        (ch * 16 * 64 // 8 // 256,), (256,), (qkv16, bq, qn, qn, pos, invf, q, k, v, np.int32(ch), np.int32(0),
                                              np.int32(16), np.int32(64), eps)), ch * 3 * H * (2 + 2))
     gu, act = rnd((ch, 2 * I)), cupy.empty((ch, I), BF)
     bg = rnd((I,), BF)

@@ -6,44 +6,85 @@
 // inv_freq: fp32 [D/4]. Writes q, k, v bf16 [N, H*D] (head h at columns h*D..h*D+D-1),
 // the layout the attention kernel reads and the proj GEMM's input layout too.
 //
-// One warp per (row, head, part): q, k and v of a head are three independent warps, so three
-// times the loads are in flight. Lane i holds elements d and d + D/2 (d = i, i+32, ...), which
-// are exactly the pair rotate_half mixes: out[d] = x[d] cos a_d - x[d+D/2] sin a_d,
-// out[d+D/2] = x[d+D/2] cos a_d + x[d] sin a_d, with a_d = a_{d+D/2} (angles repeat).
+// A thread per (row, head, 4 rotation pairs): thread i of a row (heads * D / 8 threads) owns, for
+// head h = i / (D/8) and j = i % (D/8), the pairs d = 4j..4j+3 with d + D/2 of both q and k (the pair
+// rotate_half mixes: out[d] = x[d] cos a_d - x[d+D/2] sin a_d, out[d+D/2] = x[d+D/2] cos a_d + x[d] sin a_d,
+// a_d = a_{d+D/2}), so each angle is computed once for q and k; and v's columns 8i..8i+7. All loads
+// are 8 or 16 bytes wide (the earlier warp per (row, head, part) moved 2 bytes a lane and reached
+// 0.7 TB/s). A head's D/8 threads are adjacent lanes of one warp: its sum of squares is a shuffle
+// reduction among them. Needs D % 16 == 0 and D <= 256.
+template <typename T>
+__device__ __forceinline__ void load_add4(float* out, const T* x, const bf16* b) {
+    const float4 u = load4(x), w = load4(b);
+    out[0] = u.x + w.x; out[1] = u.y + w.y; out[2] = u.z + w.z; out[3] = u.w + w.w;
+}
+__device__ __forceinline__ void store4(bf16* p, float a, float b, float c, float d) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
+    uint2 raw;
+    raw.x = *reinterpret_cast<unsigned*>(&lo);
+    raw.y = *reinterpret_cast<unsigned*>(&hi);
+    *reinterpret_cast<uint2*>(p) = raw;
+}
+
 template <typename T>
 __device__ __forceinline__ void qk_norm_rope_rows(const T* __restrict__ qkv, const bf16* __restrict__ bias,
                                                   const bf16* __restrict__ qn, const bf16* __restrict__ kn,
                                                   const int* __restrict__ pos, const float* __restrict__ inv_freq,
                                                   bf16* __restrict__ q, bf16* __restrict__ k, bf16* __restrict__ v,
                                                   int rows, int row0, int heads, int D, float eps) {
-    const long warp = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (warp >= (long)rows * heads * 3) return;
-    const int part = (int)(warp % 3);
-    const int lr = (int)(warp / 3 / heads), h = (int)(warp / 3 % heads);
+    const int per_head = D / 8, tpr = heads * per_head, HD = heads * D, half = D / 2, quarter = D / 4;
+    const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool active = gid < (long)rows * tpr;  // idle lanes still join the shuffles (whole heads idle)
+    const int lr = active ? (int)(gid / tpr) : 0, i = (int)(gid % tpr);
+    const int j = i % per_head, c = (i / per_head) * D + 4 * j;  // c: column of this thread's first pair
+    const T* src = qkv + (long)lr * 3 * HD;
+    float qa[4] = {0.f, 0.f, 0.f, 0.f}, qb[4] = {0.f, 0.f, 0.f, 0.f}, ka[4] = {0.f, 0.f, 0.f, 0.f},
+          kb[4] = {0.f, 0.f, 0.f, 0.f}, va[4], vb[4];
+    if (active) {
+        load_add4(qa, src + c, bias + c);
+        load_add4(qb, src + c + half, bias + c + half);
+        load_add4(ka, src + HD + c, bias + HD + c);
+        load_add4(kb, src + HD + c + half, bias + HD + c + half);
+        load_add4(va, src + 2 * HD + 8 * i, bias + 2 * HD + 8 * i);
+        load_add4(vb, src + 2 * HD + 8 * i + 4, bias + 2 * HD + 8 * i + 4);
+    }
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        sq += qa[e] * qa[e] + qb[e] * qb[e];
+        sk += ka[e] * ka[e] + kb[e] * kb[e];
+    }
+    for (int o = per_head / 2; o > 0; o >>= 1) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    }
+    if (!active) return;
     const long r = (long)row0 + lr;
-    const int HD = heads * D, half = D / 2, quarter = D / 4;
-    const T* s = qkv + (long)lr * 3 * HD + part * HD + h * D;
-    const bf16* bb = bias + part * HD + h * D;
-    bf16* dst = (part == 0 ? q : part == 1 ? k : v) + r * HD + h * D;
-    if (part == 2) {
-        for (int d = lane; d < D; d += 32) dst[d] = __float2bfloat16(load1(s + d) + __bfloat162float(bb[d]));
-        return;
-    }
-    const float ph = (float)pos[2 * r], pw = (float)pos[2 * r + 1];
-    float ss = 0.f;
-    for (int d = lane; d < D; d += 32) { float t = load1(s + d) + __bfloat162float(bb[d]); ss += t * t; }
-    const float inv = rsqrtf(warp_sum(ss) / D + eps);
-    const bf16* nw = part == 0 ? qn : kn;
-    for (int d = lane; d < half; d += 32) {
-        const float a = (load1(s + d) + __bfloat162float(bb[d])) * inv * __bfloat162float(nw[d]);
-        const float b = (load1(s + d + half) + __bfloat162float(bb[d + half])) * inv * __bfloat162float(nw[d + half]);
-        const float ang = d < quarter ? ph * inv_freq[d] : pw * inv_freq[d - quarter];
+    bf16* out_row = v + r * HD + 8 * i;
+    store4(out_row, va[0], va[1], va[2], va[3]);
+    store4(out_row + 4, vb[0], vb[1], vb[2], vb[3]);
+    const float iq = rsqrtf(sq / D + eps), ik = rsqrtf(sk / D + eps);
+    // Angles: the first D/4 pair indices rotate with the row position h, the rest with w.
+    const float p = (float)pos[2 * r + (4 * j < quarter ? 0 : 1)];
+    const float4 f = *reinterpret_cast<const float4*>(inv_freq + (4 * j < quarter ? 4 * j : 4 * j - quarter));
+    const float fe[4] = {f.x, f.y, f.z, f.w};
+    float oqa[4], oqb[4], oka[4], okb[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
         float sn, cs;
-        sincosf(ang, &sn, &cs);
-        dst[d] = __float2bfloat16(a * cs - b * sn);
-        dst[d + half] = __float2bfloat16(b * cs + a * sn);
+        sincosf(p * fe[e], &sn, &cs);
+        const int d = 4 * j + e;
+        const float a = qa[e] * iq * __bfloat162float(qn[d]), b = qb[e] * iq * __bfloat162float(qn[d + half]);
+        oqa[e] = a * cs - b * sn;
+        oqb[e] = b * cs + a * sn;
+        const float ak = ka[e] * ik * __bfloat162float(kn[d]), bk = kb[e] * ik * __bfloat162float(kn[d + half]);
+        oka[e] = ak * cs - bk * sn;
+        okb[e] = bk * cs + ak * sn;
     }
+    store4(q + r * HD + c, oqa[0], oqa[1], oqa[2], oqa[3]);
+    store4(q + r * HD + c + half, oqb[0], oqb[1], oqb[2], oqb[3]);
+    store4(k + r * HD + c, oka[0], oka[1], oka[2], oka[3]);
+    store4(k + r * HD + c + half, okb[0], okb[1], okb[2], okb[3]);
 }
 
 extern "C" __global__ void qk_norm_rope(const float* qkv, const bf16* bias, const bf16* qn, const bf16* kn,

@@ -22,8 +22,7 @@ VARIANTS = {
 }
 # Warp-specialised: NC consumer warpgroups (64 query rows each) + one producer warpgroup, S K/V slots;
 # "_fN": one exp in N on the FMA pipe instead of the special-function unit (cuda/attention.cu ex2_fma).
-for _nc, _st, _f in ((2, 2, ""), (2, 3, ""), (3, 2, ""), (3, 3, ""), (2, 3, "_f8"), (3, 3, "_f4"), (3, 3, "_f8"),
-                     (3, 3, "_f16")):
+for _nc, _st, _f in ((2, 2, ""), (2, 3, ""), (3, 2, ""), (3, 3, ""), (2, 3, "_f16"), (3, 3, "_f16"), (3, 3, "_f32")):
     VARIANTS[f"sm90_ws{_nc}_s{_st}{_f}"] = (f"flash90_attn_d64_ws{_nc}_s{_st}{_f}", 64 * _nc,
                                            64 * _nc * 128 + _st * _KV + 1024, 128 * (_nc + 1))
 for _d in (32, 64, 128):

@@ -428,7 +428,7 @@ class GlmVit:
             rows = min(self.QKV_CHUNK, n - r0)
             qkv = s["qkv"][:rows]
             self._gemm(nrm[r0:r0 + rows], blk.qkv_w, qkv)
-            self.k_rope(_blocks(rows * heads * 3 * 32), (256,),  # a warp per (row, head, q/k/v)
+            self.k_rope(_blocks(rows * heads * d // 8), (256,),  # a thread per (row, head, 4 pairs)
                         (qkv, blk.qkv_b, blk.q_norm, blk.k_norm, pos, self.inv_freq, q, k, v,
                          np.int32(rows), np.int32(r0), np.int32(heads), np.int32(d), np.float32(g.rms_norm_eps)))
         plan.attn(q, k, v, o, plan.cu, plan.tile_seg, plan.tile_q0, heads)
