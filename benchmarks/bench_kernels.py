@@ -66,9 +66,9 @@ def main():
     bw("activations.swiglu_clamp_bf16 [4096x4096]", lambda: kernel("activations", "swiglu_clamp_bf16")(
         (4096,), (256,), (gu16, bg, bg, act, np.int64(ch), np.int32(I), np.float32(10))), ch * I * (4 + 2))
     canvas = cupy.asarray(np.random.default_rng(1).integers(0, 256, (2240, 2800, 3), dtype=np.uint8))
-    table, pix = cupy.asarray(np.random.default_rng(2).random((3, 256), dtype=np.float32)), cupy.empty((N, 1176), BF)
+    values, pix = cupy.asarray(np.random.default_rng(2).random((3, 256), dtype=np.float32)), cupy.empty((N, 1176), BF)
     bw("pixels.patchify_u8 [2240x2800 canvas]", lambda: kernel("pixels", "patchify_u8")(
-        (4096,), (256,), (canvas, table, pix, np.int32(2240), np.int32(2800), np.int32(2), np.int32(14))),
+        (4096,), (256,), (canvas, values, pix, np.int32(2240), np.int32(2800), np.int32(2), np.int32(14))),
        canvas.size + N * 1176 * 2)
     bw("activations.bias_to_bf16 [8000x4096]", lambda: kernel("activations", "bias_to_bf16")(
         (4096,), (256,), (y, bo, yb, np.int64(N // 4), np.int32(O))), N // 4 * O * 6)

@@ -25,7 +25,7 @@ case " $what " in *" all "*|*" tests "*)
 case " $what " in *" all "*|*" parity "*) run parity python3 benchmarks/parity.py ;; esac
 case " $what " in *" all "*|*" bench "*)
     run bench_kernels python3 benchmarks/bench_kernels.py
-    run bench_encoder python3 benchmarks/bench_encoder.py
+    run bench_encoder python3 benchmarks/bench_encoder.py ${BENCH_ARGS:-}  # e.g. BENCH_ARGS=--no-compiled
     run profile_encoder python3 benchmarks/profile_encoder.py
 ;; esac
 echo "== summary"; grep -h "^|" "$OUT"/*.log 2>/dev/null; grep -h -E "passed|failed" "$OUT"/test_*.log

@@ -29,10 +29,10 @@ for _d in (32, 64, 128):
     VARIANTS[f"sm80_d{_d}_w4"] = (f"flash_attn_d{_d}_w4", 64, (64 + 4 * 64) * (_d + 8) * 2, 128)
 VARIANTS["sm80_d64_w8"] = ("flash_attn_d64_w8", 128, (128 + 4 * 64) * 72 * 2, 256)
 
-# On the H200 (benchmarks/bench_kernels.py, docs/PERFORMANCE.md): three consumer warpgroups are the
-# fastest on long segments, two on short ones, where 192-row tiles leave SMs idle. Each entry: the
-# TFLOP/s one full wave of its CTAs reaches on long segments, which pick_variant weighs.
-SM90_DEFAULTS = {"sm90_ws3_s3": 412.0, "sm90_ws2_s3": 370.0}
+# On the H200 (tools/attn_trial.py, docs/PERFORMANCE.md): three consumer warpgroups with one exp in
+# 16 on the FMA pipe are the fastest on long segments, two warpgroups on short ones, where 192-row
+# tiles leave SMs idle. Each entry: the TFLOP/s its CTAs reach on long segments, which pick_variant weighs.
+SM90_DEFAULTS = {"sm90_ws3_s3_f16": 424.0, "sm90_ws2_s3": 370.0}
 
 
 def default_variants(head_dim: int, compute_capability: str) -> tuple[str, ...]:
