@@ -10,7 +10,7 @@ from tests.conftest import gpu_or_skip
 
 cupy = gpu_or_skip()
 
-from glmvit_cupy.attention import VARIANTS, FlashAttention  # noqa: E402
+from glmvit_cupy.attention import VARIANTS, FlashAttention, default_variants  # noqa: E402
 from glmvit_cupy.gemm import gemm  # noqa: E402
 from glmvit_cupy.kernels import KernelError, kernel  # noqa: E402
 
@@ -226,6 +226,26 @@ def test_attention_16_segments_one_launch(variant):
 @pytest.mark.parametrize("n", [4096, 32000])
 def test_attention_long(n, variant):
     assert run_attention([n], heads=2 if n > 4096 else 16, sample=256, variant=variant) <= 1e-2
+
+
+@pytest.mark.skipif(not SM90, reason="GPU test: the per-shape choice is between sm_90a kernels")
+def test_default_variants_agree_bit_for_bit():
+    """The model picks a variant per input shape, so an image batched with others may run on a
+    different kernel than alone: the defaults must give the same bits, or batching would change an
+    embedding. Rows 0..1999 of one segment: 2000 = 10 x 192 + 80 = 15 x 128 + 80, partial last tiles."""
+    names = default_variants(64, "90")
+    assert len(names) > 1
+    n, heads = 2000, 16
+    cu = np.array([0, 700, n], np.int32)
+    q, k, v = (dev(rng.standard_normal((n, heads * 64), dtype=np.float32).astype(BF) * 2) for _ in range(3))
+    outs = []
+    for name in names:
+        attn = FlashAttention(64, name)
+        tile_seg, tile_q0 = attn.tiles(cu)
+        o = poison((n, heads * 64))
+        attn(q, k, v, o, dev(cu), dev(tile_seg), dev(tile_q0), heads)
+        outs.append(cupy.asnumpy(o).view(np.uint16))
+    assert all(np.array_equal(outs[0], x) for x in outs[1:]), names
 
 
 @pytest.mark.parametrize("d", [32, 128])

@@ -28,7 +28,7 @@ def test_attention_variant_per_shape():
     """Short segments take 128-row tiles, long ones 192-row tiles (132 SMs, 16 heads)."""
     both = default_variants(64, "90")
     # 1,024 keys: ceil(1024 / 192) = 6 tiles x 16 heads = 96 CTAs, 36 of 132 SMs idle; 8 x 16 = 128 fill them.
-    assert pick_variant(both, [1024], 16, 132) == "sm90_ws2_s3"
+    assert pick_variant(both, [1024], 16, 132) == "sm90_ws2_s3_f16"
     # 32,000 keys: 167 x 16 = 2,672 CTAs (21 waves) against 250 x 16 = 4,000 (31 waves) of 2/3 the rows.
     assert pick_variant(both, [32000], 16, 132) == "sm90_ws3_s3_f16"
     assert pick_variant(("sm80_d64_w4",), [1024], 16, 132) == "sm80_d64_w4"  # a single choice stands
