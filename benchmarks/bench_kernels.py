@@ -61,10 +61,10 @@ def main():
     gu, act = rnd((ch, 2 * I)), cupy.empty((ch, I), BF)
     bg = rnd((I,), BF)
     bw("activations.swiglu_clamp [4096x4096]", lambda: kernel("activations", "swiglu_clamp")(
-        (4096,), (256,), (gu, bg, bg, act, np.int64(ch), np.int32(I), np.float32(10))), ch * I * (8 + 2))
+        (-(-I // 8 // 256), ch), (256,), (gu, bg, bg, act, np.int64(ch), np.int32(I), np.float32(10))), ch * I * (8 + 2))
     gu16 = gu.astype(BF)
     bw("activations.swiglu_clamp_bf16 [4096x4096]", lambda: kernel("activations", "swiglu_clamp_bf16")(
-        (4096,), (256,), (gu16, bg, bg, act, np.int64(ch), np.int32(I), np.float32(10))), ch * I * (4 + 2))
+        (-(-I // 8 // 256), ch), (256,), (gu16, bg, bg, act, np.int64(ch), np.int32(I), np.float32(10))), ch * I * (4 + 2))
     canvas = cupy.asarray(np.random.default_rng(1).integers(0, 256, (2240, 2800, 3), dtype=np.uint8))
     values, pix = cupy.asarray(np.random.default_rng(2).random((3, 256), dtype=np.float32)), cupy.empty((N, 1176), BF)
     bw("pixels.patchify_u8 [2240x2800 canvas]", lambda: kernel("pixels", "patchify_u8")(

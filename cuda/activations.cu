@@ -9,39 +9,44 @@ __device__ __forceinline__ float swiglu1(float g, float u, float limit) {
 
 // gu: [rows, 2*I] (fp32 or bf16) from one GEMM over [gate; up] weights concatenated at load.
 // out[r, j] = bf16(silu(min(g, L)) * clamp(u, -L, L)), g = gu[r, j] + bg[j], u = gu[r, I + j] + bu[j].
-// Biases may be null (the merger has none). Memory-bound: when I % 4 == 0 each thread moves four
-// columns (one wide load per half, an 8-byte store); the arithmetic per element is the same.
+// Biases may be null (the merger has none). Grid: x over a row's columns, y over rows, both
+// strided (any grid is correct; launch ceil(ceil(I/8)/256) x min(rows, 65535) blocks of 256): no
+// per-element 64-bit index division. When I % 8 == 0 a thread moves eight columns (16-byte loads
+// of bf16, its biases loaded once for all its rows); otherwise one column at a time.
+template <typename T>
+__device__ __forceinline__ void load8(float* v, const T* p) {
+    const float4 a = load4(p), b = load4(p + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
 template <typename T>
 __device__ __forceinline__ void swiglu_rows(const T* __restrict__ gu, const bf16* __restrict__ bg,
                                             const bf16* __restrict__ bu, bf16* __restrict__ out, long rows, int I,
                                             float limit) {
-    const long stride = (long)gridDim.x * blockDim.x;
-    if ((I & 3) == 0) {
-        const int I4 = I >> 2;
-        const long n4 = rows * I4;
-        for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n4; i += stride) {
-            const long r = i / I4;
-            const int j = (int)(i - r * I4) * 4;
-            const float4 g = load4(gu + r * 2 * I + j);
-            const float4 u = load4(gu + r * 2 * I + I + j);
-            __nv_bfloat162 lo = __floats2bfloat162_rn(swiglu1(g.x + ldf(bg, j), u.x + ldf(bu, j), limit),
-                                                      swiglu1(g.y + ldf(bg, j + 1), u.y + ldf(bu, j + 1), limit));
-            __nv_bfloat162 hi = __floats2bfloat162_rn(swiglu1(g.z + ldf(bg, j + 2), u.z + ldf(bu, j + 2), limit),
-                                                      swiglu1(g.w + ldf(bg, j + 3), u.w + ldf(bu, j + 3), limit));
-            uint2 pk;
-            pk.x = *reinterpret_cast<unsigned*>(&lo);
-            pk.y = *reinterpret_cast<unsigned*>(&hi);
-            *reinterpret_cast<uint2*>(out + r * I + j) = pk;
+    const int c0 = blockIdx.x * blockDim.x + threadIdx.x, cstride = gridDim.x * blockDim.x;
+    if ((I & 7) == 0) {
+        for (int j = 8 * c0; j < I; j += 8 * cstride) {
+            float b_g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, b_u[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            if (bg) load8(b_g, bg + j);
+            if (bu) load8(b_u, bu + j);
+            for (long r = blockIdx.y; r < rows; r += gridDim.y) {
+                float g[8], u[8];
+                load8(g, gu + r * 2 * I + j);
+                load8(u, gu + r * 2 * I + I + j);
+                float y[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) y[e] = swiglu1(g[e] + b_g[e], u[e] + b_u[e], limit);
+                bf16* o = out + r * I + j;
+                store4(o, y[0], y[1], y[2], y[3]);
+                store4(o + 4, y[4], y[5], y[6], y[7]);
+            }
         }
         return;
     }
-    const long n = rows * I;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += stride) {
-        const long r = i / I;
-        const int j = (int)(i - r * I);
-        out[i] = __float2bfloat16(swiglu1(load1(gu + r * 2 * I + j) + ldf(bg, j),
-                                          load1(gu + r * 2 * I + I + j) + ldf(bu, j), limit));
-    }
+    for (int j = c0; j < I; j += cstride)
+        for (long r = blockIdx.y; r < rows; r += gridDim.y)
+            out[r * I + j] = __float2bfloat16(swiglu1(load1(gu + r * 2 * I + j) + ldf(bg, j),
+                                                      load1(gu + r * 2 * I + I + j) + ldf(bu, j), limit));
 }
 
 extern "C" __global__ void swiglu_clamp(const float* gu, const bf16* bg, const bf16* bu, bf16* out, long rows,

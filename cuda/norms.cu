@@ -22,6 +22,36 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const bf16* _
     const long r = blockIdx.x;
     if (r >= rows) return;
     float* xr = x + r * cols;
+    if ((cols & 3) == 0 && cols <= 16 * (int)blockDim.x) {
+        // The row in registers, up to four float4 a thread: x is read once, every access 8 or 16
+        // bytes wide (the scalar loop below reads x twice, 4 bytes at a time: 58% of HBM).
+        float4 v[4];
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int c = 4 * (threadIdx.x + k * blockDim.x);
+            if (c < cols) {
+                v[k] = *reinterpret_cast<const float4*>(xr + c);
+                if (bias) {
+                    const float4 b = load4(bias + c);
+                    v[k].x += b.x; v[k].y += b.y; v[k].z += b.z; v[k].w += b.w;
+                    *reinterpret_cast<float4*>(xr + c) = v[k];
+                }
+                ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+            }
+        }
+        const float inv = rsqrtf(block_sum(ss, red) / cols + eps);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int c = 4 * (threadIdx.x + k * blockDim.x);
+            if (c < cols) {
+                const float4 wv = load4(w + c);
+                store4(out + r * cols + c, v[k].x * inv * wv.x, v[k].y * inv * wv.y, v[k].z * inv * wv.z,
+                       v[k].w * inv * wv.w);
+            }
+        }
+        return;
+    }
     const float inv = add_bias_rms_inv(xr, bias, cols, eps, red);
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
         out[r * cols + c] = __float2bfloat16(xr[c] * inv * __bfloat162float(w[c]));

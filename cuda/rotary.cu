@@ -18,13 +18,6 @@ __device__ __forceinline__ void load_add4(float* out, const T* x, const bf16* b)
     const float4 u = load4(x), w = load4(b);
     out[0] = u.x + w.x; out[1] = u.y + w.y; out[2] = u.z + w.z; out[3] = u.w + w.w;
 }
-__device__ __forceinline__ void store4(bf16* p, float a, float b, float c, float d) {
-    __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
-    uint2 raw;
-    raw.x = *reinterpret_cast<unsigned*>(&lo);
-    raw.y = *reinterpret_cast<unsigned*>(&hi);
-    *reinterpret_cast<uint2*>(p) = raw;
-}
 
 template <typename T>
 __device__ __forceinline__ void qk_norm_rope_rows(const T* __restrict__ qkv, const bf16* __restrict__ bias,

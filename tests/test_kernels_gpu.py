@@ -45,7 +45,10 @@ def test_registry_names_what_exists():
         kernel("norms", "nope")
 
 
-@pytest.mark.parametrize("rows,cols,with_bias", [(1037, 1024, True), (5, 128, False)])
+# 1024 and 1000: the register path (cols % 4 == 0, <= 16 x 256; 1000 leaves 6 threads idle);
+# 1022 and 5000: the scalar loop.
+@pytest.mark.parametrize("rows,cols,with_bias", [(1037, 1024, True), (5, 128, False), (7, 1000, True),
+                                                 (3, 1022, True), (2, 5000, True)])
 def test_rmsnorm_residual(rows, cols, with_bias):
     x = rng.standard_normal((rows, cols), dtype=np.float32) * 3
     b, w = bf(rng.standard_normal(cols)), bf(1 + 0.1 * rng.standard_normal(cols))
@@ -121,16 +124,19 @@ def test_qk_norm_rope(heads, d, name):
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
-@pytest.mark.parametrize("inter", [1024, 1022])  # four columns a thread; the one-column path (1022 % 4 = 2)
+@pytest.mark.parametrize("inter", [4096, 1020])  # eight columns a thread; the one-column path (1020 % 8 = 4)
+# (1, 100): both strided loops turn (a block covers 8 x 256 = 2,048 < 4,096 columns, or 256 < 1,020;
+# 100 < 333 rows); (2, 333): the model's launch, ceil(4096 / 8 / 256) = 2 blocks a row
+@pytest.mark.parametrize("grid", [(1, 100), (2, 333)])
 @pytest.mark.parametrize("name", ["swiglu_clamp", "swiglu_clamp_bf16"])  # the GEMM's fp32 or bf16 output
-def test_swiglu_clamp_fires(with_bias, inter, name):
+def test_swiglu_clamp_fires(with_bias, inter, grid, name):
     rows, limit = 333, 10.0
     gu = rng.standard_normal((rows, 2 * inter), dtype=np.float32) * 6
     if name.endswith("bf16"):
         gu = bf(gu).astype(np.float32)
     bg, bu = bf(rng.standard_normal(inter)), bf(rng.standard_normal(inter))
     out = poison((rows, inter))
-    kernel("activations", name)((256,), (256,), (dev(bf(gu)) if name.endswith("bf16") else dev(gu),
+    kernel("activations", name)(grid, (256,), (dev(bf(gu)) if name.endswith("bf16") else dev(gu),
                                                  dev(bg) if with_bias else np.uint64(0),
                                                            dev(bu) if with_bias else np.uint64(0), out,
                                                            np.int64(rows), np.int32(inter), np.float32(limit)))

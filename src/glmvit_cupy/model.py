@@ -120,6 +120,11 @@ def _blocks(n, threads=256):
     return (int(min(max(1, -(-n // threads)), 65535 * 8)),)
 
 
+def _row_grid(rows, cols, per_thread=8, threads=256):
+    """x over a row's columns (per_thread a thread), y over rows: cuda/activations.cu swiglu."""
+    return (-(-(-(-cols // per_thread)) // threads), int(min(rows, 65535)))
+
+
 class GlmVit:
     """The vision tower on one GPU. Build with `GlmVit.from_checkpoint(path)`."""
 
@@ -444,7 +449,7 @@ class GlmVit:
             rows = min(self.QKV_CHUNK, n - r0)
             gu, act = s["gu"][:rows], s["act"][:rows]
             self._gemm(nrm[r0:r0 + rows], blk.gate_up_w, gu)
-            self.k_swiglu(_blocks(-(-rows * inter // 4)), (256,),  # four columns a thread
+            self.k_swiglu(_row_grid(rows, inter), (256,),
                           (gu, blk.gate_b, blk.up_b, act, np.int64(rows), np.int32(inter), np.float32(g.swiglu_limit)))
             self._gemm(act, blk.down_w, x[r0:r0 + rows], beta=1.0)
 
@@ -464,7 +469,7 @@ class GlmVit:
             self.k_ln_gelu((rows,), (256,), (y, m.norm_w, m.norm_b, yb, np.int32(rows), np.int32(oh),
                                              np.float32(1e-5)))
             self._gemm(yb, m.gate_up_w, mgu)
-            self.k_swiglu(_blocks(-(-rows * pi // 4)), (256,), (mgu, np.uint64(0), np.uint64(0), mact, np.int64(rows),
+            self.k_swiglu(_row_grid(rows, pi), (256,), (mgu, np.uint64(0), np.uint64(0), mact, np.int64(rows),
                                                        np.int32(pi), np.float32(g.swiglu_limit)))
             self._gemm(mact, m.down_w, out[r0:r0 + rows])
 
