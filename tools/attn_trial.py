@@ -1,5 +1,6 @@
 """Try attention variants one subprocess each (a hung or faulting kernel costs one line, not the run):
-correctness on the issue's segment mixes, then TFLOP/s beside torch SDPA at 16 heads x 64.
+correctness on the issue's segment mixes, then TFLOP/s at 16 heads x 64 on one segment of 1,024 /
+4,096 / 16,384 / 32,000 keys and on 16 segments of 1,024 (bench_kernels.py has torch SDPA beside).
 
     python tools/attn_trial.py sm90_ws2_s2 sm90_ws3_s2 ...      (default: every sm90 variant)
 """
