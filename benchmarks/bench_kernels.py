@@ -47,22 +47,15 @@ def main():
     bw("norms.layernorm_gelu [8000x4096]", lambda: kernel("norms", "layernorm_gelu")(
         (N // 4,), (256,), (y, wo, bo, yb, np.int32(N // 4), np.int32(O), eps)), N // 4 * O * (4 + 2))
     ch = 4096
-    qkv, bq, qn = rnd((ch, 3 * H)), rnd((3 * H,), BF), rnd((64,), BF)
+    qkv16, bq, qn = rnd((ch, 3 * H), BF), rnd((3 * H,), BF), rnd((64,), BF)
     pos = cupy.asarray(np.random.default_rng(0).integers(0, 200, (N, 2)).astype(np.int32))
     invf = cupy.asarray((1 / 10000 ** (np.arange(0, 32, 2) / 32)).astype(np.float32))
     q, k, v = (cupy.empty((N, H), BF) for _ in range(3))
-    bw("rotary.qk_norm_rope [4096 rows x 16 heads]", lambda: kernel("rotary", "qk_norm_rope")(
-        (ch * 16 * 64 // 8 // 256,), (256,), (qkv, bq, qn, qn, pos, invf, q, k, v, np.int32(ch), np.int32(0),
-                                         np.int32(16), np.int32(64), eps)), ch * 3 * H * (4 + 2))
-    qkv16 = qkv.astype(BF)
     bw("rotary.qk_norm_rope_bf16 [4096 rows x 16 heads]", lambda: kernel("rotary", "qk_norm_rope_bf16")(
         (ch * 16 * 64 // 8 // 256,), (256,), (qkv16, bq, qn, qn, pos, invf, q, k, v, np.int32(ch), np.int32(0),
                                              np.int32(16), np.int32(64), eps)), ch * 3 * H * (2 + 2))
-    gu, act = rnd((ch, 2 * I)), cupy.empty((ch, I), BF)
+    gu16, act = rnd((ch, 2 * I), BF), cupy.empty((ch, I), BF)
     bg = rnd((I,), BF)
-    bw("activations.swiglu_clamp [4096x4096]", lambda: kernel("activations", "swiglu_clamp")(
-        (-(-I // 8 // 256), ch), (256,), (gu, bg, bg, act, np.int64(ch), np.int32(I), np.float32(10))), ch * I * (8 + 2))
-    gu16 = gu.astype(BF)
     bw("activations.swiglu_clamp_bf16 [4096x4096]", lambda: kernel("activations", "swiglu_clamp_bf16")(
         (-(-I // 8 // 256), ch), (256,), (gu16, bg, bg, act, np.int64(ch), np.int32(I), np.float32(10))), ch * I * (4 + 2))
     canvas = cupy.asarray(np.random.default_rng(1).integers(0, 256, (2240, 2800, 3), dtype=np.uint8))

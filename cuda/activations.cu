@@ -7,22 +7,20 @@ __device__ __forceinline__ float swiglu1(float g, float u, float limit) {
     return g / (1.f + expf(-g)) * u;
 }
 
-// gu: [rows, 2*I] (fp32 or bf16) from one GEMM over [gate; up] weights concatenated at load.
+// gu: bf16 [rows, 2*I] from one GEMM over [gate; up] weights concatenated at load.
 // out[r, j] = bf16(silu(min(g, L)) * clamp(u, -L, L)), g = gu[r, j] + bg[j], u = gu[r, I + j] + bu[j].
 // Biases may be null (the merger has none). Grid: x over a row's columns, y over rows, both
 // strided (any grid is correct; launch ceil(ceil(I/8)/256) x min(rows, 65535) blocks of 256): no
 // per-element 64-bit index division. When I % 8 == 0 a thread moves eight columns (16-byte loads
 // of bf16, its biases loaded once for all its rows); otherwise one column at a time.
-template <typename T>
-__device__ __forceinline__ void load8(float* v, const T* p) {
+__device__ __forceinline__ void load8(float* v, const bf16* p) {
     const float4 a = load4(p), b = load4(p + 4);
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
-template <typename T>
-__device__ __forceinline__ void swiglu_rows(const T* __restrict__ gu, const bf16* __restrict__ bg,
-                                            const bf16* __restrict__ bu, bf16* __restrict__ out, long rows, int I,
-                                            float limit) {
+extern "C" __global__ void swiglu_clamp_bf16(const bf16* __restrict__ gu, const bf16* __restrict__ bg,
+                                             const bf16* __restrict__ bu, bf16* __restrict__ out, long rows, int I,
+                                             float limit) {
     const int c0 = blockIdx.x * blockDim.x + threadIdx.x, cstride = gridDim.x * blockDim.x;
     if ((I & 7) == 0) {
         for (int j = 8 * c0; j < I; j += 8 * cstride) {
@@ -49,14 +47,6 @@ __device__ __forceinline__ void swiglu_rows(const T* __restrict__ gu, const bf16
                                                       load1(gu + r * 2 * I + I + j) + ldf(bu, j), limit));
 }
 
-extern "C" __global__ void swiglu_clamp(const float* gu, const bf16* bg, const bf16* bu, bf16* out, long rows,
-                                        int I, float limit) {
-    swiglu_rows(gu, bg, bu, out, rows, I, limit);
-}
-extern "C" __global__ void swiglu_clamp_bf16(const bf16* gu, const bf16* bg, const bf16* bu, bf16* out, long rows,
-                                             int I, float limit) {
-    swiglu_rows(gu, bg, bu, out, rows, I, limit);
-}
 
 // out = bf16(y + bias), y fp32 [rows, cols]: the downsample conv's epilogue.
 extern "C" __global__ void bias_to_bf16(const float* __restrict__ y, const bf16* __restrict__ bias,

@@ -29,11 +29,8 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 
 __device__ __forceinline__ float ldf(const bf16* p, long i) { return p ? __bfloat162float(p[i]) : 0.f; }
 
-// Loads as float from fp32 or bf16 buffers (GEMM outputs come in either). load4 needs 16-byte
-// (fp32) or 8-byte (bf16) alignment.
-__device__ __forceinline__ float load1(const float* p) { return *p; }
+// bf16 loaded as float; load4 needs 8-byte alignment.
 __device__ __forceinline__ float load1(const bf16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 load4(const bf16* p) {
     const uint2 raw = *reinterpret_cast<const uint2*>(p);
     const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));

@@ -1,7 +1,7 @@
 // Attention prologue: QKV bias, per-head q/k RMSNorm, axial 2-D RoPE, split into q, k, v.
 #include "common.cuh"
 
-// qkv: fp32 or bf16 [rows, 3*H*D] straight from the QKV GEMM (rows start at global patch row0);
+// qkv: bf16 [rows, 3*H*D] straight from the QKV GEMM (rows start at global patch row0);
 // bias bf16 [3*H*D]; qn, kn: bf16 [D] norm weights; pos: int32 [N, 2] (h, w) per patch;
 // inv_freq: fp32 [D/4]. Writes q, k, v bf16 [N, H*D] (head h at columns h*D..h*D+D-1),
 // the layout the attention kernel reads and the proj GEMM's input layout too.
@@ -13,24 +13,22 @@
 // are 8 or 16 bytes wide (the earlier warp per (row, head, part) moved 2 bytes a lane and reached
 // 0.7 TB/s). A head's D/8 threads are adjacent lanes of one warp: its sum of squares is a shuffle
 // reduction among them. Needs D % 16 == 0 and D <= 256.
-template <typename T>
-__device__ __forceinline__ void load_add4(float* out, const T* x, const bf16* b) {
+__device__ __forceinline__ void load_add4(float* out, const bf16* x, const bf16* b) {
     const float4 u = load4(x), w = load4(b);
     out[0] = u.x + w.x; out[1] = u.y + w.y; out[2] = u.z + w.z; out[3] = u.w + w.w;
 }
 
-template <typename T>
-__device__ __forceinline__ void qk_norm_rope_rows(const T* __restrict__ qkv, const bf16* __restrict__ bias,
-                                                  const bf16* __restrict__ qn, const bf16* __restrict__ kn,
-                                                  const int* __restrict__ pos, const float* __restrict__ inv_freq,
-                                                  bf16* __restrict__ q, bf16* __restrict__ k, bf16* __restrict__ v,
-                                                  int rows, int row0, int heads, int D, float eps) {
+extern "C" __global__ void qk_norm_rope_bf16(const bf16* __restrict__ qkv, const bf16* __restrict__ bias,
+                                             const bf16* __restrict__ qn, const bf16* __restrict__ kn,
+                                             const int* __restrict__ pos, const float* __restrict__ inv_freq,
+                                             bf16* __restrict__ q, bf16* __restrict__ k, bf16* __restrict__ v,
+                                             int rows, int row0, int heads, int D, float eps) {
     const int per_head = D / 8, tpr = heads * per_head, HD = heads * D, half = D / 2, quarter = D / 4;
     const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x;
     const bool active = gid < (long)rows * tpr;  // idle lanes still join the shuffles (whole heads idle)
     const int lr = active ? (int)(gid / tpr) : 0, i = (int)(gid % tpr);
     const int j = i % per_head, c = (i / per_head) * D + 4 * j;  // c: column of this thread's first pair
-    const T* src = qkv + (long)lr * 3 * HD;
+    const bf16* src = qkv + (long)lr * 3 * HD;
     float qa[4] = {0.f, 0.f, 0.f, 0.f}, qb[4] = {0.f, 0.f, 0.f, 0.f}, ka[4] = {0.f, 0.f, 0.f, 0.f},
           kb[4] = {0.f, 0.f, 0.f, 0.f}, va[4], vb[4];
     if (active) {
@@ -78,15 +76,4 @@ __device__ __forceinline__ void qk_norm_rope_rows(const T* __restrict__ qkv, con
     store4(q + r * HD + c + half, oqb[0], oqb[1], oqb[2], oqb[3]);
     store4(k + r * HD + c, oka[0], oka[1], oka[2], oka[3]);
     store4(k + r * HD + c + half, okb[0], okb[1], okb[2], okb[3]);
-}
-
-extern "C" __global__ void qk_norm_rope(const float* qkv, const bf16* bias, const bf16* qn, const bf16* kn,
-                                        const int* pos, const float* inv_freq, bf16* q, bf16* k, bf16* v, int rows,
-                                        int row0, int heads, int D, float eps) {
-    qk_norm_rope_rows(qkv, bias, qn, kn, pos, inv_freq, q, k, v, rows, row0, heads, D, eps);
-}
-extern "C" __global__ void qk_norm_rope_bf16(const bf16* qkv, const bf16* bias, const bf16* qn, const bf16* kn,
-                                             const int* pos, const float* inv_freq, bf16* q, bf16* k, bf16* v,
-                                             int rows, int row0, int heads, int D, float eps) {
-    qk_norm_rope_rows(qkv, bias, qn, kn, pos, inv_freq, q, k, v, rows, row0, heads, D, eps);
 }

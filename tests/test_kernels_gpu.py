@@ -90,23 +90,20 @@ def test_layernorm_gelu():
 
 
 @pytest.mark.parametrize("heads,d", [(16, 64), (2, 64), (3, 64), (4, 32), (8, 128)])  # 3 x 64 / 8 = 24 threads a row
-@pytest.mark.parametrize("name", ["qk_norm_rope", "qk_norm_rope_bf16"])  # the QKV GEMM's fp32 or bf16 output
-def test_qk_norm_rope(heads, d, name):
+def test_qk_norm_rope(heads, d):
     total, row0, rows = 700, 123, 401  # 401 rows: the last block is partial for every head count here
     hd = heads * d
-    qkv = rng.standard_normal((rows, 3 * hd), dtype=np.float32)
-    if name.endswith("bf16"):
-        qkv = bf(qkv).astype(np.float32)  # the reference sees exactly the values the kernel reads
+    qkv = bf(rng.standard_normal((rows, 3 * hd), dtype=np.float32)).astype(np.float32)  # what the kernel reads
     bias = bf(0.5 * rng.standard_normal(3 * hd))
     qn, kn = bf(1 + 0.2 * rng.standard_normal(d)), bf(1 + 0.2 * rng.standard_normal(d))
     pos = rng.integers(0, 230, (total, 2)).astype(np.int32)
     spatial = d // 2
     inv_freq = (np.float32(1) / np.power(np.float32(10000), np.arange(0, spatial, 2, dtype=np.float32) / spatial))
     q, k, v = poison((total, hd)), poison((total, hd)), poison((total, hd))
-    qkv_in = dev(bf(qkv)) if name.endswith("bf16") else dev(qkv)
-    kernel("rotary", name)((-(-rows * heads * d // 8 // 256),), (256,),  # a thread per (row, head, 4 pairs)
-                           (qkv_in, dev(bias), dev(qn), dev(kn), dev(pos), dev(inv_freq), q, k, v,
-                            np.int32(rows), np.int32(row0), np.int32(heads), np.int32(d), np.float32(1e-5)))
+    kernel("rotary", "qk_norm_rope_bf16")((-(-rows * heads * d // 8 // 256),), (256,),  # a thread per (row, head, 4 pairs)
+                                          (dev(bf(qkv)), dev(bias), dev(qn), dev(kn), dev(pos), dev(inv_freq), q, k, v,
+                                           np.int32(rows), np.int32(row0), np.int32(heads), np.int32(d),
+                                           np.float32(1e-5)))
     t = (qkv + bias.astype(np.float32)).reshape(rows, 3, heads, d)
     p = pos[row0:row0 + rows].astype(np.float64)
     f = inv_freq.astype(np.float64)
@@ -128,18 +125,14 @@ def test_qk_norm_rope(heads, d, name):
 # (1, 100): both strided loops turn (a block covers 8 x 256 = 2,048 < 4,096 columns, or 256 < 1,020;
 # 100 < 333 rows); (2, 333): the model's launch, ceil(4096 / 8 / 256) = 2 blocks a row
 @pytest.mark.parametrize("grid", [(1, 100), (2, 333)])
-@pytest.mark.parametrize("name", ["swiglu_clamp", "swiglu_clamp_bf16"])  # the GEMM's fp32 or bf16 output
-def test_swiglu_clamp_fires(with_bias, inter, grid, name):
+def test_swiglu_clamp_fires(with_bias, inter, grid):
     rows, limit = 333, 10.0
-    gu = rng.standard_normal((rows, 2 * inter), dtype=np.float32) * 6
-    if name.endswith("bf16"):
-        gu = bf(gu).astype(np.float32)
+    gu = bf(rng.standard_normal((rows, 2 * inter), dtype=np.float32) * 6).astype(np.float32)  # what the kernel reads
     bg, bu = bf(rng.standard_normal(inter)), bf(rng.standard_normal(inter))
     out = poison((rows, inter))
-    kernel("activations", name)(grid, (256,), (dev(bf(gu)) if name.endswith("bf16") else dev(gu),
-                                                 dev(bg) if with_bias else np.uint64(0),
-                                                           dev(bu) if with_bias else np.uint64(0), out,
-                                                           np.int64(rows), np.int32(inter), np.float32(limit)))
+    kernel("activations", "swiglu_clamp_bf16")(grid, (256,), (dev(bf(gu)), dev(bg) if with_bias else np.uint64(0),
+                                                              dev(bu) if with_bias else np.uint64(0), out,
+                                                              np.int64(rows), np.int32(inter), np.float32(limit)))
     g, u = gu[:, :inter], gu[:, inter:]
     if with_bias:
         g, u = g + bg.astype(np.float32), u + bu.astype(np.float32)

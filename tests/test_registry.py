@@ -9,8 +9,8 @@ def test_modules_and_kernels_the_engine_uses_exist():
     assert kernel_names("pixels") == ["patchify_u8"]
     assert (cuda_dir() / "common.cuh").is_file()
     assert set(kernel_names("norms")) == {"rmsnorm_residual", "rmsnorm_im2col", "layernorm_gelu"}
-    assert set(kernel_names("activations")) == {"swiglu_clamp", "swiglu_clamp_bf16", "bias_to_bf16", "f32_to_bf16"}
-    assert kernel_names("rotary") == ["qk_norm_rope", "qk_norm_rope_bf16"]
+    assert set(kernel_names("activations")) == {"swiglu_clamp_bf16", "bias_to_bf16", "f32_to_bf16"}
+    assert kernel_names("rotary") == ["qk_norm_rope_bf16"]
     attention = set(kernel_names("attention"))
     assert all(name in attention for name, _, _, _ in VARIANTS.values())
 
