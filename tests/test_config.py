@@ -1,9 +1,10 @@
 import json
 
+import numpy as np
 import pytest
 
 from glmvit_cupy import CheckpointError, NoVisionConfig, VisionGeometry, read_config
-from glmvit_cupy.config import geometry_from_dict
+from glmvit_cupy.config import check_grid, geometry_from_dict
 
 
 def write(tmp_path, cfg):
@@ -74,3 +75,22 @@ def test_bad_config_json(tmp_path, text):
 def test_missing_config(tmp_path):
     with pytest.raises(CheckpointError, match="no config.json"):
         read_config(tmp_path)
+
+
+def test_check_grid_accepts_and_normalises():
+    grid = check_grid([[1, 32, 32], [2, 8, 6]])  # a 448x448 image: 32 x 32 patches; a 2-frame video
+    assert grid.dtype == np.int64 and grid.tolist() == [[1, 32, 32], [2, 8, 6]]
+    assert check_grid(np.array([[1, 2, 2]], np.int32)).dtype == np.int64  # the smallest image: one 2x2 merge
+
+
+@pytest.mark.parametrize("grid,says", [
+    ([1, 32, 32], r"shape \[images, 3\]"),          # one image, but not as a row
+    (np.zeros((0, 3), np.int64), r"shape \[images, 3\]"),
+    ([[1.0, 32.0, 32.0]], "integer array"),
+    ([[0, 32, 32]], r"grid_thw\[0\] = \(0, 32, 32\)"),   # no frames
+    ([[1, 32, 32], [1, 33, 32]], r"grid_thw\[1\] = \(1, 33, 32\).*2x2"),  # odd rows cannot merge
+    ([[1, 0, 0]], "positive and even"),
+])
+def test_check_grid_names_what_is_wrong(grid, says):
+    with pytest.raises(ValueError, match=says):
+        check_grid(grid)

@@ -12,6 +12,8 @@ import math
 import os
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import CheckpointError
 
 VISION_MODEL_TYPES = ("glm5_next_vision", "glm_ocr_vision")
@@ -191,3 +193,17 @@ def read_config(path: str | os.PathLike) -> VisionGeometry:
     if text_hidden is None and text is None:
         text_hidden = cfg.get("hidden_size")  # flat text fields, as HF accepts them
     return geometry_from_dict(cfg["vision_config"], text_hidden_size=text_hidden, where=f"{path}: vision_config")
+
+
+def check_grid(grid_thw) -> np.ndarray:
+    """A batch's grid_thw (host array-like, one (frames, patch rows, patch columns) per image) as int64
+    [images, 3], or ValueError naming what is wrong: the GPU encoder and its replicas check alike."""
+    grid = np.asarray(grid_thw)
+    if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or not np.issubdtype(grid.dtype, np.integer):
+        raise ValueError(f"grid_thw must be an integer array of shape [images, 3], got {grid.dtype} {grid.shape}")
+    grid = grid.astype(np.int64)
+    for i, (t, h, w) in enumerate(grid.tolist()):
+        if t < 1 or h < 2 or w < 2 or h % 2 or w % 2:
+            raise ValueError(f"grid_thw[{i}] = ({t}, {h}, {w}): t must be >= 1 and h, w positive and even "
+                             "(patches merge in 2x2 blocks)")
+    return grid

@@ -20,7 +20,7 @@ import numpy as np
 
 from .attention import FlashAttention, default_variants, pick_variant
 from .checkpoint import TowerBinding, bind_tower, probe_tower
-from .config import VisionGeometry
+from .config import VisionGeometry, check_grid
 from .gemm import BF16, Handle, gemm
 from .kernels import kernel
 from .preprocess import MERGE, prepare_canvas, value_table
@@ -250,14 +250,7 @@ class GlmVit:
     # -- input checks -----------------------------------------------------------------
     def _check(self, pixel_values, grid_thw):
         g = self.geometry
-        grid = np.asarray(grid_thw.get() if isinstance(grid_thw, cupy.ndarray) else grid_thw)
-        if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or not np.issubdtype(grid.dtype, np.integer):
-            raise ValueError(f"grid_thw must be an integer array of shape [images, 3], got {grid.dtype} {grid.shape}")
-        grid = grid.astype(np.int64)
-        for i, (t, h, w) in enumerate(grid.tolist()):
-            if t < 1 or h < 2 or w < 2 or h % 2 or w % 2:
-                raise ValueError(f"grid_thw[{i}] = ({t}, {h}, {w}): t must be >= 1 and h, w positive and even "
-                                 "(patches merge in 2x2 blocks)")
+        grid = check_grid(grid_thw.get() if isinstance(grid_thw, cupy.ndarray) else grid_thw)
         n = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
         if pixel_values.ndim != 2 or pixel_values.shape[1] != g.patch_dim:
             raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}; each row must be one patch of "

@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .config import check_grid
+
 
 def spread(costs, bins: int) -> list[list[int]]:
     """Indices of `costs` split into `bins` groups of near-equal total cost (longest first to the
@@ -104,9 +106,7 @@ class Replicas:
 
         from .gemm import BF16
 
-        grid = np.asarray(grid_thw.get() if isinstance(grid_thw, cupy.ndarray) else grid_thw)
-        if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or not np.issubdtype(grid.dtype, np.integer):
-            raise ValueError(f"grid_thw must be an integer array of shape [images, 3], got {grid.dtype} {grid.shape}")
+        grid = check_grid(grid_thw.get() if isinstance(grid_thw, cupy.ndarray) else grid_thw)
         if isinstance(pixel_values, cupy.ndarray):
             pixel_values = cupy.asnumpy(pixel_values)  # rows go to other GPUs: stage them once on the host
         sizes = (grid[:, 0] * grid[:, 1] * grid[:, 2]).astype(np.int64)
