@@ -91,6 +91,15 @@ def _upload(binding: TowerBinding, *suffixes):
     return out
 
 
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _slot_bytes(shape, dtype) -> int:
+    """Bytes an arena view takes: every view starts 256-byte aligned."""
+    return _cdiv(int(np.prod(shape)) * np.dtype(dtype).itemsize, 256) * 256
+
+
 class Arena:
     """One device allocation carved into named views. Phases that never overlap in time
     (input staging, the blocks, the merger) share the same bytes."""
@@ -98,7 +107,7 @@ class Arena:
     def __init__(self, layout: dict):
         # layout: {phase: {name: (shape, dtype)}}; phase "keep" is never shared.
         def size(spec):
-            return sum(-(-int(np.prod(s)) * np.dtype(d).itemsize // 256) * 256 for s, d in spec.values())
+            return sum(_slot_bytes(s, d) for s, d in spec.values())
 
         keep = size(layout.get("keep", {}))
         shared = max((size(v) for k, v in layout.items() if k != "keep"), default=0)
@@ -108,21 +117,20 @@ class Arena:
         for phase, spec in layout.items():
             off = 0 if phase == "keep" else keep
             for name, (shape, dtype) in spec.items():
-                dtype = np.dtype(dtype)
-                self.views[name] = cupy.ndarray(shape, dtype=dtype, memptr=self.base.data + off)
-                off += -(-int(np.prod(shape)) * dtype.itemsize // 256) * 256
+                self.views[name] = cupy.ndarray(shape, dtype=np.dtype(dtype), memptr=self.base.data + off)
+                off += _slot_bytes(shape, dtype)
 
     def __getitem__(self, name):
         return self.views[name]
 
 
 def _blocks(n, threads=256):
-    return (int(min(max(1, -(-n // threads)), 65535 * 8)),)
+    return (int(min(max(1, _cdiv(n, threads)), 65535 * 8)),)
 
 
 def _row_grid(rows, cols, per_thread=8, threads=256):
     """x over a row's columns (per_thread a thread), y over rows: cuda/activations.cu swiglu."""
-    return (-(-(-(-cols // per_thread)) // threads), int(min(rows, 65535)))
+    return (_cdiv(_cdiv(cols, per_thread), threads), int(min(rows, 65535)))
 
 
 class GlmVit:
@@ -357,23 +365,22 @@ class GlmVit:
         gemm(a, w, out, beta, handle=self._blas)
 
     def _capture(self, plan):
-        stream = self._stream
+        """The shape's forward as a CUDA graph; if capture fails, the shape runs eagerly from then on."""
+        stream, graph, error = self._stream, None, None
         stream.begin_capture()
         try:
             self._body(plan)
         except Exception as e:
-            try:
-                stream.end_capture()
-            except Exception:
-                pass
-            plan.capture_failed = True
-            log.warning("CUDA graph capture failed (%s); this shape runs without a graph", e)
-            return
+            error = e
         try:
-            plan.graph = stream.end_capture()
+            graph = stream.end_capture()  # always ended, even after a failed body
         except Exception as e:
+            error = error or e
+        if error is not None:
             plan.capture_failed = True
-            log.warning("CUDA graph capture failed (%s); this shape runs without a graph", e)
+            log.warning("CUDA graph capture failed (%s); this shape runs without a graph", error)
+            return
+        plan.graph = graph
 
     @property
     def last_timing(self) -> dict:
