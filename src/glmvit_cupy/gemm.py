@@ -60,7 +60,7 @@ class Handle:
         self.gemm_ex = _cublas_gemm_ex()  # None where libcublas cannot be reached through ctypes
         self.capturable = self.gemm_ex is not None
         self.ptr = cublas.create()
-        self.stream = stream
+        self.stream = stream  # held: the handle is bound to it for the handle's whole life
         cublas.setStream(self.ptr, stream.ptr)
         self._finalizer = weakref.finalize(self, cublas.destroy, self.ptr)
 
@@ -98,9 +98,3 @@ def gemm(a: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray, beta: float = 0.0,
         cublas.setStream(h, cupy.cuda.get_current_stream().ptr)
         cublas.gemmEx(h, *args)
     return out
-
-
-def gemm_new(a: cupy.ndarray, w: cupy.ndarray, dtype=np.float32) -> cupy.ndarray:
-    """A fresh [M, N] array holding a @ w.T, in `dtype` (float32 or bfloat16)."""
-    out = cupy.empty((a.shape[0], w.shape[0]), dtype=dtype)
-    return gemm(a, w, out)
