@@ -90,7 +90,7 @@ def main():
     if why is None:
         from glmvit_cupy import GlmVit
 
-        model = GlmVit.from_checkpoint(ckpt, max_image_tokens=max(args.max_image_tokens, 16))
+        model = GlmVit.from_checkpoint(ckpt, capacity_tokens=args.max_image_tokens)
         for _ in range(2):  # warm-up: the first call compiles kernels, the second captures a CUDA graph
             outs = model.encode(images, max_image_tokens=args.max_image_tokens)
         t = time.perf_counter()

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from glmvit_cupy import AbsentTower, CheckpointError, NoVisionConfig, bind_tower, inspect_checkpoint
-from glmvit_cupy.checkpoint import PREFIXES, probe_tower, tower_layout
+from glmvit_cupy.checkpoint import probe_tower
+from glmvit_cupy.layout import VISION_PREFIXES as PREFIXES, tower_layout
 from glmvit_cupy.config import VisionGeometry
 from glmvit_cupy.synthetic import random_tower, write_checkpoint
 from tests.golden import cases

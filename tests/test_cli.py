@@ -93,7 +93,7 @@ def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch):
     monkeypatch.setattr(cli.Encoder, "__init__", init)
     # 16-token minimum images: a.png has 8x12 patches = 24 tokens; one image per batch at 30 tokens.
     args = [images / "a.png", images / "c.jpg", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu",
-            "--batch-tokens", 30, "--max-image-tokens", 30]
+            "--capacity-tokens", 30, "--max-image-tokens", 30]
     with pytest.raises(KeyboardInterrupt):
         run(args)
     manifest, tensors = load_all(out)
@@ -108,7 +108,7 @@ def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch):
 def test_batches_respect_the_token_budget(images, tmp_path):
     out = tmp_path / "out"
     run([images / "a.png", images / "c.jpg", images / "sub", "--checkpoint", cases.TOWER_DIR, "--out", out,
-         "--cpu", "--batch-tokens", 40, "--max-image-tokens", 40])
+         "--cpu", "--capacity-tokens", 40, "--max-image-tokens", 40])
     manifest, _ = load_all(out)
     per_shard = {}
     for entry in manifest["images"].values():

@@ -27,7 +27,7 @@ def test_gpu_command_matches_reference_and_model(tmp_path, capsys):
     out = tmp_path / "out"
     # 60-token batches: the five images (117 tokens) make two batches, run at once on the two replicas.
     rc = cli.main([str(folder), "--checkpoint", str(cases.TOWER_DIR), "--out", str(out), "--devices", devices,
-                   "--batch-tokens", "60", "--max-image-tokens", "60"])
+                   "--capacity-tokens", "60", "--max-image-tokens", "60"])
     assert rc == 1  # the broken JPEG is reported, not fatal
     manifest = json.loads((out / "manifest.json").read_text())
     assert len(manifest["images"]) == 5 and list(manifest["failed"]) == [str(folder / "bad.jpg")]

@@ -1,34 +1,80 @@
-"""The kernel registry's view of cuda/ (no GPU needed): every module and kernel the engine asks for exists."""
+"""The kernel registry's view of cuda/ and the attention variant table (no GPU needed): every kernel the
+engine launches exists, and every variant is derived consistently and refused where it cannot run."""
 
-from glmvit_cupy.attention import VARIANTS, default_variants, pick_variant
-from glmvit_cupy.kernels import cuda_dir, kernel_names, modules
+import re
+
+import pytest
+
+from glmvit_cupy.engine.attention import VARIANTS, check_variant, default_variants, pick_variant, tiles
+from glmvit_cupy.engine.kernels import cuda_dir, kernel_names, modules
 
 
 def test_modules_and_kernels_the_engine_uses_exist():
-    assert modules() == ["activations", "attention", "norms", "pixels", "rotary"]
+    assert modules() == ["activations", "attention_sm80", "attention_sm90", "norms", "pixels", "rotary"]
     assert kernel_names("pixels") == ["patchify_u8"]
     assert (cuda_dir() / "common.cuh").is_file()
     assert set(kernel_names("norms")) == {"rmsnorm_residual", "rmsnorm_im2col", "layernorm_gelu"}
     assert set(kernel_names("activations")) == {"swiglu_clamp_bf16", "bias_to_bf16", "f32_to_bf16"}
     assert kernel_names("rotary") == ["qk_norm_rope_bf16"]
-    attention = set(kernel_names("attention"))
-    assert all(name in attention for name, _, _, _ in VARIANTS.values())
+    assert kernel_names("attention_sm90") == ["flash_fwd_sm90"]
+    assert kernel_names("attention_sm80") == ["flash_fwd_sm80"]
+    for v in VARIANTS.values():
+        assert v.entry.split("<")[0] in kernel_names(v.module)
+
+
+def test_every_kernel_file_opens_with_its_napkin_math():
+    for m in modules():
+        head = (cuda_dir() / f"{m}.cu").read_text().split("#include")[0]
+        assert "Napkin math" in head and re.search(r"[Mm]easured", head), m
+
+
+def test_variant_table_derives_entries_and_sizes():
+    v = VARIANTS["sm90_3wg_fma1in16"]
+    assert v.entry == "flash_fwd_sm90<3, 3, 4>" and v.rows == 192 and v.threads == 512
+    assert v.shared_bytes == 192 * 128 + 3 * 2 * 128 * 128 + 1024
+    assert VARIANTS["sm90_2wg_fma1in16"].entry == "flash_fwd_sm90<2, 3, 4>"
+    assert VARIANTS["sm80_d128"].entry == "flash_fwd_sm80<128, 4>"
+    assert VARIANTS["sm80_d64"].shared_bytes == (64 + 4 * 64) * 72 * 2
+    for v in VARIANTS.values():
+        assert v.rows % 64 == 0 and v.shared_bytes <= 227 * 1024  # an H100/H200 SM's shared memory
+        assert v.threads % 128 == 0 and v.threads <= 512
 
 
 def test_attention_variant_choice():
     assert all(v.startswith("sm90") for v in default_variants(64, "90"))  # wgmma on Hopper
-    assert default_variants(64, "80") == ("sm80_d64_w4",)  # mma.sync elsewhere
-    assert default_variants(128, "90") == ("sm80_d128_w4",)  # the wgmma kernel is head_dim 64 only
-    for _, rows, smem, threads in VARIANTS.values():
-        assert rows % 64 == 0 and smem <= 227 * 1024  # an H100/H200 SM's shared memory
-        assert threads % 128 == 0 and threads <= 512
+    assert default_variants(64, "80") == ("sm80_d64",)  # mma.sync elsewhere
+    assert default_variants(128, "90") == ("sm80_d128",)  # the wgmma kernel is head_dim 64 only
+    with pytest.raises(ValueError, match="32, 64 and 128"):
+        default_variants(48, "90")
+
+
+@pytest.mark.parametrize("name,head_dim,cc,says", [
+    ("sm90_ws3_s3_f16", 64, "90", r"unknown; choices: sm90_3wg_fma1in16, sm90_2wg_fma1in16, sm80_d32"),
+    ("sm90_3wg_fma1in16", 64, "80", r"needs a Hopper GPU .* this GPU is 8\.0: use sm80_d64"),
+    ("sm90_3wg_fma1in16", 64, "100", r"this GPU is 10\.0"),
+    ("sm80_d32", 64, "90", r"built for head dim 32, this tower's is 64; choices for it: sm90_3wg"),
+])
+def test_bad_attention_variants_are_refused_before_any_launch(name, head_dim, cc, says):
+    with pytest.raises(ValueError, match=says):
+        check_variant(name, head_dim, cc)
+
+
+def test_good_attention_variants_pass():
+    assert check_variant("sm80_d64", 64, "90").name == "sm80_d64"  # the fallback also runs on Hopper
+    assert check_variant("sm90_2wg_fma1in16", 64, "90").warpgroups == 2
 
 
 def test_attention_variant_per_shape():
     """Short segments take 128-row tiles, long ones 192-row tiles (132 SMs, 16 heads)."""
     both = default_variants(64, "90")
     # 1,024 keys: ceil(1024 / 192) = 6 tiles x 16 heads = 96 CTAs, 36 of 132 SMs idle; 8 x 16 = 128 fill them.
-    assert pick_variant(both, [1024], 16, 132) == "sm90_ws2_s3_f16"
+    assert pick_variant(both, [1024], 16, 132) == "sm90_2wg_fma1in16"
     # 32,000 keys: 167 x 16 = 2,672 CTAs (21 waves) against 250 x 16 = 4,000 (31 waves) of 2/3 the rows.
-    assert pick_variant(both, [32000], 16, 132) == "sm90_ws3_s3_f16"
-    assert pick_variant(("sm80_d64_w4",), [1024], 16, 132) == "sm80_d64_w4"  # a single choice stands
+    assert pick_variant(both, [32000], 16, 132) == "sm90_3wg_fma1in16"
+    assert pick_variant(("sm80_d64",), [1024], 16, 132) == "sm80_d64"  # a single choice stands
+
+
+def test_tiles_cover_every_segment_row_once():
+    cu = [0, 1, 193, 193 + 500]
+    seg, q0 = tiles(cu, 192)
+    assert seg.tolist() == [0, 1, 2, 2, 2] and q0.tolist() == [0, 1, 193, 385, 577]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from glmvit_cupy.replicas import check_devices, spread
+from glmvit_cupy.batching import check_devices, spread
 
 
 def test_spread_balances_tokens_and_keeps_every_index_once():

@@ -11,70 +11,13 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from .config import NoVisionConfig, VisionGeometry, read_config
-from .errors import CheckpointError
-from .hub import VISION_PREFIXES, is_vision_name, resolve
+from .config import VisionGeometry, read_config
+from .errors import AbsentTower, CheckpointError, NoVisionConfig
+from .hub import resolve
+from .layout import VISION_PREFIXES, is_vision_name, tower_layout
 from .weights import WeightStore
 
 log = logging.getLogger("glmvit_cupy")
-
-# The flat layout, the nested one a re-quantisation through AutoModelForImageTextToText
-# leaves, and a bare tower export.
-PREFIXES = VISION_PREFIXES
-
-
-class AbsentTower(CheckpointError):
-    """config.json declares a vision tower but the shards hold none of it."""
-
-
-def tower_layout(geo: VisionGeometry) -> dict[str, tuple]:
-    """Every tensor the encoder reads, under the prefix, with the shape it is read as.
-
-    2-D entries are (rows, cols) GEMM views: a stored tensor matches when its first
-    dimension is `rows` and the product of the rest is `cols` — the 5-D patch-embed
-    Conv3d is read as [1024, 1176] and the 4-D downsample Conv2d as [4096, 4096]
-    over the same bytes. 1-D entries must match exactly.
-    """
-    h, i, hd = geo.hidden_size, geo.intermediate_size, geo.head_dim
-    out, pi = geo.out_hidden_size, geo.projection_intermediate_size
-    t = {
-        "patch_embed.proj.weight": (h, geo.patch_dim),
-        "patch_embed.proj.bias": (h,),
-    }
-    for b in range(geo.depth):
-        p = f"blocks.{b}."
-        t.update({
-            p + "norm1.weight": (h,),
-            p + "norm2.weight": (h,),
-            p + "attn.qkv.weight": (3 * h, h),
-            p + "attn.qkv.bias": (3 * h,),
-            p + "attn.q_norm.weight": (hd,),
-            p + "attn.k_norm.weight": (hd,),
-            p + "attn.proj.weight": (h, h),
-            p + "attn.proj.bias": (h,),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.gate_proj.bias": (i,),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.up_proj.bias": (i,),
-            p + "mlp.down_proj.weight": (h, i),
-            p + "mlp.down_proj.bias": (h,),
-        })
-    t.update({
-        "post_layernorm.weight": (h,),
-        "downsample.weight": (out, geo.merge_dim),
-        "downsample.bias": (out,),
-        "merger.proj.weight": (out, out),
-        "merger.post_projection_norm.weight": (out,),
-        # The bias is what tells the merger's LayerNorm from the tower's RMSNorms:
-        # a checkpoint without it must fail here, not run an RMSNorm in its place.
-        "merger.post_projection_norm.bias": (out,),
-        "merger.gate_proj.weight": (pi, out),
-        "merger.up_proj.weight": (pi, out),
-        "merger.down_proj.weight": (out, pi),
-    })
-    assert len(t) == geo.tensor_count  # 14 per block + 11
-    return t
-
 
 @dataclass
 class TowerBinding:
@@ -149,11 +92,11 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
     else:
         raise CheckpointError(f"{path}: no such file or directory")
     store = WeightStore.open(source, only=is_vision_name)
-    prefix = next((p for p in PREFIXES if p + "patch_embed.proj.weight" in store), None)
+    prefix = next((p for p in VISION_PREFIXES if p + "patch_embed.proj.weight" in store), None)
     if prefix is None:
         raise AbsentTower(
             f"{path}: config.json declares a vision tower, but no '*visual.patch_embed.proj.weight' is in the "
-            f"checkpoint (looked under {', '.join(PREFIXES)}); the shards hold no tower to load")
+            f"checkpoint (looked under {', '.join(VISION_PREFIXES)}); the shards hold no tower to load")
     layout = tower_layout(geo)
     for suffix, want in layout.items():
         name = prefix + suffix

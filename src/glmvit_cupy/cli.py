@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .batching import pack
 from .checkpoint import bind_tower
 from .errors import CheckpointError, ImageError
 from .preprocess import normalise_patchify, prepare_canvas
@@ -161,9 +162,9 @@ class Encoder:
         else:
             import cupy
 
-            from .replicas import Replicas
+            from .engine.replicas import Replicas
 
-            engine = Replicas(binding, devices or [cupy.cuda.Device().id], max_image_tokens=capacity_tokens)
+            engine = Replicas(binding, devices or [cupy.cuda.Device().id], capacity_tokens=capacity_tokens)
             self.lanes = len(engine)
             self.run = lambda batches: engine.map(lambda m, items: [o.get() for o in m.encode_prepared(items)],
                                                   batches)
@@ -186,14 +187,17 @@ def parse(argv):
     ap.add_argument("--checkpoint", help="checkpoint folder or Hub id (org/name)")
     ap.add_argument("--out", help="output folder (created; re-running resumes)")
     ap.add_argument("--inspect", metavar="CHECKPOINT", help="print what the load-time checks find, then exit")
-    ap.add_argument("--batch-tokens", type=int, default=8000, help="tokens per forward pass (default 8000)")
-    ap.add_argument("--max-image-tokens", type=int, default=8000)
-    ap.add_argument("--min-image-tokens", type=int, default=16)
+    ap.add_argument("--capacity-tokens", type=int, default=8000,
+                    help="tokens per forward pass; images are packed into passes of this size (default 8000)")
+    ap.add_argument("--batch-tokens", type=int, dest="capacity_tokens", help=argparse.SUPPRESS)  # the old name
+    ap.add_argument("--max-image-tokens", type=int, default=8000,
+                    help="per-image resize limit, as the reference processor's (default 8000)")
+    ap.add_argument("--min-image-tokens", type=int, default=16, help="per-image lower limit (default 16)")
     ap.add_argument("--devices", type=device_list, default=None, metavar="0,1,...",
                     help="CUDA devices, one replica each; batches are spread across them (default: the current one)")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                    help="threads preparing images ahead of the GPU (default: min(8, CPUs)); each holds one "
-                         "image's float32 patches, up to 150 MB at 8000 tokens")
+                    help="threads decoding and resizing images ahead of the GPU (default: min(8, CPUs)); each "
+                         "holds one image's uint8 canvas, up to 19 MB at 8000 tokens")
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference (slow; no GPU needed)")
     return ap.parse_args(argv)
 
@@ -224,8 +228,8 @@ def main(argv=None) -> int:
     if args.workers < 1:
         print(f"glmvit-encode: --workers {args.workers} must be at least 1", file=sys.stderr)
         return 2
-    if args.batch_tokens < args.max_image_tokens:
-        print(f"glmvit-encode: --batch-tokens {args.batch_tokens} must be at least --max-image-tokens "
+    if args.capacity_tokens < args.max_image_tokens:
+        print(f"glmvit-encode: --capacity-tokens {args.capacity_tokens} must be at least --max-image-tokens "
               f"{args.max_image_tokens}, so that the largest image fits one pass", file=sys.stderr)
         return 2
     from tqdm import tqdm
@@ -247,12 +251,12 @@ def main(argv=None) -> int:
     if args.cpu:
         print("glmvit-encode: --cpu: the float32 NumPy reference encodes on the CPU; this is slow", file=sys.stderr)
     try:
-        enc = Encoder(binding, cpu=args.cpu, devices=args.devices, capacity_tokens=args.batch_tokens)
+        enc = Encoder(binding, cpu=args.cpu, devices=args.devices, capacity_tokens=args.capacity_tokens)
     except ValueError as e:
         print(f"glmvit-encode: {e}", file=sys.stderr)
         return 2
 
-    batch, batch_tokens, ready, tokens_done, failed = [], 0, [], 0, 0
+    ready, tokens_done, failed = [], 0, 0
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), unit="img", dynamic_ncols=True)
 
@@ -266,18 +270,9 @@ def main(argv=None) -> int:
         bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}", failed=failed)
         ready.clear()
 
-    def flush():
-        """Close the current batch; run the closed ones once every device has one."""
-        nonlocal batch, batch_tokens
-        if batch:
-            ready.append(batch)
-        batch, batch_tokens = [], 0
-        if len(ready) >= enc.lanes:
-            run_ready()
-
-    stream = prepared_in_order(todo, args.workers, min_image_tokens=args.min_image_tokens,
-                               max_image_tokens=args.max_image_tokens)
-    with contextlib.closing(stream):  # an interrupted run stops the preparing threads too
+    def usable(stream):
+        """The prepared images; a failed one is recorded and skipped."""
+        nonlocal failed
         for path, got in stream:
             if isinstance(got, Exception):
                 failed += 1
@@ -286,13 +281,18 @@ def main(argv=None) -> int:
                 bar.update(1)
                 continue
             canvas, grid, info = got
-            info = {"source": os.path.abspath(path), "size_hw": list(info["size"]),
-                    "canvas_hw": list(info["canvas"]), "grid_thw": list(grid), "tokens": info["tokens"]}
-            if batch_tokens + info["tokens"] > args.batch_tokens:
-                flush()
-            batch.append((path, canvas, grid, info))
-            batch_tokens += info["tokens"]
-        flush()
+            yield path, canvas, grid, {"source": os.path.abspath(path), "size_hw": list(info["size"]),
+                                       "canvas_hw": list(info["canvas"]), "grid_thw": list(grid),
+                                       "tokens": info["tokens"]}
+
+    stream = prepared_in_order(todo, args.workers, min_image_tokens=args.min_image_tokens,
+                               max_image_tokens=args.max_image_tokens)
+    with contextlib.closing(stream):  # an interrupted run stops the preparing threads too
+        # Batches run once every device has one (the replicas run them at the same time).
+        for batch in pack(usable(stream), args.capacity_tokens, lambda item: item[3]["tokens"]):
+            ready.append(batch)
+            if len(ready) >= enc.lanes:
+                run_ready()
         if ready:
             run_ready()
     bar.close()

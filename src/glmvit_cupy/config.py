@@ -12,9 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 
-import numpy as np
-
-from .errors import CheckpointError
+from .errors import CheckpointError, NoVisionConfig
 
 VISION_MODEL_TYPES = ("glm5_next_vision", "glm_ocr_vision")
 
@@ -64,7 +62,7 @@ class VisionGeometry:
 
     @classmethod
     def official(cls) -> "VisionGeometry":
-        """GLM-5.3-Flash's released geometry (SPEC.md)."""
+        """GLM-5.3-Flash's released geometry: the class defaults with out_hidden_size 4096."""
         return cls(out_hidden_size=4096)
 
     def validate(self, where: str = "vision_config") -> "VisionGeometry":
@@ -159,10 +157,6 @@ def geometry_from_dict(vision: dict, *, text_hidden_size=None, where: str = "vis
     return geo
 
 
-class NoVisionConfig(CheckpointError):
-    """config.json describes a text-only model (no vision_config)."""
-
-
 def read_config(path: str | os.PathLike) -> VisionGeometry:
     """Read config.json (a file, or the directory holding it) into a VisionGeometry.
 
@@ -193,17 +187,3 @@ def read_config(path: str | os.PathLike) -> VisionGeometry:
     if text_hidden is None and text is None:
         text_hidden = cfg.get("hidden_size")  # flat text fields, as HF accepts them
     return geometry_from_dict(cfg["vision_config"], text_hidden_size=text_hidden, where=f"{path}: vision_config")
-
-
-def check_grid(grid_thw) -> np.ndarray:
-    """A batch's grid_thw (host array-like, one (frames, patch rows, patch columns) per image) as int64
-    [images, 3], or ValueError naming what is wrong: the GPU encoder and its replicas check alike."""
-    grid = np.asarray(grid_thw)
-    if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or not np.issubdtype(grid.dtype, np.integer):
-        raise ValueError(f"grid_thw must be an integer array of shape [images, 3], got {grid.dtype} {grid.shape}")
-    grid = grid.astype(np.int64)
-    for i, (t, h, w) in enumerate(grid.tolist()):
-        if t < 1 or h < 2 or w < 2 or h % 2 or w % 2:
-            raise ValueError(f"grid_thw[{i}] = ({t}, {h}, {w}): t must be >= 1 and h, w positive and even "
-                             "(patches merge in 2x2 blocks)")
-    return grid

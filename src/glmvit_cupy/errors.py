@@ -1,6 +1,8 @@
-"""The two errors a user can cause: a bad checkpoint and a bad image.
+"""Every error a user of glmvit-cupy can meet, in one place and importable without CuPy.
 
-Both are ValueErrors so that callers who only know "bad input" still catch them.
+The input errors are ValueErrors, so callers who only know "bad input" still catch them; the GPU's
+are a MemoryError and a RuntimeError. Each message names what was wrong, where, and what would be
+right.
 """
 
 
@@ -11,8 +13,24 @@ class CheckpointError(ValueError):
     """
 
 
+class NoVisionConfig(CheckpointError):
+    """config.json describes a text-only model (no vision_config)."""
+
+
+class AbsentTower(CheckpointError):
+    """config.json declares a vision tower but the shards hold none of it."""
+
+
 class ImageError(ValueError):
     """An image cannot be decoded or is not an image the tower can encode.
 
     The message names the image (its path, or its position in the call).
     """
+
+
+class GpuOutOfMemory(MemoryError):
+    """The GPU ran out of memory; the model is still usable (encode fewer tokens per call)."""
+
+
+class KernelError(RuntimeError):
+    """A kernel module or entry does not exist, or a module failed to compile."""

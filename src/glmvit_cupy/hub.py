@@ -12,19 +12,15 @@ import os
 import re
 
 from .errors import CheckpointError
+from .layout import is_vision_name
 from .weights import INDEX_NAME
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-VISION_PREFIXES = ("model.visual.", "model.language_model.visual.", "visual.")
 
 
 def is_hub_id(path) -> bool:
     """'org/name' that is not a local path."""
     return isinstance(path, str) and _HUB_ID.match(path) is not None and not os.path.exists(path)
-
-
-def is_vision_name(name: str) -> bool:
-    return name.startswith(VISION_PREFIXES)
 
 
 def vision_shards(weight_map: dict) -> list[str]:

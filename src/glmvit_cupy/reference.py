@@ -151,7 +151,7 @@ class Tower:
 
 
 def encode_pixels(checkpoint_path, pixel_values, grid_thw, *, dtype=np.float32, stats=None) -> np.ndarray:
-    """The whole forward of SPEC.md in NumPy: [N, patch_dim] pixels -> [N/4, out_hidden_size].
+    """The whole forward of HF transformers 5.23.0's Glm5NextVisionModel in NumPy: [N, patch_dim] pixels -> [N/4, out_hidden_size].
 
     `checkpoint_path` may also be a TowerBinding or a Tower (to reuse loaded weights).
     `stats`, a dict, receives per-layer counts of values the SwiGLU clamp cut.

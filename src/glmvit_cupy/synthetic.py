@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from .checkpoint import tower_layout
+from .layout import tower_layout
 from .config import VisionGeometry
 
 BF16 = ml_dtypes.bfloat16

@@ -2,43 +2,20 @@
 
 Each replica owns its weights, scratch, stream and CUDA graphs; a thread per replica drives it, so
 the GPUs run at the same time (CuPy releases the GIL inside CUDA calls, and a replayed graph is one
-launch). `spread` is plain Python so that the balancing is tested without a GPU.
+launch). The balancing (batching.spread) is plain Python, tested without a GPU.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import cupy
 import numpy as np
 
-from .config import check_grid
-
-
-def spread(costs, bins: int) -> list[list[int]]:
-    """Indices of `costs` split into `bins` groups of near-equal total cost (longest first to the
-    least-loaded group); each group keeps its indices in ascending order."""
-    if bins < 1:
-        raise ValueError(f"bins={bins}: need at least one")
-    groups, load = [[] for _ in range(bins)], [0] * bins
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        b = min(range(bins), key=lambda b: (load[b], b))
-        groups[b].append(i)
-        load[b] += costs[i]
-    return [sorted(g) for g in groups]
-
-
-def check_devices(devices, count: int) -> list[int]:
-    """The device list as ints, or ValueError saying what is wrong with it."""
-    if isinstance(devices, (int, str)) or not hasattr(devices, "__iter__"):
-        raise ValueError(f"devices={devices!r}: give a list of CUDA device ordinals, e.g. [0, 1]")
-    out = list(devices)
-    if not out:
-        raise ValueError("devices=[]: give at least one CUDA device ordinal")
-    for d in out:
-        if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or not 0 <= d < count:
-            raise ValueError(f"devices={out!r}: {d!r} is not a CUDA device of this machine "
-                             f"(it has {count}: ordinals 0..{count - 1})")
-    return [int(d) for d in out]
+from .. import batching
+from ..checkpoint import TowerBinding, bind_tower
+from .gemm import BF16
+from .model import GlmVit
 
 
 class Replicas:
@@ -46,17 +23,17 @@ class Replicas:
     encode(images) returns each image's embedding on the GPU that computed it; encode_pixels
     gathers the batch's output onto the first device."""
 
-    def __init__(self, binding, devices, **kw):
-        import cupy
-
-        from .model import GlmVit
-
-        self.devices = check_devices(devices, cupy.cuda.runtime.getDeviceCount())
+    def __init__(self, binding: TowerBinding, devices, **kw):
+        self.devices = batching.check_devices(devices, cupy.cuda.runtime.getDeviceCount())
         self.models = [GlmVit(binding, device=d, **kw) for d in self.devices]
         self.geometry = self.models[0].geometry
-        self.max_image_tokens = self.models[0].max_image_tokens
-        self.max_patches = self.models[0].max_patches
+        self.capacity_tokens = self.models[0].capacity_tokens
         self._pool = ThreadPoolExecutor(len(self.models), thread_name_prefix="glmvit")
+
+    @classmethod
+    def from_checkpoint(cls, path, devices, **kw) -> "Replicas":
+        """Check and bind a checkpoint once, then upload one replica per listed device."""
+        return cls(bind_tower(path), devices, **kw)
 
     def __len__(self):
         return len(self.models)
@@ -68,7 +45,7 @@ class Replicas:
 
         def lane(r):
             done = [(j, fn(self.models[r], work[j])) for j in lanes[r]]
-            self.models[r]._stream.synchronize()  # results are final whichever stream reads them next
+            self.models[r].executor.stream.synchronize()  # results are final whichever stream reads them next
             return done
 
         futures = [self._pool.submit(lane, r) for r in range(len(self)) if lanes[r]]
@@ -87,12 +64,12 @@ class Replicas:
         """[(pixel_values, grid_thw), ...] -> one output per batch, batch j on replica j % len(self)."""
         return self.map(lambda m, b: m.encode_pixels(*b), list(batches))
 
-    def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int = 8000) -> list:
-        from .model import prepare_images
-
+    def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None) -> list:
+        """As GlmVit.encode; images spread over the replicas by tokens."""
         single = not isinstance(images, (list, tuple))
-        prepared = prepare_images(self, [images] if single else list(images), min_image_tokens, max_image_tokens)
-        groups = spread([grid[1] * grid[2] for _, grid, _ in prepared], len(self))  # patches per image
+        prepared = batching.prepare_images(self.geometry, self.capacity_tokens, [images] if single else list(images),
+                                           min_image_tokens, max_image_tokens)
+        groups = batching.spread([info["tokens"] for _, _, info in prepared], len(self))
         outs = self.map(lambda m, g: m.encode_prepared([prepared[i] for i in g]), groups)
         results = [None] * len(prepared)
         for g, o in zip(groups, outs):
@@ -102,11 +79,7 @@ class Replicas:
 
     def encode_pixels(self, pixel_values, grid_thw):
         """A batch of images split across the replicas by patches; the output, in order, on devices[0]."""
-        import cupy
-
-        from .gemm import BF16
-
-        grid = check_grid(grid_thw.get() if isinstance(grid_thw, cupy.ndarray) else grid_thw)
+        grid = batching.check_grid(grid_thw.get() if isinstance(grid_thw, cupy.ndarray) else grid_thw)
         if isinstance(pixel_values, cupy.ndarray):
             pixel_values = cupy.asnumpy(pixel_values)  # rows go to other GPUs: stage them once on the host
         sizes = (grid[:, 0] * grid[:, 1] * grid[:, 2]).astype(np.int64)
@@ -114,7 +87,7 @@ class Replicas:
             raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)} but grid_thw describes "
                              f"{int(sizes.sum())} patches")
         starts = np.concatenate([[0], np.cumsum(sizes)])
-        groups = spread(sizes.tolist(), len(self))
+        groups = batching.spread(sizes.tolist(), len(self))
         work = [(np.concatenate([pixel_values[starts[i]:starts[i + 1]] for i in g]), grid[g]) if g else None
                 for g in groups]
         outs = self.map(lambda m, b: None if b is None else m.encode_pixels(*b), work)

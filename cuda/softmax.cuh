@@ -1,0 +1,86 @@
+// The online softmax of the flash-attention kernels (mma.sync and wgmma lay a thread's S
+// accumulators out alike), and the two ways they compute 2^x.
+#pragma once
+#include "ptx.cuh"
+
+// 2^x on the special-function unit; x <= 0 here (scores minus their running max), -inf -> 0.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// 2^x for x <= 0 on the FMA units instead (FA4's trick). At head_dim 64 the special-function unit's
+// 16 ex2 a clock per SM are exactly what the tensor cores need, so the softmax can hand a share of
+// its exps to the 128-a-clock FMA pipe. x = j + f with j = round(x) (the 1.5 * 2^23 shift leaves
+// j in the low mantissa bits), 2^f on [-0.5, 0.5] by a cubic (relative error 1.4e-4, well under
+// bf16's 3.9e-3 step), and j added to the exponent bits. Clamped at -127, where the result is 0.
+__device__ __forceinline__ float ex2_fma(float x) {
+    x = fmaxf(x, -127.f);
+    const float r = __fadd_rn(x, 12582912.f);
+    const float f = __fsub_rn(x, __fsub_rn(r, 12582912.f));
+    const float p = fmaf(fmaf(fmaf(0.05592212f, f, 0.24223785f), f, 0.693121f), f, 1.f);
+    return __int_as_float(__float_as_int(p) + (__float_as_int(r) << 23));
+}
+
+// One K/V tile's online softmax on this thread's S accumulators (rows g and g + 8 of its 16-row
+// slice; the m16n8 mma.sync and the m64nN wgmma lay them out alike: 4 values per 8 keys): mask keys at or past kvalid, update the running max and sum, rescale O (unless this is the
+// first tile; NACC floats of O per thread), and pack P = exp2(S * scale - max) as the bf16 A
+// fragments of the P V MMA (the same register layout for mma.sync m16n8k16 and wgmma RS).
+// FMA_EVERY > 0: one value per row in every FMA_EVERY-th group of 8 keys takes ex2_fma (a share of
+// 1 / (4 FMA_EVERY) of the exps).
+template <int BNW, int NACC, int FMA_EVERY = 0>
+__device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float* acc, float& m0, float& m1, float& l0,
+                                             float& l1, int kvalid, int t, float scale_log2, bool rescale) {
+    if (kvalid < BNW) {
+#pragma unroll
+        for (int j = 0; j < BNW / 8; ++j) {
+            const int c = j * 8 + 2 * t;
+            if (c >= kvalid) s[4 * j] = s[4 * j + 2] = NEG_INF;
+            if (c + 1 >= kvalid) s[4 * j + 1] = s[4 * j + 3] = NEG_INF;
+        }
+    }
+    // The max of the raw scores, scaled once (scale_log2 > 0: the same value as scaling each).
+    float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < BNW / 8; ++j) {
+        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    mx0 = fmaxf(m0, mx0 * scale_log2);
+    mx1 = fmaxf(m1, mx1 * scale_log2);
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float c0 = ex2(m0 - mx0), c1 = ex2(m1 - mx1);
+    m0 = mx0;
+    m1 = mx1;
+    float r0 = 0.f, r1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < BNW / 8; ++j) {
+        const bool fma_pipe = FMA_EVERY > 0 && j % (FMA_EVERY > 0 ? FMA_EVERY : 1) == 0;
+        s[4 * j] = fma_pipe ? ex2_fma(fmaf(s[4 * j], scale_log2, -mx0)) : ex2(fmaf(s[4 * j], scale_log2, -mx0));
+        s[4 * j + 1] = ex2(fmaf(s[4 * j + 1], scale_log2, -mx0));
+        s[4 * j + 2] = fma_pipe ? ex2_fma(fmaf(s[4 * j + 2], scale_log2, -mx1)) : ex2(fmaf(s[4 * j + 2], scale_log2, -mx1));
+        s[4 * j + 3] = ex2(fmaf(s[4 * j + 3], scale_log2, -mx1));
+        r0 += s[4 * j] + s[4 * j + 1];
+        r1 += s[4 * j + 2] + s[4 * j + 3];
+    }
+    l0 = l0 * c0 + r0;
+    l1 = l1 * c1 + r1;
+    if (rescale) {
+#pragma unroll
+        for (int j = 0; j < NACC / 4; ++j) {
+            acc[4 * j] *= c0; acc[4 * j + 1] *= c0;
+            acc[4 * j + 2] *= c1; acc[4 * j + 3] *= c1;
+        }
+    }
+#pragma unroll
+    for (int kk = 0; kk < BNW / 16; ++kk) {
+        pa[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
+        pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}

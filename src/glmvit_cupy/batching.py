@@ -1,0 +1,132 @@
+"""The host side of an encode call, shared by the GPU engine, its replicas and the CLI: input checks,
+images prepared against a capacity, the one packer that groups images into forward passes, and the
+spreading of work over several GPUs. Plain NumPy: tested without a GPU.
+
+Two limits, two words: `capacity_tokens` is what one forward pass holds (a model's scratch is sized
+from it); `max_image_tokens` is the per-image resize limit of the reference processor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, TypeVar
+
+import numpy as np
+
+from .config import VisionGeometry
+from .preprocess import FACTOR, MERGE, PATCH, TEMPORAL, prepare_canvas
+
+DEFAULT_MAX_IMAGE_TOKENS = 8000  # the reference processor's default per-image limit
+T = TypeVar("T")
+
+
+def check_capacity(capacity_tokens) -> int:
+    """capacity_tokens as an int, or ValueError saying what it must be."""
+    if not isinstance(capacity_tokens, (int, np.integer)) or isinstance(capacity_tokens, bool) or capacity_tokens < 1:
+        raise ValueError(f"capacity_tokens={capacity_tokens!r} must be a positive integer: the tokens one forward "
+                         "pass holds (the scratch is sized from it)")
+    return int(capacity_tokens)
+
+
+def check_grid(grid_thw) -> np.ndarray:
+    """A batch's grid_thw (host array-like, one (frames, patch rows, patch columns) per image) as int64
+    [images, 3], or ValueError naming what is wrong: the GPU encoder and its replicas check alike."""
+    grid = np.asarray(grid_thw)
+    if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or not np.issubdtype(grid.dtype, np.integer):
+        raise ValueError(f"grid_thw must be an integer array of shape [images, 3], got {grid.dtype} {grid.shape}")
+    grid = grid.astype(np.int64)
+    for i, (t, h, w) in enumerate(grid.tolist()):
+        if t < 1 or h < 2 or w < 2 or h % 2 or w % 2:
+            raise ValueError(f"grid_thw[{i}] = ({t}, {h}, {w}): t must be >= 1 and h, w positive and even "
+                             "(patches merge in 2x2 blocks)")
+    return grid
+
+
+def check_pixels(geo: VisionGeometry, pixel_values, grid_thw, capacity_tokens: int) -> tuple[np.ndarray, int]:
+    """(grid as int64 [images, 3], patch count) for an encode_pixels call, or ValueError naming what
+    is wrong with pixel_values or grid_thw."""
+    grid = check_grid(grid_thw)
+    n = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
+    shape = tuple(getattr(pixel_values, "shape", ()))
+    if len(shape) != 2 or shape[1] != geo.patch_dim:
+        raise ValueError(f"pixel_values has shape {shape}; each row must be one patch of {geo.patch_dim} values "
+                         f"(channel {geo.in_channels} x temporal {geo.temporal_patch_size} x {geo.patch_size} x "
+                         f"{geo.patch_size})")
+    if shape[0] != n:
+        raise ValueError(f"pixel_values has {shape[0]} rows but grid_thw describes {n} patches")
+    if n > capacity_tokens * MERGE * MERGE:
+        raise ValueError(f"{n} patches ({n // 4} tokens) exceed this model's capacity of {capacity_tokens} tokens "
+                         f"({capacity_tokens * MERGE * MERGE} patches); split the batch or build the model with a "
+                         "larger capacity_tokens")
+    return grid, n
+
+
+def image_limits(capacity_tokens: int, min_image_tokens, max_image_tokens) -> tuple[int, int]:
+    """The per-image token limits of an encode(images) call: max_image_tokens=None means the
+    reference default (8000), lowered to the model's capacity so that every image fits a pass."""
+    if max_image_tokens is None:
+        max_image_tokens = min(DEFAULT_MAX_IMAGE_TOKENS, capacity_tokens)
+    for name, v in (("min_image_tokens", min_image_tokens), ("max_image_tokens", max_image_tokens)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+    if max_image_tokens > capacity_tokens:
+        raise ValueError(f"max_image_tokens={max_image_tokens} exceeds this model's capacity of {capacity_tokens} "
+                         f"tokens per forward pass; pass max_image_tokens <= {capacity_tokens} or build the model "
+                         f"with capacity_tokens >= {max_image_tokens}")
+    return int(min_image_tokens), int(max_image_tokens)
+
+
+def prepare_images(geo: VisionGeometry, capacity_tokens: int, images, min_image_tokens=16,
+                   max_image_tokens=None) -> list:
+    """Images -> one (uint8 canvas, grid, info) per image, resized as the reference processor does
+    with these limits. Raises ImageError naming the first image that cannot be used."""
+    if (geo.in_channels, geo.patch_size, geo.temporal_patch_size, geo.spatial_merge_size) != (3, PATCH, TEMPORAL,
+                                                                                             MERGE):
+        raise ValueError(f"encode(images) needs the RGB, {PATCH}-pixel, {TEMPORAL}-frame patch geometry of the "
+                         f"reference processor ({FACTOR}-pixel tokens); use encode_pixels for others")
+    lo, hi = image_limits(capacity_tokens, min_image_tokens, max_image_tokens)
+    return [prepare_canvas(im, i, min_image_tokens=lo, max_image_tokens=hi) for i, im in enumerate(images)]
+
+
+def pack(items: Iterable[T], capacity: int, cost: Callable[[T], int]) -> Iterator[list[T]]:
+    """Consecutive items grouped into batches of total cost <= capacity, in order: a batch closes when
+    the next item would not fit. Lazy, so a stream of images can be packed as it arrives. An item
+    costing more than the capacity is a ValueError (callers size their limits so none does)."""
+    batch, used = [], 0
+    for item in items:
+        c = cost(item)
+        if c > capacity:
+            raise ValueError(f"an item of {c} exceeds the capacity of {capacity}")
+        if batch and used + c > capacity:
+            yield batch
+            batch, used = [], 0
+        batch.append(item)
+        used += c
+    if batch:
+        yield batch
+
+
+def spread(costs, bins: int) -> list[list[int]]:
+    """Indices of `costs` split into `bins` groups of near-equal total cost (longest first to the
+    least-loaded group); each group keeps its indices in ascending order."""
+    if bins < 1:
+        raise ValueError(f"bins={bins}: need at least one")
+    groups, load = [[] for _ in range(bins)], [0] * bins
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        b = min(range(bins), key=lambda b: (load[b], b))
+        groups[b].append(i)
+        load[b] += costs[i]
+    return [sorted(g) for g in groups]
+
+
+def check_devices(devices, count: int) -> list[int]:
+    """The device list as ints, or ValueError saying what is wrong with it."""
+    if isinstance(devices, (int, str)) or not hasattr(devices, "__iter__"):
+        raise ValueError(f"devices={devices!r}: give a list of CUDA device ordinals, e.g. [0, 1]")
+    out = list(devices)
+    if not out:
+        raise ValueError("devices=[]: give at least one CUDA device ordinal")
+    for d in out:
+        if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or not 0 <= d < count:
+            raise ValueError(f"devices={out!r}: {d!r} is not a CUDA device of this machine "
+                             f"(it has {count}: ordinals 0..{count - 1})")
+    return [int(d) for d in out]

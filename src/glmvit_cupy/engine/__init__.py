@@ -1,0 +1,14 @@
+"""The GPU engine (CuPy). Read in this order:
+
+    kernels     the registry: cuda/*.cu compiled with cupy.RawModule, kernels fetched by name
+    gemm        cuBLAS BF16 GEMMs (bf16 or float32 out) on a handle bound to one stream
+    attention   flash attention's variant table and the heuristics that pick one per input shape
+    ops         one typed launcher per kernel entry (grid, block and argument order written once)
+    params      the weights uploaded to one GPU, named after the checkpoint
+    arena       scratch: one allocation, sized once from the capacity, in named slots
+    plans       per input shape: positions, segments, attention tiles and variant, the CUDA graph
+    layers      the forward, top-down, one function per sub-layer (mirrors reference.py)
+    executor    stream, cuBLAS handle, lock, input staging, CUDA graphs, timing, out-of-memory
+    model       GlmVit: the facade (from_checkpoint, encode, encode_pixels, last_timing)
+    replicas    Replicas: one GlmVit per GPU, work spread across them
+"""

@@ -1,0 +1,74 @@
+"""Scratch: one device allocation, sized once from the model's capacity, carved into named slots.
+
+Phases that never overlap in time (input staging, the blocks, the merger) share the same bytes; the
+residual stream is kept across them. Allocated on the first encode, never grown.
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from ..config import VisionGeometry
+from .gemm import BF16
+
+ROW_CHUNK = 4096     # rows per QKV / MLP GEMM chunk: bounds the qkv and gate/up intermediates
+MERGER_CHUNK = 2048  # merged rows per merger chunk
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _slot_bytes(shape, dtype) -> int:
+    """Bytes a slot takes: every slot starts 256-byte aligned."""
+    return _cdiv(int(np.prod(shape)) * np.dtype(dtype).itemsize, 256) * 256
+
+
+def layout(g: VisionGeometry, patches: int) -> dict:
+    """{phase: {slot: (shape, dtype)}} for forwards of up to `patches` patches; phase "keep" is never
+    shared, the others overlap."""
+    p, h = patches, g.hidden_size
+    rows, merged = min(p, ROW_CHUNK), min(p // 4, MERGER_CHUNK)
+    f32, bf = np.float32, BF16
+    return {
+        "keep": {"residual": ((p, h), f32)},  # the float32 residual stream x
+        "input": {"pixels_f32": ((p, g.patch_dim), f32),  # float32 pixels as uploaded, before the cast
+                  "pixels": ((p, g.patch_dim), bf),       # bf16 pixel_values the patch embed reads
+                  "canvas": ((p * g.in_channels * g.patch_size ** 2,), np.uint8)},  # uint8 images
+        "blocks": {"normed": ((p, h), bf),                 # a norm's output, the next GEMM's input
+                   "q": ((p, h), bf), "k": ((p, h), bf), "v": ((p, h), bf),
+                   "attn_out": ((p, h), bf),               # attention's output, attn.proj's input
+                   "qkv": ((rows, 3 * h), bf),             # one row chunk of the attn.qkv GEMM
+                   "gate_up": ((rows, 2 * g.intermediate_size), bf),   # one chunk of mlp gate|up
+                   "mlp_act": ((rows, g.intermediate_size), bf)},      # its clamped SwiGLU
+        # "embeddings" lives in the merger phase, smaller than the blocks phase: it costs no bytes.
+        "merger": {"embeddings": ((p // 4, g.out_hidden_size), bf),    # the tower's output rows
+                   "im2col": ((p // 4, g.merge_dim), bf),              # post_layernorm as 2x2 im2col
+                   "merger_f32": ((merged, g.out_hidden_size), f32),   # downsample / proj outputs
+                   "merger_bf16": ((merged, g.out_hidden_size), bf),   # their bf16 inputs to the next
+                   "merger_gate_up": ((merged, 2 * g.projection_intermediate_size), bf),
+                   "merger_act": ((merged, g.projection_intermediate_size), bf)},
+    }
+
+
+class Arena:
+    """Named views into one allocation: arena["q"] is a CuPy array."""
+
+    def __init__(self, spec: dict):
+        def size(slots):
+            return sum(_slot_bytes(s, d) for s, d in slots.values())
+
+        keep = size(spec.get("keep", {}))
+        shared = max((size(v) for k, v in spec.items() if k != "keep"), default=0)
+        self.nbytes = keep + shared
+        self.base = cupy.empty(self.nbytes, dtype=cupy.uint8)
+        self.views = {}
+        for phase, slots in spec.items():
+            off = 0 if phase == "keep" else keep
+            for name, (shape, dtype) in slots.items():
+                self.views[name] = cupy.ndarray(shape, dtype=np.dtype(dtype), memptr=self.base.data + off)
+                off += _slot_bytes(shape, dtype)
+
+    def __getitem__(self, name):
+        return self.views[name]

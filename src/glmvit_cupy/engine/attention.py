@@ -1,0 +1,124 @@
+"""Flash attention's configurations, in one table, and the heuristics that pick one.
+
+Every kernel a code path can select is a row of VARIANTS; its kernel instance name, block size and
+shared-memory bytes are derived from the row, so the CUDA sources hold templates only. The launch
+itself is ops.flash_attention. Pure Python: the choice is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+KEYS_PER_TILE_SM90 = 128  # K/V tile rows of attention_sm90.cu (its BNW)
+KEYS_PER_TILE_SM80 = 64   # and of attention_sm80.cu (its BN)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One attention kernel configuration.
+
+    sm90 (attention_sm90.cu, Hopper only, head dim 64): `warpgroups` consumer warpgroups of 64 query
+    rows plus one producer, `stages` K/V slots, and one exp in `exp_on_fma` on the FMA pipe (0: none;
+    the kernel's FMA_EVERY is exp_on_fma / 4). sm80 (attention_sm80.cu, any sm_80+): `warps` warps
+    of 16 query rows. `speed`: TFLOP/s on long segments, measured on the H200, which the per-shape
+    choice weighs."""
+
+    name: str
+    arch: str                 # "sm90" or "sm80"
+    head_dim: int
+    warpgroups: int = 0
+    stages: int = 0
+    exp_on_fma: int = 0
+    warps: int = 0
+    speed: float = 1.0
+
+    @property
+    def module(self) -> str:
+        return f"attention_{self.arch}"
+
+    @property
+    def entry(self) -> str:
+        if self.arch == "sm90":
+            return f"flash_fwd_sm90<{self.warpgroups}, {self.stages}, {self.exp_on_fma // 4}>"
+        return f"flash_fwd_sm80<{self.head_dim}, {self.warps}>"
+
+    @property
+    def rows(self) -> int:
+        """Query rows per CTA."""
+        return 64 * self.warpgroups if self.arch == "sm90" else 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.warpgroups + 1) if self.arch == "sm90" else 32 * self.warps
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: sm90, the Q tile and `stages` K and V tiles of 128-byte rows, 128B-
+        swizzled from a 1024-byte boundary (+1024 to align); sm80, Q and two K and V tiles in rows padded
+        by 8 bf16 (ldmatrix's banks)."""
+        if self.arch == "sm90":
+            return self.rows * 128 + self.stages * 2 * KEYS_PER_TILE_SM90 * 128 + 1024
+        return (self.rows + 4 * KEYS_PER_TILE_SM80) * (self.head_dim + 8) * 2
+
+
+# The H200's measured choices (docs/PERFORMANCE.md): three consumer warpgroups are fastest on long
+# segments, two on short ones, where 192-row tiles leave SMs idle. Both send the same exps to the
+# same pipes, so they give the same bits (tested): batching images never changes an embedding.
+VARIANTS = {v.name: v for v in (
+    Variant("sm90_3wg_fma1in16", "sm90", 64, warpgroups=3, stages=3, exp_on_fma=16, speed=424.0),
+    Variant("sm90_2wg_fma1in16", "sm90", 64, warpgroups=2, stages=3, exp_on_fma=16, speed=360.0),
+    Variant("sm80_d32", "sm80", 32, warps=4),
+    Variant("sm80_d64", "sm80", 64, warps=4),
+    Variant("sm80_d128", "sm80", 128, warps=4),
+)}
+
+
+def default_variants(head_dim: int, compute_capability: str) -> tuple[str, ...]:
+    """The variants a model on this GPU picks from, per input shape."""
+    if head_dim == 64 and compute_capability == "90":
+        return tuple(v.name for v in VARIANTS.values() if v.arch == "sm90")
+    if head_dim not in (32, 64, 128):
+        raise ValueError(f"head_dim {head_dim}: the attention kernels are built for head dims 32, 64 and 128")
+    return (f"sm80_d{head_dim}",)
+
+
+def check_variant(name, head_dim: int, compute_capability: str) -> Variant:
+    """The variant `name`, or ValueError if it is unknown or cannot run here (refused before any
+    launch: a Hopper kernel on another GPU would not compile, and a wrong head dim would misread q)."""
+    v = VARIANTS.get(name)
+    if v is None:
+        raise ValueError(f"attention_variant={name!r} is unknown; choices: {', '.join(VARIANTS)}")
+    if v.head_dim != head_dim:
+        raise ValueError(f"attention_variant={name!r} is built for head dim {v.head_dim}, this tower's is "
+                         f"{head_dim}; choices for it: {', '.join(k for k, x in VARIANTS.items() if x.head_dim == head_dim)}")
+    if v.arch == "sm90" and compute_capability != "90":
+        raise ValueError(f"attention_variant={name!r} needs a Hopper GPU (compute capability 9.0, sm_90a's wgmma); "
+                         f"this GPU is {compute_capability[:-1]}.{compute_capability[-1]}: use sm80_d{head_dim}")
+    return v
+
+
+def pick_variant(names, seq_lens, heads: int, sms: int) -> str:
+    """The variant with the least estimated time on these segments: waves of CTAs (one CTA per SM,
+    as their shared memory allows) times the mean CTA's work (its padded query rows x its keys) over
+    the variant's speed. 1,024 keys x 16 heads: 96 CTAs of 192 rows (one partial wave) against 128 of
+    128 rows, so two warpgroups win; at 32,000 keys three do."""
+    def cost(name):
+        v = VARIANTS[name]
+        tiles = [-(-int(n) // v.rows) for n in seq_lens]
+        ctas = sum(tiles) * heads
+        work = sum(t * v.rows * int(n) for t, n in zip(tiles, seq_lens)) * heads
+        return -(-ctas // sms) * (work / ctas) / v.speed
+    return min(names, key=cost)
+
+
+def tiles(cu_seqlens: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(segment, first query row) of every CTA's query tile of `rows` rows: what the kernels'
+    scheduler (cuda/attention_scheduler.cuh) reads."""
+    seg, q0 = [], []
+    for s in range(len(cu_seqlens) - 1):
+        starts = range(int(cu_seqlens[s]), int(cu_seqlens[s + 1]), rows)
+        seg.extend([s] * len(starts))
+        q0.extend(starts)
+    return np.array(seg, np.int32), np.array(q0, np.int32)

@@ -1,0 +1,125 @@
+"""How one model's forwards run on its GPU: its own stream and cuBLAS handle, one forward at a time
+(a lock), inputs staged into the arena, a CUDA graph per input shape once the shape repeats, CUDA
+events per stage, and out-of-memory turned into an error that leaves the model usable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import cupy
+import numpy as np
+
+from ..errors import GpuOutOfMemory
+from .gemm import BF16, Handle
+from .ops import patchify, to_bf16
+
+log = logging.getLogger("glmvit_cupy")
+
+
+class Executor:
+    def __init__(self, device: cupy.cuda.Device, graphs: bool = True):
+        self.device = device
+        self.graphs = graphs
+        self.lock = threading.Lock()
+        with device:
+            self.stream = cupy.cuda.Stream(non_blocking=True)  # ours: graphs capture on it
+            self.blas = Handle(self.stream)
+        self._events: list = []
+
+    def run(self, get_plan, stage, forward, output):
+        """One forward under the lock, on our stream, after the caller's stream's work so far.
+
+        get_plan() -> the input shape's plan; stage() fills the arena's input rows (outside any graph:
+        the source differs per call); forward(plan, mark) computes, eagerly or, from a shape's second
+        call on, as a replayed CUDA graph; output(plan) is the slot returned. Returns a copy the caller
+        owns (the arena is reused), which the caller's current stream is made to wait for."""
+        with self.lock, self.device:
+            try:
+                return self._run(get_plan, stage, forward, output)
+            except cupy.cuda.memory.OutOfMemoryError as e:
+                # Nothing half-built is kept: the arena is either whole or absent, a plan whole or absent.
+                cupy.get_default_memory_pool().free_all_blocks()
+                raise GpuOutOfMemory(f"GPU out of memory on device {self.device.id} ({e}); the model is still "
+                                     "usable: encode fewer tokens per call or build it with a smaller "
+                                     "capacity_tokens") from None
+
+    def _run(self, get_plan, stage, forward, output):
+        stream, caller = self.stream, cupy.cuda.get_current_stream()
+        with stream:
+            plan = get_plan()  # its uploads are ordered before the kernels that read them
+            stream.wait_event(caller.record())  # after the caller's work (its input, say)
+            events = [("start", stream.record())]
+            stage()
+            # A shape seen twice is worth a graph: ~250 launches become one (capture costs ~one forward).
+            if self.graphs and self.blas.capturable and plan.graph is None and plan.uses and not plan.capture_failed:
+                self._capture(plan, forward)
+            plan.uses += 1
+            if self.graphs and plan.graph is not None:
+                plan.graph.launch(stream)
+                events.append(("forward", stream.record()))
+            else:
+                forward(plan, lambda name: events.append((name, stream.record())))
+            out = output(plan).copy()
+            events.append(("copy_out", stream.record()))
+            caller.wait_event(events[-1][1])
+        self._events = events
+        return out
+
+    def _capture(self, plan, forward):
+        """The shape's forward as a CUDA graph; if capture fails, the shape runs eagerly from then on."""
+        stream, graph, error = self.stream, None, None
+        stream.begin_capture()
+        try:
+            forward(plan, None)
+        except Exception as e:
+            error = e
+        try:
+            graph = stream.end_capture()  # always ended, even after a failed forward
+        except Exception as e:
+            error = error or e
+        if error is not None:
+            plan.capture_failed = True
+            log.warning("CUDA graph capture failed (%s); this shape runs without a graph", error)
+            return
+        plan.graph = graph
+
+    @property
+    def last_timing(self) -> dict:
+        """Milliseconds per stage of the last forward (waits for it): patch_embed (with the input staging),
+        blocks, merger, copy_out; a forward replayed from its CUDA graph has one "forward" stage instead
+        of the first three."""
+        ev = self._events
+        if not ev:
+            return {}
+        ev[-1][1].synchronize()
+        return {b: cupy.cuda.get_elapsed_time(ea, eb) for (_, ea), (b, eb) in zip(ev, ev[1:])}
+
+
+def stage_pixels(pixels_f32, pixels, pixel_values):
+    """pixel_values (NumPy or this device's CuPy, float or bf16) -> the bf16 rows `pixels`; the float32
+    slot `pixels_f32` carries a NumPy upload before the cast on the GPU."""
+    if isinstance(pixel_values, cupy.ndarray) and pixel_values.dtype == BF16:
+        pixels[...] = pixel_values
+        return
+    if isinstance(pixel_values, cupy.ndarray):
+        src = cupy.ascontiguousarray(pixel_values, dtype=np.float32)
+    else:
+        src = pixels_f32
+        src.set(np.ascontiguousarray(pixel_values, dtype=np.float32))
+    to_bf16(src, pixels)
+
+
+def stage_canvases(canvas_slot, pixels, canvases, value_table, temporal, patch):
+    """uint8 canvases [H, W, 3] -> the bf16 rows `pixels`, in order: one upload and one patchify each
+    (the GPU normalises and patchifies bit-identically to the host: preprocess.normalise_patchify)."""
+    off = row = 0
+    for canvas in canvases:
+        h, w = canvas.shape[:2]
+        rows = (h // patch) * (w // patch)
+        dst = canvas_slot[off:off + canvas.size]
+        dst.set(np.ascontiguousarray(canvas).reshape(-1))
+        patchify(dst.reshape(h, w, 3), value_table, pixels[row:row + rows], temporal, patch)
+        off += canvas.size
+        row += rows

@@ -1,0 +1,91 @@
+"""The tower's forward on the GPU, top-down, one function per sub-layer as in reference.py.
+
+Numerics: the residual stream x is float32 (the reference keeps it in bf16), and every sub-layer's
+output GEMM accumulates straight into it (cuBLAS beta = 1). That GEMM cannot add its bias, so the
+bias is handed on as `pending_bias` and added by the next norm, which reads and rewrites x anyway:
+the fusion is named where it happens. GEMMs that feed a kernel (QKV, gate/up) write bf16 as the
+reference's Linear layers do; QKV and MLP run in row chunks so their intermediates stay small.
+"""
+
+from __future__ import annotations
+
+from ..config import VisionGeometry
+from . import ops
+from .arena import MERGER_CHUNK, ROW_CHUNK, Arena
+from .params import Block, Merger, Weights
+from .plans import Plan
+
+LAYERNORM_EPS = 1e-5  # the merger's post_projection_norm (nn.LayerNorm's default)
+
+
+def forward(g: VisionGeometry, w: Weights, s: Arena, plan: Plan, blas, mark=None):
+    """s["pixels"] (bf16 pixel_values of plan.patches rows) -> s["embeddings"] [patches / 4, out_hidden].
+    mark(stage), when given, is called at each stage's end (the executor times stages with it)."""
+    n = plan.patches
+    x = s["residual"][:n]
+    patch_embed(w, s, n, blas)
+    pending_bias = w.patch_embed_bias  # added to x by block 0's norm1
+    if mark:
+        mark("patch_embed")
+    for blk in w.blocks:
+        attn(g, blk, s, plan, x, pending_bias, w.inv_freq, blas)
+        mlp(g, blk, s, x, blk.proj_bias, blas)
+        pending_bias = blk.down_bias
+    if mark:
+        mark("blocks")
+    merger(g, w.merger, s, x, pending_bias, blas)
+    if mark:
+        mark("merger")
+
+
+def patch_embed(w: Weights, s: Arena, n: int, blas):
+    """x = pixels @ patch_embed.proj.weight.T (the Conv3d as a GEMM); its bias is left pending."""
+    ops.linear(s["pixels"][:n], w.patch_embed_weight, s["residual"][:n], handle=blas, name="GEMM patch_embed")
+
+
+def attn(g: VisionGeometry, blk: Block, s: Arena, plan: Plan, x, pending_bias, inv_freq, blas):
+    """x += attn.proj(attention(rope(q_norm / k_norm(attn.qkv(norm1(x + pending_bias)))))); proj's bias pending."""
+    n, heads = plan.patches, g.num_heads
+    normed, q, k, v, o = (s[a][:n] for a in ("normed", "q", "k", "v", "attn_out"))
+    ops.rmsnorm_residual(x, pending_bias, blk.norm1, normed, g.rms_norm_eps)  # x += pending bias, then norm1
+    for r0 in range(0, n, ROW_CHUNK):
+        rows = min(ROW_CHUNK, n - r0)
+        qkv = s["qkv"][:rows]
+        ops.linear(normed[r0:r0 + rows], blk.qkv_weight, qkv, handle=blas, name="GEMM attn.qkv")
+        ops.qk_norm_rope(qkv, blk.qkv_bias, blk.q_norm, blk.k_norm, plan.positions, inv_freq, q, k, v,
+                         r0, heads, g.rms_norm_eps)  # + attn.qkv's bias
+    ops.flash_attention(plan.variant, q, k, v, o, plan.cu_seqlens, plan.tile_seg, plan.tile_q0, heads,
+                        flop=plan.attention_flop)
+    ops.linear(o, blk.proj_weight, x, accumulate=True, handle=blas, name="GEMM attn.proj")
+
+
+def mlp(g: VisionGeometry, blk: Block, s: Arena, x, pending_bias, blas):
+    """x += mlp.down_proj(silu(min(gate, L)) * clamp(up, -L, L)) of norm2(x + pending_bias); down's bias pending."""
+    n = x.shape[0]
+    normed = s["normed"][:n]
+    ops.rmsnorm_residual(x, pending_bias, blk.norm2, normed, g.rms_norm_eps)  # x += attn.proj's bias, then norm2
+    for r0 in range(0, n, ROW_CHUNK):
+        rows = min(ROW_CHUNK, n - r0)
+        gate_up, act = s["gate_up"][:rows], s["mlp_act"][:rows]
+        ops.linear(normed[r0:r0 + rows], blk.gate_up_weight, gate_up, handle=blas, name="GEMM mlp.gate_up")
+        ops.swiglu_clamp(gate_up, blk.gate_bias, blk.up_bias, act, g.swiglu_limit)  # + gate/up biases
+        ops.linear(act, blk.down_weight, x[r0:r0 + rows], accumulate=True, handle=blas, name="GEMM mlp.down_proj")
+
+
+def merger(g: VisionGeometry, m: Merger, s: Arena, x, pending_bias, blas):
+    """post_layernorm(x + pending_bias) as 2x2 im2col -> downsample -> merger.proj -> post_projection_norm +
+    GELU -> clamped SwiGLU -> merger.down_proj, into s["embeddings"]."""
+    n = x.shape[0]
+    cols, out = s["im2col"][:n // 4], s["embeddings"][:n // 4]
+    ops.rmsnorm_im2col(x, pending_bias, m.post_layernorm, cols, g.rms_norm_eps)  # x += last down_proj's bias
+    for r0 in range(0, n // 4, MERGER_CHUNK):
+        rows = min(MERGER_CHUNK, n // 4 - r0)
+        y, yb = s["merger_f32"][:rows], s["merger_bf16"][:rows]
+        gate_up, act = s["merger_gate_up"][:rows], s["merger_act"][:rows]
+        ops.linear(cols[r0:r0 + rows], m.downsample_weight, y, handle=blas, name="GEMM merger")
+        ops.add_bias_to_bf16(y, m.downsample_bias, yb)
+        ops.linear(yb, m.proj_weight, y, handle=blas, name="GEMM merger")
+        ops.layernorm_gelu(y, m.post_projection_norm_weight, m.post_projection_norm_bias, yb, LAYERNORM_EPS)
+        ops.linear(yb, m.gate_up_weight, gate_up, handle=blas, name="GEMM merger")
+        ops.swiglu_clamp(gate_up, None, None, act, g.swiglu_limit)
+        ops.linear(act, m.down_weight, out[r0:r0 + rows], handle=blas, name="GEMM merger")

@@ -1,0 +1,151 @@
+"""GlmVit: the GLM-5.3-Flash vision tower on one GPU. A thin facade over the engine's parts:
+
+    params.upload     the weights on the GPU            layers.forward   the maths, top-down
+    arena.Arena       scratch, sized once               plans.PlanCache  per-shape index data + graphs
+    executor.Executor stream, cuBLAS, lock, staging, CUDA graphs, timing
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import cupy
+
+from .. import batching
+from ..checkpoint import TowerBinding, bind_tower, probe_tower
+from ..config import VisionGeometry
+from ..preprocess import value_table
+from . import arena, layers, params
+from .attention import check_variant, default_variants
+from .executor import Executor, stage_canvases, stage_pixels
+from .plans import PlanCache
+
+log = logging.getLogger("glmvit_cupy")
+
+
+def _capacity(capacity_tokens, max_image_tokens) -> int:
+    """capacity_tokens, or the deprecated keyword that once meant it."""
+    if max_image_tokens is not None:
+        warnings.warn("GlmVit(max_image_tokens=...) is deprecated: the per-call capacity is now capacity_tokens "
+                      "(max_image_tokens is the per-image resize limit of encode)", DeprecationWarning, stacklevel=3)
+        if capacity_tokens is not None and capacity_tokens != max_image_tokens:
+            raise ValueError(f"capacity_tokens={capacity_tokens} and the deprecated max_image_tokens="
+                             f"{max_image_tokens} disagree; give capacity_tokens only")
+        capacity_tokens = max_image_tokens
+    return batching.check_capacity(8000 if capacity_tokens is None else capacity_tokens)
+
+
+class GlmVit:
+    """The vision tower on one GPU. Build with `GlmVit.from_checkpoint(path)`.
+
+    capacity_tokens: the tokens one forward pass holds (scratch is sized from it on the first encode);
+    attention_variant: force one of attention.VARIANTS (default: picked per input shape); graphs: capture
+    a CUDA graph per input shape once it repeats."""
+
+    MAX_PLANS = 32  # input shapes whose index data (and CUDA graph) stay cached
+
+    def __init__(self, binding: TowerBinding, *, device=None, capacity_tokens: int | None = None,
+                 attention_variant: str | None = None, graphs: bool = True, max_image_tokens: int | None = None):
+        g = binding.geometry
+        self.geometry: VisionGeometry = g
+        self.capacity_tokens = _capacity(capacity_tokens, max_image_tokens)
+        self.device = cupy.cuda.Device(device if device is not None else cupy.cuda.Device().id)
+        cc = self.device.compute_capability
+        names = (check_variant(attention_variant, g.head_dim, cc).name,) if attention_variant \
+            else default_variants(g.head_dim, cc)
+        t0 = time.perf_counter()
+        with self.device:
+            self.weights = params.upload(binding)
+            self.value_table = cupy.asarray(value_table())  # [3, 256] float32: uint8 -> normalised value
+            self.plans = PlanCache(names, g.num_heads, g.hidden_size,
+                                   self.device.attributes["MultiProcessorCount"], self.MAX_PLANS)
+            self.executor = Executor(self.device, graphs)
+            self.device.synchronize()
+        self._arena = None
+        self.weight_bytes = binding.nbytes
+        self.load_seconds = time.perf_counter() - t0
+        log.info("GLM vision tower bound from %s: %d tensors, %.1f MiB of BF16 uploaded in %.2f s "
+                 "(only vision bytes were read)", binding.path, len(binding.layout),
+                 binding.nbytes / 2**20, self.load_seconds)
+
+    @classmethod
+    def from_checkpoint(cls, path, device=None, *, capacity_tokens: int | None = None, devices=None, **kw):
+        """Check, bind and upload a checkpoint's tower (CheckpointError on any problem)."""
+        if devices is not None:
+            raise TypeError("GlmVit.from_checkpoint runs on one GPU; for several use "
+                            "glmvit_cupy.Replicas.from_checkpoint(path, devices=[0, 1, ...])")
+        return cls(bind_tower(path), device=device, capacity_tokens=capacity_tokens, **kw)
+
+    # -- settings ---------------------------------------------------------------------------------
+    @property
+    def graphs(self) -> bool:
+        return self.executor.graphs
+
+    @graphs.setter
+    def graphs(self, on: bool):
+        self.executor.graphs = on
+
+    @property
+    def last_timing(self) -> dict:
+        """Milliseconds per stage of the last forward (see Executor.last_timing)."""
+        return self.executor.last_timing
+
+    def arena(self) -> arena.Arena:
+        """The scratch, allocated on first use, once, sized from capacity_tokens."""
+        if self._arena is None:
+            patches = self.capacity_tokens * 4
+            self._arena = arena.Arena(arena.layout(self.geometry, patches))
+            log.info("GLM vision scratch allocated on first encode: %d patches (%d tokens), %.1f MiB",
+                     patches, self.capacity_tokens, self._arena.nbytes / 2**20)
+        return self._arena
+
+    # -- encoding ---------------------------------------------------------------------------------
+    def encode_pixels(self, pixel_values, grid_thw) -> cupy.ndarray:
+        """HF-layout input ([N, patch_dim] pixels, [n, 3] grid; NumPy or CuPy, float or bf16) -> bf16
+        [N / 4, out_hidden_size] on this GPU. Runs on the model's own stream; the caller's current stream
+        waits for the result (no host synchronisation)."""
+        grid, n = batching.check_pixels(self.geometry, pixel_values, grid_thw.get() if isinstance(
+            grid_thw, cupy.ndarray) else grid_thw, self.capacity_tokens)
+        if isinstance(pixel_values, cupy.ndarray) and pixel_values.device.id != self.device.id:
+            pixel_values = cupy.asnumpy(pixel_values)  # another GPU's array: through the host, safely ordered
+        return self._encode(grid, lambda s: stage_pixels(s["pixels_f32"][:n], s["pixels"][:n], pixel_values))
+
+    def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None) -> list:
+        """Images (paths, file objects, bytes, PIL images, HxWx3 uint8 arrays) -> one bf16 [tokens_i,
+        out_hidden] CuPy array per image, preprocessed exactly as the reference processor with these
+        limits (max_image_tokens None: 8000, or the capacity if smaller). Images share forward passes
+        as the capacity allows."""
+        single = not isinstance(images, (list, tuple))
+        prepared = batching.prepare_images(self.geometry, self.capacity_tokens, [images] if single else list(images),
+                                           min_image_tokens, max_image_tokens)
+        return self.encode_prepared(prepared)
+
+    def encode_prepared(self, prepared) -> list:
+        """(uint8 canvas, grid, info) triples from batching.prepare_images -> one output per image, in order."""
+        results = []
+        for batch in batching.pack(prepared, self.capacity_tokens, lambda item: item[2]["tokens"]):
+            g = self.geometry
+            out = self._encode([grid for _, grid, _ in batch], lambda s, b=batch: stage_canvases(
+                s["canvas"], s["pixels"], [c for c, _, _ in b], self.value_table, g.temporal_patch_size, g.patch_size))
+            row = 0
+            for _, _, info in batch:
+                results.append(out[row:row + info["tokens"]])
+                row += info["tokens"]
+        return results
+
+    def _encode(self, grid, stage):
+        """One forward of this grid's shape, stage(arena) filling the pixel rows."""
+        return self.executor.run(lambda: self.plans.get(grid), lambda: stage(self.arena()), self._forward,
+                                 lambda plan: self.arena()["embeddings"][:plan.patches // 4])
+
+    def _forward(self, plan, mark):
+        layers.forward(self.geometry, self.weights, self.arena(), plan, self.executor.blas, mark)
+
+
+def load_vision_tower(path, **kw) -> GlmVit | None:
+    """For serving engines: the tower, or None for a text-only checkpoint (quietly) and for a
+    declared-but-absent tower (with a warning). Any other problem raises CheckpointError."""
+    binding = probe_tower(path)
+    return None if binding is None else GlmVit(binding, **kw)

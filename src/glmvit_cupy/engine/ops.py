@@ -1,0 +1,162 @@
+"""One typed launcher per kernel entry: grid, block and argument order written here and nowhere else.
+
+The engine's layers, the GPU tests, the benchmarks and the profiler call these. Every launch runs on
+the current CuPy stream (GEMMs on their handle's stream, which the engine makes current). Shapes are
+read from the arrays; the caller owns the buffers. `traced` lets a profiler see every launch
+without touching the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import cupy
+import numpy as np
+
+from . import gemm as _gemm
+from .attention import Variant
+from .kernels import kernel
+
+THREADS = 256
+_tracer = None  # set by traced(): record(name, start_event, end_event, flop) around every launch
+
+
+@contextlib.contextmanager
+def traced(record):
+    """Within the block, every launch is bracketed by events on the current stream and reported as
+    record(name, start, end, flop) (FLOP for GEMMs and attention, else 0). Not for CUDA graph capture."""
+    global _tracer
+    old, _tracer = _tracer, record
+    try:
+        yield
+    finally:
+        _tracer = old
+
+
+def _launch(name, flop, fn):
+    if _tracer is None:
+        return fn()
+    stream = cupy.cuda.get_current_stream()
+    start = stream.record()
+    out = fn()
+    _tracer(name, start, stream.record(), flop)
+    return out
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _grid_1d(n):
+    """Blocks for a grid-stride loop over n elements (capped: the loop covers the rest)."""
+    return (int(min(max(1, _cdiv(n, THREADS)), 65535 * 8)),)
+
+
+def _ptr_or_null(a):
+    return np.uint64(0) if a is None else a
+
+
+# -- GEMMs (cuBLAS) ------------------------------------------------------------------------------
+
+def linear(a, w, out, *, accumulate=False, handle=None, name="linear"):
+    """out (+)= a @ w.T: a [M, K] bf16, w [N, K] bf16, out [M, N] bf16 or float32 (accumulate: fp32
+    out += the product, how sub-layers add into the residual stream)."""
+    _launch(name, 2 * a.shape[0] * w.shape[0] * w.shape[1],
+            lambda: _gemm.gemm(a, w, out, 1.0 if accumulate else 0.0, handle=handle))
+
+
+# -- cuda/norms.cu ---------------------------------------------------------------------------------
+
+def rmsnorm_residual(x, bias, weight, out, eps):
+    """x [rows, cols] fp32 += bias (None: nothing added), then out = bf16(rmsnorm(x) * weight)."""
+    rows, cols = x.shape
+    _launch("rmsnorm (+bias, residual)", 0, lambda: kernel("norms", "rmsnorm_residual")(
+        (rows,), (THREADS,), (x, _ptr_or_null(bias), weight, out, np.int32(rows), np.int32(cols), np.float32(eps))))
+
+
+def rmsnorm_im2col(x, bias, weight, out, eps):
+    """As rmsnorm_residual, written as the 2x2 downsample's im2col: out [rows / 4, cols * 4]."""
+    rows, cols = x.shape
+    _launch("rmsnorm + im2col", 0, lambda: kernel("norms", "rmsnorm_im2col")(
+        (rows,), (THREADS,), (x, _ptr_or_null(bias), weight, out, np.int32(rows), np.int32(cols), np.float32(eps))))
+
+
+def layernorm_gelu(y, weight, bias, out, eps):
+    """out = bf16(gelu_erf(layernorm(y) * weight + bias)), y [rows, cols] fp32."""
+    rows, cols = y.shape
+    _launch("layernorm + gelu", 0, lambda: kernel("norms", "layernorm_gelu")(
+        (rows,), (THREADS,), (y, weight, bias, out, np.int32(rows), np.int32(cols), np.float32(eps))))
+
+
+# -- cuda/rotary.cu --------------------------------------------------------------------------------
+
+def qk_norm_rope(qkv, qkv_bias, q_norm, k_norm, positions, inv_freq, q, k, v, row0, heads, eps):
+    """qkv [rows, 3 * heads * D] bf16 (rows row0.. of the batch) + bias -> q, k (per-head RMSNorm,
+    axial RoPE at positions [N, 2]) and v, each bf16 [N, heads * D]; rows row0..row0 + rows written."""
+    rows, d = qkv.shape[0], q_norm.shape[0]
+    _launch("qk norm + rope", 0, lambda: kernel("rotary", "qk_norm_rope_bf16")(
+        _grid_1d(rows * heads * d // 8), (THREADS,),  # a thread per (row, head, 4 rotation pairs)
+        (qkv, qkv_bias, q_norm, k_norm, positions, inv_freq, q, k, v, np.int32(rows), np.int32(row0),
+         np.int32(heads), np.int32(d), np.float32(eps))))
+
+
+# -- cuda/activations.cu ---------------------------------------------------------------------------
+
+def swiglu_clamp(gate_up, gate_bias, up_bias, out, limit):
+    """out [rows, I] = bf16(silu(min(g, L)) * clamp(u, -L, L)) with [g | u] = gate_up [rows, 2I] + biases
+    (None: no bias)."""
+    rows, inter = out.shape
+    grid = (_cdiv(_cdiv(inter, 8), THREADS), int(min(rows, 65535)))  # x: 8 columns a thread; y: rows
+    _launch("swiglu clamp", 0, lambda: kernel("activations", "swiglu_clamp_bf16")(
+        grid, (THREADS,), (gate_up, _ptr_or_null(gate_bias), _ptr_or_null(up_bias), out, np.int64(rows),
+                           np.int32(inter), np.float32(limit))))
+
+
+def add_bias_to_bf16(y, bias, out):
+    """out = bf16(y + bias), y [rows, cols] fp32."""
+    rows, cols = y.shape
+    _launch("bias -> bf16", 0, lambda: kernel("activations", "bias_to_bf16")(
+        _grid_1d(rows * cols), (THREADS,), (y, bias, out, np.int64(rows), np.int32(cols))))
+
+
+def to_bf16(x, out):
+    """out = bf16(x), float32 of any shape (the same size)."""
+    _launch("f32 -> bf16", 0, lambda: kernel("activations", "f32_to_bf16")(
+        _grid_1d(x.size), (THREADS,), (x, out, np.int64(x.size))))
+
+
+# -- cuda/pixels.cu --------------------------------------------------------------------------------
+
+def patchify(canvas, value_table, out, temporal, patch):
+    """uint8 canvas [H, W, 3] -> out bf16 [H/patch * W/patch, 3 * temporal * patch^2], normalised by
+    the table [3, 256] and laid out as the reference's pixel_values."""
+    h, w = canvas.shape[:2]
+    _launch("patchify", 0, lambda: kernel("pixels", "patchify_u8")(
+        _grid_1d((h // patch) * (w // patch) * 3 * patch * patch), (THREADS,),
+        (canvas, value_table, out, np.int32(h), np.int32(w), np.int32(temporal), np.int32(patch))))
+
+
+# -- cuda/attention_sm90.cu, attention_sm80.cu -----------------------------------------------------
+
+_prepared: set = set()
+
+
+def attention_kernel(variant: Variant):
+    """The variant's compiled kernel on the current device, its shared-memory limit raised once."""
+    k = kernel(variant.module, variant.entry)
+    key = (cupy.cuda.Device().id, variant.name)
+    if key not in _prepared:
+        k.max_dynamic_shared_size_bytes = variant.shared_bytes
+        _prepared.add(key)
+    return k
+
+
+def flash_attention(variant: Variant, q, k, v, o, cu_seqlens, tile_seg, tile_q0, heads, flop=0):
+    """o = softmax(q k^T / sqrt(D)) v within each segment of cu_seqlens [S + 1]; q, k, v, o bf16
+    [N, heads * D]; one CTA per (query tile, head), tiles from attention.tiles(cu, variant.rows)."""
+    scale_log2 = np.float32(math.log2(math.e) / math.sqrt(variant.head_dim))
+    fn = attention_kernel(variant)
+    _launch(f"flash attention ({variant.name})", flop, lambda: fn(
+        (len(tile_q0), heads), (variant.threads,),
+        (q, k, v, o, cu_seqlens, tile_seg, tile_q0, np.int32(heads), scale_log2), shared_mem=variant.shared_bytes))

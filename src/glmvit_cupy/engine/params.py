@@ -1,0 +1,114 @@
+"""The tower's weights on one GPU: uploaded once from a checked binding, named after the checkpoint.
+
+`blocks.{i}.attn.qkv.weight` is `weights.blocks[i].qkv_weight`, and so on. The one change of form:
+each MLP's gate_proj and up_proj weights are stacked into one [gate; up] matrix at upload, so one
+GEMM computes both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from ..checkpoint import TowerBinding
+from .gemm import BF16
+
+
+@dataclass
+class Block:
+    norm1: cupy.ndarray
+    qkv_weight: cupy.ndarray
+    qkv_bias: cupy.ndarray
+    q_norm: cupy.ndarray
+    k_norm: cupy.ndarray
+    proj_weight: cupy.ndarray
+    proj_bias: cupy.ndarray
+    norm2: cupy.ndarray
+    gate_up_weight: cupy.ndarray  # mlp.gate_proj.weight stacked over mlp.up_proj.weight
+    gate_bias: cupy.ndarray
+    up_bias: cupy.ndarray
+    down_weight: cupy.ndarray
+    down_bias: cupy.ndarray
+
+
+@dataclass
+class Merger:
+    post_layernorm: cupy.ndarray
+    downsample_weight: cupy.ndarray  # the 2x2 Conv2d as [out, hidden * 4], (channel, kh, kw) columns
+    downsample_bias: cupy.ndarray
+    proj_weight: cupy.ndarray
+    post_projection_norm_weight: cupy.ndarray
+    post_projection_norm_bias: cupy.ndarray
+    gate_up_weight: cupy.ndarray
+    down_weight: cupy.ndarray
+
+
+@dataclass
+class Weights:
+    patch_embed_weight: cupy.ndarray  # the Conv3d as [hidden, patch_dim]
+    patch_embed_bias: cupy.ndarray
+    blocks: list
+    merger: Merger
+    inv_freq: cupy.ndarray  # float32 [head_dim / 4]: the axial RoPE's frequencies
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.patch_embed_weight, self.patch_embed_bias, self.inv_freq]
+        arrays += [a for b in self.blocks for a in vars(b).values()] + list(vars(self.merger).values())
+        return sum(a.nbytes for a in arrays)
+
+
+def _upload(binding: TowerBinding, *suffixes) -> cupy.ndarray:
+    """One tensor, or several stacked along rows, as bf16 on the current device."""
+    hosts = [binding.host(s) for s in suffixes]
+    out = cupy.empty((sum(h.shape[0] for h in hosts),) + hosts[0].shape[1:], dtype=BF16)
+    row = 0
+    for h in hosts:
+        out[row:row + h.shape[0]].set(np.ascontiguousarray(h))
+        row += h.shape[0]
+    return out
+
+
+def _block(b: TowerBinding, i: int) -> Block:
+    p = f"blocks.{i}."
+    return Block(
+        norm1=_upload(b, p + "norm1.weight"),
+        qkv_weight=_upload(b, p + "attn.qkv.weight"),
+        qkv_bias=_upload(b, p + "attn.qkv.bias"),
+        q_norm=_upload(b, p + "attn.q_norm.weight"),
+        k_norm=_upload(b, p + "attn.k_norm.weight"),
+        proj_weight=_upload(b, p + "attn.proj.weight"),
+        proj_bias=_upload(b, p + "attn.proj.bias"),
+        norm2=_upload(b, p + "norm2.weight"),
+        gate_up_weight=_upload(b, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+        gate_bias=_upload(b, p + "mlp.gate_proj.bias"),
+        up_bias=_upload(b, p + "mlp.up_proj.bias"),
+        down_weight=_upload(b, p + "mlp.down_proj.weight"),
+        down_bias=_upload(b, p + "mlp.down_proj.bias"),
+    )
+
+
+def upload(binding: TowerBinding) -> Weights:
+    """Every tower tensor on the current device (only the vision bytes of the checkpoint are read)."""
+    g = binding.geometry
+    spatial = g.head_dim // 2
+    # As the reference computes it, in float32: 1 / theta^(arange(0, spatial, 2) / spatial).
+    exps = np.arange(0, spatial, 2, dtype=np.float32) / np.float32(spatial)
+    return Weights(
+        patch_embed_weight=_upload(binding, "patch_embed.proj.weight"),
+        patch_embed_bias=_upload(binding, "patch_embed.proj.bias"),
+        blocks=[_block(binding, i) for i in range(g.depth)],
+        merger=Merger(
+            post_layernorm=_upload(binding, "post_layernorm.weight"),
+            downsample_weight=_upload(binding, "downsample.weight"),
+            downsample_bias=_upload(binding, "downsample.bias"),
+            proj_weight=_upload(binding, "merger.proj.weight"),
+            post_projection_norm_weight=_upload(binding, "merger.post_projection_norm.weight"),
+            post_projection_norm_bias=_upload(binding, "merger.post_projection_norm.bias"),
+            gate_up_weight=_upload(binding, "merger.gate_proj.weight", "merger.up_proj.weight"),
+            down_weight=_upload(binding, "merger.down_proj.weight"),
+        ),
+        inv_freq=cupy.asarray(np.float32(1.0) / np.power(np.float32(g.rope_theta), exps)),
+    )

@@ -1,0 +1,67 @@
+"""Where the vision tower's tensors sit in a checkpoint: their prefixes, names and shapes.
+
+The rule every reader of a checkpoint shares: the Hub download fetches only the shards holding
+these names, the binder checks every one of them, and the random-checkpoint writer produces them.
+"""
+
+from __future__ import annotations
+
+from .config import VisionGeometry
+
+# The flat layout, the nested one a re-quantisation through AutoModelForImageTextToText leaves,
+# and a bare tower export.
+VISION_PREFIXES = ("model.visual.", "model.language_model.visual.", "visual.")
+
+
+def is_vision_name(name: str) -> bool:
+    """True for a tensor of the vision tower under any of the known prefixes."""
+    return name.startswith(VISION_PREFIXES)
+
+
+def tower_layout(geo: VisionGeometry) -> dict[str, tuple]:
+    """Every tensor the encoder reads, under the prefix, with the shape it is read as.
+
+    2-D entries are (rows, cols) GEMM views: a stored tensor matches when its first
+    dimension is `rows` and the product of the rest is `cols` — the 5-D patch-embed
+    Conv3d is read as [1024, 1176] and the 4-D downsample Conv2d as [4096, 4096]
+    over the same bytes. 1-D entries must match exactly.
+    """
+    h, i, hd = geo.hidden_size, geo.intermediate_size, geo.head_dim
+    out, pi = geo.out_hidden_size, geo.projection_intermediate_size
+    t = {
+        "patch_embed.proj.weight": (h, geo.patch_dim),
+        "patch_embed.proj.bias": (h,),
+    }
+    for b in range(geo.depth):
+        p = f"blocks.{b}."
+        t.update({
+            p + "norm1.weight": (h,),
+            p + "norm2.weight": (h,),
+            p + "attn.qkv.weight": (3 * h, h),
+            p + "attn.qkv.bias": (3 * h,),
+            p + "attn.q_norm.weight": (hd,),
+            p + "attn.k_norm.weight": (hd,),
+            p + "attn.proj.weight": (h, h),
+            p + "attn.proj.bias": (h,),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.gate_proj.bias": (i,),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.up_proj.bias": (i,),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "mlp.down_proj.bias": (h,),
+        })
+    t.update({
+        "post_layernorm.weight": (h,),
+        "downsample.weight": (out, geo.merge_dim),
+        "downsample.bias": (out,),
+        "merger.proj.weight": (out, out),
+        "merger.post_projection_norm.weight": (out,),
+        # The bias is what tells the merger's LayerNorm from the tower's RMSNorms:
+        # a checkpoint without it must fail here, not run an RMSNorm in its place.
+        "merger.post_projection_norm.bias": (out,),
+        "merger.gate_proj.weight": (pi, out),
+        "merger.up_proj.weight": (pi, out),
+        "merger.down_proj.weight": (out, pi),
+    })
+    assert len(t) == geo.tensor_count  # 14 per block + 11
+    return t
