@@ -38,7 +38,7 @@ def main():
     use_hf, use_compiled = "--no-hf" not in sys.argv, "--no-compiled" not in sys.argv
     path = official_checkpoint()
     t0 = time.perf_counter()
-    model = GlmVit.from_checkpoint(path, max_image_tokens=8000)
+    model = GlmVit.from_checkpoint(path, capacity_tokens=8000)
     load_s = time.perf_counter() - t0
     geo = model.geometry
     rng = np.random.default_rng(0)

@@ -2,7 +2,7 @@
 
 Golden tower: ours vs HF float32 (golden file), beside HF bf16 on this GPU vs the same.
 Official geometry, random weights: ours and HF bf16 vs HF float32 on this GPU (TF32 off),
-for the SPEC's image sizes including a 32,000-patch image.
+for the speed table's image sizes, including a 32,000-patch image.
 """
 
 import os
@@ -36,7 +36,7 @@ def main():
         return 1
     rows = []
     g = np.load(cases.OUTPUTS)
-    small = GlmVit.from_checkpoint(cases.TOWER_DIR, max_image_tokens=600)
+    small = GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=600)
     sb = bind_tower(cases.TOWER_DIR)
     for name in sorted({k.split("/")[0] for k in g.files}):
         pv, grid, want = g[f"{name}/pixel_values"], g[f"{name}/grid_thw"], g[f"{name}/hf_fp32"]
@@ -46,7 +46,7 @@ def main():
                      "ok" if ours <= hf else "WORSE"])
     path = official_checkpoint()
     ob = bind_tower(path)
-    model = GlmVit(ob, max_image_tokens=8000)
+    model = GlmVit(ob, capacity_tokens=8000)
     photo = os.path.join(os.path.dirname(__file__), "..", "examples", "grace_hopper.jpg")
     imgs = {"448x448": [cases._smooth(448, 448, 40)], "896x672": [cases._smooth(896, 672, 41)],
             "three images": [cases._smooth(448, 448, 40), cases._smooth(896, 672, 41), cases._smooth(300, 500, 42)],

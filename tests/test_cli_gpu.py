@@ -36,7 +36,7 @@ def test_gpu_command_matches_reference_and_model(tmp_path, capsys):
     tensors = {}
     for f in shards:
         tensors.update(load_file(str(out / f)))
-    model = GlmVit.from_checkpoint(cases.TOWER_DIR, max_image_tokens=60)
+    model = GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=60)
     tower = reference.Tower(reference.bind_tower(cases.TOWER_DIR))
     for key, entry in manifest["images"].items():
         got = tensors[key].astype(np.float32)

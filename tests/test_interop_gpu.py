@@ -14,7 +14,7 @@ from tests.golden import cases  # noqa: E402
 def test_torch_from_dlpack_is_zero_copy():
     torch = pytest.importorskip("torch", reason="torch is not installed; DLPack export is checked with it")
     g = np.load(cases.OUTPUTS)
-    m = GlmVit.from_checkpoint(cases.TOWER_DIR, max_image_tokens=64)
+    m = GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=64)
     out = m.encode_pixels(g["img_64x64/pixel_values"], g["img_64x64/grid_thw"])
     t = torch.from_dlpack(out)
     assert t.dtype == torch.bfloat16 and t.is_cuda and tuple(t.shape) == out.shape

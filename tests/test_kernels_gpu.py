@@ -10,9 +10,11 @@ from tests.conftest import gpu_or_skip
 
 cupy = gpu_or_skip()
 
-from glmvit_cupy.attention import VARIANTS, FlashAttention, default_variants  # noqa: E402
-from glmvit_cupy.gemm import gemm  # noqa: E402
-from glmvit_cupy.kernels import KernelError, kernel  # noqa: E402
+from glmvit_cupy import KernelError  # noqa: E402
+from glmvit_cupy.engine import ops  # noqa: E402
+from glmvit_cupy.engine.attention import VARIANTS, default_variants, tiles  # noqa: E402
+from glmvit_cupy.engine.gemm import gemm  # noqa: E402
+from glmvit_cupy.engine.kernels import kernel  # noqa: E402
 
 BF = ml_dtypes.bfloat16
 rng = np.random.default_rng()  # fresh inputs every run
@@ -43,6 +45,10 @@ def test_registry_names_what_exists():
         kernel("nope", "x")
     with pytest.raises(KernelError, match="rmsnorm_residual"):
         kernel("norms", "nope")
+    with pytest.raises(KernelError, match="template kernel is named with its arguments"):
+        kernel("attention_sm80", "flash_fwd_sm80")  # a template without its arguments
+    with pytest.raises(KernelError, match="compile failed"):
+        kernel("attention_sm80", "flash_fwd_sm80<64, 3, 9>")  # arguments the template does not take
 
 
 # 1024 and 1000: the register path (cols % 4 == 0, <= 16 x 256; 1000 leaves 6 threads idle);
@@ -53,8 +59,7 @@ def test_rmsnorm_residual(rows, cols, with_bias):
     x = rng.standard_normal((rows, cols), dtype=np.float32) * 3
     b, w = bf(rng.standard_normal(cols)), bf(1 + 0.1 * rng.standard_normal(cols))
     xd, out = dev(x), poison((rows, cols))
-    kernel("norms", "rmsnorm_residual")((rows,), (256,), (xd, dev(b) if with_bias else np.uint64(0), dev(w), out,
-                                                          np.int32(rows), np.int32(cols), np.float32(1e-5)))
+    ops.rmsnorm_residual(xd, dev(b) if with_bias else None, dev(w), out, 1e-5)
     xr = x + (b.astype(np.float32) if with_bias else 0)
     ref = xr / np.sqrt((xr * xr).mean(1, keepdims=True) + 1e-5) * w.astype(np.float32)
     assert np.array_equal(host(xd), xr)  # the residual got exactly the bias
@@ -66,8 +71,7 @@ def test_rmsnorm_im2col_layout():
     x = rng.standard_normal((rows, cols), dtype=np.float32)
     b, w = bf(rng.standard_normal(cols)), bf(1 + 0.1 * rng.standard_normal(cols))
     out = poison((rows // 4, cols * 4))
-    kernel("norms", "rmsnorm_im2col")((rows,), (256,), (dev(x), dev(b), dev(w), out, np.int32(rows),
-                                                        np.int32(cols), np.float32(1e-5)))
+    ops.rmsnorm_im2col(dev(x), dev(b), dev(w), out, 1e-5)
     xr = x + b.astype(np.float32)
     n = xr / np.sqrt((xr * xr).mean(1, keepdims=True) + 1e-5) * w.astype(np.float32)
     # merged row m, column c*4 + j  <-  patch row 4m + j, channel c
@@ -80,8 +84,7 @@ def test_layernorm_gelu():
     y = rng.standard_normal((rows, cols), dtype=np.float32) * 2 + 0.5
     w, b = bf(1 + 0.1 * rng.standard_normal(cols)), bf(0.3 * rng.standard_normal(cols))
     out = poison((rows, cols))
-    kernel("norms", "layernorm_gelu")((rows,), (256,), (dev(y), dev(w), dev(b), out, np.int32(rows),
-                                                        np.int32(cols), np.float32(1e-5)))
+    ops.layernorm_gelu(dev(y), dev(w), dev(b), out, 1e-5)
     mu = y.mean(1, keepdims=True)
     v = (y - mu) / np.sqrt(((y - mu) ** 2).mean(1, keepdims=True) + 1e-5) * w.astype(np.float32) + b.astype(np.float32)
     erf = np.vectorize(math.erf)
@@ -100,10 +103,7 @@ def test_qk_norm_rope(heads, d):
     spatial = d // 2
     inv_freq = (np.float32(1) / np.power(np.float32(10000), np.arange(0, spatial, 2, dtype=np.float32) / spatial))
     q, k, v = poison((total, hd)), poison((total, hd)), poison((total, hd))
-    kernel("rotary", "qk_norm_rope_bf16")((-(-rows * heads * d // 8 // 256),), (256,),  # a thread per (row, head, 4 pairs)
-                                          (dev(bf(qkv)), dev(bias), dev(qn), dev(kn), dev(pos), dev(inv_freq), q, k, v,
-                                           np.int32(rows), np.int32(row0), np.int32(heads), np.int32(d),
-                                           np.float32(1e-5)))
+    ops.qk_norm_rope(dev(bf(qkv)), dev(bias), dev(qn), dev(kn), dev(pos), dev(inv_freq), q, k, v, row0, heads, 1e-5)
     t = (qkv + bias.astype(np.float32)).reshape(rows, 3, heads, d)
     p = pos[row0:row0 + rows].astype(np.float64)
     f = inv_freq.astype(np.float64)
@@ -122,17 +122,15 @@ def test_qk_norm_rope(heads, d):
 
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("inter", [4096, 1020])  # eight columns a thread; the one-column path (1020 % 8 = 4)
-# (1, 100): both strided loops turn (a block covers 8 x 256 = 2,048 < 4,096 columns, or 256 < 1,020;
-# 100 < 333 rows); (2, 333): the model's launch, ceil(4096 / 8 / 256) = 2 blocks a row
-@pytest.mark.parametrize("grid", [(1, 100), (2, 333)])
+# grid (1, 100): both strided loops turn (a block covers 8 x 256 = 2,048 < 4,096 columns, or 256 < 1,020;
+# 100 < 333 rows); None: ops.swiglu_clamp, the model's launch (ceil(4096 / 8 / 256) = 2 blocks a row)
+@pytest.mark.parametrize("grid", [(1, 100), None])
 def test_swiglu_clamp_fires(with_bias, inter, grid):
     rows, limit = 333, 10.0
     gu = bf(rng.standard_normal((rows, 2 * inter), dtype=np.float32) * 6).astype(np.float32)  # what the kernel reads
     bg, bu = bf(rng.standard_normal(inter)), bf(rng.standard_normal(inter))
     out = poison((rows, inter))
-    kernel("activations", "swiglu_clamp_bf16")(grid, (256,), (dev(bf(gu)), dev(bg) if with_bias else np.uint64(0),
-                                                              dev(bu) if with_bias else np.uint64(0), out,
-                                                              np.int64(rows), np.int32(inter), np.float32(limit)))
+    ops.swiglu_clamp(dev(bf(gu)), dev(bg) if with_bias else None, dev(bu) if with_bias else None, out, limit, grid=grid)
     g, u = gu[:, :inter], gu[:, inter:]
     if with_bias:
         g, u = g + bg.astype(np.float32), u + bu.astype(np.float32)
@@ -153,8 +151,7 @@ def test_patchify_u8_is_bit_identical_to_the_host(h, w):
     canvas = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
     want = pre.normalise_patchify(canvas).astype(BF)
     out = poison(want.shape)
-    kernel("pixels", "patchify_u8")((64,), (256,), (dev(canvas), dev(pre.value_table()), out, np.int32(h),
-                                                     np.int32(w), np.int32(2), np.int32(14)))
+    ops.patchify(dev(canvas), dev(pre.value_table()), out, 2, 14)
     assert np.array_equal(cupy.asnumpy(out).view(np.uint16), want.view(np.uint16))
 
 
@@ -163,10 +160,10 @@ def test_bias_and_cast():
     y = rng.standard_normal((rows, cols), dtype=np.float32)
     b = bf(rng.standard_normal(cols))
     out = poison((rows, cols))
-    kernel("activations", "bias_to_bf16")((512,), (256,), (dev(y), dev(b), out, np.int64(rows), np.int32(cols)))
+    ops.add_bias_to_bf16(dev(y), dev(b), out)
     assert np.array_equal(cupy.asnumpy(out), (y + b.astype(np.float32)).astype(BF))
     out2 = poison((rows, cols))
-    kernel("activations", "f32_to_bf16")((512,), (256,), (dev(y), out2, np.int64(y.size)))
+    ops.to_bf16(dev(y), out2)
     assert np.array_equal(cupy.asnumpy(out2), y.astype(BF))
 
 
@@ -186,45 +183,46 @@ def attention_ref(q, k, v, cu, rows):
 
 
 def run_attention(lengths, heads=16, d=64, variant=None, sample=None):
-    attn = FlashAttention(d, variant)
+    v = VARIANTS[variant or default_variants(d, cupy.cuda.Device().compute_capability)[0]]
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     n = int(cu[-1])
-    tile_seg, tile_q0 = attn.tiles(cu)
-    q, k, v = (rng.standard_normal((n, heads, d), dtype=np.float32).astype(BF) for _ in range(3))
+    tile_seg, tile_q0 = tiles(cu, v.rows)
+    q, k, val = (rng.standard_normal((n, heads, d), dtype=np.float32).astype(BF) for _ in range(3))
     q = (q.astype(np.float32) * 2).astype(BF)  # peakier softmax than unit scores
     o = poison((n, heads * d))
-    attn(dev(q.reshape(n, -1)), dev(k.reshape(n, -1)), dev(v.reshape(n, -1)), o, dev(cu), dev(tile_seg),
-         dev(tile_q0), heads)
+    ops.flash_attention(v, dev(q.reshape(n, -1)), dev(k.reshape(n, -1)), dev(val.reshape(n, -1)), o, dev(cu),
+                        dev(tile_seg), dev(tile_q0), heads)
     got = cupy.asnumpy(o).astype(np.float32).reshape(n, heads, d)
     assert not np.isnan(got).any(), "some output element was never written"
     rows = np.arange(n) if sample is None or n <= sample else np.unique(
         np.concatenate([rng.choice(n, sample, replace=False), cu[:-1], cu[1:] - 1]))
-    ref = attention_ref(*(a.astype(np.float64) for a in (q, k, v)), cu, rows)
+    ref = attention_ref(*(a.astype(np.float64) for a in (q, k, val)), cu, rows)
     return rel(got[rows], ref)
 
 
 SM90 = cupy.cuda.Device().compute_capability == "90"
-D64 = [v for v in VARIANTS if "d64" in v or v.startswith("sm90")]
-if not SM90:
-    D64 = [v for v in D64 if not v.startswith("sm90")]
+D64 = [name for name, v in VARIANTS.items() if v.head_dim == 64 and (SM90 or v.arch != "sm90")]
+# The measured error of every variant against float64 is 1.9e-3 to 2.0e-3 (bf16 output rounding is
+# most of it); the bar sits just above, so a real regression fails.
+ATTN_TOL = 3e-3
 
 
 @pytest.mark.parametrize("variant", D64)
 @pytest.mark.parametrize("lengths", [[1], [7], [63], [64], [65], [1000], [1, 7, 63, 64, 65, 1000]])
 def test_attention_small_segments(lengths, variant):
-    assert run_attention(lengths, variant=variant) <= 1e-2
+    assert run_attention(lengths, variant=variant) <= ATTN_TOL
 
 
 @pytest.mark.parametrize("variant", D64)
 def test_attention_16_segments_one_launch(variant):
     lengths = rng.integers(1, 700, 16).tolist()
-    assert run_attention(lengths, sample=800, variant=variant) <= 1e-2
+    assert run_attention(lengths, sample=800, variant=variant) <= ATTN_TOL
 
 
 @pytest.mark.parametrize("variant", D64)
 @pytest.mark.parametrize("n", [4096, 32000])
 def test_attention_long(n, variant):
-    assert run_attention([n], heads=2 if n > 4096 else 16, sample=256, variant=variant) <= 1e-2
+    assert run_attention([n], heads=2 if n > 4096 else 16, sample=256, variant=variant) <= ATTN_TOL
 
 
 @pytest.mark.skipif(not SM90, reason="GPU test: the per-shape choice is between sm_90a kernels")
@@ -239,17 +237,16 @@ def test_default_variants_agree_bit_for_bit():
     q, k, v = (dev(rng.standard_normal((n, heads * 64), dtype=np.float32).astype(BF) * 2) for _ in range(3))
     outs = []
     for name in names:
-        attn = FlashAttention(64, name)
-        tile_seg, tile_q0 = attn.tiles(cu)
+        tile_seg, tile_q0 = tiles(cu, VARIANTS[name].rows)
         o = poison((n, heads * 64))
-        attn(q, k, v, o, dev(cu), dev(tile_seg), dev(tile_q0), heads)
+        ops.flash_attention(VARIANTS[name], q, k, v, o, dev(cu), dev(tile_seg), dev(tile_q0), heads)
         outs.append(cupy.asnumpy(o).view(np.uint16))
     assert all(np.array_equal(outs[0], x) for x in outs[1:]), names
 
 
 @pytest.mark.parametrize("d", [32, 128])
 def test_attention_other_head_dims(d):
-    assert run_attention([5, 130, 64, 300], heads=4, d=d) <= 1e-2
+    assert run_attention([5, 130, 64, 300], heads=4, d=d) <= ATTN_TOL
 
 
 # -- GEMM ---------------------------------------------------------------------------------------
@@ -277,7 +274,7 @@ def test_gemm_against_numpy(m, n, k):
 def test_gemm_on_own_handle_is_capturable_and_equal():
     """The model's path: a cuBLAS handle bound to its own stream, called through ctypes (so a CUDA
     graph can capture it), gives the bits CuPy's handle gives; a captured GEMM replays with new data."""
-    from glmvit_cupy.gemm import Handle
+    from glmvit_cupy.engine.gemm import Handle
 
     m, n, k = 1003, 3072, 1024
     stream = cupy.cuda.Stream(non_blocking=True)

@@ -12,10 +12,9 @@ from tests.conftest import gpu_or_skip
 
 cupy = gpu_or_skip()
 
-from glmvit_cupy import GlmVit, reference  # noqa: E402
+from glmvit_cupy import GlmVit, GpuOutOfMemory, Replicas, reference  # noqa: E402
 from glmvit_cupy.checkpoint import bind_tower  # noqa: E402
 from glmvit_cupy.config import VisionGeometry  # noqa: E402
-from glmvit_cupy.model import GpuOutOfMemory  # noqa: E402
 from glmvit_cupy.synthetic import write_checkpoint  # noqa: E402
 from tests import hf_bar  # noqa: E402
 from tests.golden import cases  # noqa: E402
@@ -35,7 +34,7 @@ def f32(x):
 
 @pytest.fixture(scope="module")
 def small():
-    return GlmVit.from_checkpoint(cases.TOWER_DIR, max_image_tokens=600)
+    return GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=600)
 
 
 @pytest.mark.parametrize("name", GOLDEN)
@@ -57,10 +56,10 @@ def small_binding():
 
 
 def test_scratch_is_lazy():
-    m = GlmVit.from_checkpoint(cases.TOWER_DIR, max_image_tokens=64)
+    m = GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=64)
     assert m._arena is None
     m.encode_pixels(G["img_64x64/pixel_values"], G["img_64x64/grid_thw"])
-    assert m._arena is not None
+    assert m._arena is not None and m.arena() is m._arena
 
 
 def test_bad_input_leaves_model_usable(small):
@@ -104,7 +103,7 @@ def test_threads_match_sequential(small):
 
 def test_out_of_memory_is_reported_and_recovered():
     pool = cupy.get_default_memory_pool()
-    m = GlmVit.from_checkpoint(cases.TOWER_DIR, max_image_tokens=600)
+    m = GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=600)
     pv, grid = G["img_64x64/pixel_values"], G["img_64x64/grid_thw"]
     old = pool.get_limit()
     pool.set_limit(size=pool.used_bytes() + 1024)
@@ -130,7 +129,7 @@ def test_encode_images_equals_pixels(small):
 def official(tmp_path_factory):
     path = write_checkpoint(tmp_path_factory.mktemp("official"), VisionGeometry.official(), seed=11)
     binding = bind_tower(path)
-    return binding, GlmVit(binding, max_image_tokens=8000), reference.Tower(binding)
+    return binding, GlmVit(binding, capacity_tokens=8000), reference.Tower(binding)
 
 
 def official_images():
@@ -167,16 +166,16 @@ def test_graph_replay_equals_eager_and_reads_fresh_inputs(official):
     """The second call of a shape captures a CUDA graph, later calls replay it: every replay must read
     that call's pixels (not the captured call's) and write every output row (poisoned first)."""
     binding, model, _ = official
-    eager = GlmVit(binding, max_image_tokens=2048, graphs=False)
+    eager = GlmVit(binding, capacity_tokens=2048, graphs=False)
     grid = [[1, 32, 32], [1, 16, 24]]  # 1024 + 384 = 1408 patches, two segments
     rng = np.random.default_rng(5)
     for _ in range(3):
         pv = rng.standard_normal((1408, 1176), dtype=np.float32)
         want = f32(eager.encode_pixels(pv, grid))
-        model._scratch()["out"].view(cupy.uint16).fill(0x7FC0)  # bf16 NaN
+        model.arena()["embeddings"].view(cupy.uint16).fill(0x7FC0)  # bf16 NaN
         got = f32(model.encode_pixels(pv, grid))
         assert np.isfinite(got).all() and np.array_equal(got, want)
-    plan = model._plans[((1, 32, 32), (1, 16, 24))]
+    plan = model.plans.get(np.array(grid))
     assert plan.graph is not None and plan.uses == 3 and not plan.capture_failed
     assert set(model.last_timing) == {"forward", "copy_out"}
     assert set(eager.last_timing) == {"patch_embed", "blocks", "merger", "copy_out"}
@@ -185,11 +184,10 @@ def test_graph_replay_equals_eager_and_reads_fresh_inputs(official):
 def test_replicas_match_one_gpu(official):
     """Two replicas (two GPUs when the machine has them, else twice GPU 0) give bit-identical outputs."""
     from glmvit_cupy import preprocess
-    from glmvit_cupy.replicas import Replicas
 
     binding, model, _ = official
     devices = [0, 1] if cupy.cuda.runtime.getDeviceCount() >= 2 else [0, 0]
-    reps = GlmVit.from_checkpoint(binding.path, devices=devices, max_image_tokens=2048)
+    reps = Replicas.from_checkpoint(binding.path, devices, capacity_tokens=2048)
     assert isinstance(reps, Replicas) and [m.device.id for m in reps.models] == devices
     imgs = list(official_images().values()) + [cases._smooth(200, 300, seed=43)]
     want = [f32(o) for o in model.encode(imgs)]
@@ -204,7 +202,9 @@ def test_replicas_match_one_gpu(official):
         assert np.array_equal(f32(whole), np.concatenate(want))
     print(f"replicas on devices {devices}: {len(imgs)} images bit-equal to one GPU")
     with pytest.raises(ValueError, match="not a CUDA device of this machine"):
-        GlmVit.from_checkpoint(binding.path, devices=[0, 99])
+        Replicas.from_checkpoint(binding.path, [0, 99])
+    with pytest.raises(TypeError, match="Replicas.from_checkpoint"):
+        GlmVit.from_checkpoint(binding.path, devices=[0])
 
 
 def test_load_vision_tower_for_serving(tmp_path, caplog):
@@ -222,7 +222,7 @@ def test_load_vision_tower_for_serving(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="glmvit_cupy"):
         assert load_vision_tower(text) is None and not caplog.records
         assert load_vision_tower(absent) is None and "text-only" in caplog.text
-    m = load_vision_tower(cases.TOWER_DIR, max_image_tokens=64)
+    m = load_vision_tower(cases.TOWER_DIR, capacity_tokens=64)
     assert isinstance(m, GlmVit)
     assert rel(f32(m.encode_pixels(G["img_64x64/pixel_values"], G["img_64x64/grid_thw"])),
                G["img_64x64/hf_fp32"]) < 0.02
@@ -243,7 +243,7 @@ MEMORY_PROBE = r"""
 import sys, numpy as np, cupy
 free0, total = cupy.cuda.runtime.memGetInfo()
 from glmvit_cupy import GlmVit
-m = GlmVit.from_checkpoint(sys.argv[1], max_image_tokens=8000)
+m = GlmVit.from_checkpoint(sys.argv[1], capacity_tokens=8000)
 pv = np.random.default_rng(0).standard_normal((32000, 1176), dtype=np.float32)
 out = m.encode_pixels(pv, [[1, 160, 200]])
 cupy.cuda.Device().synchronize()
@@ -254,7 +254,8 @@ print(cupy.get_default_memory_pool().total_bytes(), free0 - free1, bool(cupy.isf
 
 def test_32000_patch_forward_fits_in_2_gib(official):
     """The whole forward's GPU memory at the 8000-token maximum, weights included: the pool
-    (weights 1.05 GiB + scratch + output) and everything else the process took from the device."""
+    (weights 1.05 GiB + scratch + output) and all the device memory the process took (cuBLAS's
+    workspace, the kernels, CUDA's own), both under 2 GiB."""
     import os
     import subprocess
     import sys
@@ -268,4 +269,94 @@ def test_32000_patch_forward_fits_in_2_gib(official):
     pool, device, finite = r.stdout.split()
     print(f"32000 patches: CuPy pool {int(pool) / 2**30:.3f} GiB, device memory taken {int(device) / 2**30:.3f} GiB")
     assert finite == "True"
-    assert int(pool) < 2.0 * 2**30
+    assert int(pool) < 2.0 * 2**30 and int(device) < 2.0 * 2**30
+
+
+# -- the engine's parts: plan cache, graph-capture fallback, inputs, attention variants, capacity ----------
+
+def test_plan_cache_evicts_the_least_recently_used(official):
+    """Two plans kept: 4x4 (captured on its second call), 4x6, then 6x4 evicts 4x4; 4x4 comes back as a
+    new plan and is captured again. Every output equals an eager model's."""
+    binding, _, _ = official
+    m, eager = GlmVit(binding, capacity_tokens=256), GlmVit(binding, capacity_tokens=256, graphs=False)
+    m.plans.size = 2
+    rng = np.random.default_rng(7)
+    for grid in ([[1, 4, 4]], [[1, 4, 4]], [[1, 4, 6]], [[1, 6, 4]], [[1, 4, 4]], [[1, 4, 4]]):
+        pv = rng.standard_normal((int(np.prod(grid[0])), 1176), dtype=np.float32)
+        assert np.array_equal(f32(m.encode_pixels(pv, grid)), f32(eager.encode_pixels(pv, grid)))
+        assert len(m.plans) <= 2
+    assert np.array([[1, 4, 6]]) not in m.plans and np.array([[1, 6, 4]]) in m.plans
+    plan = m.plans.get(np.array([[1, 4, 4]]))
+    assert plan.uses == 2 and plan.graph is not None  # rebuilt after eviction, captured anew
+
+
+def test_failed_graph_capture_falls_back_to_eager(official, monkeypatch, caplog):
+    binding, _, _ = official
+    m = GlmVit(binding, capacity_tokens=256)
+    eager = GlmVit(binding, capacity_tokens=256, graphs=False)
+    real = m._forward
+
+    def failing_under_capture(plan, mark):
+        if m.executor.stream.is_capturing():
+            raise RuntimeError("simulated capture failure")
+        return real(plan, mark)
+
+    monkeypatch.setattr(m, "_forward", failing_under_capture)
+    rng = np.random.default_rng(8)
+    grid = [[1, 8, 8]]
+    for _ in range(3):
+        pv = rng.standard_normal((64, 1176), dtype=np.float32)
+        assert np.array_equal(f32(m.encode_pixels(pv, grid)), f32(eager.encode_pixels(pv, grid)))
+    plan = m.plans.get(np.array(grid))
+    assert plan.capture_failed and plan.graph is None and plan.uses == 3
+    assert "capture failed" in caplog.text and set(m.last_timing) == {"patch_embed", "blocks", "merger", "copy_out"}
+
+
+def test_bf16_and_other_device_cupy_inputs(small):
+    pv, grid = G["img_140x90/pixel_values"], G["img_140x90/grid_thw"]
+    want = f32(small.encode_pixels(pv, grid))
+    as_bf16 = cupy.asarray(pv.astype(ml_dtypes.bfloat16))  # staged as is, no cast
+    assert np.array_equal(f32(small.encode_pixels(as_bf16, grid)), want)
+    strided = cupy.asarray(np.repeat(pv, 2, axis=1))[:, ::2]  # a non-contiguous float32 view
+    assert np.array_equal(f32(small.encode_pixels(strided, grid)), want)
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("GPU test: one GPU here; the other-device input needs two")
+    with cupy.cuda.Device(1):
+        other = cupy.asarray(pv)
+    out = small.encode_pixels(other, grid)
+    assert out.device.id == small.device.id and np.array_equal(f32(out), want)
+
+
+def test_attention_variant_argument(official):
+    binding, model, _ = official
+    with pytest.raises(ValueError, match="unknown; choices: sm90_3wg_fma1in16"):
+        GlmVit(binding, attention_variant="sm90_ws3_s3_f16")
+    with pytest.raises(ValueError, match="head dim 32"):
+        GlmVit(binding, attention_variant="sm80_d32")
+    rng = np.random.default_rng(9)
+    pv, grid = rng.standard_normal((1024, 1176), dtype=np.float32), [[1, 32, 32]]
+    want = f32(model.encode_pixels(pv, grid))
+    fallback = GlmVit(binding, capacity_tokens=256, attention_variant="sm80_d64")
+    assert fallback.plans.get(np.array(grid)).variant.name == "sm80_d64"
+    got = f32(fallback.encode_pixels(pv, grid))
+    assert 0 < rel(got, want) < 1e-2  # another kernel: other rounding, the same attention
+    if cupy.cuda.Device().compute_capability == "90":
+        for name in ("sm90_3wg_fma1in16", "sm90_2wg_fma1in16"):  # the defaults agree bit for bit
+            forced = GlmVit(binding, capacity_tokens=256, attention_variant=name)
+            assert np.array_equal(f32(forced.encode_pixels(pv, grid)), want), name
+
+
+def test_capacity_is_one_word_and_bounds_the_default_image_limit(small):
+    """A model built for 600 tokens encodes a large image without being told 600 again: encode's
+    max_image_tokens defaults to the reference's 8000 lowered to the capacity."""
+    big = cases._smooth(1400, 1000, seed=44)
+    out = small.encode([big])[0]
+    assert out.shape[0] <= 600
+    assert np.array_equal(f32(out), f32(small.encode([big], max_image_tokens=600)[0]))
+    with pytest.raises(ValueError, match="exceeds this model's capacity of 600"):
+        small.encode([big], max_image_tokens=601)
+    with pytest.warns(DeprecationWarning, match="capacity_tokens"):
+        old = GlmVit.from_checkpoint(cases.TOWER_DIR, max_image_tokens=64)
+    assert old.capacity_tokens == 64
+    with pytest.raises(ValueError, match="capacity_tokens=0 must be a positive integer"):
+        GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=0)

@@ -2,7 +2,9 @@
 correctness on the issue's segment mixes, then TFLOP/s at 16 heads x 64 on one segment of 1,024 /
 4,096 / 16,384 / 32,000 keys and on 16 segments of 1,024 (bench_kernels.py has torch SDPA beside).
 
-    python tools/attn_trial.py sm90_ws2_s2 sm90_ws3_s2 ...      (default: every sm90 variant)
+    python tools/attn_trial.py sm90_3wg_fma1in16 ...      (default: every sm90 variant)
+
+To trial a new configuration, add its row to engine/attention.py's VARIANTS (the kernel is a template).
 """
 
 import os
@@ -19,19 +21,20 @@ BF, H = ml_dtypes.bfloat16, 1024
 rng = cupy.random.default_rng(0)
 def rnd(shape, dtype):
     return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
-from glmvit_cupy.attention import FlashAttention
+from glmvit_cupy.engine import ops
+from glmvit_cupy.engine.attention import VARIANTS, tiles
 v = sys.argv[1]
 errs = [run_attention(l, variant=v) for l in ([1], [7], [63, 64, 65], [1000])]
 errs.append(run_attention(list(np.random.default_rng(1).integers(1, 700, 16)), sample=800, variant=v))
 errs.append(run_attention([32000], heads=2, sample=256, variant=v))
-attn = FlashAttention(64, v)
+variant = VARIANTS[v]
 perf = []
 for lens in ([1024], [1024] * 16, [4096], [16384], [32000]):
     n = sum(lens)
     q, k, vv, o = (rnd((n, H), BF) for _ in range(4))
     cu_h = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    ts, tq = (cupy.asarray(a) for a in attn.tiles(cu_h))
-    ms = time_ms(lambda: attn(q, k, vv, o, cupy.asarray(cu_h), ts, tq, 16))
+    ts, tq = (cupy.asarray(a) for a in tiles(cu_h, variant.rows))
+    ms = time_ms(lambda: ops.flash_attention(variant, q, k, vv, o, cupy.asarray(cu_h), ts, tq, 16))
     perf.append(4 * sum(x * x for x in lens) * H / ms / 1e9)
 print(f"| {v} | {max(errs):.2e} | " + " | ".join(f"{p:.0f}" for p in perf) + " |")
 """
@@ -39,7 +42,7 @@ print(f"| {v} | {max(errs):.2e} | " + " | ".join(f"{p:.0f}" for p in perf) + " |
 
 def main():
     sys.path[:0] = ["src"]
-    from glmvit_cupy.attention import VARIANTS
+    from glmvit_cupy.engine.attention import VARIANTS
 
     names = sys.argv[1:] or [v for v in VARIANTS if v.startswith("sm90")]
     print("| variant | max rel L2 | TFLOP/s 1024 | 16 x 1024 | 4096 | 16384 | 32000 |\n|---|---|---|---|---|---|---|")

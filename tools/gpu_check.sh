@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine proves, in one call: the GPU test suite, the parity check against
 # HF transformers 5.23.0 and the benchmarks. Short table last; full logs under $OUT.
-#   tools/gpu_check.sh [tests|parity|bench|all]...   (default: all)
+#   tools/gpu_check.sh [tests|parity|bench|before|all]...   (default: all)
+# before: the encoder benchmark (ours only) of an older tree unpacked in .old/ (git archive COMMIT src
+# cuda benchmarks examples/grace_hopper.jpg | tar -x -C .old), then of this tree, in the same run.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
@@ -21,6 +23,10 @@ case " $what " in *" all "*|*" tests "*)
     run test_model python3 -m pytest -q -rs -s tests/test_model_gpu.py
     run example python3 examples/encode_image.py --save "$OUT/example_embeddings.safetensors"
     run test_cpu python3 -m pytest -q -rs tests --ignore=tests/test_kernels_gpu.py --ignore=tests/test_model_gpu.py
+;; esac
+case " $what " in *" before "*)
+    [ -d .old/src ] && run bench_before bash -c "cd .old && python3 benchmarks/bench_encoder.py --no-hf"
+    run bench_after python3 benchmarks/bench_encoder.py --no-hf
 ;; esac
 case " $what " in *" all "*|*" parity "*) run parity python3 benchmarks/parity.py ;; esac
 case " $what " in *" all "*|*" bench "*)

@@ -63,13 +63,14 @@ _kernels: dict = {}
 
 def _compile(module: str, device, name_expressions=()):
     import cupy
+    from cupy_backends.cuda.libs.nvrtc import NVRTCError
 
     path = cuda_dir() / f"{module}.cu"
     try:
         mod = cupy.RawModule(code=path.read_text(), options=compile_options(device),
                              name_expressions=list(name_expressions) or None)
         mod.compile()
-    except cupy.cuda.compiler.CompileException as e:
+    except (cupy.cuda.compiler.CompileException, NVRTCError) as e:
         msg = e.get_message() if hasattr(e, "get_message") else str(e)
         raise KernelError(f"{path}: compile failed for compute capability {device.compute_capability}:\n{msg}") \
             from None
