@@ -328,7 +328,7 @@ def test_bf16_and_other_device_cupy_inputs(small):
 
 
 def test_attention_variant_argument(official):
-    binding, model, _ = official
+    binding, model, tower = official
     with pytest.raises(ValueError, match="unknown; choices: sm90_3wg_fma1in16"):
         GlmVit(binding, attention_variant="sm90_ws3_s3_f16")
     with pytest.raises(ValueError, match="head dim 32"):
@@ -339,7 +339,11 @@ def test_attention_variant_argument(official):
     fallback = GlmVit(binding, capacity_tokens=256, attention_variant="sm80_d64")
     assert fallback.plans.get(np.array(grid)).variant.name == "sm80_d64"
     got = f32(fallback.encode_pixels(pv, grid))
-    assert 0 < rel(got, want) < 1e-2  # another kernel: other rounding, the same attention
+    ref = reference.encode_pixels(tower, pv, grid)
+    # Another kernel rounds elsewhere (the two bf16 paths differ by about as much as each differs from
+    # float32), but each is as close to the float32 reference as the default (HF bf16: 3.8e-2).
+    print(f"sm80_d64 {rel(got, ref):.3e}, default {rel(want, ref):.3e} against the float32 reference")
+    assert not np.array_equal(got, want) and rel(got, ref) < 2.5e-2 and rel(want, ref) < 2.5e-2
     if cupy.cuda.Device().compute_capability == "90":
         for name in ("sm90_3wg_fma1in16", "sm90_2wg_fma1in16"):  # the defaults agree bit for bit
             forced = GlmVit(binding, capacity_tokens=256, attention_variant=name)
