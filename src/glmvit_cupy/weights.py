@@ -82,8 +82,17 @@ def read_header(path: str) -> dict:
             raw = f.read(hlen)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read shard ({e})") from None
+    def unique(pairs):
+        # A repeated name would shadow the first entry's bytes: refuse it (JSON alone keeps the last).
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise CheckpointError(f"{path}: the header names tensor {k!r} twice; each name must be unique")
+            seen.add(k)
+        return dict(pairs)
+
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
@@ -122,11 +131,21 @@ def read_header(path: str) -> dict:
             raise CheckpointError(
                 f"{where}: {end - begin} bytes on disk, but dtype {dtype} x shape {tuple(shape)} needs {want}")
         infos[name] = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, end - begin)
-    spans = sorted((i.offset, i.offset + i.nbytes, i.name) for i in infos.values() if i.nbytes)
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap in the data section "
-                                  f"(bytes {b0}-{e0} and {b1}-{e1})")
+    # The format indexes the data section whole, without holes or overlaps (so no bytes hide in it):
+    # sorted by offset, each tensor starts where the one before ends, and the last ends at the file's end.
+    end, prev = data_start, None
+    for info in sorted(infos.values(), key=lambda i: (i.offset, i.nbytes)):
+        if info.offset < end:
+            raise CheckpointError(f"{path}: tensors {prev!r} and {info.name!r} overlap in the data section "
+                                  f"(bytes {info.offset - data_start}-{info.offset - data_start + info.nbytes} "
+                                  f"start before {end - data_start})")
+        if info.offset > end:
+            raise CheckpointError(f"{path}: {info.offset - end} bytes before tensor {info.name!r} belong to no "
+                                  "tensor; the data section must be indexed whole (the header or file is corrupt)")
+        end, prev = info.offset + info.nbytes, info.name
+    if end != size:
+        raise CheckpointError(f"{path}: the last {size - end} bytes of the data section belong to no tensor; "
+                              "the data section must be indexed whole (the header or file is corrupt)")
     return infos
 
 

@@ -82,11 +82,11 @@ def kernel(module: str, name: str):
     kernel's instance is named with its arguments, e.g. "flash_fwd_sm90<3, 3, 4>"."""
     import cupy
 
-    dev = cupy.cuda.Device()
-    key = (dev.id, module, name)
+    key = (cupy.cuda.runtime.getDevice(), module, name)  # every launch asks: keep the hit path short
     k = _kernels.get(key)
     if k is not None:
         return k
+    dev = cupy.cuda.Device(key[0])
     with _lock:
         k = _kernels.get(key)
         if k is None:

@@ -146,7 +146,7 @@ _prepared: set = set()
 def attention_kernel(variant: Variant):
     """The variant's compiled kernel on the current device, its shared-memory limit raised once."""
     k = kernel(variant.module, variant.entry)
-    key = (cupy.cuda.Device().id, variant.name)
+    key = (cupy.cuda.runtime.getDevice(), variant.name)
     if key not in _prepared:
         k.max_dynamic_shared_size_bytes = variant.shared_bytes
         _prepared.add(key)
