@@ -6,8 +6,8 @@ Needs torch with CUDA and transformers 5.23.0 (the GPU machine has both; CI has 
 import numpy as np
 
 
-def available() -> str | None:
-    """None when the bar can be computed, else why not."""
+def available(device="cuda") -> str | None:
+    """None when HF's forward can run on `device`, else why not."""
     try:
         import torch
         import transformers
@@ -15,7 +15,7 @@ def available() -> str | None:
         return f"torch/transformers not importable ({e})"
     if transformers.__version__ != "5.23.0":
         return f"transformers {transformers.__version__} is not the reference 5.23.0"
-    if not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         return "torch sees no CUDA device"
     return None
 
@@ -23,12 +23,12 @@ def available() -> str | None:
 _models = {}
 
 
-def hf_model(binding, dtype_name="bfloat16"):
+def hf_model(binding, dtype_name="bfloat16", device="cuda"):
     import torch
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextVisionConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
-    key = (binding.path, dtype_name)
+    key = (binding.path, dtype_name, device)
     if key not in _models:
         g = binding.geometry
         cfg = Glm5NextVisionConfig(depth=g.depth, hidden_size=g.hidden_size, num_heads=g.num_heads,
@@ -46,15 +46,15 @@ def hf_model(binding, dtype_name="bfloat16"):
             state[s] = torch.from_numpy(bits).view(torch.bfloat16).to(dtype)
         model.load_state_dict(state, strict=False, assign=True)
         model.rotary_pos_emb.__init__(cfg)  # non-persistent buffers were left on meta
-        _models[key] = model.to("cuda").eval()
+        _models[key] = model.to(device).eval()
     return _models[key]
 
 
-def hf_forward(binding, pixel_values, grid_thw, dtype_name="bfloat16"):
+def hf_forward(binding, pixel_values, grid_thw, dtype_name="bfloat16", device="cuda"):
     import torch
 
-    model = hf_model(binding, dtype_name)
+    model = hf_model(binding, dtype_name, device)
     with torch.no_grad():
-        out = model(hidden_states=torch.from_numpy(np.asarray(pixel_values, np.float32)).cuda().to(model.dtype),
-                    grid_thw=torch.from_numpy(np.asarray(grid_thw, np.int64)).cuda())
+        out = model(hidden_states=torch.from_numpy(np.asarray(pixel_values, np.float32)).to(device, model.dtype),
+                    grid_thw=torch.from_numpy(np.asarray(grid_thw, np.int64)).to(device))
     return out.pooler_output.float().cpu().numpy()

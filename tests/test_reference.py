@@ -54,6 +54,48 @@ def test_video_frames_are_separate_segments(tower):
     assert rel(both, np.concatenate([first, second])) < 1e-5
 
 
+def test_reference_matches_live_hf_on_fresh_weights(tmp_path):
+    """Not the golden file alone: HF transformers 5.23.0's float32 forward, run here on the CPU, on weights
+    and pixels drawn afresh (where torch and transformers 5.23.0 are installed: the GPU machine's check)."""
+    from tests import hf_bar
+
+    why = hf_bar.available("cpu")
+    if why:
+        pytest.skip(f"needs HF transformers 5.23.0 and torch: {why}")
+    from glmvit_cupy.synthetic import write_checkpoint
+
+    seed = int(np.random.default_rng().integers(1 << 30))
+    binding = reference.bind_tower(write_checkpoint(tmp_path / "ckpt", cases.GEOMETRY, seed=seed))
+    rng = np.random.default_rng(seed)
+    grid = np.array([[1, 6, 8], [2, 4, 4]])
+    pv = rng.standard_normal((int(np.prod(grid, 1).sum()), cases.GEOMETRY.patch_dim), dtype=np.float32)
+    stats = {}
+    ours = reference.encode_pixels(binding, pv, grid, stats=stats)
+    hf = hf_bar.hf_forward(binding, pv, grid, "float32", device="cpu")
+    assert all(s["gate_above"] > 0 for s in stats.values()), stats  # the clamp fires on these weights
+    assert rel(ours, hf) <= 1e-4, (seed, rel(ours, hf))
+
+
+def test_sub_layers_against_closed_forms():
+    """Properties the reference's pieces must have, independent of any recorded output."""
+    rng = np.random.default_rng()
+    # Equal keys: attention averages the values of its segment only.
+    q = rng.standard_normal((7, 2, 8))
+    k = np.repeat(rng.standard_normal((1, 2, 8)), 7, axis=0)
+    v = rng.standard_normal((7, 2, 8))
+    out = reference.attention(q, k, v, [(0, 3), (3, 7)])
+    assert np.allclose(out[:3], v[:3].mean(0)) and np.allclose(out[3:], v[3:].mean(0))
+    # RoPE at position (0, 0) is the identity; elsewhere a rotation (norms kept).
+    cos, sin = reference.rotary(np.array([[0, 0], [5, 9]], np.float64), 16, 10000.0, np.float64)
+    x = rng.standard_normal((2, 16))
+    y = x * cos + reference.rotate_half(x) * sin
+    assert np.allclose(y[0], x[0]) and np.allclose(np.linalg.norm(y, axis=1), np.linalg.norm(x, axis=1))
+    assert not np.allclose(y[1], x[1])
+    # RMSNorm: unit root-mean-square before the weight.
+    n = reference.rms_norm(rng.standard_normal((3, 32)) * 5, np.ones(32), 0.0)
+    assert np.allclose(np.sqrt((n * n).mean(1)), 1.0)
+
+
 def test_row_count_must_match_grid(tower):
     with pytest.raises(ValueError, match="rows"):
         reference.encode_pixels(tower, G["img_64x64/pixel_values"][:-4], G["img_64x64/grid_thw"])
