@@ -200,6 +200,10 @@ def test_replicas_match_one_gpu(official):
         whole = reps.encode_pixels(source, grid)
         assert whole.device.id == devices[0]
         assert np.array_equal(f32(whole), np.concatenate(want))
+    rows = np.concatenate([[0], np.cumsum(np.prod(grid, 1))])
+    batches = [(pv[rows[i]:rows[i + 1]], grid[i:i + 1]) for i in range(len(imgs))]
+    for i, out in enumerate(reps.encode_batches(batches)):  # batch j on replica j % 2
+        assert out.device.id == devices[i % 2] and np.array_equal(f32(out), want[i]), i
     print(f"replicas on devices {devices}: {len(imgs)} images bit-equal to one GPU")
     with pytest.raises(ValueError, match="not a CUDA device of this machine"):
         Replicas.from_checkpoint(binding.path, [0, 99])
@@ -226,6 +230,14 @@ def test_load_vision_tower_for_serving(tmp_path, caplog):
     assert isinstance(m, GlmVit)
     assert rel(f32(m.encode_pixels(G["img_64x64/pixel_values"], G["img_64x64/grid_thw"])),
                G["img_64x64/hf_fp32"]) < 0.02
+
+
+def test_weight_store_uploads_one_tensor(small):
+    store = small_binding().store
+    name = "model.visual.blocks.0.attn.qkv.weight"
+    dev = store.to_device(name)
+    assert dev.dtype == ml_dtypes.bfloat16 and np.array_equal(cupy.asnumpy(dev).view(np.uint16),
+                                                               store.get(name).view(np.uint16))
 
 
 def test_bad_checkpoint_never_touches_a_loaded_model(small, tmp_path):

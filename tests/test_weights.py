@@ -174,6 +174,15 @@ def test_require_bf16_explains(tmp_path):
         st.get("c")
 
 
+def test_store_is_a_context_manager_and_counts_its_tensors(tmp_path):
+    data = np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16).tobytes() + np.float32([7, 8]).tobytes()
+    with WeightStore.open(shard(tmp_path / "x.safetensors", ok_header(), data)) as st:
+        assert len(st) == 2 and "a" in st and "c" not in st
+        view = st.get("b")
+        assert st._maps
+    assert not st._maps and view.tolist() == [7.0, 8.0]  # closing drops the maps; views handed out live on
+
+
 def test_mangled_shards_are_detected_or_harmless(tmp_path):
     """300 random corruptions of a good shard (flipped header bytes, truncations). Each one either raises
     CheckpointError or, where the bytes are still a valid shard (a flip inside a name, say), is read

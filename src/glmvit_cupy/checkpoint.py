@@ -29,9 +29,6 @@ class TowerBinding:
     store: WeightStore
     layout: dict = field(repr=False)
 
-    def name(self, suffix: str) -> str:
-        return self.prefix + suffix
-
     @property
     def nbytes(self) -> int:
         return sum(self.store.info(self.prefix + s).nbytes for s in self.layout)

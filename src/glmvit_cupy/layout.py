@@ -27,7 +27,7 @@ def tower_layout(geo: VisionGeometry) -> dict[str, tuple]:
     over the same bytes. 1-D entries must match exactly.
     """
     h, i, hd = geo.hidden_size, geo.intermediate_size, geo.head_dim
-    out, pi = geo.out_hidden_size, geo.projection_intermediate_size
+    out, merger_inter = geo.out_hidden_size, geo.projection_intermediate_size
     t = {
         "patch_embed.proj.weight": (h, geo.patch_dim),
         "patch_embed.proj.bias": (h,),
@@ -59,9 +59,9 @@ def tower_layout(geo: VisionGeometry) -> dict[str, tuple]:
         # The bias is what tells the merger's LayerNorm from the tower's RMSNorms:
         # a checkpoint without it must fail here, not run an RMSNorm in its place.
         "merger.post_projection_norm.bias": (out,),
-        "merger.gate_proj.weight": (pi, out),
-        "merger.up_proj.weight": (pi, out),
-        "merger.down_proj.weight": (out, pi),
+        "merger.gate_proj.weight": (merger_inter, out),
+        "merger.up_proj.weight": (merger_inter, out),
+        "merger.down_proj.weight": (out, merger_inter),
     })
     assert len(t) == geo.tensor_count  # 14 per block + 11
     return t

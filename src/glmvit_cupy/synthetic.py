@@ -23,7 +23,7 @@ BF16 = ml_dtypes.bfloat16
 
 def _scale(suffix: str, geo: VisionGeometry) -> tuple[float, float]:
     """(std, mean) of a tensor's random values, chosen per role."""
-    h, i, out, pi = geo.hidden_size, geo.intermediate_size, geo.out_hidden_size, geo.projection_intermediate_size
+    h, i, out, merger_inter = geo.hidden_size, geo.intermediate_size, geo.out_hidden_size, geo.projection_intermediate_size
     if suffix.endswith("norm1.weight") or suffix.endswith("norm2.weight") or "q_norm" in suffix \
             or "k_norm" in suffix or suffix == "post_layernorm.weight" \
             or suffix == "merger.post_projection_norm.weight":
@@ -32,7 +32,7 @@ def _scale(suffix: str, geo: VisionGeometry) -> tuple[float, float]:
         return (0.3 if "gate_proj" in suffix or "up_proj" in suffix else 0.05), 0.0
     fan_in = {"patch_embed.proj.weight": geo.patch_dim, "downsample.weight": geo.merge_dim}.get(suffix)
     if fan_in is None:
-        fan_in = i if "mlp.down_proj" in suffix else pi if suffix == "merger.down_proj.weight" \
+        fan_in = i if "mlp.down_proj" in suffix else merger_inter if suffix == "merger.down_proj.weight" \
             else out if suffix.startswith("merger.") else h
     gain = {"mlp.gate_proj": 3.5, "mlp.up_proj": 3.5, "merger.gate_proj": 7.0, "merger.up_proj": 7.0,
             "mlp.down_proj": 0.1, "merger.down_proj": 0.5, "attn.proj": 0.5}

@@ -291,9 +291,6 @@ class WeightStore:
             self._maps[file] = mm
         return mm
 
-    def files(self) -> list[str]:
-        return sorted({i.file for i in self._infos.values()})
-
     def close(self):
         """Drop the maps (views handed out keep their pages alive until they are freed)."""
         self._maps.clear()

@@ -80,12 +80,12 @@ def merger(g: VisionGeometry, m: Merger, s: Arena, x, pending_bias, blas):
     ops.rmsnorm_im2col(x, pending_bias, m.post_layernorm, cols, g.rms_norm_eps)  # x += last down_proj's bias
     for r0 in range(0, n // 4, MERGER_CHUNK):
         rows = min(MERGER_CHUNK, n // 4 - r0)
-        y, yb = s["merger_f32"][:rows], s["merger_bf16"][:rows]
+        wide, narrow = s["merger_f32"][:rows], s["merger_bf16"][:rows]  # [rows, out_hidden] in fp32 and bf16
         gate_up, act = s["merger_gate_up"][:rows], s["merger_act"][:rows]
-        ops.linear(cols[r0:r0 + rows], m.downsample_weight, y, handle=blas, name="GEMM merger")
-        ops.add_bias_to_bf16(y, m.downsample_bias, yb)
-        ops.linear(yb, m.proj_weight, y, handle=blas, name="GEMM merger")
-        ops.layernorm_gelu(y, m.post_projection_norm_weight, m.post_projection_norm_bias, yb, LAYERNORM_EPS)
-        ops.linear(yb, m.gate_up_weight, gate_up, handle=blas, name="GEMM merger")
+        ops.linear(cols[r0:r0 + rows], m.downsample_weight, wide, handle=blas, name="GEMM merger")
+        ops.add_bias_to_bf16(wide, m.downsample_bias, narrow)
+        ops.linear(narrow, m.proj_weight, wide, handle=blas, name="GEMM merger")
+        ops.layernorm_gelu(wide, m.post_projection_norm_weight, m.post_projection_norm_bias, narrow, LAYERNORM_EPS)
+        ops.linear(narrow, m.gate_up_weight, gate_up, handle=blas, name="GEMM merger")
         ops.swiglu_clamp(gate_up, None, None, act, g.swiglu_limit)
         ops.linear(act, m.down_weight, out[r0:r0 + rows], handle=blas, name="GEMM merger")
