@@ -3,11 +3,12 @@
 // Napkin math (8000 tokens = 32,000 patches; H200 HBM 4.8 TB/s). All memory-bound (a handful of FLOP
 // and one exp an output element against 6 bytes moved):
 //   swiglu_clamp_bf16, one 4,096-row chunk of the MLP (I = 4,096): reads gate|up bf16 16 KB a row,
-//     writes 8 KB: 101 MB, 21 us at HBM speed; 8 chunks x 24 blocks a forward. Measured (profile,
-//     611e8f1): 8.64 ms a forward = 45 us a chunk, 2.2 TB/s (47%).
+//     writes 8 KB: 101 MB, 21 us at HBM speed; 8 chunks x 24 blocks a forward. Measured
+//     (bench_kernels, 66a180c): 52 us, 1.9 TB/s (40%); 7.8 ms of the 8000-token forward.
 //   bias_to_bf16, the merger's 8,000 x 4,096 downsample output: 6 B an element, 197 MB, 41 us.
+//     Measured: 117 us, 1.7 TB/s (35%).
 //   f32_to_bf16, 32,000 x 1,176 float32 pixel rows (encode_pixels from float32): 226 MB, 47 us.
-//   Measured: bench_kernels (docs/PERFORMANCE.md); both are under 1% of a forward.
+//     Measured: 121 us, 1.9 TB/s (39%). Both are under 0.1% of a forward.
 #include "common.cuh"
 
 __device__ __forceinline__ float swiglu1(float g, float u, float limit) {

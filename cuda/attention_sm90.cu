@@ -14,9 +14,10 @@
 // costs 256 MMA FLOP; an SM's tensor cores do 4,096 FLOP a clock (16 scores) and its MUFU 16 ex2
 // a clock: the exp unit caps attention at the tensor rate, ~1,070 TFLOP/s at 1.98 GHz on 132 SMs,
 // and without overlap of softmax and MMA at half that. Bytes are small beside it (q, k, v, o
-// 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on the H200: 3 consumer
-// warpgroups 413-428 TFLOP/s at 16k-32k keys, 2 consumer warpgroups 352-360 (and 230 against 256
-// on 16 segments of 1,024, where 192-row tiles leave SMs idle); cuDNN (torch SDPA) 467-493.
+// 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on the H200 (bench_kernels,
+// 66a180c; one segment of 1,024 / 4,096 / 16,384 / 32,000 keys, TFLOP/s): 3 consumer warpgroups
+// 136 / 341 / 432 / 429, 2 consumer warpgroups 131 / 300 / 353 / 369 (2 win on short segments
+// batched, where 192-row tiles leave SMs idle); cuDNN (torch SDPA) 112 / 396 / 488 / 475.
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "attention_sm90.cu needs sm_90a (wgmma, setmaxnreg): compile it for compute capability 9.0 only"
 #endif

@@ -3,12 +3,11 @@
 //
 // Napkin math (32,000 patches x 1,024; H200 HBM 4.8 TB/s). Memory-bound (~4 FLOP an element):
 //   rmsnorm_residual: reads x (4 B), writes x + bias back (4 B) and the bf16 output (2 B): 328 MB,
-//     68 us at HBM speed; 48 a forward. Measured (profile, 611e8f1): 5.42 ms a forward = 113 us,
-//     2.9 TB/s (60%), before the register-resident row of 9b93829.
-//   rmsnorm_im2col: the same bytes, once a forward.
+//     68 us at HBM speed; 48 a forward. Measured (bench_kernels, 66a180c): 109 us, 3.0 TB/s (63%).
+//   rmsnorm_im2col: the same bytes, once a forward. Measured: 141 us, 2.3 TB/s (48%; strided stores).
 //   layernorm_gelu (8,000 x 4,096 merger rows): reads fp32 (4 B; the 16 KB row again from L1/L2 for
-//     the variance and the output), writes bf16 (2 B): 197 MB, 41 us. Measured (first session):
-//     1.3 TB/s (28%), under 1% of a forward.
+//     the variance and the output), writes bf16 (2 B): 197 MB, 41 us. Measured: 152 us, 1.3 TB/s
+//     (27%); under 0.1% of a forward.
 #include "common.cuh"
 
 // One row, one block: xr += bias (when given, written back), and 1 / sqrt(mean(xr^2) + eps).

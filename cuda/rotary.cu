@@ -3,7 +3,7 @@
 // Napkin math (one 4,096-row chunk, 16 heads x 64; H200 HBM 4.8 TB/s): reads the bf16 QKV GEMM
 // output (6 KB a row), writes q, k, v (6 KB a row): 50 MB, 10.5 us at HBM speed; ~30 FLOP and two
 // sincos an element pair: memory-bound. 8 chunks x 24 blocks at 8000 tokens. Measured
-// (bench_kernels / profile, 611e8f1): 1.83 TB/s (38%); 3.60 ms of a 300 ms forward.
+// (bench_kernels, 66a180c): 37 us, 1.4 TB/s (29%; 1.8 TB/s in earlier runs); 3.8 ms of a 300 ms forward.
 #include "common.cuh"
 
 // qkv: bf16 [rows, 3*H*D] straight from the QKV GEMM (rows start at global patch row0);
