@@ -20,24 +20,10 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout without installing
 
-from glmvit_cupy import VisionGeometry, bind_tower, preprocess  # noqa: E402
+from glmvit_cupy import VisionGeometry, bind_tower, gpu, preprocess  # noqa: E402
 from glmvit_cupy.preprocess import prepare  # noqa: E402
 
 PHOTO = os.path.join(HERE, "grace_hopper.jpg")
-
-
-def gpu_problem():
-    """None if CuPy sees a GPU, else why not."""
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed (pip install -e '.[cuda12]' or '.[cuda13]')"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            return "no CUDA device"
-    except Exception as e:
-        return f"no usable CUDA device ({type(e).__name__})"
-    return None
 
 
 def random_checkpoint():
@@ -67,7 +53,7 @@ def main():
     ap.add_argument("--checkpoint", help="GLM-5.3 checkpoint directory (default: random weights, said loudly)")
     ap.add_argument("--save", help="write embeddings to a .safetensors (bf16, one tensor per image) or .npy file")
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference even if a GPU exists")
-    ap.add_argument("--max-image-tokens", type=int, default=8000)
+    ap.add_argument("--max-image-tokens", type=int, default=8000, help="per-image token limit (default 8000)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     images = args.images or [PHOTO]
@@ -77,7 +63,7 @@ def main():
         print("!! no --checkpoint given: using RANDOM weights of the official geometry; "
               "the embeddings are meaningless, the shapes and timings are real !!")
         ckpt = random_checkpoint()
-    why = "--cpu given" if args.cpu else gpu_problem()
+    why = "--cpu given" if args.cpu else gpu.problem()
 
     t = time.perf_counter()
     prepared = [prepare(im, i, max_image_tokens=args.max_image_tokens) for i, im in enumerate(images)]
@@ -103,8 +89,9 @@ def main():
     else:
         from glmvit_cupy import reference
 
-        print(f"!! no GPU ({why}): running the float32 NumPy reference on the CPU; this is slow "
-              "(about a minute for one photo at the official geometry) !!")
+        print(f"!! the GPU engine cannot run here: {why} !!")
+        print("!! so the float32 NumPy reference runs on the CPU instead: slow (half a minute or so for one photo "
+              "at the official geometry) !!")
         pv, grid = preprocess(images, max_image_tokens=args.max_image_tokens)
         t = time.perf_counter()
         ref = reference.encode_pixels(bind_tower(ckpt), pv, grid)

@@ -66,6 +66,17 @@ def test_hub_errors_are_checkpoint_errors(fake_hub, monkeypatch):
         inspect_checkpoint("zai-org/GLM-5.3-Flash-test")
 
 
+def test_offline_and_not_cached_says_so(fake_hub, monkeypatch):
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(*a, **kw):
+        raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub")
+
+    monkeypatch.setattr(hub, "hf_hub_download", offline)
+    with pytest.raises(CheckpointError, match="Hub cannot be reached .* config.json is not in the local"):
+        inspect_checkpoint("zai-org/GLM-5.3-Flash-test")
+
+
 def test_local_paths_are_not_hub_ids(tmp_path, monkeypatch):
     assert is_hub_id("org/name")
     assert not is_hub_id(str(tmp_path))

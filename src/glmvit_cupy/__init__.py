@@ -1,31 +1,60 @@
 """glmvit-cupy: the GLM-5.3-Flash vision tower on CuPy and hand-written CUDA kernels.
 
-The host half (config, checkpoint checks, preprocessing, batching, the float32 reference and every
-error) imports without CuPy; the GPU engine (`GlmVit`, `Replicas`, `load_vision_tower`, in
-glmvit_cupy.engine) needs CuPy and a GPU and is imported on first use.
+Every name here imports on any machine. The host half (config, checkpoint checks, preprocessing,
+batching, the float32 reference and every error) needs no CuPy; the GPU engine (`GlmVit`,
+`Replicas`, in glmvit_cupy.engine) is imported on first use, and where CuPy or the CUDA libraries
+are missing those names stand for classes that raise GpuUnavailable, saying why, when built.
 """
 
-from .checkpoint import bind_tower, inspect_checkpoint
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from .checkpoint import bind_tower, inspect_checkpoint, probe_tower
 from .config import VisionGeometry, read_config
-from .errors import AbsentTower, CheckpointError, GpuOutOfMemory, ImageError, KernelError, NoVisionConfig
+from .errors import (AbsentTower, CheckpointError, GpuOutOfMemory, GpuUnavailable, ImageError, KernelError,
+                     NoVisionConfig, OutputError)
 from .preprocess import preprocess
 from .weights import WeightStore
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
+
+if TYPE_CHECKING:  # for type checkers only: at run time these are imported on first use
+    from .engine.model import GlmVit
+    from .engine.replicas import Replicas
 
 __all__ = [
-    "AbsentTower", "CheckpointError", "GlmVit", "GpuOutOfMemory", "ImageError", "KernelError", "NoVisionConfig",
-    "Replicas", "VisionGeometry", "WeightStore", "bind_tower", "inspect_checkpoint", "load_vision_tower",
-    "preprocess", "read_config",
+    "AbsentTower", "CheckpointError", "GlmVit", "GpuOutOfMemory", "GpuUnavailable", "ImageError", "KernelError",
+    "NoVisionConfig", "OutputError", "Replicas", "VisionGeometry", "WeightStore", "bind_tower", "inspect_checkpoint",
+    "load_vision_tower", "preprocess", "read_config",
 ]
 
-_ENGINE = {"GlmVit": "model", "load_vision_tower": "model", "Replicas": "replicas"}
+_ENGINE = {"GlmVit": "model", "Replicas": "replicas"}
 
 
 def __getattr__(name):
-    # The GPU engine imports CuPy; keep `import glmvit_cupy` working on machines without it.
+    # The GPU engine imports CuPy: import it on first use, so `import glmvit_cupy` works anywhere.
     if name in _ENGINE:
+        from . import gpu
+
+        why = gpu.import_problem()
+        if why:
+            return gpu.unavailable(name, why)
         import importlib
 
-        return getattr(importlib.import_module(f".engine.{_ENGINE[name]}", __name__), name)
+        globals()[name] = obj = getattr(importlib.import_module(f".engine.{_ENGINE[name]}", __name__), name)
+        return obj
     raise AttributeError(f"module 'glmvit_cupy' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+def load_vision_tower(path: str | os.PathLike, **kw) -> GlmVit | None:
+    """For serving engines: the tower on the GPU (a GlmVit, keywords as GlmVit's), or None for a
+    text-only checkpoint (quietly; no GPU or CuPy needed to find that out) and for a declared-but-
+    absent tower (with a warning). Any other problem raises CheckpointError, or GpuUnavailable."""
+    binding = probe_tower(path)
+    return None if binding is None else __getattr__("GlmVit")(binding, **kw)

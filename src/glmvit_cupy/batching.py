@@ -41,9 +41,10 @@ def check_grid(grid_thw) -> np.ndarray:
     return grid
 
 
-def check_pixels(geo: VisionGeometry, pixel_values, grid_thw, capacity_tokens: int) -> tuple[np.ndarray, int]:
-    """(grid as int64 [images, 3], patch count) for an encode_pixels call, or ValueError naming what
-    is wrong with pixel_values or grid_thw."""
+def check_pixels(geo: VisionGeometry, pixel_values, grid_thw, capacity_tokens: int | None = None
+                 ) -> tuple[np.ndarray, int]:
+    """(grid as int64 [images, 3], patch count) for an encode_pixels call (the GPU's, or the reference's
+    with no capacity), or ValueError naming what is wrong with pixel_values or grid_thw."""
     grid = check_grid(grid_thw)
     n = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
     shape = tuple(getattr(pixel_values, "shape", ()))
@@ -53,7 +54,7 @@ def check_pixels(geo: VisionGeometry, pixel_values, grid_thw, capacity_tokens: i
                          f"{geo.patch_size})")
     if shape[0] != n:
         raise ValueError(f"pixel_values has {shape[0]} rows but grid_thw describes {n} patches")
-    if n > capacity_tokens * MERGE * MERGE:
+    if capacity_tokens is not None and n > capacity_tokens * MERGE * MERGE:
         raise ValueError(f"{n} patches ({n // 4} tokens) exceed this model's capacity of {capacity_tokens} tokens "
                          f"({capacity_tokens * MERGE * MERGE} patches); split the batch or build the model with a "
                          "larger capacity_tokens")
@@ -76,7 +77,7 @@ def image_limits(capacity_tokens: int, min_image_tokens, max_image_tokens) -> tu
 
 
 def prepare_images(geo: VisionGeometry, capacity_tokens: int, images, min_image_tokens=16,
-                   max_image_tokens=None) -> list:
+                   max_image_tokens=None, max_pixels=None) -> list:
     """Images -> one (uint8 canvas, grid, info) per image, resized as the reference processor does
     with these limits. Raises ImageError naming the first image that cannot be used."""
     if (geo.in_channels, geo.patch_size, geo.temporal_patch_size, geo.spatial_merge_size) != (3, PATCH, TEMPORAL,
@@ -84,7 +85,8 @@ def prepare_images(geo: VisionGeometry, capacity_tokens: int, images, min_image_
         raise ValueError(f"encode(images) needs the RGB, {PATCH}-pixel, {TEMPORAL}-frame patch geometry of the "
                          f"reference processor ({FACTOR}-pixel tokens); use encode_pixels for others")
     lo, hi = image_limits(capacity_tokens, min_image_tokens, max_image_tokens)
-    return [prepare_canvas(im, i, min_image_tokens=lo, max_image_tokens=hi) for i, im in enumerate(images)]
+    return [prepare_canvas(im, i, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels)
+            for i, im in enumerate(images)]
 
 
 def pack(items: Iterable[T], capacity: int, cost: Callable[[T], int]) -> Iterator[list[T]]:

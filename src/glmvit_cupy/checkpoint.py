@@ -83,6 +83,9 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
         geo = read_config(path)
         source = path
     elif os.path.isfile(path):
+        if not path.endswith((".safetensors", ".json")):
+            raise CheckpointError(f"{path} is not a checkpoint: give its folder (config.json and *.safetensors), one "
+                                  "of its .safetensors shards, its index .json, or a Hub id")
         # A bare shard or index: the config sits beside it.
         geo = read_config(os.path.dirname(path) or ".")
         source = path

@@ -4,10 +4,11 @@
     glmvit-encode --inspect /models/GLM-5.3-Flash
 
 The output folder holds embeddings-NNNNN.safetensors shards (one bf16 tensor per image, keyed by
-its path) and manifest.json (source, size_hw, canvas_hw, grid_thw, tokens, shard per image; the
-images that failed, with why). Each batch is written to a temporary name and renamed, then the
-manifest likewise: an interrupted run loses nothing it finished, and a re-run skips what the
-manifest already holds. A bad image is reported and skipped.
+the image file's resolved path) and manifest.json (source, size_hw, canvas_hw, grid_thw, tokens,
+shard per image; the images that failed, with why; the settings). Each batch is written to a
+temporary name and renamed, then the manifest likewise: an interrupted run loses nothing it
+finished, and a re-run with the same settings skips what the manifest already holds. A bad image is
+reported and skipped. Read the output with glmvit_cupy.output.read_embeddings(folder).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import argparse
 import contextlib
 import glob
 import itertools
-import json
 import os
 import sys
 import time
@@ -25,17 +25,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from . import gpu
 from .batching import pack
 from .checkpoint import bind_tower
-from .errors import CheckpointError, ImageError
+from .errors import CheckpointError, ImageError, OutputError
+from .output import Output, image_key
 from .preprocess import normalise_patchify, prepare_canvas
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-MANIFEST = "manifest.json"
 
 
 def expand_inputs(items) -> list[str]:
-    """Files as given, folders walked for images (sorted), globs expanded; missing inputs are an error."""
+    """Files as given, folders walked for images (sorted), globs expanded, each file once however it was
+    reached; an input that names nothing is an error (SystemExit with the message)."""
     out, missing = [], []
     for item in items:
         if os.path.isdir(item):
@@ -52,61 +54,11 @@ def expand_inputs(items) -> list[str]:
         raise SystemExit(f"glmvit-encode: no such file, folder or matching glob: {', '.join(missing)}")
     seen, unique = set(), []
     for p in out:
-        key = os.path.normpath(p)
+        key = image_key(p)  # the same file by any path is one image
         if key not in seen:
             seen.add(key)
-            unique.append(key)
+            unique.append(os.path.normpath(p))
     return unique
-
-
-class Output:
-    """The output folder: shards written atomically, the manifest rewritten atomically after each."""
-
-    def __init__(self, folder: str, header: dict):
-        self.folder = folder
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, MANIFEST)
-        self.manifest = {"header": header, "images": {}, "failed": {}}
-        if os.path.exists(path):
-            with open(path) as f:
-                old = json.load(f)
-            if old.get("header", {}).get("checkpoint") != header["checkpoint"] \
-                    or old.get("header", {}).get("geometry") != header["geometry"]:
-                raise SystemExit(f"glmvit-encode: {path} was written with another checkpoint "
-                                 f"({old.get('header', {}).get('checkpoint')}); use another --out folder")
-            # Keep only entries whose shard exists: a shard lost since is re-encoded.
-            self.manifest["images"] = {k: v for k, v in old.get("images", {}).items()
-                                       if os.path.exists(os.path.join(folder, v["shard"]))}
-        taken = [int(f[11:16]) for f in os.listdir(folder) if f.startswith("embeddings-") and f[11:16].isdigit()]
-        self.next_shard = max(taken, default=0) + 1
-
-    def done(self, key) -> bool:
-        return key in self.manifest["images"]
-
-    def _write_json(self):
-        path = os.path.join(self.folder, MANIFEST)
-        with open(path + ".tmp", "w") as f:
-            json.dump(self.manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-
-    def add_batch(self, entries: list[tuple[str, dict, np.ndarray]]):
-        from safetensors.numpy import save_file
-
-        name = f"embeddings-{self.next_shard:05d}.safetensors"
-        self.next_shard += 1
-        tmp = os.path.join(self.folder, name + ".tmp")
-        save_file({key: np.ascontiguousarray(emb) for key, _, emb in entries}, tmp)
-        os.replace(tmp, os.path.join(self.folder, name))
-        for key, info, _ in entries:
-            self.manifest["images"][key] = dict(info, shard=name)
-            self.manifest["failed"].pop(key, None)
-        self._write_json()
-
-    def fail(self, key, why):
-        self.manifest["failed"][key] = why
-        self._write_json()
 
 
 def prepared_in_order(paths, workers: int, **limits):
@@ -180,12 +132,12 @@ def device_list(text: str) -> list[int]:
     return out
 
 
-def parse(argv):
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="glmvit-encode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="*", help="image files, folders (walked for images) or globs")
-    ap.add_argument("--checkpoint", help="checkpoint folder or Hub id (org/name)")
-    ap.add_argument("--out", help="output folder (created; re-running resumes)")
+    ap.add_argument("--checkpoint", help="checkpoint folder, shard or index, or Hub id (org/name)")
+    ap.add_argument("--out", help="output folder (created; re-running the same command resumes)")
     ap.add_argument("--inspect", metavar="CHECKPOINT", help="print what the load-time checks find, then exit")
     ap.add_argument("--capacity-tokens", type=int, default=8000,
                     help="tokens per forward pass; images are packed into passes of this size (default 8000)")
@@ -198,16 +150,22 @@ def parse(argv):
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="threads decoding and resizing images ahead of the GPU (default: min(8, CPUs)); each "
                          "holds one image's uint8 canvas, up to 19 MB at 8000 tokens")
+    ap.add_argument("--max-pixels", type=int, default=None, metavar="N",
+                    help="largest image to decode, in pixels (default: Pillow's decompression-bomb guard, "
+                         "89,478,485); raise it for large scans or panoramas")
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference (slow; no GPU needed)")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse(argv):
+    return parser().parse_args(argv)
 
 
 def inspect(path) -> int:
     try:
         s = bind_tower(path).summary()
     except CheckpointError as e:
-        print(f"glmvit-encode: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     g = s["geometry"]
     print(f"checkpoint  {s['path']}\nprefix      {s['prefix']}\ntensors     {s['tensors']} "
           f"({s['parameters'] / 1e6:.1f} M parameters, {s['bytes'] / 2**30:.2f} GiB BF16)\n"
@@ -217,33 +175,44 @@ def inspect(path) -> int:
     return 0
 
 
+def fail(message) -> int:
+    print(f"glmvit-encode: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     if args.inspect:
         return inspect(args.inspect)
     if not args.inputs or not args.checkpoint or not args.out:
-        print("glmvit-encode: give images, --checkpoint and --out (or --inspect CHECKPOINT); see --help",
-              file=sys.stderr)
-        return 2
-    if args.workers < 1:
-        print(f"glmvit-encode: --workers {args.workers} must be at least 1", file=sys.stderr)
-        return 2
+        return fail("give images, --checkpoint and --out (or --inspect CHECKPOINT); see --help")
+    for flag, value, low in (("--workers", args.workers, 1), ("--capacity-tokens", args.capacity_tokens, 1),
+                             ("--max-image-tokens", args.max_image_tokens, 1),
+                             ("--min-image-tokens", args.min_image_tokens, 1), ("--max-pixels", args.max_pixels, 1)):
+        if value is not None and value < low:
+            return fail(f"{flag} {value} must be at least {low}")
     if args.capacity_tokens < args.max_image_tokens:
-        print(f"glmvit-encode: --capacity-tokens {args.capacity_tokens} must be at least --max-image-tokens "
-              f"{args.max_image_tokens}, so that the largest image fits one pass", file=sys.stderr)
-        return 2
-    from tqdm import tqdm
-
+        return fail(f"--capacity-tokens {args.capacity_tokens} must be at least --max-image-tokens "
+                    f"{args.max_image_tokens}, so that the largest image fits one pass")
+    # Everything that can refuse the run is checked before the output folder is made.
     paths = expand_inputs(args.inputs)
+    if not paths:
+        return fail(f"no images found in {', '.join(args.inputs)} (looked for {', '.join(IMAGE_EXTENSIONS)})")
     try:
         binding = bind_tower(args.checkpoint)
     except CheckpointError as e:
-        print(f"glmvit-encode: {e}", file=sys.stderr)
-        return 2
-    header = {"checkpoint": os.path.abspath(binding.path), "geometry": {k: v for k, v in vars(binding.geometry).items()},
-              "min_image_tokens": args.min_image_tokens, "max_image_tokens": args.max_image_tokens}
-    out = Output(args.out, header)
-    todo = [p for p in paths if not out.done(p)]
+        return fail(e)
+    why = None if args.cpu else gpu.problem()
+    if why:
+        return fail(f"cannot use the GPU: {why}")
+    settings = {"checkpoint": os.path.abspath(binding.path), "geometry": dict(vars(binding.geometry)),
+                "min_image_tokens": args.min_image_tokens, "max_image_tokens": args.max_image_tokens,
+                "max_pixels": args.max_pixels}
+    try:
+        out = Output(args.out, settings)
+    except OutputError as e:
+        return fail(e)
+    todo = [p for p in paths if not out.done(image_key(p))]
     if len(todo) < len(paths):
         print(f"glmvit-encode: {len(paths) - len(todo)} of {len(paths)} images already in {args.out}; skipping them")
     if not todo:
@@ -253,8 +222,19 @@ def main(argv=None) -> int:
     try:
         enc = Encoder(binding, cpu=args.cpu, devices=args.devices, capacity_tokens=args.capacity_tokens)
     except ValueError as e:
-        print(f"glmvit-encode: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
+    saved_before = len(out)
+    try:
+        return encode_all(args, todo, enc, out)
+    except KeyboardInterrupt:
+        print(f"\nglmvit-encode: interrupted; {len(out) - saved_before} images saved this run ({len(out)} in "
+              f"{args.out}); re-run the same command to resume", file=sys.stderr)
+        return 130
+
+
+def encode_all(args, todo, enc, out) -> int:
+    """Encode `todo` into `out`, batches running as they fill; 1 if any image failed, else 0."""
+    from tqdm import tqdm
 
     ready, tokens_done, failed = [], 0, 0
     t0 = time.perf_counter()
@@ -271,22 +251,22 @@ def main(argv=None) -> int:
         ready.clear()
 
     def usable(stream):
-        """The prepared images; a failed one is recorded and skipped."""
+        """The prepared images, keyed; a failed one is recorded and skipped."""
         nonlocal failed
         for path, got in stream:
             if isinstance(got, Exception):
                 failed += 1
-                out.fail(path, str(got))
+                out.fail(image_key(path), str(got))
                 bar.write(f"skipped {path}: {got}")
                 bar.update(1)
                 continue
             canvas, grid, info = got
-            yield path, canvas, grid, {"source": os.path.abspath(path), "size_hw": list(info["size"]),
-                                       "canvas_hw": list(info["canvas"]), "grid_thw": list(grid),
-                                       "tokens": info["tokens"]}
+            yield image_key(path), canvas, grid, {"source": image_key(path), "size_hw": list(info["size"]),
+                                                  "canvas_hw": list(info["canvas"]), "grid_thw": list(grid),
+                                                  "tokens": info["tokens"]}
 
     stream = prepared_in_order(todo, args.workers, min_image_tokens=args.min_image_tokens,
-                               max_image_tokens=args.max_image_tokens)
+                               max_image_tokens=args.max_image_tokens, max_pixels=args.max_pixels)
     with contextlib.closing(stream):  # an interrupted run stops the preparing threads too
         # Batches run once every device has one (the replicas run them at the same time).
         for batch in pack(usable(stream), args.capacity_tokens, lambda item: item[3]["tokens"]):

@@ -28,8 +28,18 @@ class ImageError(ValueError):
     """
 
 
+class OutputError(ValueError):
+    """A glmvit-encode output folder cannot be used as asked (a file in its place, an unreadable manifest,
+    other settings than the run that wrote it); the message says what to do."""
+
+
 class GpuOutOfMemory(MemoryError):
     """The GPU ran out of memory; the model is still usable (encode fewer tokens per call)."""
+
+
+class GpuUnavailable(RuntimeError):
+    """The GPU engine cannot run here: no CuPy, no CUDA GPU or driver, or no cuBLAS / NVRTC. The message
+    says which and what to install; the float32 reference (glmvit_cupy.reference) needs none of them."""
 
 
 class KernelError(RuntimeError):

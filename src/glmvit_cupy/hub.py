@@ -31,7 +31,7 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     """Download config.json, the index and the shards holding vision tensors; return the local folder."""
     try:
         from huggingface_hub import hf_hub_download
-        from huggingface_hub.errors import EntryNotFoundError
+        from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
     except ImportError:
         raise CheckpointError(f"{repo_id}: looks like a Hub id, but huggingface_hub is not installed "
                               "(pip install 'glmvit-cupy[hub]'), and no local path of that name exists") from None
@@ -39,6 +39,10 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     def get(name):
         try:
             return hf_hub_download(repo_id, name, revision=revision, cache_dir=cache_dir)
+        except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: test it first
+            raise CheckpointError(f"{repo_id}: the Hub cannot be reached (offline, or HF_HUB_OFFLINE is set) and "
+                                  f"{name} is not in the local Hugging Face cache; connect once, or give a local "
+                                  "checkpoint folder") from None
         except EntryNotFoundError:
             raise
         except Exception as e:  # network, auth, missing repo: say which file of which repo

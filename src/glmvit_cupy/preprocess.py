@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -86,17 +87,47 @@ def _name(image, index):
     return f"image {index} ({type(image).__name__})"
 
 
-def _decode(image, name) -> Image.Image:
-    """Open a path or file object the way the reference loads a path: EXIF transpose, convert('RGB')."""
+# Pillow's decompression-bomb guard (Image.MAX_IMAGE_PIXELS, 89.5 MP unless changed) refuses larger
+# images; max_pixels raises (or lowers) the limit for one call, as one would for scans or panoramas.
+_pillow_limit = threading.Lock()
+
+
+def _open(image, limit) -> Image.Image:
+    """Image.open with Pillow's own bomb limit at least `limit` (None: none). Pillow reads it from a module
+    global: that is raised only when asked for more than it allows, under a lock, and put back at once."""
+    current = Image.MAX_IMAGE_PIXELS
+    if current is None or (limit is not None and limit <= current):
+        return Image.open(image)
+    with _pillow_limit:
+        old, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, limit
+        try:
+            return Image.open(image)
+        finally:
+            Image.MAX_IMAGE_PIXELS = old
+
+
+def _decode(image, name, max_pixels=None) -> Image.Image:
+    """Open a path or file object the way the reference loads a path: EXIF transpose, convert('RGB').
+    Images over max_pixels (default: Pillow's guard, 89.5 MP) are refused before they are decoded."""
+    limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+    bomb = (f"{name}: refused as a possible decompression bomb: over the limit of {limit or 0:,} pixels; pass "
+            "max_pixels (glmvit-encode --max-pixels) to allow larger images")
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(image)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the check below decides
+            img = _open(image, limit)
+            w, h = img.size
+            if limit is not None and w * h > limit:
+                raise ImageError(f"{bomb} (it is {w} x {h} = {w * h:,})")
             img.load()
             img = ImageOps.exif_transpose(img)
             return img.convert("RGB")
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageError(f"{name}: refused as a decompression bomb ({e})") from None
+    except ImageError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"{bomb} ({e})") from None
+    except IsADirectoryError:
+        raise ImageError(f"{name}: is a folder, not an image file") from None
     except FileNotFoundError:
         raise ImageError(f"{name}: no such file") from None
     except (OSError, ValueError, SyntaxError, EOFError, TypeError, MemoryError, Image.UnidentifiedImageError) as e:
@@ -132,17 +163,20 @@ def _from_array(a: np.ndarray, name) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
-def load_rgb(image, index: int = 0) -> np.ndarray:
-    """Any accepted image input -> HxWx3 uint8 RGB. Raises ImageError naming the image."""
+def load_rgb(image, index: int = 0, max_pixels: int | None = None) -> np.ndarray:
+    """Any accepted image input -> HxWx3 uint8 RGB. Raises ImageError naming the image. Encoded images
+    over max_pixels (None: Pillow's 89.5-megapixel guard) are refused before they are decoded."""
     name = _name(image, index)
     if isinstance(image, (str, os.PathLike)):
+        if os.path.isdir(image):
+            raise ImageError(f"{name}: is a folder, not an image file (glmvit-encode walks folders)")
         if not os.path.isfile(image):
             raise ImageError(f"{name}: no such file")
-        rgb = np.asarray(_decode(image, name))
+        rgb = np.asarray(_decode(image, name, max_pixels))
     elif isinstance(image, (bytes, bytearray)):
-        rgb = np.asarray(_decode(io.BytesIO(image), name))
+        rgb = np.asarray(_decode(io.BytesIO(image), name, max_pixels))
     elif hasattr(image, "read"):
-        rgb = np.asarray(_decode(image, name))
+        rgb = np.asarray(_decode(image, name, max_pixels))
     elif isinstance(image, Image.Image):
         rgb = _from_pil(image, name)
     elif isinstance(image, np.ndarray):
@@ -188,17 +222,19 @@ def normalise_patchify(canvas_u8: np.ndarray) -> np.ndarray:
     return out.reshape(gh * gw, c * TEMPORAL * PATCH * PATCH)
 
 
-def prepare(image, index: int = 0, *, min_image_tokens: int = 16, max_image_tokens: int = 8000):
+def prepare(image, index: int = 0, *, min_image_tokens: int = 16, max_image_tokens: int = 8000,
+            max_pixels: int | None = None):
     """One image -> (patches [h*w, 1176] float32, (1, h, w), info dict)."""
     canvas, grid, info = prepare_canvas(image, index, min_image_tokens=min_image_tokens,
-                                        max_image_tokens=max_image_tokens)
+                                        max_image_tokens=max_image_tokens, max_pixels=max_pixels)
     return normalise_patchify(canvas), grid, info
 
 
-def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_image_tokens: int = 8000):
+def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_image_tokens: int = 8000,
+                   max_pixels: int | None = None):
     """One image -> (resized, zero-padded uint8 canvas [H, W, 3], (1, H/14, W/14), info dict): everything
     but the normalise and patchify, which the GPU can do from these 8x fewer bytes."""
-    rgb = load_rgb(image, index)
+    rgb = load_rgb(image, index, max_pixels)
     height, width = rgb.shape[:2]
     canvas = smart_resize(height, width, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
     ch, cw = content_size(height, width, canvas, min_image_tokens=min_image_tokens)
@@ -212,11 +248,13 @@ def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_ima
     return padded, grid, info
 
 
-def preprocess(images, *, min_image_tokens: int = 16, max_image_tokens: int = 8000):
+def preprocess(images, *, min_image_tokens: int = 16, max_image_tokens: int = 8000,
+               max_pixels: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Images -> (pixel_values float32 [N, 1176], grid_thw int64 [n, 3]), as the reference processor.
 
     `images` is one image or a list of them: paths, file objects, bytes, PIL images, or
-    HxWx3 uint8 arrays. Raises ImageError naming the first image that cannot be used.
+    HxWx3 uint8 arrays. Raises ImageError naming the first image that cannot be used. `max_pixels`
+    raises (or lowers) the decompression-bomb guard for encoded images (default: Pillow's, 89.5 MP).
     """
     if not isinstance(min_image_tokens, int) or not isinstance(max_image_tokens, int) \
             or min_image_tokens < 1 or max_image_tokens < 1:
@@ -228,7 +266,8 @@ def preprocess(images, *, min_image_tokens: int = 16, max_image_tokens: int = 80
         raise ImageError("preprocess: no images given")
     rows, grids = [], []
     for i, image in enumerate(images):
-        patches, grid, _ = prepare(image, i, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
+        patches, grid, _ = prepare(image, i, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens,
+                                   max_pixels=max_pixels)
         rows.append(patches)
         grids.append(grid)
     return np.concatenate(rows, axis=0), np.array(grids, dtype=np.int64)

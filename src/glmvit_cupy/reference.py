@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .batching import check_pixels
 from .checkpoint import TowerBinding, bind_tower
 from .config import VisionGeometry
 
@@ -137,11 +138,9 @@ class Tower:
 
     def forward(self, pixel_values, grid_thw, stats=None):
         g = self.geo
-        grid_thw = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
-        x = np.asarray(pixel_values, dtype=self.dtype).reshape(-1, g.patch_dim)
-        if x.shape[0] != int(np.prod(grid_thw, axis=1).sum()):
-            raise ValueError(f"pixel_values has {x.shape[0]} rows but grid_thw describes "
-                             f"{int(np.prod(grid_thw, axis=1).sum())} patches")
+        pixel_values = np.asarray(pixel_values)
+        grid_thw, _ = check_pixels(g, pixel_values, grid_thw)  # the GPU path's checks and messages
+        x = pixel_values.astype(self.dtype)
         x = x @ self.w["patch_embed.proj.weight"].T + self.w["patch_embed.proj.bias"]
         cos, sin = rotary(position_ids(grid_thw).astype(self.dtype), g.head_dim, g.rope_theta, self.dtype)
         bounds = segments(grid_thw)

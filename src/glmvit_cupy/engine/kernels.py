@@ -5,16 +5,15 @@
 
 A module is one .cu file (one kernel family). A template kernel is instantiated by name (NVRTC
 name expressions), so its instances are listed once, by whoever launches them (attention.py's
-variant table), not again in the source. Sources are found in a source checkout (<repo>/cuda), in
-an installed wheel (<prefix>/share/glmvit_cupy/cuda), or where $GLMVIT_CUDA_DIR points.
+variant table), not again in the source. The sources ship inside the package (glmvit_cupy/cuda, built
+from the repository's cuda/), so every install kind finds them there; a source checkout or editable
+install finds <repo>/cuda; $GLMVIT_CUDA_DIR overrides both.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import sys
-import sysconfig
 import threading
 from pathlib import Path
 
@@ -30,9 +29,10 @@ def cuda_dir() -> Path:
     candidates = []
     if os.environ.get("GLMVIT_CUDA_DIR"):
         candidates.append(Path(os.environ["GLMVIT_CUDA_DIR"]))
-    candidates.append(Path(__file__).resolve().parents[3] / "cuda")  # source checkout / editable install
-    for base in {sys.prefix, sysconfig.get_paths().get("data", sys.prefix)}:
-        candidates.append(Path(base) / "share" / "glmvit_cupy" / "cuda")
+    package = Path(__file__).resolve().parents[1]
+    candidates.append(package / "cuda")  # installed: wheel, --user, --target
+    if (package.parents[1] / "setup.cfg").is_file():
+        candidates.append(package.parents[1] / "cuda")  # a source checkout or editable install: <repo>/cuda
     for c in candidates:
         if (c / "common.cuh").is_file():
             return c

@@ -13,8 +13,8 @@ import warnings
 
 import cupy
 
-from .. import batching
-from ..checkpoint import TowerBinding, bind_tower, probe_tower
+from .. import batching, gpu
+from ..checkpoint import TowerBinding, bind_tower
 from ..config import VisionGeometry
 from ..preprocess import value_table
 from . import arena, layers, params
@@ -48,6 +48,7 @@ class GlmVit:
 
     def __init__(self, binding: TowerBinding, *, device=None, capacity_tokens: int | None = None,
                  attention_variant: str | None = None, graphs: bool = True, max_image_tokens: int | None = None):
+        gpu.require()  # no GPU, driver or CUDA library: GpuUnavailable saying which, not a CUDA error
         g = binding.geometry
         self.geometry: VisionGeometry = g
         self.capacity_tokens = _capacity(capacity_tokens, max_image_tokens)
@@ -71,7 +72,8 @@ class GlmVit:
                  binding.nbytes / 2**20, self.load_seconds)
 
     @classmethod
-    def from_checkpoint(cls, path, device=None, *, capacity_tokens: int | None = None, devices=None, **kw):
+    def from_checkpoint(cls, path, device: int | None = None, *, capacity_tokens: int | None = None, devices=None,
+                        **kw) -> "GlmVit":
         """Check, bind and upload a checkpoint's tower (CheckpointError on any problem)."""
         if devices is not None:
             raise TypeError("GlmVit.from_checkpoint runs on one GPU; for several use "
@@ -112,17 +114,19 @@ class GlmVit:
             pixel_values = cupy.asnumpy(pixel_values)  # another GPU's array: through the host, safely ordered
         return self._encode(grid, lambda s: stage_pixels(s["pixels_f32"][:n], s["pixels"][:n], pixel_values))
 
-    def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None) -> list:
+    def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None,
+               max_pixels: int | None = None) -> list[cupy.ndarray]:
         """Images (paths, file objects, bytes, PIL images, HxWx3 uint8 arrays) -> one bf16 [tokens_i,
         out_hidden] CuPy array per image, preprocessed exactly as the reference processor with these
-        limits (max_image_tokens None: 8000, or the capacity if smaller). Images share forward passes
-        as the capacity allows."""
+        limits (max_image_tokens None: 8000, or the capacity if smaller; max_pixels: the decompression-bomb
+        guard for encoded images, default Pillow's 89.5 MP). Images share forward passes as the capacity
+        allows."""
         single = not isinstance(images, (list, tuple))
         prepared = batching.prepare_images(self.geometry, self.capacity_tokens, [images] if single else list(images),
-                                           min_image_tokens, max_image_tokens)
+                                           min_image_tokens, max_image_tokens, max_pixels)
         return self.encode_prepared(prepared)
 
-    def encode_prepared(self, prepared) -> list:
+    def encode_prepared(self, prepared: list) -> list[cupy.ndarray]:
         """(uint8 canvas, grid, info) triples from batching.prepare_images -> one output per image, in order."""
         results = []
         for batch in batching.pack(prepared, self.capacity_tokens, lambda item: item[2]["tokens"]):
@@ -143,9 +147,3 @@ class GlmVit:
     def _forward(self, plan, mark):
         layers.forward(self.geometry, self.weights, self.arena(), plan, self.executor.blas, mark)
 
-
-def load_vision_tower(path, **kw) -> GlmVit | None:
-    """For serving engines: the tower, or None for a text-only checkpoint (quietly) and for a
-    declared-but-absent tower (with a warning). Any other problem raises CheckpointError."""
-    binding = probe_tower(path)
-    return None if binding is None else GlmVit(binding, **kw)

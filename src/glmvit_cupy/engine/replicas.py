@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import cupy
 import numpy as np
 
-from .. import batching
+from .. import batching, gpu
 from ..checkpoint import TowerBinding, bind_tower
 from .gemm import BF16
 from .model import GlmVit
@@ -24,6 +24,7 @@ class Replicas:
     gathers the batch's output onto the first device."""
 
     def __init__(self, binding: TowerBinding, devices, **kw):
+        gpu.require()
         self.devices = batching.check_devices(devices, cupy.cuda.runtime.getDeviceCount())
         self.models = [GlmVit(binding, device=d, **kw) for d in self.devices]
         self.geometry = self.models[0].geometry
@@ -64,11 +65,12 @@ class Replicas:
         """[(pixel_values, grid_thw), ...] -> one output per batch, batch j on replica j % len(self)."""
         return self.map(lambda m, b: m.encode_pixels(*b), list(batches))
 
-    def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None) -> list:
+    def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None,
+               max_pixels: int | None = None) -> list:
         """As GlmVit.encode; images spread over the replicas by tokens."""
         single = not isinstance(images, (list, tuple))
         prepared = batching.prepare_images(self.geometry, self.capacity_tokens, [images] if single else list(images),
-                                           min_image_tokens, max_image_tokens)
+                                           min_image_tokens, max_image_tokens, max_pixels)
         groups = batching.spread([info["tokens"] for _, _, info in prepared], len(self))
         outs = self.map(lambda m, g: m.encode_prepared([prepared[i] for i in g]), groups)
         results = [None] * len(prepared)
