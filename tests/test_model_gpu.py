@@ -137,6 +137,20 @@ def official_images():
             "300x500": cases._smooth(300, 500, seed=42)}
 
 
+def test_batching_never_changes_an_embedding(official):
+    """An image's embedding has the same bits alone, in a batch, or beside any other image: small
+    images (88 and 132 tokens) are where cuBLAS would split K across blocks if the handle allowed it."""
+    _, model, _ = official
+    assert model.executor.blas.batch_invariant
+    imgs = [cases._smooth(448, 448, 40), cases._smooth(300, 500, 42), cases._smooth(200, 300, 43),
+            cases._smooth(896, 672, 41), cases._smooth(100, 900, 45), cases._smooth(1400, 1000, 46)]
+    together = [f32(o) for o in model.encode(imgs)]
+    for i, img in enumerate(imgs):
+        alone = f32(model.encode([img])[0])
+        pair = f32(model.encode([imgs[(i + 1) % len(imgs)], img])[1])
+        assert np.array_equal(alone, together[i]) and np.array_equal(alone, pair), (i, alone.shape)
+
+
 def test_official_geometry_vs_reference(official):
     from glmvit_cupy import preprocess
 
