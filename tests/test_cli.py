@@ -76,7 +76,7 @@ def test_resume_skips_finished_images(images, tmp_path, capsys):
 def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     calls = {"n": 0}
-    real = cli.Encoder.__init__
+    real = cli.Backend.__init__
 
     def init(self, *a, **kw):
         real(self, *a, **kw)
@@ -90,7 +90,7 @@ def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch, c
 
         self.run = run_once
 
-    monkeypatch.setattr(cli.Encoder, "__init__", init)
+    monkeypatch.setattr(cli.Backend, "__init__", init)
     # 16-token minimum images: a.png has 8x12 patches = 24 tokens; one image per batch at 30 tokens.
     args = [images / "a.png", images / "c.jpg", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu",
             "--capacity-tokens", 30, "--max-image-tokens", 30]
@@ -99,7 +99,7 @@ def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch, c
     manifest, tensors = load_all(out)
     assert list(manifest["images"]) == [os.path.realpath(str(images / "a.png"))]
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
-    monkeypatch.setattr(cli.Encoder, "__init__", real)
+    monkeypatch.setattr(cli.Backend, "__init__", real)
     assert run(args) == 0
     manifest, tensors = load_all(out)
     assert len(manifest["images"]) == 2 and len(tensors) == 2

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .checkpoint import bind_tower, inspect_checkpoint, probe_tower
 from .config import VisionGeometry, read_config
 from .errors import (AbsentTower, CheckpointError, GpuOutOfMemory, GpuUnavailable, ImageError, KernelError,
-                     NoVisionConfig, OutputError)
+                     NoVisionConfig, OutputError, ServerError)
 from .preprocess import preprocess
 from .weights import WeightStore
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # for type checkers only: at run time these are imported on f
 
 __all__ = [
     "AbsentTower", "CheckpointError", "GlmVit", "GpuOutOfMemory", "GpuUnavailable", "ImageError", "KernelError",
-    "NoVisionConfig", "OutputError", "Replicas", "VisionGeometry", "WeightStore", "bind_tower", "inspect_checkpoint",
+    "NoVisionConfig", "OutputError", "Replicas", "ServerError", "VisionGeometry", "WeightStore", "bind_tower", "inspect_checkpoint",
     "load_vision_tower", "preprocess", "read_config",
 ]
 

@@ -23,14 +23,14 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 
-from . import gpu
+from . import gpu, vllm_ec
+from .backend import Backend
 from .batching import pack
 from .checkpoint import bind_tower
 from .errors import CheckpointError, ImageError, OutputError
 from .output import Output, image_key
-from .preprocess import normalise_patchify, prepare_canvas
+from .preprocess import prepare_canvas
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -90,38 +90,6 @@ def prepared_in_order(paths, workers: int, **limits):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-class Encoder:
-    """GPU (GlmVit, one replica per --devices entry) or, with --cpu, the float32 NumPy reference:
-    batches of (uint8 canvas, grid, info) -> per batch, one bf16 host array per image; `lanes`
-    batches run at once. The GPU normalises and patchifies the canvases itself."""
-
-    def __init__(self, binding, *, cpu: bool, devices: list[int] | None, capacity_tokens: int):
-        import ml_dtypes
-
-        bf16 = ml_dtypes.bfloat16
-        if cpu:
-            from . import reference
-
-            tower = reference.Tower(binding)
-            self.lanes = 1
-
-            def run_cpu(items):
-                pv = np.concatenate([normalise_patchify(c) for c, _, _ in items])
-                out = reference.encode_pixels(tower, pv, np.array([g for _, g, _ in items], np.int64)).astype(bf16)
-                return np.split(out, np.cumsum([info["tokens"] for _, _, info in items])[:-1])
-
-            self.run = lambda batches: [run_cpu(items) for items in batches]
-        else:
-            import cupy
-
-            from .engine.replicas import Replicas
-
-            engine = Replicas(binding, devices or [cupy.cuda.Device().id], capacity_tokens=capacity_tokens)
-            self.lanes = len(engine)
-            self.run = lambda batches: engine.map(lambda m, items: [o.get() for o in m.encode_prepared(items)],
-                                                  batches)
-
-
 def device_list(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -153,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-pixels", type=int, default=None, metavar="N",
                     help="largest image to decode, in pixels (default: Pillow's decompression-bomb guard, "
                          "89,478,485); raise it for large scans or panoramas")
+    ap.add_argument("--vllm-ec-dir", default=None, metavar="DIR",
+                    help="also write each embedding as DIR/<sha256 of the file>/encoder_cache.safetensors, the "
+                         "layout vLLM's shared-storage encoder-cache connector reads")
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference (slow; no GPU needed)")
     return ap
 
@@ -220,7 +191,7 @@ def main(argv=None) -> int:
     if args.cpu:
         print("glmvit-encode: --cpu: the float32 NumPy reference encodes on the CPU; this is slow", file=sys.stderr)
     try:
-        enc = Encoder(binding, cpu=args.cpu, devices=args.devices, capacity_tokens=args.capacity_tokens)
+        enc = Backend(binding, cpu=args.cpu, devices=args.devices, capacity_tokens=args.capacity_tokens)
     except ValueError as e:
         return fail(e)
     saved_before = len(out)
@@ -244,6 +215,9 @@ def encode_all(args, todo, enc, out) -> int:
         nonlocal tokens_done
         embs = enc.run([[(canvas, grid, info) for _, canvas, grid, info in b] for b in ready])
         for b, per_image in zip(ready, embs):
+            if args.vllm_ec_dir:
+                for (_, _, _, info), emb in zip(b, per_image):
+                    vllm_ec.write(args.vllm_ec_dir, info["sha256"], emb)
             out.add_batch([(key, info, emb) for (key, _, _, info), emb in zip(b, per_image)])
             tokens_done += sum(info["tokens"] for _, _, _, info in b)
             bar.update(len(b))
@@ -261,9 +235,11 @@ def encode_all(args, todo, enc, out) -> int:
                 bar.update(1)
                 continue
             canvas, grid, info = got
-            yield image_key(path), canvas, grid, {"source": image_key(path), "size_hw": list(info["size"]),
-                                                  "canvas_hw": list(info["canvas"]), "grid_thw": list(grid),
-                                                  "tokens": info["tokens"]}
+            with open(path, "rb") as f:  # the content's key, as vLLM's encoder cache and glmvit-serve use
+                sha = vllm_ec.key_of(f.read())
+            yield image_key(path), canvas, grid, {"source": image_key(path), "sha256": sha,
+                                                  "size_hw": list(info["size"]), "canvas_hw": list(info["canvas"]),
+                                                  "grid_thw": list(grid), "tokens": info["tokens"]}
 
     stream = prepared_in_order(todo, args.workers, min_image_tokens=args.min_image_tokens,
                                max_image_tokens=args.max_image_tokens, max_pixels=args.max_pixels)

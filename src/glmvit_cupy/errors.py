@@ -44,3 +44,12 @@ class GpuUnavailable(RuntimeError):
 
 class KernelError(RuntimeError):
     """A kernel module or entry does not exist, or a module failed to compile."""
+
+
+class ServerError(RuntimeError):
+    """glmvit-serve refused or failed a request (glmvit_cupy.client): .status (HTTP), .error (the
+    server's reason), .index (the image it names, or None)."""
+
+    def __init__(self, status: int, error: str, index: int | None = None):
+        super().__init__(f"HTTP {status}: {error}" + (f" (image {index})" if index is not None else ""))
+        self.status, self.error, self.index = status, error, index

@@ -1,0 +1,79 @@
+"""A small client for glmvit-serve (standard library only).
+
+    from glmvit_cupy.client import Client
+    embs, meta = Client("http://127.0.0.1:8000").encode(["cat.jpg", open("dog.png", "rb").read()])
+    # embs: one ml_dtypes.bfloat16 NumPy array [tokens, out_hidden] per image
+    # meta: per image {"sha256", "grid_thw", "tokens", "cached"}
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import urllib.error
+import urllib.request
+
+import ml_dtypes  # noqa: F401  (NumPy learns bfloat16: the response holds bf16 tensors)
+import numpy as np
+
+from .errors import ServerError
+
+
+class Client:
+    def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 600.0):
+        self.url, self.timeout = url.rstrip("/"), timeout
+
+    def health(self) -> dict:
+        return json.loads(self._call("GET", "/health")[1])
+
+    def encode(self, images, *, min_image_tokens: int | None = None,
+               max_image_tokens: int | None = None) -> tuple[list[np.ndarray], list[dict]]:
+        """Image files (paths or bytes) -> (one bf16 array per image, per-image metadata)."""
+        blobs = []
+        for im in images:
+            if isinstance(im, (str, os.PathLike)):
+                with open(im, "rb") as f:
+                    im = f.read()
+            blobs.append(base64.b64encode(bytes(im)).decode("ascii"))
+        body = {"images": blobs}
+        if min_image_tokens is not None:
+            body["min_image_tokens"] = min_image_tokens
+        if max_image_tokens is not None:
+            body["max_image_tokens"] = max_image_tokens
+        _, raw = self._call("POST", "/v1/encode", json.dumps(body).encode(), "application/json")
+        tensors = _bf16_tensors(raw)
+        meta = json.loads(_metadata(raw)["images"])
+        return [tensors[str(i)] for i in range(len(blobs))], meta
+
+    def _call(self, method, path, data=None, kind=None):
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": kind} if kind else {})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            text = e.read()
+            try:
+                err = json.loads(text)
+                raise ServerError(e.code, err.get("error", ""), err.get("index")) from None
+            except (ValueError, AttributeError):
+                raise ServerError(e.code, text.decode(errors="replace"), None) from None
+
+
+def _bf16_tensors(raw: bytes) -> dict:
+    """The bf16 tensors of a safetensors byte string (safetensors.numpy.load knows no bf16)."""
+    from safetensors import deserialize
+
+    out = {}
+    for name, t in deserialize(raw):
+        if t["dtype"] != "BF16":
+            raise ValueError(f"tensor {name!r} is {t['dtype']}, not the BF16 glmvit-serve sends")
+        out[name] = np.frombuffer(t["data"], dtype=ml_dtypes.bfloat16).reshape(t["shape"])
+    return out
+
+
+def _metadata(raw: bytes) -> dict:
+    """The __metadata__ of a safetensors byte string."""
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n]).get("__metadata__", {})

@@ -1,0 +1,227 @@
+"""The HTTP contract of glmvit-serve (Starlette).
+
+    GET  /health      200 {"status": "ok", "geometry": {...}, ...}; 503 while loading or stopping
+    POST /v1/encode   JSON {"images": [base64, ...], "min_image_tokens": 16, "max_image_tokens": 8000}
+                      -> 200 application/octet-stream: a safetensors file, one bf16 tensor per image
+                      named "0", "1", ... and __metadata__["images"] = JSON [{sha256, grid_thw, tokens,
+                      cached}, ...]
+    GET  /metrics     Prometheus text
+
+Errors are JSON {"error": why, "index": the image's position or null}: 400 malformed request, 413
+too large, 415 not JSON, 422 an image that cannot be decoded (nothing of that request is encoded),
+429 queue full, 503 loading or shutting down, 500 the engine failed. Decoding runs on a thread pool
+and the engine on the batcher's threads: the event loop never blocks on either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import dataclasses
+import io
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .. import vllm_ec
+from ..batching import DEFAULT_MAX_IMAGE_TOKENS
+from ..errors import ImageError
+from ..preprocess import prepare_canvas
+from .batcher import Batcher, QueueFull
+from .cache import EmbeddingCache
+from .metrics import Metrics
+
+
+@dataclass
+class Settings:
+    checkpoint: str                 # the checkpoint's identity in cache keys
+    capacity_tokens: int = 8000
+    max_wait_ms: float = 5.0
+    cache_mib: float = 1024.0
+    max_queue: int = 256            # images waiting for a forward pass
+    max_body_mib: float = 256.0
+    max_image_mib: float = 64.0
+    max_pixels: int | None = None
+    decode_workers: int = 8
+    vllm_ec_dir: str | None = None
+
+
+class Refused(Exception):
+    def __init__(self, status: int, error: str, index: int | None = None):
+        super().__init__(error)
+        self.status, self.error, self.index = status, error, index
+
+
+def create_app(load_backend, settings: Settings) -> Starlette:
+    """The service; load_backend() builds the Backend, on a thread, while /health answers 503."""
+    metrics = Metrics()
+    cache = EmbeddingCache(int(settings.cache_mib * 2**20))
+    state = {"status": "loading", "backend": None, "batcher": None, "error": None}
+    pool = ThreadPoolExecutor(settings.decode_workers, thread_name_prefix="glmvit-decode")
+
+    def on_pass(images, tokens, seconds):
+        metrics.passes.inc()
+        metrics.tokens.inc(tokens)
+        metrics.pass_images.observe(images)
+        metrics.pass_fill.observe(tokens / settings.capacity_tokens)
+        metrics.pass_seconds.observe(seconds)
+
+    def load():
+        try:
+            backend = load_backend()
+            state["batcher"] = Batcher(backend, capacity_tokens=settings.capacity_tokens,
+                                       max_wait_s=settings.max_wait_ms / 1e3, max_queue=settings.max_queue,
+                                       on_pass=on_pass)
+            state["backend"], state["status"] = backend, "ok"
+        except Exception as e:  # reported by /health and every request
+            state["status"], state["error"] = "failed", f"{type(e).__name__}: {e}"
+
+    @asynccontextmanager
+    async def lifespan(app):
+        threading.Thread(target=load, name="glmvit-load", daemon=True).start()
+        yield
+        state["status"] = "stopping"
+        if state["batcher"] is not None:
+            await asyncio.get_running_loop().run_in_executor(None, state["batcher"].stop)
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    async def health(request):
+        if state["status"] != "ok":
+            return JSONResponse({"status": state["status"], "error": state["error"]}, status_code=503)
+        b = state["backend"]
+        return JSONResponse({"status": "ok", "geometry": dataclasses.asdict(b.geometry), "backend": b.name,
+                             "capacity_tokens": settings.capacity_tokens, "queue_depth": state["batcher"].depth})
+
+    async def metrics_text(request):
+        if state["batcher"] is not None:
+            metrics.queue.set(state["batcher"].depth)
+        metrics.cache_bytes.set(cache.bytes)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def encode(request):
+        t0 = time.perf_counter()
+        try:
+            response = await _encode(request)
+        except Refused as e:
+            response = JSONResponse({"error": e.error, "index": e.index}, status_code=e.status)
+        except Exception as e:  # the engine failed (out of memory, say): the server stays up
+            response = JSONResponse({"error": f"encoding failed ({type(e).__name__}: {e})", "index": None},
+                                    status_code=500)
+        metrics.requests.labels(str(response.status_code)).inc()
+        metrics.latency.observe(time.perf_counter() - t0)
+        return response
+
+    async def _encode(request):
+        if state["status"] != "ok":
+            why = {"loading": "the model is still loading", "stopping": "the server is shutting down"}
+            raise Refused(503, why.get(state["status"], f"the model failed to load ({state['error']})"))
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise Refused(415, f"Content-Type {kind or 'none'!r}: send application/json")
+        body = await _read_body(request, int(settings.max_body_mib * 2**20))
+        images, lo, hi = _parse(body, settings.capacity_tokens)
+        blobs = []
+        for i, text in enumerate(images):
+            try:
+                data = base64.b64decode(text, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise Refused(400, f"images[{i}] is not valid base64 ({e})", i) from None
+            if len(data) > settings.max_image_mib * 2**20:
+                raise Refused(413, f"images[{i}] is {len(data)} bytes, over the {settings.max_image_mib:g} MiB limit "
+                                   "per image", i)
+            blobs.append(data)
+        shas = [vllm_ec.key_of(d) for d in blobs]
+        keys = [(sha, lo, hi, settings.checkpoint) for sha in shas]
+        hits = {i: cache.get(k) for i, k in enumerate(keys)}
+        todo = {}  # key -> first index that needs encoding (a repeated image is encoded once)
+        for i, k in enumerate(keys):
+            if hits[i] is None:
+                todo.setdefault(k, i)
+        loop = asyncio.get_running_loop()
+        prepared = await asyncio.gather(*[loop.run_in_executor(pool, _prepare, blobs[i], i, lo, hi, settings.max_pixels)
+                                          for i in todo.values()], return_exceptions=True)
+        for i, got in zip(todo.values(), prepared):
+            if isinstance(got, BaseException):
+                metrics.images.labels("failed").inc()
+                if isinstance(got, (ImageError, ValueError)):
+                    raise Refused(422, str(got), i)
+                raise got
+        try:
+            futures = state["batcher"].submit(list(prepared))
+        except QueueFull as e:
+            raise Refused(429 if state["status"] == "ok" else 503, str(e)) from None
+        encoded = dict(zip(todo, await asyncio.gather(*futures)))
+        grids = {k: item[1] for k, item in zip(todo, prepared)}
+        out, meta = {}, []
+        for i, k in enumerate(keys):
+            if hits[i] is not None:
+                emb, grid = hits[i]
+                metrics.cache_hits.inc()
+                metrics.images.labels("cached").inc()
+            else:
+                emb, grid = encoded[k], grids[k]
+                cache.put(k, emb, grid)
+                metrics.images.labels("encoded").inc()
+            out[str(i)] = emb
+            meta.append({"sha256": shas[i], "grid_thw": list(grid), "tokens": int(emb.shape[0]),
+                         "cached": hits[i] is not None})
+        if settings.vllm_ec_dir:
+            await loop.run_in_executor(pool, lambda: [vllm_ec.write(settings.vllm_ec_dir, s, out[str(i)])
+                                                      for i, s in enumerate(shas)])
+        from safetensors.numpy import save
+
+        return Response(save(out, metadata={"images": json.dumps(meta)}), media_type="application/octet-stream")
+
+    app = Starlette(routes=[Route("/health", health), Route("/metrics", metrics_text),
+                            Route("/v1/encode", encode, methods=["POST"])], lifespan=lifespan)
+    app.state.glmvit = state
+    app.state.metrics = metrics
+    return app
+
+
+async def _read_body(request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise Refused(413, f"the body is {declared} bytes, over the {limit / 2**20:g} MiB limit")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise Refused(413, f"the body is over the {limit / 2**20:g} MiB limit")
+    return bytes(body)
+
+
+def _parse(body: bytes, capacity: int):
+    try:
+        req = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise Refused(400, f"the body is not valid JSON ({e})") from None
+    if not isinstance(req, dict):
+        raise Refused(400, "the body must be a JSON object with an 'images' list")
+    images = req.get("images")
+    if not isinstance(images, list) or not images:
+        raise Refused(400, "'images' must be a non-empty list of base64 strings (image files)")
+    for i, text in enumerate(images):
+        if not isinstance(text, str):
+            raise Refused(400, f"images[{i}] is {type(text).__name__}, not a base64 string", i)
+    lo = req.get("min_image_tokens", 16)
+    hi = req.get("max_image_tokens", min(DEFAULT_MAX_IMAGE_TOKENS, capacity))
+    for name, v in (("min_image_tokens", lo), ("max_image_tokens", hi)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise Refused(400, f"{name} = {v!r} must be a positive integer")
+    if hi > capacity:
+        raise Refused(400, f"max_image_tokens = {hi} exceeds the server's capacity of {capacity} tokens per pass")
+    return images, lo, hi
+
+
+def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels):
+    return prepare_canvas(io.BytesIO(data), index, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels)

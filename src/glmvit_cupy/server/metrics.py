@@ -1,0 +1,24 @@
+"""The service's Prometheus metrics, in a registry of its own (several apps may live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("glmvit_requests", "Encode requests by outcome (HTTP status)", ["status"], registry=r)
+        self.images = Counter("glmvit_images", "Images by outcome: encoded, cached, failed", ["outcome"], registry=r)
+        self.tokens = Counter("glmvit_tokens", "Image tokens encoded on the engine", registry=r)
+        self.passes = Counter("glmvit_forward_passes", "Forward passes run", registry=r)
+        self.pass_images = Histogram("glmvit_forward_pass_images", "Images in a forward pass", registry=r,
+                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        self.pass_fill = Histogram("glmvit_forward_pass_fill", "Tokens in a forward pass over the capacity",
+                                   registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0))
+        self.pass_seconds = Histogram("glmvit_forward_pass_seconds", "Wall time of a forward pass", registry=r)
+        self.queue = Gauge("glmvit_queue_depth", "Images waiting for a forward pass", registry=r)
+        self.cache_hits = Counter("glmvit_cache_hits", "Images served from the cache", registry=r)
+        self.cache_bytes = Gauge("glmvit_cache_bytes", "Bytes of embeddings in the cache", registry=r)
+        self.latency = Histogram("glmvit_request_seconds", "Encode request latency", registry=r,
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))

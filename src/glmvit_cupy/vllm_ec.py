@@ -1,0 +1,39 @@
+"""Hand-off to vLLM: embeddings written where vLLM's shared-storage encoder-cache connector reads them.
+
+vLLM (ECExampleConnector, formerly ECSharedStorageConnector) looks for
+`<shared_storage_path>/<mm_hash>/encoder_cache.safetensors` holding one tensor named "ec_cache",
+[tokens, hidden]; a file that exists is ready. We key by the sha256 hex of the image file's bytes and
+write under a temporary name, then rename, so vLLM never reads half a file. The language-only vLLM is
+started with --ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+"ec_connector_extra_config": {"shared_storage_path": DIR}}' and each request passes that key as the
+image's uuid (README: "Handing embeddings to vLLM").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+
+FILE = "encoder_cache.safetensors"
+TENSOR = "ec_cache"
+
+
+def key_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write(folder: str, key: str, embedding: np.ndarray) -> str:
+    """DIR/<key>/encoder_cache.safetensors with the bf16 [tokens, hidden] embedding; returns its path.
+    An existing file for the key is left as it is (the same bytes give the same embedding)."""
+    from safetensors.numpy import save_file
+
+    target = os.path.join(folder, key, FILE)
+    if os.path.exists(target):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = f"{target}.{os.getpid()}.{id(embedding)}.tmp"
+    save_file({TENSOR: np.ascontiguousarray(embedding)}, tmp)
+    os.replace(tmp, target)
+    return target
