@@ -94,9 +94,13 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             await asyncio.get_running_loop().run_in_executor(None, state["batcher"].stop)
         pool.shutdown(wait=False, cancel_futures=True)
 
+    def not_ready() -> str:
+        why = {"loading": "the model is still loading", "stopping": "the server is shutting down"}
+        return why.get(state["status"], f"the model failed to load ({state['error']})")
+
     async def health(request):
         if state["status"] != "ok":
-            return JSONResponse({"status": state["status"], "error": state["error"]}, status_code=503)
+            return JSONResponse({"status": state["status"], "error": not_ready()}, status_code=503)
         b = state["backend"]
         return JSONResponse({"status": "ok", "geometry": dataclasses.asdict(b.geometry), "backend": b.name,
                              "capacity_tokens": settings.capacity_tokens, "queue_depth": state["batcher"].depth})
@@ -122,8 +126,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
 
     async def _encode(request):
         if state["status"] != "ok":
-            why = {"loading": "the model is still loading", "stopping": "the server is shutting down"}
-            raise Refused(503, why.get(state["status"], f"the model failed to load ({state['error']})"))
+            raise Refused(503, not_ready())
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind != "application/json":
             raise Refused(415, f"Content-Type {kind or 'none'!r}: send application/json")

@@ -81,6 +81,7 @@ def main(argv=None) -> int:
         def handle_exit(self, sig, frame):  # new requests on open connections get 503 from now on
             app.state.glmvit["status"] = "stopping"
             super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # a clean stop: exit 0, not re-raise the signal afterwards
 
     print(f"glmvit-serve: {binding.path} on http://{args.host}:{args.port} "
           f"({'cpu, float32 reference' if args.cpu else 'gpu'}; /health says when it is loaded)", flush=True)

@@ -1,0 +1,281 @@
+"""glmvit-serve on loopback with the float32 reference and the golden tower (CPU CI): every status code,
+bit equality with the reference, batching across concurrent requests, the cache, a client that goes
+away, SIGTERM, the vLLM encoder-cache layout, and the client."""
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import ml_dtypes
+import numpy as np
+import pytest
+from PIL import Image
+
+pytest.importorskip("starlette", reason="the serve extra (starlette, uvicorn, prometheus_client) is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+
+from glmvit_cupy import ServerError, cli, reference  # noqa: E402
+from glmvit_cupy.client import Client  # noqa: E402
+from glmvit_cupy.preprocess import normalise_patchify, prepare_canvas  # noqa: E402
+from tests.golden import cases  # noqa: E402
+
+TOWER = str(cases.TOWER_DIR)
+SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+
+
+def png(h, w, seed) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(cases._smooth(h, w, seed)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(tmp_path, *flags):
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.server.main", "--checkpoint", TOWER, "--cpu",
+                             "--port", str(port), *map(str, flags)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    client = Client(f"http://127.0.0.1:{port}", timeout=60)
+    for _ in range(300):
+        try:
+            if client.health()["status"] == "ok":
+                return proc, client
+        except (OSError, ServerError):
+            time.sleep(0.05)
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read())
+    raise AssertionError("the server did not come up")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    proc, client = start(tmp, "--max-wait-ms", 300, "--max-queue", 4, "--max-body-mib", 1, "--max-image-mib", 0.5,
+                         "--cache-mib", 16, "--vllm-ec-dir", tmp / "ec")
+    yield client, tmp / "ec"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def tower():
+    return reference.Tower(reference.bind_tower(TOWER))
+
+
+def reference_bf16(tower, data, **limits):
+    canvas, grid, _ = prepare_canvas(io.BytesIO(data), 0, **limits)
+    return reference.encode_pixels(tower, normalise_patchify(canvas), [grid]).astype(ml_dtypes.bfloat16)
+
+
+def post(client, body, kind="application/json"):
+    req = urllib.request.Request(client.url + "/v1/encode", data=body, method="POST", headers={"Content-Type": kind})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metric(client, name) -> float:
+    text = urllib.request.urlopen(client.url + "/metrics", timeout=10).read().decode()
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " ") or
+               ln.startswith(name + "{"))
+
+
+def test_health_and_bit_equality(server, tower):
+    client, _ = server
+    h = client.health()
+    assert h["status"] == "ok" and h["geometry"]["hidden_size"] == 128 and "reference" in h["backend"]
+    images = [png(100, 150, 21), png(64, 96, 22)]
+    embs, meta = client.encode(images, max_image_tokens=100)
+    for data, emb, m in zip(images, embs, meta):
+        ref = reference_bf16(tower, data, max_image_tokens=100)
+        assert emb.dtype == ml_dtypes.bfloat16 and np.array_equal(emb.view(np.uint16), ref.view(np.uint16))
+        assert m["tokens"] == emb.shape[0] and len(m["sha256"]) == 64 and m["cached"] is False
+
+
+@pytest.mark.parametrize("body,kind,status,says,index", [
+    (b"{not json", "application/json", 400, "not valid JSON", None),
+    (b"[]", "application/json", 400, "JSON object", None),
+    (b'{"images": []}', "application/json", 400, "non-empty list", None),
+    (b'{"pictures": ["aa"]}', "application/json", 400, "non-empty list", None),
+    (b'{"images": [5]}', "application/json", 400, "not a base64 string", 0),
+    (b'{"images": ["aGVsbG8=", "!!!"]}', "application/json", 400, "images[1] is not valid base64", 1),
+    (b'{"images": ["aGVsbG8="], "max_image_tokens": 0}', "application/json", 400, "positive integer", None),
+    (b'{"images": ["aGVsbG8="], "min_image_tokens": "16"}', "application/json", 400, "positive integer", None),
+    (b'{"images": ["aGVsbG8="], "max_image_tokens": 9000}', "application/json", 400, "capacity of 8000", None),
+    (b'{"images": ["aGVsbG8="]}', "text/plain", 415, "send application/json", None),
+])
+def test_bad_requests(server, body, kind, status, says, index):
+    got, err = post(server[0], body, kind)
+    assert got == status and says in err["error"] and err["index"] == index, err
+
+
+def test_too_large_and_undecodable(server):
+    client, _ = server
+    # A body declared over the limit is refused from its headers, before it is read.
+    s = socket.create_connection(("127.0.0.1", int(client.url.rsplit(":", 1)[1])))
+    s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % (2 << 20))
+    s.settimeout(10)
+    reply = b""
+    while not reply.endswith(b"}"):  # the headers, then the JSON body
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        reply += chunk
+    reply = reply.decode()
+    s.close()
+    assert reply.startswith("HTTP/1.1 413") and "MiB limit" in reply
+    big = base64.b64encode(os.urandom(600_000)).decode()
+    got, err = post(client, json.dumps({"images": [base64.b64encode(png(64, 64, 1)).decode(), big]}).encode())
+    assert got == 413 and err["index"] == 1 and "per image" in err["error"]
+    before = metric(client, "glmvit_forward_passes_total")
+    got, err = post(client, json.dumps({"images": [base64.b64encode(png(64, 64, 2)).decode(),
+                                                   base64.b64encode(b"not an image").decode()]}).encode())
+    assert got == 422 and err["index"] == 1 and "cannot decode" in err["error"]
+    assert metric(client, "glmvit_forward_passes_total") == before  # nothing of that request was encoded
+
+
+def test_batching_across_requests_and_the_cache(server, tower):
+    client, ec = server
+    images = [png(80 + 8 * i, 90, 30 + i) for i in range(4)]
+    passes, results = metric(client, "glmvit_forward_passes_total"), {}
+
+    def one(i):
+        results[i] = client.encode([images[i]])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert metric(client, "glmvit_forward_passes_total") - passes < 4  # shared passes (max-wait 300 ms)
+    for i, data in enumerate(images):
+        assert np.array_equal(results[i][0][0].view(np.uint16), reference_bf16(tower, data).view(np.uint16))
+    hits = metric(client, "glmvit_cache_hits_total")
+    embs, meta = client.encode([images[0]])
+    assert meta[0]["cached"] and np.array_equal(embs[0], results[0][0][0])
+    assert metric(client, "glmvit_cache_hits_total") == hits + 1 and metric(client, "glmvit_cache_bytes") > 0
+    # The vLLM hand-off: DIR/<sha256>/encoder_cache.safetensors, one tensor "ec_cache", finished files only.
+    from safetensors import safe_open
+
+    path = ec / meta[0]["sha256"] / "encoder_cache.safetensors"
+    with safe_open(str(path), "numpy") as f:
+        assert list(f.keys()) == ["ec_cache"] and np.array_equal(f.get_tensor("ec_cache"), embs[0])
+    assert not [p for p in ec.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_queue_full_is_429(server):
+    """3 + 2 images against --max-queue 4: whichever request comes second while the first one's images
+    wait (300 ms for company) is refused whole with 429; the other is answered."""
+    client, _ = server
+    a = [base64.b64encode(png(64, 64 + 8 * i, 50 + i)).decode() for i in range(3)]
+    b = [base64.b64encode(png(72, 64, 60 + i)).decode() for i in range(2)]
+    got = {}
+    ta = threading.Thread(target=lambda: got.update(a=post(client, json.dumps({"images": a}).encode())))
+    ta.start()
+    time.sleep(0.1)
+    got["b"] = post(client, json.dumps({"images": b}).encode())
+    ta.join()
+    statuses = sorted(r[0] for r in got.values())
+    assert statuses == [200, 429], got
+    refused = next(r[1] for r in got.values() if r[0] == 429)
+    assert "--max-queue" in refused["error"] and refused["index"] is None
+
+
+def test_a_client_that_goes_away_breaks_nothing(server, tower):
+    client, _ = server
+    gone, kept = png(96, 64, 70), png(64, 120, 71)
+    body = json.dumps({"images": [base64.b64encode(gone).decode()]}).encode()
+    s = socket.create_connection(("127.0.0.1", int(client.url.rsplit(":", 1)[1])))
+    s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    s.close()  # gone before the answer; its image shares the next pass with `kept`
+    embs, _ = client.encode([kept])
+    assert np.array_equal(embs[0].view(np.uint16), reference_bf16(tower, kept).view(np.uint16))
+    assert client.health()["status"] == "ok"
+
+
+def test_client_error_fields(server):
+    with pytest.raises(ServerError) as e:
+        server[0].encode([png(64, 64, 3), b"\x89PNG broken"])
+    assert e.value.status == 422 and e.value.index == 1
+
+
+def test_sigterm_finishes_in_flight_then_exits_0(tmp_path):
+    proc, client = start(tmp_path, "--max-wait-ms", 1500)
+    done = {}
+    t = threading.Thread(target=lambda: done.update(r=client.encode([png(64, 64, 80)])))
+    t.start()
+    time.sleep(0.4)  # the request waits in the batcher (1.5 s for company)
+    proc.send_signal(signal.SIGTERM)
+    t.join(30)
+    assert done["r"][0][0].shape == (16, 256)  # finished and answered (64 x 64 is lifted to the 16-token minimum)
+    assert proc.wait(30) == 0
+    with pytest.raises(OSError):
+        client.health()
+
+
+def test_loading_answers_503(tmp_path):
+    """While the model loads, /health and /v1/encode say 503 (in process, with a slow loader)."""
+    import uvicorn
+
+    from glmvit_cupy.server.app import Settings, create_app
+
+    release = threading.Event()
+
+    def slow_load():
+        release.wait(30)
+        raise RuntimeError("no model in this test")
+
+    app = create_app(slow_load, Settings(checkpoint="test"))
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    client = Client(f"http://127.0.0.1:{port}", timeout=10)
+    for _ in range(200):
+        try:
+            client.health()
+        except ServerError as e:
+            assert e.status == 503 and "loading" in e.error
+            break
+        except OSError:
+            time.sleep(0.05)
+    got, err = post(client, b'{"images": ["aGVsbG8="]}')
+    assert got == 503 and "still loading" in err["error"]
+    release.set()
+    time.sleep(0.2)
+    got, err = post(client, b'{"images": ["aGVsbG8="]}')
+    assert got == 503 and "failed to load (RuntimeError: no model in this test)" in err["error"]
+    srv.should_exit = True
+    th.join(10)
+
+
+def test_glmvit_encode_writes_the_vllm_layout_too(tmp_path):
+    img = tmp_path / "a.png"
+    img.write_bytes(png(64, 80, 90))
+    assert cli.main([str(img), "--checkpoint", TOWER, "--out", str(tmp_path / "out"), "--cpu",
+                     "--vllm-ec-dir", str(tmp_path / "ec")]) == 0
+    import hashlib
+
+    from safetensors import safe_open
+
+    sha = hashlib.sha256(img.read_bytes()).hexdigest()
+    with safe_open(str(tmp_path / "ec" / sha / "encoder_cache.safetensors"), "numpy") as f:
+        assert f.get_tensor("ec_cache").dtype == ml_dtypes.bfloat16
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert next(iter(manifest["images"].values()))["sha256"] == sha
