@@ -1,0 +1,140 @@
+"""glmvit-serve under load: N concurrent clients on loopback sending JPEGs of mixed sizes (150-2,500
+tokens), one image a request; images/s, p50/p99 latency and forward-pass fill (from /metrics), beside
+the same engine called one request at a time in this process (host decoding included in both). Also
+checks that every served embedding equals, bit for bit, GlmVit.encode of the same bytes alone.
+
+    python benchmarks/bench_serve.py [--checkpoint PATH] [--clients 16] [--requests 240] [--cpu]
+"""
+
+import argparse
+import io
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))  # run from a checkout
+from benchmarks.common import official_checkpoint, table  # noqa: E402
+from tests.golden import cases  # noqa: E402
+
+# (height, width) in pixels: 150 to 2,500 tokens at 28 x 28 pixels a token.
+SIZES = [(336, 448), (448, 448), (300, 500), (640, 480), (896, 672), (1024, 768), (1200, 900), (1400, 1300),
+         (256, 1024), (720, 1280)]
+
+
+def jpegs(n):
+    out = []
+    for i in range(n):
+        h, w = SIZES[i % len(SIZES)]
+        buf = io.BytesIO()
+        Image.fromarray(cases._smooth(h, w, 100 + i)).save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def metric(url, name):
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " "))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default=None, help="default: random weights of the official geometry")
+    ap.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
+    ap.add_argument("--requests", type=int, default=240, help="requests in all, one image each (default 240)")
+    ap.add_argument("--distinct", type=int, default=40, help="distinct images (default 40)")
+    ap.add_argument("--cpu", action="store_true", help="the float32 reference (slow)")
+    args = ap.parse_args()
+    from glmvit_cupy import bind_tower
+    from glmvit_cupy.backend import Backend
+    from glmvit_cupy.client import Client
+    from glmvit_cupy.preprocess import prepare_canvas
+
+    ckpt = args.checkpoint or official_checkpoint()
+    images = jpegs(args.distinct)
+    work = [images[i % len(images)] for i in range(args.requests)]
+
+    # One request at a time, in process: decode + resize, one forward pass, embedding to the host.
+    backend = Backend(bind_tower(ckpt), cpu=args.cpu)
+    alone = {}
+    for data in images[:3]:  # warm: compile, plans
+        backend.encode_on(0, [prepare_canvas(io.BytesIO(data))])
+    lat = []
+    t0 = time.perf_counter()
+    for data in work:
+        t = time.perf_counter()
+        emb = backend.encode_on(0, [prepare_canvas(io.BytesIO(data))])[0]
+        lat.append(time.perf_counter() - t)
+        alone.setdefault(data, emb)
+    seq_s = time.perf_counter() - t0
+    tokens = sum(a.shape[0] for a in (alone[d] for d in work))
+
+    # The server: one image a request, N clients at once, no cache (every request reaches the engine).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.server.main", "--checkpoint", ckpt, "--port", str(port),
+                             "--cache-mib", "0", "--max-queue", "4096"] + (["--cpu"] if args.cpu else []), env=env)
+    client = Client(f"http://127.0.0.1:{port}", timeout=600)
+    try:
+        for _ in range(600):
+            try:
+                if client.health()["status"] == "ok":
+                    break
+            except Exception:
+                time.sleep(0.1)
+        for data in images:  # warm the server's shapes too
+            client.encode([data])
+        p0 = metric(client.url, "glmvit_forward_passes_total")
+        fill0 = (metric(client.url, "glmvit_forward_pass_fill_sum"), metric(client.url, "glmvit_forward_pass_images_sum"))
+        served, slat, lock, bad = {}, [], threading.Lock(), []
+        todo = list(range(len(work)))
+
+        def run():
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    j = todo.pop()
+                t = time.perf_counter()
+                emb = client.encode([work[j]])[0][0]
+                with lock:
+                    slat.append(time.perf_counter() - t)
+                    if not np.array_equal(emb.view(np.uint16), alone[work[j]].view(np.uint16)):
+                        bad.append(j)
+
+        threads = [threading.Thread(target=run) for _ in range(args.clients)]
+        t0 = time.perf_counter()
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        srv_s = time.perf_counter() - t0
+        passes = metric(client.url, "glmvit_forward_passes_total") - p0
+        fill = (metric(client.url, "glmvit_forward_pass_fill_sum") - fill0[0]) / passes
+        per_pass = (metric(client.url, "glmvit_forward_pass_images_sum") - fill0[1]) / passes
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    rows = [["one request at a time, in process", 1, len(work), f"{len(work) / seq_s:.1f}", f"{tokens / seq_s:.0f}",
+             f"{1e3 * np.median(lat):.1f}", f"{1e3 * np.percentile(lat, 99):.1f}", len(work), "1.0", ""],
+            [f"glmvit-serve, {args.clients} clients", args.clients, len(work), f"{len(work) / srv_s:.1f}",
+             f"{tokens / srv_s:.0f}", f"{1e3 * np.median(slat):.1f}", f"{1e3 * np.percentile(slat, 99):.1f}",
+             int(passes), f"{per_pass:.1f}", f"{100 * fill:.0f}%"]]
+    table(["setup", "clients", "images", "images/s", "tokens/s", "p50 ms", "p99 ms", "forward passes",
+           "images a pass", "pass fill (of 8000 tokens)"], rows)
+    print(f"\n{backend.name}; {len(images)} distinct JPEGs of {min(a.shape[0] for a in alone.values())}-"
+          f"{max(a.shape[0] for a in alone.values())} tokens; served embeddings bit-equal to encoding alone: "
+          f"{len(work) - len(bad)} of {len(work)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
