@@ -1,9 +1,9 @@
 """glmvit-serve under load: N concurrent clients on loopback sending JPEGs of mixed sizes (150-2,500
-tokens), one image a request; images/s, p50/p99 latency and forward-pass fill (from /metrics), beside
+tokens, or 64-300 with --small), one image a request; images/s, p50/p99 latency and forward-pass fill (from /metrics), beside
 the same engine called one request at a time in this process (host decoding included in both). Also
 checks that every served embedding equals, bit for bit, GlmVit.encode of the same bytes alone.
 
-    python benchmarks/bench_serve.py [--checkpoint PATH] [--clients 16] [--requests 240] [--cpu]
+    python benchmarks/bench_serve.py [--checkpoint PATH] [--clients 16] [--requests 240] [--small] [--cpu]
 """
 
 import argparse
@@ -27,12 +27,14 @@ from tests.golden import cases  # noqa: E402
 # (height, width) in pixels: 150 to 2,500 tokens at 28 x 28 pixels a token.
 SIZES = [(336, 448), (448, 448), (300, 500), (640, 480), (896, 672), (1024, 768), (1200, 900), (1400, 1300),
          (256, 1024), (720, 1280)]
+# --small: 64-300 tokens, where sharing a forward pass matters most.
+SMALL = [(224, 224), (224, 336), (280, 280), (336, 336), (252, 364), (308, 308), (392, 280), (448, 336)]
 
 
-def jpegs(n):
+def jpegs(n, sizes):
     out = []
     for i in range(n):
-        h, w = SIZES[i % len(SIZES)]
+        h, w = sizes[i % len(sizes)]
         buf = io.BytesIO()
         Image.fromarray(cases._smooth(h, w, 100 + i)).save(buf, format="JPEG", quality=90)
         out.append(buf.getvalue())
@@ -50,6 +52,7 @@ def main():
     ap.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
     ap.add_argument("--requests", type=int, default=240, help="requests in all, one image each (default 240)")
     ap.add_argument("--distinct", type=int, default=40, help="distinct images (default 40)")
+    ap.add_argument("--small", action="store_true", help="small images (64-300 tokens) instead of 150-2,500")
     ap.add_argument("--cpu", action="store_true", help="the float32 reference (slow)")
     args = ap.parse_args()
     from glmvit_cupy import bind_tower
@@ -58,7 +61,7 @@ def main():
     from glmvit_cupy.preprocess import prepare_canvas
 
     ckpt = args.checkpoint or official_checkpoint()
-    images = jpegs(args.distinct)
+    images = jpegs(args.distinct, SMALL if args.small else SIZES)
     work = [images[i % len(images)] for i in range(args.requests)]
 
     # One request at a time, in process: decode + resize, one forward pass, embedding to the host.
