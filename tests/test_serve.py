@@ -261,8 +261,53 @@ def test_loading_answers_503(tmp_path):
     time.sleep(0.2)
     got, err = post(client, b'{"images": ["aGVsbG8="]}')
     assert got == 503 and "failed to load (RuntimeError: no model in this test)" in err["error"]
+    app.state.glmvit["status"] = "stopping"  # what SIGTERM sets before uvicorn drains the connections
+    got, err = post(client, b'{"images": ["aGVsbG8="]}')
+    assert got == 503 and "shutting down" in err["error"]
     srv.should_exit = True
     th.join(10)
+
+
+def test_a_bad_image_never_touches_another_request(server, tower):
+    client, _ = server
+    good = png(88, 64, 95)
+    got = {}
+    tg = threading.Thread(target=lambda: got.update(good=client.encode([good])))
+    tg.start()
+    bad = post(client, json.dumps({"images": [base64.b64encode(b"GIF89a broken").decode()]}).encode())
+    tg.join()
+    assert bad[0] == 422 and bad[1]["index"] == 0
+    assert np.array_equal(got["good"][0][0].view(np.uint16), reference_bf16(tower, good).view(np.uint16))
+
+
+def test_batcher_runs_one_lane_per_replica():
+    """Several replicas (--devices 0,1): a worker per lane, passes on both at once (a fake engine)."""
+    import asyncio
+
+    from glmvit_cupy.server.batcher import Batcher
+
+    class TwoReplicas:
+        lanes = 2
+
+        def __init__(self):
+            self.seen, self.lock = set(), threading.Lock()
+
+        def encode_on(self, lane, items):
+            with self.lock:
+                self.seen.add(lane)
+            time.sleep(0.05)
+            return [np.full((it[2]["tokens"], 2), lane) for it in items]
+
+    engine = TwoReplicas()
+    batcher = Batcher(engine, capacity_tokens=4, max_wait_s=0.0, max_queue=64)
+
+    async def go():
+        futures = batcher.submit([(None, None, {"tokens": 4}) for _ in range(8)])
+        return await asyncio.gather(*futures)
+
+    outs = asyncio.run(go())
+    batcher.stop()
+    assert engine.seen == {0, 1} and len(outs) == 8 and all(o.shape == (4, 2) for o in outs)
 
 
 def test_glmvit_encode_writes_the_vllm_layout_too(tmp_path):
