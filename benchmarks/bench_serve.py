@@ -99,7 +99,7 @@ def main():
             client.encode([data])
         p0 = metric(client.url, "glmvit_forward_passes_total")
         fill0 = (metric(client.url, "glmvit_forward_pass_fill_sum"), metric(client.url, "glmvit_forward_pass_images_sum"))
-        served, slat, lock, bad = {}, [], threading.Lock(), []
+        slat, lock, bad = [], threading.Lock(), []
         todo = list(range(len(work)))
 
         def run():
