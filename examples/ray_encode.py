@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Images -> GLM-5.3-Flash embeddings as Parquet, on a local Ray or a Ray cluster, resumable.
+
+    python examples/ray_encode.py photos/ --checkpoint /models/GLM-5.3-Flash --out embeddings/
+    python examples/ray_encode.py 's3://bucket/photos/' --checkpoint zai-org/GLM-5.3-Flash --out /shared/emb \\
+        --address auto --concurrency 8
+
+Input: a folder (walked), a glob, or a cloud prefix Ray can list (s3://, gs://, ...). Output: Parquet
+files in --out, one row per image: path, tokens, grid_thw, error (null if fine) and embedding_bf16,
+the embedding's bf16 bits (little-endian, row-major [tokens, out_hidden]; empty for a failed image);
+back to an array with
+`np.frombuffer(row["embedding_bf16"], ml_dtypes.bfloat16).reshape(row["tokens"], -1)`. Re-running
+skips every path already in --out (failed ones included: their error is recorded).
+"""
+
+import argparse
+import glob
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout without installing
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+def local_files(spec):
+    """The image files of a folder or glob, or None for a cloud prefix (Ray lists those itself)."""
+    if "://" in spec:
+        return None
+    if os.path.isdir(spec):
+        return sorted(os.path.join(r, f) for r, _, fs in os.walk(spec) for f in fs if f.lower().endswith(IMAGE_EXTENSIONS))
+    return sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+
+
+def done_paths(out) -> set:
+    """Paths already in the output's Parquet files."""
+    import pyarrow.parquet as pq
+
+    files = glob.glob(os.path.join(out, "*.parquet")) if os.path.isdir(out) else []
+    return {p for f in files for p in pq.read_table(f, columns=["path"]).column("path").to_pylist()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("input", help="folder, glob or cloud prefix of images")
+    ap.add_argument("--checkpoint", required=True, help="checkpoint folder or Hub id, readable by every worker")
+    ap.add_argument("--out", required=True, help="output folder of Parquet files (re-running resumes)")
+    ap.add_argument("--address", default=None, help="Ray cluster address (e.g. auto); default: a local Ray")
+    ap.add_argument("--cpu", action="store_true", help="the float32 reference in CPU actors (slow; no GPU)")
+    ap.add_argument("--concurrency", type=int, default=None, help="encoder actors (default: one per GPU)")
+    ap.add_argument("--num-gpus", type=float, default=1, help="GPUs per encoder actor (default 1)")
+    ap.add_argument("--capacity-tokens", type=int, default=8000, help="tokens per forward pass (default 8000)")
+    ap.add_argument("--max-image-tokens", type=int, default=8000, help="per-image token limit (default 8000)")
+    args = ap.parse_args(argv)
+
+    import ray
+
+    import glmvit_cupy.ray as gvr
+
+    files = local_files(args.input)
+    if files is not None and not files:
+        print(f"ray_encode: no images found in {args.input}", file=sys.stderr)
+        return 2
+    done = done_paths(args.out)
+    if files is not None:
+        files = [f for f in files if f not in done]
+        if not files:
+            print(f"ray_encode: all images of {args.input} are already in {args.out}")
+            return 0
+    if not ray.is_initialized():
+        ray.init(address=args.address, include_dashboard=False)
+    ds = ray.data.read_binary_files(files if files is not None else args.input, include_paths=True)
+    if files is None and done:
+        ds = ds.filter(lambda row: row["path"] not in done)
+    out = gvr.encode_dataset(ds, args.checkpoint, cpu=args.cpu, num_gpus=args.num_gpus, concurrency=args.concurrency,
+                             capacity_tokens=args.capacity_tokens, max_image_tokens=args.max_image_tokens)
+    t0 = time.perf_counter()
+    out.map_batches(gvr.embedding_bytes, batch_format="pandas").write_parquet(args.out)
+    dt = time.perf_counter() - t0
+    import pyarrow.parquet as pq
+
+    rows = [r for f in glob.glob(os.path.join(args.out, "*.parquet"))
+            for r in pq.read_table(f, columns=["path", "error"]).to_pylist() if r["path"] not in done]
+    failed = sum(r["error"] is not None for r in rows)
+    print(f"ray_encode: {len(rows)} images in {dt:.1f} s ({len(rows) / dt:.1f} images/s), {failed} failed; "
+          f"{len(done)} were already done; output in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

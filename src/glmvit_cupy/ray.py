@@ -1,0 +1,127 @@
+"""Beyond one machine: encode a Ray Dataset of image files (the `ray` extra; Ray imported only here).
+
+    import ray, glmvit_cupy.ray as gvr
+    ds = ray.data.read_binary_files("s3://bucket/photos/", include_paths=True)     # columns bytes, path
+    out = gvr.encode_dataset(ds, "/models/GLM-5.3-Flash", concurrency=8)           # 8 GPU actors
+
+Two stages: `Prepare` decodes and resizes on CPU workers (Ray tasks); `Encode` runs in actors that
+load the tower once (`num_gpus` each, `concurrency` of them) and pack rows into forward passes of up to
+`capacity_tokens`. Output rows keep every input column but the bytes and add:
+
+- `tokens` (int), `grid_thw` (three ints);
+- `embedding`: float32 [tokens, out_hidden] holding the exact bf16 values (widening bf16 to float32
+  is exact: `embedding.astype(ml_dtypes.bfloat16)` gives the bf16 bits back); a failed row has none:
+  an empty [0, out_hidden] array (an array all the same, so every block of the column has one type);
+- `error`: None, or why the image could not be used (the row keeps its other columns).
+
+Embeddings equal, bit for bit, `GlmVit.encode` of the same image alone on the same kind of GPU (the
+engine is batch-invariant), or the float32 reference's with cpu=True.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from .batching import DEFAULT_MAX_IMAGE_TOKENS
+from .errors import ImageError
+from .preprocess import prepare_canvas
+
+
+class Prepare:
+    """CPU stage: the bytes column -> canvas (uint8, dropped by Encode), grid_thw, tokens, error.
+    Batches are pandas DataFrames: pandas and Arrow agree on nulls (a NumPy batch of an all-null text
+    column comes back as "nan" strings)."""
+
+    def __init__(self, bytes_column: str, min_image_tokens: int, max_image_tokens: int, max_pixels=None):
+        self.column, self.limits = bytes_column, dict(min_image_tokens=min_image_tokens,
+                                                      max_image_tokens=max_image_tokens, max_pixels=max_pixels)
+
+    def __call__(self, batch):
+        import pandas as pd
+
+        data = batch.pop(self.column)
+        names = batch["path"] if "path" in batch else [f"row {i}" for i in range(len(data))]
+        canvases, grids, tokens, errors = [], [], [], []
+        for i, (blob, name) in enumerate(zip(data, names)):
+            stream = io.BytesIO(bytes(blob))
+            stream.name = str(name)  # errors name the file
+            try:
+                canvas, grid, info = prepare_canvas(stream, i, **self.limits)
+                canvases.append(canvas), grids.append(np.array(grid, np.int64)), tokens.append(info["tokens"])
+                errors.append(None)
+            except (ImageError, ValueError) as e:  # a failed row: empty arrays (one type per column)
+                canvases.append(np.zeros((0, 0, 3), np.uint8)), grids.append(np.zeros(3, np.int64)), tokens.append(0)
+                errors.append(str(e))
+        batch["canvas"], batch["grid_thw"], batch["tokens"] = canvases, grids, np.array(tokens, np.int64)
+        batch["error"] = pd.array(errors, dtype="string")
+        return batch
+
+
+class Encode:
+    """The tower, loaded once per actor (a GPU replica, or the reference with cpu=True): canvases ->
+    embeddings, rows packed into passes of up to capacity_tokens."""
+
+    def __init__(self, checkpoint, cpu: bool, capacity_tokens: int):
+        from .backend import Backend
+        from .checkpoint import bind_tower
+
+        self.backend = Backend(bind_tower(checkpoint), cpu=cpu, capacity_tokens=capacity_tokens)
+
+    def __call__(self, batch):
+        import pandas as pd
+
+        canvases = list(batch.pop("canvas"))
+        errors = [None if pd.isna(e) else str(e) for e in batch["error"]]
+        grids, tokens = list(batch["grid_thw"]), list(batch["tokens"])
+        width = self.backend.geometry.out_hidden_size
+        embeddings = [np.zeros((0, width), np.float32) for _ in canvases]  # a failed row has none
+        rows = [i for i, e in enumerate(errors) if e is None]
+        items = [(canvases[i], tuple(int(v) for v in grids[i]), {"tokens": int(tokens[i])}) for i in rows]
+        try:
+            for i, emb in zip(rows, self.backend.encode_on(0, items) if items else []):
+                embeddings[i] = emb.astype(np.float32)  # exact: every bf16 value is a float32 value
+        except Exception as e:  # the engine failed on this batch: its rows say so, the pipeline goes on
+            for i in rows:
+                errors[i] = f"encoding failed ({type(e).__name__}: {e})"
+        batch["embedding"] = embeddings
+        batch["error"] = pd.array(errors, dtype="string")
+        return batch
+
+
+def embedding_bytes(batch):
+    """For Parquet and other columnar files (a pandas batch): `embedding` replaced by `embedding_bf16`,
+    its bf16 bits as bytes (little-endian, row-major [tokens, out_hidden]; empty for a failed row).
+    Back to an array: np.frombuffer(b, ml_dtypes.bfloat16).reshape(tokens, -1)."""
+    import ml_dtypes
+
+    batch["embedding_bf16"] = [np.asarray(e).astype(ml_dtypes.bfloat16).tobytes() for e in batch.pop("embedding")]
+    return batch
+
+
+def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = False, num_gpus: float = 1,
+                   concurrency: int | None = None, capacity_tokens: int = 8000, min_image_tokens: int = 16,
+                   max_image_tokens: int = DEFAULT_MAX_IMAGE_TOKENS, max_pixels: int | None = None,
+                   batch_size: int = 16):
+    """A Ray Dataset with one image file per row (its bytes in `bytes_column`) -> the same rows with
+    tokens, grid_thw, embedding and error (see the module's docstring). `concurrency`: encoder actors
+    (default: as many as the cluster's GPUs allow at `num_gpus` each; 1 with cpu=True)."""
+    import ray
+
+    from .checkpoint import bind_tower
+
+    if bytes_column not in ds.columns():
+        raise ValueError(f"the dataset has no column {bytes_column!r} (it has {ds.columns()}); "
+                         "ray.data.read_binary_files(..., include_paths=True) gives 'bytes' and 'path'")
+    if max_image_tokens > capacity_tokens:
+        raise ValueError(f"max_image_tokens={max_image_tokens} exceeds capacity_tokens={capacity_tokens}")
+    bind_tower(checkpoint)  # a bad checkpoint fails here, on the driver, not in every actor
+    if concurrency is None:
+        gpus = ray.cluster_resources().get("GPU", 0)
+        concurrency = 1 if cpu else max(1, int(gpus // num_gpus))
+    prepared = ds.map_batches(Prepare(bytes_column, min_image_tokens, max_image_tokens, max_pixels),
+                              batch_format="pandas", batch_size=batch_size)
+    return prepared.map_batches(Encode, fn_constructor_args=(checkpoint, cpu, capacity_tokens),
+                                compute=ray.data.ActorPoolStrategy(size=concurrency), num_gpus=0 if cpu else num_gpus,
+                                batch_format="pandas", batch_size=batch_size)

@@ -1,0 +1,96 @@
+"""Ray Data pipeline on a local Ray (CPU CI, the `ray` extra): the golden tower with cpu=True over a
+folder with a broken file and a text file named .jpg; outputs equal the reference bit for bit,
+failures are recorded per row, other columns pass through, and the example resumes."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ray = pytest.importorskip("ray", reason="the ray extra (ray[data]) is not installed")
+pytest.importorskip("ray.data", reason="the ray extra (ray[data]) is not installed")
+
+import ml_dtypes  # noqa: E402
+
+from glmvit_cupy import reference  # noqa: E402
+from glmvit_cupy.preprocess import normalise_patchify, prepare_canvas  # noqa: E402
+from tests.golden import cases  # noqa: E402
+
+TOWER = str(cases.TOWER_DIR)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    d = tmp_path_factory.mktemp("imgs")
+    for i, (h, w) in enumerate([(100, 150), (64, 64), (140, 90), (90, 200)]):
+        Image.fromarray(cases._smooth(h, w, 200 + i)).save(d / f"img{i}.png")
+    (d / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nbroken")
+    (d / "notes.jpg").write_text("a text file with an image's name")
+    return d
+
+
+def reference_bf16(path):
+    canvas, grid, _ = prepare_canvas(str(path))
+    tower = reference.Tower(reference.bind_tower(TOWER))
+    return reference.encode_pixels(tower, normalise_patchify(canvas), [grid]).astype(ml_dtypes.bfloat16)
+
+
+def test_encode_dataset_matches_reference_and_records_failures(local_ray, folder):
+    import glmvit_cupy.ray as gvr
+
+    files = sorted(str(p) for p in folder.iterdir())
+    ds = ray.data.read_binary_files(files, include_paths=True)
+    ds = ds.map(lambda r: dict(r, label=os.path.basename(r["path"]).upper()))  # a passthrough column
+    rows = {r["path"]: r for r in gvr.encode_dataset(ds, TOWER, cpu=True, batch_size=3).take_all()}
+    assert set(rows) == set(files)
+    for path, r in rows.items():
+        assert "bytes" not in r and r["label"] == os.path.basename(path).upper()
+        if os.path.basename(path) in ("broken.png", "notes.jpg"):
+            assert r["embedding"].shape == (0, 256) and path in r["error"] and "cannot decode" in r["error"]
+            continue
+        assert r["error"] is None
+        ref = reference_bf16(path)
+        emb = r["embedding"]
+        assert emb.dtype == np.float32 and emb.shape == (r["tokens"], 256) and list(r["grid_thw"])[0] == 1
+        assert np.array_equal(emb.astype(ml_dtypes.bfloat16).view(np.uint16), ref.view(np.uint16))
+
+
+def test_encode_dataset_checks_its_arguments(local_ray):
+    import glmvit_cupy.ray as gvr
+    from glmvit_cupy import CheckpointError
+
+    ds = ray.data.from_items([{"data": b"x"}])
+    with pytest.raises(ValueError, match="no column 'bytes'"):
+        gvr.encode_dataset(ds, TOWER, cpu=True)
+    with pytest.raises(CheckpointError):
+        gvr.encode_dataset(ds, "/nonexistent/ckpt", cpu=True, bytes_column="data")
+
+
+def test_example_writes_parquet_and_resumes(local_ray, folder, tmp_path, capsys):
+    import pyarrow.parquet as pq
+    import ray_encode
+
+    out = tmp_path / "out"
+    assert ray_encode.main([str(folder / "img[01].png"), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
+    assert ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
+    assert "2 were already done" in capsys.readouterr().out
+    table = [r for f in out.glob("*.parquet") for r in pq.read_table(f).to_pylist()]
+    paths = sorted(r["path"] for r in table)
+    assert paths == sorted(str(p) for p in folder.iterdir())  # every file once: the first two not again
+    assert sum(r["error"] is not None for r in table) == 2, [(r["path"], r["error"]) for r in table]
+    good = next(r for r in table if r["path"].endswith("img1.png"))
+    emb = np.frombuffer(good["embedding_bf16"], ml_dtypes.bfloat16).reshape(good["tokens"], -1)
+    assert np.array_equal(emb.view(np.uint16), reference_bf16(folder / "img1.png").view(np.uint16))
+    assert ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
+    assert "already in" in capsys.readouterr().out
