@@ -75,6 +75,8 @@ def test_encode_dataset_checks_its_arguments(local_ray):
         gvr.encode_dataset(ds, TOWER, cpu=True)
     with pytest.raises(CheckpointError):
         gvr.encode_dataset(ds, "/nonexistent/ckpt", cpu=True, bytes_column="data")
+    with pytest.raises(ValueError, match="has 0 GPUs.*cpu=True"):  # this local Ray has none
+        gvr.encode_dataset(ds, TOWER, bytes_column="data")
 
 
 def test_example_writes_parquet_and_resumes(local_ray, folder, tmp_path, capsys):

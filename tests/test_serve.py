@@ -194,6 +194,8 @@ def test_queue_full_is_429(server):
     assert statuses == [200, 429], got
     refused = next(r[1] for r in got.values() if r[0] == 429)
     assert "--max-queue" in refused["error"] and refused["index"] is None
+    got, err = post(client, json.dumps({"images": a + b}).encode())  # 5 images: never fits a queue of 4
+    assert got == 429 and "smaller requests" in err["error"]
 
 
 def test_a_client_that_goes_away_breaks_nothing(server, tower):

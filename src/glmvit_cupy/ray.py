@@ -117,8 +117,11 @@ def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = F
     if max_image_tokens > capacity_tokens:
         raise ValueError(f"max_image_tokens={max_image_tokens} exceeds capacity_tokens={capacity_tokens}")
     bind_tower(checkpoint)  # a bad checkpoint fails here, on the driver, not in every actor
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if not cpu and gpus < num_gpus:
+        raise ValueError(f"the Ray cluster has {gpus:g} GPUs, and each encoder actor asks for {num_gpus:g}: its "
+                         "actors would wait forever; add GPU nodes, or pass cpu=True for the float32 reference")
     if concurrency is None:
-        gpus = ray.cluster_resources().get("GPU", 0)
         concurrency = 1 if cpu else max(1, int(gpus // num_gpus))
     prepared = ds.map_batches(Prepare(bytes_column, min_image_tokens, max_image_tokens, max_pixels),
                               batch_format="pandas", batch_size=batch_size)

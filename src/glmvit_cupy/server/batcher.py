@@ -55,6 +55,9 @@ class Batcher:
         with self._cv:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
+            if len(items) > self.max_queue:
+                raise QueueFull(f"this request has {len(items)} images, more than the queue ever holds "
+                                f"({self.max_queue}, --max-queue): send them in smaller requests")
             if self._waiting + len(items) > self.max_queue:
                 raise QueueFull(f"{self._waiting} images are waiting and this request brings {len(items)}; the "
                                 f"queue holds {self.max_queue} (--max-queue): retry later")
