@@ -194,7 +194,8 @@ def test_queue_full_is_429(server):
     assert statuses == [200, 429], got
     refused = next(r[1] for r in got.values() if r[0] == 429)
     assert "--max-queue" in refused["error"] and refused["index"] is None
-    got, err = post(client, json.dumps({"images": a + b}).encode())  # 5 images: never fits a queue of 4
+    five = [base64.b64encode(png(80, 64 + 8 * i, 70 + i)).decode() for i in range(5)]  # not cached
+    got, err = post(client, json.dumps({"images": five}).encode())  # 5 images: never fit a queue of 4
     assert got == 429 and "smaller requests" in err["error"]
 
 
