@@ -220,23 +220,3 @@ def test_version_and_typing_marker():
     assert glmvit_cupy.__version__ and (os.path.isfile(os.path.join(os.path.dirname(glmvit_cupy.__file__),
                                                                     "py.typed")))
 
-
-def test_images_are_prepared_on_threads_with_the_same_result(tmp_path):
-    """encode(images) prepares a list on a thread pool: the canvases, grids and the first error (by
-    position) are those of one thread."""
-    from glmvit_cupy.batching import prepare_images
-
-    paths = []
-    for i, (h, w) in enumerate([(100, 150), (300, 200), (64, 64), (500, 120), (90, 90), (256, 256)]):
-        p = tmp_path / f"{i}.png"
-        Image.fromarray(cases._smooth(h, w, 300 + i)).save(p)
-        paths.append(str(p))
-    one = prepare_images(cases.GEOMETRY, 600, paths, workers=1)
-    many = prepare_images(cases.GEOMETRY, 600, paths, workers=4)
-    assert all(np.array_equal(a[0], b[0]) and a[1] == b[1] and a[2] == b[2] for a, b in zip(one, many))
-    bad = tmp_path / "bad.png"
-    bad.write_bytes(b"\x89PNG nope")
-    for workers in (1, 4):
-        with pytest.raises(ImageError, match="bad.png"):
-            prepare_images(cases.GEOMETRY, 600, paths[:2] + [str(bad)] + paths[2:] + [str(tmp_path / "gone.png")],
-                           workers=workers)

@@ -8,8 +8,6 @@ from it); `max_image_tokens` is the per-image resize limit of the reference proc
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
@@ -79,25 +77,16 @@ def image_limits(capacity_tokens: int, min_image_tokens, max_image_tokens) -> tu
 
 
 def prepare_images(geo: VisionGeometry, capacity_tokens: int, images, min_image_tokens=16,
-                   max_image_tokens=None, max_pixels=None, workers: int | None = None) -> list:
+                   max_image_tokens=None, max_pixels=None) -> list:
     """Images -> one (uint8 canvas, grid, info) per image, resized as the reference processor does
-    with these limits. Raises ImageError naming the first image (by position) that cannot be used.
-    Several images are decoded and resized on `workers` threads (default: min(8, CPUs); Pillow
-    releases the GIL while it decodes and resizes); the result does not depend on how many."""
+    with these limits. Raises ImageError naming the first image that cannot be used."""
     if (geo.in_channels, geo.patch_size, geo.temporal_patch_size, geo.spatial_merge_size) != (3, PATCH, TEMPORAL,
                                                                                              MERGE):
         raise ValueError(f"encode(images) needs the RGB, {PATCH}-pixel, {TEMPORAL}-frame patch geometry of the "
                          f"reference processor ({FACTOR}-pixel tokens); use encode_pixels for others")
     lo, hi = image_limits(capacity_tokens, min_image_tokens, max_image_tokens)
-
-    def one(i):
-        return prepare_canvas(images[i], i, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels)
-
-    workers = min(len(images), workers or min(8, os.cpu_count() or 1))
-    if workers <= 1 or any(hasattr(im, "read") for im in images):  # file objects: read on this thread
-        return [one(i) for i in range(len(images))]
-    with ThreadPoolExecutor(workers, thread_name_prefix="glmvit-prepare") as pool:
-        return list(pool.map(one, range(len(images))))  # in order; the first failure (by position) raises
+    return [prepare_canvas(im, i, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels)
+            for i, im in enumerate(images)]
 
 
 def pack(items: Iterable[T], capacity: int, cost: Callable[[T], int]) -> Iterator[list[T]]:

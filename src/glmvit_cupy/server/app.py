@@ -9,9 +9,8 @@
 
 Errors are JSON {"error": why, "index": the image's position or null}: 400 malformed request, 413
 too large, 415 not JSON, 422 an image that cannot be decoded (nothing of that request is encoded),
-429 queue full, 503 loading or shutting down, 500 the engine failed. Parsing, base64, hashing, image
-decoding and the response's serialisation run on a thread pool and the engine on the batcher's
-threads: the event loop never blocks on any of them.
+429 queue full, 503 loading or shutting down, 500 the engine failed. Decoding runs on a thread pool
+and the engine on the batcher's threads: the event loop never blocks on either.
 """
 
 from __future__ import annotations
@@ -132,15 +131,25 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         if kind != "application/json":
             raise Refused(415, f"Content-Type {kind or 'none'!r}: send application/json")
         body = await _read_body(request, int(settings.max_body_mib * 2**20))
-        loop = asyncio.get_running_loop()
-        images, lo, hi = await loop.run_in_executor(pool, _parse, body, settings.capacity_tokens)
-        blobs, shas = await loop.run_in_executor(pool, _decode_base64, images, settings.max_image_mib)
+        images, lo, hi = _parse(body, settings.capacity_tokens)
+        blobs = []
+        for i, text in enumerate(images):
+            try:
+                data = base64.b64decode(text, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise Refused(400, f"images[{i}] is not valid base64 ({e})", i) from None
+            if len(data) > settings.max_image_mib * 2**20:
+                raise Refused(413, f"images[{i}] is {len(data)} bytes, over the {settings.max_image_mib:g} MiB limit "
+                                   "per image", i)
+            blobs.append(data)
+        shas = [vllm_ec.key_of(d) for d in blobs]
         keys = [(sha, lo, hi, settings.checkpoint) for sha in shas]
         hits = {i: cache.get(k) for i, k in enumerate(keys)}
         todo = {}  # key -> first index that needs encoding (a repeated image is encoded once)
         for i, k in enumerate(keys):
             if hits[i] is None:
                 todo.setdefault(k, i)
+        loop = asyncio.get_running_loop()
         prepared = await asyncio.gather(*[loop.run_in_executor(pool, _prepare, blobs[i], i, lo, hi, settings.max_pixels)
                                           for i in todo.values()], return_exceptions=True)
         for i, got in zip(todo.values(), prepared):
@@ -173,8 +182,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                                                       for i, s in enumerate(shas)])
         from safetensors.numpy import save
 
-        body = await loop.run_in_executor(pool, lambda: save(out, metadata={"images": json.dumps(meta)}))
-        return Response(body, media_type="application/octet-stream")
+        return Response(save(out, metadata={"images": json.dumps(meta)}), media_type="application/octet-stream")
 
     app = Starlette(routes=[Route("/health", health), Route("/metrics", metrics_text),
                             Route("/v1/encode", encode, methods=["POST"])], lifespan=lifespan)
@@ -216,20 +224,6 @@ def _parse(body: bytes, capacity: int):
     if hi > capacity:
         raise Refused(400, f"max_image_tokens = {hi} exceeds the server's capacity of {capacity} tokens per pass")
     return images, lo, hi
-
-
-def _decode_base64(images: list, max_image_mib: float):
-    """(file bytes, sha256 hex) of every image, on the decode pool: big images keep the loop free."""
-    blobs = []
-    for i, text in enumerate(images):
-        try:
-            data = base64.b64decode(text, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise Refused(400, f"images[{i}] is not valid base64 ({e})", i) from None
-        if len(data) > max_image_mib * 2**20:
-            raise Refused(413, f"images[{i}] is {len(data)} bytes, over the {max_image_mib:g} MiB limit per image", i)
-        blobs.append(data)
-    return blobs, [vllm_ec.key_of(d) for d in blobs]
 
 
 def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels):
