@@ -120,8 +120,8 @@ def _decode(image, name, max_pixels=None) -> Image.Image:
             if limit is not None and w * h > limit:
                 raise ImageError(f"{bomb} (it is {w} x {h} = {w * h:,})")
             img.load()
-            img = ImageOps.exif_transpose(img)
-            return img.convert("RGB")
+            ImageOps.exif_transpose(img, in_place=True)  # in place: no copy when nothing is to be turned
+            return img if img.mode == "RGB" else img.convert("RGB")
     except ImageError:
         raise
     except Image.DecompressionBombError as e:
@@ -163,30 +163,37 @@ def _from_array(a: np.ndarray, name) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
-def load_rgb(image, index: int = 0, max_pixels: int | None = None) -> np.ndarray:
-    """Any accepted image input -> HxWx3 uint8 RGB. Raises ImageError naming the image. Encoded images
-    over max_pixels (None: Pillow's 89.5-megapixel guard) are refused before they are decoded."""
+def _load(image, index: int, max_pixels: int | None):
+    """Any accepted image input -> an RGB PIL image (encoded inputs: no copy made yet) or HxWx3 uint8
+    array. Raises ImageError naming the image."""
     name = _name(image, index)
     if isinstance(image, (str, os.PathLike)):
         if os.path.isdir(image):
             raise ImageError(f"{name}: is a folder, not an image file (glmvit-encode walks folders)")
         if not os.path.isfile(image):
             raise ImageError(f"{name}: no such file")
-        rgb = np.asarray(_decode(image, name, max_pixels))
+        out = _decode(image, name, max_pixels)
     elif isinstance(image, (bytes, bytearray)):
-        rgb = np.asarray(_decode(io.BytesIO(image), name, max_pixels))
+        out = _decode(io.BytesIO(image), name, max_pixels)
     elif hasattr(image, "read"):
-        rgb = np.asarray(_decode(image, name, max_pixels))
+        out = _decode(image, name, max_pixels)
     elif isinstance(image, Image.Image):
-        rgb = _from_pil(image, name)
+        out = _from_pil(image, name)
     elif isinstance(image, np.ndarray):
-        rgb = _from_array(image, name)
+        out = _from_array(image, name)
     else:
         raise ImageError(f"{name}: unsupported input type {type(image).__name__}; pass a path, a file object, "
                          "a PIL image or an HxWx3 uint8 array")
-    if rgb.ndim != 3 or rgb.shape[0] == 0 or rgb.shape[1] == 0:
-        raise ImageError(f"{name}: zero-size image {rgb.shape[:2]}")
-    return rgb
+    h, w = (out.size[1], out.size[0]) if isinstance(out, Image.Image) else out.shape[:2]
+    if h == 0 or w == 0:
+        raise ImageError(f"{name}: zero-size image {(h, w)}")
+    return out
+
+
+def load_rgb(image, index: int = 0, max_pixels: int | None = None) -> np.ndarray:
+    """Any accepted image input -> HxWx3 uint8 RGB. Raises ImageError naming the image. Encoded images
+    over max_pixels (None: Pillow's 89.5-megapixel guard) are refused before they are decoded."""
+    return np.asarray(_load(image, index, max_pixels))
 
 
 def _value_table() -> np.ndarray:
@@ -230,21 +237,35 @@ def prepare(image, index: int = 0, *, min_image_tokens: int = 16, max_image_toke
     return normalise_patchify(canvas), grid, info
 
 
+RESIZE = ("host", "gpu")
+
+
 def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_image_tokens: int = 8000,
-                   max_pixels: int | None = None):
-    """One image -> (resized, zero-padded uint8 canvas [H, W, 3], (1, H/14, W/14), info dict): everything
-    but the normalise and patchify, which the GPU can do from these 8x fewer bytes."""
-    rgb = load_rgb(image, index, max_pixels)
-    height, width = rgb.shape[:2]
+                   max_pixels: int | None = None, resize: str = "host", decoded=None):
+    """One image -> (uint8 image, (1, H/14, W/14), info dict): everything but the normalise and patchify,
+    which the GPU does from these 8x fewer bytes. resize "host": the image is the resized, zero-padded
+    canvas [H, W, 3] (Pillow resizes); "gpu": it is the decoded image, which the GPU resizes to
+    info["content"] bit for bit as Pillow would and pads to info["canvas"]. `decoded`: the image already
+    decoded (an RGB PIL image or HxWx3 uint8 array), e.g. by a GPU decoder."""
+    if resize not in RESIZE:
+        raise ValueError(f"resize={resize!r}: choose one of {', '.join(map(repr, RESIZE))}")
+    img = _load(image, index, max_pixels) if decoded is None else decoded
+    width, height = img.size if isinstance(img, Image.Image) else (img.shape[1], img.shape[0])
     canvas = smart_resize(height, width, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
     ch, cw = content_size(height, width, canvas, min_image_tokens=min_image_tokens)
-    if (ch, cw) != (height, width):
-        rgb = np.asarray(Image.fromarray(rgb).resize((cw, ch), resample=Image.Resampling.BICUBIC))
-    padded = np.zeros((canvas[0], canvas[1], 3), dtype=np.uint8)
-    padded[:ch, :cw] = rgb
     grid = (1, canvas[0] // PATCH, canvas[1] // PATCH)
     info = {"source": _name(image, index), "size": (height, width), "canvas": canvas, "content": (ch, cw),
-            "grid": grid, "tokens": grid[1] * grid[2] // (MERGE * MERGE)}
+            "grid": grid, "tokens": grid[1] * grid[2] // (MERGE * MERGE), "resize": resize}
+    if resize == "gpu" and (height, width) != canvas:
+        return np.asarray(img), grid, info
+    if (ch, cw) != (height, width):
+        pil = img if isinstance(img, Image.Image) else Image.fromarray(img)
+        img = pil.resize((cw, ch), resample=Image.Resampling.BICUBIC)
+    rgb = np.asarray(img)
+    if (ch, cw) == tuple(canvas):
+        return rgb, grid, info
+    padded = np.zeros((canvas[0], canvas[1], 3), dtype=np.uint8)
+    padded[:ch, :cw] = rgb
     return padded, grid, info
 
 

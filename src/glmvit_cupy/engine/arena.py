@@ -34,8 +34,7 @@ def layout(g: VisionGeometry, patches: int) -> dict:
     return {
         "keep": {"residual": ((p, h), f32)},  # the float32 residual stream x
         "input": {"pixels_f32": ((p, g.patch_dim), f32),  # float32 pixels as uploaded, before the cast
-                  "pixels": ((p, g.patch_dim), bf),       # bf16 pixel_values the patch embed reads
-                  "canvas": ((p * g.in_channels * g.patch_size ** 2,), np.uint8)},  # uint8 images
+                  "pixels": ((p, g.patch_dim), bf)},      # bf16 pixel_values the patch embed reads
         "blocks": {"normed": ((p, h), bf),                 # a norm's output, the next GEMM's input
                    "q": ((p, h), bf), "k": ((p, h), bf), "v": ((p, h), bf),
                    "attn_out": ((p, h), bf),               # attention's output, attn.proj's input

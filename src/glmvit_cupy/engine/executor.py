@@ -9,11 +9,9 @@ import logging
 import threading
 
 import cupy
-import numpy as np
 
 from ..errors import GpuOutOfMemory
-from .gemm import BF16, Handle
-from .ops import patchify, to_bf16
+from .gemm import Handle
 
 log = logging.getLogger("glmvit_cupy")
 
@@ -95,31 +93,3 @@ class Executor:
             return {}
         ev[-1][1].synchronize()
         return {b: cupy.cuda.get_elapsed_time(ea, eb) for (_, ea), (b, eb) in zip(ev, ev[1:])}
-
-
-def stage_pixels(pixels_f32, pixels, pixel_values):
-    """pixel_values (NumPy or this device's CuPy, float or bf16) -> the bf16 rows `pixels`; the float32
-    slot `pixels_f32` carries a NumPy upload before the cast on the GPU."""
-    if isinstance(pixel_values, cupy.ndarray) and pixel_values.dtype == BF16:
-        pixels[...] = pixel_values
-        return
-    if isinstance(pixel_values, cupy.ndarray):
-        src = cupy.ascontiguousarray(pixel_values, dtype=np.float32)
-    else:
-        src = pixels_f32
-        src.set(np.ascontiguousarray(pixel_values, dtype=np.float32))
-    to_bf16(src, pixels)
-
-
-def stage_canvases(canvas_slot, pixels, canvases, value_table, temporal, patch):
-    """uint8 canvases [H, W, 3] -> the bf16 rows `pixels`, in order: one upload and one patchify each
-    (the GPU normalises and patchifies bit-identically to the host: preprocess.normalise_patchify)."""
-    off = row = 0
-    for canvas in canvases:
-        h, w = canvas.shape[:2]
-        rows = (h // patch) * (w // patch)
-        dst = canvas_slot[off:off + canvas.size]
-        dst.set(np.ascontiguousarray(canvas).reshape(-1))
-        patchify(dst.reshape(h, w, 3), value_table, pixels[row:row + rows], temporal, patch)
-        off += canvas.size
-        row += rows

@@ -19,8 +19,9 @@ from ..config import VisionGeometry
 from ..preprocess import value_table
 from . import arena, layers, params
 from .attention import check_variant, default_variants
-from .executor import Executor, stage_canvases, stage_pixels
+from .executor import Executor
 from .plans import PlanCache
+from .staging import Stager, stage_pixels
 
 log = logging.getLogger("glmvit_cupy")
 
@@ -63,6 +64,7 @@ class GlmVit:
             self.plans = PlanCache(names, g.num_heads, g.hidden_size,
                                    self.device.attributes["MultiProcessorCount"], self.MAX_PLANS)
             self.executor = Executor(self.device, graphs)
+            self.stager = Stager(self.value_table, g.temporal_patch_size, g.patch_size)
             self.device.synchronize()
         self._arena = None
         self.weight_bytes = binding.nbytes
@@ -130,9 +132,7 @@ class GlmVit:
         """(uint8 canvas, grid, info) triples from batching.prepare_images -> one output per image, in order."""
         results = []
         for batch in batching.pack(prepared, self.capacity_tokens, lambda item: item[2]["tokens"]):
-            g = self.geometry
-            out = self._encode([grid for _, grid, _ in batch], lambda s, b=batch: stage_canvases(
-                s["canvas"], s["pixels"], [c for c, _, _ in b], self.value_table, g.temporal_patch_size, g.patch_size))
+            out = self._encode([grid for _, grid, _ in batch], lambda s, b=batch: self.stager.images(b, s["pixels"]))
             row = 0
             for _, _, info in batch:
                 results.append(out[row:row + info["tokens"]])

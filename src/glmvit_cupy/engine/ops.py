@@ -138,6 +138,29 @@ def patchify(canvas, value_table, out, temporal, patch):
         (canvas, value_table, out, np.int32(h), np.int32(w), np.int32(temporal), np.int32(patch))))
 
 
+def resample_pass(src, tables, dst, along):
+    """One pass of Pillow's 8-bit BICUBIC: src uint8 [rows_in, W_in, 3] -> dst uint8 [rows, cols, 3] along
+    columns (along 1) or rows (along 0); tables = (first, count, weights) device int32 from resample.axis."""
+    first, count, weights = tables
+    rows, cols = dst.shape[:2]
+    _launch("resample pass", 0, lambda: kernel("pixels", "resample_pass_u8")(
+        _grid_1d(dst.size), (THREADS,), (src, dst, first, count, weights, np.int32(weights.shape[1]),
+                                         np.int32(along), np.int32(src.shape[1]), np.int32(rows), np.int32(cols))))
+
+
+def resample_patchify(src, tables, along, content, value_table, out, canvas, temporal, patch):
+    """The last resize pass (along 0 / 1; -1: src is already the content) fused with the zero pad to the
+    canvas (H, W), the normalise and the patchify: out as patchify's for that canvas."""
+    first, count, weights = tables if tables is not None else (None, None, None)
+    h, w = canvas
+    _launch("resample + patchify", 0, lambda: kernel("pixels", "resample_patchify_u8")(
+        _grid_1d((h // patch) * (w // patch) * 3 * patch * patch), (THREADS,),
+        (src, _ptr_or_null(first), _ptr_or_null(count), _ptr_or_null(weights),
+         np.int32(0 if weights is None else weights.shape[1]), np.int32(along), np.int32(src.shape[1]),
+         np.int32(content[0]), np.int32(content[1]), value_table, out, np.int32(h), np.int32(w), np.int32(temporal),
+         np.int32(patch))))
+
+
 # -- cuda/attention_sm90.cu, attention_sm80.cu -----------------------------------------------------
 
 _prepared: set = set()
