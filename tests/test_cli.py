@@ -156,7 +156,13 @@ def test_preparing_threads_keep_order_and_errors(images):
         if isinstance(a, Exception):
             assert type(b) is type(a) and str(b) == str(a)
         else:
-            assert np.array_equal(a[0], b[0]) and a[1] == b[1] and a[2] == b[2]
+            (ia, ga, fa), sha_a = a
+            (ib, gb, fb), sha_b = b
+            assert np.array_equal(ia, ib) and ga == gb and fa == fb and sha_a == sha_b
+    for resize in ("host", "gpu"):  # the GPU's input is the decoded image, the host's the canvas
+        (_, ((img, grid, info), _)), = cli.prepared_in_order(paths[:1], 2, resize, max_image_tokens=100)
+        assert info["resize"] == resize and img.shape[:2] == (tuple(info["canvas"]) if resize == "host"
+                                                              else tuple(info["size"]))
     gen = cli.prepared_in_order(paths, 4, max_image_tokens=100)
     next(gen)
     gen.close()  # stopping early shuts the threads down without waiting for the rest

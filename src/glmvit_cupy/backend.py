@@ -17,6 +17,7 @@ class Backend:
         self.geometry = binding.geometry
         self.capacity_tokens = capacity_tokens
         self.cpu = cpu
+        self.resize = "host" if cpu else "gpu"  # who resizes the images this backend is given
         if cpu:
             from . import reference
 

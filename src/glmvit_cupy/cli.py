@@ -16,21 +16,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
-import itertools
+import io
 import os
 import sys
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
-
-from . import gpu, vllm_ec
+from . import feed, gpu, vllm_ec
 from .backend import Backend
-from .batching import pack
+from .batching import DECODE, pack
 from .checkpoint import bind_tower
 from .errors import CheckpointError, ImageError, OutputError
 from .output import Output, image_key
-from .preprocess import prepare_canvas
+from .preprocess import RESIZE, prepare_canvas
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -61,33 +58,30 @@ def expand_inputs(items) -> list[str]:
     return unique
 
 
-def prepared_in_order(paths, workers: int, **limits):
-    """(path, (uint8 canvas, grid, info) or the ImageError / ValueError that image raised), in input order.
-    With workers > 1, up to workers + 2 images are prepared ahead on threads (PIL's decode and resize
-    and NumPy's copies release the GIL), so host preprocessing overlaps itself and the GPU."""
+def prepared_in_order(paths, workers: int, resize: str = "host", decode: str = "cpu", **limits):
+    """(path, ((uint8 image, grid, info), sha256 of the file) or the ImageError / ValueError that image
+    raised), in input order; `workers` threads read, hash, decode (and with resize "host", resize) ahead
+    of the GPU (feed.in_order)."""
+    decoder = None
+    if decode == "gpu":
+        from .gpu_decode import Decoder
+
+        decoder = Decoder(limits.get("max_pixels"))
+
     def one(i, path):
         try:
-            return prepare_canvas(path, i, **limits)
+            with open(path, "rb") as f:  # read once: hashed (the content's key) and decoded from memory
+                data = f.read()
+        except OSError as e:
+            return path, ImageError(f"{path}: cannot read ({e})")
+        try:
+            decoded = decoder.decode(data, i) if decoder is not None else None
+            got = prepare_canvas(io.BytesIO(data), i, resize=resize, decoded=decoded, **limits)
+            return path, (got, vllm_ec.key_of(data))
         except (ImageError, ValueError) as e:
-            return e
+            return path, type(e)(str(e).replace(f"image {i} (BytesIO)", path))
 
-    if workers <= 1:
-        for i, path in enumerate(paths):
-            yield path, one(i, path)
-        return
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="glmvit-prepare")
-    try:
-        todo, window = iter(enumerate(paths)), deque()
-        for i, path in itertools.islice(todo, workers + 2):
-            window.append((path, pool.submit(one, i, path)))
-        while window:
-            path, fut = window.popleft()
-            nxt = next(todo, None)
-            if nxt is not None:
-                window.append((nxt[1], pool.submit(one, *nxt)))
-            yield path, fut.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    return feed.in_order(one, paths, workers)
 
 
 def device_list(text: str) -> list[int]:
@@ -115,9 +109,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-image-tokens", type=int, default=16, help="per-image lower limit (default 16)")
     ap.add_argument("--devices", type=device_list, default=None, metavar="0,1,...",
                     help="CUDA devices, one replica each; batches are spread across them (default: the current one)")
-    ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                    help="threads decoding and resizing images ahead of the GPU (default: min(8, CPUs)); each "
-                         "holds one image's uint8 canvas, up to 19 MB at 8000 tokens")
+    ap.add_argument("--workers", type=int, default=feed.default_workers(),
+                    help="threads reading and decoding images ahead of the GPU (default: the CPUs, at most 16); "
+                         "each holds one decoded image (36 MB for a 12-megapixel photo)")
+    ap.add_argument("--resize", choices=RESIZE, default="gpu",
+                    help="who resizes: the GPU, bit for bit as Pillow (default), or Pillow on the host")
+    ap.add_argument("--decode", choices=DECODE, default="cpu",
+                    help="who decodes JPEGs: Pillow (default) or nvImageCodec on the GPU (the gpu-decode extra; "
+                         "its pixels differ slightly from Pillow's, see docs/PERFORMANCE.md)")
     ap.add_argument("--max-pixels", type=int, default=None, metavar="N",
                     help="largest image to decode, in pixels (default: Pillow's decompression-bomb guard, "
                          "89,478,485); raise it for large scans or panoramas")
@@ -234,14 +233,13 @@ def encode_all(args, todo, enc, out) -> int:
                 bar.write(f"skipped {path}: {got}")
                 bar.update(1)
                 continue
-            canvas, grid, info = got
-            with open(path, "rb") as f:  # the content's key, as vLLM's encoder cache and glmvit-serve use
-                sha = vllm_ec.key_of(f.read())
+            (canvas, grid, info), sha = got  # sha: the content's key, as vLLM's encoder cache and glmvit-serve use
             yield image_key(path), canvas, grid, {"source": image_key(path), "sha256": sha,
                                                   "size_hw": list(info["size"]), "canvas_hw": list(info["canvas"]),
                                                   "grid_thw": list(grid), "tokens": info["tokens"]}
 
-    stream = prepared_in_order(todo, args.workers, min_image_tokens=args.min_image_tokens,
+    stream = prepared_in_order(todo, args.workers, "host" if args.cpu else args.resize, args.decode,
+                               min_image_tokens=args.min_image_tokens,
                                max_image_tokens=args.max_image_tokens, max_pixels=args.max_pixels)
     with contextlib.closing(stream):  # an interrupted run stops the preparing threads too
         # Batches run once every device has one (the replicas run them at the same time).

@@ -34,27 +34,30 @@ class Prepare:
     Batches are pandas DataFrames: pandas and Arrow agree on nulls (a NumPy batch of an all-null text
     column comes back as "nan" strings)."""
 
-    def __init__(self, bytes_column: str, min_image_tokens: int, max_image_tokens: int, max_pixels=None):
+    def __init__(self, bytes_column: str, min_image_tokens: int, max_image_tokens: int, max_pixels=None,
+                 resize: str = "host"):
         self.column, self.limits = bytes_column, dict(min_image_tokens=min_image_tokens,
-                                                      max_image_tokens=max_image_tokens, max_pixels=max_pixels)
+                                                      max_image_tokens=max_image_tokens, max_pixels=max_pixels,
+                                                      resize=resize)
 
     def __call__(self, batch):
         import pandas as pd
 
         data = batch.pop(self.column)
         names = batch["path"] if "path" in batch else [f"row {i}" for i in range(len(data))]
-        canvases, grids, tokens, errors = [], [], [], []
+        canvases, grids, tokens, contents, errors = [], [], [], [], []
         for i, (blob, name) in enumerate(zip(data, names)):
             stream = io.BytesIO(bytes(blob))
             stream.name = str(name)  # errors name the file
             try:
                 canvas, grid, info = prepare_canvas(stream, i, **self.limits)
                 canvases.append(canvas), grids.append(np.array(grid, np.int64)), tokens.append(info["tokens"])
-                errors.append(None)
+                contents.append(np.array(info["content"], np.int64)), errors.append(None)
             except (ImageError, ValueError) as e:  # a failed row: empty arrays (one type per column)
                 canvases.append(np.zeros((0, 0, 3), np.uint8)), grids.append(np.zeros(3, np.int64)), tokens.append(0)
-                errors.append(str(e))
+                contents.append(np.zeros(2, np.int64)), errors.append(str(e))
         batch["canvas"], batch["grid_thw"], batch["tokens"] = canvases, grids, np.array(tokens, np.int64)
+        batch["content_hw"] = contents  # what the GPU resizes a decoded image to (resize "gpu")
         batch["error"] = pd.array(errors, dtype="string")
         return batch
 
@@ -72,13 +75,15 @@ class Encode:
     def __call__(self, batch):
         import pandas as pd
 
-        canvases = list(batch.pop("canvas"))
+        canvases, contents = list(batch.pop("canvas")), list(batch.pop("content_hw"))
         errors = [None if pd.isna(e) else str(e) for e in batch["error"]]
         grids, tokens = list(batch["grid_thw"]), list(batch["tokens"])
         width = self.backend.geometry.out_hidden_size
         embeddings = [np.zeros((0, width), np.float32) for _ in canvases]  # a failed row has none
         rows = [i for i, e in enumerate(errors) if e is None]
-        items = [(canvases[i], tuple(int(v) for v in grids[i]), {"tokens": int(tokens[i])}) for i in rows]
+        items = [(canvases[i], tuple(int(v) for v in grids[i]), {"tokens": int(tokens[i]),
+                                                                 "content": tuple(int(v) for v in contents[i])})
+                 for i in rows]
         try:
             for i, emb in zip(rows, self.backend.encode_on(0, items) if items else []):
                 embeddings[i] = emb.astype(np.float32)  # exact: every bf16 value is a float32 value
@@ -123,7 +128,10 @@ def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = F
                          "actors would wait forever; add GPU nodes, or pass cpu=True for the float32 reference")
     if concurrency is None:
         concurrency = 1 if cpu else max(1, int(gpus // num_gpus))
-    prepared = ds.map_batches(Prepare(bytes_column, min_image_tokens, max_image_tokens, max_pixels),
+    # On GPUs the decoded image travels and the actor's GPU resizes it (bit for bit as Pillow); the float32
+    # reference takes Pillow's canvas.
+    prepared = ds.map_batches(Prepare(bytes_column, min_image_tokens, max_image_tokens, max_pixels,
+                                      "host" if cpu else "gpu"),
                               batch_format="pandas", batch_size=batch_size)
     return prepared.map_batches(Encode, fn_constructor_args=(checkpoint, cpu, capacity_tokens),
                                 compute=ray.data.ActorPoolStrategy(size=concurrency), num_gpus=0 if cpu else num_gpus,

@@ -117,19 +117,24 @@ class GlmVit:
         return self._encode(grid, lambda s: stage_pixels(s["pixels_f32"][:n], s["pixels"][:n], pixel_values))
 
     def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None,
-               max_pixels: int | None = None) -> list[cupy.ndarray]:
+               max_pixels: int | None = None, resize: str = "gpu", decode: str = "cpu",
+               workers: int | None = None) -> list[cupy.ndarray]:
         """Images (paths, file objects, bytes, PIL images, HxWx3 uint8 arrays) -> one bf16 [tokens_i,
         out_hidden] CuPy array per image, preprocessed exactly as the reference processor with these
         limits (max_image_tokens None: 8000, or the capacity if smaller; max_pixels: the decompression-bomb
         guard for encoded images, default Pillow's 89.5 MP). Images share forward passes as the capacity
-        allows."""
+        allows; `workers` threads decode ahead while the GPU runs. resize "gpu" (default): the GPU resizes,
+        bit for bit as Pillow; "host": Pillow does. decode "gpu": JPEGs decoded by nvImageCodec (not
+        bit-identical to Pillow's decoder; see docs/PERFORMANCE.md)."""
         single = not isinstance(images, (list, tuple))
         prepared = batching.prepare_images(self.geometry, self.capacity_tokens, [images] if single else list(images),
-                                           min_image_tokens, max_image_tokens, max_pixels)
+                                           min_image_tokens, max_image_tokens, max_pixels, resize=resize,
+                                           decode=decode, workers=workers)
         return self.encode_prepared(prepared)
 
     def encode_prepared(self, prepared: list) -> list[cupy.ndarray]:
-        """(uint8 canvas, grid, info) triples from batching.prepare_images -> one output per image, in order."""
+        """(uint8 image, grid, info) triples (batching.prepare_images; a list or a lazy iterable) -> one
+        output per image, in order. Each batch is launched as soon as it is packed (no host wait)."""
         results = []
         for batch in batching.pack(prepared, self.capacity_tokens, lambda item: item[2]["tokens"]):
             out = self._encode([grid for _, grid, _ in batch], lambda s, b=batch: self.stager.images(b, s["pixels"]))

@@ -66,11 +66,13 @@ class Replicas:
         return self.map(lambda m, b: m.encode_pixels(*b), list(batches))
 
     def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None,
-               max_pixels: int | None = None) -> list:
+               max_pixels: int | None = None, resize: str = "gpu", decode: str = "cpu",
+               workers: int | None = None) -> list:
         """As GlmVit.encode; images spread over the replicas by tokens."""
         single = not isinstance(images, (list, tuple))
-        prepared = batching.prepare_images(self.geometry, self.capacity_tokens, [images] if single else list(images),
-                                           min_image_tokens, max_image_tokens, max_pixels)
+        prepared = list(batching.prepare_images(self.geometry, self.capacity_tokens, [images] if single else
+                                                list(images), min_image_tokens, max_image_tokens, max_pixels,
+                                                resize=resize, decode=decode, workers=workers))
         groups = batching.spread([info["tokens"] for _, _, info in prepared], len(self))
         outs = self.map(lambda m, g: m.encode_prepared([prepared[i] for i in g]), groups)
         results = [None] * len(prepared)

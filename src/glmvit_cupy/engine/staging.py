@@ -63,13 +63,13 @@ class Stager:
         return buf
 
     def images(self, items, pixels) -> None:
-        """(uint8 image, grid, info) items -> pixels rows, in order. The image is the canvas (host resize:
-        its shape is info["canvas"]) or the decoded image to resize to info["content"] and pad."""
+        """(uint8 image, grid, info) items -> pixels rows, in order. The image is the canvas (host resize: its
+        shape is the grid's, times the patch) or the decoded image to resize to info["content"] and pad."""
         row = 0
         for image, grid, info in items:
+            canvas = (int(grid[1]) * self.patch, int(grid[2]) * self.patch)
             rows = int(grid[1]) * int(grid[2])
-            self._one(image, tuple(info["canvas"]), tuple(info.get("content", info["canvas"])),
-                      pixels[row:row + rows])
+            self._one(image, canvas, tuple(info.get("content", canvas)), pixels[row:row + rows])
             row += rows
 
     def _one(self, image, canvas, content, out) -> None:

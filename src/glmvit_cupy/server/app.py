@@ -150,7 +150,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             if hits[i] is None:
                 todo.setdefault(k, i)
         loop = asyncio.get_running_loop()
-        prepared = await asyncio.gather(*[loop.run_in_executor(pool, _prepare, blobs[i], i, lo, hi, settings.max_pixels)
+        prepared = await asyncio.gather(*[loop.run_in_executor(pool, _prepare, blobs[i], i, lo, hi, settings.max_pixels,
+                                                               state["backend"].resize)
                                           for i in todo.values()], return_exceptions=True)
         for i, got in zip(todo.values(), prepared):
             if isinstance(got, BaseException):
@@ -226,5 +227,6 @@ def _parse(body: bytes, capacity: int):
     return images, lo, hi
 
 
-def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels):
-    return prepare_canvas(io.BytesIO(data), index, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels)
+def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels, resize: str):
+    return prepare_canvas(io.BytesIO(data), index, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels,
+                          resize=resize)

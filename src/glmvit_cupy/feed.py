@@ -1,0 +1,44 @@
+"""Keeping the GPU fed: images decoded and prepared on a thread pool, handed on in input order.
+
+Pillow releases the GIL while it decodes (and NumPy while it copies), so threads prepare images side by
+side while the caller's thread packs batches and launches them on the GPU. Used by encode(images),
+Replicas.encode and glmvit-encode; plain Python, tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator
+
+
+def default_workers() -> int:
+    """Threads for host preparation: the machine's cores, at most 16 (past that the GPU is the limit)."""
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+def in_order(fn: Callable, items: Iterable, workers: int, ahead: int | None = None) -> Iterator:
+    """fn(index, item) for each item, yielded in input order; with workers > 1, up to `ahead` (default
+    2 x workers + 2) calls run ahead on threads. An exception a call raises is raised when its turn
+    comes (the ones before it are yielded first); closing the generator early cancels what has not
+    started and waits for what has."""
+    if workers <= 1:
+        for i, item in enumerate(items):
+            yield fn(i, item)
+        return
+    ahead = max(1, ahead if ahead is not None else 2 * workers + 2)
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="glmvit-prepare")
+    try:
+        todo, window = enumerate(items), deque()
+        for i, item in itertools.islice(todo, ahead):
+            window.append(pool.submit(fn, i, item))
+        while window:
+            fut = window.popleft()
+            nxt = next(todo, None)
+            if nxt is not None:
+                window.append(pool.submit(fn, *nxt))
+            yield fut.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

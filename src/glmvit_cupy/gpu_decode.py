@@ -1,0 +1,77 @@
+"""Opt-in JPEG decoding on the GPU through NVIDIA's nvImageCodec (the `gpu-decode-cu12` / `-cu13`
+extras; imported only here, only when asked for).
+
+Its pixels are not libjpeg-turbo's (nvJPEG's IDCT and chroma upsampling differ), so embeddings drift
+from the reference's slightly: docs/PERFORMANCE.md gives the measured drift and when it pays. Anything
+it does not take (not a JPEG, a CMYK or unusual JPEG, a file it fails on) is decoded by Pillow as
+usual, so the same inputs are accepted and refused with the same errors.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+
+import numpy as np
+from PIL import Image
+
+from .errors import ImageError
+
+_JPEG = b"\xff\xd8\xff"
+
+
+class Decoder:
+    def __init__(self, max_pixels: int | None = None):
+        try:
+            from nvidia import nvimgcodec
+        except ImportError as e:
+            raise ImageError("decode='gpu' needs NVIDIA nvImageCodec: pip install 'glmvit-cupy[gpu-decode-cu12]' "
+                             f"(or -cu13 for CUDA 13) ({e})") from None
+        self._nv = nvimgcodec
+        self._local = threading.local()  # a decoder per thread: each has its own stream and buffers
+        self.max_pixels = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+
+    def _decoder(self):
+        d = getattr(self._local, "decoder", None)
+        if d is None:
+            d = self._local.decoder = self._nv.Decoder()
+        return d
+
+    def decode(self, image, index: int = 0):
+        """An encoded image (path, bytes or file object) -> HxWx3 uint8 RGB, EXIF orientation applied; None
+        when Pillow should decode it (other formats and inputs, or the GPU decoder declined)."""
+        if isinstance(image, (str, os.PathLike)):
+            try:
+                with open(image, "rb") as f:
+                    data = f.read()
+            except OSError:
+                return None  # Pillow's path reports it
+        elif isinstance(image, (bytes, bytearray)):
+            data = bytes(image)
+        else:
+            return None
+        if not data.startswith(_JPEG) or _mode(data) != "RGB":
+            return None
+        try:
+            stream = self._nv.CodeStream(data)
+            if self.max_pixels is not None and stream.width * stream.height > self.max_pixels:
+                return None  # Pillow refuses it with the usual message
+            out = self._decoder().decode(stream, params=self._nv.DecodeParams(apply_exif_orientation=True))
+            if out is None:
+                return None
+            rgb = np.asarray(out.cpu())
+        except Exception:
+            return None
+        if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
+            return None
+        return np.ascontiguousarray(rgb)
+
+
+def _mode(data: bytes) -> str | None:
+    """Pillow's mode for the JPEG (header only): GPU decoding is used for colour (YCbCr/RGB) JPEGs only."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return im.mode
+    except Exception:
+        return None
