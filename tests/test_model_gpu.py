@@ -2,6 +2,7 @@
 (official geometry, random weights with the clamp firing). The bar is HF transformers' own bf16
 error on the same inputs."""
 
+import os
 import threading
 
 import ml_dtypes
@@ -121,6 +122,27 @@ def test_encode_images_equals_pixels(small):
     assert [o.shape[0] for o in outs] == [g[1] * g[2] // 4 for g in G["batch_abc/grid_thw"]]
     whole = f32(small.encode_pixels(G["batch_abc/pixel_values"], G["batch_abc/grid_thw"]))
     assert np.array_equal(np.concatenate([f32(o) for o in outs]), whole)
+
+
+def test_encode_resizes_on_the_gpu_as_preprocess_does(small, tmp_path):
+    """encode(images) (GPU resize, the default; and host resize) equals encode_pixels(*preprocess(images))
+    bit for bit: a photo, a PNG with alpha, a 1-pixel-high strip, a tall strip, an array, a PIL image."""
+    from PIL import Image
+
+    from glmvit_cupy.preprocess import preprocess
+
+    rng = np.random.default_rng()
+    png = tmp_path / "alpha.png"
+    Image.fromarray(rng.integers(0, 256, (90, 130, 4), dtype=np.uint8), "RGBA").save(png)
+    photo = os.path.join(os.path.dirname(__file__), "..", "examples", "grace_hopper.jpg")
+    images = [photo, str(png), rng.integers(0, 256, (1, 300, 3), dtype=np.uint8),
+              rng.integers(0, 256, (700, 9, 3), dtype=np.uint8), Image.open(photo).rotate(30, expand=True)]
+    for tokens in (20, 64, 300):
+        whole = np.concatenate([small.encode_pixels(*preprocess(im, max_image_tokens=tokens)).get()
+                                for im in images])  # one by one: the capacity is 600 tokens
+        for resize in ("gpu", "host"):
+            outs = small.encode(images, max_image_tokens=tokens, resize=resize, workers=3)
+            assert np.array_equal(np.concatenate([o.get() for o in outs]).view(np.uint16), whole.view(np.uint16))
 
 
 # -- the official geometry, random weights -------------------------------------------------------

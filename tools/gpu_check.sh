@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine proves, in one call: the GPU test suite, the parity check against
 # HF transformers 5.23.0 and the benchmarks. Short table last; full logs under $OUT.
-#   tools/gpu_check.sh [tests|parity|bench|before|all]...   (default: all)
+#   tools/gpu_check.sh [tests|parity|bench|e2e|before|all]...   (default: all)
 # before: the encoder benchmark (ours only) of an older tree unpacked in .old/ (git archive COMMIT src
 # cuda benchmarks examples/grace_hopper.jpg | tar -x -C .old), then of this tree, in the same run.
 set -uo pipefail
@@ -10,6 +10,10 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 if compgen -G ".whl/transformers-5.23.0*.whl" >/dev/null && [ ! -d .site/transformers ]; then
     python3 -m pip install -q --no-index --no-deps --target .site .whl/transformers-5.23.0*.whl
+fi
+# Optional: nvImageCodec + nvJPEG wheels carried in .whl3 (the gpu-decode extra) for the e2e benchmark.
+if compgen -G ".whl3/*.whl" >/dev/null && [ ! -d .site/nvidia/nvimgcodec ]; then
+    python3 -m pip install -q --no-index --no-deps --target .site .whl3/*.whl
 fi
 [ -d .site ] && export PYTHONPATH="$PWD/.site:${PYTHONPATH:-}"
 export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}"
@@ -29,6 +33,7 @@ case " $what " in *" before "*)
     run bench_after python3 benchmarks/bench_encoder.py --no-hf
 ;; esac
 case " $what " in *" all "*|*" parity "*) run parity python3 benchmarks/parity.py ;; esac
+case " $what " in *" all "*|*" e2e "*) run bench_e2e python3 benchmarks/bench_e2e.py ;; esac
 case " $what " in *" all "*|*" bench "*)
     run bench_kernels python3 benchmarks/bench_kernels.py
     run bench_encoder python3 benchmarks/bench_encoder.py ${BENCH_ARGS:-}  # e.g. BENCH_ARGS=--no-compiled

@@ -1,0 +1,107 @@
+"""resample.py against the installed Pillow, bit for bit (CPU): the coefficient tables, the pass order
+and the integer arithmetic the GPU kernels apply. Fresh random sizes and bytes every run."""
+
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from glmvit_cupy import feed, resample
+from glmvit_cupy.preprocess import content_size, smart_resize
+
+rng = np.random.default_rng()
+PHOTO = os.path.join(os.path.dirname(__file__), "..", "examples", "grace_hopper.jpg")
+
+
+def pillow(img, out_h, out_w):
+    return np.asarray(Image.fromarray(img).resize((out_w, out_h), resample=Image.Resampling.BICUBIC))
+
+
+def random_pairs(n):
+    """Size pairs up and down, 1-pixel sides, extreme aspect ratios and strong shrinks."""
+    pairs = []
+    for i in range(n):
+        h, w, oh, ow = (int(v) for v in rng.integers(1, 160, 4))
+        kind = i % 6
+        if kind == 1:
+            h, oh = 1, int(rng.integers(1, 40))
+        elif kind == 2:
+            w, ow = int(rng.integers(1, 3)), int(rng.integers(1, 200))
+        elif kind == 3:  # strong shrink: wide filters (many taps)
+            h, w = int(rng.integers(200, 700)), int(rng.integers(200, 700))
+            oh, ow = max(1, h // int(rng.integers(5, 60))), max(1, w // int(rng.integers(5, 60)))
+        elif kind == 4:  # extreme aspect
+            h, w, oh, ow = int(rng.integers(300, 900)), int(rng.integers(1, 6)), int(rng.integers(20, 90)), 1
+        pairs.append((h, w, oh, ow))
+    return pairs
+
+
+def image(h, w):
+    img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    img[::2] = np.where(img[::2] > 127, 255, 0)  # hard edges: overshoot past 0 and 255, so the clip fires
+    return img
+
+
+def test_the_installed_pillow_follows_a_known_pass_order():
+    assert resample.pass_order() in resample.ORDERS
+
+
+def test_random_size_pairs_equal_pillow():
+    pairs = random_pairs(360)
+    clipped = 0
+    for h, w, oh, ow in pairs:
+        img = image(h, w)
+        want = pillow(img, oh, ow)
+        got = resample.resize(img, oh, ow)
+        assert got.shape == want.shape and np.array_equal(got, want), (h, w, oh, ow)
+        clipped += int(((want == 0) | (want == 255)).sum())
+    assert clipped > 0
+
+
+def test_both_pass_orders_happen_and_matter():
+    """On the probes the rules disagree about, the two orders give different bytes, and only the
+    installed Pillow's rule gives Pillow's."""
+    names = list(resample.ORDERS)
+    mine = names.index(resample.pass_order())
+    differ = 0
+    for h, w, oh, ow in resample._PROBES:
+        img = image(h, w)
+        outs = [resample.resize(img, oh, ow, r) for r in resample.ORDERS.values()]
+        assert np.array_equal(outs[mine], pillow(img, oh, ow))
+        differ += not np.array_equal(outs[0], outs[1])
+    assert differ >= 3
+
+
+def test_tables_are_normalised_fixed_point():
+    """Fixed-point weights: each row sums to 2^22 within its rounding, zero past its count."""
+    ax = resample.axis(1000, 77)
+    sums = ax.weights.sum(axis=1)
+    assert np.all(np.abs(sums - (1 << 22)) <= ax.taps)
+    assert np.all(ax.weights[np.arange(ax.taps)[None, :] >= ax.count[:, None]] == 0)
+    with pytest.raises(ValueError, match="at least 1"):
+        resample.axis(0, 3)
+
+
+@pytest.mark.parametrize("max_tokens", [64, 1024, 8000])
+def test_a_photo_to_its_canvas_equals_pillow(max_tokens):
+    rgb = np.asarray(Image.open(PHOTO).convert("RGB"))
+    h, w = rgb.shape[:2]
+    canvas = smart_resize(h, w, max_image_tokens=max_tokens)
+    ch, cw = content_size(h, w, canvas)
+    assert np.array_equal(resample.resize(rgb, ch, cw), pillow(rgb, ch, cw))
+
+
+def test_feed_keeps_order_and_raises_in_turn():
+    def fn(i, x):
+        if x == "bad":
+            raise ValueError(f"item {i}")
+        return i * 10
+
+    items = [0, 1, "bad", 3]
+    for workers in (1, 3):
+        gen = feed.in_order(fn, items, workers, ahead=2)
+        assert [next(gen), next(gen)] == [0, 10]
+        with pytest.raises(ValueError, match="item 2"):
+            next(gen)
+    assert list(feed.in_order(fn, range(20), 4)) == [i * 10 for i in range(20)]
