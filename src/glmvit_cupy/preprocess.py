@@ -17,6 +17,7 @@ import warnings
 import numpy as np
 from PIL import Image, ImageOps
 
+from . import resample
 from .errors import ImageError
 
 PATCH = 14
@@ -256,6 +257,8 @@ def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_ima
     grid = (1, canvas[0] // PATCH, canvas[1] // PATCH)
     info = {"source": _name(image, index), "size": (height, width), "canvas": canvas, "content": (ch, cw),
             "grid": grid, "tokens": grid[1] * grid[2] // (MERGE * MERGE), "resize": resize}
+    if resize == "gpu" and resample.pass_order() is None:
+        resize = info["resize"] = "host"  # an unknown Pillow: its bytes come from Pillow itself (warned once)
     if resize == "gpu" and (height, width) != canvas:
         return np.asarray(img), grid, info
     if (ch, cw) != (height, width):

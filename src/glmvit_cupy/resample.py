@@ -74,19 +74,23 @@ def axis(in_size: int, out_size: int) -> Axis:
     return Axis(first.astype(np.int32), count.astype(np.int32), fixed.astype(np.int32))
 
 
-# Which pass Pillow runs first. Pillow <= 12 always resizes horizontally first; Pillow 13 (its pull
-# request 9549) runs the vertical pass first when the height shrinks by more than twice as many pixels
-# as the width (measured against Pillow 13.0 on 1,482 size pairs where the order matters: all agree).
-# The order changes the 8-bit intermediate, so it changes output bits. `pass_order()` finds the rule
-# the installed Pillow follows by probing it; the GPU path is used only when one rule reproduces it.
+# Which pass Pillow runs first. The order changes the 8-bit intermediate, so it changes output bits, and
+# Pillow has changed it: up to 12.2 always horizontal first; 12.3's Image.resize runs the vertical pass
+# first for images taller than 100x their width whose height shrinks; 13.0 (its pull request 9549, in C)
+# runs the vertical pass first when the height shrinks by more than twice as many pixels as the width
+# (checked against Pillow 13.0 on 1,482 size pairs where the order matters: all agree). `pass_order()`
+# finds the rule the installed Pillow follows by probing it; the GPU resizes only when one reproduces it.
 ORDERS = {
     "horizontal first": lambda h, w, oh, ow: False,
-    "vertical first when the height shrinks more than twice the width": lambda h, w, oh, ow: h > oh and h - oh > 2 * (w - ow),
+    "vertical first for images over 100x taller than wide (Pillow 12.3)": lambda h, w, oh, ow: h > w * 100 and oh < h,
+    "vertical first when the height shrinks more than twice the width (Pillow 13)":
+        lambda h, w, oh, ow: h > oh and h - oh > 2 * (w - ow),
 }
-# Size pairs (h, w, out_h, out_w) on which the rules differ, either side of the boundary, with both
+# Size pairs (h, w, out_h, out_w) on which the rules differ, either side of their boundaries, with both
 # passes needed: a probe each.
 _PROBES = ((40, 10, 10, 9), (37, 20, 20, 12), (31, 30, 12, 20), (12, 40, 20, 9), (30, 24, 20, 19), (30, 24, 20, 20),
-           (29, 24, 20, 20), (60, 61, 7, 35), (9, 50, 4, 60))
+           (29, 24, 20, 20), (60, 61, 7, 35), (9, 50, 4, 60), (250, 2, 40, 1), (303, 3, 100, 2), (1000, 9, 999, 1),
+           (700, 7, 690, 3), (200, 2, 150, 1))
 
 
 @lru_cache(maxsize=1)
@@ -105,6 +109,10 @@ def pass_order() -> str | None:
     for name, rule in ORDERS.items():
         if all(np.array_equal(resize(img, oh, ow, rule), want) for img, oh, ow, want in cases):
             return name
+    import warnings
+
+    warnings.warn(f"Pillow {Image.__version__}: its BICUBIC pass order is none this version of glmvit-cupy knows; "
+                  "images are resized on the host by Pillow itself (resize='gpu' falls back)", RuntimeWarning)
     return None
 
 
