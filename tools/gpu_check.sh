@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 if compgen -G ".whl/transformers-5.23.0*.whl" >/dev/null && [ ! -d .site/transformers ]; then
-    python3 -m pip install -q --no-index --no-deps --target .site .whl/transformers-5.23.0*.whl
+    python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl  # transformers + the serve stack
 fi
 # Optional: nvImageCodec + nvJPEG wheels carried in .whl3 (the gpu-decode extra) for the e2e benchmark.
 if compgen -G ".whl3/*.whl" >/dev/null && [ ! -d .site/nvidia/nvimgcodec ]; then

@@ -70,16 +70,16 @@ def prepared_in_order(paths, workers: int, resize: str = "host", decode: str = "
 
     def one(i, path):
         try:
-            with open(path, "rb") as f:  # read once: hashed (the content's key) and decoded from memory
+            with open(path, "rb") as f:  # the content's key (Pillow's second read comes from the page cache)
                 data = f.read()
         except OSError as e:
             return path, ImageError(f"{path}: cannot read ({e})")
         try:
             decoded = decoder.decode(data, i) if decoder is not None else None
-            got = prepare_canvas(io.BytesIO(data), i, resize=resize, decoded=decoded, **limits)
+            got = prepare_canvas(path, i, resize=resize, decoded=decoded, **limits)
             return path, (got, vllm_ec.key_of(data))
         except (ImageError, ValueError) as e:
-            return path, type(e)(str(e).replace(f"image {i} (BytesIO)", path))
+            return path, e
 
     return feed.in_order(one, paths, workers)
 
@@ -236,6 +236,7 @@ def encode_all(args, todo, enc, out) -> int:
             (canvas, grid, info), sha = got  # sha: the content's key, as vLLM's encoder cache and glmvit-serve use
             yield image_key(path), canvas, grid, {"source": image_key(path), "sha256": sha,
                                                   "size_hw": list(info["size"]), "canvas_hw": list(info["canvas"]),
+                                                  "content": list(info["content"]),
                                                   "grid_thw": list(grid), "tokens": info["tokens"]}
 
     stream = prepared_in_order(todo, args.workers, "host" if args.cpu else args.resize, args.decode,

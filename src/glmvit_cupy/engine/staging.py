@@ -69,6 +69,10 @@ class Stager:
         for image, grid, info in items:
             canvas = (int(grid[1]) * self.patch, int(grid[2]) * self.patch)
             rows = int(grid[1]) * int(grid[2])
+            if tuple(image.shape[:2]) != canvas and "content" not in info:
+                raise ValueError(f"{info.get('source', 'an image')}: a decoded {image.shape[0]}x{image.shape[1]} image "
+                                 f"for a {canvas[0]}x{canvas[1]} canvas needs info['content'], the size to resize it "
+                                 "to (prepare_canvas gives it)")
             self._one(image, canvas, tuple(info.get("content", canvas)), pixels[row:row + rows])
             row += rows
 
