@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.common import official_checkpoint, table  # noqa: E402
+from benchmarks.common import hf_model_or_none, official_checkpoint, table  # noqa: E402
 
 
 def make_photos(folder, n, seed=0):
@@ -77,15 +77,12 @@ class Busy:
 def main():
     n = int(sys.argv[sys.argv.index("--images") + 1]) if "--images" in sys.argv else 48
     use_hf = "--no-hf" not in sys.argv
-    import cupy
-
     from glmvit_cupy import GlmVit
-    from glmvit_cupy.checkpoint import bind_tower
 
     folder = os.path.join(tempfile.gettempdir(), "glmvit_e2e_photos")
     paths = make_photos(folder, n)
-    mp = [os.path.getsize(p) for p in paths]
-    print(f"{n} JPEGs in {folder}: {sum(mp) / 2**20:.0f} MiB; {os.cpu_count()} CPUs")
+    size = sum(os.path.getsize(p) for p in paths)
+    print(f"{n} JPEGs in {folder}: {size / 2**20:.0f} MiB; {os.cpu_count()} CPUs")
     ckpt = official_checkpoint()
     model = GlmVit.from_checkpoint(ckpt, capacity_tokens=8000)
     try:
@@ -95,19 +92,11 @@ def main():
     except Exception as e:
         print("GPU decode rows skipped:", e)
         gpu_decode = False
-    hf = proc = None
-    if use_hf:
-        from tests import hf_bar
-
-        why = hf_bar.available()
-        if why:
-            print("HF rows skipped:", why)
-        else:
-            import torch
-            from transformers.image_utils import load_image
-            from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
-
-            hf = hf_bar.hf_model(bind_tower(ckpt))
+    hf = hf_model_or_none(ckpt, "HF rows") if use_hf else None
+    if hf is not None:
+        import torch
+        from transformers.image_utils import load_image
+        from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
 
     rows, drift_rows = [], []
     for budget in (8000, 1024):
@@ -161,9 +150,6 @@ def main():
             rows.append([budget, "HF transformers (PIL processor + eager bf16)", f"{n / dt:.1f}", f"{busy.mean:.0f}%"])
     table(["token budget", "path", "images/s", "GPU busy"], rows)
     if gpu_decode:
-        from PIL import Image
-
-        from glmvit_cupy.gpu_decode import Decoder
         from glmvit_cupy.preprocess import load_rgb
 
         dec, mx, mean = Decoder(), [], []
@@ -176,8 +162,6 @@ def main():
         drift_rows.append(["-", "pixels, GPU decode vs Pillow (libjpeg-turbo)", f"max {max(mx)}", f"mean {np.mean(mean):.3f}"])
         print()
         table(["token budget", "GPU decode drift", "max", "mean"], drift_rows)
-        del Image
-    cupy.cuda.Device().synchronize()
 
 
 if __name__ == "__main__":

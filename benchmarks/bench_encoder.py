@@ -15,7 +15,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))  # run from a checkout
-from benchmarks.common import GEMM_CEIL, forward_flop, official_checkpoint, table, time_ms, torch_ms  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    GEMM_CEIL, forward_flop, hf_model_or_none, official_checkpoint, table, time_ms, torch_ms)
 
 CASES = {
     "1 x 448x448": [(1, 32, 32)],
@@ -33,7 +34,6 @@ def main():
     import cupy
 
     from glmvit_cupy import GlmVit, preprocess
-    from glmvit_cupy.checkpoint import bind_tower
 
     use_hf, use_compiled = "--no-hf" not in sys.argv, "--no-compiled" not in sys.argv
     path = official_checkpoint()
@@ -44,17 +44,11 @@ def main():
     rng = np.random.default_rng(0)
     hf = compiled = None
     if use_hf:
-        from tests import hf_bar
-
-        why = hf_bar.available()
-        if why:
-            print("HF columns skipped:", why)
-        else:
+        hf = hf_model_or_none(path)
+        if hf is not None and use_compiled:
             import torch
 
-            hf = hf_bar.hf_model(bind_tower(path))
-            if use_compiled:
-                compiled = torch.compile(hf, mode="reduce-overhead", dynamic=False)
+            compiled = torch.compile(hf, mode="reduce-overhead", dynamic=False)
     rows, stages = [], []
     pool = cupy.get_default_memory_pool()
     for name, grids in CASES.items():

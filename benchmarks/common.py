@@ -64,6 +64,20 @@ def official_checkpoint():
                              VisionGeometry.official(), seed=11)
 
 
+def hf_model_or_none(path, what="HF columns"):
+    """HF transformers' bf16 model of the checkpoint at `path` on the GPU (tests/hf_bar.py), or None after
+    printing why it cannot run here."""
+    from tests import hf_bar
+
+    why = hf_bar.available()
+    if why:
+        print(f"{what} skipped:", why)
+        return None
+    from glmvit_cupy.checkpoint import bind_tower
+
+    return hf_bar.hf_model(bind_tower(path))
+
+
 def table(header, rows):
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---" for _ in header) + "|")
