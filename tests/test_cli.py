@@ -10,7 +10,9 @@ import pytest
 from PIL import Image
 from safetensors.numpy import load_file
 
-from glmvit_cupy import cli, preprocess, reference
+from glmvit_cupy import batching, cli, preprocess, reference
+from glmvit_cupy.checkpoint import bind_tower
+from glmvit_cupy.errors import ImageError
 from tests.golden import cases
 
 
@@ -80,15 +82,15 @@ def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch, c
 
     def init(self, *a, **kw):
         real(self, *a, **kw)
-        inner = self.run
+        inner = self.launch
 
-        def run_once(batches):
+        def launch_once(batches):  # Ctrl-C while the second batch is launched: the first is on the "GPU"
             calls["n"] += 1
             if calls["n"] == 2:
                 raise KeyboardInterrupt
             return inner(batches)
 
-        self.run = run_once
+        self.launch = launch_once
 
     monkeypatch.setattr(cli.Backend, "__init__", init)
     # 16-token minimum images: a.png has 8x12 patches = 24 tokens; one image per batch at 30 tokens.
@@ -146,11 +148,15 @@ def test_devices_flag_parses_ordinals():
             cli.parse(["--devices", bad])
 
 
+def _preparer(resize="host"):
+    return batching.preparer(bind_tower(cases.TOWER_DIR).geometry, 100, max_image_tokens=100, resize=resize)
+
+
 def test_preparing_threads_keep_order_and_errors(images):
     paths = [str(images / "a.png"), str(images / "broken.png"), str(images / "c.jpg"), str(images / "sub" / "b.png")]
     paths = paths * 3  # 12 images through a window of 4 + 2
-    one = list(cli.prepared_in_order(paths, 1, max_image_tokens=100))
-    many = list(cli.prepared_in_order(paths, 4, max_image_tokens=100))
+    one = list(cli.prepared_in_order(paths, 1, _preparer()))
+    many = list(cli.prepared_in_order(paths, 4, _preparer()))
     assert [p for p, _ in many] == paths
     for (_, a), (_, b) in zip(one, many):
         if isinstance(a, Exception):
@@ -160,10 +166,13 @@ def test_preparing_threads_keep_order_and_errors(images):
             (ib, gb, fb), sha_b = b
             assert np.array_equal(ia, ib) and ga == gb and fa == fb and sha_a == sha_b
     for resize in ("host", "gpu"):  # the GPU's input is the decoded image, the host's the canvas
-        (_, ((img, grid, info), _)), = cli.prepared_in_order(paths[:1], 2, resize, max_image_tokens=100)
+        (_, ((img, grid, info), _)), = cli.prepared_in_order(paths[:1], 2, _preparer(resize))
         assert info["resize"] == resize and img.shape[:2] == (tuple(info["canvas"]) if resize == "host"
                                                               else tuple(info["size"]))
-    gen = cli.prepared_in_order(paths, 4, max_image_tokens=100)
+        assert info["source"] == paths[0]  # the file is read once, as bytes, and still named by its path
+    with pytest.raises(ImageError, match="broken.png: cannot decode"):
+        raise dict(many)[paths[1]]
+    gen = cli.prepared_in_order(paths, 4, _preparer())
     next(gen)
     gen.close()  # stopping early shuts the threads down without waiting for the rest
 

@@ -63,7 +63,7 @@ def test_no_module_imports_one_that_imports_it_back():
     assert not cycles, cycles
 
 
-@pytest.mark.parametrize("host", ["config", "layout", "weights", "checkpoint", "hub", "preprocess", "batching",
+@pytest.mark.parametrize("host", ["config", "layout", "weights", "checkpoint", "hub", "images", "preprocess", "batching",
                                   "reference", "synthetic", "errors"])
 def test_host_half_never_imports_the_engine(host):
     assert not any(m.startswith("glmvit_cupy.engine") for m in GRAPH[f"glmvit_cupy.{host}"] | {

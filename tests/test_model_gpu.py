@@ -134,8 +134,10 @@ def test_encode_resizes_on_the_gpu_as_preprocess_does(small, tmp_path):
     rng = np.random.default_rng()
     png = tmp_path / "alpha.png"
     Image.fromarray(rng.integers(0, 256, (90, 130, 4), dtype=np.uint8), "RGBA").save(png)
+    exact = tmp_path / "canvas.png"  # 112 x 140: its own canvas at >= 20 tokens (no resize, no pad)
+    Image.fromarray(rng.integers(0, 256, (112, 140, 3), dtype=np.uint8)).save(exact)
     photo = os.path.join(os.path.dirname(__file__), "..", "examples", "grace_hopper.jpg")
-    images = [photo, str(png), rng.integers(0, 256, (1, 300, 3), dtype=np.uint8),
+    images = [photo, str(png), rng.integers(0, 256, (1, 300, 3), dtype=np.uint8), str(exact),
               rng.integers(0, 256, (700, 9, 3), dtype=np.uint8), Image.open(photo).rotate(30, expand=True)]
     for tokens in (20, 64, 300):
         whole = np.concatenate([small.encode_pixels(*preprocess(im, max_image_tokens=tokens)).get()
@@ -143,6 +145,57 @@ def test_encode_resizes_on_the_gpu_as_preprocess_does(small, tmp_path):
         for resize in ("gpu", "host"):
             outs = small.encode(images, max_image_tokens=tokens, resize=resize, workers=3)
             assert np.array_equal(np.concatenate([o.get() for o in outs]).view(np.uint16), whole.view(np.uint16))
+
+
+SPIN = r"""extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}"""
+
+
+def test_lent_page_locked_blocks_come_back_only_when_idle():
+    """A decoded image's page-locked block goes back when its array is garbage, and is taken again only once
+    the upload that last read it has run; only [H, W, :3] views of lent [H, W, 4] arrays count as lent."""
+    import gc
+
+    from glmvit_cupy.engine.staging import PinnedBlocks
+
+    pool = PinnedBlocks()
+    a = pool.array((300, 500, 4))
+    view = a[..., :3]
+    block = pool.lent(view)
+    assert block is not None and pool.lent(a) is None and pool.lent(np.empty((300, 500, 3), np.uint8)) is None
+    assert pool.lent(view[1:]) is None  # not the block's start
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.RawKernel(SPIN, "spin")((1,), (1,), (np.int64(2_000_000_000),), stream=stream)  # ~1 s
+    block.event = stream.record()  # as if an upload were still reading it
+    del a, view
+    gc.collect()
+    assert not block.idle and pool.take(block.size) is not block
+    stream.synchronize()
+    assert pool.take(block.size) is block
+
+
+def test_prepared_images_encode_alike_twice(small, tmp_path):
+    """Prepared items that a caller keeps (their pixels in lent page-locked blocks) encode to the same bits
+    again, and as encode(images) does."""
+    from PIL import Image
+
+    from glmvit_cupy import batching
+    from glmvit_cupy.engine.staging import HOST
+
+    rng = np.random.default_rng()
+    paths = []
+    for i, (h, w) in enumerate([(333, 500), (120, 900), (64, 64)]):
+        paths.append(str(tmp_path / f"{i}.jpg"))
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1], quality=90)
+    prepared = list(batching.prepare_images(small.geometry, small.capacity_tokens, paths, max_image_tokens=300,
+                                            resize="gpu", workers=2, host_buffer=HOST.array))
+    assert all(HOST.lent(im) is not None for im, _, _ in prepared)
+    runs = [[o.get().view(np.uint16) for o in small.encode_prepared(prepared)] for _ in range(2)]
+    runs.append([o.get().view(np.uint16) for o in small.encode(paths, max_image_tokens=300)])
+    for r in runs[1:]:
+        assert all(np.array_equal(x, y) for x, y in zip(runs[0], r))
 
 
 # -- the official geometry, random weights -------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import ImageError, preprocess
-from glmvit_cupy.preprocess import smart_resize
+from glmvit_cupy.preprocess import load_rgb, prepare_canvas, smart_resize
 from tests.golden import cases
 
 GOLDEN = json.load(open(cases.PREPROCESS))
@@ -112,3 +112,68 @@ def test_bad_token_limits():
         == [[1, 2, 2]]
     with pytest.raises(ValueError, match="positive integers"):
         preprocess([np.zeros((5, 5, 3), np.uint8)], max_image_tokens=0)
+
+
+def _photo(h, w, seed):
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (max(2, h // 16), max(2, w // 16), 3), dtype=np.uint8)
+    img = np.asarray(Image.fromarray(small).resize((w, h), Image.Resampling.BICUBIC)).astype(np.int16)
+    return np.clip(img + rng.integers(-20, 21, img.shape, dtype=np.int16), 0, 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize("fmt,kw", [("JPEG", {"quality": 92}), ("JPEG", {"progressive": True}), ("PNG", {})])
+def test_one_block_decode_gives_pillows_pixels(fmt, kw):
+    """The whole file goes to Pillow's decoder in one call (the GIL is taken once): files well over Pillow's
+    64 KiB block decode to the same bytes as Pillow's default loop, EXIF rotation included."""
+    buf = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90
+    Image.fromarray(_photo(700, 1100, 5)).save(buf, fmt, exif=exif, **kw)
+    data = buf.getvalue()
+    assert len(data) > 2 * 65536  # several of Pillow's default blocks
+    from PIL import ImageOps
+
+    want = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"))
+    assert want.shape == (1100, 700, 3)
+    for source in (data, io.BytesIO(data)):
+        assert np.array_equal(load_rgb(source), want)
+
+
+@pytest.mark.parametrize("h,w", [(1, 1), (1, 37), (53, 1), (97, 131), (480, 640)])
+def test_rgb_pixels_into_a_given_buffer(h, w):
+    """The GIL-free copy: the first three of four bytes a pixel, in the buffer the caller lends (fresh random
+    pixels; the buffer poisoned first), equal to Pillow's own packing."""
+    from glmvit_cupy.images import rgb_pixels
+
+    pil = Image.fromarray(_photo(h, w, h * w))
+    lent = []
+
+    def buffer(shape):
+        lent.append(np.full(shape, 0xA5, np.uint8))
+        return lent[-1]
+
+    out = rgb_pixels(pil, buffer)
+    assert lent and lent[0].shape == (h, w, 4) and out.shape == (h, w, 3)
+    assert out.__array_interface__["data"][0] == lent[0].__array_interface__["data"][0]  # a view, no copy
+    assert np.array_equal(out, np.asarray(pil))
+    assert np.array_equal(rgb_pixels(pil), np.asarray(pil))  # NumPy's memory by default
+    arr = np.asarray(pil)
+    assert rgb_pixels(arr) is arr  # arrays pass through
+
+
+def test_gpu_resize_input_is_the_decoded_image_in_lent_memory(tmp_path):
+    """prepare_canvas(resize="gpu") hands the decoded pixels over in host_buffer memory, named by `name`."""
+    path = tmp_path / "p.jpg"
+    Image.fromarray(_photo(300, 500, 9)).save(path, quality=90)
+    shapes = []
+
+    def buffer(shape):
+        shapes.append(shape)
+        return np.zeros(shape, np.uint8)
+
+    img, grid, info = prepare_canvas(path.read_bytes(), 3, max_image_tokens=64, resize="gpu", host_buffer=buffer,
+                                     name="photo p")
+    assert shapes == [(300, 500, 4)] and info["source"] == "photo p" and info["content"] != (300, 500)
+    assert np.array_equal(img, np.asarray(Image.open(path).convert("RGB")))
+    with pytest.raises(ImageError, match="^photo q: cannot decode"):
+        prepare_canvas(b"not an image", 0, resize="gpu", name="photo q")

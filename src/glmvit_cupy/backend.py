@@ -7,6 +7,8 @@ with (the reference computes each image on its own; the engine's GEMMs never spl
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 
@@ -18,6 +20,7 @@ class Backend:
         self.capacity_tokens = capacity_tokens
         self.cpu = cpu
         self.resize = "host" if cpu else "gpu"  # who resizes the images this backend is given
+        self.host_buffer = None
         if cpu:
             from . import reference
 
@@ -33,7 +36,14 @@ class Backend:
 
             from .engine.replicas import Replicas
 
+            from .engine.staging import HOST
+
             self._engine = Replicas(binding, devices or [cupy.cuda.Device().id], capacity_tokens=capacity_tokens)
+            self._copy = {}  # replica -> the stream its results come back to the host on
+            for m in self._engine.models:
+                with m.device:
+                    self._copy[m] = cupy.cuda.Stream(non_blocking=True)
+            self.host_buffer = HOST.array  # where prepare threads put decoded images: page-locked, uploaded as is
             self.lanes = len(self._engine)
             self.name = "gpu " + ",".join(map(str, self._engine.devices))
 
@@ -51,6 +61,37 @@ class Backend:
 
     def run(self, batches: list) -> list[list[np.ndarray]]:
         """Several batches at once, batch j on lane j % lanes; results in order."""
+        return self.launch(batches)()
+
+    def launch(self, batches: list) -> Callable[[], list[list[np.ndarray]]]:
+        """Start several batches (batch j on lane j % lanes) and return at once a function that waits for
+        their host arrays, in order: the GPUs compute them, and copy them back on a stream of their own,
+        while the caller prepares and launches the next ones. (The CPU reference computes them here.)"""
         if self.cpu:
-            return [self.encode_on(0, items) for items in batches]
-        return self._engine.map(lambda m, items: [o.get() for o in m.encode_prepared(items)], batches)
+            done = [self.encode_on(0, items) for items in batches]
+            return lambda: done
+        wait = self._engine.start(self._start, batches)
+
+        def result():
+            out = []
+            for hosts, copied, _ in wait():
+                copied.synchronize()
+                out.append(hosts)
+            return out
+
+        return result
+
+    def _start(self, model, items):
+        """Launch one batch on `model` -> (page-locked host arrays, the event after their copies, the device
+        outputs, kept alive until those copies have run)."""
+        import cupy
+        import cupyx
+
+        outs = model.encode_prepared(items)  # the current stream waits for them
+        with model.device:
+            copy = self._copy[model]
+            copy.wait_event(cupy.cuda.get_current_stream().record())
+            hosts = [cupyx.empty_pinned(o.shape, o.dtype) for o in outs]
+            for o, h in zip(outs, hosts):
+                cupy.asnumpy(o, stream=copy, out=h, blocking=False)
+            return hosts, copy.record(), outs

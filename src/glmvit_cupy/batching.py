@@ -14,7 +14,7 @@ import numpy as np
 
 from . import feed
 from .config import VisionGeometry
-from .preprocess import FACTOR, MERGE, PATCH, RESIZE, TEMPORAL, prepare_canvas
+from .preprocess import FACTOR, MERGE, PATCH, TEMPORAL, check_resize, prepare_canvas
 
 DEFAULT_MAX_IMAGE_TOKENS = 8000  # the reference processor's default per-image limit
 DECODE = ("cpu", "gpu")  # who decodes JPEGs: Pillow, or nvImageCodec (the gpu-decode extra)
@@ -78,21 +78,19 @@ def image_limits(capacity_tokens: int, min_image_tokens, max_image_tokens) -> tu
     return int(min_image_tokens), int(max_image_tokens)
 
 
-def prepare_images(geo: VisionGeometry, capacity_tokens: int, images, min_image_tokens=16,
-                   max_image_tokens=None, max_pixels=None, *, resize: str = "host", decode: str = "cpu",
-                   workers: int | None = None) -> Iterator:
-    """Images -> one (uint8 image, grid, info) per image, in order, resized as the reference processor does
-    with these limits (resize "host": Pillow makes the canvas; "gpu": the decoded image, for the GPU to
-    resize bit for bit alike). Lazy: `workers` threads (default feed.default_workers()) prepare ahead.
-    Raises ImageError naming the first image that cannot be used, when its turn comes. decode "gpu":
+def preparer(geo: VisionGeometry, capacity_tokens: int, min_image_tokens=16, max_image_tokens=None,
+             max_pixels=None, *, resize: str = "host", decode: str = "cpu", host_buffer=None) -> Callable:
+    """one(index, image, name=None) -> (uint8 image, grid, info): an image prepared as the reference processor
+    does with these limits (resize "host": Pillow makes the canvas; "gpu": the decoded image, for the GPU to
+    resize bit for bit alike, its pixels in host_buffer memory, see preprocess.rgb_pixels). Safe to call from
+    several threads. Everything about the settings is checked here, before any image is read. decode "gpu":
     JPEGs decoded by nvImageCodec (gpu_decode), others by Pillow."""
     if (geo.in_channels, geo.patch_size, geo.temporal_patch_size, geo.spatial_merge_size) != (3, PATCH, TEMPORAL,
                                                                                              MERGE):
         raise ValueError(f"encode(images) needs the RGB, {PATCH}-pixel, {TEMPORAL}-frame patch geometry of the "
                          f"reference processor ({FACTOR}-pixel tokens); use encode_pixels for others")
     lo, hi = image_limits(capacity_tokens, min_image_tokens, max_image_tokens)
-    if resize not in RESIZE:
-        raise ValueError(f"resize={resize!r}: choose one of {', '.join(map(repr, RESIZE))}")
+    check_resize(resize)
     if decode not in DECODE:
         raise ValueError(f"decode={decode!r}: choose one of {', '.join(map(repr, DECODE))}")
     decoder = None
@@ -101,11 +99,22 @@ def prepare_images(geo: VisionGeometry, capacity_tokens: int, images, min_image_
 
         decoder = Decoder(max_pixels)
 
-    def one(i, image):
+    def one(i, image, name=None):
         decoded = decoder.decode(image, i) if decoder is not None else None
         return prepare_canvas(image, i, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels,
-                              resize=resize, decoded=decoded)
+                              resize=resize, decoded=decoded, host_buffer=host_buffer, name=name)
 
+    return one
+
+
+def prepare_images(geo: VisionGeometry, capacity_tokens: int, images, min_image_tokens=16,
+                   max_image_tokens=None, max_pixels=None, *, resize: str = "host", decode: str = "cpu",
+                   workers: int | None = None, host_buffer=None) -> Iterator:
+    """Images -> one (uint8 image, grid, info) per image, in order (see preparer). Lazy: `workers` threads
+    (default feed.default_workers()) prepare ahead. Raises ImageError naming the first image that cannot be
+    used, when its turn comes."""
+    one = preparer(geo, capacity_tokens, min_image_tokens, max_image_tokens, max_pixels, resize=resize,
+                   decode=decode, host_buffer=host_buffer)
     return feed.in_order(one, images, feed.default_workers() if workers is None else workers)
 
 

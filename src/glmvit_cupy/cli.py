@@ -16,18 +16,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
-import io
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from . import feed, gpu, vllm_ec
 from .backend import Backend
-from .batching import DECODE, pack
+from .batching import DECODE, pack, preparer
 from .checkpoint import bind_tower
 from .errors import CheckpointError, ImageError, OutputError
 from .output import Output, image_key
-from .preprocess import RESIZE, prepare_canvas
+from .preprocess import RESIZE
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -58,30 +58,23 @@ def expand_inputs(items) -> list[str]:
     return unique
 
 
-def prepared_in_order(paths, workers: int, resize: str = "host", decode: str = "cpu", **limits):
+def prepared_in_order(paths, workers: int, one):
     """(path, ((uint8 image, grid, info), sha256 of the file) or the ImageError / ValueError that image
-    raised), in input order; `workers` threads read, hash, decode (and with resize "host", resize) ahead
-    of the GPU (feed.in_order)."""
-    decoder = None
-    if decode == "gpu":
-        from .gpu_decode import Decoder
+    raised), in input order; `workers` threads read each file once, hash it and prepare it with
+    one(index, data, name) (batching.preparer) ahead of the GPU (feed.in_order)."""
 
-        decoder = Decoder(limits.get("max_pixels"))
-
-    def one(i, path):
+    def job(i, path):
         try:
-            with open(path, "rb") as f:  # the content's key (Pillow's second read comes from the page cache)
+            with open(path, "rb") as f:
                 data = f.read()
         except OSError as e:
             return path, ImageError(f"{path}: cannot read ({e})")
         try:
-            decoded = decoder.decode(data, i) if decoder is not None else None
-            got = prepare_canvas(path, i, resize=resize, decoded=decoded, **limits)
-            return path, (got, vllm_ec.key_of(data))
+            return path, (one(i, data, name=path), vllm_ec.key_of(data))
         except (ImageError, ValueError) as e:
             return path, e
 
-    return feed.in_order(one, paths, workers)
+    return feed.in_order(job, paths, workers)
 
 
 def device_list(text: str) -> list[int]:
@@ -203,25 +196,37 @@ def main(argv=None) -> int:
 
 
 def encode_all(args, todo, enc, out) -> int:
-    """Encode `todo` into `out`, batches running as they fill; 1 if any image failed, else 0."""
+    """Encode `todo` into `out`; 1 if any image failed, else 0. Three things run side by side: the prepare
+    threads, the GPU (one group of batches computing while the next is packed and launched) and one
+    writer thread, which alone touches the output folder (shards and manifest, in order)."""
     from tqdm import tqdm
 
-    ready, tokens_done, failed = [], 0, 0
+    tokens_done, failed = 0, 0
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), unit="img", dynamic_ncols=True)
+    writer = ThreadPoolExecutor(1, thread_name_prefix="glmvit-write")
+    writes = []
 
-    def run_ready():
+    def write(group, embs):
         nonlocal tokens_done
-        embs = enc.run([[(canvas, grid, info) for _, canvas, grid, info in b] for b in ready])
-        for b, per_image in zip(ready, embs):
+        for b, per_image in zip(group, embs):
             if args.vllm_ec_dir:
-                for (_, _, _, info), emb in zip(b, per_image):
+                for (_, info), emb in zip(b, per_image):
                     vllm_ec.write(args.vllm_ec_dir, info["sha256"], emb)
-            out.add_batch([(key, info, emb) for (key, _, _, info), emb in zip(b, per_image)])
-            tokens_done += sum(info["tokens"] for _, _, _, info in b)
+            out.add_batch([(key, info, emb) for (key, info), emb in zip(b, per_image)])
+            tokens_done += sum(info["tokens"] for _, info in b)
             bar.update(len(b))
         bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}", failed=failed)
-        ready.clear()
+
+    def skip(path, why):
+        out.fail(image_key(path), str(why))
+        bar.write(f"skipped {path}: {why}")
+        bar.update(1)
+
+    def submit(fn, *a):
+        writes.append(writer.submit(fn, *a))
+        while writes and writes[0].done():
+            writes.pop(0).result()  # a write that failed stops the run here
 
     def usable(stream):
         """The prepared images, keyed; a failed one is recorded and skipped."""
@@ -229,27 +234,49 @@ def encode_all(args, todo, enc, out) -> int:
         for path, got in stream:
             if isinstance(got, Exception):
                 failed += 1
-                out.fail(image_key(path), str(got))
-                bar.write(f"skipped {path}: {got}")
-                bar.update(1)
+                submit(skip, path, got)
                 continue
-            (canvas, grid, info), sha = got  # sha: the content's key, as vLLM's encoder cache and glmvit-serve use
-            yield image_key(path), canvas, grid, {"source": image_key(path), "sha256": sha,
-                                                  "size_hw": list(info["size"]), "canvas_hw": list(info["canvas"]),
-                                                  "content": list(info["content"]),
-                                                  "grid_thw": list(grid), "tokens": info["tokens"]}
+            (image, grid, info), sha = got  # sha: the content's key, as vLLM's encoder cache and glmvit-serve use
+            yield image_key(path), image, grid, {"source": image_key(path), "sha256": sha,
+                                                 "size_hw": list(info["size"]), "canvas_hw": list(info["canvas"]),
+                                                 "content": list(info["content"]),
+                                                 "grid_thw": list(grid), "tokens": info["tokens"]}
 
-    stream = prepared_in_order(todo, args.workers, "host" if args.cpu else args.resize, args.decode,
-                               min_image_tokens=args.min_image_tokens,
-                               max_image_tokens=args.max_image_tokens, max_pixels=args.max_pixels)
-    with contextlib.closing(stream):  # an interrupted run stops the preparing threads too
-        # Batches run once every device has one (the replicas run them at the same time).
+    def groups(stream):
+        """Packed batches, one per device at a time (the replicas run a group side by side)."""
+        ready = []
         for batch in pack(usable(stream), args.capacity_tokens, lambda item: item[3]["tokens"]):
             ready.append(batch)
-            if len(ready) >= enc.lanes:
-                run_ready()
+            if len(ready) == enc.lanes:
+                yield ready
+                ready = []
         if ready:
-            run_ready()
+            yield ready
+
+    one = preparer(enc.geometry, args.capacity_tokens, args.min_image_tokens, args.max_image_tokens,
+                   args.max_pixels, resize="host" if args.cpu else args.resize, decode=args.decode,
+                   host_buffer=enc.host_buffer if args.resize == "gpu" else None)
+    stream = prepared_in_order(todo, args.workers, one)
+    running = None  # (keys and infos, the wait for their embeddings) of the group on the GPU
+    try:
+        with contextlib.closing(stream):  # an interrupted run stops the preparing threads too
+            # Each group is launched before the one ahead of it is collected: the GPU never waits for the host.
+            for group in groups(stream):
+                launched = ([[(key, info) for key, _, _, info in b] for b in group],
+                            enc.launch([[(im, grid, info) for _, im, grid, info in b] for b in group]))
+                if running is not None:
+                    submit(write, running[0], running[1]())
+                running = launched
+            if running is not None:
+                submit(write, running[0], running[1]())
+                running = None
+    finally:
+        if running is not None:  # interrupted: the group on the GPU is finished work too
+            with contextlib.suppress(Exception):
+                submit(write, running[0], running[1]())
+        writer.shutdown(wait=True)  # what was computed is written
+    for w in writes:
+        w.result()
     bar.close()
     dt = time.perf_counter() - t0
     print(f"glmvit-encode: {len(todo) - failed} images, {tokens_done} tokens in {dt:.1f} s "

@@ -8,17 +8,14 @@ bottom/right, rescale in float64 then float32, normalise in float32, and patches
 
 from __future__ import annotations
 
-import io
 import math
-import os
-import threading
-import warnings
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 from . import resample
 from .errors import ImageError
+from .images import load, load_rgb, name_of, rgb_pixels  # noqa: F401  (load_rgb: part of this module's API)
 
 PATCH = 14
 MERGE = 2
@@ -79,122 +76,13 @@ def content_size(height: int, width: int, canvas: tuple[int, int], *, min_image_
     return (max(1, min(ch_, math.floor(height * scale))), max(1, min(cw_, math.floor(width * scale))))
 
 
-def _name(image, index):
-    if isinstance(image, (str, os.PathLike)):
-        return os.fspath(image)
-    name = getattr(image, "name", None)
-    if isinstance(name, str):
-        return f"{name} (image {index})"
-    return f"image {index} ({type(image).__name__})"
+RESIZE = ("host", "gpu")  # who resizes: Pillow here, or the GPU bit for bit alike
 
 
-# Pillow's decompression-bomb guard (Image.MAX_IMAGE_PIXELS, 89.5 MP unless changed) refuses larger
-# images; max_pixels raises (or lowers) the limit for one call, as one would for scans or panoramas.
-_pillow_limit = threading.Lock()
-
-
-def _open(image, limit) -> Image.Image:
-    """Image.open with Pillow's own bomb limit at least `limit` (None: none). Pillow reads it from a module
-    global: that is raised only when asked for more than it allows, under a lock, and put back at once."""
-    current = Image.MAX_IMAGE_PIXELS
-    if current is None or (limit is not None and limit <= current):
-        return Image.open(image)
-    with _pillow_limit:
-        old, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, limit
-        try:
-            return Image.open(image)
-        finally:
-            Image.MAX_IMAGE_PIXELS = old
-
-
-def _decode(image, name, max_pixels=None) -> Image.Image:
-    """Open a path or file object the way the reference loads a path: EXIF transpose, convert('RGB').
-    Images over max_pixels (default: Pillow's guard, 89.5 MP) are refused before they are decoded."""
-    limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
-    bomb = (f"{name}: refused as a possible decompression bomb: over the limit of {limit or 0:,} pixels; pass "
-            "max_pixels (glmvit-encode --max-pixels) to allow larger images")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the check below decides
-            img = _open(image, limit)
-            w, h = img.size
-            if limit is not None and w * h > limit:
-                raise ImageError(f"{bomb} (it is {w} x {h} = {w * h:,})")
-            img.load()
-            ImageOps.exif_transpose(img, in_place=True)  # in place: no copy when nothing is to be turned
-            return img if img.mode == "RGB" else img.convert("RGB")
-    except ImageError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise ImageError(f"{bomb} ({e})") from None
-    except IsADirectoryError:
-        raise ImageError(f"{name}: is a folder, not an image file") from None
-    except FileNotFoundError:
-        raise ImageError(f"{name}: no such file") from None
-    except (OSError, ValueError, SyntaxError, EOFError, TypeError, MemoryError, Image.UnidentifiedImageError) as e:
-        raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e})") from None
-
-
-def _from_pil(img: Image.Image, name) -> np.ndarray:
-    """RGB uint8 HxWx3 from a PIL image, compositing transparency onto white as the reference does."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img.load()
-            if "A" in img.getbands() or img.info.get("transparency") is not None:
-                rgba = img.convert("RGBA")
-                white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-                img = Image.alpha_composite(white, rgba).convert("RGB")
-            else:
-                img = img.convert("RGB")
-            return np.asarray(img)
-    except (OSError, ValueError, SyntaxError, EOFError, MemoryError, Image.DecompressionBombWarning) as e:
-        raise ImageError(f"{name}: cannot convert PIL image to RGB ({type(e).__name__}: {e})") from None
-
-
-def _from_array(a: np.ndarray, name) -> np.ndarray:
-    if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] not in (1, 3, 4):
-        raise ImageError(f"{name}: array of dtype {a.dtype} and shape {a.shape}; expected an HxWx3 "
-                         "(or HxWx1, HxWx4) uint8 array")
-    if a.shape[2] == 1:
-        return np.repeat(a, 3, axis=2)
-    if a.shape[2] == 4:
-        alpha = a[..., 3:4] / 255
-        return np.round(alpha * a[..., :3] + (1 - alpha) * 255).astype(np.uint8)
-    return np.ascontiguousarray(a)
-
-
-def _load(image, index: int, max_pixels: int | None):
-    """Any accepted image input -> an RGB PIL image (encoded inputs: no copy made yet) or HxWx3 uint8
-    array. Raises ImageError naming the image."""
-    name = _name(image, index)
-    if isinstance(image, (str, os.PathLike)):
-        if os.path.isdir(image):
-            raise ImageError(f"{name}: is a folder, not an image file (glmvit-encode walks folders)")
-        if not os.path.isfile(image):
-            raise ImageError(f"{name}: no such file")
-        out = _decode(image, name, max_pixels)
-    elif isinstance(image, (bytes, bytearray)):
-        out = _decode(io.BytesIO(image), name, max_pixels)
-    elif hasattr(image, "read"):
-        out = _decode(image, name, max_pixels)
-    elif isinstance(image, Image.Image):
-        out = _from_pil(image, name)
-    elif isinstance(image, np.ndarray):
-        out = _from_array(image, name)
-    else:
-        raise ImageError(f"{name}: unsupported input type {type(image).__name__}; pass a path, a file object, "
-                         "a PIL image or an HxWx3 uint8 array")
-    h, w = (out.size[1], out.size[0]) if isinstance(out, Image.Image) else out.shape[:2]
-    if h == 0 or w == 0:
-        raise ImageError(f"{name}: zero-size image {(h, w)}")
-    return out
-
-
-def load_rgb(image, index: int = 0, max_pixels: int | None = None) -> np.ndarray:
-    """Any accepted image input -> HxWx3 uint8 RGB. Raises ImageError naming the image. Encoded images
-    over max_pixels (None: Pillow's 89.5-megapixel guard) are refused before they are decoded."""
-    return np.asarray(_load(image, index, max_pixels))
+def check_resize(resize) -> str:
+    if resize not in RESIZE:
+        raise ValueError(f"resize={resize!r}: choose one of {', '.join(map(repr, RESIZE))}")
+    return resize
 
 
 def _value_table() -> np.ndarray:
@@ -238,29 +126,31 @@ def prepare(image, index: int = 0, *, min_image_tokens: int = 16, max_image_toke
     return normalise_patchify(canvas), grid, info
 
 
-RESIZE = ("host", "gpu")
-
-
 def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_image_tokens: int = 8000,
-                   max_pixels: int | None = None, resize: str = "host", decoded=None):
+                   max_pixels: int | None = None, resize: str = "host", decoded=None, host_buffer=None,
+                   name: str | None = None):
     """One image -> (uint8 image, (1, H/14, W/14), info dict): everything but the normalise and patchify,
     which the GPU does from these 8x fewer bytes. resize "host": the image is the resized, zero-padded
     canvas [H, W, 3] (Pillow resizes); "gpu": it is the decoded image, which the GPU resizes to
     info["content"] bit for bit as Pillow would and pads to info["canvas"]. `decoded`: the image already
-    decoded (an RGB PIL image or HxWx3 uint8 array), e.g. by a GPU decoder."""
-    if resize not in RESIZE:
-        raise ValueError(f"resize={resize!r}: choose one of {', '.join(map(repr, RESIZE))}")
-    img = _load(image, index, max_pixels) if decoded is None else decoded
+    decoded (an RGB PIL image or HxWx3 uint8 array), e.g. by a GPU decoder. host_buffer: where "gpu" puts
+    the decoded pixels (see rgb_pixels). name: what errors and info["source"] call the image (default: its
+    path, or its index)."""
+    check_resize(resize)
+    name = name_of(image, index) if name is None else name
+    img = load(image, name, max_pixels) if decoded is None else decoded
     width, height = img.size if isinstance(img, Image.Image) else (img.shape[1], img.shape[0])
     canvas = smart_resize(height, width, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
     ch, cw = content_size(height, width, canvas, min_image_tokens=min_image_tokens)
     grid = (1, canvas[0] // PATCH, canvas[1] // PATCH)
-    info = {"source": _name(image, index), "size": (height, width), "canvas": canvas, "content": (ch, cw),
+    info = {"source": name, "size": (height, width), "canvas": canvas, "content": (ch, cw),
             "grid": grid, "tokens": grid[1] * grid[2] // (MERGE * MERGE), "resize": resize}
     if resize == "gpu" and resample.pass_order() is None:
         resize = info["resize"] = "host"  # an unknown Pillow: its bytes come from Pillow itself (warned once)
-    if resize == "gpu" and (height, width) != canvas:
-        return np.asarray(img), grid, info
+    if resize == "gpu":
+        if (ch, cw) != (height, width):
+            resample.plan(height, width, ch, cw)  # the tables, computed here on the worker; cached for the GPU's thread
+        return rgb_pixels(img, host_buffer), grid, info
     if (ch, cw) != (height, width):
         pil = img if isinstance(img, Image.Image) else Image.fromarray(img)
         img = pil.resize((cw, ch), resample=Image.Resampling.BICUBIC)

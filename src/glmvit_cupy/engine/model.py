@@ -2,7 +2,8 @@
 
     params.upload     the weights on the GPU            layers.forward   the maths, top-down
     arena.Arena       scratch, sized once               plans.PlanCache  per-shape index data + graphs
-    executor.Executor stream, cuBLAS, lock, staging, CUDA graphs, timing
+    executor.Executor stream, cuBLAS, lock, CUDA graphs, timing
+    staging.Stager    inputs into the arena: uploads, and the resize + patchify on the GPU
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from . import arena, layers, params
 from .attention import check_variant, default_variants
 from .executor import Executor
 from .plans import PlanCache
-from .staging import Stager, stage_pixels
+from .staging import HOST, Stager, stage_pixels
 
 log = logging.getLogger("glmvit_cupy")
 
@@ -129,7 +130,7 @@ class GlmVit:
         single = not isinstance(images, (list, tuple))
         prepared = batching.prepare_images(self.geometry, self.capacity_tokens, [images] if single else list(images),
                                            min_image_tokens, max_image_tokens, max_pixels, resize=resize,
-                                           decode=decode, workers=workers)
+                                           decode=decode, workers=workers, host_buffer=HOST.array)
         return self.encode_prepared(prepared)
 
     def encode_prepared(self, prepared: list) -> list[cupy.ndarray]:

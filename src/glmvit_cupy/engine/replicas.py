@@ -8,6 +8,7 @@ launch). The balancing (batching.spread) is plain Python, tested without a GPU.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import cupy
 import numpy as np
@@ -41,25 +42,35 @@ class Replicas:
 
     def map(self, fn, work: list) -> list:
         """fn(model, item) for each item, item j on replica j % len(self), all replicas at once;
-        results in order. The first error is raised after every replica has stopped."""
+        results in order, final on every stream. The first error is raised after every replica has stopped."""
+        return self.start(fn, work, synchronize=True)()
+
+    def start(self, fn, work: list, synchronize: bool = False) -> Callable[[], list]:
+        """As map, but returns at once a function that waits for the results (and raises the first error);
+        without synchronize, a result may still be computing on its GPU when it is handed back."""
         lanes = [list(range(r, len(work), len(self))) for r in range(len(self))]
 
         def lane(r):
             done = [(j, fn(self.models[r], work[j])) for j in lanes[r]]
-            self.models[r].executor.stream.synchronize()  # results are final whichever stream reads them next
+            if synchronize:
+                self.models[r].executor.stream.synchronize()  # final whichever stream reads them next
             return done
 
         futures = [self._pool.submit(lane, r) for r in range(len(self)) if lanes[r]]
-        results, error = [None] * len(work), None
-        for f in futures:
-            try:
-                for j, out in f.result():
-                    results[j] = out
-            except Exception as e:  # keep waiting for the other lanes, then raise
-                error = error or e
-        if error is not None:
-            raise error
-        return results
+
+        def wait() -> list:
+            results, error = [None] * len(work), None
+            for f in futures:
+                try:
+                    for j, out in f.result():
+                        results[j] = out
+                except Exception as e:  # keep waiting for the other lanes, then raise
+                    error = error or e
+            if error is not None:
+                raise error
+            return results
+
+        return wait
 
     def encode_batches(self, batches) -> list:
         """[(pixel_values, grid_thw), ...] -> one output per batch, batch j on replica j % len(self)."""
@@ -68,7 +79,8 @@ class Replicas:
     def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None,
                max_pixels: int | None = None, resize: str = "gpu", decode: str = "cpu",
                workers: int | None = None) -> list:
-        """As GlmVit.encode; images spread over the replicas by tokens."""
+        """As GlmVit.encode; images spread over the replicas by tokens (all are decoded first, into ordinary
+        memory: page-locked blocks are lent only to a stream of images, see GlmVit.encode)."""
         single = not isinstance(images, (list, tuple))
         prepared = list(batching.prepare_images(self.geometry, self.capacity_tokens, [images] if single else
                                                 list(images), min_image_tokens, max_image_tokens, max_pixels,

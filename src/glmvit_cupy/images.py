@@ -1,0 +1,160 @@
+"""Images in: any accepted input (a path, file object, bytes, PIL image or uint8 array) -> RGB, decoded
+as the reference loads a path (Pillow, EXIF transpose, convert("RGB"), transparency onto white), with
+Pillow's decompression-bomb guard, and without holding the GIL longer than it must: threads decode
+side by side while another drives the GPU.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from .errors import ImageError
+
+
+def name_of(image, index) -> str:
+    """What errors call an image: its path, or its index (and a file object's name)."""
+    if isinstance(image, (str, os.PathLike)):
+        return os.fspath(image)
+    name = getattr(image, "name", None)
+    if isinstance(name, str):
+        return f"{name} (image {index})"
+    return f"image {index} ({type(image).__name__})"
+
+
+DECODE_BLOCK = 1 << 26  # bytes of the file handed to Pillow's decoder at once
+
+
+# Pillow's decompression-bomb guard (Image.MAX_IMAGE_PIXELS, 89.5 MP unless changed) refuses larger
+# images; max_pixels raises (or lowers) the limit for one call, as one would for scans or panoramas.
+_pillow_limit = threading.Lock()
+
+
+def _open(image, limit) -> Image.Image:
+    """Image.open with Pillow's own bomb limit at least `limit` (None: none). Pillow reads it from a module
+    global: that is raised only when asked for more than it allows, under a lock, and put back at once."""
+    current = Image.MAX_IMAGE_PIXELS
+    if current is None or (limit is not None and limit <= current):
+        return Image.open(image)
+    with _pillow_limit:
+        old, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, limit
+        try:
+            return Image.open(image)
+        finally:
+            Image.MAX_IMAGE_PIXELS = old
+
+
+def _decode(image, name, max_pixels=None) -> Image.Image:
+    """Open a path or file object the way the reference loads a path: EXIF transpose, convert('RGB').
+    Images over max_pixels (default: Pillow's guard, 89.5 MP) are refused before they are decoded."""
+    limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+    bomb = (f"{name}: refused as a possible decompression bomb: over the limit of {limit or 0:,} pixels; pass "
+            "max_pixels (glmvit-encode --max-pixels) to allow larger images")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the check below decides
+            img = _open(image, limit)
+            w, h = img.size
+            if limit is not None and w * h > limit:
+                raise ImageError(f"{bomb} (it is {w} x {h} = {w * h:,})")
+            # One decoder call for the whole file (Pillow feeds 64 KiB at a time by default and takes the GIL
+            # back after each): the decode then runs without the GIL, and threads decode side by side.
+            img.decodermaxblock = max(img.decodermaxblock, DECODE_BLOCK)
+            img.load()
+            ImageOps.exif_transpose(img, in_place=True)  # in place: no copy when nothing is to be turned
+            return img if img.mode == "RGB" else img.convert("RGB")
+    except ImageError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"{bomb} ({e})") from None
+    except IsADirectoryError:
+        raise ImageError(f"{name}: is a folder, not an image file") from None
+    except FileNotFoundError:
+        raise ImageError(f"{name}: no such file") from None
+    except (OSError, ValueError, SyntaxError, EOFError, TypeError, MemoryError, Image.UnidentifiedImageError) as e:
+        raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e})") from None
+
+
+def _from_pil(img: Image.Image, name) -> np.ndarray:
+    """RGB uint8 HxWx3 from a PIL image, compositing transparency onto white as the reference does."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img.load()
+            if "A" in img.getbands() or img.info.get("transparency") is not None:
+                rgba = img.convert("RGBA")
+                white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                img = Image.alpha_composite(white, rgba).convert("RGB")
+            else:
+                img = img.convert("RGB")
+            return np.asarray(img)
+    except (OSError, ValueError, SyntaxError, EOFError, MemoryError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"{name}: cannot convert PIL image to RGB ({type(e).__name__}: {e})") from None
+
+
+def _from_array(a: np.ndarray, name) -> np.ndarray:
+    if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] not in (1, 3, 4):
+        raise ImageError(f"{name}: array of dtype {a.dtype} and shape {a.shape}; expected an HxWx3 "
+                         "(or HxWx1, HxWx4) uint8 array")
+    if a.shape[2] == 1:
+        return np.repeat(a, 3, axis=2)
+    if a.shape[2] == 4:
+        alpha = a[..., 3:4] / 255
+        return np.round(alpha * a[..., :3] + (1 - alpha) * 255).astype(np.uint8)
+    return np.ascontiguousarray(a)
+
+
+def load(image, name: str, max_pixels: int | None = None):
+    """Any accepted image input -> an RGB PIL image (encoded inputs: no copy made yet) or HxWx3 uint8
+    array. Raises ImageError naming the image `name`."""
+    if isinstance(image, (str, os.PathLike)):
+        if os.path.isdir(image):
+            raise ImageError(f"{name}: is a folder, not an image file (glmvit-encode walks folders)")
+        if not os.path.isfile(image):
+            raise ImageError(f"{name}: no such file")
+        out = _decode(image, name, max_pixels)
+    elif isinstance(image, (bytes, bytearray)):
+        out = _decode(io.BytesIO(image), name, max_pixels)
+    elif hasattr(image, "read"):
+        out = _decode(image, name, max_pixels)
+    elif isinstance(image, Image.Image):
+        out = _from_pil(image, name)
+    elif isinstance(image, np.ndarray):
+        out = _from_array(image, name)
+    else:
+        raise ImageError(f"{name}: unsupported input type {type(image).__name__}; pass a path, a file object, "
+                         "a PIL image or an HxWx3 uint8 array")
+    h, w = (out.size[1], out.size[0]) if isinstance(out, Image.Image) else out.shape[:2]
+    if h == 0 or w == 0:
+        raise ImageError(f"{name}: zero-size image {(h, w)}")
+    return out
+
+
+def rgb_pixels(img, host_buffer=None) -> np.ndarray:
+    """A decoded image (RGB PIL image or HxWx3 uint8 array) -> HxWx3 uint8. A PIL image is copied without the
+    GIL into an [H, W, 4] buffer (host_buffer(shape), e.g. page-locked memory for the GPU upload; default
+    NumPy), whose first three channels are returned as a view: Pillow keeps RGB as 4 bytes a pixel, and its
+    tobytes() packs them to 3 under the GIL (~25 ms for 12 MP, which stalls every other thread)."""
+    if not isinstance(img, Image.Image):
+        return img
+    w, h = img.size
+    buf = host_buffer((h, w, 4)) if host_buffer is not None else np.empty((h, w, 4), np.uint8)
+    try:
+        # Pillow's own frombuffer mapping, with the 4-byte RGB layout: paste is then one memcpy per row.
+        target = img._new(Image.core.map_buffer(buf, (w, h), "raw", 0, ("RGB", 0, 1)))
+        target.readonly = 0
+        target.paste(img)
+    except (AttributeError, TypeError, ValueError):  # a Pillow without the mapping: the packing copy
+        return np.asarray(img)
+    return buf[..., :3]
+
+
+def load_rgb(image, index: int = 0, max_pixels: int | None = None) -> np.ndarray:
+    """Any accepted image input -> HxWx3 uint8 RGB. Raises ImageError naming the image. Encoded images
+    over max_pixels (None: Pillow's 89.5-megapixel guard) are refused before they are decoded."""
+    return np.asarray(load(image, name_of(image, index), max_pixels))
