@@ -164,7 +164,8 @@ def test_lent_page_locked_blocks_come_back_only_when_idle():
     a = pool.array((300, 500, 4))
     view = a[..., :3]
     block = pool.lent(view)
-    assert block is not None and pool.lent(a) is None and pool.lent(np.empty((300, 500, 3), np.uint8)) is None
+    assert block is not None and block.size >= a.nbytes
+    assert pool.lent(a) is None and pool.lent(np.empty((300, 500, 3), np.uint8)) is None
     assert pool.lent(view[1:]) is None  # not the block's start
     stream = cupy.cuda.Stream(non_blocking=True)
     cupy.RawKernel(SPIN, "spin")((1,), (1,), (np.int64(2_000_000_000),), stream=stream)  # ~1 s
@@ -178,7 +179,7 @@ def test_lent_page_locked_blocks_come_back_only_when_idle():
 
 def test_prepared_images_encode_alike_twice(small, tmp_path):
     """Prepared items that a caller keeps (their pixels in lent page-locked blocks) encode to the same bits
-    again, and as encode(images) does."""
+    again, as encode(images) does, and as the same pixels in ordinary memory do."""
     from PIL import Image
 
     from glmvit_cupy import batching
@@ -194,6 +195,10 @@ def test_prepared_images_encode_alike_twice(small, tmp_path):
     assert all(HOST.lent(im) is not None for im, _, _ in prepared)
     runs = [[o.get().view(np.uint16) for o in small.encode_prepared(prepared)] for _ in range(2)]
     runs.append([o.get().view(np.uint16) for o in small.encode(paths, max_image_tokens=300)])
+    plain = list(batching.prepare_images(small.geometry, small.capacity_tokens, paths, max_image_tokens=300,
+                                         resize="gpu", workers=2))  # [H, W, :3] views of ordinary memory
+    assert all(HOST.lent(im) is None and im.strides[1] == 4 for im, _, _ in plain)
+    runs.append([o.get().view(np.uint16) for o in small.encode_prepared(plain)])
     for r in runs[1:]:
         assert all(np.array_equal(x, y) for x, y in zip(runs[0], r))
 

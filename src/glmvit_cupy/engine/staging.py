@@ -22,6 +22,7 @@ from .gemm import BF16
 from .ops import patchify, resample_pass, resample_patchify, to_bf16
 
 ALIGN = 256
+GRAIN = 2 << 20  # block sizes are multiples of this: page-locking costs ~10 ms per 8 MiB, so pin little
 PORTABLE = 1  # cudaHostAllocPortable: page-locked for every device's context (replicas share the blocks)
 
 
@@ -44,7 +45,7 @@ class _Block:
 
 
 class PinnedBlocks:
-    """Page-locked host blocks in power-of-two sizes (at least 1 MiB), reused once idle; at most `keep`
+    """Page-locked host blocks (multiples of 2 MiB), reused once idle (the smallest that fits); at most `keep`
     bytes of free blocks stay cached (more are freed). Thread-safe: prepare threads take blocks for the
     images they decode (array), the GPU's thread for its resize tables (take, give)."""
 
@@ -62,7 +63,7 @@ class PinnedBlocks:
                 block = min(fits, key=lambda b: b.size)
                 self._free.remove(block)
                 return block
-        return _Block(max(1 << 20, 1 << (nbytes - 1).bit_length()))
+        return _Block(-(-max(nbytes, 1) // GRAIN) * GRAIN)
 
     def give(self, block: _Block) -> None:
         with self._lock:
@@ -82,12 +83,13 @@ class PinnedBlocks:
             block = self.take(nbytes)
         except (cupy.cuda.runtime.CUDARuntimeError, MemoryError):
             return np.empty(shape, np.uint8)  # the GPU's thread copies it into a block of its own
-        out = np.frombuffer(block.mem, np.uint8, nbytes).reshape(shape)
-        address = out.__array_interface__["data"][0]
+        flat = np.frombuffer(block.mem, np.uint8, nbytes)
+        address = flat.__array_interface__["data"][0]
         with self._lock:
             self._lent[address] = block
-        weakref.finalize(out, self._back, address)
-        return out
+        # On the flat array: NumPy makes it the base of every view (reshaped or sliced), so it dies last.
+        weakref.finalize(flat, self._back, address)
+        return flat.reshape(shape)
 
     def _back(self, address: int) -> None:
         with self._lock:
@@ -96,15 +98,26 @@ class PinnedBlocks:
 
     def lent(self, image: np.ndarray) -> _Block | None:
         """The block under `image` when it is an [H, W, :3] view of an [H, W, 4] array from `array`."""
-        h, w = image.shape[:2]
-        if image.strides != (w * 4, 4, 1):
+        if image.ndim != 3 or image.shape[2] != 3 or image.strides != (image.shape[1] * 4, 4, 1):
             return None
+        h, w = image.shape[:2]
         with self._lock:
             block = self._lent.get(image.__array_interface__["data"][0])
         return block if block is not None and block.size >= h * w * 4 else None
 
 
 HOST = PinnedBlocks()  # shared by every model of the process: prepare threads do not know the device
+
+
+def _four(image: np.ndarray) -> np.ndarray | None:
+    """The contiguous [H, W, 4] array whose first three channels `image` is, if it is one (so the copy to
+    page-locked memory is one memcpy, not a strided gather)."""
+    base = image.base
+    h, w = image.shape[:2]
+    if (not isinstance(base, np.ndarray) or image.ndim != 3 or image.strides != (w * 4, 4, 1) or base.nbytes != h * w * 4
+            or not base.flags.c_contiguous or base.__array_interface__["data"][0] != image.__array_interface__["data"][0]):
+        return None
+    return base.reshape(h, w, 4)
 
 
 class Stager:
@@ -139,26 +152,29 @@ class Stager:
 
     def _upload(self, image) -> cupy.ndarray:
         """A host uint8 [H, W, 3] image -> the same on this device, asynchronously on the current stream. An
-        image in a lent page-locked block is copied from there (4 bytes a pixel) and packed on the GPU;
-        another is first copied into a page-locked block here."""
+        image in a lent page-locked block is copied from there; another first into a block here. The first
+        three channels of an [H, W, 4] array travel as all four (a memcpy, no gather) and are packed here."""
         h, w = image.shape[:2]
         stream = cupy.cuda.get_current_stream()
-        block = self.pinned.lent(image)
-        if block is not None:
-            four = self._scratch("upload4", (h, w, 4))
-            cupy.cuda.runtime.memcpyAsync(four.data.ptr, block.mem.ptr, four.nbytes,
-                                          cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-            block.event = stream.record()  # the block is reused only once this upload has run
-            out = self._scratch("upload", (h, w, 3))
-            out[...] = four[..., :3]
-            return out
-        block = self.pinned.take(image.size)
-        np.copyto(np.frombuffer(block.mem, np.uint8, image.size).reshape(h, w, 3), image)
-        out = self._scratch("upload", (h, w, 3))
-        cupy.cuda.runtime.memcpyAsync(out.data.ptr, block.mem.ptr, out.nbytes, cupy.cuda.runtime.memcpyHostToDevice,
+        block = self.pinned.lent(image)  # 4 bytes a pixel, already page-locked
+        borrowed = block is None
+        channels = 4
+        if borrowed:
+            four = _four(image)
+            host = image if four is None else four
+            channels = host.shape[2]
+            block = self.pinned.take(host.size)
+            np.copyto(np.frombuffer(block.mem, np.uint8, host.size).reshape(host.shape), host)
+        dev = self._scratch(f"upload{channels}", (h, w, channels))
+        cupy.cuda.runtime.memcpyAsync(dev.data.ptr, block.mem.ptr, dev.nbytes, cupy.cuda.runtime.memcpyHostToDevice,
                                       stream.ptr)
-        block.event = stream.record()
-        self.pinned.give(block)
+        block.event = stream.record()  # the block is reused only once this upload has run
+        if borrowed:
+            self.pinned.give(block)
+        if channels == 3:
+            return dev
+        out = self._scratch("upload3", (h, w, 3))
+        out[...] = dev[..., :3]
         return out
 
     def _tables(self, p) -> list[cupy.ndarray]:
