@@ -2,7 +2,8 @@
 split) vs HF transformers 5.23.0 Glm5NextVisionModel (bf16, SDPA) eager and under
 torch.compile(mode="reduce-overhead"), all on the same random official-geometry weights.
 Median ms after warm-up, TFLOP/s, % of the GEMM ceiling, ratios, peak GPU memory; then end to end
-with host preprocessing of a real photo, and from_checkpoint time.
+with host preprocessing of a real photo, from_checkpoint time, and the serving mix (40 images of
+seeded sizes, one call each, first pass and repeat) beside HF eager.
 
     python benchmarks/bench_encoder.py [--no-hf] [--no-compiled]
 """
@@ -119,6 +120,54 @@ def main():
                     f"{np.median(ts):.1f}"])
     table(["end to end (JPEG file -> host embeddings)", "tokens", "preprocess ms", "total ms"], e2e)
     print(f"\nfrom_checkpoint (official geometry, {model.weight_bytes / 2**30:.2f} GiB): {load_s:.2f} s")
+    print()
+    serving_mix(path, hf)
+
+
+def serving_mix(path, hf, n=40, seed=1):
+    """A server's traffic: n images of seeded sizes (150-2,500 tokens, aspect 1:2 to 2:1), one call each
+    (pixels from the host, embeddings back to it), through a fresh model (no graph captured yet): the
+    first pass, then the same images again; HF eager beside it, one call each as well."""
+    from glmvit_cupy import GlmVit
+
+    rng = np.random.default_rng(seed)
+    model = GlmVit.from_checkpoint(path, capacity_tokens=8000)
+    inputs = []
+    for _ in range(n):
+        tokens, aspect = int(rng.integers(150, 2501)), float(rng.uniform(0.5, 2.0))
+        h = max(1, round((tokens * aspect) ** 0.5))
+        w = max(1, round(tokens / h))
+        grid = np.array([[1, 2 * h, 2 * w]], np.int64)
+        inputs.append((rng.standard_normal((4 * h * w, model.geometry.patch_dim), dtype=np.float32), grid))
+
+    def one_pass(call):
+        ts = []
+        for pv, grid in inputs:
+            t = time.perf_counter()
+            call(pv, grid)
+            ts.append(1e3 * (time.perf_counter() - t))
+        return sum(ts), float(np.median(ts))
+
+    ours = [one_pass(lambda pv, g: model.encode_pixels(pv, g).get()) for _ in range(2)]
+    rows = [[f"ours, {label}", f"{total:.0f}", f"{med:.1f}"] for label, (total, med) in zip(("first pass", "repeat"), ours)]
+    if hf is not None:
+        import torch
+
+        def hf_call(pv, grid):
+            with torch.no_grad():
+                return hf(hidden_states=torch.from_numpy(pv).cuda().to(torch.bfloat16),
+                          grid_thw=torch.from_numpy(grid).cuda()).pooler_output.float().cpu()
+
+        hf_runs = [one_pass(hf_call) for _ in range(2)]
+        for row, (total, med), o in zip(rows, hf_runs, ours):
+            row += [f"{total:.0f}", f"{med:.1f}", f"{total / o[0]:.2f}x"]
+    tokens = sum(int(g[0, 1] * g[0, 2]) // 4 for _, g in inputs)
+    header = [f"serving mix: {n} images, {tokens} tokens, one call each", "ours total ms", "ours median ms"]
+    if hf is not None:
+        header += ["HF eager total ms", "HF median ms", "vs HF eager"]
+    table(header, rows)
+    print(f"graphs captured: {sum(p.graph is not None for p in model.plans._plans.values())} "
+          f"(budgets {sorted({p.patches for p in model.plans._plans.values()})})")
 
 
 if __name__ == "__main__":

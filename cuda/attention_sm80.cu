@@ -34,6 +34,7 @@ __global__ void __launch_bounds__(32 * NW) flash_fwd_sm80(const bf16* __restrict
                           bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
                           const int* __restrict__ tile_q0, int heads, float scale_log2) {
     constexpr int BM = 16 * NW, NT = 32 * NW, LDS = D + 8, BN = 64;  // BN: keys per K/V tile
+    if (idle_tile(tile_seg)) return;  // the whole CTA, before any barrier
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
     bf16* sK = sQ + BM * LDS;          // [2][BN][LDS]

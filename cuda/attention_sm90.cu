@@ -50,6 +50,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
                                   bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
                                   const int* __restrict__ tile_q0, int heads, float scale_log2) {
     constexpr int D = 64, BNW = 128, BM = 64 * NC, TILE = BNW * 128;
+    if (idle_tile(tile_seg)) return;  // the whole CTA, before any barrier
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long bars[1 + 2 * STAGES];  // q, full[STAGES], empty[STAGES]
     unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));

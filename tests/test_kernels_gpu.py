@@ -225,6 +225,25 @@ def test_attention_long(n, variant):
     assert run_attention([n], heads=2 if n > 4096 else 16, sample=256, variant=variant) <= ATTN_TOL
 
 
+@pytest.mark.parametrize("variant", D64)
+def test_attention_idle_tiles_write_nothing(variant):
+    """A token budget's graph launches more query tiles than a batch has: the surplus ones (segment -1)
+    must return at once, write nothing (rows past the batch stay poisoned) and change no real bit."""
+    v, heads = VARIANTS[variant], 4
+    cu = np.array([0, 300, 317, 767], np.int32)
+    q, k, val = (dev(rng.standard_normal((1024, heads * 64), dtype=np.float32).astype(BF) * 2) for _ in range(3))
+    seg, q0 = tiles(cu, v.rows)
+    outs = []
+    for pad in (0, 29):
+        o = poison((1024, heads * 64))
+        ops.flash_attention(v, q, k, val, o, dev(cu), dev(np.concatenate([seg, np.full(pad, -1, np.int32)])),
+                            dev(np.concatenate([q0, np.zeros(pad, np.int32)])), heads)
+        outs.append(cupy.asnumpy(o).view(np.uint16))
+    assert np.array_equal(outs[0], outs[1])
+    assert np.array_equal(outs[1][767:], cupy.asnumpy(poison((257, heads * 64))).view(np.uint16))
+    assert not np.isnan(outs[1][:767].view(BF).astype(np.float32)).any()
+
+
 @pytest.mark.skipif(not SM90, reason="GPU test: the per-shape choice is between sm_90a kernels")
 def test_default_variants_agree_bit_for_bit():
     """The model picks a variant per input shape, so an image batched with others may run on a

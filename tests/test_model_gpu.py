@@ -257,11 +257,11 @@ def test_official_geometry_vs_reference(official):
 
 
 def test_graph_replay_equals_eager_and_reads_fresh_inputs(official):
-    """The second call of a shape captures a CUDA graph, later calls replay it: every replay must read
-    that call's pixels (not the captured call's) and write every output row (poisoned first)."""
+    """A budget's first call captures its CUDA graph, later calls replay it: every replay must read that
+    call's pixels (not the captured call's) and write every output row (poisoned first)."""
     binding, model, _ = official
     eager = GlmVit(binding, capacity_tokens=2048, graphs=False)
-    grid = [[1, 32, 32], [1, 16, 24]]  # 1024 + 384 = 1408 patches, two segments
+    grid = [[1, 32, 32], [1, 16, 24]]  # 1024 + 384 = 1408 patches, two segments: the 1536-patch budget
     rng = np.random.default_rng(5)
     for _ in range(3):
         pv = rng.standard_normal((1408, 1176), dtype=np.float32)
@@ -269,8 +269,8 @@ def test_graph_replay_equals_eager_and_reads_fresh_inputs(official):
         model.arena()["embeddings"].view(cupy.uint16).fill(0x7FC0)  # bf16 NaN
         got = f32(model.encode_pixels(pv, grid))
         assert np.isfinite(got).all() and np.array_equal(got, want)
-    plan = model.plans.get(np.array(grid))
-    assert plan.graph is not None and plan.uses == 3 and not plan.capture_failed
+    plan = model.plans.find(np.array(grid))
+    assert plan.patches == 1536 and plan.graph is not None and plan.uses == 3 and not plan.capture_failed
     assert set(model.last_timing) == {"forward", "copy_out"}
     assert set(eager.last_timing) == {"patch_embed", "blocks", "merger", "copy_out"}
 
@@ -381,19 +381,57 @@ def test_32000_patch_forward_fits_in_2_gib(official):
 # -- the engine's parts: plan cache, graph-capture fallback, inputs, attention variants, capacity ----------
 
 def test_plan_cache_evicts_the_least_recently_used(official):
-    """Two plans kept: 4x4 (captured on its second call), 4x6, then 6x4 evicts 4x4; 4x4 comes back as a
-    new plan and is captured again. Every output equals an eager model's."""
+    """Two plans kept: the 256-patch budget (captured on its first call), 320, then 384 evicts 256, which
+    comes back as a new plan and is captured again. Every output equals an eager model's."""
     binding, _, _ = official
     m, eager = GlmVit(binding, capacity_tokens=256), GlmVit(binding, capacity_tokens=256, graphs=False)
     m.plans.size = 2
     rng = np.random.default_rng(7)
-    for grid in ([[1, 4, 4]], [[1, 4, 4]], [[1, 4, 6]], [[1, 6, 4]], [[1, 4, 4]], [[1, 4, 4]]):
+    for grid in ([[1, 16, 16]], [[1, 8, 16]], [[1, 16, 20]], [[1, 16, 24]], [[1, 16, 16]], [[1, 16, 16]]):
         pv = rng.standard_normal((int(np.prod(grid[0])), 1176), dtype=np.float32)
         assert np.array_equal(f32(m.encode_pixels(pv, grid)), f32(eager.encode_pixels(pv, grid)))
         assert len(m.plans) <= 2
-    assert np.array([[1, 4, 6]]) not in m.plans and np.array([[1, 6, 4]]) in m.plans
-    plan = m.plans.get(np.array([[1, 4, 4]]))
+    assert [p.patches for p in m.plans._plans.values()] == [384, 256]
+    plan = m.plans.find(np.array([[1, 16, 16]]))
     assert plan.uses == 2 and plan.graph is not None  # rebuilt after eviction, captured anew
+
+
+def test_any_mix_of_shapes_replays_its_budgets_graph_bit_for_bit(official):
+    """Random mixes of image shapes, batched: each image's embedding equals its own eager encode (no graph,
+    alone, in its own smaller budget) bit for bit, across budgets; the arena's pixel rows are poisoned
+    (bf16 NaN) before every call, so a padded row that leaked into a real one would show. A mix whose
+    (budget, variant, tiles) was captured before replays without capturing."""
+    binding, model, _ = official
+    eager = GlmVit(binding, capacity_tokens=8000, graphs=False)
+    captures = []
+    real = model.executor._capture
+    model.executor._capture = lambda plan, forward: (captures.append(plan.patches), real(plan, forward))
+    rng = np.random.default_rng()
+    mixes = [[[1, 2 * int(rng.integers(1, 24)), 2 * int(rng.integers(1, 24))] for _ in range(int(rng.integers(1, 6)))]
+             for _ in range(12)]
+    mixes += [[[1, 16, 16], [1, 16, 16]], [[1, 8, 16], [1, 8, 16], [1, 16, 16]]]  # one key: 512 patches
+    budgets = set()
+    try:
+        for grid in mixes:
+            sizes = [t * h * w for t, h, w in grid]
+            pv = rng.standard_normal((sum(sizes), 1176), dtype=np.float32)
+            key = model.plans.key(np.array(grid))
+            seen = np.array(grid) in model.plans
+            n_captures = len(captures)
+            model.arena()["pixels"].view(cupy.uint16).fill(0x7FC0)
+            got = f32(model.encode_pixels(pv, grid))
+            assert len(captures) == n_captures + (0 if seen else 1)
+            assert set(model.last_timing) == {"forward", "copy_out"}  # replayed, first call of this mix too
+            budgets.add(key[0])
+            row = 0
+            for (t, h, w), n in zip(grid, sizes):
+                alone = f32(eager.encode_pixels(pv[row:row + n], [[t, h, w]]))
+                assert np.array_equal(got[row // 4:(row + n) // 4], alone), (grid, (t, h, w))
+                row += n
+    finally:
+        model.executor._capture = real
+    assert model.plans.key(np.array(mixes[-1])) == model.plans.key(np.array(mixes[-2]))
+    assert len(budgets) > 3
 
 
 def test_failed_graph_capture_falls_back_to_eager(official, monkeypatch, caplog):
@@ -413,7 +451,7 @@ def test_failed_graph_capture_falls_back_to_eager(official, monkeypatch, caplog)
     for _ in range(3):
         pv = rng.standard_normal((64, 1176), dtype=np.float32)
         assert np.array_equal(f32(m.encode_pixels(pv, grid)), f32(eager.encode_pixels(pv, grid)))
-    plan = m.plans.get(np.array(grid))
+    plan = m.plans.find(np.array(grid))
     assert plan.capture_failed and plan.graph is None and plan.uses == 3
     assert "capture failed" in caplog.text and set(m.last_timing) == {"patch_embed", "blocks", "merger", "copy_out"}
 
@@ -443,7 +481,7 @@ def test_attention_variant_argument(official):
     pv, grid = rng.standard_normal((1024, 1176), dtype=np.float32), [[1, 32, 32]]
     want = f32(model.encode_pixels(pv, grid))
     fallback = GlmVit(binding, capacity_tokens=256, attention_variant="sm80_d64")
-    assert fallback.plans.get(np.array(grid)).variant.name == "sm80_d64"
+    assert fallback.plans.key(np.array(grid))[1] == "sm80_d64"
     got = f32(fallback.encode_pixels(pv, grid))
     ref = reference.encode_pixels(tower, pv, grid)
     # Another kernel rounds elsewhere (the two bf16 paths differ by about as much as each differs from

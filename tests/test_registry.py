@@ -3,6 +3,7 @@ engine launches exists, and every variant is derived consistently and refused wh
 
 import re
 
+import numpy as np
 import pytest
 
 from glmvit_cupy.engine.attention import VARIANTS, check_variant, default_variants, pick_variant, tiles
@@ -78,3 +79,40 @@ def test_tiles_cover_every_segment_row_once():
     cu = [0, 1, 193, 193 + 500]
     seg, q0 = tiles(cu, 192)
     assert seg.tolist() == [0, 1, 2, 2, 2] and q0.tolist() == [0, 1, 193, 385, 577]
+
+
+def test_budgets_hold_their_batch_with_at_most_a_quarter_padding():
+    from glmvit_cupy.engine.budgets import MIN_BUDGET, budget, tile_count
+
+    seen = set()
+    for p in range(1, 40001, 7):
+        b = budget(p, 32000) if p <= 32000 else None
+        if b is None:
+            with pytest.raises(ValueError, match="a forward holds 1 to 32000"):
+                budget(p, 32000)
+            continue
+        assert p <= b <= 32000 and b % 4 == 0 and (b <= max(MIN_BUDGET, 1.25 * p) or b == 32000)
+        seen.add(b)
+    assert len(seen) <= 4 * 7 + 1  # four a power of two from 256 to 32,000 patches, and the capacity
+    assert budget(1024, 32000) == 1024 and budget(1025, 32000) == 1280 and budget(5, 120) == 120
+    for n in range(1, 5000):
+        assert n <= tile_count(n) <= max(8, 1.25 * n)
+
+
+def test_budget_meta_pads_positions_segments_and_tiles():
+    """A batch's device data within its budget: real positions then zeros, segment bounds then the total
+    repeated, real tiles then idle ones (segment -1), at the offsets the plan's views use."""
+    from glmvit_cupy.engine.budgets import layout, meta, positions
+
+    grid = [[1, 4, 6], [2, 2, 2], [1, 8, 4]]  # 24 + 2 frames x 4 + 32 = 64 patches, 4 segments
+    b, rows = 96, 16
+    cu = np.array([0, 24, 28, 32, 64], np.int32)
+    seg, q0 = tiles(cu, rows)
+    m = meta(grid, b, rows, 12)
+    o = layout(b, 12)
+    assert o == (0, 192, 192 + 25, 217 + 12, 229 + 12) and m.shape == (o[-1],) and m.dtype == np.int32
+    pos = m[o[0]:o[1]].reshape(b, 2)
+    assert np.array_equal(pos[:64], positions(grid)) and not pos[64:].any()
+    assert np.array_equal(m[o[1]:o[1] + 5], cu) and (m[o[1] + 5:o[2]] == 64).all()
+    assert np.array_equal(m[o[2]:o[2] + len(seg)], seg) and (m[o[2] + len(seg):o[3]] == -1).all()
+    assert np.array_equal(m[o[3]:o[3] + len(q0)], q0) and len(seg) == 6

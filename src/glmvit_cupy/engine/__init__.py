@@ -6,9 +6,11 @@
     ops         one typed launcher per kernel entry (grid, block and argument order written once)
     params      the weights uploaded to one GPU, named after the checkpoint
     arena       scratch: one allocation, sized once from the capacity, in named slots
-    plans       per input shape: positions, segments, attention tiles and variant, the CUDA graph
+    budgets     token budgets, and a batch's positions, segments and attention tiles for one (NumPy)
+    plans       per budget: those on the GPU, the attention variant, the CUDA graph
     layers      the forward, top-down, one function per sub-layer (mirrors reference.py)
-    executor    stream, cuBLAS handle, lock, input staging, CUDA graphs, timing, out-of-memory
+    staging     inputs into the arena: page-locked uploads, the resize + patchify on the GPU
+    executor    stream, cuBLAS handle, lock, CUDA graphs, timing, out-of-memory
     model       GlmVit: the facade (from_checkpoint, encode, encode_pixels, last_timing)
     replicas    Replicas: one GlmVit per GPU, work spread across them
 """

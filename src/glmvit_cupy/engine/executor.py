@@ -1,6 +1,7 @@
 """How one model's forwards run on its GPU: its own stream and cuBLAS handle, one forward at a time
-(a lock), inputs staged into the arena, a CUDA graph per input shape once the shape repeats, CUDA
-events per stage, and out-of-memory turned into an error that leaves the model usable.
+(a lock), inputs staged into the arena, a CUDA graph per token budget (plans.py), captured on the
+budget's first call, CUDA events per stage, and out-of-memory turned into an error that leaves the
+model usable.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ class Executor:
     def run(self, get_plan, stage, forward, output):
         """One forward under the lock, on our stream, after the caller's stream's work so far.
 
-        get_plan() -> the input shape's plan; stage() fills the arena's input rows (outside any graph:
-        the source differs per call); forward(plan, mark) computes, eagerly or, from a shape's second
-        call on, as a replayed CUDA graph; output(plan) is the slot returned. Returns a copy the caller
-        owns (the arena is reused), which the caller's current stream is made to wait for."""
+        get_plan() -> the batch's plan (its budget's, with this batch's meta uploaded); stage() fills the
+        arena's input rows (outside any graph: the source differs per call); forward(plan, mark) computes,
+        as the budget's CUDA graph (captured on its first call) or eagerly; output(plan) is the slot
+        returned. Returns a copy the caller owns (the arena is reused), which the caller's current stream is made to wait for."""
         with self.lock, self.device:
             try:
                 return self._run(get_plan, stage, forward, output)
@@ -50,8 +51,9 @@ class Executor:
             stream.wait_event(caller.record())  # after the caller's work (its input, say)
             events = [("start", stream.record())]
             stage()
-            # A shape seen twice is worth a graph: ~250 launches become one (capture costs ~one forward).
-            if self.graphs and self.blas.capturable and plan.graph is None and plan.uses and not plan.capture_failed:
+            # A budget's first call captures its graph (~250 launches become one; capture costs about one
+            # eager forward), which then serves every later batch of that budget, whatever its shapes.
+            if self.graphs and self.blas.capturable and plan.graph is None and not plan.capture_failed:
                 self._capture(plan, forward)
             plan.uses += 1
             if self.graphs and plan.graph is not None:
@@ -66,7 +68,7 @@ class Executor:
         return out
 
     def _capture(self, plan, forward):
-        """The shape's forward as a CUDA graph; if capture fails, the shape runs eagerly from then on."""
+        """The budget's forward as a CUDA graph; if capture fails, the budget runs eagerly from then on."""
         stream, graph, error = self.stream, None, None
         stream.begin_capture()
         try:

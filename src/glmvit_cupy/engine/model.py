@@ -1,7 +1,7 @@
 """GlmVit: the GLM-5.3-Flash vision tower on one GPU. A thin facade over the engine's parts:
 
     params.upload     the weights on the GPU            layers.forward   the maths, top-down
-    arena.Arena       scratch, sized once               plans.PlanCache  per-shape index data + graphs
+    arena.Arena       scratch, sized once               plans.PlanCache  per-budget index data + graphs
     executor.Executor stream, cuBLAS, lock, CUDA graphs, timing
     staging.Stager    inputs into the arena: uploads, and the resize + patchify on the GPU
 """
@@ -13,6 +13,7 @@ import time
 import warnings
 
 import cupy
+import numpy as np
 
 from .. import batching, gpu
 from ..checkpoint import TowerBinding, bind_tower
@@ -43,10 +44,10 @@ class GlmVit:
     """The vision tower on one GPU. Build with `GlmVit.from_checkpoint(path)`.
 
     capacity_tokens: the tokens one forward pass holds (scratch is sized from it on the first encode);
-    attention_variant: force one of attention.VARIANTS (default: picked per input shape); graphs: capture
-    a CUDA graph per input shape once it repeats."""
+    attention_variant: force one of attention.VARIANTS (default: picked per input shape); graphs: run each
+    token budget as a CUDA graph, captured on its first call (plans.py)."""
 
-    MAX_PLANS = 32  # input shapes whose index data (and CUDA graph) stay cached
+    MAX_PLANS = 48  # token budgets (by attention variant and tile count) whose CUDA graph stays cached
 
     def __init__(self, binding: TowerBinding, *, device=None, capacity_tokens: int | None = None,
                  attention_variant: str | None = None, graphs: bool = True, max_image_tokens: int | None = None):
@@ -62,8 +63,8 @@ class GlmVit:
         with self.device:
             self.weights = params.upload(binding)
             self.value_table = cupy.asarray(value_table())  # [3, 256] float32: uint8 -> normalised value
-            self.plans = PlanCache(names, g.num_heads, g.hidden_size,
-                                   self.device.attributes["MultiProcessorCount"], self.MAX_PLANS)
+            self.plans = PlanCache(names, g.num_heads, g.hidden_size, self.device.attributes["MultiProcessorCount"],
+                                   self.capacity_tokens * 4, self.MAX_PLANS)
             self.executor = Executor(self.device, graphs)
             self.stager = Stager(self.value_table, g.temporal_patch_size, g.patch_size)
             self.device.synchronize()
@@ -146,9 +147,10 @@ class GlmVit:
         return results
 
     def _encode(self, grid, stage):
-        """One forward of this grid's shape, stage(arena) filling the pixel rows."""
+        """One forward of this grid (over its token budget), stage(arena) filling the pixel rows."""
+        tokens = int(sum(t * h * w for t, h, w in np.asarray(grid).tolist())) // 4
         return self.executor.run(lambda: self.plans.get(grid), lambda: stage(self.arena()), self._forward,
-                                 lambda plan: self.arena()["embeddings"][:plan.patches // 4])
+                                 lambda plan: self.arena()["embeddings"][:tokens])
 
     def _forward(self, plan, mark):
         layers.forward(self.geometry, self.weights, self.arena(), plan, self.executor.blas, mark)

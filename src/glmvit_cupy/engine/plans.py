@@ -1,6 +1,16 @@
-"""Per input shape (the grid of every image in a batch), what the forward needs beside the pixels:
-each patch's (h, w) position, the attention segments and query tiles, the attention variant, and,
-once the shape repeats, its CUDA graph. Kept in a small LRU cache; evicting a plan frees its graph.
+"""Per token budget, what the forward needs beside the pixels, and its CUDA graph.
+
+A batch of P patches runs as a forward over a budget of B >= P patches (budgets: four per power of two,
+from 256 patches up to the model's capacity). What differs between batches of one budget is device data
+the kernels read, uploaded before each call into the budget's buffers: each patch's (h, w) position,
+the attention segments and the attention's query tiles. A graph captured for the budget therefore
+replays for any mix of image shapes that fits it. The rows past P compute on stale inputs and are
+never read: every kernel but attention treats rows independently, and attention's tiles cover only
+the P real rows, each within its own segment, so padding changes no bit of any output.
+
+Plans are kept per (budget, attention variant, tile count) in a small LRU cache; evicting one frees
+its graph. The attention's grid is part of the graph, so its tile count is rounded up the same way as
+the budget and the surplus tiles are marked idle (segment -1: the kernels return at once).
 """
 
 from __future__ import annotations
@@ -13,66 +23,76 @@ import numpy as np
 
 from . import attention
 from .attention import Variant
+from .budgets import budget, layout, meta, tile_count
+from .staging import HOST
 
 
 @dataclass
 class Plan:
-    patches: int
-    positions: cupy.ndarray  # int32 [patches, 2]: (h, w) in the merge-block row order of pixel_values
-    cu_seqlens: cupy.ndarray  # int32 [segments + 1]: one segment per frame of each image
-    tile_seg: cupy.ndarray    # int32 [tiles]: each attention query tile's segment
+    patches: int              # the budget: rows every kernel runs over
+    meta: cupy.ndarray        # int32: the buffers below, one upload per call
+    positions: cupy.ndarray   # int32 [patches, 2]: (h, w) in the merge-block row order of pixel_values
+    cu_seqlens: cupy.ndarray  # int32 [patches // 4 + 1]: segment bounds (one per frame of each image)
+    tile_seg: cupy.ndarray    # int32 [tiles]: each attention query tile's segment (-1: idle)
     tile_q0: cupy.ndarray     # int32 [tiles]: and its first row
     variant: Variant
-    attention_flop: int       # per block: 4 * sum(segment^2) * hidden
+    attention_flop: int = 0   # this call's, per block: 4 * sum(segment^2) * hidden
     uses: int = 0
     graph: object = None
     capture_failed: bool = False
 
 
-def positions(grid) -> np.ndarray:
-    """(h, w) of every patch, in the 2x2 merge-block order of the reference processor's rows."""
-    out = []
-    for t, h, w in grid:
-        hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        blk = (h // 2, 2, w // 2, 2)
-        p = np.stack([hh.reshape(blk).transpose(0, 2, 1, 3).ravel(),
-                      ww.reshape(blk).transpose(0, 2, 1, 3).ravel()], axis=1)
-        out += [p] * t  # each frame repeats the positions
-    return np.concatenate(out).astype(np.int32)
-
-
 class PlanCache:
-    """Plans by input shape, the least recently used dropped past `size`."""
+    """Plans by (budget, variant, tile count), the least recently used dropped past `size`."""
 
-    def __init__(self, variants: tuple, heads: int, hidden: int, sms: int, size: int = 32):
+    def __init__(self, variants: tuple, heads: int, hidden: int, sms: int, capacity_patches: int, size: int = 48):
         self.variants, self.heads, self.hidden, self.sms, self.size = variants, heads, hidden, sms, size
+        self.capacity_patches = capacity_patches
         self._plans: OrderedDict = OrderedDict()
 
     def __len__(self):
         return len(self._plans)
 
-    def __contains__(self, grid) -> bool:
-        return self._key(grid) in self._plans
+    def key(self, grid) -> tuple[int, str, int]:
+        """(budget, variant name, tile count) of a grid (int [images, 3])."""
+        grid = np.asarray(grid).tolist()
+        seg_lens = [h * w for t, h, w in grid for _ in range(t)]
+        b = budget(sum(seg_lens), self.capacity_patches)
+        name = attention.pick_variant(self.variants, seg_lens, self.heads, self.sms)
+        rows = attention.VARIANTS[name].rows
+        return b, name, tile_count(sum(-(-n // rows) for n in seg_lens))
 
-    @staticmethod
-    def _key(grid):
-        return tuple(map(tuple, np.asarray(grid).tolist()))
+    def __contains__(self, grid) -> bool:
+        return self.key(grid) in self._plans
+
+    def find(self, grid) -> Plan | None:
+        """The plan this grid would run on, if built (nothing uploaded, nothing reordered)."""
+        return self._plans.get(self.key(grid))
 
     def get(self, grid) -> Plan:
-        """The plan of this grid (int64 [images, 3]), built on first use; its uploads run on the
-        current stream, ahead of the kernels that read them."""
-        key = self._key(grid)
+        """The plan for this grid (int [images, 3]), built on first use, with this grid's meta uploaded on
+        the current stream, ahead of the kernels that read it."""
+        key = self.key(grid)
         plan = self._plans.get(key)
-        if plan is not None:
-            self._plans.move_to_end(key)
-            return plan
-        seg_lens = [h * w for t, h, w in key for _ in range(t)]  # each frame is its own attention segment
-        cu = np.concatenate([[0], np.cumsum(seg_lens)]).astype(np.int32)
-        variant = attention.VARIANTS[attention.pick_variant(self.variants, seg_lens, self.heads, self.sms)]
-        tile_seg, tile_q0 = attention.tiles(cu, variant.rows)
-        plan = Plan(int(cu[-1]), *(cupy.asarray(a) for a in (positions(key), cu, tile_seg, tile_q0)), variant,
-                    4 * sum(n * n for n in seg_lens) * self.hidden)
-        self._plans[key] = plan
-        while len(self._plans) > self.size:
-            self._plans.popitem(last=False)
+        if plan is None:
+            plan = self._plans[key] = self._new(*key)
+            while len(self._plans) > self.size:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(key)
+        grid = np.asarray(grid).tolist()
+        host = meta(grid, plan.patches, plan.variant.rows, len(plan.tile_seg))
+        block = HOST.take(host.nbytes)
+        np.frombuffer(block.mem, np.int32, host.size)[:] = host
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(plan.meta.data.ptr, block.mem.ptr, host.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        block.event = stream.record()
+        HOST.give(block)
+        plan.attention_flop = 4 * sum(h * w * h * w * t for t, h, w in grid) * self.hidden
         return plan
+
+    def _new(self, b: int, name: str, tiles: int) -> Plan:
+        o = layout(b, tiles)
+        dev = cupy.zeros(o[-1], dtype=cupy.int32)
+        return Plan(b, dev, dev[o[0]:o[1]].reshape(b, 2), dev[o[1]:o[2]], dev[o[2]:o[3]], dev[o[3]:o[4]],
+                    attention.VARIANTS[name])

@@ -1,0 +1,74 @@
+"""Token budgets: the fixed sizes a forward runs at, so that one CUDA graph serves every batch that fits,
+and the device data (positions, segments, attention tiles) that tells a budget's forward what this
+batch is. Pure NumPy: tested without a GPU. The plans that hold this on the GPU are in plans.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import attention
+
+MIN_BUDGET = 256  # patches: 64 tokens
+STEPS = (4, 5, 6, 7)  # steps per octave, as quarters of its power of two: at most 25% padding
+
+
+def _ladder(n: int, minimum: int) -> int:
+    """The smallest 2^k x (1, 1.25, 1.5 or 1.75) that is >= n and >= minimum (a power of two)."""
+    k = max(minimum, 1 << max(0, (n - 1).bit_length() - 1))
+    for s in STEPS:
+        if k * s // 4 >= n:
+            return k * s // 4
+    return 2 * k
+
+
+def budget(patches: int, capacity_patches: int) -> int:
+    """The budget (patches a forward runs over) that holds `patches`: _ladder's, at least MIN_BUDGET, at
+    most the capacity (which is itself the last budget)."""
+    if not 0 < patches <= capacity_patches:
+        raise ValueError(f"{patches} patches: a forward holds 1 to {capacity_patches}")
+    return min(_ladder(patches, MIN_BUDGET), capacity_patches)
+
+
+def tile_count(real_tiles: int) -> int:
+    """Query tiles a plan's attention launches for `real_tiles` (the idle ones exit at once): _ladder's,
+    so a few tile counts serve every batch of a budget, with at most a quarter of them idle."""
+    return _ladder(real_tiles, 8)
+
+
+def positions(grid) -> np.ndarray:
+    """(h, w) of every patch, in the 2x2 merge-block order of the reference processor's rows."""
+    out = []
+    for t, h, w in grid:
+        hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        blk = (h // 2, 2, w // 2, 2)
+        p = np.stack([hh.reshape(blk).transpose(0, 2, 1, 3).ravel(),
+                      ww.reshape(blk).transpose(0, 2, 1, 3).ravel()], axis=1)
+        out += [p] * t  # each frame repeats the positions
+    return np.concatenate(out).astype(np.int32)
+
+
+def layout(budget_patches: int, tiles: int) -> tuple[int, ...]:
+    """Offsets (in int32) of positions, cu_seqlens, tile_seg, tile_q0 and the end, in a plan's meta."""
+    offs = [0, 2 * budget_patches]
+    offs.append(offs[-1] + budget_patches // 4 + 1)
+    offs.append(offs[-1] + tiles)
+    offs.append(offs[-1] + tiles)
+    return tuple(offs)
+
+
+def meta(grid, budget_patches: int, rows: int, tiles: int) -> np.ndarray:
+    """A call's int32 meta for a plan of this budget and tile count: the real rows' positions (zeros past
+    them), segment bounds (the last repeated), the real tiles (then idle ones: segment -1)."""
+    seg_lens = [h * w for t, h, w in grid for _ in range(t)]  # each frame is its own attention segment
+    cu = np.concatenate([[0], np.cumsum(seg_lens)]).astype(np.int32)
+    seg, q0 = attention.tiles(cu, rows)
+    o = layout(budget_patches, tiles)
+    out = np.zeros(o[-1], np.int32)
+    out[:2 * int(cu[-1])] = positions(grid).reshape(-1)
+    out[o[1]:o[2]] = cu[-1]
+    out[o[1]:o[1] + len(cu)] = cu
+    out[o[2]:o[3]] = -1
+    out[o[2]:o[2] + len(seg)] = seg
+    out[o[3]:o[3] + len(q0)] = q0
+    return out
