@@ -1,7 +1,7 @@
 """JPEG files on disk -> embeddings on the host, images/s and GPU busy, beside HF transformers 5.23.0
 (its PIL processor + the eager bf16 model) in the same run, on the same random official-geometry weights.
 
-    python benchmarks/bench_e2e.py [--images 48] [--no-hf]
+    python benchmarks/bench_e2e.py [--images 48] [--budgets 8000,1024] [--no-hf] [--no-gpu-decode]
 
 A seeded folder of JPEG photos, 0.5-12 megapixels, mixed aspect ratios. Rows: HF; ours encode() from one
 thread with host resize (Pillow), with GPU resize (the default), with GPU decode (nvImageCodec, when
@@ -76,6 +76,8 @@ class Busy:
 
 def main():
     n = int(sys.argv[sys.argv.index("--images") + 1]) if "--images" in sys.argv else 48
+    budgets = [int(b) for b in sys.argv[sys.argv.index("--budgets") + 1].split(",")] if "--budgets" in sys.argv \
+        else [8000, 1024]
     use_hf = "--no-hf" not in sys.argv
     from glmvit_cupy import GlmVit
 
@@ -93,10 +95,10 @@ def main():
     print(f"{n} JPEGs in {folder}: {size / 2**20:.0f} MiB; {os.cpu_count()} CPUs")
     ckpt = official_checkpoint()
     model = GlmVit.from_checkpoint(ckpt, capacity_tokens=8000)
+    gpu_decode = "--no-gpu-decode" not in sys.argv
     try:
         from glmvit_cupy.gpu_decode import Decoder
         Decoder()
-        gpu_decode = True
     except Exception as e:
         print("GPU decode rows skipped:", e)
         gpu_decode = False
@@ -107,7 +109,7 @@ def main():
         from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
 
     rows, drift_rows = [], []
-    for budget in (8000, 1024):
+    for budget in budgets:
         def ours(**kw):
             return [o.get() for o in model.encode(paths, max_image_tokens=budget, **kw)]
 

@@ -177,3 +177,38 @@ def test_gpu_resize_input_is_the_decoded_image_in_lent_memory(tmp_path):
     assert np.array_equal(img, np.asarray(Image.open(path).convert("RGB")))
     with pytest.raises(ImageError, match="^photo q: cannot decode"):
         prepare_canvas(b"not an image", 0, resize="gpu", name="photo q")
+
+
+@pytest.mark.parametrize("kind", ["upright", "rotated", "grey", "cmyk", "png"])
+def test_decoding_into_lent_memory_gives_pillows_pixels(kind, monkeypatch):
+    """With a host_buffer, an upright colour JPEG is decoded by Pillow straight into a lent [H, W, 4] buffer
+    (poisoned first); a JPEG that EXIF turns, a grey or CMYK one and a PNG are decoded as usual and copied
+    in after. Every way gives the reference's pixels."""
+    from PIL import ImageOps
+
+    buf = io.BytesIO()
+    img = Image.fromarray(_photo(240, 320, 11))
+    exif = Image.Exif()
+    exif[0x0112] = 6 if kind == "rotated" else 1
+    if kind == "grey":
+        img = img.convert("L")
+    if kind == "cmyk":
+        img = img.convert("CMYK")
+    img.save(buf, "PNG" if kind == "png" else "JPEG", quality=90, exif=exif)
+    data = buf.getvalue()
+    want = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"))
+    lent = []
+
+    def buffer(shape):
+        lent.append(np.full(shape, 0xA5, np.uint8))
+        return lent[-1]
+
+    pastes = []
+    real = Image.Image.paste
+    monkeypatch.setattr(Image.Image, "paste", lambda self, *a, **k: (pastes.append(1), real(self, *a, **k))[1])
+    got, _, info = prepare_canvas(data, 0, max_image_tokens=64, resize="gpu", host_buffer=buffer)
+    assert np.array_equal(got, want) and info["size"] == want.shape[:2]
+    assert len(pastes) == (0 if kind == "upright" else 1)  # the upright JPEG was decoded in place
+    assert len(lent) == 1 and got.__array_interface__["data"][0] == lent[0].__array_interface__["data"][0]
+    host, _, _ = prepare_canvas(data, 0, max_image_tokens=64, host_buffer=buffer)  # host resize: not lent
+    assert len(lent) == 1 and host.shape[2] == 3

@@ -49,9 +49,19 @@ def _open(image, limit) -> Image.Image:
             Image.MAX_IMAGE_PIXELS = old
 
 
-def _decode(image, name, max_pixels=None) -> Image.Image:
+def _mapped(buf: np.ndarray):
+    """A Pillow core image of mode RGB over an [H, W, 4] uint8 buffer (Pillow keeps RGB as 4 bytes a pixel):
+    what Pillow writes into it lands in `buf`. Pillow's own frombuffer mapping, with the RGB layout."""
+    h, w = buf.shape[:2]
+    return Image.core.map_buffer(buf, (w, h), "raw", 0, ("RGB", 0, 1))
+
+
+def _decode(image, name, max_pixels=None, host_buffer=None):
     """Open a path or file object the way the reference loads a path: EXIF transpose, convert('RGB').
-    Images over max_pixels (default: Pillow's guard, 89.5 MP) are refused before they are decoded."""
+    Images over max_pixels (default: Pillow's guard, 89.5 MP) are refused before they are decoded.
+    With host_buffer, an upright colour JPEG is decoded straight into an [H, W, 4] buffer from it and
+    its first three channels returned (no image memory of Pillow's, no copy); others come back as PIL
+    images."""
     limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
     bomb = (f"{name}: refused as a possible decompression bomb: over the limit of {limit or 0:,} pixels; pass "
             "max_pixels (glmvit-encode --max-pixels) to allow larger images")
@@ -65,7 +75,10 @@ def _decode(image, name, max_pixels=None) -> Image.Image:
             # One decoder call for the whole file (Pillow feeds 64 KiB at a time by default and takes the GIL
             # back after each): the decode then runs without the GIL, and threads decode side by side.
             img.decodermaxblock = max(img.decodermaxblock, DECODE_BLOCK)
+            into = _target(img, host_buffer)
             img.load()
+            if into is not None:
+                return into[..., :3]
             ImageOps.exif_transpose(img, in_place=True)  # in place: no copy when nothing is to be turned
             return img if img.mode == "RGB" else img.convert("RGB")
     except ImageError:
@@ -109,19 +122,39 @@ def _from_array(a: np.ndarray, name) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
-def load(image, name: str, max_pixels: int | None = None):
+def _target(img, host_buffer) -> np.ndarray | None:
+    """The [H, W, 4] buffer an opened image will be decoded into, set as its image memory; None when it is
+    decoded as usual: no buffer, not a colour JPEG (others convert after decoding), or an EXIF orientation
+    that turns it (the turn makes a new image anyway)."""
+    if host_buffer is None or img.format != "JPEG" or img.mode != "RGB" or \
+            img.getexif().get(ORIENTATION, 1) not in (1, None):
+        return None
+    w, h = img.size
+    buf = host_buffer((h, w, 4))
+    try:
+        img.im = _mapped(buf)  # ImageFile.load decodes into an image memory already there
+    except (AttributeError, TypeError, ValueError):  # a Pillow without the mapping
+        return None
+    return buf
+
+
+ORIENTATION = 0x0112  # the EXIF tag exif_transpose reads
+
+
+def load(image, name: str, max_pixels: int | None = None, host_buffer=None):
     """Any accepted image input -> an RGB PIL image (encoded inputs: no copy made yet) or HxWx3 uint8
-    array. Raises ImageError naming the image `name`."""
+    array (an upright colour JPEG, with host_buffer: decoded into its memory). Raises ImageError naming
+    the image `name`."""
     if isinstance(image, (str, os.PathLike)):
         if os.path.isdir(image):
             raise ImageError(f"{name}: is a folder, not an image file (glmvit-encode walks folders)")
         if not os.path.isfile(image):
             raise ImageError(f"{name}: no such file")
-        out = _decode(image, name, max_pixels)
+        out = _decode(image, name, max_pixels, host_buffer)
     elif isinstance(image, (bytes, bytearray)):
-        out = _decode(io.BytesIO(image), name, max_pixels)
+        out = _decode(io.BytesIO(image), name, max_pixels, host_buffer)
     elif hasattr(image, "read"):
-        out = _decode(image, name, max_pixels)
+        out = _decode(image, name, max_pixels, host_buffer)
     elif isinstance(image, Image.Image):
         out = _from_pil(image, name)
     elif isinstance(image, np.ndarray):
@@ -145,8 +178,7 @@ def rgb_pixels(img, host_buffer=None) -> np.ndarray:
     w, h = img.size
     buf = host_buffer((h, w, 4)) if host_buffer is not None else np.empty((h, w, 4), np.uint8)
     try:
-        # Pillow's own frombuffer mapping, with the 4-byte RGB layout: paste is then one memcpy per row.
-        target = img._new(Image.core.map_buffer(buf, (w, h), "raw", 0, ("RGB", 0, 1)))
+        target = img._new(_mapped(buf))  # paste is then one memcpy per row
         target.readonly = 0
         target.paste(img)
     except (AttributeError, TypeError, ValueError):  # a Pillow without the mapping: the packing copy

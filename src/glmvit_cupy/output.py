@@ -85,7 +85,7 @@ class Output:
     def _write_json(self):
         path = os.path.join(self.folder, MANIFEST)
         with open(path + ".tmp", "w") as f:
-            json.dump(self.manifest, f, indent=1)
+            json.dump(self.manifest, f)  # no indent: json's C encoder (rewritten after every batch)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(path + ".tmp", self.mode)

@@ -138,15 +138,15 @@ def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_ima
     path, or its index)."""
     check_resize(resize)
     name = name_of(image, index) if name is None else name
-    img = load(image, name, max_pixels) if decoded is None else decoded
+    if resize == "gpu" and resample.pass_order() is None:
+        resize = "host"  # an unknown Pillow: its bytes come from Pillow itself (warned once)
+    img = load(image, name, max_pixels, host_buffer if resize == "gpu" else None) if decoded is None else decoded
     width, height = img.size if isinstance(img, Image.Image) else (img.shape[1], img.shape[0])
     canvas = smart_resize(height, width, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
     ch, cw = content_size(height, width, canvas, min_image_tokens=min_image_tokens)
     grid = (1, canvas[0] // PATCH, canvas[1] // PATCH)
     info = {"source": name, "size": (height, width), "canvas": canvas, "content": (ch, cw),
             "grid": grid, "tokens": grid[1] * grid[2] // (MERGE * MERGE), "resize": resize}
-    if resize == "gpu" and resample.pass_order() is None:
-        resize = info["resize"] = "host"  # an unknown Pillow: its bytes come from Pillow itself (warned once)
     if resize == "gpu":
         if (ch, cw) != (height, width):
             resample.plan(height, width, ch, cw)  # the tables, computed here on the worker; cached for the GPU's thread

@@ -45,10 +45,13 @@ class Plan:
 class PlanCache:
     """Plans by (budget, variant, tile count), the least recently used dropped past `size`."""
 
+    GRIDS = 256  # grids whose key and meta stay cached on the host (a server sees its sizes again)
+
     def __init__(self, variants: tuple, heads: int, hidden: int, sms: int, capacity_patches: int, size: int = 48):
         self.variants, self.heads, self.hidden, self.sms, self.size = variants, heads, hidden, sms, size
         self.capacity_patches = capacity_patches
         self._plans: OrderedDict = OrderedDict()
+        self._grids: OrderedDict = OrderedDict()  # grid -> (plan key, host meta, attention FLOP per block)
 
     def __len__(self):
         return len(self._plans)
@@ -72,15 +75,13 @@ class PlanCache:
     def get(self, grid) -> Plan:
         """The plan for this grid (int [images, 3]), built on first use, with this grid's meta uploaded on
         the current stream, ahead of the kernels that read it."""
-        key = self.key(grid)
+        key, host, flop = self._describe(grid)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._new(*key)
             while len(self._plans) > self.size:
                 self._plans.popitem(last=False)
         self._plans.move_to_end(key)
-        grid = np.asarray(grid).tolist()
-        host = meta(grid, plan.patches, plan.variant.rows, len(plan.tile_seg))
         block = HOST.take(host.nbytes)
         np.frombuffer(block.mem, np.int32, host.size)[:] = host
         stream = cupy.cuda.get_current_stream()
@@ -88,8 +89,22 @@ class PlanCache:
                                       cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
         block.event = stream.record()
         HOST.give(block)
-        plan.attention_flop = 4 * sum(h * w * h * w * t for t, h, w in grid) * self.hidden
+        plan.attention_flop = flop
         return plan
+
+    def _describe(self, grid):
+        """(plan key, host meta, attention FLOP per block) of a grid, cached."""
+        g = tuple(map(tuple, np.asarray(grid).tolist()))
+        hit = self._grids.get(g)
+        if hit is None:
+            key = self.key(g)
+            hit = (key, meta(g, key[0], attention.VARIANTS[key[1]].rows, key[2]),
+                   4 * sum(h * w * h * w * t for t, h, w in g) * self.hidden)
+            self._grids[g] = hit
+            while len(self._grids) > self.GRIDS:
+                self._grids.popitem(last=False)
+        self._grids.move_to_end(g)
+        return hit
 
     def _new(self, b: int, name: str, tiles: int) -> Plan:
         o = layout(b, tiles)
