@@ -105,3 +105,20 @@ def test_feed_keeps_order_and_raises_in_turn():
         with pytest.raises(ValueError, match="item 2"):
             next(gen)
     assert list(feed.in_order(fn, range(20), 4)) == [i * 10 for i in range(20)]
+
+
+def test_feed_starts_no_more_threads_than_items(monkeypatch):
+    """One image, one thread: no pool at all (a pool of 16 threads for a single image cost ~1 ms a call)."""
+    import concurrent.futures
+
+    pools = []
+    real = concurrent.futures.ThreadPoolExecutor
+
+    def counting(n, **kw):
+        pools.append(n)
+        return real(n, **kw)
+
+    monkeypatch.setattr(feed, "ThreadPoolExecutor", counting)
+    assert list(feed.in_order(lambda i, x: x, ["a"], 16)) == ["a"] and pools == []
+    assert list(feed.in_order(lambda i, x: x, "abc", 16)) == list("abc") and pools == [3]
+    assert list(feed.in_order(lambda i, x: x, iter("abcd"), 2)) == list("abcd") and pools == [3, 2]

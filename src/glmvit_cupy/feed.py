@@ -24,6 +24,8 @@ def in_order(fn: Callable, items: Iterable, workers: int, ahead: int | None = No
     2 x workers + 2) calls run ahead on threads. An exception a call raises is raised when its turn
     comes (the ones before it are yielded first); closing the generator early cancels what has not
     started and waits for what has."""
+    if hasattr(items, "__len__"):
+        workers = min(workers, len(items))  # no pool of 16 threads for one image
     if workers <= 1:
         for i, item in enumerate(items):
             yield fn(i, item)
