@@ -6,8 +6,9 @@
 The output folder holds embeddings-NNNNN.safetensors shards (one bf16 tensor per image, keyed by
 the image file's resolved path) and manifest.json (source, size_hw, canvas_hw, grid_thw, tokens,
 shard per image; the images that failed, with why; the settings). Each batch is written to a
-temporary name and renamed, then the manifest likewise: an interrupted run loses nothing it
-finished, and a re-run with the same settings skips what the manifest already holds. A bad image is
+temporary name and renamed, naming its images in its own metadata; the manifest is rewritten every
+few seconds and at the end: an interrupted run loses nothing it finished, and a re-run with the same
+settings skips what is done. A bad image is
 reported and skipped. Read the output with glmvit_cupy.output.read_embeddings(folder).
 """
 
@@ -275,6 +276,7 @@ def encode_all(args, todo, enc, out) -> int:
             with contextlib.suppress(Exception):
                 submit(write, running[0], running[1]())
         writer.shutdown(wait=True)  # what was computed is written
+        out.flush()
     for w in writes:
         w.result()
     bar.close()

@@ -1,13 +1,16 @@
 """The output folder of glmvit-encode, written and read back.
 
-    embeddings-NNNNN.safetensors   one bf16 tensor [tokens, out_hidden] per image, named by its key
+    embeddings-NNNNN.safetensors   one bf16 tensor [tokens, out_hidden] per image, named by its key; its
+                                   metadata "glmvit" holds the run's settings and its images' entries
     manifest.json                  {"header": settings, "images": {key: entry}, "failed": {key: why}}
 
 An image's key is its file's resolved absolute path (os.path.realpath), so the same file reached
 through another relative path, a "." or a symlink is the same image. Every shard is written to a
-temporary name and renamed, then the manifest likewise: an interrupted run loses nothing it
-finished, and a re-run with the same settings skips what the manifest holds. Files get the usual
-mode for new files (0666 less the umask).
+temporary name and renamed, so a shard is whole or absent. The manifest is rewritten (atomically) at
+most every few seconds and when the run ends: rewriting it after every batch cost a millions-of-images
+run time quadratic in its length. A run stopped before its manifest caught up loses nothing: its
+shards name their own images, and resuming (or read_embeddings) takes them from there. A re-run with
+the same settings skips what is done. Files get the usual mode for new files (0666 less the umask).
 
 Reading the output: `read_embeddings(folder)` (NumPy bf16 arrays, as ml_dtypes.bfloat16), or
 `safetensors.numpy.load_file(shard)` after `import ml_dtypes` (which teaches NumPy bf16), or
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import time
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: safetensors.numpy needs it to read the shards)
 import numpy as np
@@ -26,6 +31,8 @@ from .errors import OutputError
 
 MANIFEST = "manifest.json"
 KEY = "the image file's resolved absolute path (os.path.realpath)"
+SHARD = re.compile(r"embeddings-(\d{5})\.safetensors$")
+FLUSH_SECONDS = 5.0  # the manifest is rewritten at most this often while a run goes on
 
 
 def image_key(path) -> str:
@@ -38,24 +45,57 @@ def _umask_mode() -> int:
     return 0o666 & ~mask
 
 
+def shard_entries(folder: str, skip=()) -> dict[str, tuple[dict, dict]]:
+    """{shard name: (its run's header, {key: entry})} for the shards in `folder` (except those in `skip`)
+    that name their images in their metadata. A shard that cannot be read is left out (its images are
+    not done)."""
+    from safetensors import safe_open
+
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if not SHARD.match(name) or name in skip:
+            continue
+        try:
+            with safe_open(os.path.join(folder, name), framework="numpy") as f:
+                meta = json.loads((f.metadata() or {}).get("glmvit", "null"))
+                keys = set(f.keys())
+            header, images = meta["header"], meta["images"]
+            assert isinstance(header, dict) and isinstance(images, dict)
+        except Exception:  # no metadata (an older run's shard, listed in its manifest) or unreadable
+            continue
+        out[name] = (header, {k: dict(v, shard=name) for k, v in images.items() if k in keys})
+    return out
+
+
 class Output:
-    """The output folder: shards written atomically, the manifest rewritten atomically after each.
+    """The output folder: shards written atomically, each naming its images; the manifest rewritten
+    atomically at most every `flush_seconds` and on flush().
 
     `settings` (checkpoint, geometry, the per-image limits) must equal those a resumed folder was
     written with: one folder never mixes resolutions or checkpoints."""
 
-    def __init__(self, folder: str, settings: dict):
+    def __init__(self, folder: str, settings: dict, flush_seconds: float = FLUSH_SECONDS):
         self.folder = folder
         if os.path.exists(folder) and not os.path.isdir(folder):
             raise OutputError(f"--out {folder} is a file, not a folder; give a folder (it is created if absent)")
         path = os.path.join(folder, MANIFEST)
         self.manifest = {"header": dict(settings, key=KEY), "images": {}, "failed": {}}
+        self.flush_seconds = flush_seconds
+        self._written, self._dirty = time.monotonic(), False
         if os.path.exists(path):
             self._resume(path, settings)
         os.makedirs(folder, exist_ok=True)
+        self._recover(settings)
         taken = [int(f[11:16]) for f in os.listdir(folder) if f.startswith("embeddings-") and f[11:16].isdigit()]
         self.next_shard = max(taken, default=0) + 1
         self.mode = _umask_mode()
+
+    def _check(self, header: dict, settings: dict, where: str):
+        for name, value in settings.items():
+            if header.get(name) != value:
+                raise OutputError(f"{self.folder} was written with {name} = {header.get(name)!r}, this run asks for "
+                                  f"{value!r} (the setting is recorded in {where}); one folder holds one setting (use "
+                                  "another --out, or the same settings to resume)")
 
     def _resume(self, path, settings):
         try:
@@ -67,14 +107,19 @@ class Output:
             raise OutputError(f"{path} is unreadable or truncated ({type(e).__name__}: {e}); it cannot say what is "
                               "done. Move it away to encode everything again into this folder, or use another "
                               "--out") from None
-        for name, value in settings.items():
-            if header.get(name) != value:
-                raise OutputError(f"{self.folder} was written with {name} = {header.get(name)!r}, this run asks for "
-                                  f"{value!r}; one folder holds one setting (use another --out, or the same "
-                                  "settings to resume)")
+        self._check(header, settings, MANIFEST)
         # Keep only entries whose shard exists: a shard lost since is encoded again.
         self.manifest["images"] = {k: v for k, v in images.items()
                                    if os.path.exists(os.path.join(self.folder, v.get("shard", "")))}
+
+    def _recover(self, settings):
+        """Images of shards the manifest does not list yet (the run before stopped before writing it)."""
+        listed = {v.get("shard") for v in self.manifest["images"].values()}
+        found = shard_entries(self.folder, skip=listed)
+        for name, (header, images) in found.items():
+            self._check(header, settings, name)
+            self.manifest["images"].update(images)
+        self._dirty = bool(found)
 
     def done(self, key) -> bool:
         return key in self.manifest["images"]
@@ -85,11 +130,22 @@ class Output:
     def _write_json(self):
         path = os.path.join(self.folder, MANIFEST)
         with open(path + ".tmp", "w") as f:
-            json.dump(self.manifest, f)  # no indent: json's C encoder (rewritten after every batch)
+            json.dump(self.manifest, f)  # no indent: json's C encoder
             f.flush()
             os.fsync(f.fileno())
         os.chmod(path + ".tmp", self.mode)
         os.replace(path + ".tmp", path)
+
+    def flush(self):
+        """Rewrite the manifest now, if anything changed since it was last written."""
+        if self._dirty:
+            self._write_json()
+            self._written, self._dirty = time.monotonic(), False
+
+    def _changed(self):
+        self._dirty = True
+        if time.monotonic() - self._written >= self.flush_seconds:
+            self.flush()
 
     def add_batch(self, entries: list[tuple[str, dict, np.ndarray]]):
         from safetensors.numpy import save_file
@@ -97,25 +153,34 @@ class Output:
         name = f"embeddings-{self.next_shard:05d}.safetensors"
         self.next_shard += 1
         tmp = os.path.join(self.folder, name + ".tmp")
-        save_file({key: np.ascontiguousarray(emb) for key, _, emb in entries}, tmp)
+        own = {"header": self.manifest["header"], "images": {key: info for key, info, _ in entries}}
+        save_file({key: np.ascontiguousarray(emb) for key, _, emb in entries}, tmp, metadata={"glmvit": json.dumps(own)})
         os.chmod(tmp, self.mode)
         os.replace(tmp, os.path.join(self.folder, name))
         for key, info, _ in entries:
             self.manifest["images"][key] = dict(info, shard=name)
             self.manifest["failed"].pop(key, None)
-        self._write_json()
+        self._changed()
 
     def fail(self, key, why):
         self.manifest["failed"][key] = why
-        self._write_json()
+        self._changed()
 
 
 def read_embeddings(folder) -> tuple[dict, dict]:
-    """(manifest, {key: bf16 NumPy array [tokens, out_hidden]}) of a glmvit-encode output folder."""
+    """(manifest, {key: bf16 NumPy array [tokens, out_hidden]}) of a glmvit-encode output folder,
+    including the shards of a run that stopped before its manifest listed them."""
     from safetensors.numpy import load_file
 
-    with open(os.path.join(folder, MANIFEST)) as f:
-        manifest = json.load(f)
+    path = os.path.join(folder, MANIFEST)
+    manifest = {"header": None, "images": {}, "failed": {}}
+    if os.path.exists(path):
+        with open(path) as f:
+            manifest = json.load(f)
+    listed = {e["shard"] for e in manifest["images"].values()}
+    for header, images in shard_entries(folder, skip=listed).values():
+        manifest["header"] = manifest["header"] or header
+        manifest["images"].update(images)
     arrays = {}
     for shard in sorted({e["shard"] for e in manifest["images"].values()}):
         arrays.update(load_file(os.path.join(folder, shard)))

@@ -1,0 +1,81 @@
+"""glmvit-encode's output folder: shards that name their own images, a manifest rewritten at most every few
+seconds, and nothing finished lost when a run stops before its manifest caught up."""
+
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from glmvit_cupy.errors import OutputError
+from glmvit_cupy.output import MANIFEST, Output, read_embeddings
+
+SETTINGS = {"checkpoint": "/models/x", "min_image_tokens": 16, "max_image_tokens": 1024}
+rng = np.random.default_rng()
+
+
+def batch(keys):
+    return [(k, {"tokens": 3, "grid_thw": [1, 2, 6]}, rng.standard_normal((3, 8)).astype(ml_dtypes.bfloat16))
+            for k in keys]
+
+
+def test_the_manifest_is_rewritten_at_most_every_few_seconds(tmp_path, monkeypatch):
+    out = Output(str(tmp_path / "o"), SETTINGS, flush_seconds=3600)
+    writes = []
+    real = out._write_json
+    monkeypatch.setattr(out, "_write_json", lambda: (writes.append(1), real()))
+    for i in range(20):
+        out.add_batch(batch([f"/img/{i}a", f"/img/{i}b"]))
+    out.fail("/img/bad", "cannot decode")
+    assert writes == [] and not (tmp_path / "o" / MANIFEST).exists()
+    out.flush()
+    out.flush()  # nothing changed since: not written again
+    assert writes == [1]
+    manifest = json.loads((tmp_path / "o" / MANIFEST).read_text())
+    assert len(manifest["images"]) == 40 and manifest["failed"] == {"/img/bad": "cannot decode"}
+    out.flush_seconds = 0
+    out.add_batch(batch(["/img/last"]))
+    assert writes == [1, 1]
+
+
+def test_a_run_stopped_before_its_manifest_loses_nothing(tmp_path):
+    """Shards written, manifest stale (one batch behind) or absent: resuming and reading find every image,
+    with its embedding's bits; the next shard number follows the last."""
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=3600)
+    first, second = batch(["/img/a", "/img/b"]), batch(["/img/c"])
+    out.add_batch(first)
+    out.flush()
+    out.add_batch(second)  # not in manifest.json: the run "died" here
+    assert len(json.loads((tmp_path / "o" / MANIFEST).read_text())["images"]) == 2
+    again = Output(folder, SETTINGS)
+    assert all(again.done(k) for k in ("/img/a", "/img/b", "/img/c")) and again.next_shard == 3
+    manifest, arrays = read_embeddings(folder)
+    assert set(arrays) == {"/img/a", "/img/b", "/img/c"} and manifest["images"]["/img/c"]["shard"].endswith("02.safetensors")
+    for key, _, emb in first + second:
+        assert np.array_equal(arrays[key].view(np.uint16), emb.view(np.uint16))
+    os.remove(os.path.join(folder, MANIFEST))  # died before the first manifest
+    resumed = Output(folder, SETTINGS)
+    assert len(resumed) == 3 and len(read_embeddings(folder)[1]) == 3
+    resumed.flush()  # what it recovered is written down at its first flush
+    assert len(json.loads((tmp_path / "o" / MANIFEST).read_text())["images"]) == 3
+
+
+def test_shards_of_other_settings_are_refused_even_without_a_manifest(tmp_path):
+    folder = str(tmp_path / "o")
+    Output(folder, SETTINGS, flush_seconds=3600).add_batch(batch(["/img/a"]))
+    with pytest.raises(OutputError, match="max_image_tokens = 1024, this run asks for 8000 .*embeddings-00001"):
+        Output(folder, dict(SETTINGS, max_image_tokens=8000))
+
+
+def test_a_lost_or_unreadable_shard_is_encoded_again(tmp_path):
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=0)
+    out.add_batch(batch(["/img/a"]))
+    out.add_batch(batch(["/img/b"]))
+    with open(os.path.join(folder, "embeddings-00002.safetensors"), "r+b") as f:
+        f.truncate(10)  # damaged after the run
+    os.remove(os.path.join(folder, MANIFEST))
+    again = Output(folder, SETTINGS)
+    assert again.done("/img/a") and not again.done("/img/b") and again.next_shard == 3
