@@ -179,24 +179,30 @@ def test_gpu_resize_input_is_the_decoded_image_in_lent_memory(tmp_path):
         prepare_canvas(b"not an image", 0, resize="gpu", name="photo q")
 
 
-@pytest.mark.parametrize("kind", ["upright", "rotated", "grey", "cmyk", "png"])
+@pytest.mark.parametrize("kind", ["upright", "progressive", "rotated", "xmp-rotated", "grey", "cmyk", "png"])
 def test_decoding_into_lent_memory_gives_pillows_pixels(kind, monkeypatch):
     """With a host_buffer, an upright colour JPEG is decoded by Pillow straight into a lent [H, W, 4] buffer
-    (poisoned first); a JPEG that EXIF turns, a grey or CMYK one and a PNG are decoded as usual and copied
-    in after. Every way gives the reference's pixels."""
+    (poisoned first); a JPEG that EXIF (or XMP) turns, a grey or CMYK one and a PNG are decoded as usual
+    and copied in after. Every way gives the reference's pixels."""
     from PIL import ImageOps
 
     buf = io.BytesIO()
     img = Image.fromarray(_photo(240, 320, 11))
     exif = Image.Exif()
-    exif[0x0112] = 6 if kind == "rotated" else 1
+    if kind != "xmp-rotated":
+        exif[0x0112] = 6 if kind == "rotated" else 1
+    xmp = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+           b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
     if kind == "grey":
         img = img.convert("L")
     if kind == "cmyk":
         img = img.convert("CMYK")
-    img.save(buf, "PNG" if kind == "png" else "JPEG", quality=90, exif=exif)
+    img.save(buf, "PNG" if kind == "png" else "JPEG", quality=90, exif=exif, progressive=kind == "progressive",
+             **({"xmp": xmp} if kind == "xmp-rotated" else {}))
     data = buf.getvalue()
     want = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"))
+    assert want.shape[:2] == ((320, 240) if "rotated" in kind else (240, 320))  # the turn happened
+    assert want.shape[:2] == ((320, 240) if "rotated" in kind else (240, 320))  # the turn happened
     lent = []
 
     def buffer(shape):
@@ -208,7 +214,7 @@ def test_decoding_into_lent_memory_gives_pillows_pixels(kind, monkeypatch):
     monkeypatch.setattr(Image.Image, "paste", lambda self, *a, **k: (pastes.append(1), real(self, *a, **k))[1])
     got, _, info = prepare_canvas(data, 0, max_image_tokens=64, resize="gpu", host_buffer=buffer)
     assert np.array_equal(got, want) and info["size"] == want.shape[:2]
-    assert len(pastes) == (0 if kind == "upright" else 1)  # the upright JPEG was decoded in place
+    assert len(pastes) == (0 if kind in ("upright", "progressive") else 1)  # upright JPEGs were decoded in place
     assert len(lent) == 1 and got.__array_interface__["data"][0] == lent[0].__array_interface__["data"][0]
     host, _, _ = prepare_canvas(data, 0, max_image_tokens=64, host_buffer=buffer)  # host resize: not lent
     assert len(lent) == 1 and host.shape[2] == 3
