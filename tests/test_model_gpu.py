@@ -158,7 +158,7 @@ def test_lent_page_locked_blocks_come_back_only_when_idle():
     the upload that last read it has run; only [H, W, :3] views of lent [H, W, 4] arrays count as lent."""
     import gc
 
-    from glmvit_cupy.engine.staging import PinnedBlocks
+    from glmvit_cupy.engine.blocks import PinnedBlocks
 
     pool = PinnedBlocks()
     a = pool.array((300, 500, 4))
@@ -183,7 +183,7 @@ def test_prepared_images_encode_alike_twice(small, tmp_path):
     from PIL import Image
 
     from glmvit_cupy import batching
-    from glmvit_cupy.engine.staging import HOST
+    from glmvit_cupy.engine.blocks import HOST
 
     rng = np.random.default_rng()
     paths = []

@@ -36,7 +36,7 @@ class Backend:
 
             from .engine.replicas import Replicas
 
-            from .engine.staging import HOST
+            from .engine.blocks import HOST
 
             self._engine = Replicas(binding, devices or [cupy.cuda.Device().id], capacity_tokens=capacity_tokens)
             self._copy = {}  # replica -> the stream its results come back to the host on

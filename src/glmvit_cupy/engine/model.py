@@ -23,7 +23,8 @@ from . import arena, layers, params
 from .attention import check_variant, default_variants
 from .executor import Executor
 from .plans import PlanCache
-from .staging import HOST, Stager, stage_pixels
+from .blocks import HOST
+from .staging import Stager, stage_pixels
 
 log = logging.getLogger("glmvit_cupy")
 

@@ -24,7 +24,7 @@ import numpy as np
 from . import attention
 from .attention import Variant
 from .budgets import budget, layout, meta, tile_count
-from .staging import HOST
+from .blocks import HOST
 
 
 @dataclass

@@ -4,109 +4,26 @@ run on the GPU.
 
 An image travels once over PCIe, as uint8 bytes from page-locked memory, so the copy is asynchronous
 and the host goes on preparing the next batch while this one uploads and runs. The prepare threads
-write decoded images straight into page-locked blocks lent by HOST (4 bytes a pixel, as Pillow keeps
+write decoded images straight into page-locked blocks lent by blocks.HOST (4 bytes a pixel, as Pillow keeps
 them; the GPU drops the fourth), so the thread that drives the GPU copies nothing. A block goes back
 for reuse once its array is garbage and the upload that last read it has completed.
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 import cupy
 import numpy as np
 
 from .. import resample
+from .blocks import HOST
 from .gemm import BF16
 from .ops import patchify, resample_pass, resample_patchify, to_bf16
 
 ALIGN = 256
-GRAIN = 2 << 20  # block sizes are multiples of this: page-locking costs ~10 ms per 8 MiB, so pin little
-PORTABLE = 1  # cudaHostAllocPortable: page-locked for every device's context (replicas share the blocks)
 
 
 def _round(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-class _Block:
-    """A page-locked block and the event of the last upload that read it (None: not uploaded)."""
-
-    __slots__ = ("mem", "size", "event")
-
-    def __init__(self, size: int):
-        self.mem = cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(size, PORTABLE), 0)
-        self.size, self.event = size, None
-
-    @property
-    def idle(self) -> bool:
-        return self.event is None or self.event.done
-
-
-class PinnedBlocks:
-    """Page-locked host blocks (multiples of 2 MiB), reused once idle (the smallest that fits); at most `keep`
-    bytes of free blocks stay cached (more are freed). Thread-safe: prepare threads take blocks for the
-    images they decode (array), the GPU's thread for its resize tables (take, give)."""
-
-    def __init__(self, keep: int = 2 << 30):
-        self.keep = keep
-        self._free: list[_Block] = []
-        self._lent: dict[int, _Block] = {}  # data address of a lent array -> its block
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> _Block:
-        """The smallest idle free block that holds nbytes, or a new one."""
-        with self._lock:
-            fits = [b for b in self._free if b.size >= nbytes and b.idle]
-            if fits:
-                block = min(fits, key=lambda b: b.size)
-                self._free.remove(block)
-                return block
-        return _Block(-(-max(nbytes, 1) // GRAIN) * GRAIN)
-
-    def give(self, block: _Block) -> None:
-        with self._lock:
-            self._free.append(block)
-            total = sum(b.size for b in self._free)
-            for b in sorted((b for b in self._free if b.idle), key=lambda b: b.size):
-                if total <= self.keep:
-                    break
-                self._free.remove(b)
-                total -= b.size
-
-    def array(self, shape) -> np.ndarray:
-        """A uint8 array of this shape in a page-locked block, which returns to the free list when the
-        array (and every view of it) is garbage; in ordinary memory if no more can be page-locked."""
-        nbytes = int(np.prod(shape))
-        try:
-            block = self.take(nbytes)
-        except (cupy.cuda.runtime.CUDARuntimeError, MemoryError):
-            return np.empty(shape, np.uint8)  # the GPU's thread copies it into a block of its own
-        flat = np.frombuffer(block.mem, np.uint8, nbytes)
-        address = flat.__array_interface__["data"][0]
-        with self._lock:
-            self._lent[address] = block
-        # On the flat array: NumPy makes it the base of every view (reshaped or sliced), so it dies last.
-        weakref.finalize(flat, self._back, address)
-        return flat.reshape(shape)
-
-    def _back(self, address: int) -> None:
-        with self._lock:
-            block = self._lent.pop(address)
-        self.give(block)
-
-    def lent(self, image: np.ndarray) -> _Block | None:
-        """The block under `image` when it is an [H, W, :3] view of an [H, W, 4] array from `array`."""
-        if image.ndim != 3 or image.shape[2] != 3 or image.strides != (image.shape[1] * 4, 4, 1):
-            return None
-        h, w = image.shape[:2]
-        with self._lock:
-            block = self._lent.get(image.__array_interface__["data"][0])
-        return block if block is not None and block.size >= h * w * 4 else None
-
-
-HOST = PinnedBlocks()  # shared by every model of the process: prepare threads do not know the device
 
 
 def _four(image: np.ndarray) -> np.ndarray | None:

@@ -1,0 +1,108 @@
+"""Page-locked host blocks, lent to the threads that decode images and reused once idle. CuPy is imported
+only to allocate one, so the pool's bookkeeping is tested without a GPU (with a stand-in allocator).
+
+A lent block comes back when its array (and every view of it) is garbage. That can happen in any
+thread, inside a garbage collection that starts in the middle of this pool's own locked code, so the
+finalizer takes no lock: it hands the block over through a deque that the locked code drains.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+
+import numpy as np
+
+GRAIN = 2 << 20  # block sizes are multiples of this: page-locking costs ~10 ms per 8 MiB, so pin little
+PORTABLE = 1  # cudaHostAllocPortable: page-locked for every device's context (replicas share the blocks)
+
+
+class Block:
+    """A page-locked block and the event of the last upload that read it (None: not uploaded)."""
+
+    __slots__ = ("mem", "size", "event")
+
+    def __init__(self, size: int):
+        import cupy
+
+        try:
+            self.mem = cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(size, PORTABLE), 0)
+        except cupy.cuda.runtime.CUDARuntimeError as e:  # cudaErrorMemoryAllocation: the host's limit
+            raise MemoryError(f"cannot page-lock {size:,} bytes of host memory ({e})") from None
+        self.size, self.event = size, None
+
+    @property
+    def idle(self) -> bool:
+        return self.event is None or self.event.done
+
+
+class PinnedBlocks:
+    """Page-locked host blocks (multiples of 2 MiB), reused once idle (the smallest that fits); at most `keep`
+    bytes of free blocks stay cached (more are freed). Thread-safe: prepare threads take blocks for the
+    images they decode (array), the GPU's thread for its uploads (take, give). `alloc(size)` makes a
+    block (Block: page-locked memory)."""
+
+    def __init__(self, keep: int = 2 << 30, alloc=Block):
+        self.keep, self.alloc = keep, alloc
+        self._free: list = []
+        self._lent: dict = {}  # data address of a lent array -> its block
+        self._returned: deque = deque()  # lent blocks whose arrays died, for the locked code to take in
+        self._lock = threading.Lock()
+
+    def _take_in(self) -> None:  # under the lock
+        while self._returned:
+            self._free.append(self._returned.popleft())
+
+    def take(self, nbytes: int):
+        """The smallest idle free block that holds nbytes, or a new one."""
+        with self._lock:
+            self._take_in()
+            fits = [b for b in self._free if b.size >= nbytes and b.idle]
+            if fits:
+                block = min(fits, key=lambda b: b.size)
+                self._free.remove(block)
+                return block
+        return self.alloc(-(-max(nbytes, 1) // GRAIN) * GRAIN)
+
+    def give(self, block) -> None:
+        with self._lock:
+            self._take_in()
+            self._free.append(block)
+            total = sum(b.size for b in self._free)
+            for b in sorted((b for b in self._free if b.idle), key=lambda b: b.size):
+                if total <= self.keep:
+                    break
+                self._free.remove(b)
+                total -= b.size
+
+    def array(self, shape) -> np.ndarray:
+        """A uint8 array of this shape in a page-locked block, which returns to the free list when the
+        array (and every view of it) is garbage; in ordinary memory if no more can be page-locked."""
+        nbytes = int(np.prod(shape))
+        try:
+            block = self.take(nbytes)
+        except MemoryError:  # no more page-locked memory
+            return np.empty(shape, np.uint8)  # the GPU's thread copies it into a block of its own
+        flat = np.frombuffer(block.mem, np.uint8, nbytes)
+        address = flat.__array_interface__["data"][0]
+        self._lent[address] = block  # one dict operation: atomic under the GIL
+        # On the flat array: NumPy makes it the base of every view (reshaped or sliced), so it dies last.
+        weakref.finalize(flat, self._back, address)
+        return flat.reshape(shape)
+
+    def _back(self, address: int) -> None:
+        """The finalizer: no lock (see the module's docstring)."""
+        block = self._lent.pop(address, None)
+        if block is not None:
+            self._returned.append(block)
+
+    def lent(self, image: np.ndarray):
+        """The block under `image` when it is an [H, W, :3] view of an [H, W, 4] array from `array`."""
+        if image.ndim != 3 or image.shape[2] != 3 or image.strides != (image.shape[1] * 4, 4, 1):
+            return None
+        block = self._lent.get(image.__array_interface__["data"][0])
+        return block if block is not None and block.size >= image.shape[0] * image.shape[1] * 4 else None
+
+
+HOST = PinnedBlocks()  # shared by every model of the process: prepare threads do not know the device

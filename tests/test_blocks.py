@@ -1,0 +1,80 @@
+"""The page-locked block pool's bookkeeping, without a GPU: a stand-in allocator gives ordinary memory in
+place of page-locked memory, and events are flags. (tests/test_model_gpu.py runs the real thing.)"""
+
+import gc
+import threading
+
+import numpy as np
+
+from glmvit_cupy.engine.blocks import GRAIN, Block, PinnedBlocks
+
+
+class Event:
+    def __init__(self, done):
+        self.done = done
+
+
+class Fake(Block):
+    __slots__ = ()
+
+    def __init__(self, size):
+        self.mem, self.size, self.event = bytearray(size), size, None
+
+
+def test_a_lent_block_comes_back_when_its_views_are_garbage_and_is_reused_once_idle():
+    pool = PinnedBlocks(alloc=Fake)
+    a = pool.array((300, 500, 4))
+    view = a[..., :3]
+    block = pool.lent(view)
+    assert isinstance(block, Fake) and block.size % GRAIN == 0 and block.size >= a.nbytes
+    assert pool.lent(a) is None and pool.lent(view[1:]) is None and pool.lent(np.empty((300, 500, 3), np.uint8)) is None
+    del a  # the view still holds the block
+    gc.collect()
+    assert pool.lent(view) is block
+    block.event = Event(done=False)  # an upload still reading it
+    del view
+    gc.collect()
+    assert pool.take(block.size) is not block  # back, but busy
+    block.event.done = True
+    assert pool.take(block.size) is block
+
+
+def test_smallest_idle_fit_and_the_cache_limit():
+    pool = PinnedBlocks(keep=3 * GRAIN, alloc=Fake)
+    blocks = [Fake(n * GRAIN) for n in (1, 2, 3)]
+    for b in blocks:
+        pool.give(b)
+    assert sum(b.size for b in pool._free) <= 3 * GRAIN  # the smallest idle ones were freed first
+    pool = PinnedBlocks(alloc=Fake)
+    for b in blocks:
+        pool.give(b)
+    assert pool.take(GRAIN + 1) is blocks[1] and pool.take(1) is blocks[0] and pool.take(GRAIN) is blocks[2]
+    assert pool.take(5 * GRAIN + 7).size == 6 * GRAIN  # new: rounded up to the grain
+
+
+def test_a_finalizer_inside_the_pools_own_lock_does_not_deadlock():
+    """An array can die in a garbage collection that starts while a thread holds the pool's lock (say a
+    failed decode's traceback cycle): the finalizer must not wait for that lock."""
+    pool = PinnedBlocks(alloc=Fake)
+    held = [pool.array((64, 64, 4))]
+    block = pool.lent(held[0][..., :3])
+
+    def collect_under_the_lock():
+        with pool._lock:
+            held.clear()
+            gc.collect()
+
+    t = threading.Thread(target=collect_under_the_lock, daemon=True)
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive(), "the finalizer deadlocked on the pool's lock"
+    assert pool.take(block.size) is block
+
+
+def test_no_page_locked_memory_left_gives_ordinary_memory():
+    def refuse(size):
+        raise MemoryError("cannot page-lock")
+
+    pool = PinnedBlocks(alloc=refuse)
+    a = pool.array((10, 20, 4))
+    assert a.shape == (10, 20, 4) and pool.lent(a[..., :3]) is None
