@@ -96,3 +96,19 @@ def test_example_writes_parquet_and_resumes(local_ray, folder, tmp_path, capsys)
     assert np.array_equal(emb.view(np.uint16), reference_bf16(folder / "img1.png").view(np.uint16))
     assert ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
     assert "already in" in capsys.readouterr().out
+
+
+def test_prepare_hands_contiguous_decoded_images_for_the_gpu(folder):
+    """With resize "gpu" the CPU stage hands on the decoded image (the actor's GPU resizes it): contiguous
+    uint8 [H, W, 3] (Arrow takes the rows as they are), equal to the decoded file, with its content size."""
+    import pandas as pd
+
+    from glmvit_cupy.ray import Prepare
+
+    paths = sorted(str(p) for p in folder.glob("img*.png"))
+    batch = pd.DataFrame({"bytes": [open(p, "rb").read() for p in paths], "path": paths})
+    out = Prepare("bytes", 16, 64, resize="gpu")(batch)
+    for p, canvas, content in zip(paths, out["canvas"], out["content_hw"]):
+        want = np.asarray(Image.open(p).convert("RGB"))
+        assert canvas.flags.c_contiguous and np.array_equal(canvas, want)
+        assert tuple(content) == prepare_canvas(p, max_image_tokens=64)[2]["content"]

@@ -51,6 +51,7 @@ class Prepare:
             stream.name = str(name)  # errors name the file
             try:
                 canvas, grid, info = prepare_canvas(stream, i, **self.limits)
+                canvas = np.ascontiguousarray(canvas)  # GPU resize: 3 of 4 bytes a pixel; rows travel as Arrow
                 canvases.append(canvas), grids.append(np.array(grid, np.int64)), tokens.append(info["tokens"])
                 contents.append(np.array(info["content"], np.int64)), errors.append(None)
             except (ImageError, ValueError) as e:  # a failed row: empty arrays (one type per column)
