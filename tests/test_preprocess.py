@@ -218,3 +218,28 @@ def test_decoding_into_lent_memory_gives_pillows_pixels(kind, monkeypatch):
     assert len(lent) == 1 and got.__array_interface__["data"][0] == lent[0].__array_interface__["data"][0]
     host, _, _ = prepare_canvas(data, 0, max_image_tokens=64, host_buffer=buffer)  # host resize: not lent
     assert len(lent) == 1 and host.shape[2] == 3
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN["images"]))
+def test_the_gpu_paths_input_is_the_reference_image(zoo, name):
+    """Every kind of image in the zoo: what resize "gpu" hands the GPU (decoded into lent memory, pasted,
+    or the array as given) is the reference's RGB image, and resizing it with the integer twin of the GPU
+    kernels and padding gives the host canvas bit for bit."""
+    from glmvit_cupy import resample
+    from glmvit_cupy.images import load_rgb
+
+    if "error" in GOLDEN["images"][name]:
+        pytest.skip("an image the reference refuses (tested above)")
+    item = zoo[name]
+    img, kw = item if isinstance(item, tuple) else (item, {})
+
+    def buffer(shape):
+        return np.full(shape, 0x5A, np.uint8)
+
+    got, grid, info = prepare_canvas(img, 0, resize="gpu", host_buffer=buffer, **kw)
+    assert info["resize"] == "gpu" and np.array_equal(got, load_rgb(img))
+    canvas, grid_h, _ = prepare_canvas(img, 0, **kw)
+    ch, cw = info["content"]
+    out = np.zeros_like(canvas)
+    out[:ch, :cw] = resample.resize(np.ascontiguousarray(got), ch, cw) if (ch, cw) != got.shape[:2] else got
+    assert grid == grid_h and np.array_equal(out, canvas)
