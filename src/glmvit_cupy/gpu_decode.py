@@ -9,7 +9,6 @@ usual, so the same inputs are accepted and refused with the same errors.
 
 from __future__ import annotations
 
-import io
 import os
 import threading
 
@@ -51,8 +50,8 @@ class Decoder:
             data = bytes(image)
         else:
             return None
-        if not data.startswith(_JPEG) or _mode(data) != "RGB":
-            return None
+        if not data.startswith(_JPEG) or components(data) != 3:
+            return None  # grey (1) and CMYK (4) JPEGs convert as Pillow does
         try:
             stream = self._nv.CodeStream(data)
             if self.max_pixels is not None and stream.width * stream.height > self.max_pixels:
@@ -68,10 +67,25 @@ class Decoder:
         return np.ascontiguousarray(rgb)
 
 
-def _mode(data: bytes) -> str | None:
-    """Pillow's mode for the JPEG (header only): GPU decoding is used for colour (YCbCr/RGB) JPEGs only."""
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            return im.mode
-    except Exception:
-        return None
+# Start-of-frame markers (SOF0-SOF15 but DHT, JPG and DAC, which share the range).
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def components(data: bytes) -> int | None:
+    """The colour components of a JPEG, from its frame header (3: Pillow's "RGB", 1: "L", 4: "CMYK"), read by
+    walking the markers up to the frame, without decoding; None if the bytes do not get there."""
+    i = 2
+    while i + 4 <= len(data):
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            i += 2
+            continue
+        if marker in _SOF:  # length (2), precision (1), height (2), width (2), components (1)
+            return data[i + 9] if i + 9 < len(data) else None
+        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+    return None

@@ -1,0 +1,42 @@
+"""The GPU decoder's host side, without a GPU: which JPEGs it takes (read from the frame header, as Pillow
+would name their mode) and the error when its extra is not installed."""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from glmvit_cupy.errors import ImageError
+from glmvit_cupy.gpu_decode import components
+
+
+@pytest.mark.parametrize("mode,kw", [("RGB", {}), ("RGB", {"progressive": True}), ("RGB", {"subsampling": 0}),
+                                     ("L", {}), ("CMYK", {}), ("RGB", {"exif": b"Exif\x00\x00" + b"\x00" * 64})])
+def test_components_agree_with_pillows_mode(mode, kw):
+    rng = np.random.default_rng()
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (37, 53, 3), dtype=np.uint8)).convert(mode).save(buf, "JPEG", **kw)
+    data = buf.getvalue()
+    assert Image.open(io.BytesIO(data)).mode == mode
+    assert components(data) == {"L": 1, "RGB": 3, "CMYK": 4}[mode]
+    for cut in (3, 20, data.index(b"\xff\xc0" if b"\xff\xc0" in data else b"\xff\xc2") + 5):
+        assert components(data[:cut]) is None  # stops before the frame's component count: not taken
+
+
+def test_not_a_jpeg_is_not_taken():
+    assert components(b"\xff\xd8\xff" + b"\x00" * 10) is None
+    assert components(b"") is None
+
+
+def test_without_the_extra_the_error_says_what_to_install():
+    try:
+        import nvidia.nvimgcodec  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("nvImageCodec is installed here")
+    from glmvit_cupy.gpu_decode import Decoder
+
+    with pytest.raises(ImageError, match=r"pip install 'glmvit-cupy\[gpu-decode-cu12\]'"):
+        Decoder()
