@@ -116,3 +116,32 @@ def test_budget_meta_pads_positions_segments_and_tiles():
     assert np.array_equal(m[o[1]:o[1] + 5], cu) and (m[o[1] + 5:o[2]] == 64).all()
     assert np.array_equal(m[o[2]:o[2] + len(seg)], seg) and (m[o[2] + len(seg):o[3]] == -1).all()
     assert np.array_equal(m[o[3]:o[3] + len(q0)], q0) and len(seg) == 6
+
+
+def test_budget_tiles_cover_each_real_row_once_and_no_padded_row():
+    """For random batches (frames, odd sizes, many small images): within its budget, the non-idle tiles
+    cover every real row exactly once, inside the row's own segment, and no padded row; the tile count
+    holds the real tiles."""
+    from glmvit_cupy.engine.budgets import budget, layout, meta, tile_count
+
+    rng = np.random.default_rng()
+    for _ in range(200):
+        grid = [[int(rng.integers(1, 3)), 2 * int(rng.integers(1, 30)), 2 * int(rng.integers(1, 30))]
+                for _ in range(int(rng.integers(1, 12)))]
+        n = sum(t * h * w for t, h, w in grid)
+        b = budget(n, 1 << 16)
+        rows = int(rng.choice([16, 64, 128, 192]))
+        seg_lens = [h * w for t, h, w in grid for _ in range(t)]
+        real = sum(-(-s // rows) for s in seg_lens)
+        tiles_n = tile_count(real)
+        m = meta(grid, b, rows, tiles_n)
+        o = layout(b, tiles_n)
+        cu, seg, q0 = m[o[1]:o[2]], m[o[2]:o[3]], m[o[3]:o[4]]
+        covered = np.zeros(b, np.int32)
+        for s, q in zip(seg, q0):
+            if s < 0:
+                continue
+            assert cu[s] <= q < cu[s + 1]
+            covered[q:min(q + rows, cu[s + 1])] += 1
+        assert (covered[:n] == 1).all() and not covered[n:].any()
+        assert (seg >= 0).sum() == real and b >= n and len(seg) >= real
