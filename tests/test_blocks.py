@@ -14,11 +14,15 @@ class Event:
         self.done = done
 
 
+class Mem(bytearray):
+    ptr = 0xB10C
+
+
 class Fake(Block):
     __slots__ = ()
 
     def __init__(self, size):
-        self.mem, self.size, self.event = bytearray(size), size, None
+        self.mem, self.size, self.event = Mem(size), size, None
 
 
 def test_a_lent_block_comes_back_when_its_views_are_garbage_and_is_reused_once_idle():
@@ -78,3 +82,24 @@ def test_no_page_locked_memory_left_gives_ordinary_memory():
     pool = PinnedBlocks(alloc=refuse)
     a = pool.array((10, 20, 4))
     assert a.shape == (10, 20, 4) and pool.lent(a[..., :3]) is None
+
+
+def test_upload_goes_through_a_block_and_keeps_it_until_the_copy_has_run(monkeypatch):
+    """upload(src, dst): src copied into a pool block (a strided source gathered), one asynchronous copy of
+    its bytes to dst on the current stream, and the block back in the pool, busy until that copy's event."""
+    import sys
+    import types
+
+    copies = []
+    stream = types.SimpleNamespace(ptr=7, record=lambda: Event(done=False))
+    runtime = types.SimpleNamespace(memcpyHostToDevice=1, memcpyAsync=lambda *a: copies.append(a))
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream, runtime=runtime))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    pool = PinnedBlocks(alloc=Fake)
+    src = np.random.default_rng().integers(-2**31, 2**31, (50, 6), dtype=np.int64).astype(np.int32)[:, ::2]
+    pool.upload(src, 0xD57)
+    assert copies == [(0xD57, Mem.ptr, src.nbytes, 1, 7)]
+    (block,) = pool._free
+    assert not block.idle
+    assert np.array_equal(np.frombuffer(block.mem, np.int32, src.size).reshape(src.shape), src)
+    assert pool.take(src.nbytes) is not block  # busy until the copy has run

@@ -34,9 +34,8 @@ class Backend:
             gpu.require()
             import cupy
 
-            from .engine.replicas import Replicas
-
             from .engine.blocks import HOST
+            from .engine.replicas import Replicas
 
             self._engine = Replicas(binding, devices or [cupy.cuda.Device().id], capacity_tokens=capacity_tokens)
             self._copy = {}  # replica -> the stream its results come back to the host on
@@ -58,10 +57,6 @@ class Backend:
         model = self._engine.models[lane]
         outs = model.encode_prepared(items)
         return [o.get() for o in outs]  # the caller's stream was made to wait for them
-
-    def run(self, batches: list) -> list[list[np.ndarray]]:
-        """Several batches at once, batch j on lane j % lanes; results in order."""
-        return self.launch(batches)()
 
     def launch(self, batches: list) -> Callable[[], list[list[np.ndarray]]]:
         """Start several batches (batch j on lane j % lanes) and return at once a function that waits for

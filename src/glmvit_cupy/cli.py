@@ -258,6 +258,11 @@ def encode_all(args, todo, enc, out) -> int:
                    args.max_pixels, resize="host" if args.cpu else args.resize, decode=args.decode,
                    host_buffer=enc.host_buffer if args.resize == "gpu" else None)
     stream = prepared_in_order(todo, args.workers, one)
+    def collect(group):
+        """Wait for a launched group's embeddings and hand them to the writer."""
+        entries, wait = group
+        submit(write, entries, wait())
+
     running = None  # (keys and infos, the wait for their embeddings) of the group on the GPU
     try:
         with contextlib.closing(stream):  # an interrupted run stops the preparing threads too
@@ -266,15 +271,15 @@ def encode_all(args, todo, enc, out) -> int:
                 launched = ([[(key, info) for key, _, _, info in b] for b in group],
                             enc.launch([[(im, grid, info) for _, im, grid, info in b] for b in group]))
                 if running is not None:
-                    submit(write, running[0], running[1]())
+                    collect(running)
                 running = launched
             if running is not None:
-                submit(write, running[0], running[1]())
+                collect(running)
                 running = None
     finally:
         if running is not None:  # interrupted: the group on the GPU is finished work too
             with contextlib.suppress(Exception):
-                submit(write, running[0], running[1]())
+                collect(running)
         writer.shutdown(wait=True)  # what was computed is written
         out.flush()
     for w in writes:

@@ -149,7 +149,7 @@ def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_ima
             "grid": grid, "tokens": grid[1] * grid[2] // (MERGE * MERGE), "resize": resize}
     if resize == "gpu":
         if (ch, cw) != (height, width):
-            resample.plan(height, width, ch, cw)  # the tables, computed here on the worker; cached for the GPU's thread
+            resample.plan(height, width, ch, cw)  # made here, on a decoding thread; the GPU's thread looks it up
         return rgb_pixels(img, host_buffer), grid, info
     if (ch, cw) != (height, width):
         pil = img if isinstance(img, Image.Image) else Image.fromarray(img)

@@ -132,8 +132,10 @@ class Plan:
     rows: int
 
 
+@lru_cache(maxsize=256)
 def plan(height: int, width: int, out_h: int, out_w: int, vertical_first=None) -> Plan:
-    """vertical_first: a rule from ORDERS (default: the installed Pillow's, pass_order())."""
+    """vertical_first: a rule from ORDERS (default: the installed Pillow's, pass_order()). Cached: the
+    decoding threads make the plan, the thread that drives the GPU looks it up."""
     if vertical_first is None:
         vertical_first = ORDERS[pass_order() or "horizontal first"]
     horizontal = axis(width, out_w) if out_w != width else None

@@ -76,6 +76,19 @@ class PinnedBlocks:
                 self._free.remove(b)
                 total -= b.size
 
+    def upload(self, src: np.ndarray, dst_ptr: int) -> None:
+        """Copy the host array `src` to device memory at dst_ptr, asynchronously on the current stream,
+        through a block of this pool (reused once the copy has run)."""
+        import cupy
+
+        block = self.take(src.nbytes)
+        np.copyto(np.frombuffer(block.mem, src.dtype, src.size).reshape(src.shape), src)
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(dst_ptr, block.mem.ptr, src.nbytes, cupy.cuda.runtime.memcpyHostToDevice,
+                                      stream.ptr)
+        block.event = stream.record()
+        self.give(block)
+
     def array(self, shape) -> np.ndarray:
         """A uint8 array of this shape in a page-locked block, which returns to the free list when the
         array (and every view of it) is garbage; in ordinary memory if no more can be page-locked."""

@@ -23,8 +23,8 @@ import numpy as np
 
 from . import attention
 from .attention import Variant
-from .budgets import budget, layout, meta, tile_count
 from .blocks import HOST
+from .budgets import budget, layout, meta, tile_count
 
 
 @dataclass
@@ -82,13 +82,7 @@ class PlanCache:
             while len(self._plans) > self.size:
                 self._plans.popitem(last=False)
         self._plans.move_to_end(key)
-        block = HOST.take(host.nbytes)
-        np.frombuffer(block.mem, np.int32, host.size)[:] = host
-        stream = cupy.cuda.get_current_stream()
-        cupy.cuda.runtime.memcpyAsync(plan.meta.data.ptr, block.mem.ptr, host.nbytes,
-                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        block.event = stream.record()
-        HOST.give(block)
+        HOST.upload(host, plan.meta.data.ptr)
         plan.attention_flop = flop
         return plan
 

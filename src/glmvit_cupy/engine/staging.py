@@ -69,29 +69,27 @@ class Stager:
 
     def _upload(self, image) -> cupy.ndarray:
         """A host uint8 [H, W, 3] image -> the same on this device, asynchronously on the current stream. An
-        image in a lent page-locked block is copied from there; another first into a block here. The first
-        three channels of an [H, W, 4] array travel as all four (a memcpy, no gather) and are packed here."""
+        image in a lent page-locked block is copied from there; another through a block of the pool. The
+        first three channels of an [H, W, 4] array travel as all four (a memcpy, no gather) and are packed
+        here."""
         h, w = image.shape[:2]
-        stream = cupy.cuda.get_current_stream()
         block = self.pinned.lent(image)  # 4 bytes a pixel, already page-locked
-        borrowed = block is None
-        channels = 4
-        if borrowed:
-            four = _four(image)
-            host = image if four is None else four
-            channels = host.shape[2]
-            block = self.pinned.take(host.size)
-            np.copyto(np.frombuffer(block.mem, np.uint8, host.size).reshape(host.shape), host)
-        dev = self._scratch(f"upload{channels}", (h, w, channels))
-        cupy.cuda.runtime.memcpyAsync(dev.data.ptr, block.mem.ptr, dev.nbytes, cupy.cuda.runtime.memcpyHostToDevice,
-                                      stream.ptr)
-        block.event = stream.record()  # the block is reused only once this upload has run
-        if borrowed:
-            self.pinned.give(block)
-        if channels == 3:
-            return dev
+        if block is not None:
+            four = self._scratch("upload4", (h, w, 4))
+            stream = cupy.cuda.get_current_stream()
+            cupy.cuda.runtime.memcpyAsync(four.data.ptr, block.mem.ptr, four.nbytes,
+                                          cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            block.event = stream.record()  # the block is reused only once this upload has run
+        else:
+            host = _four(image)
+            if host is None:
+                dev = self._scratch("upload3", (h, w, 3))
+                self.pinned.upload(image, dev.data.ptr)
+                return dev
+            four = self._scratch("upload4", (h, w, 4))
+            self.pinned.upload(host, four.data.ptr)
         out = self._scratch("upload3", (h, w, 3))
-        out[...] = dev[..., :3]
+        out[...] = four[..., :3]
         return out
 
     def _tables(self, p) -> list[cupy.ndarray]:
@@ -103,16 +101,11 @@ class Stager:
         for t in tables:
             offsets.append(total)
             total += _round(t.nbytes)
-        block = self.pinned.take(total)
-        host = np.frombuffer(block.mem, np.uint8, total)
+        host = np.zeros(total, np.uint8)
         for off, t in zip(offsets, tables):
             host[off:off + t.nbytes] = t.reshape(-1).view(np.uint8)
         dev = self._scratch("tables", (total,))
-        stream = cupy.cuda.get_current_stream()
-        cupy.cuda.runtime.memcpyAsync(dev.data.ptr, block.mem.ptr, total, cupy.cuda.runtime.memcpyHostToDevice,
-                                      stream.ptr)
-        block.event = stream.record()
-        self.pinned.give(block)
+        self.pinned.upload(host, dev.data.ptr)
         return [dev[o:o + t.nbytes].view(cupy.int32).reshape(t.shape) for o, t in zip(offsets, tables)]
 
     def _one(self, image, canvas, content, out) -> None:
