@@ -1,6 +1,7 @@
 """Where a forward's time goes: every launch of one eager forward bracketed by CUDA events (the ops
 layer's `traced` hook), summed per kernel family, with TFLOP/s for the GEMMs and attention. Cases:
-the speed table's (official geometry, random weights).
+the speed table's (official geometry, random weights), and a full pass of ~1,000-token images (what
+glmvit-encode --max-image-tokens 1024 runs).
 
     python benchmarks/profile_encoder.py
 """
@@ -26,7 +27,9 @@ def main():
     model = GlmVit.from_checkpoint(official_checkpoint(), capacity_tokens=8000, graphs=False)
     geo, log = model.geometry, []
     rng = np.random.default_rng(0)
-    for case, grids in CASES.items():
+    cases = dict(CASES)
+    cases["8 images of ~1,000 tokens (one pass at --max-image-tokens 1024)"] = [(1, 64, 64)] * 7 + [(1, 48, 64)]
+    for case, grids in cases.items():
         n = sum(t * h * w for t, h, w in grids)
         pv = cupy.asarray(rng.standard_normal((n, geo.patch_dim), dtype=np.float32))
         grid = np.array(grids, np.int64)

@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 
-from glmvit_cupy.engine.blocks import GRAIN, Block, PinnedBlocks
+from glmvit_cupy.engine.blocks import GRAIN, Block, Blocks, PinnedBlocks
 
 
 class Event:
@@ -103,3 +103,21 @@ def test_upload_goes_through_a_block_and_keeps_it_until_the_copy_has_run(monkeyp
     assert not block.idle
     assert np.array_equal(np.frombuffer(block.mem, np.int32, src.size).reshape(src.shape), src)
     assert pool.take(src.nbytes) is not block  # busy until the copy has run
+
+
+def test_a_block_lent_with_an_object_comes_back_when_it_is_garbage_and_idle():
+    """Blocks.lend (the device uploads' pool): the block returns when its owner dies, busy until its event."""
+
+    class Owner:
+        pass
+
+    pool = Blocks(alloc=Fake)
+    block, owner = pool.take(GRAIN), Owner()
+    pool.lend(owner, block)
+    assert pool.take(GRAIN) is not block  # still lent
+    block.event = Event(done=False)
+    del owner
+    gc.collect()
+    assert pool.take(GRAIN) is not block  # back, but busy
+    block.event.done = True
+    assert pool.take(GRAIN) is block

@@ -177,6 +177,47 @@ def test_lent_page_locked_blocks_come_back_only_when_idle():
     assert pool.take(block.size) is block
 
 
+def test_images_uploaded_by_their_decoding_threads_come_back_only_when_idle(small, tmp_path):
+    """The prepare threads' device uploads: every image (JPEG decoded into the thread's buffer, PNG pasted
+    there, a caller's array) arrives exactly; the thread's buffer is reused at once (the next image
+    overwrites it); a block comes back when its image is garbage and is taken again only once the stream
+    that read it has run past it."""
+    import gc
+
+    from PIL import Image
+
+    from glmvit_cupy.engine.uploads import Uploaded, Uploader
+    from glmvit_cupy.images import load, rgb_pixels
+
+    rng = np.random.default_rng()
+    up = Uploader(cupy.cuda.Device())
+    want, got = [], []
+    for i, (h, w) in enumerate([(333, 500), (120, 900), (64, 64), (700, 9)]):
+        a = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        path = tmp_path / f"u{i}.{'png' if i % 2 else 'jpg'}"
+        Image.fromarray(a).save(path)
+        decoded = rgb_pixels(load(str(path), str(path), None, up.buffer), up.buffer)
+        want.append(np.array(decoded))
+        got.append(up(decoded))
+        decoded[...] = 7  # the buffer is this thread's again: the upload must already have its bytes
+    got.append(up(a))  # an array of the caller's: three bytes a pixel
+    want.append(a)
+    for g, w_ in zip(got, want):
+        assert isinstance(g, Uploaded) and g.shape == w_.shape
+        g.event.synchronize()
+        assert np.array_equal(g.array[..., :3].get(), w_)
+    assert got[0].array.shape[2] == 4 and got[-1].array.shape[2] == 3
+    block = got[0].block
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.RawKernel(SPIN, "spin")((1,), (1,), (np.int64(2_000_000_000),), stream=stream)  # ~1 s
+    block.event = stream.record()  # as the stager does: reused once its reads have run
+    del got[0]
+    gc.collect()
+    assert up.blocks.take(block.size) is not block
+    stream.synchronize()
+    assert up.blocks.take(block.size) is block
+
+
 def test_prepared_images_encode_alike_twice(small, tmp_path):
     """Prepared items that a caller keeps (their pixels in lent page-locked blocks) encode to the same bits
     again, as encode(images) does, and as the same pixels in ordinary memory do."""
@@ -199,6 +240,10 @@ def test_prepared_images_encode_alike_twice(small, tmp_path):
                                          resize="gpu", workers=2))  # [H, W, :3] views of ordinary memory
     assert all(HOST.lent(im) is None and im.strides[1] == 4 for im, _, _ in plain)
     runs.append([o.get().view(np.uint16) for o in small.encode_prepared(plain)])
+    uploaded = list(batching.prepare_images(small.geometry, small.capacity_tokens, paths, max_image_tokens=300,
+                                            resize="gpu", workers=1, host_buffer=small.uploads.buffer,
+                                            upload=small.uploads))  # one thread: one buffer, reused
+    runs += [[o.get().view(np.uint16) for o in small.encode_prepared(uploaded)] for _ in range(2)]
     for r in runs[1:]:
         assert all(np.array_equal(x, y) for x, y in zip(runs[0], r))
 
@@ -432,6 +477,26 @@ def test_any_mix_of_shapes_replays_its_budgets_graph_bit_for_bit(official):
         model.executor._capture = real
     assert model.plans.key(np.array(mixes[-1])) == model.plans.key(np.array(mixes[-2]))
     assert len(budgets) > 3
+
+
+def test_a_large_budget_runs_eagerly_first_then_captures(official):
+    """From executor.CAPTURE_ON_SECOND_CALL patches a budget's first call runs kernel by kernel, its second
+    captures and replays, and a third call replays: all bit-equal to an eager model's (fresh pixels each time)."""
+    from glmvit_cupy.engine.executor import CAPTURE_ON_SECOND_CALL
+
+    binding, model, _ = official
+    eager = GlmVit(binding, capacity_tokens=8000, graphs=False)
+    rng = np.random.default_rng()
+    grids = [[[1, 100, 100], [1, 80, 90]], [[1, 80, 90], [1, 100, 100]], [[1, 100, 100], [1, 80, 90]]]  # one key
+    plan = None
+    for k, grid in enumerate(grids):
+        pv = rng.standard_normal((sum(h * w for _, h, w in grid), 1176), dtype=np.float32)
+        got = f32(model.encode_pixels(pv, grid))
+        timing = set(model.last_timing)
+        plan = plan or model.plans.find(np.array(grid))
+        assert model.plans.find(np.array(grid)) is plan and plan.patches >= CAPTURE_ON_SECOND_CALL
+        assert (timing == {"forward", "copy_out"}) == (k > 0) and (plan.graph is not None) == (k > 0)
+        assert np.array_equal(got, f32(eager.encode_pixels(pv, grid)))
 
 
 def test_failed_graph_capture_falls_back_to_eager(official, monkeypatch, caplog):

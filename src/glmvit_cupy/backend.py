@@ -7,8 +7,6 @@ with (the reference computes each image on its own; the engine's GEMMs never spl
 
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 
 
@@ -20,7 +18,8 @@ class Backend:
         self.capacity_tokens = capacity_tokens
         self.cpu = cpu
         self.resize = "host" if cpu else "gpu"  # who resizes the images this backend is given
-        self.host_buffer = None
+        self.host_buffer = self.upload = None  # for the prepare threads (batching.preparer): where they decode, and
+        # what they hand on: with one GPU they upload each image themselves (engine/uploads.py)
         if cpu:
             from . import reference
 
@@ -38,11 +37,11 @@ class Backend:
             from .engine.replicas import Replicas
 
             self._engine = Replicas(binding, devices or [cupy.cuda.Device().id], capacity_tokens=capacity_tokens)
-            self._copy = {}  # replica -> the stream its results come back to the host on
-            for m in self._engine.models:
-                with m.device:
-                    self._copy[m] = cupy.cuda.Stream(non_blocking=True)
-            self.host_buffer = HOST.array  # where prepare threads put decoded images: page-locked, uploaded as is
+            if len(self._engine) == 1:
+                self.upload = self._engine.models[0].uploads
+                self.host_buffer = self.upload.buffer
+            else:  # which GPU an image goes to is known once it is packed: page-locked blocks, uploaded from there
+                self.host_buffer = HOST.array
             self.lanes = len(self._engine)
             self.name = "gpu " + ",".join(map(str, self._engine.devices))
 
@@ -58,35 +57,40 @@ class Backend:
         outs = model.encode_prepared(items)
         return [o.get() for o in outs]  # the caller's stream was made to wait for them
 
-    def launch(self, batches: list) -> Callable[[], list[list[np.ndarray]]]:
-        """Start several batches (batch j on lane j % lanes) and return at once a function that waits for
-        their host arrays, in order: the GPUs compute them, and copy them back on a stream of their own,
-        while the caller prepares and launches the next ones. (The CPU reference computes them here.)"""
+    def launch(self, batches: list) -> "Launched":
+        """Start several batches (batch j on lane j % lanes) and return at once: the GPUs compute them while
+        the caller prepares and launches the next ones. (The CPU reference computes them here.)"""
         if self.cpu:
-            done = [self.encode_on(0, items) for items in batches]
-            return lambda: done
-        wait = self._engine.start(self._start, batches)
+            return Launched(None, [self.encode_on(0, items) for items in batches])
+        return Launched(self._engine.start(self._start, batches), None)
 
-        def result():
-            out = []
-            for hosts, copied, _ in wait():
-                copied.synchronize()
-                out.append(hosts)
-            return out
-
-        return result
-
-    def _start(self, model, items):
-        """Launch one batch on `model` -> (page-locked host arrays, the event after their copies, the device
-        outputs, kept alive until those copies have run)."""
+    @staticmethod
+    def _start(model, items):
+        """Launch one batch on `model` -> (its device outputs, the event after them)."""
         import cupy
-        import cupyx
 
         outs = model.encode_prepared(items)  # the current stream waits for them
         with model.device:
-            copy = self._copy[model]
-            copy.wait_event(cupy.cuda.get_current_stream().record())
-            hosts = [cupyx.empty_pinned(o.shape, o.dtype) for o in outs]
-            for o, h in zip(outs, hosts):
-                cupy.asnumpy(o, stream=copy, out=h, blocking=False)
-            return hosts, copy.record(), outs
+            return outs, cupy.cuda.get_current_stream().record()
+
+
+class Launched:
+    """Batches on their GPUs: wait() returns once they are computed; get() (from any thread) copies their
+    embeddings to the host, one list per batch (into ordinary memory: nothing to page-lock), and lets the
+    device's copies go."""
+
+    def __init__(self, wait, host):
+        self._wait, self._host, self._done = wait, host, None
+
+    def wait(self) -> None:
+        if self._host is None and self._done is None:
+            self._done, self._wait = self._wait(), None  # the batches' images are let go (their blocks reused)
+            for _, event in self._done:
+                event.synchronize()
+
+    def get(self) -> list[list[np.ndarray]]:
+        if self._host is None:
+            self.wait()
+            self._host = [[o.get() for o in outs] for outs, _ in self._done]  # each on its array's device
+            self._done = None
+        return self._host

@@ -79,12 +79,14 @@ def image_limits(capacity_tokens: int, min_image_tokens, max_image_tokens) -> tu
 
 
 def preparer(geo: VisionGeometry, capacity_tokens: int, min_image_tokens=16, max_image_tokens=None,
-             max_pixels=None, *, resize: str = "host", decode: str = "cpu", host_buffer=None) -> Callable:
+             max_pixels=None, *, resize: str = "host", decode: str = "cpu", host_buffer=None,
+             upload=None) -> Callable:
     """one(index, image, name=None) -> (uint8 image, grid, info): an image prepared as the reference processor
     does with these limits (resize "host": Pillow makes the canvas; "gpu": the decoded image, for the GPU to
     resize bit for bit alike, its pixels in host_buffer memory, see preprocess.rgb_pixels). Safe to call from
     several threads. Everything about the settings is checked here, before any image is read. decode "gpu":
-    JPEGs decoded by nvImageCodec (gpu_decode), others by Pillow."""
+    JPEGs decoded by nvImageCodec (gpu_decode), others by Pillow. upload: called with each prepared image on
+    the preparing thread, its result handed on instead (uploads.Uploader: the image copied to the GPU there)."""
     if (geo.in_channels, geo.patch_size, geo.temporal_patch_size, geo.spatial_merge_size) != (3, PATCH, TEMPORAL,
                                                                                              MERGE):
         raise ValueError(f"encode(images) needs the RGB, {PATCH}-pixel, {TEMPORAL}-frame patch geometry of the "
@@ -101,20 +103,21 @@ def preparer(geo: VisionGeometry, capacity_tokens: int, min_image_tokens=16, max
 
     def one(i, image, name=None):
         decoded = decoder.decode(image, i) if decoder is not None else None
-        return prepare_canvas(image, i, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels,
-                              resize=resize, decoded=decoded, host_buffer=host_buffer, name=name)
+        out, grid, info = prepare_canvas(image, i, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels,
+                                         resize=resize, decoded=decoded, host_buffer=host_buffer, name=name)
+        return (out if upload is None else upload(out)), grid, info
 
     return one
 
 
 def prepare_images(geo: VisionGeometry, capacity_tokens: int, images, min_image_tokens=16,
                    max_image_tokens=None, max_pixels=None, *, resize: str = "host", decode: str = "cpu",
-                   workers: int | None = None, host_buffer=None) -> Iterator:
+                   workers: int | None = None, host_buffer=None, upload=None) -> Iterator:
     """Images -> one (uint8 image, grid, info) per image, in order (see preparer). Lazy: `workers` threads
     (default feed.default_workers()) prepare ahead. Raises ImageError naming the first image that cannot be
     used, when its turn comes."""
     one = preparer(geo, capacity_tokens, min_image_tokens, max_image_tokens, max_pixels, resize=resize,
-                   decode=decode, host_buffer=host_buffer)
+                   decode=decode, host_buffer=host_buffer, upload=upload)
     return feed.in_order(one, images, feed.default_workers() if workers is None else workers)
 
 

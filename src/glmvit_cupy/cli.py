@@ -20,6 +20,7 @@ import glob
 import os
 import sys
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from . import feed, gpu, vllm_ec
@@ -30,6 +31,7 @@ from .errors import CheckpointError, ImageError, OutputError
 from .output import Output, image_key
 from .preprocess import RESIZE
 
+IN_FLIGHT = 2  # groups of batches launched and not yet collected
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 
@@ -208,9 +210,9 @@ def encode_all(args, todo, enc, out) -> int:
     writer = ThreadPoolExecutor(1, thread_name_prefix="glmvit-write")
     writes = []
 
-    def write(group, embs):
+    def write(group, launched):
         nonlocal tokens_done
-        for b, per_image in zip(group, embs):
+        for b, per_image in zip(group, launched.get()):  # copied to the host here, off the GPU's thread
             if args.vllm_ec_dir:
                 for (_, info), emb in zip(b, per_image):
                     vllm_ec.write(args.vllm_ec_dir, info["sha256"], emb)
@@ -256,30 +258,32 @@ def encode_all(args, todo, enc, out) -> int:
 
     one = preparer(enc.geometry, args.capacity_tokens, args.min_image_tokens, args.max_image_tokens,
                    args.max_pixels, resize="host" if args.cpu else args.resize, decode=args.decode,
-                   host_buffer=enc.host_buffer if args.resize == "gpu" else None)
+                   host_buffer=enc.host_buffer if args.resize == "gpu" else None, upload=enc.upload)
     stream = prepared_in_order(todo, args.workers, one)
-    def collect(group):
-        """Wait for a launched group's embeddings and hand them to the writer."""
-        entries, wait = group
-        submit(write, entries, wait())
 
-    running = None  # (keys and infos, the wait for their embeddings) of the group on the GPU
+    def collect(group):
+        """Wait until a launched group is computed and hand it to the writer."""
+        entries, launched = group
+        launched.wait()
+        submit(write, entries, launched)
+
+    running = deque()  # (keys and infos, Launched) of the groups on the GPU, oldest first
     try:
         with contextlib.closing(stream):  # an interrupted run stops the preparing threads too
-            # Each group is launched before the one ahead of it is collected: the GPU never waits for the host.
+            # A group is collected only once two more are launched behind it: while the host waits for the
+            # images of the next group (or for the GIL), the GPU still has a whole group queued.
             for group in groups(stream):
-                launched = ([[(key, info) for key, _, _, info in b] for b in group],
-                            enc.launch([[(im, grid, info) for _, im, grid, info in b] for b in group]))
-                if running is not None:
-                    collect(running)
-                running = launched
-            if running is not None:
-                collect(running)
-                running = None
+                running.append(([[(key, info) for key, _, _, info in b] for b in group],
+                                enc.launch([[(im, grid, info) for _, im, grid, info in b] for b in group])))
+                del group  # its images go once computed
+                if len(running) > IN_FLIGHT:
+                    collect(running.popleft())
+            while running:
+                collect(running.popleft())
     finally:
-        if running is not None:  # interrupted: the group on the GPU is finished work too
+        while running:  # interrupted: the groups on the GPU are finished work too
             with contextlib.suppress(Exception):
-                collect(running)
+                collect(running.popleft())
         writer.shutdown(wait=True)  # what was computed is written
         out.flush()
     for w in writes:

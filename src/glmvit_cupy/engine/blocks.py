@@ -1,9 +1,11 @@
-"""Page-locked host blocks, lent to the threads that decode images and reused once idle. CuPy is imported
-only to allocate one, so the pool's bookkeeping is tested without a GPU (with a stand-in allocator).
+"""Pools of memory blocks reused once idle: page-locked host blocks (the uploads of the thread that drives
+a GPU, and decoded images lent to prepare threads when several GPUs share them) and device blocks (images
+the prepare threads upload themselves, uploads.py). CuPy is imported only to allocate one, so the pools'
+bookkeeping is tested without a GPU (with a stand-in allocator).
 
-A lent block comes back when its array (and every view of it) is garbage. That can happen in any
-thread, inside a garbage collection that starts in the middle of this pool's own locked code, so the
-finalizer takes no lock: it hands the block over through a deque that the locked code drains.
+A lent block comes back when the object it was lent with (and every view of it) is garbage. That can
+happen in any thread, inside a garbage collection that starts in the middle of this pool's own locked
+code, so the finalizer takes no lock: it hands the block over through a deque that the locked code drains.
 """
 
 from __future__ import annotations
@@ -14,8 +16,17 @@ from collections import deque
 
 import numpy as np
 
-GRAIN = 2 << 20  # block sizes are multiples of this: page-locking costs ~10 ms per 8 MiB, so pin little
+GRAIN = 2 << 20  # block sizes are multiples of this: page-locking costs ~1 ms per MiB, so pin little
 PORTABLE = 1  # cudaHostAllocPortable: page-locked for every device's context (replicas share the blocks)
+
+
+def block_size(nbytes: int) -> int:
+    """A new block's size: the least of GRAIN x {1, 2, 3, 4, 6, 8, 12, ...} that holds nbytes. Few sizes, so
+    images of many sizes reuse each other's blocks; at most a third is slack."""
+    grains, p = -(-max(nbytes, 1) // GRAIN), 1
+    while p < grains and p + p // 2 < grains:
+        p *= 2
+    return (p if p >= grains else p + p // 2) * GRAIN
 
 
 class Block:
@@ -37,17 +48,30 @@ class Block:
         return self.event is None or self.event.done
 
 
-class PinnedBlocks:
-    """Page-locked host blocks (multiples of 2 MiB), reused once idle (the smallest that fits); at most `keep`
-    bytes of free blocks stay cached (more are freed). Thread-safe: prepare threads take blocks for the
-    images they decode (array), the GPU's thread for its uploads (take, give). `alloc(size)` makes a
-    block (Block: page-locked memory)."""
+class DeviceBlock(Block):
+    """A block of the current device's memory (CuPy's pool) and the event of the last work that used it."""
+
+    __slots__ = ()
+
+    def __init__(self, size: int):
+        import cupy
+
+        try:
+            self.mem = cupy.cuda.alloc(size)
+        except cupy.cuda.memory.OutOfMemoryError as e:
+            raise MemoryError(f"cannot allocate {size:,} bytes on GPU {cupy.cuda.Device().id} ({e})") from None
+        self.size, self.event = size, None
+
+
+class Blocks:
+    """Blocks (multiples of 2 MiB), reused once idle (the smallest that fits); at most `keep` bytes of free
+    blocks stay cached (more are freed). Thread-safe. `alloc(size)` makes a block (a Block: page-locked
+    memory; a DeviceBlock: the current GPU's)."""
 
     def __init__(self, keep: int = 2 << 30, alloc=Block):
         self.keep, self.alloc = keep, alloc
         self._free: list = []
-        self._lent: dict = {}  # data address of a lent array -> its block
-        self._returned: deque = deque()  # lent blocks whose arrays died, for the locked code to take in
+        self._returned: deque = deque()  # lent blocks whose owners died, for the locked code to take in
         self._lock = threading.Lock()
 
     def _take_in(self) -> None:  # under the lock
@@ -63,7 +87,11 @@ class PinnedBlocks:
                 block = min(fits, key=lambda b: b.size)
                 self._free.remove(block)
                 return block
-        return self.alloc(-(-max(nbytes, 1) // GRAIN) * GRAIN)
+        return self.alloc(block_size(nbytes))
+
+    def lend(self, owner, block) -> None:
+        """`block` comes back to the free list when `owner` is garbage (no lock: see the module's docstring)."""
+        weakref.finalize(owner, self._returned.append, block)
 
     def give(self, block) -> None:
         with self._lock:
@@ -75,6 +103,15 @@ class PinnedBlocks:
                     break
                 self._free.remove(b)
                 total -= b.size
+
+
+class PinnedBlocks(Blocks):
+    """Page-locked host blocks: the GPU's thread copies small host arrays through them (upload), and prepare
+    threads may decode images straight into them (array)."""
+
+    def __init__(self, keep: int = 2 << 30, alloc=Block):
+        super().__init__(keep, alloc)
+        self._lent: dict = {}  # data address of a lent array -> its block
 
     def upload(self, src: np.ndarray, dst_ptr: int) -> None:
         """Copy the host array `src` to device memory at dst_ptr, asynchronously on the current stream,

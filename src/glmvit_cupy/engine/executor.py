@@ -16,6 +16,12 @@ from .gemm import Handle
 
 log = logging.getLogger("glmvit_cupy")
 
+# From this many patches a forward runs longer on the GPU than its ~250 launches take on the host, so a
+# budget's first call runs eagerly (the GPU starts at once instead of idling through a capture) and its
+# second call captures, usually while the GPU is still busy with the batch before it. Smaller budgets are
+# host-bound when eager: their first call captures.
+CAPTURE_ON_SECOND_CALL = 16384
+
 
 class Executor:
     def __init__(self, device: cupy.cuda.Device, graphs: bool = True):
@@ -51,9 +57,11 @@ class Executor:
             stream.wait_event(caller.record())  # after the caller's work (its input, say)
             events = [("start", stream.record())]
             stage()
-            # A budget's first call captures its graph (~250 launches become one; capture costs about one
-            # eager forward), which then serves every later batch of that budget, whatever its shapes.
-            if self.graphs and self.blas.capturable and plan.graph is None and not plan.capture_failed:
+            # A budget's first call (second, for large ones) captures its graph (~250 launches become one;
+            # capture costs about one eager forward), which then serves every later batch of that budget,
+            # whatever its shapes.
+            if self.graphs and self.blas.capturable and plan.graph is None and not plan.capture_failed and \
+                    (plan.uses >= 1 or plan.patches < CAPTURE_ON_SECOND_CALL):
                 self._capture(plan, forward)
             plan.uses += 1
             if self.graphs and plan.graph is not None:

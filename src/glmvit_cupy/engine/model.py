@@ -23,8 +23,8 @@ from . import arena, layers, params
 from .attention import check_variant, default_variants
 from .executor import Executor
 from .plans import PlanCache
-from .blocks import HOST
 from .staging import Stager, stage_pixels
+from .uploads import Uploader
 
 log = logging.getLogger("glmvit_cupy")
 
@@ -68,6 +68,7 @@ class GlmVit:
                                    self.capacity_tokens * 4, self.MAX_PLANS)
             self.executor = Executor(self.device, graphs)
             self.stager = Stager(self.value_table, g.temporal_patch_size, g.patch_size)
+            self.uploads = Uploader(self.device)  # prepare threads put decoded images on this GPU through it
             self.device.synchronize()
         self._arena = None
         self.weight_bytes = binding.nbytes
@@ -132,7 +133,8 @@ class GlmVit:
         single = not isinstance(images, (list, tuple))
         prepared = batching.prepare_images(self.geometry, self.capacity_tokens, [images] if single else list(images),
                                            min_image_tokens, max_image_tokens, max_pixels, resize=resize,
-                                           decode=decode, workers=workers, host_buffer=HOST.array)
+                                           decode=decode, workers=workers, host_buffer=self.uploads.buffer,
+                                           upload=self.uploads)
         return self.encode_prepared(prepared)
 
     def encode_prepared(self, prepared: list) -> list[cupy.ndarray]:

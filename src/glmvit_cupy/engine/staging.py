@@ -2,11 +2,11 @@
 differ per call): HF-layout pixel_values, or prepared images whose resize, pad, normalise and patchify
 run on the GPU.
 
-An image travels once over PCIe, as uint8 bytes from page-locked memory, so the copy is asynchronous
-and the host goes on preparing the next batch while this one uploads and runs. The prepare threads
-write decoded images straight into page-locked blocks lent by blocks.HOST (4 bytes a pixel, as Pillow keeps
-them; the GPU drops the fourth), so the thread that drives the GPU copies nothing. A block goes back
-for reuse once its array is garbage and the upload that last read it has completed.
+An image travels once over PCIe, as uint8 bytes (4 a pixel, as Pillow decodes them; the GPU drops the
+fourth). With one GPU the prepare threads upload their images themselves (uploads.py): this thread only
+orders its stream after their copies. Otherwise the image comes from a page-locked block lent by
+blocks.HOST to the thread that decoded it, or is copied through one; either way the copy is asynchronous
+and the host goes on preparing the next batch while this one uploads and runs.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from .. import resample
 from .blocks import HOST
 from .gemm import BF16
 from .ops import patchify, resample_pass, resample_patchify, to_bf16
+from .uploads import Uploaded
 
 ALIGN = 256
 
@@ -55,24 +56,44 @@ class Stager:
 
     def images(self, items, pixels) -> None:
         """(uint8 image, grid, info) items -> pixels rows, in order. The image is the canvas (host resize: its
-        shape is the grid's, times the patch) or the decoded image to resize to info["content"] and pad."""
-        row = 0
-        for image, grid, info in items:
-            canvas = (int(grid[1]) * self.patch, int(grid[2]) * self.patch)
-            rows = int(grid[1]) * int(grid[2])
-            if tuple(image.shape[:2]) != canvas and "content" not in info:
-                raise ValueError(f"{info.get('source', 'an image')}: a decoded {image.shape[0]}x{image.shape[1]} image "
-                                 f"for a {canvas[0]}x{canvas[1]} canvas needs info['content'], the size to resize it "
-                                 "to (prepare_canvas gives it)")
-            self._one(image, canvas, tuple(info.get("content", canvas)), pixels[row:row + rows])
-            row += rows
+        shape is the grid's, times the patch) or the decoded image to resize to info["content"] and pad.
+        An image is a host array or Uploaded (on this device)."""
+        row, uploaded = 0, []
+        try:
+            for image, grid, info in items:
+                canvas = (int(grid[1]) * self.patch, int(grid[2]) * self.patch)
+                rows = int(grid[1]) * int(grid[2])
+                if tuple(image.shape[:2]) != canvas and "content" not in info:
+                    raise ValueError(f"{info.get('source', 'an image')}: a decoded {image.shape[0]}x{image.shape[1]} "
+                                     f"image for a {canvas[0]}x{canvas[1]} canvas needs info['content'], the size to "
+                                     "resize it to (prepare_canvas gives it)")
+                if isinstance(image, Uploaded):
+                    if image.device != cupy.cuda.Device().id:
+                        raise ValueError(f"{info.get('source', 'an image')}: uploaded to GPU {image.device}, staged "
+                                         f"on GPU {cupy.cuda.Device().id}; prepare it for the model that encodes it")
+                    uploaded.append(image)
+                self._one(image, canvas, tuple(info.get("content", canvas)), pixels[row:row + rows])
+                row += rows
+        finally:  # an uploaded block is reused once what this stream queued reading it has run
+            if uploaded:
+                done = cupy.cuda.get_current_stream().record()
+                for image in uploaded:
+                    image.block.event = done
 
     def _upload(self, image) -> cupy.ndarray:
-        """A host uint8 [H, W, 3] image -> the same on this device, asynchronously on the current stream. An
-        image in a lent page-locked block is copied from there; another through a block of the pool. The
-        first three channels of an [H, W, 4] array travel as all four (a memcpy, no gather) and are packed
-        here."""
+        """An image (host uint8 [H, W, 3], or Uploaded) -> [H, W, 3] on this device, in order on the current
+        stream. An uploaded image is waited for; a host image in a lent page-locked block is copied from
+        there, another through a block of the pool. The first three channels of an [H, W, 4] array travel
+        as all four (a memcpy, no gather) and are packed here."""
         h, w = image.shape[:2]
+        if isinstance(image, Uploaded):
+            cupy.cuda.get_current_stream().wait_event(image.event)
+            if image.array.shape[2] == 3:
+                return image.array
+            four = image.array
+            out = self._scratch("upload3", (h, w, 3))
+            out[...] = four[..., :3]
+            return out
         block = self.pinned.lent(image)  # 4 bytes a pixel, already page-locked
         if block is not None:
             four = self._scratch("upload4", (h, w, 4))
