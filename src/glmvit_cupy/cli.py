@@ -31,7 +31,7 @@ from .errors import CheckpointError, ImageError, OutputError
 from .output import Output, image_key
 from .preprocess import RESIZE
 
-IN_FLIGHT = 2  # groups of batches launched and not yet collected
+IN_FLIGHT = 1  # groups launched behind the one being collected (2 measured no faster: docs/PERFORMANCE.md)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 
@@ -270,8 +270,7 @@ def encode_all(args, todo, enc, out) -> int:
     running = deque()  # (keys and infos, Launched) of the groups on the GPU, oldest first
     try:
         with contextlib.closing(stream):  # an interrupted run stops the preparing threads too
-            # A group is collected only once two more are launched behind it: while the host waits for the
-            # images of the next group (or for the GIL), the GPU still has a whole group queued.
+            # A group is collected only once the next is launched behind it: the GPU never waits for the host.
             for group in groups(stream):
                 running.append(([[(key, info) for key, _, _, info in b] for b in group],
                                 enc.launch([[(im, grid, info) for _, im, grid, info in b] for b in group])))
