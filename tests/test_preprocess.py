@@ -243,3 +243,24 @@ def test_the_gpu_paths_input_is_the_reference_image(zoo, name):
     out = np.zeros_like(canvas)
     out[:ch, :cw] = resample.resize(np.ascontiguousarray(got), ch, cw) if (ch, cw) != got.shape[:2] else got
     assert grid == grid_h and np.array_equal(out, canvas)
+
+
+def test_four_channels_finds_the_4_byte_buffer_under_an_rgb_view():
+    """What the uploads copy in one piece: [H, W, :3] views of contiguous memory starting where the view starts
+    (an exact [H, W, 4] buffer, or the front of a larger one, as a decoding thread's reused buffer is), and
+    nothing else."""
+    from glmvit_cupy.images import four_channels
+
+    rng = np.random.default_rng()
+    exact = rng.integers(0, 256, (5, 7, 4), dtype=np.uint8)
+    got = four_channels(exact[..., :3])
+    assert got is not None and got.shape == (5, 7, 4) and np.shares_memory(got, exact)
+    assert np.array_equal(got, exact)
+    big = rng.integers(0, 256, 1000, dtype=np.uint8)
+    view = big[:5 * 7 * 4].reshape(5, 7, 4)[..., :3]
+    got = four_channels(view)
+    assert got is not None and np.array_equal(got[..., :3], view) and np.shares_memory(got, big)
+    assert four_channels(exact[1:, :, :3]) is None          # does not start where its memory starts
+    assert four_channels(exact[:, 1:, :3]) is None          # rows are not 4 x its width apart
+    assert four_channels(np.ascontiguousarray(exact[..., :3])) is None  # 3 bytes a pixel already
+    assert four_channels(exact.view(np.int8)[..., :3]) is None  # not uint8

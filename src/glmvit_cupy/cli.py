@@ -20,7 +20,6 @@ import glob
 import os
 import sys
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from . import feed, gpu, vllm_ec
@@ -31,7 +30,6 @@ from .errors import CheckpointError, ImageError, OutputError
 from .output import Output, image_key
 from .preprocess import RESIZE
 
-IN_FLIGHT = 1  # groups launched behind the one being collected (2 measured no faster: docs/PERFORMANCE.md)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 
@@ -267,22 +265,24 @@ def encode_all(args, todo, enc, out) -> int:
         launched.wait()
         submit(write, entries, launched)
 
-    running = deque()  # (keys and infos, Launched) of the groups on the GPU, oldest first
+    running = None  # (keys and infos, Launched) of the group on the GPU
     try:
         with contextlib.closing(stream):  # an interrupted run stops the preparing threads too
-            # A group is collected only once the next is launched behind it: the GPU never waits for the host.
+            # Each group is launched before the one ahead of it is collected: the GPU never waits for the host.
+            # (Two groups ahead measured no faster: docs/PERFORMANCE.md.)
             for group in groups(stream):
-                running.append(([[(key, info) for key, _, _, info in b] for b in group],
-                                enc.launch([[(im, grid, info) for _, im, grid, info in b] for b in group])))
-                del group  # its images go once computed
-                if len(running) > IN_FLIGHT:
-                    collect(running.popleft())
-            while running:
-                collect(running.popleft())
+                launched = ([[(key, info) for key, _, _, info in b] for b in group],
+                            enc.launch([[(im, grid, info) for _, im, grid, info in b] for b in group]))
+                if running is not None:
+                    collect(running)
+                running = launched
+            if running is not None:
+                collect(running)
+                running = None
     finally:
-        while running:  # interrupted: the groups on the GPU are finished work too
+        if running is not None:  # interrupted: the group on the GPU is finished work too
             with contextlib.suppress(Exception):
-                collect(running.popleft())
+                collect(running)
         writer.shutdown(wait=True)  # what was computed is written
         out.flush()
     for w in writes:

@@ -186,6 +186,20 @@ def rgb_pixels(img, host_buffer=None) -> np.ndarray:
     return buf[..., :3]
 
 
+def four_channels(image: np.ndarray) -> np.ndarray | None:
+    """The [H, W, 4] array whose first three channels the uint8 [H, W, 3] `image` is, when it is such a view
+    of contiguous memory starting where it starts (what load and rgb_pixels return from an [H, W, 4]
+    buffer, however large the buffer): its 4 bytes a pixel then travel in one copy, not a gather."""
+    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+        return None
+    h, w = image.shape[:2]
+    base = image.base
+    if (not isinstance(base, np.ndarray) or image.strides != (w * 4, 4, 1) or not base.flags.c_contiguous
+            or base.nbytes < h * w * 4 or base.__array_interface__["data"][0] != image.__array_interface__["data"][0]):
+        return None
+    return base.reshape(-1).view(np.uint8)[:h * w * 4].reshape(h, w, 4)
+
+
 def load_rgb(image, index: int = 0, max_pixels: int | None = None) -> np.ndarray:
     """Any accepted image input -> HxWx3 uint8 RGB. Raises ImageError naming the image. Encoded images
     over max_pixels (None: Pillow's 89.5-megapixel guard) are refused before they are decoded."""

@@ -24,7 +24,7 @@ import io
 
 import numpy as np
 
-from .batching import DEFAULT_MAX_IMAGE_TOKENS
+from .batching import DEFAULT_MAX_IMAGE_TOKENS, image_limits
 from .errors import ImageError
 from .preprocess import prepare_canvas
 
@@ -120,8 +120,7 @@ def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = F
     if bytes_column not in ds.columns():
         raise ValueError(f"the dataset has no column {bytes_column!r} (it has {ds.columns()}); "
                          "ray.data.read_binary_files(..., include_paths=True) gives 'bytes' and 'path'")
-    if max_image_tokens > capacity_tokens:
-        raise ValueError(f"max_image_tokens={max_image_tokens} exceeds capacity_tokens={capacity_tokens}")
+    min_image_tokens, max_image_tokens = image_limits(capacity_tokens, min_image_tokens, max_image_tokens)
     bind_tower(checkpoint)  # a bad checkpoint fails here, on the driver, not in every actor
     gpus = ray.cluster_resources().get("GPU", 0)
     if not cpu and gpus < num_gpus:

@@ -15,6 +15,7 @@ import cupy
 import numpy as np
 
 from .. import resample
+from ..images import four_channels
 from .blocks import HOST
 from .gemm import BF16
 from .ops import patchify, resample_pass, resample_patchify, to_bf16
@@ -25,17 +26,6 @@ ALIGN = 256
 
 def _round(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def _four(image: np.ndarray) -> np.ndarray | None:
-    """The contiguous [H, W, 4] array whose first three channels `image` is, if it is one (so the copy to
-    page-locked memory is one memcpy, not a strided gather)."""
-    base = image.base
-    h, w = image.shape[:2]
-    if (not isinstance(base, np.ndarray) or image.ndim != 3 or image.strides != (w * 4, 4, 1) or base.nbytes != h * w * 4
-            or not base.flags.c_contiguous or base.__array_interface__["data"][0] != image.__array_interface__["data"][0]):
-        return None
-    return base.reshape(h, w, 4)
 
 
 class Stager:
@@ -88,27 +78,22 @@ class Stager:
         h, w = image.shape[:2]
         if isinstance(image, Uploaded):
             cupy.cuda.get_current_stream().wait_event(image.event)
-            if image.array.shape[2] == 3:
-                return image.array
             four = image.array
-            out = self._scratch("upload3", (h, w, 3))
-            out[...] = four[..., :3]
-            return out
-        block = self.pinned.lent(image)  # 4 bytes a pixel, already page-locked
-        if block is not None:
+            if four.shape[2] == 3:
+                return four
+        elif (block := self.pinned.lent(image)) is not None:  # 4 bytes a pixel, already page-locked
             four = self._scratch("upload4", (h, w, 4))
             stream = cupy.cuda.get_current_stream()
             cupy.cuda.runtime.memcpyAsync(four.data.ptr, block.mem.ptr, four.nbytes,
                                           cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
             block.event = stream.record()  # the block is reused only once this upload has run
-        else:
-            host = _four(image)
-            if host is None:
-                dev = self._scratch("upload3", (h, w, 3))
-                self.pinned.upload(image, dev.data.ptr)
-                return dev
+        elif (host := four_channels(image)) is not None:
             four = self._scratch("upload4", (h, w, 4))
             self.pinned.upload(host, four.data.ptr)
+        else:
+            dev = self._scratch("upload3", (h, w, 3))
+            self.pinned.upload(image, dev.data.ptr)
+            return dev
         out = self._scratch("upload3", (h, w, 3))
         out[...] = four[..., :3]
         return out

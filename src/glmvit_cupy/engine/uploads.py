@@ -17,6 +17,7 @@ import threading
 import cupy
 import numpy as np
 
+from ..images import four_channels
 from .blocks import Blocks, DeviceBlock
 
 
@@ -55,15 +56,9 @@ class Uploader:
     def __call__(self, image: np.ndarray):
         """The image on the device (its copy in flight on this thread's stream), or, if the device has no
         memory left for it, a copy in ordinary memory (the GPU's thread then uploads it)."""
-        h, w = image.shape[:2]
-        host = getattr(self._local, "host", None)
-        if host is not None and image.base is host and image.strides == (w * 4, 4, 1):
-            # The first three channels of an [H, W, 4] decode in our buffer: all four travel (one copy).
-            ptr, shape = image.__array_interface__["data"][0], (h, w, 4)
-        else:
-            image = np.ascontiguousarray(image)
-            ptr, shape = image.ctypes.data, image.shape
-        nbytes = int(np.prod(shape))
+        four = four_channels(image)  # an [H, W, 4] decode (in our buffer): all four bytes travel, one copy
+        src = four if four is not None else np.ascontiguousarray(image)
+        ptr, shape, nbytes = src.ctypes.data, src.shape, src.nbytes
         with self.device:
             try:
                 block = self.blocks.take(nbytes)
