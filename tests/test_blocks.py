@@ -121,3 +121,72 @@ def test_a_block_lent_with_an_object_comes_back_when_it_is_garbage_and_idle():
     assert pool.take(GRAIN) is not block  # back, but busy
     block.event.done = True
     assert pool.take(GRAIN) is block
+
+
+def test_download_copies_through_one_block_and_returns_ordinary_arrays(monkeypatch):
+    """download(arrays): one asynchronous device-to-host copy per array into a pool block (offsets aligned to
+    256 bytes), one wait, then copies in ordinary memory (not views of the block, which goes back to the pool
+    and is reused); a strided array is refused; with nothing left to page-lock, each array's own get()."""
+    import sys
+    import types
+
+    import ml_dtypes
+    import pytest
+
+    rng = np.random.default_rng()
+    device = {0x1000: rng.standard_normal((7, 33)).astype(ml_dtypes.bfloat16),
+              0x2000: rng.standard_normal(5).astype(np.float32)}
+    made, copies, waits = [], [], []
+
+    class Dev:  # a device array: its bytes live in `device`
+        def __init__(self, ptr, contiguous=True):
+            host = device[ptr]
+            self.data, self.shape, self.dtype = types.SimpleNamespace(ptr=ptr), host.shape, host.dtype
+            self.size, self.nbytes = host.size, host.nbytes
+            self.flags = types.SimpleNamespace(c_contiguous=contiguous)
+            self.strides = host.strides
+
+        def get(self):
+            return device[self.data.ptr].copy()
+
+    class Blk(Fake):
+        __slots__ = ()
+
+        def __init__(self, size):
+            super().__init__(size)
+            self.mem = Mem(b"\xff" * size)  # poison: every byte the copies do not write stays 0xFF
+            made.append(self)
+
+    def memcpy(dst, src, n, kind, stream):
+        copies.append((dst - Mem.ptr, n, kind, stream))
+        made[-1].mem[dst - Mem.ptr:dst - Mem.ptr + n] = device[src].tobytes()
+
+    class Ev:
+        done = False
+
+        def synchronize(self):
+            waits.append(len(copies))
+            self.done = True
+
+    stream = types.SimpleNamespace(ptr=9, record=Ev)
+    runtime = types.SimpleNamespace(memcpyDeviceToHost=2, memcpyAsync=memcpy)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(get_current_stream=lambda: stream, runtime=runtime)))
+    pool = PinnedBlocks(alloc=Blk)
+    out = pool.download([Dev(0x1000), Dev(0x2000)])
+    assert copies == [(0, 7 * 33 * 2, 2, 9), (512, 20, 2, 9)] and waits == [2]
+    for o, ptr in zip(out, (0x1000, 0x2000)):
+        assert o.dtype == device[ptr].dtype and np.array_equal(o.view(np.uint8), device[ptr].view(np.uint8))
+        assert not np.shares_memory(o, np.frombuffer(made[0].mem, np.uint8))
+    (block,) = pool._free
+    assert block.idle and pool.take(10) is block  # back, reused
+    pool.give(block)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        pool.download([Dev(0x1000, contiguous=False)])
+
+    def refuse(size):
+        raise MemoryError("cannot page-lock")
+
+    pool = PinnedBlocks(alloc=refuse)
+    (o,) = pool.download([Dev(0x2000)])
+    assert np.array_equal(o, device[0x2000])

@@ -153,6 +153,37 @@ SPIN = r"""extern "C" __global__ void spin(long long cycles) {
 }"""
 
 
+def test_embeddings_download_through_a_page_locked_block_exactly():
+    """PinnedBlocks.download (how glmvit-encode, the server and Ray bring embeddings back): arrays of several
+    sizes, including slices of one output, equal their own get() bit for bit, though written late on another
+    stream that the current stream was made to wait for; the block (poisoned first) is not shared."""
+    from glmvit_cupy.engine.blocks import PinnedBlocks
+
+    pool = PinnedBlocks()
+    poison = pool.take(64 << 20)
+    np.frombuffer(poison.mem, np.uint8, poison.size)[:] = 0xFF
+    pool.give(poison)
+    rng = np.random.default_rng()
+    side = cupy.cuda.Stream(non_blocking=True)
+    whole = cupy.asarray(rng.standard_normal((3001, 4096), dtype=np.float32).astype(ml_dtypes.bfloat16))
+    scaled = cupy.empty_like(whole)
+    cupy.cuda.get_current_stream().synchronize()
+    with side:
+        cupy.RawKernel(SPIN, "spin")((1,), (1,), (np.int64(200_000_000),))  # ~0.1 s on that stream, then
+        cupy.cuda.runtime.memcpyAsync(scaled.data.ptr, whole.data.ptr, whole.nbytes,  # `scaled` written
+                                      cupy.cuda.runtime.memcpyDeviceToDevice, side.ptr)
+    cupy.cuda.get_current_stream().wait_event(side.record())
+    arrays = [scaled[:1], scaled[1:38], scaled[38:], cupy.asarray(rng.standard_normal(5, dtype=np.float32))]
+    got = pool.download(arrays)
+    side.synchronize()
+    for g, a in zip(got, arrays):
+        want = a.get()
+        assert g.dtype == want.dtype and g.shape == want.shape
+        assert np.array_equal(g.view(np.uint8), want.view(np.uint8))
+        assert not np.shares_memory(g, np.frombuffer(poison.mem, np.uint8, poison.size))
+    assert pool.take(10) is poison  # back in the pool and idle
+
+
 def test_lent_page_locked_blocks_come_back_only_when_idle():
     """A decoded image's page-locked block goes back when its array is garbage, and is taken again only once
     the upload that last read it has run; only [H, W, :3] views of lent [H, W, 4] arrays count as lent."""

@@ -7,6 +7,8 @@ with (the reference computes each image on its own; the engine's GEMMs never spl
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 
@@ -44,6 +46,30 @@ class Backend:
                 self.host_buffer = HOST.array
             self.lanes = len(self._engine)
             self.name = "gpu " + ",".join(map(str, self._engine.devices))
+            # The embeddings come back through page-locked blocks (HOST.download); one per lane is locked
+            # now, sized for a full pass, rather than while the first batches run (locking stalls the process).
+            out_bytes = capacity_tokens * self.geometry.out_hidden_size * 2 + (1 << 20)
+            with contextlib.suppress(MemoryError):
+                blocks = [HOST.take(out_bytes) for _ in range(self.lanes)]
+                for b in blocks:
+                    HOST.give(b)
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One small image through each replica, as glmvit-encode and the server will send them: CUDA loads
+        each kernel on its first launch and cuBLAS sets up on its first calls, which the first real batch
+        would otherwise wait for (0.15-0.4 s of GPU time on glmvit-encode's first pass, measured); here it
+        costs ~0.1 s of the load. A geometry encode(images) cannot take skips it."""
+        from .batching import preparer
+
+        try:
+            one = preparer(self.geometry, self.capacity_tokens, resize="gpu")
+        except ValueError:
+            return
+        item = one(0, np.random.default_rng(0).integers(0, 256, (40, 57, 3), dtype=np.uint8))
+        for model in self._engine.models:
+            model.encode_prepared([item])
+            model.executor.stream.synchronize()
 
     def encode_on(self, lane: int, items: list) -> list[np.ndarray]:
         """One batch of prepared images on replica `lane` (from any thread) -> host bf16 arrays."""
@@ -53,9 +79,12 @@ class Backend:
 
             return [reference.encode_pixels(self._tower, normalise_patchify(canvas), np.array([grid], np.int64))
                     .astype(self._bf16) for canvas, grid, _ in items]
+        from .engine.blocks import HOST
+
         model = self._engine.models[lane]
         outs = model.encode_prepared(items)
-        return [o.get() for o in outs]  # the caller's stream was made to wait for them
+        with model.device:
+            return HOST.download(outs)  # the caller's stream (this device's) was made to wait for them
 
     def launch(self, batches: list) -> "Launched":
         """Start several batches (batch j on lane j % lanes) and return at once: the GPUs compute them while
@@ -76,8 +105,8 @@ class Backend:
 
 class Launched:
     """Batches on their GPUs: wait() returns once they are computed; get() (from any thread) copies their
-    embeddings to the host, one list per batch (into ordinary memory: nothing to page-lock), and lets the
-    device's copies go."""
+    embeddings to the host, one list per batch (through a page-locked block into ordinary memory:
+    blocks.PinnedBlocks.download), and lets the device's copies go."""
 
     def __init__(self, wait, host):
         self._wait, self._host, self._done = wait, host, None
@@ -91,6 +120,11 @@ class Launched:
     def get(self) -> list[list[np.ndarray]]:
         if self._host is None:
             self.wait()
-            self._host = [[o.get() for o in outs] for outs, _ in self._done]  # each on its array's device
-            self._done = None
+            from .engine.blocks import HOST
+
+            host = []
+            for outs, _ in self._done:
+                with outs[0].device if outs else contextlib.nullcontext():
+                    host.append(HOST.download(outs))
+            self._host, self._done = host, None
         return self._host
