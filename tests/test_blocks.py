@@ -126,7 +126,8 @@ def test_a_block_lent_with_an_object_comes_back_when_it_is_garbage_and_idle():
 def test_download_copies_through_one_block_and_returns_ordinary_arrays(monkeypatch):
     """download(arrays): one asynchronous device-to-host copy per array into a pool block (offsets aligned to
     256 bytes), one wait, then copies in ordinary memory (not views of the block, which goes back to the pool
-    and is reused); a strided array is refused; with nothing left to page-lock, each array's own get()."""
+    and is reused); a strided array is refused; a failed copy leaves the block busy behind the copies queued
+    before it; with nothing left to page-lock, each array's own get()."""
     import sys
     import types
 
@@ -183,6 +184,18 @@ def test_download_copies_through_one_block_and_returns_ordinary_arrays(monkeypat
     pool.give(block)
     with pytest.raises(ValueError, match="C-contiguous"):
         pool.download([Dev(0x1000, contiguous=False)])
+
+    def second_fails(dst, src, n, kind, stream):
+        if copies:
+            raise RuntimeError("cudaErrorInvalidValue")
+        memcpy(dst, src, n, kind, stream)
+
+    copies.clear()
+    runtime.memcpyAsync = second_fails
+    with pytest.raises(RuntimeError, match="InvalidValue"):
+        pool.download([Dev(0x1000), Dev(0x2000)])
+    (block,) = pool._free  # back in the pool, but busy until the copy queued before the failure has run
+    assert not block.idle and pool.take(10) is not block
 
     def refuse(size):
         raise MemoryError("cannot page-lock")

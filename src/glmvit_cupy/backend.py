@@ -56,17 +56,18 @@ class Backend:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """One small image through each replica, as glmvit-encode and the server will send them: CUDA loads
-        each kernel on its first launch and cuBLAS sets up on its first calls, which the first real batch
-        would otherwise wait for (0.15-0.4 s of GPU time on glmvit-encode's first pass, measured); here it
-        costs ~0.1 s of the load. A geometry encode(images) cannot take skips it."""
+        """One small image through each replica, as glmvit-encode and the server send them: CUDA loads each
+        kernel on its first launch and cuBLAS sets up on its first calls, which the first real batch would
+        otherwise wait for (docs/PERFORMANCE.md, eighth session). Skipped where the geometry or the limits
+        leave encode(images) nothing to prepare (the real images then say what is wrong)."""
         from .batching import preparer
 
         try:
-            one = preparer(self.geometry, self.capacity_tokens, resize="gpu")
+            one = preparer(self.geometry, self.capacity_tokens, min_image_tokens=1,
+                           max_image_tokens=min(64, self.capacity_tokens), resize="gpu")
+            item = one(0, np.random.default_rng(0).integers(0, 256, (40, 57, 3), dtype=np.uint8))
         except ValueError:
             return
-        item = one(0, np.random.default_rng(0).integers(0, 256, (40, 57, 3), dtype=np.uint8))
         for model in self._engine.models:
             model.encode_prepared([item])
             model.executor.stream.synchronize()

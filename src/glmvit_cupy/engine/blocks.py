@@ -1,7 +1,8 @@
 """Pools of memory blocks reused once idle: page-locked host blocks (the uploads of the thread that drives
 a GPU, the embeddings copied back to the host, and decoded images lent to prepare threads when several
-GPUs share them) and device blocks (images the prepare threads upload themselves, uploads.py). CuPy is imported only to allocate one, so the pools'
-bookkeeping is tested without a GPU (with a stand-in allocator).
+GPUs share them) and device blocks (images the prepare threads upload themselves, uploads.py). CuPy is
+imported only to allocate one, so the pools' bookkeeping is tested without a GPU (with a stand-in
+allocator).
 
 A lent block comes back when the object it was lent with (and every view of it) is garbage. That can
 happen in any thread, inside a garbage collection that starts in the middle of this pool's own locked
@@ -146,10 +147,12 @@ class PinnedBlocks(Blocks):
             return [a.get() for a in arrays]
         try:
             stream = cupy.cuda.get_current_stream()
-            for a, off in zip(arrays, offsets):
-                cupy.cuda.runtime.memcpyAsync(block.mem.ptr + off, a.data.ptr, a.nbytes,
-                                              cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-            block.event = stream.record()  # the block is reused only once these copies have run
+            try:
+                for a, off in zip(arrays, offsets):
+                    cupy.cuda.runtime.memcpyAsync(block.mem.ptr + off, a.data.ptr, a.nbytes,
+                                                  cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+            finally:  # the block is reused only once every copy queued into it has run
+                block.event = stream.record()
             block.event.synchronize()
             return [np.frombuffer(block.mem, a.dtype, a.size, off).reshape(a.shape).copy()
                     for a, off in zip(arrays, offsets)]
