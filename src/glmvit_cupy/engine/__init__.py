@@ -9,8 +9,9 @@
     budgets     token budgets, and a batch's positions, segments and attention tiles for one (NumPy)
     plans       per budget: those on the GPU, the attention variant, the CUDA graph
     layers      the forward, top-down, one function per sub-layer (mirrors reference.py)
-    blocks      page-locked host blocks lent to the decoding threads, reused once idle
-    staging     inputs into the arena: page-locked uploads, the resize + patchify on the GPU
+    blocks      pools of page-locked and device blocks, reused once idle (uploads, downloads, lent images)
+    uploads     decoded images copied to the GPU by the threads that decode them (one GPU)
+    staging     inputs into the arena: their uploads, the resize + patchify on the GPU
     executor    stream, cuBLAS handle, lock, CUDA graphs, timing, out-of-memory
     model       GlmVit: the facade (from_checkpoint, encode, encode_pixels, last_timing)
     replicas    Replicas: one GlmVit per GPU, work spread across them

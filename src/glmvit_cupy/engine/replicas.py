@@ -80,7 +80,7 @@ class Replicas:
                max_pixels: int | None = None, resize: str = "gpu", decode: str = "cpu",
                workers: int | None = None) -> list:
         """As GlmVit.encode; images spread over the replicas by tokens (all are decoded first, into ordinary
-        memory: page-locked blocks are lent only to a stream of images, see GlmVit.encode)."""
+        memory: which GPU an image goes to is known only once all are, so none is uploaded while decoding)."""
         single = not isinstance(images, (list, tuple))
         prepared = list(batching.prepare_images(self.geometry, self.capacity_tokens, [images] if single else
                                                 list(images), min_image_tokens, max_image_tokens, max_pixels,
