@@ -530,6 +530,39 @@ def test_a_large_budget_runs_eagerly_first_then_captures(official):
         assert np.array_equal(got, f32(eager.encode_pixels(pv, grid)))
 
 
+def test_precaptured_graphs_replay_full_passes_on_their_first_call(official):
+    """GlmVit.precapture(1024) captures the graphs of the budgets that passes packed full of <= 1,024-token
+    images land in; such passes then replay on their first call (nothing captured, nothing eager), bit-equal
+    to an eager model's, with the arena's pixel rows poisoned first. Bad limits are refused; with graphs off
+    nothing is captured."""
+    binding, _, _ = official
+    model = GlmVit(binding, capacity_tokens=8000)
+    eager = GlmVit(binding, capacity_tokens=8000, graphs=False)
+    for bad in (0, -5, 2.5, True, "1024"):
+        with pytest.raises(ValueError, match="precapture: max_image_tokens"):
+            model.precapture(bad)
+    assert eager.precapture(1024) == [] and len(eager.plans) == 0
+    assert model.precapture(1024) == [28672, 32000] and len(model.plans) == 2
+    captures = []
+    real = model.executor._capture
+    model.executor._capture = lambda plan, forward: (captures.append(plan.patches), real(plan, forward))
+    rng = np.random.default_rng()
+    try:
+        for grid in ([[1, 64, 64]] * 6 + [[1, 60, 60]],  # 28,176 patches: budget 28,672
+                     [[1, 64, 64]] * 3 + [[1, 62, 66]] + [[1, 64, 64]] * 3 + [[1, 56, 56]]):  # 31,820: 32,000
+            n = sum(h * w for _, h, w in grid)
+            plan = model.plans.find(np.array(grid))
+            assert plan is not None and plan.graph is not None and plan.uses == 0, grid
+            pv = rng.standard_normal((n, 1176), dtype=np.float32)
+            model.arena()["pixels"].view(cupy.uint16).fill(0x7FC0)
+            got = f32(model.encode_pixels(pv, grid))
+            assert set(model.last_timing) == {"forward", "copy_out"} and plan.uses == 1
+            assert np.array_equal(got, f32(eager.encode_pixels(pv, grid)))
+    finally:
+        model.executor._capture = real
+    assert captures == []
+
+
 def test_failed_graph_capture_falls_back_to_eager(official, monkeypatch, caplog):
     binding, _, _ = official
     m = GlmVit(binding, capacity_tokens=256)

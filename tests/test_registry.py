@@ -82,7 +82,7 @@ def test_tiles_cover_every_segment_row_once():
 
 
 def test_budgets_hold_their_batch_with_at_most_a_quarter_padding():
-    from glmvit_cupy.engine.budgets import MIN_BUDGET, budget, tile_count
+    from glmvit_cupy.engine.budgets import MIN_BUDGET, budget, standard_tiles, tile_count
 
     seen = set()
     for p in range(1, 40001, 7):
@@ -96,7 +96,60 @@ def test_budgets_hold_their_batch_with_at_most_a_quarter_padding():
     assert len(seen) <= 4 * 7 + 1  # four a power of two from 256 to 32,000 patches, and the capacity
     assert budget(1024, 32000) == 1024 and budget(1025, 32000) == 1280 and budget(5, 120) == 120
     for n in range(1, 5000):
-        assert n <= tile_count(n) <= max(8, 1.25 * n)
+        for b, rows in ((256, 64), (4096, 128), (32000, 192)):
+            assert n <= tile_count(n, b, rows) <= max(8, 1.25 * n, standard_tiles(b, rows))
+
+
+def test_batches_of_large_frames_share_their_budgets_standard_tile_count():
+    """Random batches whose frames average >= 1,024 patches, in any budget and tile size: their tile count
+    is the budget's standard one (so one graph per budget and variant serves them, capturable ahead);
+    many small frames go past it; idle tiles stay few for large frames."""
+    from glmvit_cupy.engine.budgets import budget, standard_tiles, tile_count
+
+    rng = np.random.default_rng()
+    past = 0
+    for _ in range(3000):
+        rows = int(rng.choice([64, 128, 192]))
+        frames = [int(rng.integers(1, 64)) * 4 for _ in range(int(rng.integers(1, 40)))]
+        p = sum(frames)
+        if p > 32000:
+            continue
+        b = budget(p, 32000)
+        real = sum(-(-f // rows) for f in frames)
+        n = tile_count(real, b, rows)
+        assert n >= real
+        if p >= 1024 * len(frames):
+            assert n == standard_tiles(b, rows), (frames, rows)
+        past += n > standard_tiles(b, rows)
+    assert past > 100  # the other branch fires too
+    # a pass of 7 frames of 4,096 patches (1,024-token photos) in its budget: few idle tiles
+    assert tile_count(7 * 22, budget(7 * 4096, 32000), 192) == standard_tiles(28672, 192) == 192
+
+
+def test_full_pass_budgets_are_those_a_packed_pass_lands_in():
+    """Random streams of images of up to M patches, packed to capacity (batching.pack): every closed pass
+    (all but the last) of >= `smallest` patches lands in one of full_pass_budgets, and each of those is hit."""
+    from glmvit_cupy.batching import pack
+    from glmvit_cupy.engine.budgets import all_budgets, budget, full_pass_budgets
+
+    assert all_budgets(32000)[:5] == [256, 320, 384, 448, 512] and all_budgets(32000)[-2:] == [28672, 32000]
+    assert full_pass_budgets(32000, 4096, 16384) == [28672, 32000]
+    assert full_pass_budgets(32000, 32000, 16384) == [16384, 20480, 24576, 28672, 32000]
+    assert full_pass_budgets(32000, 512, 16384) == [32000] and full_pass_budgets(8000, 4000, 16384) == []
+    with pytest.raises(ValueError, match="a forward holds 1 to 32000"):
+        full_pass_budgets(32000, 32004, 16384)
+    rng = np.random.default_rng()
+    for cap, m in ((32000, 4096), (32000, 32000), (31744, 2048), (20000, 6000)):
+        want, hit = set(full_pass_budgets(cap, m, 16384)), set()
+        for _ in range(40):
+            sizes = (rng.integers(1, m // 4 + 1, 60) * 4).tolist()
+            passes = list(pack(sizes, cap, lambda s: s))
+            for p in passes[:-1]:
+                b = budget(sum(p), cap)
+                if b >= 16384:
+                    assert b in want, (cap, m, p)
+                    hit.add(b)
+        assert hit == want or cap == 20000 or m == 32000, (hit, want)
 
 
 def test_budget_meta_pads_positions_segments_and_tiles():
@@ -133,7 +186,7 @@ def test_budget_tiles_cover_each_real_row_once_and_no_padded_row():
         rows = int(rng.choice([16, 64, 128, 192]))
         seg_lens = [h * w for t, h, w in grid for _ in range(t)]
         real = sum(-(-s // rows) for s in seg_lens)
-        tiles_n = tile_count(real)
+        tiles_n = tile_count(real, b, rows)
         m = meta(grid, b, rows, tiles_n)
         o = layout(b, tiles_n)
         cu, seg, q0 = m[o[1]:o[2]], m[o[2]:o[3]], m[o[3]:o[4]]

@@ -13,13 +13,17 @@ import numpy as np
 
 
 class Backend:
-    def __init__(self, binding, *, cpu: bool, devices: list[int] | None = None, capacity_tokens: int = 8000):
+    def __init__(self, binding, *, cpu: bool, devices: list[int] | None = None, capacity_tokens: int = 8000,
+                 image_tokens: int | None = None):
+        """image_tokens: the most tokens an image will have; given, each replica captures at load the CUDA
+        graphs that passes packed full of such images replay (GlmVit.precapture)."""
         import ml_dtypes
 
         self.geometry = binding.geometry
         self.capacity_tokens = capacity_tokens
         self.cpu = cpu
         self.resize = "host" if cpu else "gpu"  # who resizes the images this backend is given
+        self.graphs_ready: list[int] = []  # budgets (patches) whose CUDA graph was captured at load
         self.host_buffer = self.upload = None  # for the prepare threads (batching.preparer): where they decode, and
         # what they hand on: with one GPU they upload each image themselves (engine/uploads.py)
         if cpu:
@@ -54,6 +58,9 @@ class Backend:
                 for b in blocks:
                     HOST.give(b)
             self._warm_up()
+            if image_tokens is not None:
+                for model in self._engine.models:
+                    self.graphs_ready = model.precapture(image_tokens)
 
     def _warm_up(self) -> None:
         """One small image through each replica, as glmvit-encode and the server send them: CUDA loads each

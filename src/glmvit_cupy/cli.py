@@ -184,7 +184,12 @@ def main(argv=None) -> int:
     if args.cpu:
         print("glmvit-encode: --cpu: the float32 NumPy reference encodes on the CPU; this is slow", file=sys.stderr)
     try:
-        enc = Backend(binding, cpu=args.cpu, devices=args.devices, capacity_tokens=args.capacity_tokens)
+        t_load = time.perf_counter()
+        enc = Backend(binding, cpu=args.cpu, devices=args.devices, capacity_tokens=args.capacity_tokens,
+                      image_tokens=args.max_image_tokens)
+        print(f"glmvit-encode: {enc.name} ready in {time.perf_counter() - t_load:.1f} s"
+              + (f" (CUDA graphs of {len(enc.graphs_ready)} full-pass budgets captured)" if enc.graphs_ready else ""),
+              file=sys.stderr)
     except ValueError as e:
         return fail(e)
     saved_before = len(out)

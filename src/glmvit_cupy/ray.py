@@ -67,11 +67,12 @@ class Encode:
     """The tower, loaded once per actor (a GPU replica, or the reference with cpu=True): canvases ->
     embeddings, rows packed into passes of up to capacity_tokens."""
 
-    def __init__(self, checkpoint, cpu: bool, capacity_tokens: int):
+    def __init__(self, checkpoint, cpu: bool, capacity_tokens: int, image_tokens: int | None = None):
         from .backend import Backend
         from .checkpoint import bind_tower
 
-        self.backend = Backend(bind_tower(checkpoint), cpu=cpu, capacity_tokens=capacity_tokens)
+        self.backend = Backend(bind_tower(checkpoint), cpu=cpu, capacity_tokens=capacity_tokens,
+                               image_tokens=image_tokens)
 
     def __call__(self, batch):
         import pandas as pd
@@ -133,6 +134,6 @@ def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = F
     prepared = ds.map_batches(Prepare(bytes_column, min_image_tokens, max_image_tokens, max_pixels,
                                       "host" if cpu else "gpu"),
                               batch_format="pandas", batch_size=batch_size)
-    return prepared.map_batches(Encode, fn_constructor_args=(checkpoint, cpu, capacity_tokens),
+    return prepared.map_batches(Encode, fn_constructor_args=(checkpoint, cpu, capacity_tokens, max_image_tokens),
                                 compute=ray.data.ActorPoolStrategy(size=concurrency), num_gpus=0 if cpu else num_gpus,
                                 batch_format="pandas", batch_size=batch_size)

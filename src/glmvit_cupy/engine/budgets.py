@@ -30,10 +30,43 @@ def budget(patches: int, capacity_patches: int) -> int:
     return min(_ladder(patches, MIN_BUDGET), capacity_patches)
 
 
-def tile_count(real_tiles: int) -> int:
-    """Query tiles a plan's attention launches for `real_tiles` (the idle ones exit at once): _ladder's,
-    so a few tile counts serve every batch of a budget, with at most a quarter of them idle."""
-    return _ladder(real_tiles, 8)
+# A budget's standard tile count holds every batch whose frames average at least this many patches
+# (256 tokens): one graph per (budget, variant) then serves them all, and can be captured before any
+# batch is seen (full_pass_budgets).
+STANDARD_FRAME_PATCHES = 1024
+
+
+def standard_tiles(budget_patches: int, rows: int) -> int:
+    """The tile count of a budget whose frames average >= STANDARD_FRAME_PATCHES: S frames of P <= B
+    patches have at most ceil(B / rows) + S - 1 tiles of `rows` rows, and S <= B // 1024."""
+    return _ladder(-(-budget_patches // rows) + budget_patches // STANDARD_FRAME_PATCHES, 8)
+
+
+def tile_count(real_tiles: int, budget_patches: int, rows: int) -> int:
+    """Query tiles a plan's attention launches for `real_tiles` in this budget (the idle ones exit at
+    once): the budget's standard count, or past it (many small frames) _ladder's of the real tiles, so a
+    few counts serve every batch of a budget, with at most a quarter of them idle beyond the standard."""
+    return max(standard_tiles(budget_patches, rows), _ladder(real_tiles, 8))
+
+
+def all_budgets(capacity_patches: int) -> list[int]:
+    """Every budget of this capacity, ascending."""
+    out = [budget(1, capacity_patches)]
+    while out[-1] < capacity_patches:
+        out.append(budget(out[-1] + 1, capacity_patches))
+    return out
+
+
+def full_pass_budgets(capacity_patches: int, image_patches: int, smallest: int) -> list[int]:
+    """The budgets of at least `smallest` patches that a pass packed to capacity can land in when no
+    image has more than `image_patches` patches: a pass closes only when the next image would not fit,
+    so it holds more than capacity - image_patches (batching.pack)."""
+    if not 0 < image_patches <= capacity_patches:
+        raise ValueError(f"{image_patches} patches an image: a forward holds 1 to {capacity_patches}")
+    first = max(capacity_patches - image_patches + 1, smallest)
+    if first > capacity_patches:
+        return []
+    return [b for b in all_budgets(capacity_patches) if b >= budget(first, capacity_patches)]
 
 
 def positions(grid) -> np.ndarray:

@@ -75,6 +75,19 @@ class Executor:
         self._events = events
         return out
 
+    def capture(self, plan, forward) -> bool:
+        """Capture `plan`'s graph now, before any batch runs on it (a budget known ahead; the forward
+        reads every per-batch detail from the plan's device data, so nothing is computed here), and load
+        it onto the GPU. False where graphs are off or cannot be captured (the plan then runs as usual)."""
+        if not (self.graphs and self.blas.capturable):
+            return False
+        with self.lock, self.device, self.stream:
+            if plan.graph is None and not plan.capture_failed:
+                self._capture(plan, forward)
+                if plan.graph is not None:
+                    plan.graph.upload(self.stream)  # else its first launch would
+        return plan.graph is not None
+
     def _capture(self, plan, forward):
         """The budget's forward as a CUDA graph; if capture fails, the budget runs eagerly from then on."""
         stream, graph, error = self.stream, None, None

@@ -109,6 +109,33 @@ class GlmVit:
                      patches, self.capacity_tokens, self._arena.nbytes / 2**20)
         return self._arena
 
+    def precapture(self, max_image_tokens: int) -> list[int]:
+        """Capture now the CUDA graphs of the budgets that passes packed full of images of up to
+        `max_image_tokens` tokens land in (those of >= CAPTURE_ON_SECOND_CALL patches, which would
+        otherwise run kernel by kernel on their first call and capture on their second), so that a
+        stream's first full passes replay. Returns the budgets (patches) whose graph is ready.
+
+        Why at load: a forward's ~250 launches take 40 ms on an idle host but 200-430 ms while 16
+        threads decode photos (measured, docs/PERFORMANCE.md), and a stream's first passes run exactly
+        then. glmvit-encode, the server and Ray do this for their image limit; encode() does not (a
+        library call's shapes are not known ahead)."""
+        from .budgets import full_pass_budgets
+        from .executor import CAPTURE_ON_SECOND_CALL
+
+        if isinstance(max_image_tokens, bool) or not isinstance(max_image_tokens, (int, np.integer)) or \
+                max_image_tokens < 1:
+            raise ValueError(f"precapture: max_image_tokens={max_image_tokens!r} must be a positive integer")
+        if not (self.graphs and self.executor.blas.capturable):
+            return []
+        image = 4 * min(int(max_image_tokens), self.capacity_tokens)
+        ready = []
+        with self.device:
+            self.arena()  # allocated outside the capture
+            for b in full_pass_budgets(self.capacity_tokens * 4, image, CAPTURE_ON_SECOND_CALL):
+                if self.executor.capture(self.plans.full_pass(b, image), self._forward):
+                    ready.append(b)
+        return ready
+
     # -- encoding ---------------------------------------------------------------------------------
     def encode_pixels(self, pixel_values, grid_thw) -> cupy.ndarray:
         """HF-layout input ([N, patch_dim] pixels, [n, 3] grid; NumPy or CuPy, float or bf16) -> bf16

@@ -9,8 +9,10 @@ never read: every kernel but attention treats rows independently, and attention'
 the P real rows, each within its own segment, so padding changes no bit of any output.
 
 Plans are kept per (budget, attention variant, tile count) in a small LRU cache; evicting one frees
-its graph. The attention's grid is part of the graph, so its tile count is rounded up the same way as
-the budget and the surplus tiles are marked idle (segment -1: the kernels return at once).
+its graph. The attention's grid is part of the graph, so its tile count is fixed per budget (enough
+for any batch whose frames average >= 1,024 patches; rounded up like the budget past that) and the
+surplus tiles are marked idle (segment -1: the kernels return at once). A budget's usual plan is thus
+known before any batch comes, and its graph can be captured at load (GlmVit.precapture).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 from . import attention
 from .attention import Variant
 from .blocks import HOST
-from .budgets import budget, layout, meta, tile_count
+from .budgets import budget, layout, meta, standard_tiles, tile_count
 
 
 @dataclass
@@ -63,7 +65,7 @@ class PlanCache:
         b = budget(sum(seg_lens), self.capacity_patches)
         name = attention.pick_variant(self.variants, seg_lens, self.heads, self.sms)
         rows = attention.VARIANTS[name].rows
-        return b, name, tile_count(sum(-(-n // rows) for n in seg_lens))
+        return b, name, tile_count(sum(-(-n // rows) for n in seg_lens), b, rows)
 
     def __contains__(self, grid) -> bool:
         return self.key(grid) in self._plans
@@ -76,14 +78,27 @@ class PlanCache:
         """The plan for this grid (int [images, 3]), built on first use, with this grid's meta uploaded on
         the current stream, ahead of the kernels that read it."""
         key, host, flop = self._describe(grid)
+        plan = self._plan(key)
+        HOST.upload(host, plan.meta.data.ptr)
+        plan.attention_flop = flop
+        return plan
+
+    def full_pass(self, budget_patches: int, image_patches: int) -> Plan:
+        """The plan a pass of this budget runs on when it is filled with frames of `image_patches`
+        patches (its standard tile count: any batch whose frames average >= 1,024 patches shares it),
+        built if need be, nothing uploaded: for capturing its graph before any such batch comes."""
+        frame = min(image_patches, budget_patches)
+        name = attention.pick_variant(self.variants, [frame] * (budget_patches // frame), self.heads, self.sms)
+        return self._plan((budget_patches, name, standard_tiles(budget_patches, attention.VARIANTS[name].rows)))
+
+    def _plan(self, key) -> Plan:
+        """The plan of this key, built on first use; the least recently used dropped past `size`."""
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._new(*key)
             while len(self._plans) > self.size:
                 self._plans.popitem(last=False)
         self._plans.move_to_end(key)
-        HOST.upload(host, plan.meta.data.ptr)
-        plan.attention_flop = flop
         return plan
 
     def _describe(self, grid):

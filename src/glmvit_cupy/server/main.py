@@ -50,6 +50,7 @@ def main(argv=None) -> int:
         return 2
     from .. import gpu
     from ..backend import Backend
+    from ..batching import DEFAULT_MAX_IMAGE_TOKENS
     from ..checkpoint import bind_tower
     from ..cli import device_list
     from ..errors import CheckpointError
@@ -74,8 +75,9 @@ def main(argv=None) -> int:
                         max_wait_ms=args.max_wait_ms, cache_mib=args.cache_mib, max_queue=args.max_queue,
                         max_body_mib=args.max_body_mib, max_image_mib=args.max_image_mib, max_pixels=args.max_pixels,
                         decode_workers=args.decode_workers, vllm_ec_dir=args.vllm_ec_dir)
-    app = create_app(lambda: Backend(binding, cpu=args.cpu, devices=devices, capacity_tokens=args.capacity_tokens),
-                     settings)
+    # Graphs for full passes of images at the default limit are captured at load (GlmVit.precapture).
+    app = create_app(lambda: Backend(binding, cpu=args.cpu, devices=devices, capacity_tokens=args.capacity_tokens,
+                                     image_tokens=min(DEFAULT_MAX_IMAGE_TOKENS, args.capacity_tokens)), settings)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # new requests on open connections get 503 from now on
