@@ -65,6 +65,45 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const bf16* _
         out[r * cols + c] = __float2bfloat16(xr[c] * inv * __bfloat162float(w[c]));
 }
 
+// rmsnorm_residual for rows of up to 32 x 4 x RMS_WARP_VEC floats (cols % 4 == 0): one warp a row,
+// eight rows a block of 256, the row in registers (read once, 16-byte accesses) and summed by the
+// warp alone: no shared memory, no block barrier (the block-per-row kernel above spent them on
+// every row: 63% of HBM). ops.rmsnorm_residual picks it where it fits.
+#define RMS_WARP_VEC 8
+extern "C" __global__ void rmsnorm_residual_warp(float* __restrict__ x, const bf16* __restrict__ bias,
+                                                 const bf16* __restrict__ w, bf16* __restrict__ out,
+                                                 int rows, int cols, float eps) {
+    const long r = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (r >= rows) return;  // a whole warp: no shuffle below misses a lane
+    float* xr = x + r * cols;
+    float4 v[RMS_WARP_VEC];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < RMS_WARP_VEC; ++k) {
+        const int c = 4 * (lane + 32 * k);
+        if (c < cols) {
+            v[k] = *reinterpret_cast<const float4*>(xr + c);
+            if (bias) {
+                const float4 b = load4(bias + c);
+                v[k].x += b.x; v[k].y += b.y; v[k].z += b.z; v[k].w += b.w;
+                *reinterpret_cast<float4*>(xr + c) = v[k];
+            }
+            ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+        }
+    }
+    const float inv = rsqrtf(warp_sum(ss) / cols + eps);
+#pragma unroll
+    for (int k = 0; k < RMS_WARP_VEC; ++k) {
+        const int c = 4 * (lane + 32 * k);
+        if (c < cols) {
+            const float4 wv = load4(w + c);
+            store4(out + r * cols + c, v[k].x * inv * wv.x, v[k].y * inv * wv.y, v[k].z * inv * wv.z,
+                   v[k].w * inv * wv.w);
+        }
+    }
+}
+
 // The final post_layernorm fused with the downsample's 2x2 im2col: patch row r is
 // position j = r % 4 of merged row m = r / 4, and channel c lands at column c*4 + j,
 // the Conv2d weight's (channel, kh, kw) order. x gets the last block's bias added.

@@ -51,10 +51,11 @@ def test_registry_names_what_exists():
         kernel("attention_sm80", "flash_fwd_sm80<64, 3, 9>")  # arguments the template does not take
 
 
-# 1024 and 1000: the register path (cols % 4 == 0, <= 16 x 256; 1000 leaves 6 threads idle);
-# 1022 and 5000: the scalar loop.
+# 1024, 128 and 1000: a warp a row (cols % 4 == 0, <= 1,024; 1000 leaves lanes idle in the last float4
+# column, and 1037 rows a block of 8 warps partly empty); 2048: a block a row, the row in registers
+# (<= 16 x 256); 1022 and 5000: the block's scalar loop.
 @pytest.mark.parametrize("rows,cols,with_bias", [(1037, 1024, True), (5, 128, False), (7, 1000, True),
-                                                 (3, 1022, True), (2, 5000, True)])
+                                                 (9, 2048, True), (3, 1022, True), (2, 5000, True)])
 def test_rmsnorm_residual(rows, cols, with_bias):
     x = rng.standard_normal((rows, cols), dtype=np.float32) * 3
     b, w = bf(rng.standard_normal(cols)), bf(1 + 0.1 * rng.standard_normal(cols))
@@ -125,11 +126,14 @@ def test_qk_norm_rope(heads, d):
 # grid (1, 100): both strided loops turn (a block covers 8 x 256 = 2,048 < 4,096 columns, or 256 < 1,020;
 # 100 < 333 rows); None: ops.swiglu_clamp, the model's launch (ceil(4096 / 8 / 256) = 2 blocks a row)
 @pytest.mark.parametrize("grid", [(1, 100), None])
-def test_swiglu_clamp_fires(with_bias, inter, grid):
-    rows, limit = 333, 10.0
+# misaligned: the output 8 bytes past a 16-byte boundary, so eight-column rows fall back to one column a thread
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_swiglu_clamp_fires(with_bias, inter, grid, misaligned):
+    rows, limit = 333, 10.0  # 333 = 4 x 83 + 1: the last group of four rows is partly past the end
     gu = bf(rng.standard_normal((rows, 2 * inter), dtype=np.float32) * 6).astype(np.float32)  # what the kernel reads
     bg, bu = bf(rng.standard_normal(inter)), bf(rng.standard_normal(inter))
-    out = poison((rows, inter))
+    out = poison((rows * inter + 4,))[4:].reshape(rows, inter) if misaligned else poison((rows, inter))
+    assert (out.data.ptr % 16 == 8) == misaligned
     ops.swiglu_clamp(dev(bf(gu)), dev(bg) if with_bias else None, dev(bu) if with_bias else None, out, limit, grid=grid)
     g, u = gu[:, :inter], gu[:, inter:]
     if with_bias:

@@ -19,6 +19,7 @@ from .attention import Variant
 from .kernels import kernel
 
 THREADS = 256
+RMS_WARP_VEC = 8  # norms.cu: rmsnorm_residual_warp holds a row of up to 32 x 4 x 8 floats
 _tracer = None  # set by traced(): record(name, start_event, end_event, flop) around every launch
 
 
@@ -71,8 +72,12 @@ def linear(a, w, out, *, accumulate=False, handle=None, name="linear"):
 def rmsnorm_residual(x, bias, weight, out, eps):
     """x [rows, cols] fp32 += bias (None: nothing added), then out = bf16(rmsnorm(x) * weight)."""
     rows, cols = x.shape
-    _launch("rmsnorm (+bias, residual)", 0, lambda: kernel("norms", "rmsnorm_residual")(
-        (rows,), (THREADS,), (x, _ptr_or_null(bias), weight, out, np.int32(rows), np.int32(cols), np.float32(eps))))
+    args = (x, _ptr_or_null(bias), weight, out, np.int32(rows), np.int32(cols), np.float32(eps))
+    if cols % 4 == 0 and cols <= 32 * 4 * RMS_WARP_VEC:  # a warp a row (norms.cu); else a block a row
+        _launch("rmsnorm (+bias, residual)", 0, lambda: kernel("norms", "rmsnorm_residual_warp")(
+            (_cdiv(rows, THREADS // 32),), (THREADS,), args))
+    else:
+        _launch("rmsnorm (+bias, residual)", 0, lambda: kernel("norms", "rmsnorm_residual")((rows,), (THREADS,), args))
 
 
 def rmsnorm_im2col(x, bias, weight, out, eps):
@@ -108,7 +113,7 @@ def swiglu_clamp(gate_up, gate_bias, up_bias, out, limit, *, grid=None):
     (None: no bias). Any grid is correct (the kernel's loops stride over columns and rows); tests pass a
     small one to make both loops turn."""
     rows, inter = out.shape
-    grid = grid or (_cdiv(_cdiv(inter, 8), THREADS), int(min(rows, 65535)))  # x: 8 columns a thread; y: rows
+    grid = grid or (_cdiv(_cdiv(inter, 8), THREADS), int(min(_cdiv(rows, 4), 65535)))  # x: 8 columns a thread; y: 4 rows
     _launch("swiglu clamp", 0, lambda: kernel("activations", "swiglu_clamp_bf16")(
         grid, (THREADS,), (gate_up, _ptr_or_null(gate_bias), _ptr_or_null(up_bias), out, np.int64(rows),
                            np.int32(inter), np.float32(limit))))
