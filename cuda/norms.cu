@@ -3,7 +3,8 @@
 //
 // Napkin math (32,000 patches x 1,024; H200 HBM 4.8 TB/s). Memory-bound (~4 FLOP an element):
 //   rmsnorm_residual: reads x (4 B), writes x + bias back (4 B) and the bf16 output (2 B): 328 MB,
-//     68 us at HBM speed; 48 a forward. Measured (bench_kernels, 66a180c): 109 us, 3.0 TB/s (63%).
+//     68 us at HBM speed; 48 a forward. Measured (bench_kernels, H200): a block a row 109 us, 3.0
+//     TB/s (63%, 66a180c); a warp a row (rmsnorm_residual_warp) 104 us, 3.2 TB/s (66%).
 //   rmsnorm_im2col: the same bytes, once a forward. Measured: 141 us, 2.3 TB/s (48%; strided stores).
 //   layernorm_gelu (8,000 x 4,096 merger rows): reads fp32 (4 B; the 16 KB row again from L1/L2 for
 //     the variance and the output), writes bf16 (2 B): 197 MB, 41 us. Measured: 152 us, 1.3 TB/s
@@ -67,8 +68,8 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const bf16* _
 
 // rmsnorm_residual for rows of up to 32 x 4 x RMS_WARP_VEC floats (cols % 4 == 0): one warp a row,
 // eight rows a block of 256, the row in registers (read once, 16-byte accesses) and summed by the
-// warp alone: no shared memory, no block barrier (the block-per-row kernel above spent them on
-// every row: 63% of HBM). ops.rmsnorm_residual picks it where it fits.
+// warp alone: no shared memory, no block barrier (the block-per-row kernel above spends them on
+// every row). ops.rmsnorm_residual picks it where it fits.
 #define RMS_WARP_VEC 8
 extern "C" __global__ void rmsnorm_residual_warp(float* __restrict__ x, const bf16* __restrict__ bias,
                                                  const bf16* __restrict__ w, bf16* __restrict__ out,
