@@ -22,6 +22,24 @@ __device__ __forceinline__ float add_bias_rms_inv(float* xr, const bf16* bias, i
     return rsqrtf(block_sum(ss, red) / cols + eps);
 }
 
+// Four floats of row xr at column c into v, the bias (when given) added and written back; returns
+// their sum of squares. The register paths of both rmsnorm_residual kernels load a row this way.
+__device__ __forceinline__ float load4_add_bias(float4& v, float* xr, const bf16* bias, int c) {
+    v = *reinterpret_cast<const float4*>(xr + c);
+    if (bias) {
+        const float4 b = load4(bias + c);
+        v.x += b.x; v.y += b.y; v.z += b.z; v.w += b.w;
+        *reinterpret_cast<float4*>(xr + c) = v;
+    }
+    return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+}
+
+// bf16(v * inv * w[c..c+3]) into o (o 8-byte aligned).
+__device__ __forceinline__ void store4_scaled(bf16* o, const float4& v, float inv, const bf16* w, int c) {
+    const float4 wv = load4(w + c);
+    store4(o, v.x * inv * wv.x, v.y * inv * wv.y, v.z * inv * wv.z, v.w * inv * wv.w);
+}
+
 // x[r] += bias (the bias of the GEMM that just accumulated into x, if any), then
 // out[r] = bf16(x[r] * rsqrt(mean(x[r]^2) + eps) * w). One block per row.
 extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const bf16* __restrict__ bias,
@@ -39,25 +57,13 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const bf16* _
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int c = 4 * (threadIdx.x + k * blockDim.x);
-            if (c < cols) {
-                v[k] = *reinterpret_cast<const float4*>(xr + c);
-                if (bias) {
-                    const float4 b = load4(bias + c);
-                    v[k].x += b.x; v[k].y += b.y; v[k].z += b.z; v[k].w += b.w;
-                    *reinterpret_cast<float4*>(xr + c) = v[k];
-                }
-                ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
-            }
+            if (c < cols) ss += load4_add_bias(v[k], xr, bias, c);
         }
         const float inv = rsqrtf(block_sum(ss, red) / cols + eps);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int c = 4 * (threadIdx.x + k * blockDim.x);
-            if (c < cols) {
-                const float4 wv = load4(w + c);
-                store4(out + r * cols + c, v[k].x * inv * wv.x, v[k].y * inv * wv.y, v[k].z * inv * wv.z,
-                       v[k].w * inv * wv.w);
-            }
+            if (c < cols) store4_scaled(out + r * cols + c, v[k], inv, w, c);
         }
         return;
     }
@@ -83,25 +89,13 @@ extern "C" __global__ void rmsnorm_residual_warp(float* __restrict__ x, const bf
 #pragma unroll
     for (int k = 0; k < RMS_WARP_VEC; ++k) {
         const int c = 4 * (lane + 32 * k);
-        if (c < cols) {
-            v[k] = *reinterpret_cast<const float4*>(xr + c);
-            if (bias) {
-                const float4 b = load4(bias + c);
-                v[k].x += b.x; v[k].y += b.y; v[k].z += b.z; v[k].w += b.w;
-                *reinterpret_cast<float4*>(xr + c) = v[k];
-            }
-            ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
-        }
+        if (c < cols) ss += load4_add_bias(v[k], xr, bias, c);
     }
     const float inv = rsqrtf(warp_sum(ss) / cols + eps);
 #pragma unroll
     for (int k = 0; k < RMS_WARP_VEC; ++k) {
         const int c = 4 * (lane + 32 * k);
-        if (c < cols) {
-            const float4 wv = load4(w + c);
-            store4(out + r * cols + c, v[k].x * inv * wv.x, v[k].y * inv * wv.y, v[k].z * inv * wv.z,
-                   v[k].w * inv * wv.w);
-        }
+        if (c < cols) store4_scaled(out + r * cols + c, v[k], inv, w, c);
     }
 }
 

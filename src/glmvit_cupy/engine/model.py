@@ -21,7 +21,8 @@ from ..config import VisionGeometry
 from ..preprocess import value_table
 from . import arena, layers, params
 from .attention import check_variant, default_variants
-from .executor import Executor
+from .budgets import full_pass_budgets
+from .executor import CAPTURE_ON_SECOND_CALL, Executor
 from .plans import PlanCache
 from .staging import Stager, stage_pixels
 from .uploads import Uploader
@@ -119,9 +120,6 @@ class GlmVit:
         threads decode photos (measured, docs/PERFORMANCE.md), and a stream's first passes run exactly
         then. glmvit-encode, the server and Ray do this for their image limit; encode() does not (a
         library call's shapes are not known ahead)."""
-        from .budgets import full_pass_budgets
-        from .executor import CAPTURE_ON_SECOND_CALL
-
         if isinstance(max_image_tokens, bool) or not isinstance(max_image_tokens, (int, np.integer)) or \
                 max_image_tokens < 1:
             raise ValueError(f"precapture: max_image_tokens={max_image_tokens!r} must be a positive integer")
