@@ -107,6 +107,43 @@ def test_feed_keeps_order_and_raises_in_turn():
     assert list(feed.in_order(fn, range(20), 4)) == [i * 10 for i in range(20)]
 
 
+def test_feed_as_done_lets_later_items_pass_a_slow_one():
+    """as_done yields calls as they finish: three later items come out while item 0 still runs (in_order
+    would wait for it), every item once; an error is raised when its call is yielded (and ends the
+    stream); one worker keeps input order; closing early stops the pool."""
+    import threading
+
+    release = threading.Event()
+
+    def fn(i, x):
+        if i == 0:
+            assert release.wait(20), "item 0 was never released"
+        if x == "bad":
+            raise ValueError(f"item {i}")
+        return x
+
+    gen = feed.as_done(fn, list("abcdef"), 3, ahead=4)
+    first = [next(gen) for _ in range(3)]
+    release.set()
+    rest = list(gen)
+    assert "a" not in first and sorted(first + rest) == list("abcdef")
+    gen = feed.as_done(fn, ["x", "bad", "y"], 2)
+    release.set()
+    got, errors = [], []
+    while True:
+        try:
+            got.append(next(gen))
+        except ValueError as e:
+            errors.append(str(e))
+        except StopIteration:
+            break
+    assert set(got) <= {"x", "y"} and errors == ["item 1"]  # a generator that raised has ended
+    assert list(feed.as_done(lambda i, x: x, "abc", 1)) == list("abc")
+    gen = feed.as_done(lambda i, x: x, list(range(100)), 4)
+    next(gen)
+    gen.close()
+
+
 def test_feed_starts_no_more_threads_than_items(monkeypatch):
     """One image, one thread: no pool at all (a pool of 16 threads for a single image cost ~1 ms a call)."""
     import concurrent.futures

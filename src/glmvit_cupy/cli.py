@@ -59,10 +59,11 @@ def expand_inputs(items) -> list[str]:
     return unique
 
 
-def prepared_in_order(paths, workers: int, one):
+def prepared(paths, workers: int, one):
     """(path, ((uint8 image, grid, info), sha256 of the file) or the ImageError / ValueError that image
-    raised), in input order; `workers` threads read each file once, hash it and prepare it with
-    one(index, data, name) (batching.preparer) ahead of the GPU (feed.in_order)."""
+    raised), as each is ready; `workers` threads read each file once, hash it and prepare it with
+    one(index, data, name) (batching.preparer) ahead of the GPU (feed.as_done: the output is keyed by
+    path, so a pass takes whichever images are ready and a 12 MP photo still decoding holds up none)."""
 
     def job(i, path):
         try:
@@ -75,7 +76,7 @@ def prepared_in_order(paths, workers: int, one):
         except (ImageError, ValueError) as e:
             return path, e
 
-    return feed.in_order(job, paths, workers)
+    return feed.as_done(job, paths, workers)
 
 
 def device_list(text: str) -> list[int]:
@@ -262,7 +263,7 @@ def encode_all(args, todo, enc, out) -> int:
     one = preparer(enc.geometry, args.capacity_tokens, args.min_image_tokens, args.max_image_tokens,
                    args.max_pixels, resize="host" if args.cpu else args.resize, decode=args.decode,
                    host_buffer=enc.host_buffer if args.resize == "gpu" else None, upload=enc.upload)
-    stream = prepared_in_order(todo, args.workers, one)
+    stream = prepared(todo, args.workers, one)
 
     def collect(group):
         """Wait until a launched group is computed and hand it to the writer."""
