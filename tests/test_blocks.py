@@ -126,7 +126,8 @@ def test_a_block_lent_with_an_object_comes_back_when_it_is_garbage_and_idle():
 def test_download_copies_through_one_block_and_returns_ordinary_arrays(monkeypatch):
     """download(arrays): one asynchronous device-to-host copy per array into a pool block (offsets aligned to
     256 bytes), one wait, then copies in ordinary memory (not views of the block, which goes back to the pool
-    and is reused); a strided array is refused; a failed copy leaves the block busy behind the copies queued
+    and is reused); downloaded(arrays): views of the block instead, which comes back when the `with` ends,
+    also when its body raises; a strided array is refused; a failed copy leaves the block busy behind the copies queued
     before it; with nothing left to page-lock, each array's own get()."""
     import sys
     import types
@@ -182,6 +183,17 @@ def test_download_copies_through_one_block_and_returns_ordinary_arrays(monkeypat
     (block,) = pool._free
     assert block.idle and pool.take(10) is block  # back, reused
     pool.give(block)
+    with pool.downloaded([Dev(0x1000), Dev(0x2000)]) as views:  # views of the block, lent to the `with`
+        assert pool._free == [] and len(made) == 1 and waits == [2, 4]
+        for v, ptr in zip(views, (0x1000, 0x2000)):
+            assert v.dtype == device[ptr].dtype and v.shape == device[ptr].shape
+            assert np.array_equal(v.view(np.uint8), device[ptr].view(np.uint8))
+            assert np.shares_memory(v, np.frombuffer(block.mem, np.uint8))
+    assert pool._free == [block] and block.idle
+    with pytest.raises(KeyError):
+        with pool.downloaded([Dev(0x2000)]):
+            raise KeyError("the writer failed")
+    assert pool._free == [block] and len(made) == 1  # back again, whatever the body did
     with pytest.raises(ValueError, match="C-contiguous"):
         pool.download([Dev(0x1000, contiguous=False)])
 
@@ -203,3 +215,6 @@ def test_download_copies_through_one_block_and_returns_ordinary_arrays(monkeypat
     pool = PinnedBlocks(alloc=refuse)
     (o,) = pool.download([Dev(0x2000)])
     assert np.array_equal(o, device[0x2000])
+    with pool.downloaded([Dev(0x2000)]) as (o,):  # the views variant falls back alike
+        assert np.array_equal(o, device[0x2000])
+

@@ -182,6 +182,13 @@ def test_embeddings_download_through_a_page_locked_block_exactly():
         assert np.array_equal(g.view(np.uint8), want.view(np.uint8))
         assert not np.shares_memory(g, np.frombuffer(poison.mem, np.uint8, poison.size))
     assert pool.take(10) is poison  # back in the pool and idle
+    pool.give(poison)
+    np.frombuffer(poison.mem, np.uint8, poison.size)[:] = 0xFF
+    with pool.downloaded(arrays) as views:  # glmvit-encode's writer: views of the block, no copy
+        for v, a in zip(views, arrays):
+            assert np.array_equal(v.view(np.uint8), a.get().view(np.uint8))
+            assert np.shares_memory(v, np.frombuffer(poison.mem, np.uint8, poison.size))
+    assert pool.take(10) is poison
 
 
 def test_lent_page_locked_blocks_come_back_only_when_idle():

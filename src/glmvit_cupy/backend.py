@@ -114,13 +114,15 @@ class Backend:
 class Launched:
     """Batches on their GPUs: wait() returns once they are computed; get() (from any thread) copies their
     embeddings to the host, one list per batch (through a page-locked block into ordinary memory:
-    blocks.PinnedBlocks.download), and lets the device's copies go."""
+    blocks.PinnedBlocks.download), and lets the device's copies go; viewed() lends them instead."""
 
     def __init__(self, wait, host):
         self._wait, self._host, self._done = wait, host, None
 
     def wait(self) -> None:
         if self._host is None and self._done is None:
+            if self._wait is None:
+                raise RuntimeError("these batches' embeddings were already read with viewed()")
             self._done, self._wait = self._wait(), None  # the batches' images are let go (their blocks reused)
             for _, event in self._done:
                 event.synchronize()
@@ -136,3 +138,21 @@ class Launched:
                     host.append(HOST.download(outs))
             self._host, self._done = host, None
         return self._host
+
+    @contextlib.contextmanager
+    def viewed(self):
+        """As get(), but the embeddings are views of page-locked blocks, valid only inside the `with`, for a
+        caller that writes them out (glmvit-encode's writer): no copy into ordinary memory. Once only."""
+        if self._host is not None:
+            yield self._host
+            return
+        self.wait()
+        from .engine.blocks import HOST
+
+        done, self._done = self._done, None
+        with contextlib.ExitStack() as stack:
+            views = []
+            for outs, _ in done:
+                with outs[0].device if outs else contextlib.nullcontext():
+                    views.append(stack.enter_context(HOST.downloaded(outs)))
+            yield views

@@ -216,13 +216,15 @@ def encode_all(args, todo, enc, out) -> int:
 
     def write(group, launched):
         nonlocal tokens_done
-        for b, per_image in zip(group, launched.get()):  # copied to the host here, off the GPU's thread
-            if args.vllm_ec_dir:
-                for (_, info), emb in zip(b, per_image):
-                    vllm_ec.write(args.vllm_ec_dir, info["sha256"], emb)
-            out.add_batch([(key, info, emb) for (key, info), emb in zip(b, per_image)])
-            tokens_done += sum(info["tokens"] for _, info in b)
-            bar.update(len(b))
+        # Copied to the host here, off the GPU's thread, and written straight from page-locked memory.
+        with launched.viewed() as per_batch:
+            for b, per_image in zip(group, per_batch):
+                if args.vllm_ec_dir:
+                    for (_, info), emb in zip(b, per_image):
+                        vllm_ec.write(args.vllm_ec_dir, info["sha256"], emb)
+                out.add_batch([(key, info, emb) for (key, info), emb in zip(b, per_image)])
+                tokens_done += sum(info["tokens"] for _, info in b)
+                bar.update(len(b))
         bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}", failed=failed)
 
     def skip(path, why):
