@@ -58,8 +58,32 @@ def test_a_run_stopped_before_its_manifest_loses_nothing(tmp_path):
     os.remove(os.path.join(folder, MANIFEST))  # died before the first manifest
     resumed = Output(folder, SETTINGS)
     assert len(resumed) == 3 and len(read_embeddings(folder)[1]) == 3
+
     resumed.flush()  # what it recovered is written down at its first flush
     assert len(json.loads((tmp_path / "o" / MANIFEST).read_text())["images"]) == 3
+
+
+def test_shard_numbers_past_99999_are_read_and_never_reused(tmp_path):
+    """A long run's shard names grow past five digits (embeddings-100000...): a run stopped before its
+    manifest caught up still has those shards' images found, the next run numbers on after the largest
+    (a stopped run's leftover .tmp counts too), and no shard is overwritten."""
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=3600)
+    out.next_shard = 99_999
+    batches = [batch([f"/img/{i}"]) for i in range(3)]
+    for b in batches:
+        out.add_batch(b)  # 99999, 100000, 100001; the manifest never written: the run "died"
+    names = sorted(os.listdir(folder))
+    assert names == ["embeddings-100000.safetensors", "embeddings-100001.safetensors", "embeddings-99999.safetensors"]
+    open(os.path.join(folder, "embeddings-100002.safetensors.tmp"), "wb").close()  # a write cut short
+    again = Output(folder, SETTINGS)
+    assert len(again) == 3 and again.next_shard == 100_003
+    again.add_batch(batch(["/img/new"]))
+    manifest, arrays = read_embeddings(folder)
+    assert len(arrays) == 4 and manifest["images"]["/img/new"]["shard"] == "embeddings-100003.safetensors"
+    for b in batches:
+        ((key, _, emb),) = b
+        assert np.array_equal(arrays[key].view(np.uint16), emb.view(np.uint16))
 
 
 def test_shards_of_other_settings_are_refused_even_without_a_manifest(tmp_path):

@@ -31,7 +31,7 @@ from .errors import OutputError
 
 MANIFEST = "manifest.json"
 KEY = "the image file's resolved absolute path (os.path.realpath)"
-SHARD = re.compile(r"embeddings-(\d{5})\.safetensors$")
+SHARD = re.compile(r"embeddings-(\d{5,})\.safetensors$")  # five digits, more from shard 100,000 on
 FLUSH_SECONDS = 5.0  # the manifest is rewritten at most this often while a run goes on
 
 
@@ -45,6 +45,12 @@ def _umask_mode() -> int:
     return 0o666 & ~mask
 
 
+def _shard_number(name: str) -> int:
+    """The number of a shard (or of its temporary file, which a stopped run may leave); -1 for other files."""
+    m = SHARD.match(name.removesuffix(".tmp"))
+    return int(m.group(1)) if m else -1
+
+
 def shard_entries(folder: str, skip=()) -> dict[str, tuple[dict, dict]]:
     """{shard name: (its run's header, {key: entry})} for the shards in `folder` (except those in `skip`)
     that name their images in their metadata. A shard that cannot be read is left out (its images are
@@ -52,7 +58,7 @@ def shard_entries(folder: str, skip=()) -> dict[str, tuple[dict, dict]]:
     from safetensors import safe_open
 
     out = {}
-    for name in sorted(os.listdir(folder)):
+    for name in sorted(os.listdir(folder), key=_shard_number):
         if not SHARD.match(name) or name in skip:
             continue
         try:
@@ -86,8 +92,7 @@ class Output:
             self._resume(path, settings)
         os.makedirs(folder, exist_ok=True)
         self._recover(settings)
-        taken = [int(f[11:16]) for f in os.listdir(folder) if f.startswith("embeddings-") and f[11:16].isdigit()]
-        self.next_shard = max(taken, default=0) + 1
+        self.next_shard = max([0, *map(_shard_number, os.listdir(folder))]) + 1
         self.mode = _umask_mode()
 
     def _check(self, header: dict, settings: dict, where: str):
