@@ -139,7 +139,7 @@ def main():
         # forwards of new shapes, all inside the time), and on 4 hard-linked copies of them (192 files).
         # A fresh process's figure spreads by ~15% from run to run: the median of FRESH runs, each listed.
         for label, files in (("glmvit-encode (GPU resize)", paths), (f"glmvit-encode, {4 * n} files", copies)):
-            got = []
+            got, failure = [], None
             for _ in range(FRESH):
                 with tempfile.TemporaryDirectory() as out:
                     cmd = [sys.executable, "-m", "glmvit_cupy.cli", *files, "--checkpoint", ckpt, "--out", out,
@@ -148,11 +148,11 @@ def main():
                                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
                     m = re.search(r"\(([\d.]+) images/s", run.stdout + run.stderr)
                     if not m:
-                        got = f"failed: {run.stderr[-300:]}"
+                        failure = f"failed: {run.stderr[-300:]}"
                         break
                     got.append(float(m.group(1)))
-            rows.append([budget, f"{label}, median of {FRESH} fresh processes", got if isinstance(got, str) else
-                         f"{np.median(got):.1f} ({', '.join(f'{g:.1f}' for g in got)})", ""])
+            rows.append([budget, f"{label}, median of {FRESH} fresh processes",
+                         failure or f"{np.median(got):.1f} ({', '.join(f'{g:.1f}' for g in got)})", ""])
         if hf is not None:
             proc_b = Glm5NextImageProcessorPil(max_image_tokens=budget)
 

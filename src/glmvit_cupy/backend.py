@@ -112,9 +112,9 @@ class Backend:
 
 
 class Launched:
-    """Batches on their GPUs: wait() returns once they are computed; get() (from any thread) copies their
-    embeddings to the host, one list per batch (through a page-locked block into ordinary memory:
-    blocks.PinnedBlocks.download), and lets the device's copies go; viewed() lends them instead."""
+    """Batches on their GPUs (or already computed, by the CPU reference): wait() returns once they are
+    computed; viewed() (from any thread, once) lends their embeddings, one list per batch, as views of
+    page-locked blocks (blocks.PinnedBlocks.downloaded), and lets the device's copies go."""
 
     def __init__(self, wait, host):
         self._wait, self._host, self._done = wait, host, None
@@ -127,22 +127,10 @@ class Launched:
             for _, event in self._done:
                 event.synchronize()
 
-    def get(self) -> list[list[np.ndarray]]:
-        if self._host is None:
-            self.wait()
-            from .engine.blocks import HOST
-
-            host = []
-            for outs, _ in self._done:
-                with outs[0].device if outs else contextlib.nullcontext():
-                    host.append(HOST.download(outs))
-            self._host, self._done = host, None
-        return self._host
-
     @contextlib.contextmanager
     def viewed(self):
-        """As get(), but the embeddings are views of page-locked blocks, valid only inside the `with`, for a
-        caller that writes them out (glmvit-encode's writer): no copy into ordinary memory. Once only."""
+        """The embeddings, one list per batch, valid only inside the `with` (the blocks then go back): for a
+        caller that writes them out (glmvit-encode's writer), no copy into ordinary memory."""
         if self._host is not None:
             yield self._host
             return

@@ -246,10 +246,10 @@ def encode_all(args, todo, enc, out) -> int:
                 submit(skip, path, got)
                 continue
             (image, grid, info), sha = got  # sha: the content's key, as vLLM's encoder cache and glmvit-serve use
-            yield image_key(path), image, grid, {"source": image_key(path), "sha256": sha,
-                                                 "size_hw": list(info["size"]), "canvas_hw": list(info["canvas"]),
-                                                 "content": list(info["content"]),
-                                                 "grid_thw": list(grid), "tokens": info["tokens"]}
+            key = image_key(path)
+            yield key, image, grid, {"source": key, "sha256": sha, "size_hw": list(info["size"]),
+                                     "canvas_hw": list(info["canvas"]), "content": list(info["content"]),
+                                     "grid_thw": list(grid), "tokens": info["tokens"]}
 
     def groups(stream):
         """Packed batches, one per device at a time (the replicas run a group side by side)."""
