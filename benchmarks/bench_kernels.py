@@ -3,7 +3,7 @@ patches unless said), through the same launchers the engine uses (glmvit_cupy.en
 GB/s against the H200's 4.8 TB/s, TFLOP/s against the measured 756 TFLOP/s GEMM ceiling, and flash
 attention beside torch SDPA (cuDNN) when torch is present.
 
-    python benchmarks/bench_kernels.py [--attention-only]
+    python benchmarks/bench_kernels.py [--attention-only | --gate-up-only]
 """
 
 import os
@@ -33,6 +33,8 @@ def main():
 
     if "--attention-only" in sys.argv:
         return bench_attention()
+    if "--gate-up-only" in sys.argv:
+        return bench_gate_up()
     BF = ml_dtypes.bfloat16
     eps, rows = 1e-5, []
 
@@ -83,7 +85,39 @@ def main():
         grows.append([name, f"{ms:.3f}", f"{fl / ms / 1e9:.0f}", f"{100 * fl / ms / 1e9 / (GEMM_CEIL / 1e12):.0f}%"])
     table(["cuBLAS GEMM", "ms", "TFLOP/s", "% of 756"], grows)
     print()
+    bench_gate_up()
+    print()
     bench_attention()
+
+
+def bench_gate_up():
+    """The MLP's gate/up GEMM and clamped SwiGLU: cuBLAS + the activations pass (layers.py's path with
+    fused_swiglu=False) against gemm_sm90.cu's fused kernel, at the block MLP's chunk and whole-pass rows and the
+    merger's shape."""
+    import cupy
+    import ml_dtypes
+
+    from glmvit_cupy.engine import ops
+
+    if cupy.cuda.Device().compute_capability != "90":
+        print("gate/up + swiglu: the fused kernel is sm_90a only; skipped on this GPU")
+        return
+    BF, rows = ml_dtypes.bfloat16, []
+    for name, m, k, inter, bias in [("block MLP, one chunk", CHUNK, H, I, True), ("block MLP, 16,384 rows", 16384, H, I, True),
+                                    ("block MLP, 32,000 rows", N, H, I, True), ("merger, 2,048 rows", 2048, O, P, False)]:
+        a, w, gu, out = rnd((m, k), BF), rnd((2 * inter, k), BF), cupy.empty((m, 2 * inter), BF), cupy.empty((m, inter), BF)
+        bg, bu = (rnd((inter,), BF), rnd((inter,), BF)) if bias else (None, None)
+
+        def unfused():
+            ops.linear(a, w, gu)
+            ops.swiglu_clamp(gu, bg, bu, out, 10.0)
+
+        ms_u = time_ms(unfused)
+        ms_f = time_ms(lambda: ops.gate_up_swiglu(a, w, bg, bu, out, 10.0))
+        fl = 2 * m * k * 2 * inter
+        rows.append([f"{name} ({m}x{2 * inter}x{k})", f"{ms_u:.3f}", f"{fl / ms_u / 1e9:.0f}", f"{ms_f:.3f}",
+                     f"{fl / ms_f / 1e9:.0f}", f"{ms_u / ms_f:.2f}x"])
+    table(["gate/up + swiglu", "cuBLAS + pass ms", "TFLOP/s", "fused ms", "TFLOP/s", "fused speed-up"], rows)
 
 
 def bench_attention():

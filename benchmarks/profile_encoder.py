@@ -3,7 +3,7 @@ layer's `traced` hook), summed per kernel family, with TFLOP/s for the GEMMs and
 the speed table's (official geometry, random weights), and a full pass of ~1,000-token images (what
 glmvit-encode --max-image-tokens 1024 runs).
 
-    python benchmarks/profile_encoder.py
+    python benchmarks/profile_encoder.py [--no-fused-swiglu]   (the cuBLAS gate/up + separate SwiGLU pass)
 """
 
 import os
@@ -24,7 +24,8 @@ def main():
     from glmvit_cupy import GlmVit
     from glmvit_cupy.engine import ops
 
-    model = GlmVit.from_checkpoint(official_checkpoint(), capacity_tokens=8000, graphs=False)
+    model = GlmVit.from_checkpoint(official_checkpoint(), capacity_tokens=8000, graphs=False,
+                                   fused_swiglu=False if "--no-fused-swiglu" in sys.argv else None)
     geo, log = model.geometry, []
     rng = np.random.default_rng(0)
     cases = dict(CASES)

@@ -11,15 +11,7 @@
 //   f32_to_bf16, 32,000 x 1,176 float32 pixel rows (encode_pixels from float32): 226 MB, 47 us.
 //     Measured: 121 us, 1.9 TB/s (39%). Both are under 0.1% of a forward.
 #include "common.cuh"
-
-// silu(min(g, L)) * clamp(u, -L, L). __expf and __fdividef: ex2.approx and one reciprocal instead of
-// expf's range reduction and an IEEE division, which made this memory-bound pass issue-bound (the
-// output is rounded to bf16 right after; the kernel test bounds the error against float64).
-__device__ __forceinline__ float swiglu1(float g, float u, float limit) {
-    g = fminf(g, limit);
-    u = fminf(fmaxf(u, -limit), limit);
-    return __fdividef(g, 1.f + __expf(-g)) * u;
-}
+#include "swiglu.cuh"
 
 // Eight bf16 (16 bytes, as loaded) as floats.
 __device__ __forceinline__ void unpack8(float* v, uint4 raw) {

@@ -18,6 +18,7 @@ from glmvit_cupy.engine.kernels import kernel  # noqa: E402
 
 BF = ml_dtypes.bfloat16
 rng = np.random.default_rng()  # fresh inputs every run
+SM90 = cupy.cuda.Device().compute_capability == "90"
 
 
 def bf(a):
@@ -146,6 +147,61 @@ def test_swiglu_clamp_fires(with_bias, inter, grid, misaligned):
     assert rel(host(out), unclamped) > 1e-2
 
 
+def swiglu_ref(a, w, bg, bu, limit):
+    """float64 silu(min(g, L)) * clamp(u, -L, L) of [g | u] = a @ w.T + biases (bf16 inputs as stored)."""
+    gu = a.astype(np.float64) @ w.astype(np.float64).T
+    inter = w.shape[0] // 2
+    g, u = gu[:, :inter], gu[:, inter:]
+    if bg is not None:
+        g, u = g + bg.astype(np.float64), u + bu.astype(np.float64)
+    gc, uc = np.minimum(g, limit), np.clip(u, -limit, limit)
+    return g, u, gc / (1 + np.exp(-gc)) * uc
+
+
+# (333, 1024, 256): the model's K, a last row tile partly past M (333 = 2 x 128 + 77: the TMA's zero
+# rows), one CTA a tile; (700, 192, 384) on 3 CTAs: K in 3 slices (fewer than the 4 slots), 18 tiles
+# walked 6 a CTA, so the slots' phases wrap inside and across tiles, and A's rows 64 columns wider than
+# K (a strided view, as the tensor map must describe); (64, 128, 128) on 1 CTA: one tile, 64 real rows.
+@pytest.mark.skipif(not SM90, reason="GPU test: gemm_sm90.cu is sm_90a (Hopper) only")
+@pytest.mark.parametrize("m,k,inter,with_bias,ctas", [(333, 1024, 256, True, None), (700, 192, 384, False, 3),
+                                                     (64, 128, 128, True, 1)])
+def test_gate_up_swiglu_fused(m, k, inter, with_bias, ctas):
+    limit = 10.0
+    a_rows = bf(rng.standard_normal((m, k + (64 if ctas == 3 else 0)), dtype=np.float32))
+    a = a_rows[:, :k]
+    w = bf(rng.standard_normal((2 * inter, k), dtype=np.float32) * (6 / math.sqrt(k)))
+    bg, bu = (bf(rng.standard_normal(inter)), bf(rng.standard_normal(inter))) if with_bias else (None, None)
+    g, u, ref = swiglu_ref(a, w, bg, bu, limit)
+    assert (g > limit).sum() > 0 and (np.abs(u) > limit).sum() > 0  # the clamp must matter here
+    buf = poison((m + 3, inter))  # three poisoned rows past M: nothing may be written there
+    out = buf[:m]
+    a_dev = dev(a_rows)[:, :k]
+    ops.gate_up_swiglu(a_dev, dev(w), None if bg is None else dev(bg), None if bu is None else dev(bu), out, limit,
+                       ctas=ctas)
+    got = host(buf)
+    assert not np.isnan(got[:m]).any() and np.isnan(got[m:]).all()
+    assert rel(got[:m], ref) < 4e-3  # the output's bf16 rounding (fp32 accumulation, one rounding)
+    assert rel(got[:m], g / (1 + np.exp(-g)) * u) > 1e-2  # and the unclamped SwiGLU is far from it
+
+    # Batch invariance: rows alone, or starting mid-tile, give the bits they had among the others.
+    for r0, r1 in ((0, min(m, 50)), (m // 2 + 5, m)):
+        part = poison((r1 - r0, inter))
+        ops.gate_up_swiglu(a_dev[r0:r1], dev(w), None if bg is None else dev(bg),
+                           None if bu is None else dev(bu), part, limit, ctas=ctas)
+        assert np.array_equal(cupy.asnumpy(part).view(np.uint16), cupy.asnumpy(out[r0:r1]).view(np.uint16))
+
+
+@pytest.mark.skipif(not SM90, reason="GPU test: gemm_sm90.cu is sm_90a (Hopper) only")
+def test_gate_up_swiglu_refuses_what_it_cannot_tile():
+    a, out = cupy.zeros((8, 96), BF), cupy.zeros((8, 128), BF)
+    with pytest.raises(ValueError, match="K = 96 must be a multiple of 64"):
+        ops.gate_up_swiglu(a, cupy.zeros((256, 96), BF), None, None, out, 10.0)
+    with pytest.raises(ValueError, match=r"w must be \[2I, K\]"):
+        ops.gate_up_swiglu(cupy.zeros((8, 128), BF), cupy.zeros((200, 128), BF), None, None, out, 10.0)
+    with pytest.raises(ValueError, match="16-byte boundaries"):
+        ops.gate_up_swiglu(cupy.zeros((8, 132), BF)[:, 4:], cupy.zeros((256, 128), BF), None, None, out, 10.0)
+
+
 @pytest.mark.parametrize("h,w", [(28, 28), (56, 84), (616, 532)])
 def test_patchify_u8_is_bit_identical_to_the_host(h, w):
     """The GPU's normalise + patchify of a uint8 canvas equals bf16 of the host's float32 patches."""
@@ -204,7 +260,6 @@ def run_attention(lengths, heads=16, d=64, variant=None, sample=None):
     return rel(got[rows], ref)
 
 
-SM90 = cupy.cuda.Device().compute_capability == "90"
 D64 = [name for name, v in VARIANTS.items() if v.head_dim == 64 and (SM90 or v.arch != "sm90")]
 # The measured error of every variant against float64 is 1.9e-3 to 2.0e-3 (bf16 output rounding is
 # most of it); the bar sits just above, so a real regression fails.

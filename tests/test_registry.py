@@ -11,7 +11,7 @@ from glmvit_cupy.engine.kernels import cuda_dir, kernel_names, modules
 
 
 def test_modules_and_kernels_the_engine_uses_exist():
-    assert modules() == ["activations", "attention_sm80", "attention_sm90", "norms", "pixels", "rotary"]
+    assert modules() == ["activations", "attention_sm80", "attention_sm90", "gemm_sm90", "norms", "pixels", "rotary"]
     assert kernel_names("pixels") == ["patchify_u8", "resample_pass_u8", "resample_patchify_u8"]
     assert (cuda_dir() / "common.cuh").is_file()
     assert set(kernel_names("norms")) == {"rmsnorm_residual", "rmsnorm_residual_warp", "rmsnorm_im2col", "layernorm_gelu"}
@@ -19,6 +19,7 @@ def test_modules_and_kernels_the_engine_uses_exist():
     assert kernel_names("rotary") == ["qk_norm_rope_bf16"]
     assert kernel_names("attention_sm90") == ["flash_fwd_sm90"]
     assert kernel_names("attention_sm80") == ["flash_fwd_sm80"]
+    assert kernel_names("gemm_sm90") == ["gemm_swiglu_sm90"]
     for v in VARIANTS.values():
         assert v.entry.split("<")[0] in kernel_names(v.module)
 

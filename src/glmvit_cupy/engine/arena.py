@@ -25,13 +25,14 @@ def _slot_bytes(shape, dtype) -> int:
     return _cdiv(int(np.prod(shape)) * np.dtype(dtype).itemsize, 256) * 256
 
 
-def layout(g: VisionGeometry, patches: int) -> dict:
+def layout(g: VisionGeometry, patches: int, fused_swiglu: bool = False) -> dict:
     """{phase: {slot: (shape, dtype)}} for forwards of up to `patches` patches; phase "keep" is never
-    shared, the others overlap."""
+    shared, the others overlap. fused_swiglu: the MLPs' gate/up GEMMs write the activation themselves,
+    so there are no gate/up slots."""
     p, h = patches, g.hidden_size
     rows, merged = min(p, ROW_CHUNK), min(p // 4, MERGER_CHUNK)
     f32, bf = np.float32, BF16
-    return {
+    spec = {
         "keep": {"residual": ((p, h), f32)},  # the float32 residual stream x
         "input": {"pixels_f32": ((p, g.patch_dim), f32),  # float32 pixels as uploaded, before the cast
                   "pixels": ((p, g.patch_dim), bf)},      # bf16 pixel_values the patch embed reads
@@ -49,6 +50,9 @@ def layout(g: VisionGeometry, patches: int) -> dict:
                    "merger_gate_up": ((merged, 2 * g.projection_intermediate_size), bf),
                    "merger_act": ((merged, g.projection_intermediate_size), bf)},
     }
+    if fused_swiglu:
+        del spec["blocks"]["gate_up"], spec["merger"]["merger_gate_up"]
+    return spec
 
 
 class Arena:

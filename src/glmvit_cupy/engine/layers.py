@@ -18,9 +18,11 @@ from .plans import Plan
 LAYERNORM_EPS = 1e-5  # the merger's post_projection_norm (nn.LayerNorm's default)
 
 
-def forward(g: VisionGeometry, w: Weights, s: Arena, plan: Plan, blas, mark=None):
+def forward(g: VisionGeometry, w: Weights, s: Arena, plan: Plan, blas, mark=None, fused_swiglu=False):
     """s["pixels"] (bf16 pixel_values of plan.patches rows) -> s["embeddings"] [patches / 4, out_hidden].
-    mark(stage), when given, is called at each stage's end (the executor times stages with it)."""
+    mark(stage), when given, is called at each stage's end (the executor times stages with it).
+    fused_swiglu: the gate/up GEMMs apply the clamped SwiGLU in their epilogue (gemm_sm90.cu, Hopper)
+    instead of cuBLAS writing gate|up for a separate pass."""
     n = plan.patches
     x = s["residual"][:n]
     patch_embed(w, s, n, blas)
@@ -29,11 +31,11 @@ def forward(g: VisionGeometry, w: Weights, s: Arena, plan: Plan, blas, mark=None
         mark("patch_embed")
     for blk in w.blocks:
         attn(g, blk, s, plan, x, pending_bias, w.inv_freq, blas)
-        mlp(g, blk, s, x, blk.proj_bias, blas)
+        mlp(g, blk, s, x, blk.proj_bias, blas, fused_swiglu)
         pending_bias = blk.down_bias
     if mark:
         mark("blocks")
-    merger(g, w.merger, s, x, pending_bias, blas)
+    merger(g, w.merger, s, x, pending_bias, blas, fused_swiglu)
     if mark:
         mark("merger")
 
@@ -59,20 +61,20 @@ def attn(g: VisionGeometry, blk: Block, s: Arena, plan: Plan, x, pending_bias, i
     ops.linear(o, blk.proj_weight, x, accumulate=True, handle=blas, name="GEMM attn.proj")
 
 
-def mlp(g: VisionGeometry, blk: Block, s: Arena, x, pending_bias, blas):
+def mlp(g: VisionGeometry, blk: Block, s: Arena, x, pending_bias, blas, fused_swiglu):
     """x += mlp.down_proj(silu(min(gate, L)) * clamp(up, -L, L)) of norm2(x + pending_bias); down's bias pending."""
     n = x.shape[0]
     normed = s["normed"][:n]
     ops.rmsnorm_residual(x, pending_bias, blk.norm2, normed, g.rms_norm_eps)  # x += attn.proj's bias, then norm2
     for r0 in range(0, n, ROW_CHUNK):
         rows = min(ROW_CHUNK, n - r0)
-        gate_up, act = s["gate_up"][:rows], s["mlp_act"][:rows]
-        ops.linear(normed[r0:r0 + rows], blk.gate_up_weight, gate_up, handle=blas, name="GEMM mlp.gate_up")
-        ops.swiglu_clamp(gate_up, blk.gate_bias, blk.up_bias, act, g.swiglu_limit)  # + gate/up biases
+        act = s["mlp_act"][:rows]
+        gate_up_swiglu(normed[r0:r0 + rows], blk.gate_up_weight, blk.gate_bias, blk.up_bias, act, g.swiglu_limit,
+                       s, "gate_up", blas, fused_swiglu, "GEMM mlp.gate_up (+ swiglu)")  # + gate/up biases
         ops.linear(act, blk.down_weight, x[r0:r0 + rows], accumulate=True, handle=blas, name="GEMM mlp.down_proj")
 
 
-def merger(g: VisionGeometry, m: Merger, s: Arena, x, pending_bias, blas):
+def merger(g: VisionGeometry, m: Merger, s: Arena, x, pending_bias, blas, fused_swiglu):
     """post_layernorm(x + pending_bias) as 2x2 im2col -> downsample -> merger.proj -> post_projection_norm +
     GELU -> clamped SwiGLU -> merger.down_proj, into s["embeddings"]."""
     n = x.shape[0]
@@ -81,11 +83,23 @@ def merger(g: VisionGeometry, m: Merger, s: Arena, x, pending_bias, blas):
     for r0 in range(0, n // 4, MERGER_CHUNK):
         rows = min(MERGER_CHUNK, n // 4 - r0)
         wide, narrow = s["merger_f32"][:rows], s["merger_bf16"][:rows]  # [rows, out_hidden] in fp32 and bf16
-        gate_up, act = s["merger_gate_up"][:rows], s["merger_act"][:rows]
+        act = s["merger_act"][:rows]
         ops.linear(cols[r0:r0 + rows], m.downsample_weight, wide, handle=blas, name="GEMM merger")
         ops.add_bias_to_bf16(wide, m.downsample_bias, narrow)
         ops.linear(narrow, m.proj_weight, wide, handle=blas, name="GEMM merger")
         ops.layernorm_gelu(wide, m.post_projection_norm_weight, m.post_projection_norm_bias, narrow, LAYERNORM_EPS)
-        ops.linear(narrow, m.gate_up_weight, gate_up, handle=blas, name="GEMM merger")
-        ops.swiglu_clamp(gate_up, None, None, act, g.swiglu_limit)
+        gate_up_swiglu(narrow, m.gate_up_weight, None, None, act, g.swiglu_limit, s, "merger_gate_up", blas,
+                       fused_swiglu, "GEMM merger")
         ops.linear(act, m.down_weight, out[r0:r0 + rows], handle=blas, name="GEMM merger")
+
+
+def gate_up_swiglu(a, weight, gate_bias, up_bias, act, limit, s: Arena, slot, blas, fused, name):
+    """act = silu(min(gate, L)) * clamp(up, -L, L) of a @ [gate; up].T + biases: one kernel (the model
+    decided at load that its MLPs fit gemm_sm90.cu), or cuBLAS into the arena's gate/up `slot` and the
+    activations pass."""
+    if fused:
+        ops.gate_up_swiglu(a, weight, gate_bias, up_bias, act, limit, name=name)
+    else:
+        gate_up = s[slot][:a.shape[0]]
+        ops.linear(a, weight, gate_up, handle=blas, name=name)
+        ops.swiglu_clamp(gate_up, gate_bias, up_bias, act, limit)

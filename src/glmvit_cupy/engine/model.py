@@ -19,7 +19,7 @@ from .. import batching, gpu
 from ..checkpoint import TowerBinding, bind_tower
 from ..config import VisionGeometry
 from ..preprocess import value_table
-from . import arena, layers, params
+from . import arena, layers, ops, params
 from .attention import check_variant, default_variants
 from .budgets import full_pass_budgets
 from .executor import CAPTURE_ON_SECOND_CALL, Executor
@@ -47,12 +47,15 @@ class GlmVit:
 
     capacity_tokens: the tokens one forward pass holds (scratch is sized from it on the first encode);
     attention_variant: force one of attention.VARIANTS (default: picked per input shape); graphs: run each
-    token budget as a CUDA graph, captured on its first call (plans.py)."""
+    token budget as a CUDA graph, captured on its first call (plans.py); fused_swiglu: the MLPs' gate/up
+    GEMMs apply the clamped SwiGLU in their epilogue (gemm_sm90.cu; default: where it can run, Hopper GPUs
+    and MLP widths it tiles; False: cuBLAS and a separate pass, as elsewhere)."""
 
     MAX_PLANS = 48  # token budgets (by attention variant and tile count) whose CUDA graph stays cached
 
     def __init__(self, binding: TowerBinding, *, device=None, capacity_tokens: int | None = None,
-                 attention_variant: str | None = None, graphs: bool = True, max_image_tokens: int | None = None):
+                 attention_variant: str | None = None, graphs: bool = True, max_image_tokens: int | None = None,
+                 fused_swiglu: bool | None = None):
         gpu.require()  # no GPU, driver or CUDA library: GpuUnavailable saying which, not a CUDA error
         g = binding.geometry
         self.geometry: VisionGeometry = g
@@ -61,6 +64,15 @@ class GlmVit:
         cc = self.device.compute_capability
         names = (check_variant(attention_variant, g.head_dim, cc).name,) if attention_variant \
             else default_variants(g.head_dim, cc)
+        fits = cc == "90" and all(ops.gate_up_swiglu_fits(k, i) for k, i in (
+            (g.hidden_size, g.intermediate_size), (g.out_hidden_size, g.projection_intermediate_size)))
+        if fused_swiglu and not fits:
+            raise ValueError(
+                f"fused_swiglu=True cannot run here: gemm_sm90.cu needs a Hopper GPU (compute capability 9.0; "
+                f"this is {cc[:-1]}.{cc[-1]}), hidden_size and out_hidden_size multiples of 64 "
+                f"({g.hidden_size}, {g.out_hidden_size}) and intermediate sizes multiples of 128 "
+                f"({g.intermediate_size}, {g.projection_intermediate_size}); leave it unset")
+        self.fused_swiglu = fits if fused_swiglu is None else bool(fused_swiglu)
         t0 = time.perf_counter()
         with self.device:
             self.weights = params.upload(binding)
@@ -105,7 +117,7 @@ class GlmVit:
         """The scratch, allocated on first use, once, sized from capacity_tokens."""
         if self._arena is None:
             patches = self.capacity_tokens * 4
-            self._arena = arena.Arena(arena.layout(self.geometry, patches))
+            self._arena = arena.Arena(arena.layout(self.geometry, patches, self.fused_swiglu))
             log.info("GLM vision scratch allocated on first encode: %d patches (%d tokens), %.1f MiB",
                      patches, self.capacity_tokens, self._arena.nbytes / 2**20)
         return self._arena
@@ -181,5 +193,5 @@ class GlmVit:
                                  lambda plan: self.arena()["embeddings"][:tokens])
 
     def _forward(self, plan, mark):
-        layers.forward(self.geometry, self.weights, self.arena(), plan, self.executor.blas, mark)
+        layers.forward(self.geometry, self.weights, self.arena(), plan, self.executor.blas, mark, self.fused_swiglu)
 

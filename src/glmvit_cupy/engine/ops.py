@@ -17,9 +17,12 @@ import numpy as np
 from . import gemm as _gemm
 from .attention import Variant
 from .kernels import kernel
+from .tensor_maps import tensor_map
 
 THREADS = 256
 RMS_WARP_VEC = 8  # norms.cu: rmsnorm_residual_warp holds a row of up to 32 x 4 x 8 floats
+_prepared: set = set()  # (device, kernel) whose shared-memory limit was raised
+_sms: dict = {}  # device -> SM count
 _tracer = None  # set by traced(): record(name, start_event, end_event, flop) around every launch
 
 
@@ -132,6 +135,73 @@ def to_bf16(x, out):
         _grid_1d(x.size), (THREADS,), (x, out, np.int64(x.size))))
 
 
+# -- cuda/gemm_sm90.cu -----------------------------------------------------------------------------
+
+GATE_UP_STAGES = 4        # gemm_sm90.cu's K slots (4 x 48 KB of shared memory)
+GATE_UP_TILE = (128, 128)  # its output tile: rows, columns (of I; 256 of W)
+
+
+def gate_up_swiglu_fits(k: int, inter: int) -> bool:
+    """Whether gemm_sm90.cu's fused gate/up GEMM + SwiGLU (on a Hopper GPU) can run an MLP of width K
+    and intermediate I: K a multiple of its 64-wide slices, I of its 128-column tiles."""
+    return k % 64 == 0 and inter % GATE_UP_TILE[1] == 0
+
+
+def gate_up_swiglu(a, w, gate_bias, up_bias, out, limit, *, ctas=None, name="GEMM gate_up + swiglu"):
+    """out [M, I] = bf16(silu(min(g, L)) * clamp(u, -L, L)) with [g | u] = a @ w.T + biases in fp32: a [M, K]
+    bf16 (rows any 16-byte multiple apart), w = [gate; up] bf16 [2I, K], biases bf16 [I] or None. One
+    CTA per SM walks the output tiles (`ctas`: fewer, as tests do, to make each walk several)."""
+    m, k = a.shape
+    n2, k2 = w.shape
+    inter = n2 // 2
+    for what, arr in (("a", a), ("w", w), ("out", out), ("gate_bias", gate_bias), ("up_bias", up_bias)):
+        if arr is not None and arr.dtype != _gemm.BF16:
+            raise TypeError(f"gate_up_swiglu: {what} must be bfloat16, got {arr.dtype}")
+    if k2 != k or n2 != 2 * inter or out.shape != (m, inter):
+        raise ValueError(f"gate_up_swiglu: a{a.shape} @ w{w.shape}.T -> out{out.shape}: w must be [2I, K] "
+                         f"= [2 x {out.shape[1]}, {k}] and out [M, I]")
+    if not gate_up_swiglu_fits(k, inter):
+        raise ValueError(f"gate_up_swiglu: K = {k} must be a multiple of 64 and I = {inter} of {GATE_UP_TILE[1]} "
+                         "(use linear + swiglu_clamp otherwise)")
+    if (a.strides[1] != 2 or a.strides[0] % 16 or not w.flags.c_contiguous or not out.flags.c_contiguous
+            or any(x.data.ptr % 16 for x in (a, w, out))
+            or any(b is not None and (not b.flags.c_contiguous or b.shape != (inter,) or b.data.ptr % 4)
+                   for b in (gate_bias, up_bias))):
+        raise ValueError("gate_up_swiglu: a's rows, w and out must be contiguous rows starting at 16-byte "
+                         f"boundaries and the biases [I] contiguous (a strides {a.strides}, w {w.strides}, "
+                         f"out {out.strides})")
+    if m == 0:
+        return out
+    rows, cols = GATE_UP_TILE
+    ta, tw = tensor_map(a, rows), tensor_map(w, cols)  # boxes: A's tile rows; W's gate (or up) rows
+    tiles = _cdiv(m, rows) * (inter // cols)
+    fn, smem = _gate_up_kernel()
+    grid = (int(min(tiles, ctas or _sm_count())),)
+    _launch(name, 2 * m * k * n2, lambda: fn(
+        grid, (384,), (ta, tw, _ptr_or_null(gate_bias), _ptr_or_null(up_bias), out, np.int32(m), np.int32(k),
+                       np.int32(inter), np.float32(limit)), shared_mem=smem))
+    return out
+
+
+def _gate_up_kernel():
+    fn = kernel("gemm_sm90", f"gemm_swiglu_sm90<{GATE_UP_STAGES}>")
+    smem = GATE_UP_STAGES * (GATE_UP_TILE[0] + 2 * GATE_UP_TILE[1]) * 128 + 1024
+    key = (cupy.cuda.runtime.getDevice(), "gemm_swiglu_sm90", GATE_UP_STAGES)
+    if key not in _prepared:
+        fn.max_dynamic_shared_size_bytes = smem
+        _prepared.add(key)
+    return fn, smem
+
+
+def _sm_count():
+    dev = cupy.cuda.runtime.getDevice()
+    n = _sms.get(dev)
+    if n is None:
+        n = _sms[dev] = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
+    return n
+
+
+
 # -- cuda/pixels.cu --------------------------------------------------------------------------------
 
 def patchify(canvas, value_table, out, temporal, patch):
@@ -168,7 +238,6 @@ def resample_patchify(src, tables, along, content, value_table, out, canvas, tem
 
 # -- cuda/attention_sm90.cu, attention_sm80.cu -----------------------------------------------------
 
-_prepared: set = set()
 
 
 def attention_kernel(variant: Variant):

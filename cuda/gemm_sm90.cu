@@ -1,0 +1,154 @@
+// The MLP's gate/up GEMM with the clamped SwiGLU in its epilogue, on Hopper (sm_90a):
+//   out[M, I] = bf16(swiglu(a @ Wg^T + bg, a @ Wu^T + bu)),  W = [Wg; Wu] as bound at load: [2I, K].
+// cuBLAS would write gate|up [M, 2I] in bf16 and a second pass read it back (activations.cu); here the
+// gate and up halves of an output tile are one wgmma accumulator (m64n256: columns 0-127 gate, 128-255
+// up), so each thread holds both operands of its outputs and the pair never leaves registers. The
+// biases are added in fp32 before the activation (the unfused path rounds gate|up to bf16 first).
+//
+// Structure (as attention_sm90.cu): one producer thread streams 64-wide K slices of A [128 rows] and of
+// the gate and up rows of W [2 x 128 rows] with TMA into STAGES 128B-swizzled slots, each guarded by a
+// "full" mbarrier (completed by the copies' bytes) and an "empty" one (one arrival per consumer warp
+// once its wgmmas have read the slot). Two consumer warpgroups own 64 rows of the 128-row tile each; a
+// slot is released as soon as the wgmma group after it has been issued (wait_group 1), so the tensor
+// cores always have the next group queued. Persistent: a CTA per SM walks the tiles (row tiles
+// fastest: the CTAs in flight share W's rows in L2), and the producer fills the next tile's slots
+// while the consumers run the epilogue.
+//
+// Napkin math (16 x 448² = 16,384 rows, K = 1,024, I = 4,096, per block): 275 GFLOP, ~390 us at the
+// ~700 TFLOP/s cuBLAS reaches on its gate/up GEMM, which then writes gate|up (268 MB) for a swiglu
+// pass that reads it back and writes 134 MB (~180 us at the 2.3 TB/s it reaches). Fused, the bytes are
+// A 33 MB, W 16 MB (L2-resident), out 134 MB: ~40 us of HBM under the MMA. Each 128 x 256 x 64 step
+// moves 48 KB from L2 for 4.2 MFLOP. Measured (H200, same run, TFLOP/s counting gate and up):
+// 16,384 rows 652 against cuBLAS's gate/up alone 690; a 4,096-row chunk 563 against 567; the merger's
+// 2,048 x 20,480 x 4,096 725 against 712. A cp.async producer warpgroup in place of TMA: 598 / 503 /
+// 655 (docs/PERFORMANCE.md).
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "gemm_sm90.cu needs sm_90a (wgmma, TMA, setmaxnreg): compile it for compute capability 9.0 only"
+#endif
+#include "barriers.cuh"
+#include "swiglu.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+// Tile: 128 rows (two consumer warpgroups of 64), 128 output columns (256 of W: gate and up), K by 64
+// (a 128-byte row: the swizzle's width).
+#define GS_BM 128
+#define GS_BN 128
+#define GS_BK 64
+#define GS_A_TILE (GS_BM * 128)      // bytes of a slot's A rows
+#define GS_B_TILE (2 * GS_BN * 128)  // and of its W rows, gate then up
+
+// The static tile schedule every role walks in the same order: tile -> (first row, first column).
+struct TileWalk {
+    int mtiles, tiles;
+    __device__ __forceinline__ int m0(int tile) const { return (tile % mtiles) * GS_BM; }
+    __device__ __forceinline__ int n0(int tile) const { return (tile / mtiles) * GS_BN; }
+};
+
+// The producer thread: for each K slice, wait for its slot to be empty, then three TMA copies that
+// complete the slot's full barrier.
+template <int STAGES>
+__device__ __forceinline__ void produce(const TmaMap* ta, const TmaMap* tw, unsigned char* sA, unsigned char* sB,
+                                        unsigned full0, unsigned empty0, TileWalk walk, int ksteps, int I) {
+    tma_prefetch_map(ta);
+    tma_prefetch_map(tw);
+    int it = 0;  // K slices issued so far, over all of this CTA's tiles: slot and phase
+    for (int tile = blockIdx.x; tile < walk.tiles; tile += gridDim.x) {
+        const int m0 = walk.m0(tile), n0 = walk.n0(tile);
+        for (int ks = 0; ks < ksteps; ++ks, ++it) {
+            const int st = it % STAGES;
+            if (it >= STAGES) mbar_wait(empty0 + 8 * st, ((it / STAGES) - 1) & 1);
+            const unsigned full = full0 + 8 * st;
+            mbar_expect_tx(full, GS_A_TILE + GS_B_TILE);
+            tma_load_2d(sA + st * GS_A_TILE, ta, ks * GS_BK, m0, full);
+            tma_load_2d(sB + st * GS_B_TILE, tw, ks * GS_BK, n0, full);                     // gate rows
+            tma_load_2d(sB + st * GS_B_TILE + GS_BN * 128, tw, ks * GS_BK, I + n0, full);   // up rows
+        }
+    }
+}
+
+// A consumer warpgroup's K loop over one tile: acc = its 64 rows of A x the slot's 256 W rows.
+template <int STAGES>
+__device__ __forceinline__ void mma_tile(float* acc, const unsigned char* sA, const unsigned char* sB, unsigned full0,
+                                         unsigned empty0, int& it, int ksteps, int wg, int lane) {
+    for (int ks = 0; ks < ksteps; ++ks, ++it) {
+        const int st = it % STAGES;
+        mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
+        wgmma_fence();
+        const unsigned long long da = sw128_desc(sA + st * GS_A_TILE + wg * 64 * 128);
+        const unsigned long long db = sw128_desc(sB + st * GS_B_TILE);
+#pragma unroll
+        for (int kk = 0; kk < GS_BK / 16; ++kk) wgmma_ss_n256(acc, da + 2 * kk, db + 2 * kk, ks > 0 || kk > 0);
+        wgmma_commit();
+        wgmma_wait1();  // the previous slice's group is done: its slot can be refilled
+        if (ks > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+    }
+    wgmma_wait0();
+    if (lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+}
+
+// The epilogue: this thread's rows r and r + 8, columns n0 + 8j + 2t and + 1 of the activation, from
+// the gate (acc[4j..]) and up (acc[64 + 4j..]) values it holds.
+__device__ __forceinline__ void store_swiglu(const float* acc, const bf16* __restrict__ bg, const bf16* __restrict__ bu,
+                                             bf16* __restrict__ out, int r, int n0, int t, int M, int I, float limit) {
+#pragma unroll
+    for (int j = 0; j < GS_BN / 8; ++j) {
+        const int c = n0 + 8 * j + 2 * t;
+        float2 b_g = make_float2(0.f, 0.f), b_u = make_float2(0.f, 0.f);
+        if (bg) b_g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bg + c));
+        if (bu) b_u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bu + c));
+        const float* gv = acc + 4 * j;
+        const float* uv = acc + 64 + 4 * j;
+        if (r < M)
+            *reinterpret_cast<unsigned*>(out + (long)r * I + c) =
+                pack_bf16(swiglu1(gv[0] + b_g.x, uv[0] + b_u.x, limit), swiglu1(gv[1] + b_g.y, uv[1] + b_u.y, limit));
+        if (r + 8 < M)
+            *reinterpret_cast<unsigned*>(out + (long)(r + 8) * I + c) =
+                pack_bf16(swiglu1(gv[2] + b_g.x, uv[2] + b_u.x, limit), swiglu1(gv[3] + b_g.y, uv[3] + b_u.y, limit));
+    }
+}
+
+// Launch: 384 threads (2 consumer warpgroups + the producer's); dynamic shared memory
+// STAGES * (GS_A_TILE + GS_B_TILE) + 1024 bytes; any grid (a CTA takes tiles blockIdx.x, + gridDim.x,
+// ...). ta: A [M, K], tw: W [2I, K], boxes of 64 columns x 128 rows, 128B swizzle (ops.gate_up_swiglu
+// encodes them); K % 64 == 0, I % 128 == 0, out [M, I] contiguous; rows of A past M read as zeros and
+// are not stored. Biases may be null (the merger has none).
+template <int STAGES>
+__global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tw,
+                                 const bf16* __restrict__ bg, const bf16* __restrict__ bu, bf16* __restrict__ out,
+                                 int M, int K, int I, float limit) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ __align__(8) unsigned long long bars[2 * STAGES];  // full[STAGES], empty[STAGES]
+    // 1024-byte aligned: the 128B swizzle's pattern repeats every 8 rows of 128 bytes.
+    unsigned char* sA = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    unsigned char* sB = sA + STAGES * GS_A_TILE;
+    const unsigned full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]);
+    const int mtiles = (M + GS_BM - 1) / GS_BM, ksteps = K / GS_BK;
+    const TileWalk walk{mtiles, mtiles * (I / GS_BN)};
+
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < STAGES; ++i) {
+            mbar_init(full0 + 8 * i, 1);
+            mbar_init(empty0 + 8 * i, 2 * 4);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
+    }
+    __syncthreads();
+
+    if (threadIdx.x >= 256) {  // the producer warpgroup: one thread issues every copy
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (threadIdx.x == 256) produce<STAGES>(&ta, &tw, sA, sB, full0, empty0, walk, ksteps, I);
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    float acc[128];  // m64n256: acc[4j..4j+3] gate columns 8j + 2t (+1) of rows g and g + 8; acc[64 + ...] up
+    int it = 0;
+    for (int tile = blockIdx.x; tile < walk.tiles; tile += gridDim.x) {
+        mma_tile<STAGES>(acc, sA, sB, full0, empty0, it, ksteps, wg, lane);
+        store_swiglu(acc, bg, bu, out, walk.m0(tile) + wg * 64 + warp * 16 + (lane >> 2), walk.n0(tile), lane & 3, M, I,
+                     limit);
+    }
+}
