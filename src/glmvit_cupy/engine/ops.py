@@ -201,7 +201,6 @@ def _sm_count():
     return n
 
 
-
 # -- cuda/pixels.cu --------------------------------------------------------------------------------
 
 def patchify(canvas, value_table, out, temporal, patch):
@@ -237,8 +236,6 @@ def resample_patchify(src, tables, along, content, value_table, out, canvas, tem
 
 
 # -- cuda/attention_sm90.cu, attention_sm80.cu -----------------------------------------------------
-
-
 
 def attention_kernel(variant: Variant):
     """The variant's compiled kernel on the current device, its shared-memory limit raised once."""

@@ -1,6 +1,6 @@
 """TMA tensor maps (CUtensorMap) for the Hopper kernels, encoded on the host through the CUDA driver.
 
-A map describes a 2-D bf16 array (rows of `cols` elements, `row_stride` elements apart) and the box one
+A map describes a 2-D bf16 array (its shape, its rows' stride in bytes) and the box one
 TMA copy moves (64 columns x `box_rows` rows, 128B-swizzled as wgmma's descriptors read it). Kernels take
 it by value as a __grid_constant__ parameter (cuda/tma.cuh), so a captured CUDA graph holds its own
 copy and nothing is uploaded. Encoding is host work only (no stream, safe inside a capture); maps are
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -25,6 +26,7 @@ _L2_PROMOTE_256B = 3  # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
 BOX_COLS = 64         # 128 bytes of bf16: the 128B swizzle's row
 _CACHE_SIZE = 4096
 _cache: OrderedDict = OrderedDict()
+_lock = threading.Lock()  # models on several threads (replicas, the server) share the cache
 
 
 @functools.cache
@@ -46,10 +48,11 @@ def tensor_map(array, box_rows: int) -> np.void:
     rows, cols = array.shape
     stride = array.strides[0]
     key = (array.data.ptr, rows, cols, stride, box_rows)
-    m = _cache.get(key)
-    if m is not None:
-        _cache.move_to_end(key)
-        return m
+    with _lock:
+        m = _cache.get(key)
+        if m is not None:
+            _cache.move_to_end(key)
+            return m
     if array.strides[1] != 2 or stride % 16 or array.data.ptr % 16 or not (0 < box_rows <= 256):
         raise ValueError(f"tensor_map: a bf16 array with contiguous rows, 16-byte aligned start and row stride "
                          f"is needed (shape {array.shape}, strides {array.strides}, box rows {box_rows})")
@@ -65,7 +68,8 @@ def tensor_map(array, box_rows: int) -> np.void:
         raise KernelError(f"cuTensorMapEncodeTiled failed (CUresult {err}) for shape {array.shape}, strides "
                           f"{array.strides}, box {BOX_COLS} x {box_rows}")
     m = np.frombuffer(buf[off:off + MAP_DTYPE.itemsize].tobytes(), MAP_DTYPE)[0]
-    _cache[key] = m
-    if len(_cache) > _CACHE_SIZE:
-        _cache.popitem(last=False)
+    with _lock:
+        _cache[key] = m
+        if len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
     return m
