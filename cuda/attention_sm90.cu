@@ -1,23 +1,31 @@
 // Flash attention forward on Hopper (sm_90a), head dim 64: the tower's attention. Warp-specialised
-// as FlashAttention-3 is: a producer warpgroup streams 128-key K/V tiles with cp.async into STAGES
-// shared-memory slots, each guarded by a "full" mbarrier (completed by the copies themselves) and
-// an "empty" one (one arrival per consumer warp once its wgmmas have read the slot). NC consumer
+// as FlashAttention-3 is: one thread of a producer warp streams 64-key K/V tiles by TMA into STAGES
+// shared-memory slots, each guarded by a "full" mbarrier (completed by the copies' bytes) and an
+// "empty" one (one arrival per consumer warp once its wgmmas have read the slot). NC consumer
 // warpgroups own 64 query rows each and never meet at a CTA-wide barrier; they take turns issuing
 // their Q K^T wgmma (named barriers, round robin), so one warpgroup's softmax runs while another's
 // MMAs keep the tensor cores busy. Registers move from the producer to the consumers (setmaxnreg).
 // S = Q K^T reads Q and K from 128B-swizzled shared memory (wgmma SS); O += P V takes P from
-// registers (wgmma RS) and V transposed from shared memory. FMA_EVERY > 0 sends one exp in
-// 4 * FMA_EVERY to the FMA pipe (softmax.cuh ex2_fma). Layouts and grid as attention_sm80.cu.
+// registers (wgmma RS) and V transposed from shared memory. Layouts and grid as attention_sm80.cu.
+//
+// Why 4 consumer warpgroups of 64-key tiles: at head dim 64 the softmax's exps (MUFU, 16 a clock
+// per SM) cost as many clocks as the MMAs, and each SM sub-partition hides the latency of one
+// warp's softmax chain (max, shuffles, exps, sum) only with other warps' MMAs. A TMA producer needs
+// 24 registers, which leaves 112 per consumer thread for 4 warpgroups: enough for a 64 x 64 S, its
+// P fragments and O, not for 128-key tiles (those spilled). 4 warps per sub-partition instead of 3
+// gained 7-20% (docs/PERFORMANCE.md), and the exps all on MUFU then beat sending a share of them to
+// the FMA pipe (whose polynomial takes issue slots the fourth warp now uses).
 //
 // Napkin math (16 heads x 64, per block): FLOP = 4 * sum(n_seg^2) * 1024, 4.19 TFLOP at one
 // 32,000-patch segment (100.7 TFLOP over the 24 blocks: 79% of the 8000-token forward). A score
 // costs 256 MMA FLOP; an SM's tensor cores do 4,096 FLOP a clock (16 scores) and its MUFU 16 ex2
 // a clock: the exp unit caps attention at the tensor rate, ~1,070 TFLOP/s at 1.98 GHz on 132 SMs,
 // and without overlap of softmax and MMA at half that. Bytes are small beside it (q, k, v, o
-// 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on the H200 (bench_kernels,
-// 66a180c; one segment of 1,024 / 4,096 / 16,384 / 32,000 keys, TFLOP/s): 3 consumer warpgroups
-// 136 / 341 / 432 / 429, 2 consumer warpgroups 131 / 300 / 353 / 369 (2 win on short segments
-// batched, where 192-row tiles leave SMs idle); cuDNN (torch SDPA) 112 / 396 / 488 / 475.
+// 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on the H200 (tools/
+// attn_trial.py; one segment of 4,096 / 16,384 / 32,000 keys and 16 segments of 1,024, TFLOP/s):
+// 4 consumer warpgroups 367 / 485 / 459 / 320; the previous kernel (3 warpgroups, 128-key tiles by
+// cp.async, one exp in 16 on the FMA pipe) 295-312 / 423-425 / 421-427 / 256-268; cuDNN (torch SDPA)
+// 417 / 487 / 476 at one segment.
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "attention_sm90.cu needs sm_90a (wgmma, setmaxnreg): compile it for compute capability 9.0 only"
 #endif
@@ -25,11 +33,17 @@
 #include "attention_scheduler.cuh"
 #include "barriers.cuh"
 #include "softmax.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
-// Registers a consumer thread gets after setmaxnreg (the producer keeps 40): what the 65,536 of an
-// SM allow for NC + 1 warpgroups of 128 threads, rounded down to a multiple of 8.
-__host__ __device__ constexpr int consumer_registers(int nc) { return nc == 2 ? 232 : 152; }
+// Registers the producer warpgroup keeps after setmaxnreg (one TMA thread, and a warp's cp.async of a
+// segment's last V tile), and what the CTA's launch allocation (65,536 over its threads, a multiple
+// of 8 each) then gives each consumer thread of NC warpgroups, a multiple of 8 and at most 240.
+constexpr int PRODUCER_REGISTERS = 24;
+__host__ __device__ constexpr int consumer_registers(int nc) {
+    const int r = ((65536 / (128 * (nc + 1))) / 8 * 8 * (nc + 1) - PRODUCER_REGISTERS) / nc / 8 * 8;
+    return r < 240 ? r : 240;
+}
 
 // Byte offset of 16-byte chunk c of row r in a 128B-swizzled tile of 128-byte rows.
 __device__ __forceinline__ int sw128(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
@@ -45,11 +59,14 @@ __device__ __forceinline__ void load_tile_sw(unsigned char* s, const bf16* g, in
     }
 }
 
-template <int NC, int STAGES, int FMA_EVERY>
+template <int NC, int STAGES>
 __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                                   bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
-                                  const int* __restrict__ tile_q0, int heads, float scale_log2) {
-    constexpr int D = 64, BNW = 128, BM = 64 * NC, TILE = BNW * 128;
+                                  const int* __restrict__ tile_q0, int heads, float scale_log2,
+                                  const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
+                                  const __grid_constant__ TmaMap tv) {
+    constexpr int D = 64, BNW = 64, BM = 64 * NC, TILE = BNW * 128;
+    static_assert(BM <= 256, "Q comes in one TMA box, and a box has at most 256 rows");
     if (idle_tile(tile_seg)) return;  // the whole CTA, before any barrier
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long bars[1 + 2 * STAGES];  // q, full[STAGES], empty[STAGES]
@@ -64,27 +81,42 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
     const int ntiles = (s1 - s0 + BNW - 1) / BNW;
 
     if (threadIdx.x == 0) {
-        mbar_init(qbar, 128);
+        mbar_init(qbar, 1);
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) {
-            mbar_init(full0 + 8 * i, 128);
+            mbar_init(full0 + 8 * i, 1);
             mbar_init(empty0 + 8 * i, NC * 4);
         }
     }
     __syncthreads();
 
     if (wg == NC) {  // the producer warpgroup
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGISTERS) : "memory");
+        // One warp: lane 0 issues the TMA copies. Rows past the segment's end arrive as other
+        // segments' (or a budget's stale padding) rows, which the softmax masks for K; but 0 * a stale
+        // NaN in V would still be NaN, so a segment's last, partial V tile comes by cp.async,
+        // zero-filled: the warp's 32 arrivals join the phase before lane 0's own arrival completes it.
         const int tid = threadIdx.x - NC * 128;
-        load_tile_sw<BM, 128>(sQ, q + (long)q0 * ld + h * D, s1 - q0, ld, tid);
-        mbar_arrive_copies(qbar);
+        if (tid >= 32) return;
+        if (tid == 0) {
+            mbar_expect_tx(qbar, BM * 128);
+            tma_load_2d(sQ, &tq, h * D, q0, qbar);
+        }
         for (int it = 0; it < ntiles; ++it) {
             const int st = it % STAGES;
             if (it >= STAGES) mbar_wait(empty0 + 8 * st, ((it / STAGES) - 1) & 1);
             const int kb = s0 + it * BNW;
-            load_tile_sw<BNW, 128>(sK + st * TILE, k + (long)kb * ld + h * D, s1 - kb, ld, tid);
-            load_tile_sw<BNW, 128>(sV + st * TILE, v + (long)kb * ld + h * D, s1 - kb, ld, tid);
-            mbar_arrive_copies(full0 + 8 * st);
+            const bool partial = s1 - kb < BNW;
+            if (partial) {
+                load_tile_sw<BNW, 32>(sV + st * TILE, v + (long)kb * ld + h * D, s1 - kb, ld, tid);
+                mbar_arrive_copies_inc(full0 + 8 * st);
+                __syncwarp();
+            }
+            if (tid == 0) {
+                mbar_expect_tx(full0 + 8 * st, partial ? TILE : 2 * TILE);
+                tma_load_2d(sK + st * TILE, &tk, h * D, kb, full0 + 8 * st);
+                if (!partial) tma_load_2d(sV + st * TILE, &tv, h * D, kb, full0 + 8 * st);
+            }
         }
         cp_wait_all();
         return;
@@ -95,7 +127,6 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
     const int turn = 1 + wg, next = 1 + (wg + 1) % NC;  // named barriers 1..NC: whose turn to issue
     if (NC > 1 && wg == NC - 1) named_arrive(1, 256);    // warpgroup 0 goes first
     mbar_wait(qbar, 0);
-    fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
     const unsigned long long dq = sw128_desc(sQ + wg * 64 * 128);
 
     float acc[32];
@@ -105,9 +136,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
 
     auto issue_s = [&](int st) {
         const unsigned long long dk = sw128_desc(sK + st * TILE);
-        wgmma_ss_n128_init(s, dq, dk);
+        wgmma_ss_n64_init(s, dq, dk);
 #pragma unroll
-        for (int kk = 1; kk < D / 16; ++kk) wgmma_ss_n128(s, dq + 2 * kk, dk + 2 * kk, 1);
+        for (int kk = 1; kk < D / 16; ++kk) wgmma_ss_n64(s, dq + 2 * kk, dk + 2 * kk, 1);
     };
     auto issue_pv = [&](int st, bool accumulate) {
         const unsigned long long dv = sw128_desc(sV + st * TILE);
@@ -116,20 +147,20 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
     };
 
     // A turn is one warpgroup issuing its Q K^T; its softmax and P V follow outside the turn, while
-    // the next warpgroup's Q K^T runs. (Issuing the previous tile's P V inside the turn as well,
-    // FA3's intra-warpgroup overlap, was 20-40% slower with three consumer warpgroups and no faster
-    // with two: docs/PERFORMANCE.md.)
+    // the next warpgroup's Q K^T runs. (FA3's intra-warpgroup overlap, this warpgroup's previous P V
+    // issued beside its softmax, was slower here each time it was tried: docs/PERFORMANCE.md.)
     for (int it = 0; it < ntiles; ++it) {
         const int st = it % STAGES;
         mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
-        fence_proxy_async();
+        // A partial tile's V came by cp.async (the generic proxy); wgmma reads through the async one.
+        if (s1 - (s0 + it * BNW) < BNW) fence_proxy_async();
         if (NC > 1) named_sync(turn, 256);
         wgmma_fence();
         issue_s(st);
         wgmma_commit();
         if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
         wgmma_wait0();
-        softmax_tile<BNW, 32, FMA_EVERY>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
+        softmax_tile<BNW, 32>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
         wgmma_fence();
         issue_pv(st, it > 0);
         wgmma_commit();

@@ -1,5 +1,5 @@
 // The online softmax of the flash-attention kernels (mma.sync and wgmma lay a thread's S
-// accumulators out alike), and the two ways they compute 2^x.
+// accumulators out alike).
 #pragma once
 #include "ptx.cuh"
 
@@ -10,26 +10,11 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
-// 2^x for x <= 0 on the FMA units instead (FA4's trick). At head_dim 64 the special-function unit's
-// 16 ex2 a clock per SM are exactly what the tensor cores need, so the softmax can hand a share of
-// its exps to the 128-a-clock FMA pipe. x = j + f with j = round(x) (the 1.5 * 2^23 shift leaves
-// j in the low mantissa bits), 2^f on [-0.5, 0.5] by a cubic (relative error 1.4e-4, well under
-// bf16's 3.9e-3 step), and j added to the exponent bits. Clamped at -127, where the result is 0.
-__device__ __forceinline__ float ex2_fma(float x) {
-    x = fmaxf(x, -127.f);
-    const float r = __fadd_rn(x, 12582912.f);
-    const float f = __fsub_rn(x, __fsub_rn(r, 12582912.f));
-    const float p = fmaf(fmaf(fmaf(0.05592212f, f, 0.24223785f), f, 0.693121f), f, 1.f);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(r) << 23));
-}
-
 // One K/V tile's online softmax on this thread's S accumulators (rows g and g + 8 of its 16-row
 // slice; the m16n8 mma.sync and the m64nN wgmma lay them out alike: 4 values per 8 keys): mask keys at or past kvalid, update the running max and sum, rescale O (unless this is the
 // first tile; NACC floats of O per thread), and pack P = exp2(S * scale - max) as the bf16 A
 // fragments of the P V MMA (the same register layout for mma.sync m16n8k16 and wgmma RS).
-// FMA_EVERY > 0: one value per row in every FMA_EVERY-th group of 8 keys takes ex2_fma (a share of
-// 1 / (4 FMA_EVERY) of the exps).
-template <int BNW, int NACC, int FMA_EVERY = 0>
+template <int BNW, int NACC>
 __device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float* acc, float& m0, float& m1, float& l0,
                                              float& l1, int kvalid, int t, float scale_log2, bool rescale) {
     if (kvalid < BNW) {
@@ -59,10 +44,9 @@ __device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float*
     float r0 = 0.f, r1 = 0.f;
 #pragma unroll
     for (int j = 0; j < BNW / 8; ++j) {
-        const bool fma_pipe = FMA_EVERY > 0 && j % (FMA_EVERY > 0 ? FMA_EVERY : 1) == 0;
-        s[4 * j] = fma_pipe ? ex2_fma(fmaf(s[4 * j], scale_log2, -mx0)) : ex2(fmaf(s[4 * j], scale_log2, -mx0));
+        s[4 * j] = ex2(fmaf(s[4 * j], scale_log2, -mx0));
         s[4 * j + 1] = ex2(fmaf(s[4 * j + 1], scale_log2, -mx0));
-        s[4 * j + 2] = fma_pipe ? ex2_fma(fmaf(s[4 * j + 2], scale_log2, -mx1)) : ex2(fmaf(s[4 * j + 2], scale_log2, -mx1));
+        s[4 * j + 2] = ex2(fmaf(s[4 * j + 2], scale_log2, -mx1));
         s[4 * j + 3] = ex2(fmaf(s[4 * j + 3], scale_log2, -mx1));
         r0 += s[4 * j] + s[4 * j + 1];
         r1 += s[4 * j + 2] + s[4 * j + 3];

@@ -303,11 +303,37 @@ def test_attention_idle_tiles_write_nothing(variant):
     assert not np.isnan(outs[1][:767].view(BF).astype(np.float32)).any()
 
 
+@pytest.mark.parametrize("variant", D64)
+def test_attention_reads_nothing_past_its_segment(variant):
+    """Tiles that straddle a segment's end see other rows: the next segment's, or a token budget's stale
+    padding, which may hold anything. NaN there (q, k and v) must change no bit of any real row: keys
+    past the end are masked, and V past it must come as zeros (0 * NaN is NaN). 300 and 317 end
+    segments mid-tile for 64-key tiles and for every query-tile height."""
+    v, heads, n = VARIANTS[variant], 4, 1024
+    cu = np.array([0, 300, 317, 767], np.int32)
+    seg, q0 = tiles(cu, v.rows)
+    base = [rng.standard_normal((n, heads * 64), dtype=np.float32).astype(BF) * 2 for _ in range(3)]
+    outs = []
+    for poisoned in (None, slice(767, n), slice(300, 317)):
+        arrays = [a.copy() for a in base]
+        if poisoned is not None:
+            for a in arrays:
+                a[poisoned] = np.nan
+        o = poison((n, heads * 64))
+        ops.flash_attention(v, *(dev(a) for a in arrays), o, dev(cu), dev(seg), dev(q0), heads)
+        outs.append(cupy.asnumpy(o).view(np.uint16))
+    keep = np.r_[0:300, 317:767]  # the rows whose segments hold no NaN
+    assert np.array_equal(outs[0][:767], outs[1][:767])
+    assert np.array_equal(outs[0][keep], outs[2][keep])
+    assert not np.isnan(outs[0][:767].view(BF).astype(np.float32)).any()
+
+
 @pytest.mark.skipif(not SM90, reason="GPU test: the per-shape choice is between sm_90a kernels")
 def test_default_variants_agree_bit_for_bit():
     """The model picks a variant per input shape, so an image batched with others may run on a
     different kernel than alone: the defaults must give the same bits, or batching would change an
-    embedding. Rows 0..1999 of one segment: 2000 = 10 x 192 + 80 = 15 x 128 + 80, partial last tiles."""
+    embedding. Segments of 700 and 1,300 rows: partial last query tiles of 256 and of 128 rows, and a
+    partial last 64-key tile in each."""
     names = default_variants(64, "90")
     assert len(names) > 1
     n, heads = 2000, 16

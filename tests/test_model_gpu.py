@@ -609,8 +609,8 @@ def test_bf16_and_other_device_cupy_inputs(small):
 
 def test_attention_variant_argument(official):
     binding, model, tower = official
-    with pytest.raises(ValueError, match="unknown; choices: sm90_3wg_fma1in16"):
-        GlmVit(binding, attention_variant="sm90_ws3_s3_f16")
+    with pytest.raises(ValueError, match="unknown; choices: sm90_4wg"):
+        GlmVit(binding, attention_variant="sm90_3wg_fma1in16")
     with pytest.raises(ValueError, match="head dim 32"):
         GlmVit(binding, attention_variant="sm80_d32")
     rng = np.random.default_rng(9)
@@ -625,7 +625,7 @@ def test_attention_variant_argument(official):
     print(f"sm80_d64 {rel(got, ref):.3e}, default {rel(want, ref):.3e} against the float32 reference")
     assert not np.array_equal(got, want) and rel(got, ref) < 2.5e-2 and rel(want, ref) < 2.5e-2
     if cupy.cuda.Device().compute_capability == "90":
-        for name in ("sm90_3wg_fma1in16", "sm90_2wg_fma1in16"):  # the defaults agree bit for bit
+        for name in ("sm90_4wg", "sm90_2wg"):  # the defaults agree bit for bit
             forced = GlmVit(binding, capacity_tokens=256, attention_variant=name)
             assert np.array_equal(f32(forced.encode_pixels(pv, grid)), want), name
 

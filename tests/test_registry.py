@@ -31,15 +31,16 @@ def test_every_kernel_file_opens_with_its_napkin_math():
 
 
 def test_variant_table_derives_entries_and_sizes():
-    v = VARIANTS["sm90_3wg_fma1in16"]
-    assert v.entry == "flash_fwd_sm90<3, 3, 4>" and v.rows == 192 and v.threads == 512
-    assert v.shared_bytes == 192 * 128 + 3 * 2 * 128 * 128 + 1024
-    assert VARIANTS["sm90_2wg_fma1in16"].entry == "flash_fwd_sm90<2, 3, 4>"
+    v = VARIANTS["sm90_4wg"]
+    assert v.entry == "flash_fwd_sm90<4, 4>" and v.rows == 256 and v.threads == 640
+    assert v.shared_bytes == 256 * 128 + 4 * 2 * 64 * 128 + 1024
+    assert VARIANTS["sm90_2wg"].entry == "flash_fwd_sm90<2, 4>"
     assert VARIANTS["sm80_d128"].entry == "flash_fwd_sm80<128, 4>"
     assert VARIANTS["sm80_d64"].shared_bytes == (64 + 4 * 64) * 72 * 2
     for v in VARIANTS.values():
         assert v.rows % 64 == 0 and v.shared_bytes <= 227 * 1024  # an H100/H200 SM's shared memory
-        assert v.threads % 128 == 0 and v.threads <= 512
+        assert v.threads % 128 == 0 and v.threads <= 1024
+        assert v.arch != "sm90" or v.rows <= 256  # Q arrives in one TMA box: at most 256 rows
 
 
 def test_attention_variant_choice():
@@ -51,10 +52,10 @@ def test_attention_variant_choice():
 
 
 @pytest.mark.parametrize("name,head_dim,cc,says", [
-    ("sm90_ws3_s3_f16", 64, "90", r"unknown; choices: sm90_3wg_fma1in16, sm90_2wg_fma1in16, sm80_d32"),
-    ("sm90_3wg_fma1in16", 64, "80", r"needs a Hopper GPU .* this GPU is 8\.0: use sm80_d64"),
-    ("sm90_3wg_fma1in16", 64, "100", r"this GPU is 10\.0"),
-    ("sm80_d32", 64, "90", r"built for head dim 32, this tower's is 64; choices for it: sm90_3wg"),
+    ("sm90_3wg_fma1in16", 64, "90", r"unknown; choices: sm90_4wg, sm90_2wg, sm80_d32"),
+    ("sm90_4wg", 64, "80", r"needs a Hopper GPU .* this GPU is 8\.0: use sm80_d64"),
+    ("sm90_4wg", 64, "100", r"this GPU is 10\.0"),
+    ("sm80_d32", 64, "90", r"built for head dim 32, this tower's is 64; choices for it: sm90_4wg"),
 ])
 def test_bad_attention_variants_are_refused_before_any_launch(name, head_dim, cc, says):
     with pytest.raises(ValueError, match=says):
@@ -63,16 +64,19 @@ def test_bad_attention_variants_are_refused_before_any_launch(name, head_dim, cc
 
 def test_good_attention_variants_pass():
     assert check_variant("sm80_d64", 64, "90").name == "sm80_d64"  # the fallback also runs on Hopper
-    assert check_variant("sm90_2wg_fma1in16", 64, "90").warpgroups == 2
+    assert check_variant("sm90_2wg", 64, "90").warpgroups == 2
 
 
 def test_attention_variant_per_shape():
-    """Short segments take 128-row tiles, long ones 192-row tiles (132 SMs, 16 heads)."""
+    """A lone short segment takes 128-row tiles; long ones, and batches of short ones, 256-row tiles
+    (132 SMs, 16 heads)."""
     both = default_variants(64, "90")
-    # 1,024 keys: ceil(1024 / 192) = 6 tiles x 16 heads = 96 CTAs, 36 of 132 SMs idle; 8 x 16 = 128 fill them.
-    assert pick_variant(both, [1024], 16, 132) == "sm90_2wg_fma1in16"
-    # 32,000 keys: 167 x 16 = 2,672 CTAs (21 waves) against 250 x 16 = 4,000 (31 waves) of 2/3 the rows.
-    assert pick_variant(both, [32000], 16, 132) == "sm90_3wg_fma1in16"
+    # 1,024 keys: 1024 / 256 = 4 tiles x 16 heads = 64 CTAs, 68 of 132 SMs idle; 8 x 16 = 128 fill them.
+    assert pick_variant(both, [1024], 16, 132) == "sm90_2wg"
+    # 16 segments of 1,024: 1,024 CTAs (8 waves) against 2,048 (16 waves) of half the rows.
+    assert pick_variant(both, [1024] * 16, 16, 132) == "sm90_4wg"
+    # 32,000 keys: 125 x 16 = 2,000 CTAs (16 waves) against 250 x 16 = 4,000 (31 waves) of half the rows.
+    assert pick_variant(both, [32000], 16, 132) == "sm90_4wg"
     assert pick_variant(("sm80_d64",), [1024], 16, 132) == "sm80_d64"  # a single choice stands
 
 

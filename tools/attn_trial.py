@@ -2,7 +2,7 @@
 correctness on the issue's segment mixes, then TFLOP/s at 16 heads x 64 on one segment of 1,024 /
 4,096 / 16,384 / 32,000 keys and on 16 segments of 1,024 (bench_kernels.py has torch SDPA beside).
 
-    python tools/attn_trial.py sm90_3wg_fma1in16 ...      (default: every sm90 variant)
+    python tools/attn_trial.py sm90_4wg ...      (default: every sm90 variant)
 
 To trial a new configuration, add its row to engine/attention.py's VARIANTS (the kernel is a template).
 """

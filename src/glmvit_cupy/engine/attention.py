@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KEYS_PER_TILE_SM90 = 128  # K/V tile rows of attention_sm90.cu (its BNW)
+KEYS_PER_TILE_SM90 = 64   # K/V tile rows of attention_sm90.cu (its BNW)
 KEYS_PER_TILE_SM80 = 64   # and of attention_sm80.cu (its BN)
 
 
@@ -20,8 +20,7 @@ class Variant:
     """One attention kernel configuration.
 
     sm90 (attention_sm90.cu, Hopper only, head dim 64): `warpgroups` consumer warpgroups of 64 query
-    rows plus one producer, `stages` K/V slots, and one exp in `exp_on_fma` on the FMA pipe (0: none;
-    the kernel's FMA_EVERY is exp_on_fma / 4). sm80 (attention_sm80.cu, any sm_80+): `warps` warps
+    rows plus one producer, `stages` K/V slots. sm80 (attention_sm80.cu, any sm_80+): `warps` warps
     of 16 query rows. `speed`: TFLOP/s on long segments, measured on the H200, which the per-shape
     choice weighs."""
 
@@ -30,7 +29,6 @@ class Variant:
     head_dim: int
     warpgroups: int = 0
     stages: int = 0
-    exp_on_fma: int = 0
     warps: int = 0
     speed: float = 1.0
 
@@ -41,7 +39,7 @@ class Variant:
     @property
     def entry(self) -> str:
         if self.arch == "sm90":
-            return f"flash_fwd_sm90<{self.warpgroups}, {self.stages}, {self.exp_on_fma // 4}>"
+            return f"flash_fwd_sm90<{self.warpgroups}, {self.stages}>"
         return f"flash_fwd_sm80<{self.head_dim}, {self.warps}>"
 
     @property
@@ -55,20 +53,21 @@ class Variant:
 
     @property
     def shared_bytes(self) -> int:
-        """Dynamic shared memory: sm90, the Q tile and `stages` K and V tiles of 128-byte rows, 128B-
-        swizzled from a 1024-byte boundary (+1024 to align); sm80, Q and two K and V tiles in rows padded
+        """Dynamic shared memory: sm90, the Q tile and `stages` K and V tiles of 64-key rows of 128 bytes,
+        128B-swizzled from a 1024-byte boundary (+1024 to align); sm80, Q and two K and V tiles in rows padded
         by 8 bf16 (ldmatrix's banks)."""
         if self.arch == "sm90":
             return self.rows * 128 + self.stages * 2 * KEYS_PER_TILE_SM90 * 128 + 1024
         return (self.rows + 4 * KEYS_PER_TILE_SM80) * (self.head_dim + 8) * 2
 
 
-# The H200's measured choices (docs/PERFORMANCE.md): three consumer warpgroups are fastest on long
-# segments, two on short ones, where 192-row tiles leave SMs idle. Both send the same exps to the
-# same pipes, so they give the same bits (tested): batching images never changes an embedding.
+# The H200's measured choices (docs/PERFORMANCE.md): four consumer warpgroups are fastest on long
+# segments and on batches of short ones; two on a lone short segment, where 256-row tiles leave SMs
+# idle. Both run the same operations on each row, so they give the same bits (tested): batching
+# images never changes an embedding.
 VARIANTS = {v.name: v for v in (
-    Variant("sm90_3wg_fma1in16", "sm90", 64, warpgroups=3, stages=3, exp_on_fma=16, speed=424.0),
-    Variant("sm90_2wg_fma1in16", "sm90", 64, warpgroups=2, stages=3, exp_on_fma=16, speed=360.0),
+    Variant("sm90_4wg", "sm90", 64, warpgroups=4, stages=4, speed=460.0),
+    Variant("sm90_2wg", "sm90", 64, warpgroups=2, stages=4, speed=345.0),
     Variant("sm80_d32", "sm80", 32, warps=4),
     Variant("sm80_d64", "sm80", 64, warps=4),
     Variant("sm80_d128", "sm80", 128, warps=4),
@@ -102,8 +101,8 @@ def check_variant(name, head_dim: int, compute_capability: str) -> Variant:
 def pick_variant(names, seq_lens, heads: int, sms: int) -> str:
     """The variant with the least estimated time on these segments: waves of CTAs (one CTA per SM,
     as their shared memory allows) times the mean CTA's work (its padded query rows x its keys) over
-    the variant's speed. 1,024 keys x 16 heads: 96 CTAs of 192 rows (one partial wave) against 128 of
-    128 rows, so two warpgroups win; at 32,000 keys three do."""
+    the variant's speed. 1,024 keys x 16 heads: 64 CTAs of 256 rows (half a wave) against 128 of
+    128 rows, so two warpgroups win; at 4,096 keys and past, or 16 segments of 1,024, four do."""
     def cost(name):
         v = VARIANTS[name]
         tiles = [-(-int(n) // v.rows) for n in seq_lens]

@@ -15,7 +15,7 @@ import cupy
 import numpy as np
 
 from . import gemm as _gemm
-from .attention import Variant
+from .attention import KEYS_PER_TILE_SM90, Variant
 from .kernels import kernel
 from .tensor_maps import tensor_map
 
@@ -250,8 +250,12 @@ def attention_kernel(variant: Variant):
 def flash_attention(variant: Variant, q, k, v, o, cu_seqlens, tile_seg, tile_q0, heads, flop=0):
     """o = softmax(q k^T / sqrt(D)) v within each segment of cu_seqlens [S + 1]; q, k, v, o bf16
     [N, heads * D]; one CTA per (query tile, head), tiles from attention.tiles(cu, variant.rows)."""
+    if len(tile_q0) == 0:
+        return o
     scale_log2 = np.float32(math.log2(math.e) / math.sqrt(variant.head_dim))
     fn = attention_kernel(variant)
+    args = (q, k, v, o, cu_seqlens, tile_seg, tile_q0, np.int32(heads), scale_log2)
+    if variant.arch == "sm90":  # its TMA producer reads Q, K and V through tensor maps
+        args += (tensor_map(q, variant.rows), tensor_map(k, KEYS_PER_TILE_SM90), tensor_map(v, KEYS_PER_TILE_SM90))
     _launch(f"flash attention ({variant.name})", flop, lambda: fn(
-        (len(tile_q0), heads), (variant.threads,),
-        (q, k, v, o, cu_seqlens, tile_seg, tile_q0, np.int32(heads), scale_log2), shared_mem=variant.shared_bytes))
+        (len(tile_q0), heads), (variant.threads,), args, shared_mem=variant.shared_bytes))
