@@ -620,10 +620,12 @@ def test_attention_variant_argument(official):
     assert fallback.plans.key(np.array(grid))[1] == "sm80_d64"
     got = f32(fallback.encode_pixels(pv, grid))
     ref = reference.encode_pixels(tower, pv, grid)
-    # Another kernel rounds elsewhere (the two bf16 paths differ by about as much as each differs from
-    # float32), but each is as close to the float32 reference as the default (HF bf16: 3.8e-2).
-    print(f"sm80_d64 {rel(got, ref):.3e}, default {rel(want, ref):.3e} against the float32 reference")
-    assert not np.array_equal(got, want) and rel(got, ref) < 2.5e-2 and rel(want, ref) < 2.5e-2
+    # The fallback runs mma.sync on the same 64-key tiles and the same softmax code as the Hopper
+    # kernels, so it may well give the very same bits (it did on the H200); either way it is as close
+    # to the float32 reference as the default (HF bf16: 3.8e-2).
+    print(f"sm80_d64 {rel(got, ref):.3e}, default {rel(want, ref):.3e} against the float32 reference, "
+          f"bit-equal: {np.array_equal(got, want)}")
+    assert rel(got, ref) < 2.5e-2 and rel(want, ref) < 2.5e-2
     if cupy.cuda.Device().compute_capability == "90":
         for name in ("sm90_4wg", "sm90_2wg"):  # the defaults agree bit for bit
             forced = GlmVit(binding, capacity_tokens=256, attention_variant=name)
