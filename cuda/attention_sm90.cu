@@ -13,8 +13,8 @@
 // warp's softmax chain (max, shuffles, exps, sum) only with other warps' MMAs. A TMA producer needs
 // 24 registers, which leaves 112 per consumer thread for 4 warpgroups: enough for a 64 x 64 S, its
 // P fragments and O, not for 128-key tiles (those spilled). 4 warps per sub-partition instead of 3
-// gained 7-20% (docs/PERFORMANCE.md), and the exps all on MUFU then beat sending a share of them to
-// the FMA pipe (whose polynomial takes issue slots the fourth warp now uses).
+// gained 2-20% (docs/PERFORMANCE.md), and the exps all on MUFU then beat sending a share of them to
+// the FMA pipe by another 4-7% (its polynomial takes issue slots that the fourth warp now uses).
 //
 // Napkin math (16 heads x 64, per block): FLOP = 4 * sum(n_seg^2) * 1024, 4.19 TFLOP at one
 // 32,000-patch segment (100.7 TFLOP over the 24 blocks: 79% of the 8000-token forward). A score
