@@ -140,22 +140,25 @@ def test_swiglu_clamp_fires(with_bias, inter, grid, misaligned):
     if with_bias:
         g, u = g + bg.astype(np.float32), u + bu.astype(np.float32)
     assert (g > limit).sum() > 0 and (np.abs(u) > limit).sum() > 0  # the clamp must matter here
-    gc, uc = np.minimum(g, limit), np.clip(u, -limit, limit)
-    ref = gc / (1 + np.exp(-gc)) * uc
-    assert rel(host(out), ref) < 5e-3
+    assert rel(host(out), clamped_swiglu(g, u, limit)) < 5e-3
     unclamped = g / (1 + np.exp(-g)) * u
     assert rel(host(out), unclamped) > 1e-2
 
 
+def clamped_swiglu(g, u, limit):
+    """silu(min(g, L)) * clamp(u, -L, L): the reference's activation, in the inputs' precision."""
+    gc = np.minimum(g, limit)
+    return gc / (1 + np.exp(-gc)) * np.clip(u, -limit, limit)
+
+
 def swiglu_ref(a, w, bg, bu, limit):
-    """float64 silu(min(g, L)) * clamp(u, -L, L) of [g | u] = a @ w.T + biases (bf16 inputs as stored)."""
+    """float64 clamped SwiGLU of [g | u] = a @ w.T + biases (bf16 inputs as stored)."""
     gu = a.astype(np.float64) @ w.astype(np.float64).T
     inter = w.shape[0] // 2
     g, u = gu[:, :inter], gu[:, inter:]
     if bg is not None:
         g, u = g + bg.astype(np.float64), u + bu.astype(np.float64)
-    gc, uc = np.minimum(g, limit), np.clip(u, -limit, limit)
-    return g, u, gc / (1 + np.exp(-gc)) * uc
+    return g, u, clamped_swiglu(g, u, limit)
 
 
 # (333, 1024, 256): the model's K, a last row tile partly past M (333 = 2 x 128 + 77: the TMA's zero

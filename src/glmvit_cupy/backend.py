@@ -23,7 +23,7 @@ class Backend:
         self.capacity_tokens = capacity_tokens
         self.cpu = cpu
         self.resize = "host" if cpu else "gpu"  # who resizes the images this backend is given
-        self.graphs_ready: list[int] = []  # budgets (patches) whose CUDA graph was captured at load
+        self.graphs_ready: list[int] = []  # budgets (patches) whose CUDA graphs every replica captured at load
         self.host_buffer = self.upload = None  # for the prepare threads (batching.preparer): where they decode, and
         # what they hand on: with one GPU they upload each image themselves (engine/uploads.py)
         if cpu:
@@ -59,8 +59,8 @@ class Backend:
                     HOST.give(b)
             self._warm_up()
             if image_tokens is not None:
-                for model in self._engine.models:
-                    self.graphs_ready = model.precapture(image_tokens)
+                # Replicas of one checkpoint and capacity capture the same budgets.
+                self.graphs_ready = [model.precapture(image_tokens) for model in self._engine.models][0]
 
     def _warm_up(self) -> None:
         """One small image through each replica, as glmvit-encode and the server send them: CUDA loads each

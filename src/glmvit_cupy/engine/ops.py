@@ -21,7 +21,7 @@ from .tensor_maps import tensor_map
 
 THREADS = 256
 RMS_WARP_VEC = 8  # norms.cu: rmsnorm_residual_warp holds a row of up to 32 x 4 x 8 floats
-_prepared: set = set()  # (device, kernel) whose shared-memory limit was raised
+_prepared: set = set()  # (device, module, kernel) whose shared-memory limit was raised
 _sms: dict = {}  # device -> SM count
 _tracer = None  # set by traced(): record(name, start_event, end_event, flop) around every launch
 
@@ -184,13 +184,19 @@ def gate_up_swiglu(a, w, gate_bias, up_bias, out, limit, *, ctas=None, name="GEM
 
 
 def _gate_up_kernel():
-    fn = kernel("gemm_sm90", f"gemm_swiglu_sm90<{GATE_UP_STAGES}>")
     smem = GATE_UP_STAGES * (GATE_UP_TILE[0] + 2 * GATE_UP_TILE[1]) * 128 + 1024
-    key = (cupy.cuda.runtime.getDevice(), "gemm_swiglu_sm90", GATE_UP_STAGES)
+    return _with_shared_memory("gemm_sm90", f"gemm_swiglu_sm90<{GATE_UP_STAGES}>", smem), smem
+
+
+def _with_shared_memory(module: str, name: str, nbytes: int):
+    """The compiled kernel, allowed nbytes of dynamic shared memory (raised once per device: past
+    48 KiB a launch fails unless the kernel's limit was raised first)."""
+    fn = kernel(module, name)
+    key = (cupy.cuda.runtime.getDevice(), module, name)
     if key not in _prepared:
-        fn.max_dynamic_shared_size_bytes = smem
+        fn.max_dynamic_shared_size_bytes = nbytes
         _prepared.add(key)
-    return fn, smem
+    return fn
 
 
 def _sm_count():
@@ -239,12 +245,7 @@ def resample_patchify(src, tables, along, content, value_table, out, canvas, tem
 
 def attention_kernel(variant: Variant):
     """The variant's compiled kernel on the current device, its shared-memory limit raised once."""
-    k = kernel(variant.module, variant.entry)
-    key = (cupy.cuda.runtime.getDevice(), variant.name)
-    if key not in _prepared:
-        k.max_dynamic_shared_size_bytes = variant.shared_bytes
-        _prepared.add(key)
-    return k
+    return _with_shared_memory(variant.module, variant.entry, variant.shared_bytes)
 
 
 def flash_attention(variant: Variant, q, k, v, o, cu_seqlens, tile_seg, tile_q0, heads, flop=0):
