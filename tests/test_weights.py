@@ -78,38 +78,17 @@ def test_data_section_must_be_indexed_whole(tmp_path):
         WeightStore.open(str(tmp_path / "twice.safetensors"))
 
 
-def test_absurd_header_length(tmp_path):
-    p = tmp_path / "huge.safetensors"
-    p.write_bytes(struct.pack("<Q", 10**12) + b"{}")
-    with pytest.raises(CheckpointError, match="exceeds"):
-        read_header(str(p))
-
-
-def test_header_past_end_of_file(tmp_path):
-    p = tmp_path / "short.safetensors"
-    p.write_bytes(struct.pack("<Q", 500) + b"{}")
-    with pytest.raises(CheckpointError, match="past the end"):
-        read_header(str(p))
-
-
-def test_header_not_json(tmp_path):
-    p = tmp_path / "nj.safetensors"
-    p.write_bytes(struct.pack("<Q", 5) + b"{abc}")
-    with pytest.raises(CheckpointError, match="not valid JSON"):
-        read_header(str(p))
-
-
-def test_header_not_object(tmp_path):
-    p = tmp_path / "arr.safetensors"
-    p.write_bytes(struct.pack("<Q", 2) + b"[]")
-    with pytest.raises(CheckpointError, match="JSON object"):
-        read_header(str(p))
-
-
-def test_tiny_file(tmp_path):
-    p = tmp_path / "tiny.safetensors"
-    p.write_bytes(b"abc")
-    with pytest.raises(CheckpointError, match="too short"):
+@pytest.mark.parametrize("raw,says", [
+    (struct.pack("<Q", 10**12) + b"{}", "exceeds"),          # an absurd header length
+    (struct.pack("<Q", 500) + b"{}", "past the end"),        # a header longer than the file
+    (struct.pack("<Q", 5) + b"{abc}", "not valid JSON"),
+    (struct.pack("<Q", 2) + b"[]", "JSON object"),
+    (b"abc", "too short"),                                   # not even the 8-byte length
+])
+def test_bad_headers_are_refused(tmp_path, raw, says):
+    p = tmp_path / "bad.safetensors"
+    p.write_bytes(raw)
+    with pytest.raises(CheckpointError, match=says):
         read_header(str(p))
 
 
