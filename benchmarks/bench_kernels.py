@@ -1,7 +1,10 @@
 """Micro-benchmarks for every kernel entry in cuda/ and the cuBLAS GEMMs, at the tower's shapes (32,000
 patches unless said), through the same launchers the engine uses (glmvit_cupy.engine.ops): achieved
 GB/s against the H200's 4.8 TB/s, TFLOP/s against the measured 756 TFLOP/s GEMM ceiling, and flash
-attention beside torch SDPA (cuDNN) when torch is present.
+attention beside torch SDPA (cuDNN) when torch is present, on one segment of 1k-32k keys and on 16
+segments of 1,024 (SDPA's batch of 16). Every kernel is timed back to back behind a kernel that holds
+the stream (common.kernel_ms): its throughput as a replayed CUDA graph runs it, without the host's
+launch time, which a single timed call of a 0.1-0.2 ms kernel would count (torch's and ours alike).
 
     python benchmarks/bench_kernels.py [--attention-only | --gate-up-only]
 """
@@ -13,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))  # run from a checkout
-from benchmarks.common import GEMM_CEIL, PEAK_BW, table, time_ms, torch_ms  # noqa: E402
+from benchmarks.common import GEMM_CEIL, PEAK_BW, kernel_ms, table  # noqa: E402
 
 N, H, I, O, P = 32000, 1024, 4096, 4096, 10240  # patches, hidden, MLP, out_hidden, merger MLP
 CHUNK = 4096  # the engine's row chunk for QKV and MLP
@@ -39,7 +42,7 @@ def main():
     eps, rows = 1e-5, []
 
     def bw(name, fn, nbytes):
-        ms = time_ms(fn)
+        ms = kernel_ms(fn)
         rows.append([name, f"{ms * 1e3:.0f}", f"{nbytes / ms / 1e6:.0f}", f"{100 * nbytes / (ms / 1e3) / PEAK_BW:.0f}%"])
 
     x, w, b, normed = rnd((N, H)), rnd((H,), BF), rnd((H,), BF), cupy.empty((N, H), BF)
@@ -80,7 +83,7 @@ def main():
                                      ("merger down 2048x4096x10240 -> bf16", 2048, O, P, BF, False),
                                      ("square 8192^3 -> bf16 (the ceiling)", 8192, 8192, 8192, BF, False)]:
         a, wt, out = rnd((m, kk), BF), rnd((n, kk), BF), rnd((m, n), odt)
-        ms = time_ms(lambda: ops.linear(a, wt, out, accumulate=acc))
+        ms = kernel_ms(lambda: ops.linear(a, wt, out, accumulate=acc))
         fl = 2 * m * n * kk
         grows.append([name, f"{ms:.3f}", f"{fl / ms / 1e9:.0f}", f"{100 * fl / ms / 1e9 / (GEMM_CEIL / 1e12):.0f}%"])
     table(["cuBLAS GEMM", "ms", "TFLOP/s", "% of 756"], grows)
@@ -112,8 +115,8 @@ def bench_gate_up():
             ops.linear(a, w, gu)
             ops.swiglu_clamp(gu, bg, bu, out, 10.0)
 
-        ms_u = time_ms(unfused)
-        ms_f = time_ms(lambda: ops.gate_up_swiglu(a, w, bg, bu, out, 10.0))
+        ms_u = kernel_ms(unfused)
+        ms_f = kernel_ms(lambda: ops.gate_up_swiglu(a, w, bg, bu, out, 10.0))
         fl = 2 * m * k * 2 * inter
         rows.append([f"{name} ({m}x{2 * inter}x{k})", f"{ms_u:.3f}", f"{fl / ms_u / 1e9:.0f}", f"{ms_f:.3f}",
                      f"{fl / ms_f / 1e9:.0f}", f"{ms_u / ms_f:.2f}x"])
@@ -134,20 +137,24 @@ def bench_attention():
         torch = None
     BF, arows, sdpa = ml_dtypes.bfloat16, [], {}
     sm90 = cupy.cuda.Device().compute_capability == "90"
+    cases = [(n,) for n in (1024, 4096, 16384, 32000)] + [(1024,) * 16]
     for v in [v for v in VARIANTS.values() if v.head_dim == 64 and (sm90 or v.arch != "sm90")]:
-        for n in (1024, 4096, 16384, 32000):
+        for lens in cases:
+            n = sum(lens)
             q, k, val, o = (rnd((n, H), BF) for _ in range(4))
-            cu_h = np.array([0, n], np.int32)
+            cu_h = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
             ts, tq = (cupy.asarray(a) for a in tiles(cu_h, v.rows))
             cu = cupy.asarray(cu_h)
-            ms = time_ms(lambda: ops.flash_attention(v, q, k, val, o, cu, ts, tq, 16))
-            fl = 4 * n * n * H
-            row = [v.name, n, f"{ms:.3f}", f"{fl / ms / 1e9:.0f}"]
+            ms = kernel_ms(lambda: ops.flash_attention(v, q, k, val, o, cu, ts, tq, 16))
+            fl = 4 * sum(x * x for x in lens) * H
+            row = [v.name, f"{len(lens)} x {lens[0]}" if len(lens) > 1 else n, f"{ms:.3f}", f"{fl / ms / 1e9:.0f}"]
             if torch is not None:
-                if n not in sdpa:
-                    tq_, tk, tv = (torch.randn(1, 16, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                    sdpa[n] = torch_ms(lambda: F.scaled_dot_product_attention(tq_, tk, tv))
-                sms = sdpa[n]
+                if lens not in sdpa:  # equal segments: SDPA's batch dimension
+                    tq_, tk, tv = (torch.randn(len(lens), 16, lens[0], 64, device="cuda", dtype=torch.bfloat16)
+                                   for _ in range(3))
+                    sdpa[lens] = kernel_ms(lambda: F.scaled_dot_product_attention(tq_, tk, tv),
+                                           stream_ptr=torch.cuda.current_stream().cuda_stream)
+                sms = sdpa[lens]
                 row += [f"{sms:.3f}", f"{fl / sms / 1e9:.0f}", f"{sms / ms:.2f}x"]
             arows.append(row)
     table(["flash attention (16 heads x 64)", "tokens", "ms", "TFLOP/s", "SDPA ms", "SDPA TFLOP/s", "SDPA / ours"],

@@ -45,6 +45,42 @@ def torch_ms(fn, warmup=3, repeat=10):
     return float(np.median(times))
 
 
+# A one-thread kernel that keeps its stream busy for `ns` nanoseconds (the GPU's global timer).
+_HOLD = r"""
+extern "C" __global__ void hold(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+
+
+def kernel_ms(fn, stream_ptr=None, warmup=3, batches=5, per_batch=10, hold_ms=20.0):
+    """Median milliseconds per fn() as the GPU runs it: each batch of `per_batch` calls is queued
+    behind a kernel that holds the stream for `hold_ms`, so the calls run back to back and the host's
+    launch time (Python, argument packing: tens of microseconds) is not counted; a kernel's
+    throughput, as a replayed CUDA graph sees it. `stream_ptr`: the stream fn() launches on (torch's
+    current stream for torch work; default CuPy's current stream)."""
+    import cupy
+
+    stream = cupy.cuda.ExternalStream(stream_ptr) if stream_ptr else cupy.cuda.get_current_stream()
+    hold = cupy.RawKernel(_HOLD, "hold")
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    times = []
+    for _ in range(batches):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        hold((1,), (1,), (np.uint64(hold_ms * 1e6),), stream=stream)
+        a.record(stream)
+        for _ in range(per_batch):
+            fn()
+        b.record(stream)
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b) / per_batch)
+    return float(np.median(times))
+
+
 def forward_flop(geo, grids):
     """Linear layers + attention + merger FLOP of one forward (2 FLOP a multiply-add; attention 4 n^2 hidden)."""
     h, i, out, pi = geo.hidden_size, geo.intermediate_size, geo.out_hidden_size, geo.projection_intermediate_size
