@@ -306,37 +306,6 @@ def test_attention_idle_tiles_write_nothing(variant):
     assert not np.isnan(outs[1][:767].view(BF).astype(np.float32)).any()
 
 
-@pytest.mark.parametrize("variant", [name for name in D64 if VARIANTS[name].arch == "sm90"])
-def test_attention_persistent_walk(variant):
-    """Hopper's persistent grid: each CTA takes many (tile, head) items of mixed lengths, idle ones among
-    them (segment -1 in the middle of the tile list, not only at its end), claimed from counters that
-    each launch must leave at zero: every real row right, a second launch with the same counters gives
-    the same bits, and rows no tile covers stay poisoned."""
-    v, heads, d = VARIANTS[variant], 16, 64
-    lengths = rng.integers(1, 900, 40).tolist()
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    n = int(cu[-1])
-    seg, q0 = tiles(cu, v.rows)
-    at = np.sort(rng.integers(0, len(seg) + 1, 25))
-    seg, q0 = np.insert(seg, at, -1), np.insert(q0, at, 0)
-    assert len(seg) * heads > 4 * cupy.cuda.Device().attributes["MultiProcessorCount"]  # several items a CTA
-    q, k, val = (rng.standard_normal((n + 100, heads, d), dtype=np.float32).astype(BF) for _ in range(3))
-    q = (q.astype(np.float32) * 2).astype(BF)
-    sched, outs = cupy.zeros(2, np.int32), []
-    for _ in range(2):
-        o = poison((n + 100, heads * d))
-        ops.flash_attention(v, dev(q.reshape(n + 100, -1)), dev(k.reshape(n + 100, -1)),
-                            dev(val.reshape(n + 100, -1)), o, dev(cu), dev(seg), dev(q0), heads, sched=sched)
-        assert cupy.asnumpy(sched).tolist() == [0, 0], "the launch left its work counters set"
-        outs.append(cupy.asnumpy(o))
-    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
-    assert np.array_equal(outs[0][n:].view(np.uint16), cupy.asnumpy(poison((100, heads * d))).view(np.uint16))
-    got = outs[0][:n].astype(np.float32).reshape(n, heads, d)
-    rows = np.unique(np.concatenate([rng.choice(n, 1200, replace=False), cu[:-1], cu[1:] - 1]))
-    ref = attention_ref(*(a[:n].astype(np.float64) for a in (q, k, val)), cu, rows)
-    assert rel(got[rows], ref) <= ATTN_TOL
-
-
 @pytest.mark.parametrize("variant", D64)
 def test_attention_reads_nothing_past_its_segment(variant):
     """Tiles that straddle a segment's end see other rows: the next segment's, or a token budget's stale

@@ -53,11 +53,11 @@ class Variant:
 
     @property
     def shared_bytes(self) -> int:
-        """Dynamic shared memory: sm90, two Q tiles (the persistent kernel loads the next item's early) and
-        `stages` K and V tiles of 64-key rows of 128 bytes, 128B-swizzled from a 1024-byte boundary (+1024 to align); sm80, Q and two K and V tiles in rows padded
+        """Dynamic shared memory: sm90, the Q tile and `stages` K and V tiles of 64-key rows of 128 bytes,
+        128B-swizzled from a 1024-byte boundary (+1024 to align); sm80, Q and two K and V tiles in rows padded
         by 8 bf16 (ldmatrix's banks)."""
         if self.arch == "sm90":
-            return 2 * self.rows * 128 + self.stages * 2 * KEYS_PER_TILE_SM90 * 128 + 1024
+            return self.rows * 128 + self.stages * 2 * KEYS_PER_TILE_SM90 * 128 + 1024
         return (self.rows + 4 * KEYS_PER_TILE_SM80) * (self.head_dim + 8) * 2
 
 

@@ -57,7 +57,7 @@ def attn(g: VisionGeometry, blk: Block, s: Arena, plan: Plan, x, pending_bias, i
         ops.qk_norm_rope(qkv, blk.qkv_bias, blk.q_norm, blk.k_norm, plan.positions, inv_freq, q, k, v,
                          r0, heads, g.rms_norm_eps)  # + attn.qkv's bias
     ops.flash_attention(plan.variant, q, k, v, o, plan.cu_seqlens, plan.tile_seg, plan.tile_q0, heads,
-                        flop=plan.attention_flop, sched=plan.sched)
+                        flop=plan.attention_flop)
     ops.linear(o, blk.proj_weight, x, accumulate=True, handle=blas, name="GEMM attn.proj")
 
 

@@ -248,36 +248,15 @@ def attention_kernel(variant: Variant):
     return _with_shared_memory(variant.module, variant.entry, variant.shared_bytes)
 
 
-def flash_attention(variant: Variant, q, k, v, o, cu_seqlens, tile_seg, tile_q0, heads, flop=0, sched=None):
+def flash_attention(variant: Variant, q, k, v, o, cu_seqlens, tile_seg, tile_q0, heads, flop=0):
     """o = softmax(q k^T / sqrt(D)) v within each segment of cu_seqlens [S + 1]; q, k, v, o bf16
-    [N, heads * D]; work items (query tile, head), tiles from attention.tiles(cu, variant.rows). sm90: a
-    persistent grid (one CTA per SM at most) that claims items from `sched`, int32 [2] of zeros on the
-    device which each launch leaves zeroed (one per stream that launches: a plan's own, or this
-    device's default)."""
+    [N, heads * D]; one CTA per (query tile, head), tiles from attention.tiles(cu, variant.rows)."""
     if len(tile_q0) == 0:
         return o
     scale_log2 = np.float32(math.log2(math.e) / math.sqrt(variant.head_dim))
     fn = attention_kernel(variant)
+    args = (q, k, v, o, cu_seqlens, tile_seg, tile_q0, np.int32(heads), scale_log2)
     if variant.arch == "sm90":  # its TMA producer reads Q, K and V through tensor maps
-        grid = (min(len(tile_q0) * heads, _sm_count()),)
-        args = (q, k, v, o, cu_seqlens, tile_seg, tile_q0, np.int32(len(tile_q0)), np.int32(heads), scale_log2,
-                _default_sched() if sched is None else sched,
-                tensor_map(q, variant.rows), tensor_map(k, KEYS_PER_TILE_SM90), tensor_map(v, KEYS_PER_TILE_SM90))
-    else:
-        grid = (len(tile_q0), heads)
-        args = (q, k, v, o, cu_seqlens, tile_seg, tile_q0, np.int32(heads), scale_log2)
+        args += (tensor_map(q, variant.rows), tensor_map(k, KEYS_PER_TILE_SM90), tensor_map(v, KEYS_PER_TILE_SM90))
     _launch(f"flash attention ({variant.name})", flop, lambda: fn(
-        grid, (variant.threads,), args, shared_mem=variant.shared_bytes))
-
-
-_scheds: dict = {}
-
-
-def _default_sched():
-    """This device's work counters for attention launches that bring none (tests, benchmarks: one
-    stream)."""
-    dev = cupy.cuda.runtime.getDevice()
-    c = _scheds.get(dev)
-    if c is None:
-        c = _scheds[dev] = cupy.zeros(2, dtype=cupy.int32)
-    return c
+        (len(tile_q0), heads), (variant.threads,), args, shared_mem=variant.shared_bytes))

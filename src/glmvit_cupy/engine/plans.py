@@ -38,7 +38,6 @@ class Plan:
     tile_seg: cupy.ndarray    # int32 [tiles]: each attention query tile's segment (-1: idle)
     tile_q0: cupy.ndarray     # int32 [tiles]: and its first row
     variant: Variant
-    sched: cupy.ndarray       # int32 [2]: the persistent attention's work counters (each launch leaves them 0)
     attention_flop: int = 0   # this call's, per block: 4 * sum(segment^2) * hidden
     uses: int = 0
     graph: object = None
@@ -120,4 +119,4 @@ class PlanCache:
         o = layout(b, tiles)
         dev = cupy.zeros(o[-1], dtype=cupy.int32)
         return Plan(b, dev, dev[o[0]:o[1]].reshape(b, 2), dev[o[1]:o[2]], dev[o[2]:o[3]], dev[o[3]:o[4]],
-                    attention.VARIANTS[name], cupy.zeros(2, dtype=cupy.int32))
+                    attention.VARIANTS[name])
