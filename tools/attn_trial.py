@@ -1,6 +1,6 @@
 """Try attention variants one subprocess each (a hung or faulting kernel costs one line, not the run):
 correctness on the issue's segment mixes, then TFLOP/s at 16 heads x 64 on one segment of 1,024 /
-4,096 / 16,384 / 32,000 keys and on 16 segments of 1,024 (bench_kernels.py has torch SDPA beside):
+4,096 / 16,384 / 32,000 keys, on 16 segments of 1,024 and on 12 of 150-2,500 (seeded) (bench_kernels.py has torch SDPA beside):
 back to back (common.kernel_ms, the kernel's throughput) and, on a second line, one call timed alone
 (which also counts the host's launch time).
 
@@ -31,7 +31,7 @@ errs.append(run_attention(list(np.random.default_rng(1).integers(1, 700, 16)), s
 errs.append(run_attention([32000], heads=2, sample=256, variant=v))
 variant = VARIANTS[v]
 perf, perf1 = [], []
-for lens in ([1024], [1024] * 16, [4096], [16384], [32000]):
+for lens in ([1024], [1024] * 16, [4096], [16384], [32000], [int(x) for x in np.random.default_rng(2).integers(150, 2500, 12)]):
     n = sum(lens)
     q, k, vv, o = (rnd((n, H), BF) for _ in range(4))
     cu_h = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -51,7 +51,7 @@ def main():
     from glmvit_cupy.engine.attention import VARIANTS
 
     names = sys.argv[1:] or [v for v in VARIANTS if v.startswith("sm90")]
-    print("| variant | max rel L2 | TFLOP/s 1024 | 16 x 1024 | 4096 | 16384 | 32000 |\n|---|---|---|---|---|---|---|")
+    print("| variant | max rel L2 | TFLOP/s 1024 | 16 x 1024 | 4096 | 16384 | 32000 | 12 mixed, 150-2,500 |\n|---|---|---|---|---|---|---|---|")
     sys.stdout.flush()
     for v in names:
         try:
