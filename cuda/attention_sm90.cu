@@ -21,11 +21,11 @@
 // costs 256 MMA FLOP; an SM's tensor cores do 4,096 FLOP a clock (16 scores) and its MUFU 16 ex2
 // a clock: the exp unit caps attention at the tensor rate, ~1,070 TFLOP/s at 1.98 GHz on 132 SMs,
 // and without overlap of softmax and MMA at half that. Bytes are small beside it (q, k, v, o
-// 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on the H200 (tools/
-// attn_trial.py; one segment of 4,096 / 16,384 / 32,000 keys and 16 segments of 1,024, TFLOP/s):
-// 4 consumer warpgroups 367 / 485 / 459 / 320; the previous kernel (3 warpgroups, 128-key tiles by
-// cp.async, one exp in 16 on the FMA pipe) 295-312 / 423-425 / 421-427 / 256-268; cuDNN (torch SDPA)
-// 417 / 487 / 476 at one segment.
+// 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on the H200 (benchmarks/
+// bench_kernels.py at 91cf507, kernels back to back; TFLOP/s at one segment of 4,096 / 16,384 / 32,000
+// keys and 16 segments of 1,024): 4 consumer warpgroups 461 / 498 / 474 / 374; cuDNN (torch SDPA) in
+// the same run 469 / 497 / 481 / 432. (Timed one call at a time, as tables before 91cf507 were, the
+// 4k and 16 x 1k figures also counted ~10% of Python launch.)
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "attention_sm90.cu needs sm_90a (wgmma, setmaxnreg): compile it for compute capability 9.0 only"
 #endif
