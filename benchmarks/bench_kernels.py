@@ -2,7 +2,8 @@
 patches unless said), through the same launchers the engine uses (glmvit_cupy.engine.ops): achieved
 GB/s against the H200's 4.8 TB/s, TFLOP/s against the measured 756 TFLOP/s GEMM ceiling, and flash
 attention beside torch SDPA (cuDNN) when torch is present, on one segment of 1k-32k keys and on 16
-segments of 1,024 (SDPA's batch of 16). Every kernel is timed back to back behind a kernel that holds
+segments of 1,024 (SDPA's batch of 16), with each one's error against float64 at 4,096 keys (the same
+inputs, 256 sampled query rows). Every kernel is timed back to back behind a kernel that holds
 the stream (common.kernel_ms): its throughput as a replayed CUDA graph runs it, without the host's
 launch time, which a single timed call of a 0.1-0.2 ms kernel would count (torch's and ours alike).
 
@@ -123,6 +124,20 @@ def bench_gate_up():
     table(["gate/up + swiglu", "cuBLAS + pass ms", "TFLOP/s", "fused ms", "TFLOP/s", "fused speed-up"], rows)
 
 
+def attention_error(q, k, v, out, heads=16, sample=256):
+    """Relative L2 error of one segment's attention output `out` (rows x heads*64, any array with
+    .astype) against float64 on `sample` query rows, from the same bf16 inputs."""
+    import cupy
+
+    f64 = [cupy.asnumpy(a).astype(np.float64).reshape(len(a), heads, -1) for a in (q, k, v)]
+    rows = np.random.default_rng(3).choice(len(f64[0]), sample, replace=False)
+    s = np.einsum("rhd,nhd->hrn", f64[0][rows], f64[1]) / np.sqrt(f64[0].shape[-1])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = np.einsum("hrn,nhd->rhd", p / p.sum(-1, keepdims=True), f64[2])
+    got = np.asarray(out, dtype=np.float64).reshape(len(f64[0]), heads, -1)[rows]
+    return np.linalg.norm(got - ref) / np.linalg.norm(ref)
+
+
 def bench_attention():
     import cupy
     import ml_dtypes
@@ -135,7 +150,7 @@ def bench_attention():
         import torch.nn.functional as F
     except ImportError:
         torch = None
-    BF, arows, sdpa = ml_dtypes.bfloat16, [], {}
+    BF, arows, sdpa, errs = ml_dtypes.bfloat16, [], {}, {}
     sm90 = cupy.cuda.Device().compute_capability == "90"
     cases = [(n,) for n in (1024, 4096, 16384, 32000)] + [(1024,) * 16]
     for v in [v for v in VARIANTS.values() if v.head_dim == 64 and (sm90 or v.arch != "sm90")]:
@@ -148,6 +163,12 @@ def bench_attention():
             ms = kernel_ms(lambda: ops.flash_attention(v, q, k, val, o, cu, ts, tq, 16))
             fl = 4 * sum(x * x for x in lens) * H
             row = [v.name, f"{len(lens)} x {lens[0]}" if len(lens) > 1 else n, f"{ms:.3f}", f"{fl / ms / 1e9:.0f}"]
+            if lens == (4096,):
+                errs[v.name] = attention_error(q, k, val, cupy.asnumpy(o).astype(np.float32))
+                if torch is not None and "SDPA" not in errs:
+                    tq_, tk, tv = (torch.from_dlpack(a).view(n, 16, 64).transpose(0, 1)[None] for a in (q, k, val))
+                    so = F.scaled_dot_product_attention(tq_, tk, tv)[0].transpose(0, 1).float().cpu().numpy()
+                    errs["SDPA"] = attention_error(q, k, val, so)
             if torch is not None:
                 if lens not in sdpa:  # equal segments: SDPA's batch dimension
                     tq_, tk, tv = (torch.randn(len(lens), 16, lens[0], 64, device="cuda", dtype=torch.bfloat16)
@@ -159,6 +180,7 @@ def bench_attention():
             arows.append(row)
     table(["flash attention (16 heads x 64)", "tokens", "ms", "TFLOP/s", "SDPA ms", "SDPA TFLOP/s", "SDPA / ours"],
           arows)
+    table(["attention at 4,096 keys", "rel L2 error vs float64"], [[name, f"{e:.2e}"] for name, e in errs.items()])
 
 
 if __name__ == "__main__":

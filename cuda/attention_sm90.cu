@@ -22,10 +22,10 @@
 // a clock: the exp unit caps attention at the tensor rate, ~1,070 TFLOP/s at 1.98 GHz on 132 SMs,
 // and without overlap of softmax and MMA at half that. Bytes are small beside it (q, k, v, o
 // 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on the H200 (benchmarks/
-// bench_kernels.py at 91cf507, kernels back to back; TFLOP/s at one segment of 4,096 / 16,384 / 32,000
-// keys and 16 segments of 1,024): 4 consumer warpgroups 461 / 498 / 474 / 374; cuDNN (torch SDPA) in
-// the same run 469 / 497 / 481 / 432. (Timed one call at a time, as tables before 91cf507 were, the
-// 4k and 16 x 1k figures also counted ~10% of Python launch.)
+// bench_kernels.py, kernels back to back; TFLOP/s at one segment of 4,096 / 16,384 / 32,000 keys and
+// 16 segments of 1,024): with the running max (ONLINE) 451 / 488 / 472 / 369; without it (the fixed
+// offset, where the weights bound every score) 556 / 611 / 574 / 439; cuDNN (torch SDPA) in the same
+// run 465 / 496 / 477 / 430.
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "attention_sm90.cu needs sm_90a (wgmma, setmaxnreg): compile it for compute capability 9.0 only"
 #endif
@@ -59,7 +59,7 @@ __device__ __forceinline__ void load_tile_sw(unsigned char* s, const bf16* g, in
     }
 }
 
-template <int NC, int STAGES>
+template <int NC, int STAGES, bool ONLINE = true>
 __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                                   bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
                                   const int* __restrict__ tile_q0, int heads, float scale_log2,
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
         wgmma_commit();
         if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
         wgmma_wait0();
-        softmax_tile<BNW, 32>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
+        softmax_tile<BNW, 32, ONLINE>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
         wgmma_fence();
         issue_pv(st, it > 0);
         wgmma_commit();

@@ -1,20 +1,27 @@
-// The online softmax of the flash-attention kernels (mma.sync and wgmma lay a thread's S
+// The softmax of the flash-attention kernels (mma.sync and wgmma lay a thread's S
 // accumulators out alike).
 #pragma once
 #include "ptx.cuh"
 
-// 2^x on the special-function unit; x <= 0 here (scores minus their running max), -inf -> 0.
+// 2^x on the special-function unit; x <= 0 with the running max, |x| <= FIXED_OFFSET_LIMIT without it;
+// -inf (a masked key) -> 0.
 __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 
-// One K/V tile's online softmax on this thread's S accumulators (rows g and g + 8 of its 16-row
-// slice; the m16n8 mma.sync and the m64nN wgmma lay them out alike: 4 values per 8 keys): mask keys at or past kvalid, update the running max and sum, rescale O (unless this is the
-// first tile; NACC floats of O per thread), and pack P = exp2(S * scale - max) as the bf16 A
-// fragments of the P V MMA (the same register layout for mma.sync m16n8k16 and wgmma RS).
-template <int BNW, int NACC>
+// One K/V tile's softmax on this thread's S accumulators (rows g and g + 8 of its 16-row slice; the
+// m16n8 mma.sync and the m64nN wgmma lay them out alike: 4 values per 8 keys): mask keys at or past
+// kvalid, then pack P as the bf16 A fragments of the P V MMA (the same register layout for mma.sync
+// m16n8k16 and wgmma RS) and add it to the row sums.
+// ONLINE: P = exp2(S * scale - running max), the max and sum updated and O rescaled (NACC floats of O
+// per thread; not on the first tile) as the max grows: exact for any scores.
+// !ONLINE: P = exp2(S * scale), no max at all. Valid only when every score is known to lie within
+// +-FIXED_OFFSET_LIMIT (log2 units) of 0, so no exp overflows and a row's largest P stays a normal
+// float; the model checks that bound from its q_norm / k_norm weights at load (engine/attention.py
+// score_bound_log2). It drops the max's 32 FMNMX, its shuffles and the 32-float rescale a tile.
+template <int BNW, int NACC, bool ONLINE = true>
 __device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float* acc, float& m0, float& m1, float& l0,
                                              float& l1, int kvalid, int t, float scale_log2, bool rescale) {
     if (kvalid < BNW) {
@@ -25,22 +32,22 @@ __device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float*
             if (c + 1 >= kvalid) s[4 * j + 1] = s[4 * j + 3] = NEG_INF;
         }
     }
-    // The max of the raw scores, scaled once (scale_log2 > 0: the same value as scaling each).
-    float mx0 = NEG_INF, mx1 = NEG_INF;
+    float mx0 = 0.f, mx1 = 0.f;
+    if constexpr (ONLINE) {
+        // The max of the raw scores, scaled once (scale_log2 > 0: the same value as scaling each).
+        mx0 = mx1 = NEG_INF;
 #pragma unroll
-    for (int j = 0; j < BNW / 8; ++j) {
-        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+        for (int j = 0; j < BNW / 8; ++j) {
+            mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+            mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+        }
+        mx0 = fmaxf(m0, mx0 * scale_log2);
+        mx1 = fmaxf(m1, mx1 * scale_log2);
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
     }
-    mx0 = fmaxf(m0, mx0 * scale_log2);
-    mx1 = fmaxf(m1, mx1 * scale_log2);
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float c0 = ex2(m0 - mx0), c1 = ex2(m1 - mx1);
-    m0 = mx0;
-    m1 = mx1;
     float r0 = 0.f, r1 = 0.f;
 #pragma unroll
     for (int j = 0; j < BNW / 8; ++j) {
@@ -51,14 +58,22 @@ __device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float*
         r0 += s[4 * j] + s[4 * j + 1];
         r1 += s[4 * j + 2] + s[4 * j + 3];
     }
-    l0 = l0 * c0 + r0;
-    l1 = l1 * c1 + r1;
-    if (rescale) {
+    if constexpr (ONLINE) {
+        const float c0 = ex2(m0 - mx0), c1 = ex2(m1 - mx1);
+        m0 = mx0;
+        m1 = mx1;
+        l0 = l0 * c0 + r0;
+        l1 = l1 * c1 + r1;
+        if (rescale) {
 #pragma unroll
-        for (int j = 0; j < NACC / 4; ++j) {
-            acc[4 * j] *= c0; acc[4 * j + 1] *= c0;
-            acc[4 * j + 2] *= c1; acc[4 * j + 3] *= c1;
+            for (int j = 0; j < NACC / 4; ++j) {
+                acc[4 * j] *= c0; acc[4 * j + 1] *= c0;
+                acc[4 * j + 2] *= c1; acc[4 * j + 3] *= c1;
+            }
         }
+    } else {
+        l0 += r0;
+        l1 += r1;
     }
 #pragma unroll
     for (int kk = 0; kk < BNW / 16; ++kk) {

@@ -1,12 +1,14 @@
 """The kernel registry's view of cuda/ and the attention variant table (no GPU needed): every kernel the
 engine launches exists, and every variant is derived consistently and refused where it cannot run."""
 
+import math
 import re
 
 import numpy as np
 import pytest
 
-from glmvit_cupy.engine.attention import VARIANTS, check_variant, default_variants, pick_variant, tiles
+from glmvit_cupy.engine.attention import (FIXED_OFFSET_LIMIT, VARIANTS, check_variant, default_variants, pick_variant,
+                                          score_bound_log2, tiles)
 from glmvit_cupy.engine.kernels import cuda_dir, kernel_names, modules
 
 
@@ -52,7 +54,7 @@ def test_attention_variant_choice():
 
 
 @pytest.mark.parametrize("name,head_dim,cc,says", [
-    ("sm90_3wg_fma1in16", 64, "90", r"unknown; choices: sm90_4wg, sm90_2wg, sm80_d32"),
+    ("sm90_3wg_fma1in16", 64, "90", r"unknown; choices: sm90_4wg, sm90_2wg, sm90_4wg_fixed, sm90_2wg_fixed, sm80_d32"),
     ("sm90_4wg", 64, "80", r"needs a Hopper GPU .* this GPU is 8\.0: use sm80_d64"),
     ("sm90_4wg", 64, "100", r"this GPU is 10\.0"),
     ("sm80_d32", 64, "90", r"built for head dim 32, this tower's is 64; choices for it: sm90_4wg"),
@@ -60,6 +62,47 @@ def test_attention_variant_choice():
 def test_bad_attention_variants_are_refused_before_any_launch(name, head_dim, cc, says):
     with pytest.raises(ValueError, match=says):
         check_variant(name, head_dim, cc)
+
+
+def test_fixed_offset_variants_only_where_the_weights_bound_every_score():
+    """The variants without a running max run only when score_bound_log2 of the norm weights is within
+    FIXED_OFFSET_LIMIT: chosen by default then, refused (naming the online variant) past it."""
+    small, large = score_bound_log2(1.3, 1.2, 64), score_bound_log2(4.0, 3.0, 64)
+    assert small <= FIXED_OFFSET_LIMIT < large
+    assert default_variants(64, "90", small) == ("sm90_4wg_fixed", "sm90_2wg_fixed")
+    assert default_variants(64, "90", large) == default_variants(64, "90") == ("sm90_4wg", "sm90_2wg")
+    assert default_variants(64, "90", math.nan) == ("sm90_4wg", "sm90_2wg")  # no bound: the online ones
+    assert default_variants(64, "80", small) == ("sm80_d64",)
+    assert VARIANTS["sm90_4wg_fixed"].entry == "flash_fwd_sm90<4, 4, false>"
+    assert check_variant("sm90_4wg_fixed", 64, "90", small).name == "sm90_4wg_fixed"
+    with pytest.raises(ValueError, match=r"running max.* allow 139\.9: use sm90_4wg$"):
+        check_variant("sm90_4wg_fixed", 64, "90", large)
+    with pytest.raises(ValueError, match="running max"):
+        check_variant("sm90_2wg_fixed", 64, "90", math.nan)
+
+
+def test_score_bound_holds_and_is_reached():
+    """The bound from the norm weights alone (RMSNorm, then a rotation of pairs, then q . k / sqrt(D)
+    in log2 units): random q and k stay under it, and the extreme case (all of x on the coordinate
+    with the largest weight, the same for q and k, the same rotation) comes within its 1% margin."""
+    rng, d, j = np.random.default_rng(), 64, 5
+    wq, wk = rng.uniform(-2.0, 2.0, d), rng.uniform(-2.0, 2.0, d)
+    wq[j], wk[j] = -2.5, 2.5  # both largest |w| on one coordinate: the extreme case below reaches the bound
+    bound = score_bound_log2(np.abs(wq).max(), np.abs(wk).max(), d)
+
+    def normed_rotated(x, w, ang):
+        y = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * w
+        a, b = y[..., : d // 2], y[..., d // 2:]
+        return np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], -1)
+
+    ang = rng.uniform(0, 2 * np.pi, (4000, d // 2))
+    q = normed_rotated(rng.standard_normal((4000, d)) * rng.uniform(0.01, 100, (4000, 1)), wq, ang)
+    k = normed_rotated(rng.standard_normal((4000, d)), wk, ang[::-1])
+    assert np.abs((q * k).sum(-1)).max() * math.log2(math.e) / math.sqrt(d) < bound
+    e = np.zeros(d)
+    e[j] = 1.0
+    qe, ke = normed_rotated(e, wq, ang[0]), normed_rotated(e, wk, ang[0])
+    assert abs((qe * ke).sum()) * math.log2(math.e) / math.sqrt(d) >= bound / 1.01 * (1 - 1e-4)
 
 
 def test_good_attention_variants_pass():

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 
@@ -20,7 +21,7 @@ from ..checkpoint import TowerBinding, bind_tower
 from ..config import VisionGeometry
 from ..preprocess import value_table
 from . import arena, layers, ops, params
-from .attention import check_variant, default_variants
+from .attention import check_variant, default_variants, score_bound_log2
 from .budgets import full_pass_budgets
 from .executor import CAPTURE_ON_SECOND_CALL, Executor
 from .plans import PlanCache
@@ -28,6 +29,12 @@ from .staging import Stager, stage_pixels
 from .uploads import Uploader
 
 log = logging.getLogger("glmvit_cupy")
+
+
+def _abs_max(binding: TowerBinding, suffix: str) -> float:
+    """The largest |value| of one tower tensor; inf if it holds a NaN or an inf (then no bound)."""
+    m = float(np.abs(binding.host(suffix).astype(np.float32)).max())
+    return m if math.isfinite(m) else math.inf
 
 
 def _capacity(capacity_tokens, max_image_tokens) -> int:
@@ -62,8 +69,13 @@ class GlmVit:
         self.capacity_tokens = _capacity(capacity_tokens, max_image_tokens)
         self.device = cupy.cuda.Device(device if device is not None else cupy.cuda.Device().id)
         cc = self.device.compute_capability
-        names = (check_variant(attention_variant, g.head_dim, cc).name,) if attention_variant \
-            else default_variants(g.head_dim, cc)
+        # Every score's bound from the q_norm / k_norm weights: within attention.FIXED_OFFSET_LIMIT the
+        # Hopper kernels drop the softmax's running max.
+        self.score_bound = max(score_bound_log2(_abs_max(binding, f"blocks.{i}.attn.q_norm.weight"),
+                                                _abs_max(binding, f"blocks.{i}.attn.k_norm.weight"), g.head_dim)
+                               for i in range(g.depth))
+        names = (check_variant(attention_variant, g.head_dim, cc, self.score_bound).name,) if attention_variant \
+            else default_variants(g.head_dim, cc, self.score_bound)
         fits = cc == "90" and all(ops.gate_up_swiglu_fits(k, i) for k, i in (
             (g.hidden_size, g.intermediate_size), (g.out_hidden_size, g.projection_intermediate_size)))
         if fused_swiglu and not fits:
