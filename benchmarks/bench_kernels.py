@@ -46,10 +46,10 @@ def main():
         ms = kernel_ms(fn)
         rows.append([name, f"{ms * 1e3:.0f}", f"{nbytes / ms / 1e6:.0f}", f"{100 * nbytes / (ms / 1e3) / PEAK_BW:.0f}%"])
 
-    x, w, b, normed = rnd((N, H)), rnd((H,), BF), rnd((H,), BF), cupy.empty((N, H), BF)
-    bw("norms.rmsnorm_residual [32000x1024]", lambda: ops.rmsnorm_residual(x, b, w, normed, eps), N * H * (4 + 4 + 2))
+    x, w, off, normed = rnd((N, H)), rnd((H,), BF), rnd((H,)), cupy.empty((N, H), BF)
+    bw("norms.rmsnorm_residual [32000x1024]", lambda: ops.rmsnorm_residual(x, off, w, normed, eps), N * H * (4 + 2))
     cols = cupy.empty((N // 4, 4 * H), BF)
-    bw("norms.rmsnorm_im2col [32000x1024]", lambda: ops.rmsnorm_im2col(x, b, w, cols, eps), N * H * (4 + 4 + 2))
+    bw("norms.rmsnorm_im2col [32000x1024]", lambda: ops.rmsnorm_im2col(x, off, w, cols, eps), N * H * (4 + 2))
     y, wo, bo, yb = rnd((N // 4, O)), rnd((O,), BF), rnd((O,), BF), cupy.empty((N // 4, O), BF)
     bw("norms.layernorm_gelu [8000x4096]", lambda: ops.layernorm_gelu(y, wo, bo, yb, eps), N // 4 * O * (4 + 2))
     qkv, bq, qn = rnd((CHUNK, 3 * H), BF), rnd((3 * H,), BF), rnd((64,), BF)

@@ -2,34 +2,38 @@
 // the reference's bf16 stream); norms read it in fp32 and emit bf16 GEMM inputs.
 //
 // Napkin math (32,000 patches x 1,024; H200 HBM 4.8 TB/s). Memory-bound (~4 FLOP an element):
-//   rmsnorm_residual: reads x (4 B), writes x + bias back (4 B) and the bf16 output (2 B): 328 MB,
-//     68 us at HBM speed; 48 a forward. Measured (bench_kernels, H200): a block a row 109 us, 3.0
-//     TB/s (63%, 66a180c); a warp a row (rmsnorm_residual_warp) 104 us, 3.2 TB/s (66%).
-//   rmsnorm_im2col: the same bytes, once a forward. Measured: 141 us, 2.3 TB/s (48%; strided stores).
+//   rmsnorm_residual: reads x (4 B), writes the bf16 output (2 B): 197 MB, 41 us at HBM speed; 48 a
+//     forward. x itself is never written: the biases of the GEMMs that accumulate into it arrive as
+//     one fp32 offset row (their running sum, engine/params.py), added as x is read. Writing x + bias
+//     back instead cost 4 B more an element: 84 us, 3.9 TB/s (81%) at fdfb776.
+//   rmsnorm_im2col: the same bytes, once a forward; strided stores.
 //   layernorm_gelu (8,000 x 4,096 merger rows): reads fp32 (4 B; the 16 KB row again from L1/L2 for
 //     the variance and the output), writes bf16 (2 B): 197 MB, 41 us. Measured: 152 us, 1.3 TB/s
 //     (27%); under 0.1% of a forward.
 #include "common.cuh"
 
-// One row, one block: xr += bias (when given, written back), and 1 / sqrt(mean(xr^2) + eps).
-__device__ __forceinline__ float add_bias_rms_inv(float* xr, const bf16* bias, int cols, float eps, float* red) {
+// x[c] + offset[c] (offset may be null: nothing added).
+__device__ __forceinline__ float offset_at(const float* xr, const float* offset, int c) {
+    return offset ? xr[c] + offset[c] : xr[c];
+}
+
+// One row, one block: 1 / sqrt(mean((xr + offset)^2) + eps).
+__device__ __forceinline__ float rms_inv(const float* xr, const float* offset, int cols, float eps, float* red) {
     float ss = 0.f;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = xr[c];
-        if (bias) { v += __bfloat162float(bias[c]); xr[c] = v; }
+        const float v = offset_at(xr, offset, c);
         ss += v * v;
     }
     return rsqrtf(block_sum(ss, red) / cols + eps);
 }
 
-// Four floats of row xr at column c into v, the bias (when given) added and written back; returns
-// their sum of squares. The register paths of both rmsnorm_residual kernels load a row this way.
-__device__ __forceinline__ float load4_add_bias(float4& v, float* xr, const bf16* bias, int c) {
+// Four floats of row xr at column c into v, the offset (when given) added; returns their sum of
+// squares. The register paths of both rmsnorm_residual kernels load a row this way.
+__device__ __forceinline__ float load4_offset(float4& v, const float* xr, const float* offset, int c) {
     v = *reinterpret_cast<const float4*>(xr + c);
-    if (bias) {
-        const float4 b = load4(bias + c);
+    if (offset) {
+        const float4 b = *reinterpret_cast<const float4*>(offset + c);
         v.x += b.x; v.y += b.y; v.z += b.z; v.w += b.w;
-        *reinterpret_cast<float4*>(xr + c) = v;
     }
     return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
 }
@@ -40,15 +44,15 @@ __device__ __forceinline__ void store4_scaled(bf16* o, const float4& v, float in
     store4(o, v.x * inv * wv.x, v.y * inv * wv.y, v.z * inv * wv.z, v.w * inv * wv.w);
 }
 
-// x[r] += bias (the bias of the GEMM that just accumulated into x, if any), then
-// out[r] = bf16(x[r] * rsqrt(mean(x[r]^2) + eps) * w). One block per row.
-extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const bf16* __restrict__ bias,
+// out[r] = bf16(y * rsqrt(mean(y^2) + eps) * w) of y = x[r] + offset (the running sum of the biases of
+// the GEMMs that accumulated into x, fp32; null: none). x is only read. One block per row.
+extern "C" __global__ void rmsnorm_residual(const float* __restrict__ x, const float* __restrict__ offset,
                                             const bf16* __restrict__ w, bf16* __restrict__ out,
                                             int rows, int cols, float eps) {
     __shared__ float red[32];
     const long r = blockIdx.x;
     if (r >= rows) return;
-    float* xr = x + r * cols;
+    const float* xr = x + r * cols;
     if ((cols & 3) == 0 && cols <= 16 * (int)blockDim.x) {
         // The row in registers, up to four float4 a thread: x is read once, every access 8 or 16
         // bytes wide (the scalar loop below reads x twice, 4 bytes at a time: 58% of HBM).
@@ -57,7 +61,7 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const bf16* _
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int c = 4 * (threadIdx.x + k * blockDim.x);
-            if (c < cols) ss += load4_add_bias(v[k], xr, bias, c);
+            if (c < cols) ss += load4_offset(v[k], xr, offset, c);
         }
         const float inv = rsqrtf(block_sum(ss, red) / cols + eps);
 #pragma unroll
@@ -67,9 +71,9 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const bf16* _
         }
         return;
     }
-    const float inv = add_bias_rms_inv(xr, bias, cols, eps, red);
+    const float inv = rms_inv(xr, offset, cols, eps, red);
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
-        out[r * cols + c] = __float2bfloat16(xr[c] * inv * __bfloat162float(w[c]));
+        out[r * cols + c] = __float2bfloat16(offset_at(xr, offset, c) * inv * __bfloat162float(w[c]));
 }
 
 // rmsnorm_residual for rows of up to 32 x 4 x RMS_WARP_VEC floats (cols % 4 == 0): one warp a row,
@@ -77,19 +81,19 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const bf16* _
 // warp alone: no shared memory, no block barrier (the block-per-row kernel above spends them on
 // every row). ops.rmsnorm_residual picks it where it fits.
 #define RMS_WARP_VEC 8
-extern "C" __global__ void rmsnorm_residual_warp(float* __restrict__ x, const bf16* __restrict__ bias,
+extern "C" __global__ void rmsnorm_residual_warp(const float* __restrict__ x, const float* __restrict__ offset,
                                                  const bf16* __restrict__ w, bf16* __restrict__ out,
                                                  int rows, int cols, float eps) {
     const long r = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (r >= rows) return;  // a whole warp: no shuffle below misses a lane
-    float* xr = x + r * cols;
+    const float* xr = x + r * cols;
     float4 v[RMS_WARP_VEC];
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < RMS_WARP_VEC; ++k) {
         const int c = 4 * (lane + 32 * k);
-        if (c < cols) ss += load4_add_bias(v[k], xr, bias, c);
+        if (c < cols) ss += load4_offset(v[k], xr, offset, c);
     }
     const float inv = rsqrtf(warp_sum(ss) / cols + eps);
 #pragma unroll
@@ -101,18 +105,18 @@ extern "C" __global__ void rmsnorm_residual_warp(float* __restrict__ x, const bf
 
 // The final post_layernorm fused with the downsample's 2x2 im2col: patch row r is
 // position j = r % 4 of merged row m = r / 4, and channel c lands at column c*4 + j,
-// the Conv2d weight's (channel, kh, kw) order. x gets the last block's bias added.
-extern "C" __global__ void rmsnorm_im2col(float* __restrict__ x, const bf16* __restrict__ bias,
+// the Conv2d weight's (channel, kh, kw) order. The offset as in rmsnorm_residual (every bias).
+extern "C" __global__ void rmsnorm_im2col(const float* __restrict__ x, const float* __restrict__ offset,
                                           const bf16* __restrict__ w, bf16* __restrict__ out,
                                           int rows, int cols, float eps) {
     __shared__ float red[32];
     const long r = blockIdx.x;
     if (r >= rows) return;
-    float* xr = x + r * cols;
-    const float inv = add_bias_rms_inv(xr, bias, cols, eps, red);
+    const float* xr = x + r * cols;
+    const float inv = rms_inv(xr, offset, cols, eps, red);
     bf16* o = out + (r / 4) * (long)cols * 4 + (r % 4);
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
-        o[(long)c * 4] = __float2bfloat16(xr[c] * inv * __bfloat162float(w[c]));
+        o[(long)c * 4] = __float2bfloat16(offset_at(xr, offset, c) * inv * __bfloat162float(w[c]));
 }
 
 // The merger's LayerNorm (eps, weight, bias) fused with exact (erf) GELU:

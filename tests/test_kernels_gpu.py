@@ -55,29 +55,39 @@ def test_registry_names_what_exists():
 # 1024, 128 and 1000: a warp a row (cols % 4 == 0, <= 1,024; 1000 leaves lanes idle in the last float4
 # column, and 1037 rows a block of 8 warps partly empty); 2048: a block a row, the row in registers
 # (<= 16 x 256); 1022 and 5000: the block's scalar loop.
-@pytest.mark.parametrize("rows,cols,with_bias", [(1037, 1024, True), (5, 128, False), (7, 1000, True),
-                                                 (9, 2048, True), (3, 1022, True), (2, 5000, True)])
-def test_rmsnorm_residual(rows, cols, with_bias):
+@pytest.mark.parametrize("rows,cols,with_offset", [(1037, 1024, True), (5, 128, False), (7, 1000, True),
+                                                   (9, 2048, True), (3, 1022, True), (2, 5000, True)])
+def test_rmsnorm_residual(rows, cols, with_offset):
+    """out = rmsnorm(x + offset) * w, the offset (the biases not yet in x) large beside x so a missing or
+    doubled one fails; x is only read."""
     x = rng.standard_normal((rows, cols), dtype=np.float32) * 3
-    b, w = bf(rng.standard_normal(cols)), bf(1 + 0.1 * rng.standard_normal(cols))
+    b, w = rng.standard_normal(cols).astype(np.float32) * 3, bf(1 + 0.1 * rng.standard_normal(cols))
     xd, out = dev(x), poison((rows, cols))
-    ops.rmsnorm_residual(xd, dev(b) if with_bias else None, dev(w), out, 1e-5)
-    xr = x + (b.astype(np.float32) if with_bias else 0)
+    ops.rmsnorm_residual(xd, dev(b) if with_offset else None, dev(w), out, 1e-5)
+    xr = x + (b if with_offset else 0)
     ref = xr / np.sqrt((xr * xr).mean(1, keepdims=True) + 1e-5) * w.astype(np.float32)
-    assert np.array_equal(host(xd), xr)  # the residual got exactly the bias
+    assert np.array_equal(host(xd), x)  # the residual stream is untouched
     assert rel(host(out), ref) < 5e-3
+
+
+def test_rmsnorm_offset_must_be_float32_of_the_row_width():
+    x, w, out = dev(rng.standard_normal((4, 64), dtype=np.float32)), dev(bf(np.ones(64))), poison((4, 64))
+    for offset in (dev(bf(np.ones(64))), dev(np.ones(32, np.float32))):
+        with pytest.raises(ValueError, match=r"offset: float32 \[64\] expected"):
+            ops.rmsnorm_residual(x, offset, w, out, 1e-5)
 
 
 def test_rmsnorm_im2col_layout():
     rows, cols = 4 * 37, 256
     x = rng.standard_normal((rows, cols), dtype=np.float32)
-    b, w = bf(rng.standard_normal(cols)), bf(1 + 0.1 * rng.standard_normal(cols))
-    out = poison((rows // 4, cols * 4))
-    ops.rmsnorm_im2col(dev(x), dev(b), dev(w), out, 1e-5)
-    xr = x + b.astype(np.float32)
+    b, w = rng.standard_normal(cols).astype(np.float32) * 3, bf(1 + 0.1 * rng.standard_normal(cols))
+    xd, out = dev(x), poison((rows // 4, cols * 4))
+    ops.rmsnorm_im2col(xd, dev(b), dev(w), out, 1e-5)
+    xr = x + b
     n = xr / np.sqrt((xr * xr).mean(1, keepdims=True) + 1e-5) * w.astype(np.float32)
     # merged row m, column c*4 + j  <-  patch row 4m + j, channel c
     ref = n.reshape(-1, 4, cols).transpose(0, 2, 1).reshape(-1, 4 * cols)
+    assert np.array_equal(host(xd), x)
     assert rel(host(out), ref) < 5e-3
 
 

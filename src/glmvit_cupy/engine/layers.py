@@ -1,9 +1,9 @@
 """The tower's forward on the GPU, top-down, one function per sub-layer as in reference.py.
 
 Numerics: the residual stream x is float32 (the reference keeps it in bf16), and every sub-layer's
-output GEMM accumulates straight into it (cuBLAS beta = 1). That GEMM cannot add its bias, so the
-bias is handed on as `pending_bias` and added by the next norm, which reads and rewrites x anyway:
-the fusion is named where it happens. GEMMs that feed a kernel (QKV, gate/up) write bf16 as the
+output GEMM accumulates straight into it (cuBLAS beta = 1). Those GEMMs cannot add their biases, so x
+is kept without them: each norm adds the running sum of the biases so far (params: `norm1_offset`,
+`norm2_offset`, `post_layernorm_offset`) as it reads x, and nothing writes x + bias back. GEMMs that feed a kernel (QKV, gate/up) write bf16 as the
 reference's Linear layers do; QKV and MLP run in row chunks so their intermediates stay small.
 """
 
@@ -26,30 +26,28 @@ def forward(g: VisionGeometry, w: Weights, s: Arena, plan: Plan, blas, mark=None
     n = plan.patches
     x = s["residual"][:n]
     patch_embed(w, s, n, blas)
-    pending_bias = w.patch_embed_bias  # added to x by block 0's norm1
     if mark:
         mark("patch_embed")
     for blk in w.blocks:
-        attn(g, blk, s, plan, x, pending_bias, w.inv_freq, blas)
-        mlp(g, blk, s, x, blk.proj_bias, blas, fused_swiglu)
-        pending_bias = blk.down_bias
+        attn(g, blk, s, plan, x, w.inv_freq, blas)
+        mlp(g, blk, s, x, blas, fused_swiglu)
     if mark:
         mark("blocks")
-    merger(g, w.merger, s, x, pending_bias, blas, fused_swiglu)
+    merger(g, w.merger, s, x, blas, fused_swiglu)
     if mark:
         mark("merger")
 
 
 def patch_embed(w: Weights, s: Arena, n: int, blas):
-    """x = pixels @ patch_embed.proj.weight.T (the Conv3d as a GEMM); its bias is left pending."""
+    """x = pixels @ patch_embed.proj.weight.T (the Conv3d as a GEMM); its bias is in the norms' offsets."""
     ops.linear(s["pixels"][:n], w.patch_embed_weight, s["residual"][:n], handle=blas, name="GEMM patch_embed")
 
 
-def attn(g: VisionGeometry, blk: Block, s: Arena, plan: Plan, x, pending_bias, inv_freq, blas):
-    """x += attn.proj(attention(rope(q_norm / k_norm(attn.qkv(norm1(x + pending_bias)))))); proj's bias pending."""
+def attn(g: VisionGeometry, blk: Block, s: Arena, plan: Plan, x, inv_freq, blas):
+    """x += attn.proj(attention(rope(q_norm / k_norm(attn.qkv(norm1(x + norm1_offset)))))) without proj's bias."""
     n, heads = plan.patches, g.num_heads
     normed, q, k, v, o = (s[a][:n] for a in ("normed", "q", "k", "v", "attn_out"))
-    ops.rmsnorm_residual(x, pending_bias, blk.norm1, normed, g.rms_norm_eps)  # x += pending bias, then norm1
+    ops.rmsnorm_residual(x, blk.norm1_offset, blk.norm1, normed, g.rms_norm_eps)  # the biases so far, then norm1
     for r0 in range(0, n, ROW_CHUNK):
         rows = min(ROW_CHUNK, n - r0)
         qkv = s["qkv"][:rows]
@@ -61,11 +59,11 @@ def attn(g: VisionGeometry, blk: Block, s: Arena, plan: Plan, x, pending_bias, i
     ops.linear(o, blk.proj_weight, x, accumulate=True, handle=blas, name="GEMM attn.proj")
 
 
-def mlp(g: VisionGeometry, blk: Block, s: Arena, x, pending_bias, blas, fused_swiglu):
-    """x += mlp.down_proj(silu(min(gate, L)) * clamp(up, -L, L)) of norm2(x + pending_bias); down's bias pending."""
+def mlp(g: VisionGeometry, blk: Block, s: Arena, x, blas, fused_swiglu):
+    """x += mlp.down_proj(silu(min(gate, L)) * clamp(up, -L, L)) of norm2(x + norm2_offset), without down's bias."""
     n = x.shape[0]
     normed = s["normed"][:n]
-    ops.rmsnorm_residual(x, pending_bias, blk.norm2, normed, g.rms_norm_eps)  # x += attn.proj's bias, then norm2
+    ops.rmsnorm_residual(x, blk.norm2_offset, blk.norm2, normed, g.rms_norm_eps)  # + attn.proj's bias too
     for r0 in range(0, n, ROW_CHUNK):
         rows = min(ROW_CHUNK, n - r0)
         act = s["mlp_act"][:rows]
@@ -74,12 +72,12 @@ def mlp(g: VisionGeometry, blk: Block, s: Arena, x, pending_bias, blas, fused_sw
         ops.linear(act, blk.down_weight, x[r0:r0 + rows], accumulate=True, handle=blas, name="GEMM mlp.down_proj")
 
 
-def merger(g: VisionGeometry, m: Merger, s: Arena, x, pending_bias, blas, fused_swiglu):
-    """post_layernorm(x + pending_bias) as 2x2 im2col -> downsample -> merger.proj -> post_projection_norm +
+def merger(g: VisionGeometry, m: Merger, s: Arena, x, blas, fused_swiglu):
+    """post_layernorm(x + post_layernorm_offset) as 2x2 im2col -> downsample -> merger.proj -> post_projection_norm +
     GELU -> clamped SwiGLU -> merger.down_proj, into s["embeddings"]."""
     n = x.shape[0]
     cols, out = s["im2col"][:n // 4], s["embeddings"][:n // 4]
-    ops.rmsnorm_im2col(x, pending_bias, m.post_layernorm, cols, g.rms_norm_eps)  # x += last down_proj's bias
+    ops.rmsnorm_im2col(x, m.post_layernorm_offset, m.post_layernorm, cols, g.rms_norm_eps)  # every bias
     for r0 in range(0, n // 4, MERGER_CHUNK):
         rows = min(MERGER_CHUNK, n // 4 - r0)
         wide, narrow = s["merger_f32"][:rows], s["merger_bf16"][:rows]  # [rows, out_hidden] in fp32 and bf16

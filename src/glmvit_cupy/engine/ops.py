@@ -72,22 +72,30 @@ def linear(a, w, out, *, accumulate=False, handle=None, name="linear"):
 
 # -- cuda/norms.cu ---------------------------------------------------------------------------------
 
-def rmsnorm_residual(x, bias, weight, out, eps):
-    """x [rows, cols] fp32 += bias (None: nothing added), then out = bf16(rmsnorm(x) * weight)."""
+def _offset(offset, cols):
+    """The norms' fp32 offset row (None: none), checked: the kernels read it as float4s of cols floats."""
+    if offset is not None and (offset.dtype != np.float32 or offset.shape != (cols,)):
+        raise ValueError(f"rmsnorm offset: float32 [{cols}] expected, got {offset.dtype} {list(offset.shape)}")
+    return _ptr_or_null(offset)
+
+
+def rmsnorm_residual(x, offset, weight, out, eps):
+    """out = bf16(rmsnorm(x + offset) * weight): x [rows, cols] fp32, only read; offset fp32 [cols] (the
+    biases not yet in x; None: nothing added)."""
     rows, cols = x.shape
-    args = (x, _ptr_or_null(bias), weight, out, np.int32(rows), np.int32(cols), np.float32(eps))
+    args = (x, _offset(offset, cols), weight, out, np.int32(rows), np.int32(cols), np.float32(eps))
     if cols % 4 == 0 and cols <= 32 * 4 * RMS_WARP_VEC:  # a warp a row (norms.cu); else a block a row
-        _launch("rmsnorm (+bias, residual)", 0, lambda: kernel("norms", "rmsnorm_residual_warp")(
+        _launch("rmsnorm (+bias offset)", 0, lambda: kernel("norms", "rmsnorm_residual_warp")(
             (_cdiv(rows, THREADS // 32),), (THREADS,), args))
     else:
-        _launch("rmsnorm (+bias, residual)", 0, lambda: kernel("norms", "rmsnorm_residual")((rows,), (THREADS,), args))
+        _launch("rmsnorm (+bias offset)", 0, lambda: kernel("norms", "rmsnorm_residual")((rows,), (THREADS,), args))
 
 
-def rmsnorm_im2col(x, bias, weight, out, eps):
+def rmsnorm_im2col(x, offset, weight, out, eps):
     """As rmsnorm_residual, written as the 2x2 downsample's im2col: out [rows / 4, cols * 4]."""
     rows, cols = x.shape
     _launch("rmsnorm + im2col", 0, lambda: kernel("norms", "rmsnorm_im2col")(
-        (rows,), (THREADS,), (x, _ptr_or_null(bias), weight, out, np.int32(rows), np.int32(cols), np.float32(eps))))
+        (rows,), (THREADS,), (x, _offset(offset, cols), weight, out, np.int32(rows), np.int32(cols), np.float32(eps))))
 
 
 def layernorm_gelu(y, weight, bias, out, eps):

@@ -2,7 +2,12 @@
 
 `blocks.{i}.attn.qkv.weight` is `weights.blocks[i].qkv_weight`, and so on. The one change of form:
 each MLP's gate_proj and up_proj weights are stacked into one [gate; up] matrix at upload, so one
-GEMM computes both.
+GEMM computes both. And one thing derived, in place of the patch_embed, attn.proj and mlp.down_proj
+biases: the residual offsets. The GEMMs that add into the float32 residual stream x (cuBLAS with
+beta = 1) cannot add their biases, and a bias is the same for every row, so x is kept without them
+and each norm adds the running sum of all the biases so far as it reads x (`norm1_offset`,
+`norm2_offset`, `post_layernorm_offset`: summed in float64, rounded once to float32). No pass
+writes x + bias back.
 """
 
 from __future__ import annotations
@@ -24,18 +29,19 @@ class Block:
     q_norm: cupy.ndarray
     k_norm: cupy.ndarray
     proj_weight: cupy.ndarray
-    proj_bias: cupy.ndarray
     norm2: cupy.ndarray
     gate_up_weight: cupy.ndarray  # mlp.gate_proj.weight stacked over mlp.up_proj.weight
     gate_bias: cupy.ndarray
     up_bias: cupy.ndarray
     down_weight: cupy.ndarray
-    down_bias: cupy.ndarray
+    norm1_offset: cupy.ndarray  # float32: patch_embed's bias + every earlier block's proj and down biases
+    norm2_offset: cupy.ndarray  # float32: norm1_offset + this block's attn.proj bias
 
 
 @dataclass
 class Merger:
     post_layernorm: cupy.ndarray
+    post_layernorm_offset: cupy.ndarray  # float32: every bias added into x (patch_embed, all blocks)
     downsample_weight: cupy.ndarray  # the 2x2 Conv2d as [out, hidden * 4], (channel, kh, kw) columns
     downsample_bias: cupy.ndarray
     proj_weight: cupy.ndarray
@@ -48,14 +54,13 @@ class Merger:
 @dataclass
 class Weights:
     patch_embed_weight: cupy.ndarray  # the Conv3d as [hidden, patch_dim]
-    patch_embed_bias: cupy.ndarray
     blocks: list
     merger: Merger
     inv_freq: cupy.ndarray  # float32 [head_dim / 4]: the axial RoPE's frequencies
 
     @property
     def nbytes(self) -> int:
-        arrays = [self.patch_embed_weight, self.patch_embed_bias, self.inv_freq]
+        arrays = [self.patch_embed_weight, self.inv_freq]
         arrays += [a for b in self.blocks for a in vars(b).values()] + list(vars(self.merger).values())
         return sum(a.nbytes for a in arrays)
 
@@ -71,7 +76,24 @@ def _upload(binding: TowerBinding, *suffixes) -> cupy.ndarray:
     return out
 
 
-def _block(b: TowerBinding, i: int) -> Block:
+def _f32(x: np.ndarray) -> cupy.ndarray:
+    return cupy.asarray(x.astype(np.float32))
+
+
+def residual_offsets(binding: TowerBinding) -> tuple[list, np.ndarray]:
+    """The float64 running sums of the biases added into x: (norm1, norm2) of each block, and the
+    post_layernorm's (see the module docstring)."""
+    run = binding.host("patch_embed.proj.bias").astype(np.float64)
+    per_block = []
+    for i in range(binding.geometry.depth):
+        n1 = run
+        run = n1 + binding.host(f"blocks.{i}.attn.proj.bias").astype(np.float64)
+        per_block.append((n1, run))
+        run = run + binding.host(f"blocks.{i}.mlp.down_proj.bias").astype(np.float64)
+    return per_block, run
+
+
+def _block(b: TowerBinding, i: int, offsets) -> Block:
     p = f"blocks.{i}."
     return Block(
         norm1=_upload(b, p + "norm1.weight"),
@@ -80,13 +102,13 @@ def _block(b: TowerBinding, i: int) -> Block:
         q_norm=_upload(b, p + "attn.q_norm.weight"),
         k_norm=_upload(b, p + "attn.k_norm.weight"),
         proj_weight=_upload(b, p + "attn.proj.weight"),
-        proj_bias=_upload(b, p + "attn.proj.bias"),
         norm2=_upload(b, p + "norm2.weight"),
         gate_up_weight=_upload(b, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
         gate_bias=_upload(b, p + "mlp.gate_proj.bias"),
         up_bias=_upload(b, p + "mlp.up_proj.bias"),
         down_weight=_upload(b, p + "mlp.down_proj.weight"),
-        down_bias=_upload(b, p + "mlp.down_proj.bias"),
+        norm1_offset=_f32(offsets[0]),
+        norm2_offset=_f32(offsets[1]),
     )
 
 
@@ -96,12 +118,13 @@ def upload(binding: TowerBinding) -> Weights:
     spatial = g.head_dim // 2
     # As the reference computes it, in float32: 1 / theta^(arange(0, spatial, 2) / spatial).
     exps = np.arange(0, spatial, 2, dtype=np.float32) / np.float32(spatial)
+    per_block, final = residual_offsets(binding)
     return Weights(
         patch_embed_weight=_upload(binding, "patch_embed.proj.weight"),
-        patch_embed_bias=_upload(binding, "patch_embed.proj.bias"),
-        blocks=[_block(binding, i) for i in range(g.depth)],
+        blocks=[_block(binding, i, per_block[i]) for i in range(g.depth)],
         merger=Merger(
             post_layernorm=_upload(binding, "post_layernorm.weight"),
+            post_layernorm_offset=_f32(final),
             downsample_weight=_upload(binding, "downsample.weight"),
             downsample_bias=_upload(binding, "downsample.bias"),
             proj_weight=_upload(binding, "merger.proj.weight"),
