@@ -149,28 +149,23 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
     // A turn is one warpgroup issuing its Q K^T; its softmax and P V follow outside the turn, while
     // the next warpgroup's Q K^T runs. (FA3's intra-warpgroup overlap, this warpgroup's previous P V
     // issued beside its softmax, was slower here each time it was tried: docs/PERFORMANCE.md.)
-    // kvalid: the tile's keys inside the segment. Only the last tile can be partial, so it is a step
-    // of its own: in the loop kvalid is the constant BNW and the masking compiles away (left to a
-    // runtime test, nvcc predicated it into 32 FSEL and their compares on every tile).
-    auto step = [&](int it, int kvalid) __attribute__((always_inline)) {
+    for (int it = 0; it < ntiles; ++it) {
         const int st = it % STAGES;
         mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
         // A partial tile's V came by cp.async (the generic proxy); wgmma reads through the async one.
-        if (kvalid < BNW) fence_proxy_async();
+        if (s1 - (s0 + it * BNW) < BNW) fence_proxy_async();
         if (NC > 1) named_sync(turn, 256);
         wgmma_fence();
         issue_s(st);
         wgmma_commit();
         if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
         wgmma_wait0();
-        softmax_tile<BNW, 32, ONLINE>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, it > 0);
+        softmax_tile<BNW, 32, ONLINE>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
         wgmma_fence();
         issue_pv(st, it > 0);
         wgmma_commit();
         wgmma_wait0();
         if (lane == 0) mbar_arrive(empty0 + 8 * st);  // both wgmmas that read the slot are done
-    };
-    for (int it = 0; it < ntiles - 1; ++it) step(it, BNW);
-    step(ntiles - 1, s1 - (s0 + (ntiles - 1) * BNW));
+    }
     store_o<64>(o, acc, l0, l1, q0 + wg * 64 + warp * 16 + g, s1, ld, h * D, t);
 }
