@@ -2,7 +2,7 @@
 # Everything the GPU machine proves, in one call: the GPU test suite, the parity check against
 # HF transformers 5.23.0 and the benchmarks. Short table last; full logs under $OUT.
 #   tools/gpu_check.sh [tests|parity|bench|e2e|before|all]...   (default: all)
-# before: the encoder benchmark (ours only) of an older tree unpacked in .old/ (git archive COMMIT src
+# before: the encoder benchmark (ours only) of an older tree unpacked in .old/ (git archive COMMIT setup.cfg src
 # cuda benchmarks examples/grace_hopper.jpg | tar -x -C .old), then of this tree, in the same run.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
