@@ -59,8 +59,10 @@ class Backend:
                     HOST.give(b)
             self._warm_up()
             if image_tokens is not None:
-                # Replicas of one checkpoint and capacity capture the same budgets.
-                self.graphs_ready = [model.precapture(image_tokens) for model in self._engine.models][0]
+                # Replicas of one checkpoint and capacity capture the same budgets: every one captures,
+                # and any one's list names them.
+                for model in self._engine.models:
+                    self.graphs_ready = model.precapture(image_tokens)
 
     def _warm_up(self) -> None:
         """One small image through each replica, as glmvit-encode and the server send them: CUDA loads each

@@ -9,6 +9,7 @@ without touching the engine.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import cupy
@@ -22,7 +23,6 @@ from .tensor_maps import tensor_map
 THREADS = 256
 RMS_WARP_VEC = 8  # norms.cu: rmsnorm_residual_warp holds a row of up to 32 x 4 x 8 floats
 _prepared: set = set()  # (device, module, kernel) whose shared-memory limit was raised
-_sms: dict = {}  # device -> SM count
 _tracer = None  # set by traced(): record(name, start_event, end_event, flop) around every launch
 
 
@@ -208,11 +208,12 @@ def _with_shared_memory(module: str, name: str, nbytes: int):
 
 
 def _sm_count():
-    dev = cupy.cuda.runtime.getDevice()
-    n = _sms.get(dev)
-    if n is None:
-        n = _sms[dev] = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
-    return n
+    return _sms_of(cupy.cuda.runtime.getDevice())
+
+
+@functools.cache
+def _sms_of(dev: int) -> int:
+    return cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
 
 
 # -- cuda/pixels.cu --------------------------------------------------------------------------------

@@ -75,9 +75,10 @@ def main(argv=None) -> int:
                         max_wait_ms=args.max_wait_ms, cache_mib=args.cache_mib, max_queue=args.max_queue,
                         max_body_mib=args.max_body_mib, max_image_mib=args.max_image_mib, max_pixels=args.max_pixels,
                         decode_workers=args.decode_workers, vllm_ec_dir=args.vllm_ec_dir)
-    # Graphs for full passes of images at the default limit are captured at load (GlmVit.precapture).
+    # Graphs for full passes of images at the default limit are captured at load (GlmVit.precapture
+    # clamps it to the capacity).
     app = create_app(lambda: Backend(binding, cpu=args.cpu, devices=devices, capacity_tokens=args.capacity_tokens,
-                                     image_tokens=min(DEFAULT_MAX_IMAGE_TOKENS, args.capacity_tokens)), settings)
+                                     image_tokens=DEFAULT_MAX_IMAGE_TOKENS), settings)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # new requests on open connections get 503 from now on
