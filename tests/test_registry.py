@@ -79,6 +79,8 @@ def test_fixed_offset_variants_only_where_the_weights_bound_every_score():
         check_variant("sm90_4wg_fixed", 64, "90", large)
     with pytest.raises(ValueError, match="running max"):
         check_variant("sm90_2wg_fixed", 64, "90", math.nan)
+    with pytest.raises(ValueError, match="running max"):  # no bound given: none assumed
+        check_variant("sm90_4wg_fixed", 64, "90")
 
 
 def test_score_bound_holds_and_is_reached():

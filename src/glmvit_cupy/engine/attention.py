@@ -106,11 +106,11 @@ def default_variants(head_dim: int, compute_capability: str, score_bound: float 
     return (f"sm80_d{head_dim}",)
 
 
-def check_variant(name, head_dim: int, compute_capability: str, score_bound: float = 0.0) -> Variant:
+def check_variant(name, head_dim: int, compute_capability: str, score_bound: float = math.inf) -> Variant:
     """The variant `name`, or ValueError if it is unknown or cannot run here (refused before any
     launch: a Hopper kernel on another GPU would not compile, a wrong head dim would misread q, and a
     variant without a running max would overflow on scores past FIXED_OFFSET_LIMIT; `score_bound`:
-    score_bound_log2 of the model's weights)."""
+    score_bound_log2 of the model's weights, none known by default: those variants are then refused)."""
     v = VARIANTS.get(name)
     if v is None:
         raise ValueError(f"attention_variant={name!r} is unknown; choices: {', '.join(VARIANTS)}")

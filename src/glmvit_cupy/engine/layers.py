@@ -3,8 +3,9 @@
 Numerics: the residual stream x is float32 (the reference keeps it in bf16), and every sub-layer's
 output GEMM accumulates straight into it (cuBLAS beta = 1). Those GEMMs cannot add their biases, so x
 is kept without them: each norm adds the running sum of the biases so far (params: `norm1_offset`,
-`norm2_offset`, `post_layernorm_offset`) as it reads x, and nothing writes x + bias back. GEMMs that feed a kernel (QKV, gate/up) write bf16 as the
-reference's Linear layers do; QKV and MLP run in row chunks so their intermediates stay small.
+`norm2_offset`, `post_layernorm_offset`) as it reads x, and nothing writes x + bias back. GEMMs that
+feed a kernel (QKV, gate/up) write bf16 as the reference's Linear layers do; QKV and MLP run in row
+chunks so their intermediates stay small.
 """
 
 from __future__ import annotations
