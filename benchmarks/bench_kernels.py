@@ -3,13 +3,15 @@ patches unless said), through the same launchers the engine uses (glmvit_cupy.en
 GB/s against the H200's 4.8 TB/s, TFLOP/s against the measured 756 TFLOP/s GEMM ceiling, and flash
 attention beside torch SDPA (cuDNN) when torch is present, on one segment of 1k-32k keys and on 16
 segments of 1,024 (SDPA's batch of 16), with each one's error against float64 at 4,096 keys (the same
-inputs, 256 sampled query rows). Every kernel is timed back to back behind a kernel that holds
-the stream (common.kernel_ms): its throughput as a replayed CUDA graph runs it, without the host's
-launch time, which a single timed call of a 0.1-0.2 ms kernel would count (torch's and ours alike).
+independent normal inputs, and q doubled; 256 sampled query rows). Every kernel is timed back to back
+behind a kernel that holds the stream (common.kernel_ms): its throughput as a replayed CUDA graph runs
+it, without the host's launch time, which a single timed call of a 0.1-0.2 ms kernel would count
+(torch's and ours alike).
 
     python benchmarks/bench_kernels.py [--attention-only | --gate-up-only]
 """
 
+import functools
 import os
 import sys
 
@@ -23,10 +25,17 @@ N, H, I, O, P = 32000, 1024, 4096, 4096, 10240  # patches, hidden, MLP, out_hidd
 CHUNK = 4096  # the engine's row chunk for QKV and MLP
 
 
-def rnd(shape, dtype=np.float32):
+@functools.cache
+def _generator():
     import cupy
 
-    return cupy.random.default_rng(0).standard_normal(shape, dtype=np.float32).astype(dtype)
+    return cupy.random.default_rng(0)
+
+
+def rnd(shape, dtype=np.float32):
+    """Fresh standard normal values: each call draws new ones from one seeded stream (a generator
+    seeded per call made attention's q, k and v one array, every query its own key's best match)."""
+    return _generator().standard_normal(shape, dtype=np.float32).astype(dtype)
 
 
 def main():
@@ -118,10 +127,12 @@ def bench_gate_up():
 
         ms_u = kernel_ms(unfused)
         ms_f = kernel_ms(lambda: ops.gate_up_swiglu(a, w, bg, bu, out, 10.0))
+        ms_r, ms_c = (kernel_ms(lambda: ops.gate_up_swiglu(a, w, bg, bu, out, 10.0, columns_fastest=c)) for c in (0, 1))
         fl = 2 * m * k * 2 * inter
         rows.append([f"{name} ({m}x{2 * inter}x{k})", f"{ms_u:.3f}", f"{fl / ms_u / 1e9:.0f}", f"{ms_f:.3f}",
-                     f"{fl / ms_f / 1e9:.0f}", f"{ms_u / ms_f:.2f}x"])
-    table(["gate/up + swiglu", "cuBLAS + pass ms", "TFLOP/s", "fused ms", "TFLOP/s", "fused speed-up"], rows)
+                     f"{fl / ms_f / 1e9:.0f}", f"{ms_u / ms_f:.2f}x", f"{fl / ms_r / 1e9:.0f} / {fl / ms_c / 1e9:.0f}"])
+    table(["gate/up + swiglu", "cuBLAS + pass ms", "TFLOP/s", "fused ms", "TFLOP/s", "fused speed-up",
+           "fused TFLOP/s rows / columns fastest"], rows)
 
 
 def attention_error(q, k, v, out, heads=16, sample=256):
@@ -163,12 +174,14 @@ def bench_attention():
             ms = kernel_ms(lambda: ops.flash_attention(v, q, k, val, o, cu, ts, tq, 16))
             fl = 4 * sum(x * x for x in lens) * H
             row = [v.name, f"{len(lens)} x {lens[0]}" if len(lens) > 1 else n, f"{ms:.3f}", f"{fl / ms / 1e9:.0f}"]
-            if lens == (4096,):
-                errs[v.name] = attention_error(q, k, val, cupy.asnumpy(o).astype(np.float32))
-                if torch is not None and "SDPA" not in errs:
-                    tq_, tk, tv = (torch.from_dlpack(a).view(n, 16, 64).transpose(0, 1)[None] for a in (q, k, val))
-                    so = F.scaled_dot_product_attention(tq_, tk, tv)[0].transpose(0, 1).float().cpu().numpy()
-                    errs["SDPA"] = attention_error(q, k, val, so)
+            if lens == (4096,):  # as drawn, and with q doubled (sharper rows, as the kernel tests use)
+                for sharp, qe in (("", q), (", q x 2", (q.astype(np.float32) * 2).astype(BF))):
+                    ops.flash_attention(v, qe, k, val, o, cu, ts, tq, 16)
+                    errs[v.name + sharp] = attention_error(qe, k, val, cupy.asnumpy(o).astype(np.float32))
+                    if torch is not None and "SDPA" + sharp not in errs:
+                        tq_, tk, tv = (torch.from_dlpack(a).view(n, 16, 64).transpose(0, 1)[None] for a in (qe, k, val))
+                        so = F.scaled_dot_product_attention(tq_, tk, tv)[0].transpose(0, 1).float().cpu().numpy()
+                        errs["SDPA" + sharp] = attention_error(qe, k, val, so)
             if torch is not None:
                 if lens not in sdpa:  # equal segments: SDPA's batch dimension
                     tq_, tk, tv = (torch.randn(len(lens), 16, lens[0], 64, device="cuda", dtype=torch.bfloat16)

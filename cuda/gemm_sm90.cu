@@ -10,8 +10,8 @@
 // "full" mbarrier (completed by the copies' bytes) and an "empty" one (one arrival per consumer warp
 // once its wgmmas have read the slot). Two consumer warpgroups own 64 rows of the 128-row tile each; a
 // slot is released as soon as the wgmma group after it has been issued (wait_group 1), so the tensor
-// cores always have the next group queued. Persistent: a CTA per SM walks the tiles (row tiles
-// fastest: the CTAs in flight share W's rows in L2), and the producer fills the next tile's slots
+// cores always have the next group queued. Persistent: a CTA per SM walks the tiles (in the order
+// TileWalk says), and the producer fills the next tile's slots
 // while the consumers run the epilogue.
 //
 // Napkin math (16 x 448² = 16,384 rows, K = 1,024, I = 4,096, per block): 275 GFLOP, ~390 us at the
@@ -21,7 +21,8 @@
 // moves 48 KB from L2 for 4.2 MFLOP. Measured (H200, same run, TFLOP/s counting gate and up):
 // 16,384 rows 652 against cuBLAS's gate/up alone 690; a 4,096-row chunk 563 against 567; the merger's
 // 2,048 x 20,480 x 4,096 725 against 712. A cp.async producer warpgroup in place of TMA: 598 / 503 /
-// 655 (docs/PERFORMANCE.md).
+// 655 (docs/PERFORMANCE.md). TileWalk's order (bench_kernels, 32,000 rows): rows fastest 624,
+// columns fastest 675; the merger's shape 763 against 544 the other way round.
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "gemm_sm90.cu needs sm_90a (wgmma, TMA, setmaxnreg): compile it for compute capability 9.0 only"
 #endif
@@ -39,10 +40,17 @@
 #define GS_B_TILE (2 * GS_BN * 128)  // and of its W rows, gate then up
 
 // The static tile schedule every role walks in the same order: tile -> (first row, first column).
+// The CTAs in flight share the operand that is walked slowest, from L2: rows fastest when W is the
+// larger (it is then read from HBM once, A's tiles stay in L2), columns fastest when A is (a
+// 32,000-row A is 65 MB, past L2: walked rows fastest, every column tile read it again from HBM).
 struct TileWalk {
-    int mtiles, tiles;
-    __device__ __forceinline__ int m0(int tile) const { return (tile % mtiles) * GS_BM; }
-    __device__ __forceinline__ int n0(int tile) const { return (tile / mtiles) * GS_BN; }
+    int mtiles, ntiles, tiles, columns_fastest;
+    __device__ __forceinline__ int m0(int tile) const {
+        return (columns_fastest ? tile / ntiles : tile % mtiles) * GS_BM;
+    }
+    __device__ __forceinline__ int n0(int tile) const {
+        return (columns_fastest ? tile % ntiles : tile / mtiles) * GS_BN;
+    }
 };
 
 // The producer thread: for each K slice, wait for its slot to be empty, then three TMA copies that
@@ -112,11 +120,11 @@ __device__ __forceinline__ void store_swiglu(const float* acc, const bf16* __res
 // STAGES * (GS_A_TILE + GS_B_TILE) + 1024 bytes; any grid (a CTA takes tiles blockIdx.x, + gridDim.x,
 // ...). ta: A [M, K], tw: W [2I, K], boxes of 64 columns x 128 rows, 128B swizzle (ops.gate_up_swiglu
 // encodes them); K % 64 == 0, I % 128 == 0, out [M, I] contiguous; rows of A past M read as zeros and
-// are not stored. Biases may be null (the merger has none).
+// are not stored. Biases may be null (the merger has none). columns_fastest: TileWalk's order.
 template <int STAGES>
 __global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tw,
                                  const bf16* __restrict__ bg, const bf16* __restrict__ bu, bf16* __restrict__ out,
-                                 int M, int K, int I, float limit) {
+                                 int M, int K, int I, float limit, int columns_fastest) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long bars[2 * STAGES];  // full[STAGES], empty[STAGES]
     // 1024-byte aligned: the 128B swizzle's pattern repeats every 8 rows of 128 bytes.
@@ -124,7 +132,7 @@ __global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant
     unsigned char* sB = sA + STAGES * GS_A_TILE;
     const unsigned full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]);
     const int mtiles = (M + GS_BM - 1) / GS_BM, ksteps = K / GS_BK;
-    const TileWalk walk{mtiles, mtiles * (I / GS_BN)};
+    const TileWalk walk{mtiles, I / GS_BN, mtiles * (I / GS_BN), columns_fastest};
 
     if (threadIdx.x == 0) {
 #pragma unroll

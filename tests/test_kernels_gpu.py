@@ -202,6 +202,12 @@ def test_gate_up_swiglu_fused(m, k, inter, with_bias, ctas):
         ops.gate_up_swiglu(a_dev[r0:r1], dev(w), None if bg is None else dev(bg),
                            None if bu is None else dev(bu), part, limit, ctas=ctas)
         assert np.array_equal(cupy.asnumpy(part).view(np.uint16), cupy.asnumpy(out[r0:r1]).view(np.uint16))
+    # Either tile order (the launcher picks by operand size) gives the same bits.
+    for order in (0, 1):
+        again = poison((m, inter))
+        ops.gate_up_swiglu(a_dev, dev(w), None if bg is None else dev(bg), None if bu is None else dev(bu), again,
+                           limit, ctas=ctas, columns_fastest=order)
+        assert np.array_equal(cupy.asnumpy(again).view(np.uint16), cupy.asnumpy(out).view(np.uint16))
 
 
 @pytest.mark.skipif(not SM90, reason="GPU test: gemm_sm90.cu is sm_90a (Hopper) only")

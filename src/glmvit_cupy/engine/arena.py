@@ -26,21 +26,25 @@ def _slot_bytes(shape, dtype) -> int:
 
 
 def layout(g: VisionGeometry, patches: int, fused_swiglu: bool = False) -> dict:
-    """{phase: {slot: (shape, dtype)}} for forwards of up to `patches` patches; phase "keep" is never
-    shared, the others overlap. fused_swiglu: the MLPs' gate/up GEMMs write the activation themselves,
-    so there are no gate/up slots."""
+    """{phase: {slot: (shape, dtype[, over])}} for forwards of up to `patches` patches; phase "keep" is
+    never shared, the others overlap; a slot with `over` reuses that earlier slot's bytes (dead by then).
+    The attention's QKV GEMM runs over all rows at once; its output's bytes then hold attention's
+    output. fused_swiglu: the MLPs' gate/up GEMMs write the activation themselves, so there are no
+    gate/up slots, and an MLP runs over all rows at once too: its activation [patches, I] takes the
+    attention phase's bytes (norm2's output is kept)."""
     p, h = patches, g.hidden_size
     rows, merged = min(p, ROW_CHUNK), min(p // 4, MERGER_CHUNK)
     f32, bf = np.float32, BF16
+    attn = {"q": ((p, h), bf), "k": ((p, h), bf), "v": ((p, h), bf),
+            "qkv": ((p, 3 * h), bf),                  # the attn.qkv GEMM's output, rope's input
+            "attn_out": ((p, h), bf, "qkv")}          # attention's output, attn.proj's input
+    normed = {"normed": ((p, h), bf)}                 # a norm's output, the next GEMM's input
     spec = {
         "keep": {"residual": ((p, h), f32)},  # the float32 residual stream x
         "input": {"pixels_f32": ((p, g.patch_dim), f32),  # float32 pixels as uploaded, before the cast
                   "pixels": ((p, g.patch_dim), bf)},      # bf16 pixel_values the patch embed reads
-        "blocks": {"normed": ((p, h), bf),                 # a norm's output, the next GEMM's input
-                   "q": ((p, h), bf), "k": ((p, h), bf), "v": ((p, h), bf),
-                   "attn_out": ((p, h), bf),               # attention's output, attn.proj's input
-                   "qkv": ((rows, 3 * h), bf),             # one row chunk of the attn.qkv GEMM
-                   "gate_up": ((rows, 2 * g.intermediate_size), bf),   # one chunk of mlp gate|up
+        "blocks": {**normed, **attn,
+                   "gate_up": ((rows, 2 * g.intermediate_size), bf),   # one row chunk of mlp gate|up
                    "mlp_act": ((rows, g.intermediate_size), bf)},      # its clamped SwiGLU
         # "embeddings" lives in the merger phase, smaller than the blocks phase: it costs no bytes.
         "merger": {"embeddings": ((p // 4, g.out_hidden_size), bf),    # the tower's output rows
@@ -51,7 +55,10 @@ def layout(g: VisionGeometry, patches: int, fused_swiglu: bool = False) -> dict:
                    "merger_act": ((merged, g.projection_intermediate_size), bf)},
     }
     if fused_swiglu:
-        del spec["blocks"]["gate_up"], spec["merger"]["merger_gate_up"]
+        del spec["blocks"], spec["merger"]["merger_gate_up"]
+        spec["keep"].update(normed)
+        spec["attn"] = attn
+        spec["mlp"] = {"mlp_act": ((p, g.intermediate_size), bf)}  # the whole MLP's activation
     return spec
 
 
@@ -60,7 +67,7 @@ class Arena:
 
     def __init__(self, spec: dict):
         def size(slots):
-            return sum(_slot_bytes(s, d) for s, d in slots.values())
+            return sum(_slot_bytes(*s[:2]) for s in slots.values() if len(s) == 2)
 
         keep = size(spec.get("keep", {}))
         shared = max((size(v) for k, v in spec.items() if k != "keep"), default=0)
@@ -69,7 +76,13 @@ class Arena:
         self.views = {}
         for phase, slots in spec.items():
             off = 0 if phase == "keep" else keep
-            for name, (shape, dtype) in slots.items():
+            for name, (shape, dtype, *over) in slots.items():
+                if over:  # another slot's bytes: it must hold this one
+                    host = self.views[over[0]]
+                    if _slot_bytes(shape, dtype) > _slot_bytes(host.shape, host.dtype):
+                        raise ValueError(f"arena slot {name} {shape} does not fit in {over[0]} {host.shape}")
+                    self.views[name] = cupy.ndarray(shape, dtype=np.dtype(dtype), memptr=host.data)
+                    continue
                 self.views[name] = cupy.ndarray(shape, dtype=np.dtype(dtype), memptr=self.base.data + off)
                 off += _slot_bytes(shape, dtype)
 

@@ -4,8 +4,9 @@ Numerics: the residual stream x is float32 (the reference keeps it in bf16), and
 output GEMM accumulates straight into it (cuBLAS beta = 1). Those GEMMs cannot add their biases, so x
 is kept without them: each norm adds the running sum of the biases so far (params: `norm1_offset`,
 `norm2_offset`, `post_layernorm_offset`) as it reads x, and nothing writes x + bias back. GEMMs that
-feed a kernel (QKV, gate/up) write bf16 as the reference's Linear layers do; QKV and MLP run in row
-chunks so their intermediates stay small.
+feed a kernel (QKV, gate/up) write bf16 as the reference's Linear layers do. QKV runs over all rows at
+once (arena.py: its output's bytes then hold attention's output); so does the MLP where gate/up and
+the SwiGLU are one kernel, else it runs in row chunks so that gate|up stays small.
 """
 
 from __future__ import annotations
@@ -49,12 +50,10 @@ def attn(g: VisionGeometry, blk: Block, s: Arena, plan: Plan, x, inv_freq, blas)
     n, heads = plan.patches, g.num_heads
     normed, q, k, v, o = (s[a][:n] for a in ("normed", "q", "k", "v", "attn_out"))
     ops.rmsnorm_residual(x, blk.norm1_offset, blk.norm1, normed, g.rms_norm_eps)  # the biases so far, then norm1
-    for r0 in range(0, n, ROW_CHUNK):
-        rows = min(ROW_CHUNK, n - r0)
-        qkv = s["qkv"][:rows]
-        ops.linear(normed[r0:r0 + rows], blk.qkv_weight, qkv, handle=blas, name="GEMM attn.qkv")
-        ops.qk_norm_rope(qkv, blk.qkv_bias, blk.q_norm, blk.k_norm, plan.positions, inv_freq, q, k, v,
-                         r0, heads, g.rms_norm_eps)  # + attn.qkv's bias
+    qkv = s["qkv"][:n]
+    ops.linear(normed, blk.qkv_weight, qkv, handle=blas, name="GEMM attn.qkv")
+    ops.qk_norm_rope(qkv, blk.qkv_bias, blk.q_norm, blk.k_norm, plan.positions, inv_freq, q, k, v,
+                     0, heads, g.rms_norm_eps)  # + attn.qkv's bias
     ops.flash_attention(plan.variant, q, k, v, o, plan.cu_seqlens, plan.tile_seg, plan.tile_q0, heads,
                         flop=plan.attention_flop)
     ops.linear(o, blk.proj_weight, x, accumulate=True, handle=blas, name="GEMM attn.proj")
@@ -65,8 +64,9 @@ def mlp(g: VisionGeometry, blk: Block, s: Arena, x, blas, fused_swiglu):
     n = x.shape[0]
     normed = s["normed"][:n]
     ops.rmsnorm_residual(x, blk.norm2_offset, blk.norm2, normed, g.rms_norm_eps)  # + attn.proj's bias too
-    for r0 in range(0, n, ROW_CHUNK):
-        rows = min(ROW_CHUNK, n - r0)
+    chunk = n if fused_swiglu else ROW_CHUNK  # fused: no gate|up intermediate, so one pass over all rows
+    for r0 in range(0, n, chunk):
+        rows = min(chunk, n - r0)
         act = s["mlp_act"][:rows]
         gate_up_swiglu(normed[r0:r0 + rows], blk.gate_up_weight, blk.gate_bias, blk.up_bias, act, g.swiglu_limit,
                        s, "gate_up", blas, fused_swiglu, "GEMM mlp.gate_up (+ swiglu)")  # + gate/up biases

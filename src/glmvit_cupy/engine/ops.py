@@ -155,10 +155,12 @@ def gate_up_swiglu_fits(k: int, inter: int) -> bool:
     return k % 64 == 0 and inter % GATE_UP_TILE[1] == 0
 
 
-def gate_up_swiglu(a, w, gate_bias, up_bias, out, limit, *, ctas=None, name="GEMM gate_up + swiglu"):
+def gate_up_swiglu(a, w, gate_bias, up_bias, out, limit, *, ctas=None, columns_fastest=None,
+                   name="GEMM gate_up + swiglu"):
     """out [M, I] = bf16(silu(min(g, L)) * clamp(u, -L, L)) with [g | u] = a @ w.T + biases in fp32: a [M, K]
     bf16 (rows any 16-byte multiple apart), w = [gate; up] bf16 [2I, K], biases bf16 [I] or None. One
-    CTA per SM walks the output tiles (`ctas`: fewer, as tests do, to make each walk several)."""
+    CTA per SM walks the output tiles (`ctas`: fewer, as tests do, to make each walk several), columns
+    fastest when a is larger than w (`columns_fastest` forces either order)."""
     m, k = a.shape
     n2, k2 = w.shape
     inter = n2 // 2
@@ -187,7 +189,8 @@ def gate_up_swiglu(a, w, gate_bias, up_bias, out, limit, *, ctas=None, name="GEM
     grid = (int(min(tiles, ctas or _sm_count())),)
     _launch(name, 2 * m * k * n2, lambda: fn(
         grid, (384,), (ta, tw, _ptr_or_null(gate_bias), _ptr_or_null(up_bias), out, np.int32(m), np.int32(k),
-                       np.int32(inter), np.float32(limit)), shared_mem=smem))
+                       np.int32(inter), np.float32(limit),
+                       np.int32(m > n2 if columns_fastest is None else columns_fastest)), shared_mem=smem))
     return out
 
 
