@@ -1,5 +1,6 @@
 """Shared helpers for the GPU benchmark scripts: CUDA-event timing, FLOP counts, official weights."""
 
+import functools
 import os
 import tempfile
 
@@ -55,6 +56,13 @@ extern "C" __global__ void hold(unsigned long long ns) {
 """
 
 
+@functools.cache
+def _hold_kernel():
+    import cupy
+
+    return cupy.RawKernel(_HOLD, "hold")
+
+
 def kernel_ms(fn, stream_ptr=None, warmup=3, batches=5, per_batch=10, hold_ms=20.0):
     """Median milliseconds per fn() as the GPU runs it: each batch of `per_batch` calls is queued
     behind a kernel that holds the stream for `hold_ms`, so the calls run back to back and the host's
@@ -64,7 +72,7 @@ def kernel_ms(fn, stream_ptr=None, warmup=3, batches=5, per_batch=10, hold_ms=20
     import cupy
 
     stream = cupy.cuda.ExternalStream(stream_ptr) if stream_ptr else cupy.cuda.get_current_stream()
-    hold = cupy.RawKernel(_HOLD, "hold")
+    hold = _hold_kernel()
     for _ in range(warmup):
         fn()
     stream.synchronize()
