@@ -121,7 +121,9 @@ __device__ __forceinline__ void store_swiglu(const float* acc, const bf16* __res
 // ...). ta: A [M, K], tw: W [2I, K], boxes of 64 columns x 128 rows, 128B swizzle (ops.gate_up_swiglu
 // encodes them); K % 64 == 0, I % 128 == 0, out [M, I] contiguous; rows of A past M read as zeros and
 // are not stored. Biases may be null (the merger has none). columns_fastest: TileWalk's order.
-template <int STAGES>
+// TRIAL (measurement only): STORE false skips the epilogue (the mainloop's rate alone; nothing is
+// written unless an accumulator holds an impossible value, which keeps the MMAs alive).
+template <int STAGES, bool STORE>
 __global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tw,
                                  const bf16* __restrict__ bg, const bf16* __restrict__ bu, bf16* __restrict__ out,
                                  int M, int K, int I, float limit, int columns_fastest) {
@@ -156,6 +158,10 @@ __global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant
     int it = 0;
     for (int tile = blockIdx.x; tile < walk.tiles; tile += gridDim.x) {
         mma_tile<STAGES>(acc, sA, sB, full0, empty0, it, ksteps, wg, lane);
+        if (!STORE) {
+            if (acc[0] == -1.2345e30f) out[0] = __float2bfloat16(acc[127]);
+            continue;
+        }
         store_swiglu(acc, bg, bu, out, walk.m0(tile) + wg * 64 + warp * 16 + (lane >> 2), walk.n0(tile), lane & 3, M, I,
                      limit);
     }

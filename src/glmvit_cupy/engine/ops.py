@@ -156,7 +156,7 @@ def gate_up_swiglu_fits(k: int, inter: int) -> bool:
 
 
 def gate_up_swiglu(a, w, gate_bias, up_bias, out, limit, *, ctas=None, columns_fastest=None,
-                   name="GEMM gate_up + swiglu"):
+                   name="GEMM gate_up + swiglu", stages=GATE_UP_STAGES, store=True):
     """out [M, I] = bf16(silu(min(g, L)) * clamp(u, -L, L)) with [g | u] = a @ w.T + biases in fp32: a [M, K]
     bf16 (rows any 16-byte multiple apart), w = [gate; up] bf16 [2I, K], biases bf16 [I] or None. One
     CTA per SM walks the output tiles (`ctas`: fewer, as tests do, to make each walk several), columns
@@ -185,7 +185,7 @@ def gate_up_swiglu(a, w, gate_bias, up_bias, out, limit, *, ctas=None, columns_f
     rows, cols = GATE_UP_TILE
     ta, tw = tensor_map(a, rows), tensor_map(w, cols)  # boxes: A's tile rows; W's gate (or up) rows
     tiles = _cdiv(m, rows) * (inter // cols)
-    fn, smem = _gate_up_kernel()
+    fn, smem = _gate_up_kernel(stages, store)  # TRIAL: stages and store (False: no epilogue) for bench_kernels
     grid = (int(min(tiles, ctas or _sm_count())),)
     _launch(name, 2 * m * k * n2, lambda: fn(
         grid, (384,), (ta, tw, _ptr_or_null(gate_bias), _ptr_or_null(up_bias), out, np.int32(m), np.int32(k),
@@ -194,9 +194,9 @@ def gate_up_swiglu(a, w, gate_bias, up_bias, out, limit, *, ctas=None, columns_f
     return out
 
 
-def _gate_up_kernel():
-    smem = GATE_UP_STAGES * (GATE_UP_TILE[0] + 2 * GATE_UP_TILE[1]) * 128 + 1024
-    return _with_shared_memory("gemm_sm90", f"gemm_swiglu_sm90<{GATE_UP_STAGES}>", smem), smem
+def _gate_up_kernel(stages=GATE_UP_STAGES, store=True):
+    smem = stages * (GATE_UP_TILE[0] + 2 * GATE_UP_TILE[1]) * 128 + 1024
+    return _with_shared_memory("gemm_sm90", f"gemm_swiglu_sm90<{stages}, {'true' if store else 'false'}>", smem), smem
 
 
 def _with_shared_memory(module: str, name: str, nbytes: int):
