@@ -133,12 +133,15 @@ def bench_gate_up():
         ms_g = kernel_ms(lambda: ops.linear(a, w, gu))
         ms_n = kernel_ms(lambda: ops.gate_up_swiglu(a, w, bg, bu, out, 10.0, store=False))
         ms_3 = kernel_ms(lambda: ops.gate_up_swiglu(a, w, bg, bu, out, 10.0, stages=3))
+        ms_p = kernel_ms(lambda: ops.gate_up_swiglu(a, w, bg, bu, out, 10.0, pingpong=True))
         fl = 2 * m * k * 2 * inter
         rows.append([f"{name} ({m}x{2 * inter}x{k})", f"{ms_u:.3f}", f"{fl / ms_u / 1e9:.0f}", f"{ms_f:.3f}",
                      f"{fl / ms_f / 1e9:.0f}", f"{ms_u / ms_f:.2f}x", f"{fl / ms_r / 1e9:.0f} / {fl / ms_c / 1e9:.0f}",
-                     f"{fl / ms_g / 1e9:.0f}", f"{fl / ms_n / 1e9:.0f}", f"{fl / ms_3 / 1e9:.0f}"])
+                     f"{fl / ms_g / 1e9:.0f}", f"{fl / ms_n / 1e9:.0f}", f"{fl / ms_3 / 1e9:.0f}",
+                     f"{fl / ms_p / 1e9:.0f}"])
     table(["gate/up + swiglu", "cuBLAS + pass ms", "TFLOP/s", "fused ms", "TFLOP/s", "fused speed-up",
-           "fused TFLOP/s rows / columns fastest", "cuBLAS GEMM alone", "fused, no epilogue", "fused, 3 slots"],
+           "fused TFLOP/s rows / columns fastest", "cuBLAS GEMM alone", "fused, no epilogue", "fused, 3 slots",
+           "ping-pong (TRIAL)"],
           rows)
 
 

@@ -166,3 +166,121 @@ __global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant
                      limit);
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// TRIAL (not measured): ping-pong consumers, so that one warpgroup's epilogue runs under the other's
+// MMAs. Each consumer warpgroup owns whole tiles of 128 rows x 64 output columns (W: 64 gate rows and
+// 64 up rows; two m64n128 wgmmas a k16 step, 128 accumulators a thread as before), the CTA's tiles
+// alternating between the two. The producer fills one ring of slots in tile order, so the warpgroups'
+// K loops take turns: a warpgroup starts its tile's K loop only once the other has waited on every
+// slot of the tile before (named barriers 1 and 2), which the slots' phase parity also needs (a slot
+// may not be waited on two phases ahead). L2 traffic a FLOP is 4/3 of the cooperative kernel's
+// (32 KB a 2.1 MFLOP slice against 48 KB a 4.2 MFLOP one).
+#define PP_BN 64                      // output columns a tile
+#define PP_A_TILE (GS_BM * 128)       // bytes of a slot's 128 A rows
+#define PP_B_TILE (2 * PP_BN * 128)   // and of its 64 gate + 64 up W rows
+
+template <int STAGES>
+__device__ __forceinline__ void pp_produce(const TmaMap* ta, const TmaMap* tw, unsigned char* sA, unsigned char* sB,
+                                           unsigned full0, unsigned empty0, TileWalk walk, int ksteps, int I) {
+    tma_prefetch_map(ta);
+    tma_prefetch_map(tw);
+    int it = 0;
+    for (int tile = blockIdx.x; tile < walk.tiles; tile += gridDim.x) {
+        const int m0 = walk.m0(tile), n0 = walk.n0(tile) / GS_BN * PP_BN;  // TileWalk counts GS_BN columns
+        for (int ks = 0; ks < ksteps; ++ks, ++it) {
+            const int st = it % STAGES;
+            if (it >= STAGES) mbar_wait(empty0 + 8 * st, ((it / STAGES) - 1) & 1);
+            const unsigned full = full0 + 8 * st;
+            mbar_expect_tx(full, PP_A_TILE + PP_B_TILE);
+            tma_load_2d(sA + st * PP_A_TILE, ta, ks * GS_BK, m0, full);
+            tma_load_2d(sB + st * PP_B_TILE, tw, ks * GS_BK, n0, full);                    // gate rows
+            tma_load_2d(sB + st * PP_B_TILE + PP_BN * 128, tw, ks * GS_BK, I + n0, full);  // up rows
+        }
+    }
+}
+
+// This thread's rows r and r + 8 of one 64-row half (acc: its 64 accumulators, gate columns 8j + 2t
+// (+1) in acc[4j..], up in acc[32 + 4j..], j < 8).
+__device__ __forceinline__ void pp_store(const float* acc, const bf16* __restrict__ bg, const bf16* __restrict__ bu,
+                                         bf16* __restrict__ out, int r, int n0, int t, int M, int I, float limit) {
+#pragma unroll
+    for (int j = 0; j < PP_BN / 8; ++j) {
+        const int c = n0 + 8 * j + 2 * t;
+        float2 b_g = make_float2(0.f, 0.f), b_u = make_float2(0.f, 0.f);
+        if (bg) b_g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bg + c));
+        if (bu) b_u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bu + c));
+        const float* gv = acc + 4 * j;
+        const float* uv = acc + 32 + 4 * j;
+        if (r < M)
+            *reinterpret_cast<unsigned*>(out + (long)r * I + c) =
+                pack_bf16(swiglu1(gv[0] + b_g.x, uv[0] + b_u.x, limit), swiglu1(gv[1] + b_g.y, uv[1] + b_u.y, limit));
+        if (r + 8 < M)
+            *reinterpret_cast<unsigned*>(out + (long)(r + 8) * I + c) =
+                pack_bf16(swiglu1(gv[2] + b_g.x, uv[2] + b_u.x, limit), swiglu1(gv[3] + b_g.y, uv[3] + b_u.y, limit));
+    }
+}
+
+// As gemm_swiglu_sm90 (same arguments; W's box 64 rows, not 128; I % 64 == 0); STAGES * 32 KB + 1024
+// bytes of dynamic shared memory.
+template <int STAGES>
+__global__ void __launch_bounds__(384, 1) gemm_swiglu_pingpong_sm90(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tw,
+                                 const bf16* __restrict__ bg, const bf16* __restrict__ bu, bf16* __restrict__ out,
+                                 int M, int K, int I, float limit, int columns_fastest) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ __align__(8) unsigned long long bars[2 * STAGES];
+    unsigned char* sA = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    unsigned char* sB = sA + STAGES * PP_A_TILE;
+    const unsigned full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]);
+    const int mtiles = (M + GS_BM - 1) / GS_BM, ksteps = K / GS_BK, ntiles = I / PP_BN;
+    // TileWalk in GS_BN-column units: its n0 / GS_BN is the tile's column index (times PP_BN here).
+    const TileWalk walk{mtiles, ntiles, mtiles * ntiles, columns_fastest};
+
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < STAGES; ++i) {
+            mbar_init(full0 + 8 * i, 1);
+            mbar_init(empty0 + 8 * i, 4);  // the 4 warps of the warpgroup that consumed the slot
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (threadIdx.x >= 256) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (threadIdx.x == 256) pp_produce<STAGES>(&ta, &tw, sA, sB, full0, empty0, walk, ksteps, I);
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    float acc[128];  // acc[0..63]: rows 0-63 of the tile (m64n128), acc[64..127]: rows 64-127
+    int local = 0;   // the CTA's tiles so far: even ones are warpgroup 0's, odd ones 1's
+    for (int tile = blockIdx.x; tile < walk.tiles; tile += gridDim.x, ++local) {
+        if ((local & 1) != wg) continue;
+        if (local > 0) named_sync(1 + wg, 256);  // the other warpgroup has waited on every slot before ours
+        int it = local * ksteps;
+        for (int ks = 0; ks < ksteps; ++ks, ++it) {
+            const int st = it % STAGES;
+            mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
+            wgmma_fence();
+            const unsigned long long da = sw128_desc(sA + st * PP_A_TILE);
+            const unsigned long long da2 = sw128_desc(sA + st * PP_A_TILE + 64 * 128);
+            const unsigned long long db = sw128_desc(sB + st * PP_B_TILE);
+#pragma unroll
+            for (int kk = 0; kk < GS_BK / 16; ++kk) {
+                wgmma_ss_n128(acc, da + 2 * kk, db + 2 * kk, ks > 0 || kk > 0);
+                wgmma_ss_n128(acc + 64, da2 + 2 * kk, db + 2 * kk, ks > 0 || kk > 0);
+            }
+            wgmma_commit();
+            wgmma_wait1();
+            if (ks > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+        }
+        if (tile + gridDim.x < walk.tiles) named_arrive(2 - wg, 256);  // the next tile's warpgroup may start
+        wgmma_wait0();
+        if (lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+        const int r = walk.m0(tile) + warp * 16 + (lane >> 2), n0 = walk.n0(tile) / GS_BN * PP_BN;
+        pp_store(acc, bg, bu, out, r, n0, lane & 3, M, I, limit);
+        pp_store(acc + 64, bg, bu, out, r + 64, n0, lane & 3, M, I, limit);
+    }
+}

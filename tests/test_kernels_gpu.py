@@ -176,9 +176,10 @@ def swiglu_ref(a, w, bg, bu, limit):
 # walked 6 a CTA, so the slots' phases wrap inside and across tiles, and A's rows 64 columns wider than
 # K (a strided view, as the tensor map must describe); (64, 128, 128) on 1 CTA: one tile, 64 real rows.
 @pytest.mark.skipif(not SM90, reason="GPU test: gemm_sm90.cu is sm_90a (Hopper) only")
+@pytest.mark.parametrize("pingpong", [False, True], ids=["cooperative", "pingpong"])
 @pytest.mark.parametrize("m,k,inter,with_bias,ctas", [(333, 1024, 256, True, None), (700, 192, 384, False, 3),
                                                      (64, 128, 128, True, 1)])
-def test_gate_up_swiglu_fused(m, k, inter, with_bias, ctas):
+def test_gate_up_swiglu_fused(m, k, inter, with_bias, ctas, pingpong):
     limit = 10.0
     a_rows = bf(rng.standard_normal((m, k + (64 if ctas == 3 else 0)), dtype=np.float32))
     a = a_rows[:, :k]
@@ -190,7 +191,7 @@ def test_gate_up_swiglu_fused(m, k, inter, with_bias, ctas):
     out = buf[:m]
     a_dev = dev(a_rows)[:, :k]
     ops.gate_up_swiglu(a_dev, dev(w), None if bg is None else dev(bg), None if bu is None else dev(bu), out, limit,
-                       ctas=ctas)
+                       ctas=ctas, pingpong=pingpong)
     got = host(buf)
     assert not np.isnan(got[:m]).any() and np.isnan(got[m:]).all()
     assert rel(got[:m], ref) < 4e-3  # the output's bf16 rounding (fp32 accumulation, one rounding)
@@ -200,13 +201,13 @@ def test_gate_up_swiglu_fused(m, k, inter, with_bias, ctas):
     for r0, r1 in ((0, min(m, 50)), (m // 2 + 5, m)):
         part = poison((r1 - r0, inter))
         ops.gate_up_swiglu(a_dev[r0:r1], dev(w), None if bg is None else dev(bg),
-                           None if bu is None else dev(bu), part, limit, ctas=ctas)
+                           None if bu is None else dev(bu), part, limit, ctas=ctas, pingpong=pingpong)
         assert np.array_equal(cupy.asnumpy(part).view(np.uint16), cupy.asnumpy(out[r0:r1]).view(np.uint16))
     # Either tile order (the launcher picks by operand size) gives the same bits.
     for order in (0, 1):
         again = poison((m, inter))
         ops.gate_up_swiglu(a_dev, dev(w), None if bg is None else dev(bg), None if bu is None else dev(bu), again,
-                           limit, ctas=ctas, columns_fastest=order)
+                           limit, ctas=ctas, columns_fastest=order, pingpong=pingpong)
         assert np.array_equal(cupy.asnumpy(again).view(np.uint16), cupy.asnumpy(out).view(np.uint16))
 
 

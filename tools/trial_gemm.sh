@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# TRIAL branch (trial/gemm-anatomy): where the fused gate/up kernel's time goes, in one device call
-# (~1.5 min with the machine's start): cuBLAS's GEMM alone, the fused kernel, its mainloop without the
-# epilogue, and with 3 K slots; then its tests. Decides whether an epilogue overlapped with the next
-# tile's MMA (ping-pong consumers, or an epilogue warpgroup fed through shared memory) is worth building.
+# TRIAL branch (trial/gemm-anatomy), one device call (~2 min with the machine's start): the gate/up
+# kernels' tests first (the ping-pong kernel is new: bounded by timeouts in case it hangs), then the
+# table: cuBLAS's GEMM alone, the fused kernel, its mainloop without the epilogue, with 3 K slots, and
+# the ping-pong kernel (each warpgroup's epilogue under the other's MMAs). Keep ping-pong only if it
+# beats the cooperative kernel at the block MLP's rows; else record it in docs/PERFORMANCE.md.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD
-python3 benchmarks/bench_kernels.py --gate-up-only
-python3 -m pytest -q tests/test_kernels_gpu.py -k "gate_up" 2>&1 | tail -2
+timeout 180 python3 -m pytest -q -x tests/test_kernels_gpu.py -k "gate_up" 2>&1 | tail -4
+timeout 240 python3 benchmarks/bench_kernels.py --gate-up-only

@@ -156,7 +156,7 @@ def gate_up_swiglu_fits(k: int, inter: int) -> bool:
 
 
 def gate_up_swiglu(a, w, gate_bias, up_bias, out, limit, *, ctas=None, columns_fastest=None,
-                   name="GEMM gate_up + swiglu", stages=GATE_UP_STAGES, store=True):
+                   name="GEMM gate_up + swiglu", stages=GATE_UP_STAGES, store=True, pingpong=False):
     """out [M, I] = bf16(silu(min(g, L)) * clamp(u, -L, L)) with [g | u] = a @ w.T + biases in fp32: a [M, K]
     bf16 (rows any 16-byte multiple apart), w = [gate; up] bf16 [2I, K], biases bf16 [I] or None. One
     CTA per SM walks the output tiles (`ctas`: fewer, as tests do, to make each walk several), columns
@@ -183,15 +183,24 @@ def gate_up_swiglu(a, w, gate_bias, up_bias, out, limit, *, ctas=None, columns_f
     if m == 0:
         return out
     rows, cols = GATE_UP_TILE
+    if pingpong:  # TRIAL: gemm_swiglu_pingpong_sm90, tiles of 128 rows x 64 columns, one per warpgroup
+        if inter % PINGPONG_COLS:
+            raise ValueError(f"gate_up_swiglu: the ping-pong kernel needs I = {inter} a multiple of {PINGPONG_COLS}")
+        cols, smem = PINGPONG_COLS, PINGPONG_STAGES * (rows + 2 * PINGPONG_COLS) * 128 + 1024
+        fn = _with_shared_memory("gemm_sm90", f"gemm_swiglu_pingpong_sm90<{PINGPONG_STAGES}>", smem)
+    else:  # TRIAL: stages and store (False: no epilogue) for bench_kernels
+        fn, smem = _gate_up_kernel(stages, store)
     ta, tw = tensor_map(a, rows), tensor_map(w, cols)  # boxes: A's tile rows; W's gate (or up) rows
     tiles = _cdiv(m, rows) * (inter // cols)
-    fn, smem = _gate_up_kernel(stages, store)  # TRIAL: stages and store (False: no epilogue) for bench_kernels
     grid = (int(min(tiles, ctas or _sm_count())),)
     _launch(name, 2 * m * k * n2, lambda: fn(
         grid, (384,), (ta, tw, _ptr_or_null(gate_bias), _ptr_or_null(up_bias), out, np.int32(m), np.int32(k),
                        np.int32(inter), np.float32(limit),
                        np.int32(m > n2 if columns_fastest is None else columns_fastest)), shared_mem=smem))
     return out
+
+
+PINGPONG_COLS, PINGPONG_STAGES = 64, 6  # TRIAL: the ping-pong kernel's output columns a tile, its K slots
 
 
 def _gate_up_kernel(stages=GATE_UP_STAGES, store=True):
