@@ -169,71 +169,85 @@ __global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant
 
 // ---------------------------------------------------------------------------------------------------
 // TRIAL (not measured): ping-pong consumers, so that one warpgroup's epilogue runs under the other's
-// MMAs. Each consumer warpgroup owns whole tiles of 128 rows x 64 output columns (W: 64 gate rows and
-// 64 up rows; two m64n128 wgmmas a k16 step, 128 accumulators a thread as before), the CTA's tiles
-// alternating between the two. The producer fills one ring of slots in tile order, so the warpgroups'
-// K loops take turns: a warpgroup starts its tile's K loop only once the other has waited on every
-// slot of the tile before (named barriers 1 and 2), which the slots' phase parity also needs (a slot
-// may not be waited on two phases ahead). L2 traffic a FLOP is 4/3 of the cooperative kernel's
-// (32 KB a 2.1 MFLOP slice against 48 KB a 4.2 MFLOP one).
-#define PP_BN 64                      // output columns a tile
-#define PP_A_TILE (GS_BM * 128)       // bytes of a slot's 128 A rows
-#define PP_B_TILE (2 * PP_BN * 128)   // and of its 64 gate + 64 up W rows
-
-template <int STAGES>
-__device__ __forceinline__ void pp_produce(const TmaMap* ta, const TmaMap* tw, unsigned char* sA, unsigned char* sB,
-                                           unsigned full0, unsigned empty0, TileWalk walk, int ksteps, int I) {
-    tma_prefetch_map(ta);
-    tma_prefetch_map(tw);
-    int it = 0;
-    for (int tile = blockIdx.x; tile < walk.tiles; tile += gridDim.x) {
-        const int m0 = walk.m0(tile), n0 = walk.n0(tile) / GS_BN * PP_BN;  // TileWalk counts GS_BN columns
-        for (int ks = 0; ks < ksteps; ++ks, ++it) {
-            const int st = it % STAGES;
-            if (it >= STAGES) mbar_wait(empty0 + 8 * st, ((it / STAGES) - 1) & 1);
-            const unsigned full = full0 + 8 * st;
-            mbar_expect_tx(full, PP_A_TILE + PP_B_TILE);
-            tma_load_2d(sA + st * PP_A_TILE, ta, ks * GS_BK, m0, full);
-            tma_load_2d(sB + st * PP_B_TILE, tw, ks * GS_BK, n0, full);                    // gate rows
-            tma_load_2d(sB + st * PP_B_TILE + PP_BN * 128, tw, ks * GS_BK, I + n0, full);  // up rows
-        }
-    }
-}
+// MMAs. Each consumer warpgroup owns whole tiles of 128 rows x 128 W rows (two m64n128 wgmmas a k16
+// step, 128 accumulators a thread as before), the CTA's tiles alternating between the two. The
+// producer fills one ring of slots in tile order, so the warpgroups' K loops take turns: a warpgroup
+// starts its tile's K loop only once the other has waited on every slot of the tile before (named
+// barriers 1 and 2), which the slots' phase parity also needs (a slot may not be waited on two phases
+// ahead). L2 traffic a FLOP is 4/3 of the cooperative kernel's (32 KB a 2.1 MFLOP slice against 48 KB
+// a 4.2 MFLOP one). A tile's W rows are two boxes of 64: at w0 and w0 + second (SwiGLU: gate rows
+// 64c.. and up rows I + 64c.., 64 output columns; accumulate: rows 128c.., 128 output columns).
+#define PP_A_TILE (GS_BM * 128)  // bytes of a slot's 128 A rows
+#define PP_B_TILE (128 * 128)    // and of its 128 W rows
 
 // This thread's rows r and r + 8 of one 64-row half (acc: its 64 accumulators, gate columns 8j + 2t
-// (+1) in acc[4j..], up in acc[32 + 4j..], j < 8).
-__device__ __forceinline__ void pp_store(const float* acc, const bf16* __restrict__ bg, const bf16* __restrict__ bu,
-                                         bf16* __restrict__ out, int r, int n0, int t, int M, int I, float limit) {
+// (+1) in acc[4j..], up in acc[32 + 4j..], j < 8), output columns n0...
+struct SwigluEpilogue {
+    const bf16* __restrict__ bg;
+    const bf16* __restrict__ bu;
+    bf16* __restrict__ out;
+    int M, I;
+    float limit;
+    static constexpr int kWStep = 64;  // W rows a tile's gate box starts apart (up at + I)
+    __device__ __forceinline__ int second() const { return I; }
+    __device__ __forceinline__ void half(const float* acc, int r, int col, int t) const {
+        const int n0 = col * 64;
 #pragma unroll
-    for (int j = 0; j < PP_BN / 8; ++j) {
-        const int c = n0 + 8 * j + 2 * t;
-        float2 b_g = make_float2(0.f, 0.f), b_u = make_float2(0.f, 0.f);
-        if (bg) b_g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bg + c));
-        if (bu) b_u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bu + c));
-        const float* gv = acc + 4 * j;
-        const float* uv = acc + 32 + 4 * j;
-        if (r < M)
-            *reinterpret_cast<unsigned*>(out + (long)r * I + c) =
-                pack_bf16(swiglu1(gv[0] + b_g.x, uv[0] + b_u.x, limit), swiglu1(gv[1] + b_g.y, uv[1] + b_u.y, limit));
-        if (r + 8 < M)
-            *reinterpret_cast<unsigned*>(out + (long)(r + 8) * I + c) =
-                pack_bf16(swiglu1(gv[2] + b_g.x, uv[2] + b_u.x, limit), swiglu1(gv[3] + b_g.y, uv[3] + b_u.y, limit));
+        for (int j = 0; j < 8; ++j) {
+            const int c = n0 + 8 * j + 2 * t;
+            float2 b_g = make_float2(0.f, 0.f), b_u = make_float2(0.f, 0.f);
+            if (bg) b_g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bg + c));
+            if (bu) b_u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bu + c));
+            const float* gv = acc + 4 * j;
+            const float* uv = acc + 32 + 4 * j;
+            if (r < M)
+                *reinterpret_cast<unsigned*>(out + (long)r * I + c) = pack_bf16(
+                    swiglu1(gv[0] + b_g.x, uv[0] + b_u.x, limit), swiglu1(gv[1] + b_g.y, uv[1] + b_u.y, limit));
+            if (r + 8 < M)
+                *reinterpret_cast<unsigned*>(out + (long)(r + 8) * I + c) = pack_bf16(
+                    swiglu1(gv[2] + b_g.x, uv[2] + b_u.x, limit), swiglu1(gv[3] + b_g.y, uv[3] + b_u.y, limit));
+        }
     }
-}
+};
 
-// As gemm_swiglu_sm90 (same arguments; W's box 64 rows, not 128; I % 64 == 0); STAGES * 32 KB + 1024
-// bytes of dynamic shared memory.
-template <int STAGES>
-__global__ void __launch_bounds__(384, 1) gemm_swiglu_pingpong_sm90(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tw,
-                                 const bf16* __restrict__ bg, const bf16* __restrict__ bu, bf16* __restrict__ out,
-                                 int M, int K, int I, float limit, int columns_fastest) {
+// C[r, n0 + 8j + 2t (+1)] += acc (fp32 C: the residual stream), rows r and r + 8, j < 16.
+struct AccumulateEpilogue {
+    float* __restrict__ c;
+    int M, N;
+    static constexpr int kWStep = 128;
+    __device__ __forceinline__ int second() const { return 64; }
+    __device__ __forceinline__ void half(const float* acc, int r, int col, int t) const {
+        const int n0 = col * 128;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int cc = n0 + 8 * j + 2 * t;
+            if (r < M) {
+                float2* p = reinterpret_cast<float2*>(c + (long)r * N + cc);
+                const float2 old = *p;
+                *p = make_float2(old.x + acc[4 * j], old.y + acc[4 * j + 1]);
+            }
+            if (r + 8 < M) {
+                float2* p = reinterpret_cast<float2*>(c + (long)(r + 8) * N + cc);
+                const float2 old = *p;
+                *p = make_float2(old.x + acc[4 * j + 2], old.y + acc[4 * j + 3]);
+            }
+        }
+    }
+};
+
+// The whole kernel body: 384 threads (2 consumer warpgroups + the producer's), STAGES * 32 KB + 1024
+// bytes of dynamic shared memory; ta: A [M, K] in boxes of 128 rows, tw: W in boxes of 64 rows, both
+// 64 columns wide (128B swizzle); ntiles: output column tiles; K % 64 == 0.
+template <int STAGES, class Epilogue>
+__device__ __forceinline__ void pingpong_gemm(const TmaMap& ta, const TmaMap& tw, int M, int K, int ntiles,
+                                              int columns_fastest, const Epilogue& epi) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long bars[2 * STAGES];
     unsigned char* sA = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
     unsigned char* sB = sA + STAGES * PP_A_TILE;
     const unsigned full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]);
-    const int mtiles = (M + GS_BM - 1) / GS_BM, ksteps = K / GS_BK, ntiles = I / PP_BN;
-    // TileWalk in GS_BN-column units: its n0 / GS_BN is the tile's column index (times PP_BN here).
+    const int mtiles = (M + GS_BM - 1) / GS_BM, ksteps = K / GS_BK;
+    // TileWalk counts columns in GS_BN units: n0(tile) / GS_BN is the tile's column index.
     const TileWalk walk{mtiles, ntiles, mtiles * ntiles, columns_fastest};
 
     if (threadIdx.x == 0) {
@@ -246,9 +260,24 @@ __global__ void __launch_bounds__(384, 1) gemm_swiglu_pingpong_sm90(const __grid
     }
     __syncthreads();
 
-    if (threadIdx.x >= 256) {
+    if (threadIdx.x >= 256) {  // the producer: every slot of every tile, in tile order
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        if (threadIdx.x == 256) pp_produce<STAGES>(&ta, &tw, sA, sB, full0, empty0, walk, ksteps, I);
+        if (threadIdx.x != 256) return;
+        tma_prefetch_map(&ta);
+        tma_prefetch_map(&tw);
+        int it = 0;
+        for (int tile = blockIdx.x; tile < walk.tiles; tile += gridDim.x) {
+            const int m0 = walk.m0(tile), w0 = walk.n0(tile) / GS_BN * Epilogue::kWStep;
+            for (int ks = 0; ks < ksteps; ++ks, ++it) {
+                const int st = it % STAGES;
+                if (it >= STAGES) mbar_wait(empty0 + 8 * st, ((it / STAGES) - 1) & 1);
+                const unsigned full = full0 + 8 * st;
+                mbar_expect_tx(full, PP_A_TILE + PP_B_TILE);
+                tma_load_2d(sA + st * PP_A_TILE, &ta, ks * GS_BK, m0, full);
+                tma_load_2d(sB + st * PP_B_TILE, &tw, ks * GS_BK, w0, full);
+                tma_load_2d(sB + st * PP_B_TILE + 64 * 128, &tw, ks * GS_BK, w0 + epi.second(), full);
+            }
+        }
         return;
     }
 
@@ -279,8 +308,25 @@ __global__ void __launch_bounds__(384, 1) gemm_swiglu_pingpong_sm90(const __grid
         if (tile + gridDim.x < walk.tiles) named_arrive(2 - wg, 256);  // the next tile's warpgroup may start
         wgmma_wait0();
         if (lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
-        const int r = walk.m0(tile) + warp * 16 + (lane >> 2), n0 = walk.n0(tile) / GS_BN * PP_BN;
-        pp_store(acc, bg, bu, out, r, n0, lane & 3, M, I, limit);
-        pp_store(acc + 64, bg, bu, out, r + 64, n0, lane & 3, M, I, limit);
+        const int r = walk.m0(tile) + warp * 16 + (lane >> 2), col = walk.n0(tile) / GS_BN;
+        epi.half(acc, r, col, lane & 3);
+        epi.half(acc + 64, r + 64, col, lane & 3);
     }
+}
+
+// As gemm_swiglu_sm90 (same arguments; W's box 64 rows; I % 64 == 0).
+template <int STAGES>
+__global__ void __launch_bounds__(384, 1) gemm_swiglu_pingpong_sm90(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tw,
+                                 const bf16* __restrict__ bg, const bf16* __restrict__ bu, bf16* __restrict__ out,
+                                 int M, int K, int I, float limit, int columns_fastest) {
+    pingpong_gemm<STAGES>(ta, tw, M, K, I / 64, columns_fastest, SwigluEpilogue{bg, bu, out, M, I, limit});
+}
+
+// c [M, N] fp32 += a [M, K] @ w [N, K]^T (bf16): the residual GEMMs (attn.proj, mlp.down_proj) with
+// c's read and write under the other warpgroup's MMAs; N % 128 == 0. No split K: each output is one
+// K loop, so a row's bits do not depend on the rows batched with it.
+template <int STAGES>
+__global__ void __launch_bounds__(384, 1) gemm_accumulate_pingpong_sm90(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tw,
+                                 float* __restrict__ c, int M, int K, int N, int columns_fastest) {
+    pingpong_gemm<STAGES>(ta, tw, M, K, N / 128, columns_fastest, AccumulateEpilogue{c, M, N});
 }

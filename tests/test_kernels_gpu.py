@@ -11,7 +11,7 @@ from tests.conftest import gpu_or_skip
 cupy = gpu_or_skip()
 
 from glmvit_cupy import KernelError  # noqa: E402
-from glmvit_cupy.engine import ops  # noqa: E402
+from glmvit_cupy.engine import fused, ops  # noqa: E402
 from glmvit_cupy.engine.attention import FIXED_OFFSET_LIMIT, VARIANTS, default_variants, tiles  # noqa: E402
 from glmvit_cupy.engine.gemm import gemm  # noqa: E402
 from glmvit_cupy.engine.kernels import kernel  # noqa: E402
@@ -190,7 +190,7 @@ def test_gate_up_swiglu_fused(m, k, inter, with_bias, ctas, pingpong):
     buf = poison((m + 3, inter))  # three poisoned rows past M: nothing may be written there
     out = buf[:m]
     a_dev = dev(a_rows)[:, :k]
-    ops.gate_up_swiglu(a_dev, dev(w), None if bg is None else dev(bg), None if bu is None else dev(bu), out, limit,
+    fused.gate_up_swiglu(a_dev, dev(w), None if bg is None else dev(bg), None if bu is None else dev(bu), out, limit,
                        ctas=ctas, pingpong=pingpong)
     got = host(buf)
     assert not np.isnan(got[:m]).any() and np.isnan(got[m:]).all()
@@ -200,26 +200,57 @@ def test_gate_up_swiglu_fused(m, k, inter, with_bias, ctas, pingpong):
     # Batch invariance: rows alone, or starting mid-tile, give the bits they had among the others.
     for r0, r1 in ((0, min(m, 50)), (m // 2 + 5, m)):
         part = poison((r1 - r0, inter))
-        ops.gate_up_swiglu(a_dev[r0:r1], dev(w), None if bg is None else dev(bg),
+        fused.gate_up_swiglu(a_dev[r0:r1], dev(w), None if bg is None else dev(bg),
                            None if bu is None else dev(bu), part, limit, ctas=ctas, pingpong=pingpong)
         assert np.array_equal(cupy.asnumpy(part).view(np.uint16), cupy.asnumpy(out[r0:r1]).view(np.uint16))
     # Either tile order (the launcher picks by operand size) gives the same bits.
     for order in (0, 1):
         again = poison((m, inter))
-        ops.gate_up_swiglu(a_dev, dev(w), None if bg is None else dev(bg), None if bu is None else dev(bu), again,
+        fused.gate_up_swiglu(a_dev, dev(w), None if bg is None else dev(bg), None if bu is None else dev(bu), again,
                            limit, ctas=ctas, columns_fastest=order, pingpong=pingpong)
         assert np.array_equal(cupy.asnumpy(again).view(np.uint16), cupy.asnumpy(out).view(np.uint16))
+
+
+# TRIAL: the ping-pong GEMM that accumulates into float32 (attn.proj, mlp.down_proj). (300, 1024, 256):
+# the model's K, a partial last row tile, one CTA a tile; (700, 192, 384) on 3 CTAs: K in 3 slices
+# (fewer than the 6 slots), 18 tiles walked 6 a CTA, both warpgroups taking turns; (64, 128, 128) on 1
+# CTA: one tile, warpgroup 1 idle.
+@pytest.mark.skipif(not SM90, reason="GPU test: gemm_sm90.cu is sm_90a (Hopper) only")
+@pytest.mark.parametrize("m,k,n,ctas", [(300, 1024, 256, None), (700, 192, 384, 3), (64, 128, 128, 1)])
+def test_gemm_accumulate_pingpong(m, k, n, ctas):
+    a = bf(rng.standard_normal((m, k), dtype=np.float32))
+    w = bf(rng.standard_normal((n, k), dtype=np.float32) / math.sqrt(k))
+    c0 = rng.standard_normal((m, n), dtype=np.float32)
+    ref = c0.astype(np.float64) + a.astype(np.float64) @ w.astype(np.float64).T
+    buf = cupy.full((m + 3, n), np.nan, np.float32)  # three poisoned rows past M: nothing may be written there
+    buf[:m] = cupy.asarray(c0)
+    fused.gemm_accumulate(dev(a), dev(w), buf[:m], ctas=ctas)
+    got = cupy.asnumpy(buf)
+    assert not np.isnan(got[:m]).any() and np.isnan(got[m:]).all()
+    assert rel(got[:m], ref) < 1e-5  # fp32 accumulation, one fp32 add into c
+    # As cuBLAS into the same c, and batch-invariant: rows alone give the bits they had among the others.
+    blas = cupy.asarray(c0)
+    ops.linear(dev(a), dev(w), blas, accumulate=True)
+    assert rel(got[:m], cupy.asnumpy(blas)) < 1e-5
+    for r0, r1 in ((0, min(m, 50)), (m // 2 + 5, m)):
+        part = cupy.asarray(c0[r0:r1])
+        fused.gemm_accumulate(dev(a)[r0:r1], dev(w), part, ctas=ctas)
+        assert np.array_equal(cupy.asnumpy(part).view(np.uint32), got[r0:r1].view(np.uint32))
+    for order in (0, 1):  # either tile order, the same bits
+        again = cupy.asarray(c0)
+        fused.gemm_accumulate(dev(a), dev(w), again, ctas=ctas, columns_fastest=order)
+        assert np.array_equal(cupy.asnumpy(again).view(np.uint32), got[:m].view(np.uint32))
 
 
 @pytest.mark.skipif(not SM90, reason="GPU test: gemm_sm90.cu is sm_90a (Hopper) only")
 def test_gate_up_swiglu_refuses_what_it_cannot_tile():
     a, out = cupy.zeros((8, 96), BF), cupy.zeros((8, 128), BF)
     with pytest.raises(ValueError, match="K = 96 must be a multiple of 64"):
-        ops.gate_up_swiglu(a, cupy.zeros((256, 96), BF), None, None, out, 10.0)
+        fused.gate_up_swiglu(a, cupy.zeros((256, 96), BF), None, None, out, 10.0)
     with pytest.raises(ValueError, match=r"w must be \[2I, K\]"):
-        ops.gate_up_swiglu(cupy.zeros((8, 128), BF), cupy.zeros((200, 128), BF), None, None, out, 10.0)
+        fused.gate_up_swiglu(cupy.zeros((8, 128), BF), cupy.zeros((200, 128), BF), None, None, out, 10.0)
     with pytest.raises(ValueError, match="16-byte boundaries"):
-        ops.gate_up_swiglu(cupy.zeros((8, 132), BF)[:, 4:], cupy.zeros((256, 128), BF), None, None, out, 10.0)
+        fused.gate_up_swiglu(cupy.zeros((8, 132), BF)[:, 4:], cupy.zeros((256, 128), BF), None, None, out, 10.0)
 
 
 @pytest.mark.parametrize("h,w", [(28, 28), (56, 84), (616, 532)])

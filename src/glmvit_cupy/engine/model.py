@@ -20,7 +20,7 @@ from .. import batching, gpu
 from ..checkpoint import TowerBinding, bind_tower
 from ..config import VisionGeometry
 from ..preprocess import value_table
-from . import arena, layers, ops, params
+from . import arena, fused, layers, params
 from .attention import check_variant, default_variants, score_bound_log2
 from .budgets import full_pass_budgets
 from .executor import CAPTURE_ON_SECOND_CALL, Executor
@@ -76,7 +76,7 @@ class GlmVit:
                                for i in range(g.depth))
         names = (check_variant(attention_variant, g.head_dim, cc, self.score_bound).name,) if attention_variant \
             else default_variants(g.head_dim, cc, self.score_bound)
-        fits = cc == "90" and all(ops.gate_up_swiglu_fits(k, i) for k, i in (
+        fits = cc == "90" and all(fused.gate_up_swiglu_fits(k, i) for k, i in (
             (g.hidden_size, g.intermediate_size), (g.out_hidden_size, g.projection_intermediate_size)))
         if fused_swiglu and not fits:
             raise ValueError(
