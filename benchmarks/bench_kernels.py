@@ -105,8 +105,8 @@ def main():
 
 def bench_gate_up():
     """The MLP's gate/up GEMM and clamped SwiGLU: cuBLAS + the activations pass (layers.py's path with
-    fused_swiglu=False) against gemm_sm90.cu's fused kernel, at the block MLP's chunk and whole-pass rows and the
-    merger's shape."""
+    fused_swiglu=False) against gemm_sm90.cu's fused kernels (cooperative, ping-pong), at the block MLP's chunk
+    and whole-pass rows and the merger's shape."""
     import cupy
     import ml_dtypes
 
@@ -126,34 +126,20 @@ def bench_gate_up():
             ops.swiglu_clamp(gu, bg, bu, out, 10.0)
 
         ms_u = kernel_ms(unfused)
-        ms_r, ms_c = (kernel_ms(lambda: fused.gate_up_swiglu(a, w, bg, bu, out, 10.0, columns_fastest=c)) for c in (0, 1))
-        ms_f = ms_c if m > 2 * inter else ms_r  # the order the launcher picks (columns fastest when a > w)
-        # TRIAL: where the fused kernel's time goes: cuBLAS's GEMM alone, our mainloop without the epilogue,
-        # and with 3 K slots instead of 4 (the shared memory an epilogue staged through it would take).
-        ms_g = kernel_ms(lambda: ops.linear(a, w, gu))
-        ms_n = kernel_ms(lambda: fused.gate_up_swiglu(a, w, bg, bu, out, 10.0, store=False))
-        ms_3 = kernel_ms(lambda: fused.gate_up_swiglu(a, w, bg, bu, out, 10.0, stages=3))
+        # The cooperative kernel in either tile order, the ping-pong one, and what the launcher picks.
+        ms_r, ms_c = (kernel_ms(lambda: fused.gate_up_swiglu(a, w, bg, bu, out, 10.0, columns_fastest=c, pingpong=False))
+                      for c in (0, 1))
         ms_p = kernel_ms(lambda: fused.gate_up_swiglu(a, w, bg, bu, out, 10.0, pingpong=True))
+        ms_coop = ms_c if m > 2 * inter else ms_r  # the order the launcher picks (columns fastest when a > w)
+        ms_f = ms_p if k <= fused.PINGPONG_MAX_K else ms_coop
+        ms_g = kernel_ms(lambda: ops.linear(a, w, gu))
         fl = 2 * m * k * 2 * inter
-        rows.append([f"{name} ({m}x{2 * inter}x{k})", f"{ms_u:.3f}", f"{fl / ms_u / 1e9:.0f}", f"{ms_f:.3f}",
-                     f"{fl / ms_f / 1e9:.0f}", f"{ms_u / ms_f:.2f}x", f"{fl / ms_r / 1e9:.0f} / {fl / ms_c / 1e9:.0f}",
-                     f"{fl / ms_g / 1e9:.0f}", f"{fl / ms_n / 1e9:.0f}", f"{fl / ms_3 / 1e9:.0f}",
-                     f"{fl / ms_p / 1e9:.0f}"])
-    table(["gate/up + swiglu", "cuBLAS + pass ms", "TFLOP/s", "fused ms", "TFLOP/s", "fused speed-up",
-           "fused TFLOP/s rows / columns fastest", "cuBLAS GEMM alone", "fused, no epilogue", "fused, 3 slots",
-           "ping-pong (TRIAL)"],
-          rows)
-    # TRIAL: the residual GEMMs (+= into float32 x): cuBLAS (beta = 1) against the ping-pong kernel.
-    rows = []
-    for name, m, k, n in [("attn.proj, 16,384 rows", 16384, H, H), ("mlp.down_proj, 16,384 rows", 16384, I, H),
-                          ("attn.proj, 32,000 rows", N, H, H), ("mlp.down_proj, 32,000 rows", N, I, H)]:
-        a, w, c = rnd((m, k), BF), rnd((n, k), BF), rnd((m, n))
-        ms_b = kernel_ms(lambda: ops.linear(a, w, c, accumulate=True))
-        ms_p = kernel_ms(lambda: fused.gemm_accumulate(a, w, c))
-        fl = 2 * m * k * n
-        rows.append([f"{name} ({m}x{n}x{k})", f"{ms_b:.3f}", f"{fl / ms_b / 1e9:.0f}", f"{ms_p:.3f}",
-                     f"{fl / ms_p / 1e9:.0f}", f"{ms_b / ms_p:.2f}x"])
-    table(["+= fp32 GEMM (TRIAL)", "cuBLAS ms", "TFLOP/s", "ping-pong ms", "TFLOP/s", "speed-up"], rows)
+        rows.append([f"{name} ({m}x{2 * inter}x{k})", f"{ms_u:.3f}", f"{fl / ms_u / 1e9:.0f}", f"{fl / ms_g / 1e9:.0f}",
+                     f"{fl / ms_r / 1e9:.0f} / {fl / ms_c / 1e9:.0f}", f"{fl / ms_p / 1e9:.0f}", f"{ms_f:.3f}",
+                     f"{fl / ms_f / 1e9:.0f}", f"{ms_u / ms_f:.2f}x"])
+    table(["gate/up + swiglu", "cuBLAS + pass ms", "TFLOP/s", "cuBLAS GEMM alone TFLOP/s",
+           "cooperative TFLOP/s rows / columns fastest", "ping-pong TFLOP/s", "fused (launcher's pick) ms", "TFLOP/s",
+           "fused speed-up"], rows)
 
 
 def attention_error(q, k, v, out, heads=16, sample=256):

@@ -121,9 +121,7 @@ __device__ __forceinline__ void store_swiglu(const float* acc, const bf16* __res
 // ...). ta: A [M, K], tw: W [2I, K], boxes of 64 columns x 128 rows, 128B swizzle (ops.gate_up_swiglu
 // encodes them); K % 64 == 0, I % 128 == 0, out [M, I] contiguous; rows of A past M read as zeros and
 // are not stored. Biases may be null (the merger has none). columns_fastest: TileWalk's order.
-// TRIAL (measurement only): STORE false skips the epilogue (the mainloop's rate alone; nothing is
-// written unless an accumulator holds an impossible value, which keeps the MMAs alive).
-template <int STAGES, bool STORE>
+template <int STAGES>
 __global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tw,
                                  const bf16* __restrict__ bg, const bf16* __restrict__ bu, bf16* __restrict__ out,
                                  int M, int K, int I, float limit, int columns_fastest) {
@@ -158,25 +156,24 @@ __global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant
     int it = 0;
     for (int tile = blockIdx.x; tile < walk.tiles; tile += gridDim.x) {
         mma_tile<STAGES>(acc, sA, sB, full0, empty0, it, ksteps, wg, lane);
-        if (!STORE) {
-            if (acc[0] == -1.2345e30f) out[0] = __float2bfloat16(acc[127]);
-            continue;
-        }
         store_swiglu(acc, bg, bu, out, walk.m0(tile) + wg * 64 + warp * 16 + (lane >> 2), walk.n0(tile), lane & 3, M, I,
                      limit);
     }
 }
 
 // ---------------------------------------------------------------------------------------------------
-// TRIAL (not measured): ping-pong consumers, so that one warpgroup's epilogue runs under the other's
-// MMAs. Each consumer warpgroup owns whole tiles of 128 rows x 128 W rows (two m64n128 wgmmas a k16
-// step, 128 accumulators a thread as before), the CTA's tiles alternating between the two. The
-// producer fills one ring of slots in tile order, so the warpgroups' K loops take turns: a warpgroup
-// starts its tile's K loop only once the other has waited on every slot of the tile before (named
-// barriers 1 and 2), which the slots' phase parity also needs (a slot may not be waited on two phases
-// ahead). L2 traffic a FLOP is 4/3 of the cooperative kernel's (32 KB a 2.1 MFLOP slice against 48 KB
-// a 4.2 MFLOP one). A tile's W rows are two boxes of 64: at w0 and w0 + second (SwiGLU: gate rows
-// 64c.. and up rows I + 64c.., 64 output columns; accumulate: rows 128c.., 128 output columns).
+// Ping-pong consumers, so that one warpgroup's epilogue runs under the other's MMAs. Each consumer
+// warpgroup owns whole tiles of 128 rows x 128 W rows (64 gate + 64 up: two m64n128 wgmmas a k16 step,
+// 128 accumulators a thread as above), the CTA's tiles alternating between the two. The producer fills
+// one ring of slots in tile order, so the warpgroups' K loops take turns: a warpgroup starts its tile's
+// K loop only once the other has waited on every slot of the tile before (named barriers 1 and 2),
+// which the slots' phase parity also needs (a slot may not be waited on two phases ahead;
+// tools/pingpong_protocol.py models it). L2 traffic a FLOP is 4/3 of the cooperative kernel's (32 KB a
+// 2.1 MFLOP slice against 48 KB a 4.2 MFLOP one), so it wins where the epilogue is a large share of a
+// short K loop. Measured (H200, bench_kernels, TFLOP/s): K = 1,024 (the block MLP) at 4,096 / 16,384 /
+// 32,000 rows 680 / 708 / 711 against the cooperative kernel's 632 / 667 / 673 (whose mainloop alone,
+// the epilogue skipped, ran 823 / 836 / 854); the merger's K = 4,096 740 against 771. fused.py picks.
+// A tile's W rows are two boxes of 64: gate rows 64c.. and up rows I + 64c.. (64 output columns).
 #define PP_A_TILE (GS_BM * 128)  // bytes of a slot's 128 A rows
 #define PP_B_TILE (128 * 128)    // and of its 128 W rows
 
@@ -188,7 +185,7 @@ struct SwigluEpilogue {
     bf16* __restrict__ out;
     int M, I;
     float limit;
-    static constexpr int kWStep = 64;  // W rows a tile's gate box starts apart (up at + I)
+    static constexpr int kWStep = 64;  // W rows a tile's gate box starts apart (its up box at + I)
     __device__ __forceinline__ int second() const { return I; }
     __device__ __forceinline__ void half(const float* acc, int r, int col, int t) const {
         const int n0 = col * 64;
@@ -206,31 +203,6 @@ struct SwigluEpilogue {
             if (r + 8 < M)
                 *reinterpret_cast<unsigned*>(out + (long)(r + 8) * I + c) = pack_bf16(
                     swiglu1(gv[2] + b_g.x, uv[2] + b_u.x, limit), swiglu1(gv[3] + b_g.y, uv[3] + b_u.y, limit));
-        }
-    }
-};
-
-// C[r, n0 + 8j + 2t (+1)] += acc (fp32 C: the residual stream), rows r and r + 8, j < 16.
-struct AccumulateEpilogue {
-    float* __restrict__ c;
-    int M, N;
-    static constexpr int kWStep = 128;
-    __device__ __forceinline__ int second() const { return 64; }
-    __device__ __forceinline__ void half(const float* acc, int r, int col, int t) const {
-        const int n0 = col * 128;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            const int cc = n0 + 8 * j + 2 * t;
-            if (r < M) {
-                float2* p = reinterpret_cast<float2*>(c + (long)r * N + cc);
-                const float2 old = *p;
-                *p = make_float2(old.x + acc[4 * j], old.y + acc[4 * j + 1]);
-            }
-            if (r + 8 < M) {
-                float2* p = reinterpret_cast<float2*>(c + (long)(r + 8) * N + cc);
-                const float2 old = *p;
-                *p = make_float2(old.x + acc[4 * j + 2], old.y + acc[4 * j + 3]);
-            }
         }
     }
 };
@@ -320,13 +292,4 @@ __global__ void __launch_bounds__(384, 1) gemm_swiglu_pingpong_sm90(const __grid
                                  const bf16* __restrict__ bg, const bf16* __restrict__ bu, bf16* __restrict__ out,
                                  int M, int K, int I, float limit, int columns_fastest) {
     pingpong_gemm<STAGES>(ta, tw, M, K, I / 64, columns_fastest, SwigluEpilogue{bg, bu, out, M, I, limit});
-}
-
-// c [M, N] fp32 += a [M, K] @ w [N, K]^T (bf16): the residual GEMMs (attn.proj, mlp.down_proj) with
-// c's read and write under the other warpgroup's MMAs; N % 128 == 0. No split K: each output is one
-// K loop, so a row's bits do not depend on the rows batched with it.
-template <int STAGES>
-__global__ void __launch_bounds__(384, 1) gemm_accumulate_pingpong_sm90(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tw,
-                                 float* __restrict__ c, int M, int K, int N, int columns_fastest) {
-    pingpong_gemm<STAGES>(ta, tw, M, K, N / 128, columns_fastest, AccumulateEpilogue{c, M, N});
 }

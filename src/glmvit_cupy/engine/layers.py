@@ -18,7 +18,6 @@ from .params import Block, Merger, Weights
 from .plans import Plan
 
 LAYERNORM_EPS = 1e-5  # the merger's post_projection_norm (nn.LayerNorm's default)
-RESIDUAL_PINGPONG = False  # TRIAL: attn.proj and mlp.down_proj by gemm_sm90.cu's ping-pong kernel (Hopper)
 
 
 def forward(g: VisionGeometry, w: Weights, s: Arena, plan: Plan, blas, mark=None, fused_swiglu=False):
@@ -57,7 +56,7 @@ def attn(g: VisionGeometry, blk: Block, s: Arena, plan: Plan, x, inv_freq, blas)
                      0, heads, g.rms_norm_eps)  # + attn.qkv's bias
     ops.flash_attention(plan.variant, q, k, v, o, plan.cu_seqlens, plan.tile_seg, plan.tile_q0, heads,
                         flop=plan.attention_flop)
-    residual(o, blk.proj_weight, x, blas, "GEMM attn.proj")
+    ops.linear(o, blk.proj_weight, x, accumulate=True, handle=blas, name="GEMM attn.proj")
 
 
 def mlp(g: VisionGeometry, blk: Block, s: Arena, x, blas, fused_swiglu):
@@ -71,7 +70,7 @@ def mlp(g: VisionGeometry, blk: Block, s: Arena, x, blas, fused_swiglu):
         act = s["mlp_act"][:rows]
         gate_up_swiglu(normed[r0:r0 + rows], blk.gate_up_weight, blk.gate_bias, blk.up_bias, act, g.swiglu_limit,
                        s, "gate_up", blas, fused_swiglu, "GEMM mlp.gate_up (+ swiglu)")  # + gate/up biases
-        residual(act, blk.down_weight, x[r0:r0 + rows], blas, "GEMM mlp.down_proj")
+        ops.linear(act, blk.down_weight, x[r0:r0 + rows], accumulate=True, handle=blas, name="GEMM mlp.down_proj")
 
 
 def merger(g: VisionGeometry, m: Merger, s: Arena, x, blas, fused_swiglu):
@@ -93,19 +92,11 @@ def merger(g: VisionGeometry, m: Merger, s: Arena, x, blas, fused_swiglu):
         ops.linear(act, m.down_weight, out[r0:r0 + rows], handle=blas, name="GEMM merger")
 
 
-def residual(a, weight, x, blas, name):
-    """x += a @ weight.T in fp32: cuBLAS (beta = 1), or (TRIAL) the ping-pong kernel."""
-    if RESIDUAL_PINGPONG:
-        fused.gemm_accumulate(a, weight, x, name=name)
-    else:
-        ops.linear(a, weight, x, accumulate=True, handle=blas, name=name)
-
-
-def gate_up_swiglu(a, weight, gate_bias, up_bias, act, limit, s: Arena, slot, blas, fused, name):
+def gate_up_swiglu(a, weight, gate_bias, up_bias, act, limit, s: Arena, slot, blas, fuse, name):
     """act = silu(min(gate, L)) * clamp(up, -L, L) of a @ [gate; up].T + biases: one kernel (the model
     decided at load that its MLPs fit gemm_sm90.cu), or cuBLAS into the arena's gate/up `slot` and the
     activations pass."""
-    if fused:
+    if fuse:
         fused.gate_up_swiglu(a, weight, gate_bias, up_bias, act, limit, name=name)
     else:
         gate_up = s[slot][:a.shape[0]]
