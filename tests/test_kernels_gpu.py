@@ -390,7 +390,7 @@ def test_default_variants_agree_bit_for_bit():
     n, heads = 2000, 16
     cu = np.array([0, 700, n], np.int32)
     q, k, v = (dev(rng.standard_normal((n, heads * 64), dtype=np.float32).astype(BF) * 2) for _ in range(3))
-    for names in (default_variants(64, "90"), default_variants(64, "90", 0.0)):  # online; no running max
+    for names in (default_variants(64, "90"), default_variants(64, "90", 0.0, 0.0)):  # online; no running max
         assert len(names) > 1
         outs = []
         for name in names:

@@ -642,6 +642,29 @@ def test_attention_variant_argument(official):
         assert rel(online[0], ref) < 2.5e-2
 
 
+def test_huge_values_keep_the_running_max(tmp_path):
+    """A checkpoint whose V rows are scaled by 2^110 (finite in bf16) bounds |v| past what the variants
+    without a running max can sum in float32: the online ones are the default and forcing a fixed one
+    is refused, naming |v|. (No forward: such values overflow the next RMSNorm's float32 sum of squares
+    in the reference as well; the bound's arithmetic is tested without a GPU in test_registry.)"""
+    from glmvit_cupy.synthetic import random_tower
+
+    geo = cases.GEOMETRY
+    tensors = random_tower(geo, 5)
+    h = geo.hidden_size
+    for i in range(geo.depth):
+        w = tensors[f"blocks.{i}.attn.qkv.weight"].astype(np.float32)
+        w[2 * h:] *= 2.0 ** 110
+        tensors[f"blocks.{i}.attn.qkv.weight"] = w.astype(ml_dtypes.bfloat16)
+    binding = bind_tower(write_checkpoint(tmp_path / "huge_v", geo, tensors=tensors))
+    model = GlmVit(binding, capacity_tokens=64)
+    assert model.value_bound > 105 and model.score_bound <= FIXED_OFFSET_LIMIT
+    if cupy.cuda.Device().compute_capability == "90":
+        assert model.plans.variants == ("sm90_4wg", "sm90_2wg")
+        with pytest.raises(ValueError, match=r"bound \|v\| by 2\^1\d\d"):
+            GlmVit(binding, capacity_tokens=64, attention_variant="sm90_4wg_fixed")
+
+
 def test_fused_swiglu_and_cublas_mlp_agree_with_the_reference(official, tmp_path):
     """On Hopper the MLPs' gate/up GEMMs apply the clamped SwiGLU themselves (gemm_sm90.cu); fused_swiglu=
     False is cuBLAS and a separate pass. Both are as close to the float32 reference as HF's bf16 allows,

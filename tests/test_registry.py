@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from glmvit_cupy.engine.attention import (FIXED_OFFSET_LIMIT, VARIANTS, check_variant, default_variants, pick_variant,
-                                          score_bound_log2, tiles)
+from glmvit_cupy.engine.attention import (FIXED_OFFSET_LIMIT, FIXED_OUTPUT_LIMIT, VARIANTS, check_variant, default_variants,
+                                          fixed_offset_fits, pick_variant, score_bound_log2, tiles, value_bound_log2)
 from glmvit_cupy.engine.kernels import cuda_dir, kernel_names, modules
 
 
@@ -69,18 +69,58 @@ def test_fixed_offset_variants_only_where_the_weights_bound_every_score():
     FIXED_OFFSET_LIMIT: chosen by default then, refused (naming the online variant) past it."""
     small, large = score_bound_log2(1.3, 1.2, 64), score_bound_log2(4.0, 3.0, 64)
     assert small <= FIXED_OFFSET_LIMIT < large
-    assert default_variants(64, "90", small) == ("sm90_4wg_fixed", "sm90_2wg_fixed")
-    assert default_variants(64, "90", large) == default_variants(64, "90") == ("sm90_4wg", "sm90_2wg")
+    assert default_variants(64, "90", small, 0.0) == ("sm90_4wg_fixed", "sm90_2wg_fixed")
+    assert default_variants(64, "90", large, 0.0) == default_variants(64, "90") == ("sm90_4wg", "sm90_2wg")
     assert default_variants(64, "90", math.nan) == ("sm90_4wg", "sm90_2wg")  # no bound: the online ones
     assert default_variants(64, "80", small) == ("sm80_d64",)
     assert VARIANTS["sm90_4wg_fixed"].entry == "flash_fwd_sm90<4, 4, false>"
-    assert check_variant("sm90_4wg_fixed", 64, "90", small).name == "sm90_4wg_fixed"
+    assert check_variant("sm90_4wg_fixed", 64, "90", small, 0.0).name == "sm90_4wg_fixed"
     with pytest.raises(ValueError, match=r"running max.* allow 139\.9: use sm90_4wg$"):
         check_variant("sm90_4wg_fixed", 64, "90", large)
     with pytest.raises(ValueError, match="running max"):
         check_variant("sm90_2wg_fixed", 64, "90", math.nan)
     with pytest.raises(ValueError, match="running max"):  # no bound given: none assumed
         check_variant("sm90_4wg_fixed", 64, "90")
+
+
+def test_fixed_offset_variants_only_where_the_output_stays_a_float():
+    """Their output sums up to max_keys values of 2^score_bound x |v| in float32: past FIXED_OUTPUT_LIMIT
+    (or with no bound on |v|) the online variants are the default and the fixed ones are refused, naming |v|."""
+    score = score_bound_log2(1.3, 1.2, 64)
+    keys = 32000
+    fits = FIXED_OUTPUT_LIMIT - score - math.log2(keys) - 0.5
+    assert fixed_offset_fits(score, fits, keys) and not fixed_offset_fits(score, fits + 1.0, keys)
+    assert not fixed_offset_fits(score, fits, 4 * keys)  # the same weights, four times the capacity
+    assert default_variants(64, "90", score, fits, keys) == ("sm90_4wg_fixed", "sm90_2wg_fixed")
+    for v in (fits + 1.0, math.inf, math.nan):
+        assert default_variants(64, "90", score, v, keys) == ("sm90_4wg", "sm90_2wg")
+    assert check_variant("sm90_2wg_fixed", 64, "90", score, fits, keys).name == "sm90_2wg_fixed"
+    with pytest.raises(ValueError, match=r"bound \|v\| by 2\^\d+\.\d.*past 2\^126 in all: use sm90_2wg$"):
+        check_variant("sm90_2wg_fixed", 64, "90", score, fits + 1.0, keys)
+    assert check_variant("sm90_4wg", 64, "90", score, math.inf, keys).name == "sm90_4wg"  # online: any |v|
+
+
+def test_value_bound_holds_and_is_reached():
+    """|v| = |norm1(x) @ W_v.T + b_v| stays under value_bound_log2 for random x, and x along the row of
+    W_v * w_norm1 that gives the bound (on its bias's side) comes within its 2% margin; a NaN weight
+    gives no bound, zero weights -inf."""
+    rng, h = np.random.default_rng(), 96
+    w = rng.uniform(-3.0, 3.0, h)
+    wv, bv = rng.standard_normal((40, h)) * 0.1, rng.standard_normal(40)
+    bound = value_bound_log2(w, wv, bv)
+
+    def v_of(x):
+        normed = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * w
+        return normed @ wv.T + bv
+
+    x = rng.standard_normal((5000, h)) * rng.uniform(0.01, 100, (5000, 1))
+    assert np.log2(np.abs(v_of(x)).max()) < bound
+    rows = wv * w
+    k = int(np.argmax(math.sqrt(h) * np.sqrt((rows * rows).sum(1)) + np.abs(bv)))
+    worst = rows[k] * np.sign(bv[k])  # the RMSNorm of x parallel to W_v[k] * w_norm1, on the bias's side
+    assert np.log2(abs(v_of(worst[None] * 7.0)[0, k])) > bound - math.log2(1.03)
+    assert value_bound_log2(w, np.where(np.arange(h) == 3, np.nan, wv), bv) == math.inf
+    assert value_bound_log2(w, np.zeros_like(wv), np.zeros_like(bv)) == -math.inf
 
 
 def test_score_bound_holds_and_is_reached():

@@ -84,6 +84,10 @@ VARIANTS = {v.name: v for v in (
 # so a row sum of up to 2^15 keys stays below 2^79 and O below 2^79 x max|v|, far from float's 2^128;
 # and a row whose largest P is 2^-64 still sums to a normal float (and a normal bf16: the same exponent).
 FIXED_OFFSET_LIMIT = 64.0
+# And the output's side: O sums up to `keys` values of P x v, each at most 2^score_bound x max|v|, in
+# float32 (2^128): the variants without a running max need log2(keys) + score_bound + log2 max|v|
+# below this (the online ones' P <= 1 leaves them 2^113 for max|v| at 2^15 keys).
+FIXED_OUTPUT_LIMIT = 126.0
 
 
 def score_bound_log2(q_norm_max: float, k_norm_max: float, head_dim: int) -> float:
@@ -95,22 +99,47 @@ def score_bound_log2(q_norm_max: float, k_norm_max: float, head_dim: int) -> flo
     return 1.01 * head_dim * q_norm_max * k_norm_max * 1.4426950408889634 / head_dim ** 0.5
 
 
-def default_variants(head_dim: int, compute_capability: str, score_bound: float = math.inf) -> tuple[str, ...]:
-    """The variants a model on this GPU picks from, per input shape. `score_bound`: score_bound_log2 of
-    its weights; within FIXED_OFFSET_LIMIT, the Hopper variants without a running max."""
+def value_bound_log2(norm1_weight, v_weight, v_bias) -> float:
+    """log2 of an upper bound on |v| for one block's attention, from its weights alone: v = norm1(x) @
+    W_v.T + b_v, and norm1's output is an RMSNorm (L2 norm <= sqrt(H)) times its weight, so by
+    Cauchy-Schwarz |v_k| <= sqrt(H) ||w_norm1 * W_v[k]||_2 + |b_v[k]|. A 2% margin covers bf16's
+    rounding of the normed rows and of v. inf if a weight is NaN or inf (no bound), -inf if v is 0."""
+    w = np.asarray(norm1_weight, np.float64)
+    rows = np.asarray(v_weight, np.float64) * w
+    bound = 1.02 * float((math.sqrt(w.size) * np.sqrt((rows * rows).sum(1))
+                          + np.abs(np.asarray(v_bias, np.float64))).max())
+    if not math.isfinite(bound):
+        return math.inf
+    return math.log2(bound) if bound > 0 else -math.inf
+
+
+def fixed_offset_fits(score_bound: float, value_bound: float, max_keys: int) -> bool:
+    """Whether the variants without a running max are safe for these bounds (score_bound_log2,
+    value_bound_log2) on segments of up to max_keys keys. NaN (no bound) is not."""
+    return score_bound <= FIXED_OFFSET_LIMIT and \
+        score_bound + value_bound + math.log2(max(max_keys, 1)) < FIXED_OUTPUT_LIMIT
+
+
+def default_variants(head_dim: int, compute_capability: str, score_bound: float = math.inf,
+                     value_bound: float = math.inf, max_keys: int = 1) -> tuple[str, ...]:
+    """The variants a model on this GPU picks from, per input shape. `score_bound` / `value_bound`:
+    score_bound_log2 and value_bound_log2 of its weights (none known by default); where they fit
+    (fixed_offset_fits, segments of up to max_keys), the Hopper variants without a running max."""
     if head_dim == 64 and compute_capability == "90":
-        fixed = score_bound <= FIXED_OFFSET_LIMIT
+        fixed = fixed_offset_fits(score_bound, value_bound, max_keys)
         return tuple(v.name for v in VARIANTS.values() if v.arch == "sm90" and v.online != fixed)
     if head_dim not in (32, 64, 128):
         raise ValueError(f"head_dim {head_dim}: the attention kernels are built for head dims 32, 64 and 128")
     return (f"sm80_d{head_dim}",)
 
 
-def check_variant(name, head_dim: int, compute_capability: str, score_bound: float = math.inf) -> Variant:
+def check_variant(name, head_dim: int, compute_capability: str, score_bound: float = math.inf,
+                  value_bound: float = math.inf, max_keys: int = 1) -> Variant:
     """The variant `name`, or ValueError if it is unknown or cannot run here (refused before any
     launch: a Hopper kernel on another GPU would not compile, a wrong head dim would misread q, and a
-    variant without a running max would overflow on scores past FIXED_OFFSET_LIMIT; `score_bound`:
-    score_bound_log2 of the model's weights, none known by default: those variants are then refused)."""
+    variant without a running max would overflow on scores past FIXED_OFFSET_LIMIT or an output past
+    FIXED_OUTPUT_LIMIT; `score_bound` / `value_bound`: the model's score_bound_log2 and
+    value_bound_log2, none known by default: those variants are then refused)."""
     v = VARIANTS.get(name)
     if v is None:
         raise ValueError(f"attention_variant={name!r} is unknown; choices: {', '.join(VARIANTS)}")
@@ -124,6 +153,11 @@ def check_variant(name, head_dim: int, compute_capability: str, score_bound: flo
         raise ValueError(f"attention_variant={name!r} drops the softmax's running max, which is safe only when every "
                          f"score is within {FIXED_OFFSET_LIMIT:g} (log2 units) of 0; this checkpoint's q_norm / k_norm "
                          f"weights allow {score_bound:.1f}: use {name.removesuffix('_fixed')}")
+    if not v.online and not fixed_offset_fits(score_bound, value_bound, max_keys):
+        raise ValueError(f"attention_variant={name!r} drops the softmax's running max, so its output sums up to "
+                         f"{max_keys} values of 2^{score_bound:.1f} x |v| in float32; this checkpoint's norm1 and "
+                         f"attn.qkv weights bound |v| by 2^{value_bound:.1f}, past 2^{FIXED_OUTPUT_LIMIT:g} in all: "
+                         f"use {name.removesuffix('_fixed')}")
     return v
 
 

@@ -21,7 +21,7 @@ from ..checkpoint import TowerBinding, bind_tower
 from ..config import VisionGeometry
 from ..preprocess import value_table
 from . import arena, fused, layers, params
-from .attention import check_variant, default_variants, score_bound_log2
+from .attention import check_variant, default_variants, score_bound_log2, value_bound_log2
 from .budgets import full_pass_budgets
 from .executor import CAPTURE_ON_SECOND_CALL, Executor
 from .plans import PlanCache
@@ -74,8 +74,15 @@ class GlmVit:
         self.score_bound = max(score_bound_log2(_abs_max(binding, f"blocks.{i}.attn.q_norm.weight"),
                                                 _abs_max(binding, f"blocks.{i}.attn.k_norm.weight"), g.head_dim)
                                for i in range(g.depth))
-        names = (check_variant(attention_variant, g.head_dim, cc, self.score_bound).name,) if attention_variant \
-            else default_variants(g.head_dim, cc, self.score_bound)
+        # And |v|'s from norm1 and attn.qkv's V rows: the output of those kernels must stay a float.
+        h = g.hidden_size
+        self.value_bound = max(value_bound_log2(binding.host(f"blocks.{i}.norm1.weight"),
+                                                binding.host(f"blocks.{i}.attn.qkv.weight")[2 * h:],
+                                                binding.host(f"blocks.{i}.attn.qkv.bias")[2 * h:])
+                               for i in range(g.depth))
+        bounds = (self.score_bound, self.value_bound, self.capacity_tokens * 4)  # a segment: at most one pass
+        names = (check_variant(attention_variant, g.head_dim, cc, *bounds).name,) if attention_variant \
+            else default_variants(g.head_dim, cc, *bounds)
         fits = cc == "90" and all(fused.gate_up_swiglu_fits(k, i) for k, i in (
             (g.hidden_size, g.intermediate_size), (g.out_hidden_size, g.projection_intermediate_size)))
         if fused_swiglu and not fits:
