@@ -61,12 +61,11 @@ def main():
     bw("norms.rmsnorm_im2col [32000x1024]", lambda: ops.rmsnorm_im2col(x, off, w, cols, eps), N * H * (4 + 2))
     y, wo, bo, yb = rnd((N // 4, O)), rnd((O,), BF), rnd((O,), BF), cupy.empty((N // 4, O), BF)
     bw("norms.layernorm_gelu [8000x4096]", lambda: ops.layernorm_gelu(y, wo, bo, yb, eps), N // 4 * O * (4 + 2))
-    qkv, bq, qn = rnd((CHUNK, 3 * H), BF), rnd((3 * H,), BF), rnd((64,), BF)
+    qkv, bq, qn = rnd((N, 3 * H), BF), rnd((3 * H,), BF), rnd((64,), BF)
     pos = cupy.asarray(np.random.default_rng(0).integers(0, 200, (N, 2)).astype(np.int32))
     invf = cupy.asarray((1 / 10000 ** (np.arange(0, 32, 2) / 32)).astype(np.float32))
-    q, k, v = (cupy.empty((N, H), BF) for _ in range(3))
-    bw("rotary.qk_norm_rope_bf16 [4096 rows x 16 heads]",
-       lambda: ops.qk_norm_rope(qkv, bq, qn, qn, pos, invf, q, k, v, 0, 16, eps), CHUNK * 3 * H * (2 + 2))
+    bw("rotary.qk_norm_rope_bf16 [32000 rows x 16 heads, in place]",  # q and k read and written; v untouched
+       lambda: ops.qk_norm_rope(qkv, bq, qn, qn, pos, invf, 0, 16, eps), N * 2 * H * (2 + 2))
     gate_up, act, bg = rnd((CHUNK, 2 * I), BF), cupy.empty((CHUNK, I), BF), rnd((I,), BF)
     bw("activations.swiglu_clamp_bf16 [4096x4096]", lambda: ops.swiglu_clamp(gate_up, bg, bg, act, 10.0),
        CHUNK * I * (4 + 2))
@@ -174,7 +173,8 @@ def bench_attention():
     for v in [v for v in VARIANTS.values() if v.head_dim == 64 and (sm90 or v.arch != "sm90")]:
         for lens in cases:
             n = sum(lens)
-            q, k, val, o = (rnd((n, H), BF) for _ in range(4))
+            qkv, o = rnd((n, 3 * H), BF), rnd((n, H), BF)  # q, k, v where the engine has them: the QKV output
+            q, k, val = qkv[:, :H], qkv[:, H:2 * H], qkv[:, 2 * H:]
             cu_h = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
             ts, tq = (cupy.asarray(a) for a in tiles(cu_h, v.rows))
             cu = cupy.asarray(cu_h)
@@ -182,8 +182,10 @@ def bench_attention():
             fl = 4 * sum(x * x for x in lens) * H
             row = [v.name, f"{len(lens)} x {lens[0]}" if len(lens) > 1 else n, f"{ms:.3f}", f"{fl / ms / 1e9:.0f}"]
             if lens == (4096,):  # as drawn, and with q doubled (sharper rows, as the kernel tests use)
-                for sharp, qe in (("", q), (", q x 2", (q.astype(np.float32) * 2).astype(BF))):
-                    ops.flash_attention(v, qe, k, val, o, cu, ts, tq, 16)
+                sharp_qkv = qkv.copy()
+                sharp_qkv[:, :H] = (q.astype(np.float32) * 2).astype(BF)
+                for sharp, qe, ke, ve in (("", q, k, val), (", q x 2", *(sharp_qkv[:, i * H:(i + 1) * H] for i in range(3)))):
+                    ops.flash_attention(v, qe, ke, ve, o, cu, ts, tq, 16)
                     errs[v.name + sharp] = attention_error(qe, k, val, cupy.asnumpy(o).astype(np.float32))
                     if torch is not None and "SDPA" + sharp not in errs:
                         tq_, tk, tv = (torch.from_dlpack(a).view(n, 16, 64).transpose(0, 1)[None] for a in (qe, k, val))

@@ -6,7 +6,8 @@
 #pragma once
 
 // The CTA's query tile: head blockIdx.y, tile blockIdx.x of segment [s0, s1), first row q0; rows of
-// q/k/v/o are ld elements apart (all heads side by side).
+// o are ld elements apart (all heads side by side). (Rows of q, k and v are the kernels' ldi apart:
+// the engine's are columns of the QKV GEMM's output.)
 struct QTile {
     int h, s0, s1, q0;
     long ld;

@@ -3,8 +3,9 @@
 // in one launch, non-causal, bf16 tensor-core MMA (mma.sync m16n8k16) with fp32 accumulation and
 // an online softmax; O(n) memory.
 //
-// q, k, v, o: bf16 [N, H*D], head h at columns h*D.. (where qk_norm_rope leaves q/k/v and where
-// the proj GEMM reads o: no transposes through memory). Grid (query tiles over all segments,
+// q, k, v, o: bf16 [N, H*D], head h at columns h*D.. (q, k and v rows ldi elements apart: where
+// qk_norm_rope leaves them in the QKV GEMM's output; o where the proj GEMM reads it: no transposes
+// through memory). Grid (query tiles over all segments,
 // heads), NW warps of 16 query rows each; K/V tiles of 64 keys, double-buffered with cp.async.
 //
 // Napkin math (the tower: 16 heads x 64, per block): FLOP = 4 * sum(n_seg^2) * 1024, e.g.
@@ -32,7 +33,7 @@ __device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int rows, int 
 template <int D, int NW>
 __global__ void __launch_bounds__(32 * NW) flash_fwd_sm80(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                           bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
-                          const int* __restrict__ tile_q0, int heads, float scale_log2) {
+                          const int* __restrict__ tile_q0, int heads, int ldi, float scale_log2) {
     constexpr int BM = 16 * NW, NT = 32 * NW, LDS = D + 8, BN = 64;  // BN: keys per K/V tile
     if (idle_tile(tile_seg)) return;  // the whole CTA, before any barrier
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -44,9 +45,9 @@ __global__ void __launch_bounds__(32 * NW) flash_fwd_sm80(const bf16* __restrict
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
 
-    load_tile<D, NT>(sQ, q + (long)q0 * ld + h * D, BM, s1 - q0, ld);
-    load_tile<D, NT>(sK, k + (long)s0 * ld + h * D, BN, s1 - s0, ld);
-    load_tile<D, NT>(sV, v + (long)s0 * ld + h * D, BN, s1 - s0, ld);
+    load_tile<D, NT>(sQ, q + (long)q0 * ldi + h * D, BM, s1 - q0, ldi);
+    load_tile<D, NT>(sK, k + (long)s0 * ldi + h * D, BN, s1 - s0, ldi);
+    load_tile<D, NT>(sV, v + (long)s0 * ldi + h * D, BN, s1 - s0, ldi);
     cp_commit();
     cp_wait_all();
     __syncthreads();
@@ -68,8 +69,8 @@ __global__ void __launch_bounds__(32 * NW) flash_fwd_sm80(const bf16* __restrict
         const int buf = it & 1;
         if (it + 1 < ntiles) {
             const int kb = s0 + (it + 1) * BN;
-            load_tile<D, NT>(sK + (buf ^ 1) * BN * LDS, k + (long)kb * ld + h * D, BN, s1 - kb, ld);
-            load_tile<D, NT>(sV + (buf ^ 1) * BN * LDS, v + (long)kb * ld + h * D, BN, s1 - kb, ld);
+            load_tile<D, NT>(sK + (buf ^ 1) * BN * LDS, k + (long)kb * ldi + h * D, BN, s1 - kb, ldi);
+            load_tile<D, NT>(sV + (buf ^ 1) * BN * LDS, v + (long)kb * ldi + h * D, BN, s1 - kb, ldi);
         }
         cp_commit();
         const bf16* K = sK + buf * BN * LDS;

@@ -62,7 +62,7 @@ __device__ __forceinline__ void load_tile_sw(unsigned char* s, const bf16* g, in
 template <int NC, int STAGES, bool ONLINE = true>
 __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                                   bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
-                                  const int* __restrict__ tile_q0, int heads, float scale_log2,
+                                  const int* __restrict__ tile_q0, int heads, int ldi, float scale_log2,
                                   const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                                   const __grid_constant__ TmaMap tv) {
     constexpr int D = 64, BNW = 64, BM = 64 * NC, TILE = BNW * 128;
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
             const int kb = s0 + it * BNW;
             const bool partial = s1 - kb < BNW;
             if (partial) {
-                load_tile_sw<BNW, 32>(sV + st * TILE, v + (long)kb * ld + h * D, s1 - kb, ld, tid);
+                load_tile_sw<BNW, 32>(sV + st * TILE, v + (long)kb * ldi + h * D, s1 - kb, ldi, tid);
                 mbar_arrive_copies_inc(full0 + 8 * st);
                 __syncwarp();
             }

@@ -1,48 +1,49 @@
-// Attention prologue: QKV bias, per-head q/k RMSNorm, axial 2-D RoPE, split into q, k, v.
+// Attention prologue, in place on the QKV GEMM's output: q and k get attn.qkv's bias, the per-head
+// RMSNorm and the axial 2-D RoPE; v is left as the GEMM wrote it (attention reads q, k and v where they
+// are). V's bias is not added here: softmax rows sum to one, so attention(q, k, v + b) = attention(q, k,
+// v) + b, and attn.proj maps that b to the constant attn.proj.weight @ b, which params.py folds into the
+// norms' residual offsets in float64 with the biases.
 //
-// Napkin math (one 4,096-row chunk, 16 heads x 64; H200 HBM 4.8 TB/s): reads the bf16 QKV GEMM
-// output (6 KB a row), writes q, k, v (6 KB a row): 50 MB, 10.5 us at HBM speed; ~30 FLOP and two
-// sincos an element pair: memory-bound. 8 chunks x 24 blocks at 8000 tokens. Measured
-// (bench_kernels, 66a180c): 37 us, 1.4 TB/s (29%; 1.8 TB/s in earlier runs); 3.8 ms of a 300 ms forward.
+// Napkin math (16 x 448² = 16,384 rows, 16 heads x 64; H200 HBM 4.8 TB/s): reads and writes q and k
+// (4 KB a row each way): 134 MB, 28 us at HBM speed; ~30 FLOP and two sincos an element pair:
+// memory-bound. Before (q, k and v copied out, v with its bias) it moved 201 MB a block: measured
+// 64 us in the forward (3.1 TB/s), 1.54 ms of a 16 x 448² forward.
 #include "common.cuh"
 
-// qkv: bf16 [rows, 3*H*D] straight from the QKV GEMM (rows start at global patch row0);
-// bias bf16 [3*H*D]; qn, kn: bf16 [D] norm weights; pos: int32 [N, 2] (h, w) per patch;
-// inv_freq: fp32 [D/4]. Writes q, k, v bf16 [N, H*D] (head h at columns h*D..h*D+D-1),
-// the layout the attention kernel reads and the proj GEMM's input layout too.
+// qkv: bf16 [rows, 3*H*D] from the QKV GEMM (rows start at global patch row0), rewritten in place:
+// columns 0..H*D-1 become q, H*D..2*H*D-1 k (head h at h*D..h*D+D-1 of each); bias bf16 [3*H*D] (its
+// q and k parts are read); qn, kn: bf16 [D] norm weights; pos: int32 [N, 2] (h, w) per patch;
+// inv_freq: fp32 [D/4].
 //
 // A thread per (row, head, 4 rotation pairs): thread i of a row (heads * D / 8 threads) owns, for
 // head h = i / (D/8) and j = i % (D/8), the pairs d = 4j..4j+3 with d + D/2 of both q and k (the pair
 // rotate_half mixes: out[d] = x[d] cos a_d - x[d+D/2] sin a_d, out[d+D/2] = x[d+D/2] cos a_d + x[d] sin a_d,
-// a_d = a_{d+D/2}), so each angle is computed once for q and k; and v's columns 8i..8i+7. All loads
-// are 8 or 16 bytes wide (the earlier warp per (row, head, part) moved 2 bytes a lane and reached
-// 0.7 TB/s). A head's D/8 threads are adjacent lanes of one warp: its sum of squares is a shuffle
-// reduction among them. Needs D % 16 == 0 and D <= 256.
+// a_d = a_{d+D/2}), so each angle is computed once for q and k, and it writes only what it read (in
+// place is safe). All loads are 8 bytes wide (the earlier warp per (row, head, part) moved 2 bytes a
+// lane and reached 0.7 TB/s). A head's D/8 threads are adjacent lanes of one warp: its sum of squares
+// is a shuffle reduction among them. Needs D % 16 == 0 and D <= 256.
 __device__ __forceinline__ void load_add4(float* out, const bf16* x, const bf16* b) {
     const float4 u = load4(x), w = load4(b);
     out[0] = u.x + w.x; out[1] = u.y + w.y; out[2] = u.z + w.z; out[3] = u.w + w.w;
 }
 
-extern "C" __global__ void qk_norm_rope_bf16(const bf16* __restrict__ qkv, const bf16* __restrict__ bias,
+extern "C" __global__ void qk_norm_rope_bf16(bf16* qkv, const bf16* __restrict__ bias,
                                              const bf16* __restrict__ qn, const bf16* __restrict__ kn,
                                              const int* __restrict__ pos, const float* __restrict__ inv_freq,
-                                             bf16* __restrict__ q, bf16* __restrict__ k, bf16* __restrict__ v,
                                              int rows, int row0, int heads, int D, float eps) {
     const int per_head = D / 8, tpr = heads * per_head, HD = heads * D, half = D / 2, quarter = D / 4;
     const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x;
     const bool active = gid < (long)rows * tpr;  // idle lanes still join the shuffles (whole heads idle)
     const int lr = active ? (int)(gid / tpr) : 0, i = (int)(gid % tpr);
     const int j = i % per_head, c = (i / per_head) * D + 4 * j;  // c: column of this thread's first pair
-    const bf16* src = qkv + (long)lr * 3 * HD;
+    bf16* src = qkv + (long)lr * 3 * HD;
     float qa[4] = {0.f, 0.f, 0.f, 0.f}, qb[4] = {0.f, 0.f, 0.f, 0.f}, ka[4] = {0.f, 0.f, 0.f, 0.f},
-          kb[4] = {0.f, 0.f, 0.f, 0.f}, va[4], vb[4];
+          kb[4] = {0.f, 0.f, 0.f, 0.f};
     if (active) {
         load_add4(qa, src + c, bias + c);
         load_add4(qb, src + c + half, bias + c + half);
         load_add4(ka, src + HD + c, bias + HD + c);
         load_add4(kb, src + HD + c + half, bias + HD + c + half);
-        load_add4(va, src + 2 * HD + 8 * i, bias + 2 * HD + 8 * i);
-        load_add4(vb, src + 2 * HD + 8 * i + 4, bias + 2 * HD + 8 * i + 4);
     }
     float sq = 0.f, sk = 0.f;
 #pragma unroll
@@ -56,9 +57,6 @@ extern "C" __global__ void qk_norm_rope_bf16(const bf16* __restrict__ qkv, const
     }
     if (!active) return;
     const long r = (long)row0 + lr;
-    bf16* out_row = v + r * HD + 8 * i;
-    store4(out_row, va[0], va[1], va[2], va[3]);
-    store4(out_row + 4, vb[0], vb[1], vb[2], vb[3]);
     const float iq = rsqrtf(sq / D + eps), ik = rsqrtf(sk / D + eps);
     // Angles: the first D/4 pair indices rotate with the row position h, the rest with w.
     const float p = (float)pos[2 * r + (4 * j < quarter ? 0 : 1)];
@@ -77,8 +75,8 @@ extern "C" __global__ void qk_norm_rope_bf16(const bf16* __restrict__ qkv, const
         oka[e] = ak * cs - bk * sn;
         okb[e] = bk * cs + ak * sn;
     }
-    store4(q + r * HD + c, oqa[0], oqa[1], oqa[2], oqa[3]);
-    store4(q + r * HD + c + half, oqb[0], oqb[1], oqb[2], oqb[3]);
-    store4(k + r * HD + c, oka[0], oka[1], oka[2], oka[3]);
-    store4(k + r * HD + c + half, okb[0], okb[1], okb[2], okb[3]);
+    store4(src + c, oqa[0], oqa[1], oqa[2], oqa[3]);
+    store4(src + c + half, oqb[0], oqb[1], oqb[2], oqb[3]);
+    store4(src + HD + c, oka[0], oka[1], oka[2], oka[3]);
+    store4(src + HD + c + half, okb[0], okb[1], okb[2], okb[3]);
 }

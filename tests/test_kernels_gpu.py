@@ -106,30 +106,34 @@ def test_layernorm_gelu():
 
 @pytest.mark.parametrize("heads,d", [(16, 64), (2, 64), (3, 64), (4, 32), (8, 128)])  # 3 x 64 / 8 = 24 threads a row
 def test_qk_norm_rope(heads, d):
+    """In place on the QKV rows: q and k columns become their biased, normed, rotated selves (against a
+    float64 reference), v's columns keep their bits, and rows around the chunk stay poisoned."""
     total, row0, rows = 700, 123, 401  # 401 rows: the last block is partial for every head count here
     hd = heads * d
-    qkv = bf(rng.standard_normal((rows, 3 * hd), dtype=np.float32)).astype(np.float32)  # what the kernel reads
+    qkv = bf(rng.standard_normal((rows, 3 * hd), dtype=np.float32))
     bias = bf(0.5 * rng.standard_normal(3 * hd))
     qn, kn = bf(1 + 0.2 * rng.standard_normal(d)), bf(1 + 0.2 * rng.standard_normal(d))
     pos = rng.integers(0, 230, (total, 2)).astype(np.int32)
     spatial = d // 2
     inv_freq = (np.float32(1) / np.power(np.float32(10000), np.arange(0, spatial, 2, dtype=np.float32) / spatial))
-    q, k, v = poison((total, hd)), poison((total, hd)), poison((total, hd))
-    ops.qk_norm_rope(dev(bf(qkv)), dev(bias), dev(qn), dev(kn), dev(pos), dev(inv_freq), q, k, v, row0, heads, 1e-5)
-    t = (qkv + bias.astype(np.float32)).reshape(rows, 3, heads, d)
+    buf = poison((rows + 6, 3 * hd))  # three poisoned rows either side: the kernel may not touch them
+    buf[3:3 + rows] = dev(qkv)
+    ops.qk_norm_rope(buf[3:3 + rows], dev(bias), dev(qn), dev(kn), dev(pos), dev(inv_freq), row0, heads, 1e-5)
+    assert np.isnan(host(buf[:3])).all() and np.isnan(host(buf[3 + rows:])).all()
+    got = host(buf[3:3 + rows])
+    t = (qkv.astype(np.float32) + bias.astype(np.float32)).reshape(rows, 3, heads, d)
     p = pos[row0:row0 + rows].astype(np.float64)
     f = inv_freq.astype(np.float64)
     ang = np.concatenate([p[:, :1] * f, p[:, 1:] * f], axis=1)
     ang = np.concatenate([ang, ang], axis=1)[:, None, :]
-    for part, (outp, nw) in enumerate([(q, qn), (k, kn)]):
+    for part, nw in enumerate([qn, kn]):
         x = t[:, part].astype(np.float64)
         x = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * nw.astype(np.float64)
         rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
         ref = (x * np.cos(ang) + rot * np.sin(ang)).reshape(rows, hd)
-        got = host(outp)
-        assert rel(got[row0:row0 + rows], ref) < 5e-3
-        assert np.isnan(got[:row0]).all() and np.isnan(got[row0 + rows:]).all()  # outside the chunk: untouched
-    assert rel(host(v)[row0:row0 + rows], t[:, 2].reshape(rows, hd)) < 5e-3
+        assert rel(got[:, part * hd:(part + 1) * hd], ref) < 5e-3
+    v_bits = cupy.asnumpy(buf[3:3 + rows, 2 * hd:]).view(np.uint16)
+    assert np.array_equal(v_bits, qkv[:, 2 * hd:].view(np.uint16))  # v: as the GEMM wrote it (its bias folded later)
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -264,7 +268,9 @@ def attention_ref(q, k, v, cu, rows):
     return out
 
 
-def run_attention(lengths, heads=16, d=64, variant=None, sample=None):
+def run_attention(lengths, heads=16, d=64, variant=None, sample=None, packed=True):
+    """packed: q, k and v are column blocks of one [N, 3 x heads x d] array (the QKV GEMM's output, as the
+    engine passes them); else three contiguous arrays."""
     v = VARIANTS[variant or default_variants(d, cupy.cuda.Device().compute_capability)[0]]
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     n = int(cu[-1])
@@ -272,8 +278,13 @@ def run_attention(lengths, heads=16, d=64, variant=None, sample=None):
     q, k, val = (rng.standard_normal((n, heads, d), dtype=np.float32).astype(BF) for _ in range(3))
     q = (q.astype(np.float32) * 2).astype(BF)  # peakier softmax than unit scores
     o = poison((n, heads * d))
-    ops.flash_attention(v, dev(q.reshape(n, -1)), dev(k.reshape(n, -1)), dev(val.reshape(n, -1)), o, dev(cu),
-                        dev(tile_seg), dev(tile_q0), heads)
+    hd = heads * d
+    if packed:
+        qkv = dev(np.concatenate([a.reshape(n, hd) for a in (q, k, val)], axis=1))
+        args = qkv[:, :hd], qkv[:, hd:2 * hd], qkv[:, 2 * hd:]
+    else:
+        args = (dev(a.reshape(n, hd)) for a in (q, k, val))
+    ops.flash_attention(v, *args, o, dev(cu), dev(tile_seg), dev(tile_q0), heads)
     got = cupy.asnumpy(o).astype(np.float32).reshape(n, heads, d)
     assert not np.isnan(got).any(), "some output element was never written"
     rows = np.arange(n) if sample is None or n <= sample else np.unique(
@@ -293,6 +304,22 @@ ATTN_TOL = 3e-3
 @pytest.mark.parametrize("lengths", [[1], [7], [63], [64], [65], [1000], [1, 7, 63, 64, 65, 1000]])
 def test_attention_small_segments(lengths, variant):
     assert run_attention(lengths, variant=variant) <= ATTN_TOL
+
+
+@pytest.mark.parametrize("variant", D64)
+def test_attention_separate_qkv_arrays(variant):
+    """q, k, v as three contiguous arrays (row stride heads x d, not the QKV output's 3 x heads x d)."""
+    assert run_attention([1, 63, 65, 1000], variant=variant, packed=False) <= ATTN_TOL
+
+
+def test_attention_refuses_mismatched_layouts():
+    v = VARIANTS[default_variants(64, cupy.cuda.Device().compute_capability)[0]]
+    cu, seg, q0 = (cupy.zeros(2, np.int32) for _ in range(3))
+    qkv, o = cupy.zeros((8, 3 * 1024), BF), cupy.zeros((8, 1024), BF)
+    with pytest.raises(ValueError, match="share one shape and row stride"):
+        ops.flash_attention(v, qkv[:, :1024], cupy.zeros((8, 1024), BF), qkv[:, 2048:], o, cu, seg, q0, 16)
+    with pytest.raises(ValueError, match=r"o be contiguous, all \[N, 16 x 64\]"):
+        ops.flash_attention(v, qkv[:, :1024], qkv[:, 1024:2048], qkv[:, 2048:], qkv[:, :1024], cu, seg, q0, 16)
 
 
 @pytest.mark.parametrize("variant", D64)

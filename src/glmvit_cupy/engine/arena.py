@@ -26,18 +26,15 @@ def _slot_bytes(shape, dtype) -> int:
 
 
 def layout(g: VisionGeometry, patches: int, fused_swiglu: bool = False) -> dict:
-    """{phase: {slot: (shape, dtype[, over])}} for forwards of up to `patches` patches; phase "keep" is
-    never shared, the others overlap; a slot with `over` reuses that earlier slot's bytes (dead by then).
-    The attention's QKV GEMM runs over all rows at once; its output's bytes then hold attention's
-    output. fused_swiglu: the MLPs' gate/up GEMMs write the activation themselves, so there are no
+    """{phase: {slot: (shape, dtype)}} for forwards of up to `patches` patches; phase "keep" is never
+    shared, the others overlap. The attention's QKV GEMM runs over all rows at once. fused_swiglu: the MLPs' gate/up GEMMs write the activation themselves, so there are no
     gate/up slots, and an MLP runs over all rows at once too: its activation [patches, I] takes the
     attention phase's bytes (norm2's output is kept)."""
     p, h = patches, g.hidden_size
     rows, merged = min(p, ROW_CHUNK), min(p // 4, MERGER_CHUNK)
     f32, bf = np.float32, BF16
-    attn = {"q": ((p, h), bf), "k": ((p, h), bf), "v": ((p, h), bf),
-            "qkv": ((p, 3 * h), bf),                  # the attn.qkv GEMM's output, rope's input
-            "attn_out": ((p, h), bf, "qkv")}          # attention's output, attn.proj's input
+    attn = {"qkv": ((p, 3 * h), bf),   # the attn.qkv GEMM's output: q and k roped in place, attention's input
+            "attn_out": ((p, h), bf)}  # attention's output, attn.proj's input
     normed = {"normed": ((p, h), bf)}                 # a norm's output, the next GEMM's input
     spec = {
         "keep": {"residual": ((p, h), f32)},  # the float32 residual stream x
@@ -63,11 +60,11 @@ def layout(g: VisionGeometry, patches: int, fused_swiglu: bool = False) -> dict:
 
 
 class Arena:
-    """Named views into one allocation: arena["q"] is a CuPy array."""
+    """Named views into one allocation: arena["qkv"] is a CuPy array."""
 
     def __init__(self, spec: dict):
         def size(slots):
-            return sum(_slot_bytes(*s[:2]) for s in slots.values() if len(s) == 2)
+            return sum(_slot_bytes(*s) for s in slots.values())
 
         keep = size(spec.get("keep", {}))
         shared = max((size(v) for k, v in spec.items() if k != "keep"), default=0)
@@ -76,13 +73,7 @@ class Arena:
         self.views = {}
         for phase, slots in spec.items():
             off = 0 if phase == "keep" else keep
-            for name, (shape, dtype, *over) in slots.items():
-                if over:  # another slot's bytes: it must hold this one
-                    host = self.views[over[0]]
-                    if _slot_bytes(shape, dtype) > _slot_bytes(host.shape, host.dtype):
-                        raise ValueError(f"arena slot {name} {shape} does not fit in {over[0]} {host.shape}")
-                    self.views[name] = cupy.ndarray(shape, dtype=np.dtype(dtype), memptr=host.data)
-                    continue
+            for name, (shape, dtype) in slots.items():
                 self.views[name] = cupy.ndarray(shape, dtype=np.dtype(dtype), memptr=self.base.data + off)
                 off += _slot_bytes(shape, dtype)
 

@@ -5,8 +5,9 @@ output GEMM accumulates straight into it (cuBLAS beta = 1). Those GEMMs cannot a
 is kept without them: each norm adds the running sum of the biases so far (params: `norm1_offset`,
 `norm2_offset`, `post_layernorm_offset`) as it reads x, and nothing writes x + bias back. GEMMs that
 feed a kernel (QKV, gate/up) write bf16 as the reference's Linear layers do. QKV runs over all rows at
-once (arena.py: its output's bytes then hold attention's output); so does the MLP where gate/up and
-the SwiGLU are one kernel, else it runs in row chunks so that gate|up stays small.
+once; the rope pass rewrites its q and k columns in place and attention reads q, k and v where they
+are. So does the MLP where gate/up and the SwiGLU are one kernel, else it runs in row chunks so that
+gate|up stays small.
 """
 
 from __future__ import annotations
@@ -46,14 +47,15 @@ def patch_embed(w: Weights, s: Arena, n: int, blas):
 
 
 def attn(g: VisionGeometry, blk: Block, s: Arena, plan: Plan, x, inv_freq, blas):
-    """x += attn.proj(attention(rope(q_norm / k_norm(attn.qkv(norm1(x + norm1_offset)))))) without proj's bias."""
-    n, heads = plan.patches, g.num_heads
-    normed, q, k, v, o = (s[a][:n] for a in ("normed", "q", "k", "v", "attn_out"))
+    """x += attn.proj(attention(rope(q_norm / k_norm(attn.qkv(norm1(x + norm1_offset)))))) without proj's bias
+    and without V's (attention passes a constant through: attn.proj.weight @ v's bias joins norm2_offset)."""
+    n, heads, h = plan.patches, g.num_heads, g.hidden_size
+    normed, qkv, o = s["normed"][:n], s["qkv"][:n], s["attn_out"][:n]
     ops.rmsnorm_residual(x, blk.norm1_offset, blk.norm1, normed, g.rms_norm_eps)  # the biases so far, then norm1
-    qkv = s["qkv"][:n]
     ops.linear(normed, blk.qkv_weight, qkv, handle=blas, name="GEMM attn.qkv")
-    ops.qk_norm_rope(qkv, blk.qkv_bias, blk.q_norm, blk.k_norm, plan.positions, inv_freq, q, k, v,
-                     0, heads, g.rms_norm_eps)  # + attn.qkv's bias
+    ops.qk_norm_rope(qkv, blk.qkv_bias, blk.q_norm, blk.k_norm, plan.positions, inv_freq, 0, heads,
+                     g.rms_norm_eps)  # in place; + q's and k's biases (v's is in norm2_offset)
+    q, k, v = qkv[:, :h], qkv[:, h:2 * h], qkv[:, 2 * h:]
     ops.flash_attention(plan.variant, q, k, v, o, plan.cu_seqlens, plan.tile_seg, plan.tile_q0, heads,
                         flop=plan.attention_flop)
     ops.linear(o, blk.proj_weight, x, accumulate=True, handle=blas, name="GEMM attn.proj")

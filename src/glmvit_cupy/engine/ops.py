@@ -107,14 +107,18 @@ def layernorm_gelu(y, weight, bias, out, eps):
 
 # -- cuda/rotary.cu --------------------------------------------------------------------------------
 
-def qk_norm_rope(qkv, qkv_bias, q_norm, k_norm, positions, inv_freq, q, k, v, row0, heads, eps):
-    """qkv [rows, 3 * heads * D] bf16 (rows row0.. of the batch) + bias -> q, k (per-head RMSNorm,
-    axial RoPE at positions [N, 2]) and v, each bf16 [N, heads * D]; rows row0..row0 + rows written."""
+def qk_norm_rope(qkv, qkv_bias, q_norm, k_norm, positions, inv_freq, row0, heads, eps):
+    """In place on qkv [rows, 3 * heads * D] bf16 (rows row0.. of the batch): its q and k columns get
+    their bias, the per-head RMSNorm and the axial RoPE at positions [N, 2]; its v columns are left as
+    they are (v's bias is folded past attention into the residual offsets: params.py)."""
     rows, d = qkv.shape[0], q_norm.shape[0]
+    if not qkv.flags.c_contiguous or qkv.shape[1] != 3 * heads * d:
+        raise ValueError(f"qk_norm_rope: qkv must be contiguous [rows, 3 x {heads} x {d}], got {qkv.shape} "
+                         f"with strides {qkv.strides}")
     _launch("qk norm + rope", 0, lambda: kernel("rotary", "qk_norm_rope_bf16")(
         _grid_1d(rows * heads * d // 8), (THREADS,),  # a thread per (row, head, 4 rotation pairs)
-        (qkv, qkv_bias, q_norm, k_norm, positions, inv_freq, q, k, v, np.int32(rows), np.int32(row0),
-         np.int32(heads), np.int32(d), np.float32(eps))))
+        (qkv, qkv_bias, q_norm, k_norm, positions, inv_freq, np.int32(rows), np.int32(row0), np.int32(heads),
+         np.int32(d), np.float32(eps))))
 
 
 # -- cuda/activations.cu ---------------------------------------------------------------------------
@@ -205,13 +209,21 @@ def attention_kernel(variant: Variant):
 
 
 def flash_attention(variant: Variant, q, k, v, o, cu_seqlens, tile_seg, tile_q0, heads, flop=0):
-    """o = softmax(q k^T / sqrt(D)) v within each segment of cu_seqlens [S + 1]; q, k, v, o bf16
-    [N, heads * D]; one CTA per (query tile, head), tiles from attention.tiles(cu, variant.rows)."""
+    """o = softmax(q k^T / sqrt(D)) v within each segment of cu_seqlens [S + 1]; q, k, v bf16 [N, heads * D]
+    with one row stride (16-byte multiple: the engine's are column blocks of the QKV GEMM's output), o
+    contiguous bf16 [N, heads * D]; one CTA per (query tile, head), tiles from attention.tiles(cu,
+    variant.rows)."""
+    shape, ld = o.shape, q.strides[0]
+    if (any(a.shape != shape or a.strides != (ld, 2) or a.dtype != o.dtype for a in (q, k, v))
+            or ld % 16 or not o.flags.c_contiguous or shape[1] != heads * variant.head_dim):
+        raise ValueError(f"flash_attention: q, k, v must share one shape and row stride (a multiple of 16 bytes) and "
+                         f"o be contiguous, all [N, {heads} x {variant.head_dim}]: q{q.shape} strides {q.strides}, "
+                         f"k{k.shape} {k.strides}, v{v.shape} {v.strides}, o{o.shape} {o.strides}")
     if len(tile_q0) == 0:
         return o
     scale_log2 = np.float32(math.log2(math.e) / math.sqrt(variant.head_dim))
     fn = attention_kernel(variant)
-    args = (q, k, v, o, cu_seqlens, tile_seg, tile_q0, np.int32(heads), scale_log2)
+    args = (q, k, v, o, cu_seqlens, tile_seg, tile_q0, np.int32(heads), np.int32(ld // 2), scale_log2)
     if variant.arch == "sm90":  # its TMA producer reads Q, K and V through tensor maps
         args += (tensor_map(q, variant.rows), tensor_map(k, KEYS_PER_TILE_SM90), tensor_map(v, KEYS_PER_TILE_SM90))
     _launch(f"flash attention ({variant.name})", flop, lambda: fn(

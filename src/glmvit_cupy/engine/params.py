@@ -7,7 +7,9 @@ biases: the residual offsets. The GEMMs that add into the float32 residual strea
 beta = 1) cannot add their biases, and a bias is the same for every row, so x is kept without them
 and each norm adds the running sum of all the biases so far as it reads x (`norm1_offset`,
 `norm2_offset`, `post_layernorm_offset`: summed in float64, rounded once to float32). No pass
-writes x + bias back.
+writes x + bias back. attn.qkv's V bias joins them too: softmax rows sum to one, so attention passes
+a constant added to v through unchanged, and attn.proj maps it to attn.proj.weight @ b_v, a constant
+added into x like proj's own bias (the rope pass then leaves v where the QKV GEMM wrote it).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class Block:
     up_bias: cupy.ndarray
     down_weight: cupy.ndarray
     norm1_offset: cupy.ndarray  # float32: patch_embed's bias + every earlier block's proj and down biases
-    norm2_offset: cupy.ndarray  # float32: norm1_offset + this block's attn.proj bias
+    norm2_offset: cupy.ndarray  # float32: norm1_offset + this block's attn.proj bias + attn.proj.weight @ V's bias
 
 
 @dataclass
@@ -83,11 +85,14 @@ def _f32(x: np.ndarray) -> cupy.ndarray:
 def residual_offsets(binding: TowerBinding) -> tuple[list, np.ndarray]:
     """The float64 running sums of the biases added into x: (norm1, norm2) of each block, and the
     post_layernorm's (see the module docstring)."""
+    h = binding.geometry.hidden_size
     run = binding.host("patch_embed.proj.bias").astype(np.float64)
     per_block = []
     for i in range(binding.geometry.depth):
         n1 = run
-        run = n1 + binding.host(f"blocks.{i}.attn.proj.bias").astype(np.float64)
+        v_bias = binding.host(f"blocks.{i}.attn.qkv.bias")[2 * h:].astype(np.float64)
+        proj = binding.host(f"blocks.{i}.attn.proj.weight").astype(np.float64)
+        run = n1 + binding.host(f"blocks.{i}.attn.proj.bias").astype(np.float64) + proj @ v_bias
         per_block.append((n1, run))
         run = run + binding.host(f"blocks.{i}.mlp.down_proj.bias").astype(np.float64)
     return per_block, run
