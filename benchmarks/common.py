@@ -10,40 +10,38 @@ PEAK_BW = 4.8e12       # H200 HBM3e, bytes/s (datasheet)
 GEMM_CEIL = 756e12     # the bf16 GEMM ceiling we rate against: 8192^3 on the H200 (our runs: 777-801)
 
 
-def time_ms(fn, warmup=3, repeat=10):
-    """Median milliseconds of fn() between CUDA events on the current stream."""
-    import cupy
-
+def _median_ms(fn, sync, events, elapsed, warmup, repeat):
+    """Median milliseconds of fn() between a pair of CUDA events, after warmup calls and a sync."""
     for _ in range(warmup):
         fn()
-    cupy.cuda.get_current_stream().synchronize()
+    sync()
     times = []
     for _ in range(repeat):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a, b = events()
         a.record()
         fn()
         b.record()
         b.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(a, b))
+        times.append(elapsed(a, b))
     return float(np.median(times))
+
+
+def time_ms(fn, warmup=3, repeat=10):
+    """Median milliseconds of fn() between CUDA events on CuPy's current stream."""
+    import cupy
+
+    return _median_ms(fn, cupy.cuda.get_current_stream().synchronize, lambda: (cupy.cuda.Event(), cupy.cuda.Event()),
+                      cupy.cuda.get_elapsed_time, warmup, repeat)
 
 
 def torch_ms(fn, warmup=3, repeat=10):
     """time_ms for torch work: median milliseconds between CUDA events on torch's current stream."""
     import torch
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
+    def events():
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    return _median_ms(fn, torch.cuda.synchronize, events, lambda a, b: a.elapsed_time(b), warmup, repeat)
 
 
 # A one-thread kernel that keeps its stream busy for `ns` nanoseconds (the GPU's global timer).
