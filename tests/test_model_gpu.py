@@ -665,6 +665,37 @@ def test_huge_values_keep_the_running_max(tmp_path):
             GlmVit(binding, capacity_tokens=64, attention_variant="sm90_4wg_fixed")
 
 
+def test_a_large_v_bias_reaches_the_output_past_attention(tmp_path):
+    """attn.qkv's V bias is not added to v (attention reads v where the QKV GEMM wrote it): it reaches x as
+    attn.proj.weight @ b_v in norm2_offset. With V biases twice v's size, the Hopper kernel and the sm_80
+    one still match the float32 reference, which the same tower with those biases zeroed misses by ~100%
+    (so a lost or misplaced fold fails here)."""
+    from glmvit_cupy.synthetic import random_tower
+
+    geo, rng = cases.GEOMETRY, np.random.default_rng(6)
+    h, tensors = geo.hidden_size, random_tower(geo, 6)
+    zeroed = dict(tensors)
+    for i in range(geo.depth):
+        key = f"blocks.{i}.attn.qkv.bias"
+        b = tensors[key].astype(np.float32)
+        b[2 * h:] = rng.standard_normal(h, dtype=np.float32) * 2
+        tensors[key] = b.astype(ml_dtypes.bfloat16)
+        b[2 * h:] = 0
+        zeroed[key] = b.astype(ml_dtypes.bfloat16)
+    grid = [[1, 8, 12], [1, 10, 8]]  # two segments, neither a multiple of the 64-key tiles
+    pv = rng.standard_normal((8 * 12 + 10 * 8, geo.patch_dim), dtype=np.float32)
+    binding = bind_tower(write_checkpoint(tmp_path / "big_v_bias", geo, tensors=tensors))
+    ref = reference.encode_pixels(reference.Tower(binding), pv, grid)
+    without = reference.encode_pixels(reference.Tower(bind_tower(write_checkpoint(tmp_path / "no_v_bias", geo,
+                                                                                tensors=zeroed))), pv, grid)
+    assert rel(f32(without), f32(ref)) > 0.5
+    variants = [None, "sm80_d64"] if cupy.cuda.Device().compute_capability == "90" else [None]
+    for variant in variants:
+        got = f32(GlmVit(binding, capacity_tokens=64, attention_variant=variant).encode_pixels(pv, grid))
+        print(f"{variant or 'default'}: {rel(got, f32(ref)):.3e} against the float32 reference")
+        assert rel(got, f32(ref)) < 2.5e-2
+
+
 def test_fused_swiglu_and_cublas_mlp_agree_with_the_reference(official, tmp_path):
     """On Hopper the MLPs' gate/up GEMMs apply the clamped SwiGLU themselves (gemm_sm90.cu); fused_swiglu=
     False is cuBLAS and a separate pass. Both are as close to the float32 reference as HF's bf16 allows,
