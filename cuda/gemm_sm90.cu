@@ -11,8 +11,11 @@
 // once its wgmmas have read the slot). Two consumer warpgroups own 64 rows of the 128-row tile each; a
 // slot is released as soon as the wgmma group after it has been issued (wait_group 1), so the tensor
 // cores always have the next group queued. Persistent: a CTA per SM walks the tiles (in the order
-// TileWalk says), and the producer fills the next tile's slots
-// while the consumers run the epilogue.
+// TileWalk says), and the producer fills the next tile's slots while the consumers run the epilogue.
+// Two kernels share that skeleton: gemm_swiglu_sm90 (cooperative: both consumer warpgroups on one
+// 128 x 256 tile, so the tensor cores idle during its epilogue) and, further down,
+// gemm_swiglu_pingpong_sm90 (each warpgroup on its own 128 x 128 tile, one's epilogue under the
+// other's MMAs); engine/fused.py picks by K.
 //
 // Napkin math (16 x 448² = 16,384 rows, K = 1,024, I = 4,096, per block): 275 GFLOP, ~390 us at the
 // ~700 TFLOP/s cuBLAS reaches on its gate/up GEMM, which then writes gate|up (268 MB) for a swiglu
