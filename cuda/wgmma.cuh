@@ -3,7 +3,7 @@
 //   wgmma_ss_n64:     D[64x64] (+)= A(smem desc, K-major) * B(smem desc, K-major)^T, scale_d = 0 overwrites
 //                     (the attention's S = Q K^T; _init: D = A * B^T whatever D held)
 //   wgmma_ss_n256:    D[64x256] (+)= the same with 256 columns (the GEMM's gate and up halves)
-//   wgmma_ss_n128:    D[64x128] (+)= the same with 128 columns (TRIAL: the ping-pong GEMM's tile)
+//   wgmma_ss_n128:    D[64x128] (+)= the same with 128 columns (the ping-pong GEMM's tile, one of two a k16 step)
 //   wgmma_rs_n64_tb:  D[64x64] += A(registers) * B(smem desc, MN-major: transposed B)
 #pragma once
 

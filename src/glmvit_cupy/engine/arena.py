@@ -27,9 +27,10 @@ def _slot_bytes(shape, dtype) -> int:
 
 def layout(g: VisionGeometry, patches: int, fused_swiglu: bool = False) -> dict:
     """{phase: {slot: (shape, dtype)}} for forwards of up to `patches` patches; phase "keep" is never
-    shared, the others overlap. The attention's QKV GEMM runs over all rows at once. fused_swiglu: the MLPs' gate/up GEMMs write the activation themselves, so there are no
-    gate/up slots, and an MLP runs over all rows at once too: its activation [patches, I] takes the
-    attention phase's bytes (norm2's output is kept)."""
+    shared, the others overlap. The attention's QKV GEMM runs over all rows at once. fused_swiglu: the
+    MLPs' gate/up GEMMs write the activation themselves, so there are no gate/up slots, and an MLP runs
+    over all rows at once too: its activation [patches, I] takes the attention phase's bytes (norm2's
+    output is kept)."""
     p, h = patches, g.hidden_size
     rows, merged = min(p, ROW_CHUNK), min(p // 4, MERGER_CHUNK)
     f32, bf = np.float32, BF16
