@@ -116,7 +116,8 @@ def bench_gate_up():
         return
     BF, rows = ml_dtypes.bfloat16, []
     for name, m, k, inter, bias in [("block MLP, one chunk", CHUNK, H, I, True), ("block MLP, 16,384 rows", 16384, H, I, True),
-                                    ("block MLP, 32,000 rows", N, H, I, True), ("merger, 2,048 rows", 2048, O, P, False)]:
+                                    ("block MLP, 32,000 rows", N, H, I, True), ("merger, 2,048 rows", 2048, O, P, False),
+                                    ("merger, 256 rows (448²)", 256, O, P, False), ("merger, 1,024 rows (896²)", 1024, O, P, False)]:
         a, w, gu, out = rnd((m, k), BF), rnd((2 * inter, k), BF), cupy.empty((m, 2 * inter), BF), cupy.empty((m, inter), BF)
         bg, bu = (rnd((inter,), BF), rnd((inter,), BF)) if bias else (None, None)
 
@@ -130,7 +131,8 @@ def bench_gate_up():
                       for c in (0, 1))
         ms_p = kernel_ms(lambda: fused.gate_up_swiglu(a, w, bg, bu, out, 10.0, pingpong=True))
         ms_coop = ms_c if m > 2 * inter else ms_r  # the order the launcher picks (columns fastest when a > w)
-        ms_f = ms_p if k <= fused.PINGPONG_MAX_K else ms_coop
+        waves = -(-m // 128) * (inter // 128) / cupy.cuda.Device().attributes["MultiProcessorCount"]
+        ms_f = ms_p if k <= fused.PINGPONG_MAX_K or waves < fused.PINGPONG_BELOW_WAVES else ms_coop
         ms_g = kernel_ms(lambda: ops.linear(a, w, gu))
         fl = 2 * m * k * 2 * inter
         rows.append([f"{name} ({m}x{2 * inter}x{k})", f"{ms_u:.3f}", f"{fl / ms_u / 1e9:.0f}", f"{fl / ms_g / 1e9:.0f}",

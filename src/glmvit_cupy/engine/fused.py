@@ -18,6 +18,9 @@ PINGPONG_COLS, PINGPONG_STAGES = 64, 6  # the ping-pong kernel's output columns 
 # short K loop; the cooperative kernel's larger tile (less L2 traffic a FLOP) pays on long ones. Measured
 # (H200, TFLOP/s): K = 1,024 708 against 667 at 16,384 rows; K = 4,096 (the merger) 740 against 771.
 PINGPONG_MAX_K = 2048
+# TRIAL (not measured): and where the cooperative kernel's tiles fill under this many waves of the
+# SMs (the merger at 448² has 256 rows: 160 tiles, 1.2 waves; ping-pong's half-width tiles: 2.4).
+PINGPONG_BELOW_WAVES = 2.0
 
 
 def gate_up_swiglu_fits(k: int, inter: int) -> bool:
@@ -57,7 +60,8 @@ def gate_up_swiglu(a, w, gate_bias, up_bias, out, limit, *, ctas=None, columns_f
         return out
     rows, cols = GATE_UP_TILE
     if pingpong is None:
-        pingpong = k <= PINGPONG_MAX_K
+        waves = _cdiv(m, GATE_UP_TILE[0]) * (inter // GATE_UP_TILE[1]) / (ctas or _sm_count())
+        pingpong = k <= PINGPONG_MAX_K or waves < PINGPONG_BELOW_WAVES
     if pingpong:
         cols, smem = PINGPONG_COLS, PINGPONG_STAGES * (rows + 2 * PINGPONG_COLS) * 128 + 1024
         fn = _with_shared_memory("gemm_sm90", f"gemm_swiglu_pingpong_sm90<{PINGPONG_STAGES}>", smem)
