@@ -98,18 +98,20 @@ __device__ __forceinline__ void mma_tile(float* acc, const unsigned char* sA, co
     if (lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
 }
 
-// The epilogue: this thread's rows r and r + 8, columns n0 + 8j + 2t and + 1 of the activation, from
-// the gate (acc[4j..]) and up (acc[64 + 4j..]) values it holds.
+// The epilogue: this thread's rows r and r + 8, columns n0 + 8j + 2t and + 1 (j < COLS / 8) of the
+// activation, from the gate (acc[4j..]) and up (acc[UP + 4j..]) values it holds. Both kernels' epilogue:
+// the cooperative one's m64n256 accumulator (COLS 128, UP 64), the ping-pong one's m64n128 halves (64, 32).
+template <int COLS, int UP>
 __device__ __forceinline__ void store_swiglu(const float* acc, const bf16* __restrict__ bg, const bf16* __restrict__ bu,
                                              bf16* __restrict__ out, int r, int n0, int t, int M, int I, float limit) {
 #pragma unroll
-    for (int j = 0; j < GS_BN / 8; ++j) {
+    for (int j = 0; j < COLS / 8; ++j) {
         const int c = n0 + 8 * j + 2 * t;
         float2 b_g = make_float2(0.f, 0.f), b_u = make_float2(0.f, 0.f);
         if (bg) b_g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bg + c));
         if (bu) b_u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bu + c));
         const float* gv = acc + 4 * j;
-        const float* uv = acc + 64 + 4 * j;
+        const float* uv = acc + UP + 4 * j;
         if (r < M)
             *reinterpret_cast<unsigned*>(out + (long)r * I + c) =
                 pack_bf16(swiglu1(gv[0] + b_g.x, uv[0] + b_u.x, limit), swiglu1(gv[1] + b_g.y, uv[1] + b_u.y, limit));
@@ -159,7 +161,7 @@ __global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant
     int it = 0;
     for (int tile = blockIdx.x; tile < walk.tiles; tile += gridDim.x) {
         mma_tile<STAGES>(acc, sA, sB, full0, empty0, it, ksteps, wg, lane);
-        store_swiglu(acc, bg, bu, out, walk.m0(tile) + wg * 64 + warp * 16 + (lane >> 2), walk.n0(tile), lane & 3, M, I,
+        store_swiglu<GS_BN, 64>(acc, bg, bu, out, walk.m0(tile) + wg * 64 + warp * 16 + (lane >> 2), walk.n0(tile), lane & 3, M, I,
                      limit);
     }
 }
@@ -191,22 +193,7 @@ struct SwigluEpilogue {
     static constexpr int kWStep = 64;  // W rows a tile's gate box starts apart (its up box at + I)
     __device__ __forceinline__ int second() const { return I; }
     __device__ __forceinline__ void half(const float* acc, int r, int col, int t) const {
-        const int n0 = col * 64;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int c = n0 + 8 * j + 2 * t;
-            float2 b_g = make_float2(0.f, 0.f), b_u = make_float2(0.f, 0.f);
-            if (bg) b_g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bg + c));
-            if (bu) b_u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bu + c));
-            const float* gv = acc + 4 * j;
-            const float* uv = acc + 32 + 4 * j;
-            if (r < M)
-                *reinterpret_cast<unsigned*>(out + (long)r * I + c) = pack_bf16(
-                    swiglu1(gv[0] + b_g.x, uv[0] + b_u.x, limit), swiglu1(gv[1] + b_g.y, uv[1] + b_u.y, limit));
-            if (r + 8 < M)
-                *reinterpret_cast<unsigned*>(out + (long)(r + 8) * I + c) = pack_bf16(
-                    swiglu1(gv[2] + b_g.x, uv[2] + b_u.x, limit), swiglu1(gv[3] + b_g.y, uv[3] + b_u.y, limit));
-        }
+        store_swiglu<64, 32>(acc, bg, bu, out, r, col * 64, t, M, I, limit);
     }
 };
 
