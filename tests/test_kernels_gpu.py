@@ -209,11 +209,12 @@ def test_gate_up_swiglu_fused(m, k, inter, with_bias, ctas, pingpong):
         fused.gate_up_swiglu(a_dev[r0:r1], dev(w), None if bg is None else dev(bg),
                            None if bu is None else dev(bu), part, limit, ctas=ctas, pingpong=pingpong)
         assert np.array_equal(cupy.asnumpy(part).view(np.uint16), cupy.asnumpy(out[r0:r1]).view(np.uint16))
-    # Either tile order (the launcher picks by operand size) gives the same bits.
-    for order in (0, 1):
+    # Either tile order (the launcher picks by operand size), and the other kernel (it picks by K and by
+    # the waves its tiles fill, so by the rows launched), give the same bits.
+    for order, pp in ((0, pingpong), (1, pingpong), (None, not pingpong)):
         again = poison((m, inter))
         fused.gate_up_swiglu(a_dev, dev(w), None if bg is None else dev(bg), None if bu is None else dev(bu), again,
-                           limit, ctas=ctas, columns_fastest=order, pingpong=pingpong)
+                           limit, ctas=ctas, columns_fastest=order, pingpong=pp)
         assert np.array_equal(cupy.asnumpy(again).view(np.uint16), cupy.asnumpy(out).view(np.uint16))
 
 

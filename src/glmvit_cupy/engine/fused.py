@@ -18,8 +18,10 @@ PINGPONG_COLS, PINGPONG_STAGES = 64, 6  # the ping-pong kernel's output columns 
 # short K loop; the cooperative kernel's larger tile (less L2 traffic a FLOP) pays on long ones. Measured
 # (H200, TFLOP/s): K = 1,024 708 against 667 at 16,384 rows; K = 4,096 (the merger) 740 against 771.
 PINGPONG_MAX_K = 2048
-# TRIAL (not measured): and where the cooperative kernel's tiles fill under this many waves of the
-# SMs (the merger at 448² has 256 rows: 160 tiles, 1.2 waves; ping-pong's half-width tiles: 2.4).
+# And where the cooperative kernel's tiles fill under this many waves of the SMs: the merger at 448²
+# (256 rows: 160 tiles, 1.2 waves; ping-pong's half-width tiles 2.4) ran 570-572 TFLOP/s ping-pong
+# against 458-460 cooperative (0.075 against 0.094 ms); at 896² (1,024 rows, 4.8 waves) cooperative
+# stays ahead, 750-754 against 723-725.
 PINGPONG_BELOW_WAVES = 2.0
 
 
@@ -29,14 +31,21 @@ def gate_up_swiglu_fits(k: int, inter: int) -> bool:
     return k % 64 == 0 and inter % GATE_UP_TILE[1] == 0
 
 
+def uses_pingpong(m: int, k: int, inter: int, ctas: int | None = None) -> bool:
+    """The launcher's choice of kernel for an [m, k] x [2 inter, k] gate/up GEMM on `ctas` CTAs (default:
+    one per SM): ping-pong for short K loops or where the cooperative tiles fill under two waves."""
+    waves = _cdiv(m, GATE_UP_TILE[0]) * (inter // GATE_UP_TILE[1]) / (ctas or _sm_count())
+    return k <= PINGPONG_MAX_K or waves < PINGPONG_BELOW_WAVES
+
+
 def gate_up_swiglu(a, w, gate_bias, up_bias, out, limit, *, ctas=None, columns_fastest=None,
                    pingpong=None, name="GEMM gate_up + swiglu"):
     """out [M, I] = bf16(silu(min(g, L)) * clamp(u, -L, L)) with [g | u] = a @ w.T + biases in fp32: a [M, K]
     bf16 (rows any 16-byte multiple apart), w = [gate; up] bf16 [2I, K], biases bf16 [I] or None. One
     CTA per SM walks the output tiles (`ctas`: fewer, as tests do, to make each walk several), columns
-    fastest when a is larger than w (`columns_fastest` forces either order); ping-pong consumers when K
-    <= PINGPONG_MAX_K (`pingpong` forces either kernel). Either way each output is one K loop in fp32 and
-    one rounding: a row's bits do not depend on the rows launched with it."""
+    fastest when a is larger than w (`columns_fastest` forces either order); ping-pong consumers as
+    uses_pingpong says (`pingpong` forces either kernel). Either way each output is one K loop in fp32
+    and one rounding: a row's bits do not depend on the rows launched with it."""
     m, k = a.shape
     n2, k2 = w.shape
     inter = n2 // 2
@@ -60,8 +69,7 @@ def gate_up_swiglu(a, w, gate_bias, up_bias, out, limit, *, ctas=None, columns_f
         return out
     rows, cols = GATE_UP_TILE
     if pingpong is None:
-        waves = _cdiv(m, GATE_UP_TILE[0]) * (inter // GATE_UP_TILE[1]) / (ctas or _sm_count())
-        pingpong = k <= PINGPONG_MAX_K or waves < PINGPONG_BELOW_WAVES
+        pingpong = uses_pingpong(m, k, inter, ctas)
     if pingpong:
         cols, smem = PINGPONG_COLS, PINGPONG_STAGES * (rows + 2 * PINGPONG_COLS) * 128 + 1024
         fn = _with_shared_memory("gemm_sm90", f"gemm_swiglu_pingpong_sm90<{PINGPONG_STAGES}>", smem)
