@@ -10,7 +10,7 @@
 // 64 us in the forward (3.1 TB/s), 1.54 ms of a 16 x 448² forward.
 #include "common.cuh"
 
-// qkv: bf16 [rows, 3*H*D] from the QKV GEMM (rows start at global patch row0), rewritten in place:
+// qkv: bf16 [rows, 3*H*D] from the QKV GEMM (row r is patch r of the batch), rewritten in place:
 // columns 0..H*D-1 become q, H*D..2*H*D-1 k (head h at h*D..h*D+D-1 of each); bias bf16 [3*H*D] (its
 // q and k parts are read); qn, kn: bf16 [D] norm weights; pos: int32 [N, 2] (h, w) per patch;
 // inv_freq: fp32 [D/4].
@@ -30,7 +30,7 @@ __device__ __forceinline__ void load_add4(float* out, const bf16* x, const bf16*
 extern "C" __global__ void qk_norm_rope_bf16(bf16* qkv, const bf16* __restrict__ bias,
                                              const bf16* __restrict__ qn, const bf16* __restrict__ kn,
                                              const int* __restrict__ pos, const float* __restrict__ inv_freq,
-                                             int rows, int row0, int heads, int D, float eps) {
+                                             int rows, int heads, int D, float eps) {
     const int per_head = D / 8, tpr = heads * per_head, HD = heads * D, half = D / 2, quarter = D / 4;
     const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x;
     const bool active = gid < (long)rows * tpr;  // idle lanes still join the shuffles (whole heads idle)
@@ -56,7 +56,7 @@ extern "C" __global__ void qk_norm_rope_bf16(bf16* qkv, const bf16* __restrict__
         sk += __shfl_xor_sync(0xffffffffu, sk, o);
     }
     if (!active) return;
-    const long r = (long)row0 + lr;
+    const long r = lr;
     const float iq = rsqrtf(sq / D + eps), ik = rsqrtf(sk / D + eps);
     // Angles: the first D/4 pair indices rotate with the row position h, the rest with w.
     const float p = (float)pos[2 * r + (4 * j < quarter ? 0 : 1)];

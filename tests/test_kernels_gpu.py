@@ -108,7 +108,8 @@ def test_layernorm_gelu():
 def test_qk_norm_rope(heads, d):
     """In place on the QKV rows: q and k columns become their biased, normed, rotated selves (against a
     float64 reference), v's columns keep their bits, and rows around the chunk stay poisoned."""
-    total, row0, rows = 700, 123, 401  # 401 rows: the last block is partial for every head count here
+    total, row0, rows = 700, 123, 401  # 401 rows: the last block is partial for every head count here; their
+    # positions start at row0 of a longer array (the rows' own, sliced on the host)
     hd = heads * d
     qkv = bf(rng.standard_normal((rows, 3 * hd), dtype=np.float32))
     bias = bf(0.5 * rng.standard_normal(3 * hd))
@@ -118,7 +119,7 @@ def test_qk_norm_rope(heads, d):
     inv_freq = (np.float32(1) / np.power(np.float32(10000), np.arange(0, spatial, 2, dtype=np.float32) / spatial))
     buf = poison((rows + 6, 3 * hd))  # three poisoned rows either side: the kernel may not touch them
     buf[3:3 + rows] = dev(qkv)
-    ops.qk_norm_rope(buf[3:3 + rows], dev(bias), dev(qn), dev(kn), dev(pos), dev(inv_freq), row0, heads, 1e-5)
+    ops.qk_norm_rope(buf[3:3 + rows], dev(bias), dev(qn), dev(kn), dev(pos[row0:]), dev(inv_freq), heads, 1e-5)
     assert np.isnan(host(buf[:3])).all() and np.isnan(host(buf[3 + rows:])).all()
     got = host(buf[3:3 + rows])
     t = (qkv.astype(np.float32) + bias.astype(np.float32)).reshape(rows, 3, heads, d)
@@ -134,6 +135,8 @@ def test_qk_norm_rope(heads, d):
         assert rel(got[:, part * hd:(part + 1) * hd], ref) < 5e-3
     v_bits = cupy.asnumpy(buf[3:3 + rows, 2 * hd:]).view(np.uint16)
     assert np.array_equal(v_bits, qkv[:, 2 * hd:].view(np.uint16))  # v: as the GEMM wrote it (its bias folded later)
+    with pytest.raises(ValueError, match=r"positions must be contiguous int32 \[>= 401, 2\]"):
+        ops.qk_norm_rope(buf[3:3 + rows], dev(bias), dev(qn), dev(kn), dev(pos[:rows - 1]), dev(inv_freq), heads, 1e-5)
 
 
 @pytest.mark.parametrize("with_bias", [True, False])

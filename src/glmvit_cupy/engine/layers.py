@@ -53,7 +53,7 @@ def attn(g: VisionGeometry, blk: Block, s: Arena, plan: Plan, x, inv_freq, blas)
     normed, qkv, o = s["normed"][:n], s["qkv"][:n], s["attn_out"][:n]
     ops.rmsnorm_residual(x, blk.norm1_offset, blk.norm1, normed, g.rms_norm_eps)  # the biases so far, then norm1
     ops.linear(normed, blk.qkv_weight, qkv, handle=blas, name="GEMM attn.qkv")
-    ops.qk_norm_rope(qkv, blk.qkv_bias, blk.q_norm, blk.k_norm, plan.positions, inv_freq, 0, heads,
+    ops.qk_norm_rope(qkv, blk.qkv_bias, blk.q_norm, blk.k_norm, plan.positions, inv_freq, heads,
                      g.rms_norm_eps)  # in place; + q's and k's biases (v's is in norm2_offset)
     q, k, v = qkv[:, :h], qkv[:, h:2 * h], qkv[:, 2 * h:]
     ops.flash_attention(plan.variant, q, k, v, o, plan.cu_seqlens, plan.tile_seg, plan.tile_q0, heads,

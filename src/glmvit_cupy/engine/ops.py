@@ -107,17 +107,21 @@ def layernorm_gelu(y, weight, bias, out, eps):
 
 # -- cuda/rotary.cu --------------------------------------------------------------------------------
 
-def qk_norm_rope(qkv, qkv_bias, q_norm, k_norm, positions, inv_freq, row0, heads, eps):
-    """In place on qkv [rows, 3 * heads * D] bf16 (rows row0.. of the batch): its q and k columns get
+def qk_norm_rope(qkv, qkv_bias, q_norm, k_norm, positions, inv_freq, heads, eps):
+    """In place on qkv [rows, 3 * heads * D] bf16 (row r at positions[r]): its q and k columns get
     their bias, the per-head RMSNorm and the axial RoPE at positions [N, 2]; its v columns are left as
     they are (v's bias is folded past attention into the residual offsets: params.py)."""
     rows, d = qkv.shape[0], q_norm.shape[0]
     if not qkv.flags.c_contiguous or qkv.shape[1] != 3 * heads * d:
         raise ValueError(f"qk_norm_rope: qkv must be contiguous [rows, 3 x {heads} x {d}], got {qkv.shape} "
                          f"with strides {qkv.strides}")
+    if positions.dtype != np.int32 or positions.ndim != 2 or positions.shape[0] < rows or positions.shape[1] != 2 \
+            or not positions.flags.c_contiguous:
+        raise ValueError(f"qk_norm_rope: positions must be contiguous int32 [>= {rows}, 2], got {positions.dtype} "
+                         f"{positions.shape}")
     _launch("qk norm + rope", 0, lambda: kernel("rotary", "qk_norm_rope_bf16")(
         _grid_1d(rows * heads * d // 8), (THREADS,),  # a thread per (row, head, 4 rotation pairs)
-        (qkv, qkv_bias, q_norm, k_norm, positions, inv_freq, np.int32(rows), np.int32(row0), np.int32(heads),
+        (qkv, qkv_bias, q_norm, k_norm, positions, inv_freq, np.int32(rows), np.int32(heads),
          np.int32(d), np.float32(eps))))
 
 
