@@ -161,8 +161,8 @@ __global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant
     int it = 0;
     for (int tile = blockIdx.x; tile < walk.tiles; tile += gridDim.x) {
         mma_tile<STAGES>(acc, sA, sB, full0, empty0, it, ksteps, wg, lane);
-        store_swiglu<GS_BN, 64>(acc, bg, bu, out, walk.m0(tile) + wg * 64 + warp * 16 + (lane >> 2), walk.n0(tile), lane & 3, M, I,
-                     limit);
+        store_swiglu<GS_BN, 64>(acc, bg, bu, out, walk.m0(tile) + wg * 64 + warp * 16 + (lane >> 2), walk.n0(tile),
+                                lane & 3, M, I, limit);
     }
 }
 
