@@ -15,7 +15,7 @@
 // Two kernels share that skeleton: gemm_swiglu_sm90 (cooperative: both consumer warpgroups on one
 // 128 x 256 tile, so the tensor cores idle during its epilogue) and, further down,
 // gemm_swiglu_pingpong_sm90 (each warpgroup on its own 128 x 128 tile, one's epilogue under the
-// other's MMAs); engine/fused.py picks by K.
+// other's MMAs); engine/fused.py picks by K and by the waves the cooperative tiles fill.
 //
 // Napkin math (16 x 448² = 16,384 rows, K = 1,024, I = 4,096, per block): 275 GFLOP, ~390 us at the
 // ~700 TFLOP/s cuBLAS reaches on its gate/up GEMM, which then writes gate|up (268 MB) for a swiglu
