@@ -56,24 +56,26 @@ struct TileWalk {
     }
 };
 
-// The producer thread: for each K slice, wait for its slot to be empty, then three TMA copies that
-// complete the slot's full barrier.
-template <int STAGES>
+// The producer thread (both kernels): for each K slice, wait for its slot to be empty, then three TMA
+// copies that complete the slot's full barrier: A's rows, and two boxes of W rows (B_TILE bytes in all,
+// half each) from W row w0 and w0 + second, w0 = the tile's column index x wstep.
+template <int STAGES, int B_TILE>
 __device__ __forceinline__ void produce(const TmaMap* ta, const TmaMap* tw, unsigned char* sA, unsigned char* sB,
-                                        unsigned full0, unsigned empty0, TileWalk walk, int ksteps, int I) {
+                                        unsigned full0, unsigned empty0, TileWalk walk, int ksteps, int wstep,
+                                        int second) {
     tma_prefetch_map(ta);
     tma_prefetch_map(tw);
     int it = 0;  // K slices issued so far, over all of this CTA's tiles: slot and phase
     for (int tile = blockIdx.x; tile < walk.tiles; tile += gridDim.x) {
-        const int m0 = walk.m0(tile), n0 = walk.n0(tile);
+        const int m0 = walk.m0(tile), w0 = walk.n0(tile) / GS_BN * wstep;
         for (int ks = 0; ks < ksteps; ++ks, ++it) {
             const int st = it % STAGES;
             if (it >= STAGES) mbar_wait(empty0 + 8 * st, ((it / STAGES) - 1) & 1);
             const unsigned full = full0 + 8 * st;
-            mbar_expect_tx(full, GS_A_TILE + GS_B_TILE);
+            mbar_expect_tx(full, GS_A_TILE + B_TILE);
             tma_load_2d(sA + st * GS_A_TILE, ta, ks * GS_BK, m0, full);
-            tma_load_2d(sB + st * GS_B_TILE, tw, ks * GS_BK, n0, full);                     // gate rows
-            tma_load_2d(sB + st * GS_B_TILE + GS_BN * 128, tw, ks * GS_BK, I + n0, full);   // up rows
+            tma_load_2d(sB + st * B_TILE, tw, ks * GS_BK, w0, full);                         // gate rows
+            tma_load_2d(sB + st * B_TILE + B_TILE / 2, tw, ks * GS_BK, w0 + second, full);   // up rows
         }
     }
 }
@@ -151,7 +153,7 @@ __global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant
 
     if (threadIdx.x >= 256) {  // the producer warpgroup: one thread issues every copy
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        if (threadIdx.x == 256) produce<STAGES>(&ta, &tw, sA, sB, full0, empty0, walk, ksteps, I);
+        if (threadIdx.x == 256) produce<STAGES, GS_B_TILE>(&ta, &tw, sA, sB, full0, empty0, walk, ksteps, GS_BN, I);
         return;
     }
 
@@ -179,8 +181,7 @@ __global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant
 // 32,000 rows 680 / 708 / 711 against the cooperative kernel's 632 / 667 / 673 (whose mainloop alone,
 // the epilogue skipped, ran 823 / 836 / 854); the merger's K = 4,096 740 against 771. fused.py picks.
 // A tile's W rows are two boxes of 64: gate rows 64c.. and up rows I + 64c.. (64 output columns).
-#define PP_A_TILE (GS_BM * 128)  // bytes of a slot's 128 A rows
-#define PP_B_TILE (128 * 128)    // and of its 128 W rows
+#define PP_B_TILE (128 * 128)  // bytes of a slot's 128 W rows (its A rows: GS_A_TILE, as the cooperative kernel's)
 
 // This thread's rows r and r + 8 of one 64-row half (acc: its 64 accumulators, gate columns 8j + 2t
 // (+1) in acc[4j..], up in acc[32 + 4j..], j < 8), output columns n0...
@@ -206,7 +207,7 @@ __device__ __forceinline__ void pingpong_gemm(const TmaMap& ta, const TmaMap& tw
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long bars[2 * STAGES];
     unsigned char* sA = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
-    unsigned char* sB = sA + STAGES * PP_A_TILE;
+    unsigned char* sB = sA + STAGES * GS_A_TILE;
     const unsigned full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]);
     const int mtiles = (M + GS_BM - 1) / GS_BM, ksteps = K / GS_BK;
     // TileWalk counts columns in GS_BN units: n0(tile) / GS_BN is the tile's column index.
@@ -224,22 +225,8 @@ __device__ __forceinline__ void pingpong_gemm(const TmaMap& ta, const TmaMap& tw
 
     if (threadIdx.x >= 256) {  // the producer: every slot of every tile, in tile order
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        if (threadIdx.x != 256) return;
-        tma_prefetch_map(&ta);
-        tma_prefetch_map(&tw);
-        int it = 0;
-        for (int tile = blockIdx.x; tile < walk.tiles; tile += gridDim.x) {
-            const int m0 = walk.m0(tile), w0 = walk.n0(tile) / GS_BN * Epilogue::kWStep;
-            for (int ks = 0; ks < ksteps; ++ks, ++it) {
-                const int st = it % STAGES;
-                if (it >= STAGES) mbar_wait(empty0 + 8 * st, ((it / STAGES) - 1) & 1);
-                const unsigned full = full0 + 8 * st;
-                mbar_expect_tx(full, PP_A_TILE + PP_B_TILE);
-                tma_load_2d(sA + st * PP_A_TILE, &ta, ks * GS_BK, m0, full);
-                tma_load_2d(sB + st * PP_B_TILE, &tw, ks * GS_BK, w0, full);
-                tma_load_2d(sB + st * PP_B_TILE + 64 * 128, &tw, ks * GS_BK, w0 + epi.second(), full);
-            }
-        }
+        if (threadIdx.x == 256)
+            produce<STAGES, PP_B_TILE>(&ta, &tw, sA, sB, full0, empty0, walk, ksteps, Epilogue::kWStep, epi.second());
         return;
     }
 
@@ -255,8 +242,8 @@ __device__ __forceinline__ void pingpong_gemm(const TmaMap& ta, const TmaMap& tw
             const int st = it % STAGES;
             mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
             wgmma_fence();
-            const unsigned long long da = sw128_desc(sA + st * PP_A_TILE);
-            const unsigned long long da2 = sw128_desc(sA + st * PP_A_TILE + 64 * 128);
+            const unsigned long long da = sw128_desc(sA + st * GS_A_TILE);
+            const unsigned long long da2 = sw128_desc(sA + st * GS_A_TILE + 64 * 128);
             const unsigned long long db = sw128_desc(sB + st * PP_B_TILE);
 #pragma unroll
             for (int kk = 0; kk < GS_BK / 16; ++kk) {

@@ -198,9 +198,9 @@ def test_gate_up_swiglu_fused(m, k, inter, with_bias, ctas, pingpong):
     assert (g > limit).sum() > 0 and (np.abs(u) > limit).sum() > 0  # the clamp must matter here
     buf = poison((m + 3, inter))  # three poisoned rows past M: nothing may be written there
     out = buf[:m]
-    a_dev = dev(a_rows)[:, :k]
-    fused.gate_up_swiglu(a_dev, dev(w), None if bg is None else dev(bg), None if bu is None else dev(bu), out, limit,
-                       ctas=ctas, pingpong=pingpong)
+    a_dev, w_dev = dev(a_rows)[:, :k], dev(w)
+    bg_dev, bu_dev = (None, None) if bg is None else (dev(bg), dev(bu))
+    fused.gate_up_swiglu(a_dev, w_dev, bg_dev, bu_dev, out, limit, ctas=ctas, pingpong=pingpong)
     got = host(buf)
     assert not np.isnan(got[:m]).any() and np.isnan(got[m:]).all()
     assert rel(got[:m], ref) < 4e-3  # the output's bf16 rounding (fp32 accumulation, one rounding)
@@ -209,15 +209,13 @@ def test_gate_up_swiglu_fused(m, k, inter, with_bias, ctas, pingpong):
     # Batch invariance: rows alone, or starting mid-tile, give the bits they had among the others.
     for r0, r1 in ((0, min(m, 50)), (m // 2 + 5, m)):
         part = poison((r1 - r0, inter))
-        fused.gate_up_swiglu(a_dev[r0:r1], dev(w), None if bg is None else dev(bg),
-                           None if bu is None else dev(bu), part, limit, ctas=ctas, pingpong=pingpong)
+        fused.gate_up_swiglu(a_dev[r0:r1], w_dev, bg_dev, bu_dev, part, limit, ctas=ctas, pingpong=pingpong)
         assert np.array_equal(cupy.asnumpy(part).view(np.uint16), cupy.asnumpy(out[r0:r1]).view(np.uint16))
     # Either tile order (the launcher picks by operand size), and the other kernel (it picks by K and by
     # the waves its tiles fill, so by the rows launched), give the same bits.
     for order, pp in ((0, pingpong), (1, pingpong), (None, not pingpong)):
         again = poison((m, inter))
-        fused.gate_up_swiglu(a_dev, dev(w), None if bg is None else dev(bg), None if bu is None else dev(bu), again,
-                           limit, ctas=ctas, columns_fastest=order, pingpong=pp)
+        fused.gate_up_swiglu(a_dev, w_dev, bg_dev, bu_dev, again, limit, ctas=ctas, columns_fastest=order, pingpong=pp)
         assert np.array_equal(cupy.asnumpy(again).view(np.uint16), cupy.asnumpy(out).view(np.uint16))
 
 
