@@ -64,8 +64,10 @@ def main():
     qkv, bq, qn = rnd((N, 3 * H), BF), rnd((3 * H,), BF), rnd((64,), BF)
     pos = cupy.asarray(np.random.default_rng(0).integers(0, 200, (N, 2)).astype(np.int32))
     invf = cupy.asarray((1 / 10000 ** (np.arange(0, 32, 2) / 32)).astype(np.float32))
+    rope = cupy.empty((N, 64), np.float32)
+    bw("rotary.rope_table [32000 rows x 32 pairs], once a forward", lambda: ops.rope_table(pos, invf, rope), N * 64 * 4)
     bw("rotary.qk_norm_rope_bf16 [32000 rows x 16 heads, in place]",  # q and k read and written; v untouched
-       lambda: ops.qk_norm_rope(qkv, bq, qn, qn, pos, invf, 16, eps), N * 2 * H * (2 + 2))
+       lambda: ops.qk_norm_rope(qkv, bq, qn, qn, rope, 16, eps), N * 2 * H * (2 + 2))
     gate_up, act, bg = rnd((CHUNK, 2 * I), BF), cupy.empty((CHUNK, I), BF), rnd((I,), BF)
     bw("activations.swiglu_clamp_bf16 [4096x4096]", lambda: ops.swiglu_clamp(gate_up, bg, bg, act, 10.0),
        CHUNK * I * (4 + 2))

@@ -5,15 +5,32 @@
 // norms' residual offsets in float64 with the biases.
 //
 // Napkin math (16 x 448² = 16,384 rows, 16 heads x 64; H200 HBM 4.8 TB/s): reads and writes q and k
-// (4 KB a row each way): 134 MB, 28 us at HBM speed; ~30 FLOP and two sincos an element pair:
-// memory-bound. Before (q, k and v copied out, v with its bias) it moved 201 MB a block: measured
-// 64 us in the forward (3.1 TB/s), 1.54 ms of a 16 x 448² forward.
+// (4 KB a row each way): 134 MB, 28 us at HBM speed; ~30 FLOP an element pair: memory-bound. Before
+// (q, k and v copied out, v with its bias) it moved 201 MB a block: measured 64 us in the forward
+// (3.1 TB/s), 1.54 ms of a 16 x 448² forward; with the angles' sincosf in every block's pass (four a
+// thread, 48 registers) 56 us (2.4 TB/s). TRIAL (not measured): the angles' cos and sin once a forward
+// (rope_table: 256 B a row, 4 MB at 16,384 rows), read by the 24 blocks' passes.
 #include "common.cuh"
+
+// out: fp32 [rows, D]: (cos a_d, sin a_d) at columns 2d, 2d + 1 for the rotation pair d < D/2 of patch
+// r at pos[r] = (h, w): pairs d < D/4 turn with h at inv_freq[d], the rest with w at inv_freq[d - D/4].
+// A thread per (row, pair). The same fp32 expressions the pass computed in place before, so the same bits.
+extern "C" __global__ void rope_table(const int* __restrict__ pos, const float* __restrict__ inv_freq,
+                                      float* __restrict__ out, int rows, int D) {
+    const int half = D / 2, quarter = D / 4;
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)rows * half) return;
+    const long r = i / half;
+    const int d = (int)(i % half);
+    const float p = (float)pos[2 * r + (d < quarter ? 0 : 1)];
+    float sn, cs;
+    sincosf(p * inv_freq[d < quarter ? d : d - quarter], &sn, &cs);
+    *reinterpret_cast<float2*>(out + r * D + 2 * d) = make_float2(cs, sn);
+}
 
 // qkv: bf16 [rows, 3*H*D] from the QKV GEMM (row r is patch r of the batch), rewritten in place:
 // columns 0..H*D-1 become q, H*D..2*H*D-1 k (head h at h*D..h*D+D-1 of each); bias bf16 [3*H*D] (its
-// q and k parts are read); qn, kn: bf16 [D] norm weights; pos: int32 [N, 2] (h, w) per patch;
-// inv_freq: fp32 [D/4].
+// q and k parts are read); qn, kn: bf16 [D] norm weights; rope: fp32 [>= rows, D] from rope_table.
 //
 // A thread per (row, head, 4 rotation pairs): thread i of a row (heads * D / 8 threads) owns, for
 // head h = i / (D/8) and j = i % (D/8), the pairs d = 4j..4j+3 with d + D/2 of both q and k (the pair
@@ -29,9 +46,8 @@ __device__ __forceinline__ void load_add4(float* out, const bf16* x, const bf16*
 
 extern "C" __global__ void qk_norm_rope_bf16(bf16* qkv, const bf16* __restrict__ bias,
                                              const bf16* __restrict__ qn, const bf16* __restrict__ kn,
-                                             const int* __restrict__ pos, const float* __restrict__ inv_freq,
-                                             int rows, int heads, int D, float eps) {
-    const int per_head = D / 8, tpr = heads * per_head, HD = heads * D, half = D / 2, quarter = D / 4;
+                                             const float* __restrict__ rope, int rows, int heads, int D, float eps) {
+    const int per_head = D / 8, tpr = heads * per_head, HD = heads * D, half = D / 2;
     const long gid = (long)blockIdx.x * blockDim.x + threadIdx.x;
     const bool active = gid < (long)rows * tpr;  // idle lanes still join the shuffles (whole heads idle)
     const int lr = active ? (int)(gid / tpr) : 0, i = (int)(gid % tpr);
@@ -56,17 +72,15 @@ extern "C" __global__ void qk_norm_rope_bf16(bf16* qkv, const bf16* __restrict__
         sk += __shfl_xor_sync(0xffffffffu, sk, o);
     }
     if (!active) return;
-    const long r = lr;
     const float iq = rsqrtf(sq / D + eps), ik = rsqrtf(sk / D + eps);
-    // Angles: the first D/4 pair indices rotate with the row position h, the rest with w.
-    const float p = (float)pos[2 * r + (4 * j < quarter ? 0 : 1)];
-    const float4 f = *reinterpret_cast<const float4*>(inv_freq + (4 * j < quarter ? 4 * j : 4 * j - quarter));
-    const float fe[4] = {f.x, f.y, f.z, f.w};
+    // This thread's pairs 4j..4j+3: (cos, sin) of each, 32 bytes of the row's table.
+    const float4 t0 = *reinterpret_cast<const float4*>(rope + (long)lr * D + 8 * j);
+    const float4 t1 = *reinterpret_cast<const float4*>(rope + (long)lr * D + 8 * j + 4);
+    const float cs4[4] = {t0.x, t0.z, t1.x, t1.z}, sn4[4] = {t0.y, t0.w, t1.y, t1.w};
     float oqa[4], oqb[4], oka[4], okb[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        float sn, cs;
-        sincosf(p * fe[e], &sn, &cs);
+        const float cs = cs4[e], sn = sn4[e];
         const int d = 4 * j + e;
         const float a = qa[e] * iq * __bfloat162float(qn[d]), b = qb[e] * iq * __bfloat162float(qn[d + half]);
         oqa[e] = a * cs - b * sn;

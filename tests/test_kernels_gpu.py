@@ -104,12 +104,37 @@ def test_layernorm_gelu():
     assert rel(host(out), ref) < 5e-3
 
 
+def rope_angles(pos, inv_freq):
+    """float64 angles [rows, D/2] of the axial RoPE: pairs d < D/4 turn with h, the rest with w."""
+    p, f = pos.astype(np.float64), inv_freq.astype(np.float64)
+    return np.concatenate([p[:, :1] * f, p[:, 1:] * f], axis=1)
+
+
+@pytest.mark.parametrize("d", [64, 32, 128])
+def test_rope_table(d):
+    """cos and sin of every rotation pair's angle, interleaved, against float64; rows past the count stay
+    poisoned; too few positions are refused before any launch."""
+    total, rows = 300, 257  # 257 rows x d/2 pairs: the last block partial
+    pos = rng.integers(0, 230, (total, 2)).astype(np.int32)
+    spatial = d // 2
+    inv_freq = (np.float32(1) / np.power(np.float32(10000), np.arange(0, spatial, 2, dtype=np.float32) / spatial))
+    buf = cupy.full((rows + 2, d), np.nan, np.float32)
+    ops.rope_table(dev(pos), dev(inv_freq), buf[:rows])
+    got = cupy.asnumpy(buf)
+    assert np.isnan(got[rows:]).all() and not np.isnan(got[:rows]).any()
+    ang = rope_angles(pos[:rows], inv_freq)
+    assert np.abs(got[:rows, 0::2] - np.cos(ang)).max() < 1e-4 and np.abs(got[:rows, 1::2] - np.sin(ang)).max() < 1e-4
+    assert np.abs(ang).max() > 100  # large angles: the range reduction matters
+    with pytest.raises(ValueError, match=r"positions must be contiguous int32 \[>= 257, 2\]"):
+        ops.rope_table(dev(pos[:rows - 1]), dev(inv_freq), buf[:rows])
+
+
 @pytest.mark.parametrize("heads,d", [(16, 64), (2, 64), (3, 64), (4, 32), (8, 128)])  # 3 x 64 / 8 = 24 threads a row
 def test_qk_norm_rope(heads, d):
     """In place on the QKV rows: q and k columns become their biased, normed, rotated selves (against a
     float64 reference), v's columns keep their bits, and rows around the chunk stay poisoned."""
     total, row0, rows = 700, 123, 401  # 401 rows: the last block is partial for every head count here; their
-    # positions start at row0 of a longer array (the rows' own, sliced on the host)
+    # angles come from the positions starting at row0 of a longer array (the rows' own, sliced on the host)
     hd = heads * d
     qkv = bf(rng.standard_normal((rows, 3 * hd), dtype=np.float32))
     bias = bf(0.5 * rng.standard_normal(3 * hd))
@@ -117,15 +142,15 @@ def test_qk_norm_rope(heads, d):
     pos = rng.integers(0, 230, (total, 2)).astype(np.int32)
     spatial = d // 2
     inv_freq = (np.float32(1) / np.power(np.float32(10000), np.arange(0, spatial, 2, dtype=np.float32) / spatial))
+    rope = cupy.empty((rows, d), np.float32)
+    ops.rope_table(dev(pos[row0:]), dev(inv_freq), rope)
     buf = poison((rows + 6, 3 * hd))  # three poisoned rows either side: the kernel may not touch them
     buf[3:3 + rows] = dev(qkv)
-    ops.qk_norm_rope(buf[3:3 + rows], dev(bias), dev(qn), dev(kn), dev(pos[row0:]), dev(inv_freq), heads, 1e-5)
+    ops.qk_norm_rope(buf[3:3 + rows], dev(bias), dev(qn), dev(kn), rope, heads, 1e-5)
     assert np.isnan(host(buf[:3])).all() and np.isnan(host(buf[3 + rows:])).all()
     got = host(buf[3:3 + rows])
     t = (qkv.astype(np.float32) + bias.astype(np.float32)).reshape(rows, 3, heads, d)
-    p = pos[row0:row0 + rows].astype(np.float64)
-    f = inv_freq.astype(np.float64)
-    ang = np.concatenate([p[:, :1] * f, p[:, 1:] * f], axis=1)
+    ang = rope_angles(pos[row0:row0 + rows], inv_freq)
     ang = np.concatenate([ang, ang], axis=1)[:, None, :]
     for part, nw in enumerate([qn, kn]):
         x = t[:, part].astype(np.float64)
@@ -135,8 +160,8 @@ def test_qk_norm_rope(heads, d):
         assert rel(got[:, part * hd:(part + 1) * hd], ref) < 5e-3
     v_bits = cupy.asnumpy(buf[3:3 + rows, 2 * hd:]).view(np.uint16)
     assert np.array_equal(v_bits, qkv[:, 2 * hd:].view(np.uint16))  # v: as the GEMM wrote it (its bias folded later)
-    with pytest.raises(ValueError, match=r"positions must be contiguous int32 \[>= 401, 2\]"):
-        ops.qk_norm_rope(buf[3:3 + rows], dev(bias), dev(qn), dev(kn), dev(pos[:rows - 1]), dev(inv_freq), heads, 1e-5)
+    with pytest.raises(ValueError, match=r"rope must be rope_table's contiguous float32 \[>= 401, "):
+        ops.qk_norm_rope(buf[3:3 + rows], dev(bias), dev(qn), dev(kn), rope[:rows - 1], heads, 1e-5)
 
 
 @pytest.mark.parametrize("with_bias", [True, False])

@@ -38,7 +38,8 @@ def layout(g: VisionGeometry, patches: int, fused_swiglu: bool = False) -> dict:
             "attn_out": ((p, h), bf)}  # attention's output, attn.proj's input
     normed = {"normed": ((p, h), bf)}                 # a norm's output, the next GEMM's input
     spec = {
-        "keep": {"residual": ((p, h), f32)},  # the float32 residual stream x
+        "keep": {"residual": ((p, h), f32),      # the float32 residual stream x
+                 "rope": ((p, g.head_dim), f32)},  # the batch's RoPE cos and sin (ops.rope_table)
         "input": {"pixels_f32": ((p, g.patch_dim), f32),  # float32 pixels as uploaded, before the cast
                   "pixels": ((p, g.patch_dim), bf)},      # bf16 pixel_values the patch embed reads
         "blocks": {**normed, **attn,

@@ -5,8 +5,8 @@ output GEMM accumulates straight into it (cuBLAS beta = 1). Those GEMMs cannot a
 is kept without them: each norm adds the running sum of the biases so far (params: `norm1_offset`,
 `norm2_offset`, `post_layernorm_offset`) as it reads x, and nothing writes x + bias back. GEMMs that
 feed a kernel (QKV, gate/up) write bf16 as the reference's Linear layers do. QKV runs over all rows at
-once; the rope pass rewrites its q and k columns in place and attention reads q, k and v where they
-are. So does the MLP where gate/up and the SwiGLU are one kernel, else it runs in row chunks so that
+once; the rope pass rewrites its q and k columns in place (the angles' cos and sin computed once a
+forward) and attention reads q, k and v where they are. So does the MLP where gate/up and the SwiGLU are one kernel, else it runs in row chunks so that
 gate|up stays small.
 """
 
@@ -29,10 +29,11 @@ def forward(g: VisionGeometry, w: Weights, s: Arena, plan: Plan, blas, mark=None
     n = plan.patches
     x = s["residual"][:n]
     patch_embed(w, s, n, blas)
+    ops.rope_table(plan.positions, w.inv_freq, s["rope"][:n])  # this batch's angles, for every block's rope
     if mark:
         mark("patch_embed")
     for blk in w.blocks:
-        attn(g, blk, s, plan, x, w.inv_freq, blas)
+        attn(g, blk, s, plan, x, blas)
         mlp(g, blk, s, x, blas, fused_swiglu)
     if mark:
         mark("blocks")
@@ -46,14 +47,14 @@ def patch_embed(w: Weights, s: Arena, n: int, blas):
     ops.linear(s["pixels"][:n], w.patch_embed_weight, s["residual"][:n], handle=blas, name="GEMM patch_embed")
 
 
-def attn(g: VisionGeometry, blk: Block, s: Arena, plan: Plan, x, inv_freq, blas):
+def attn(g: VisionGeometry, blk: Block, s: Arena, plan: Plan, x, blas):
     """x += attn.proj(attention(rope(q_norm / k_norm(attn.qkv(norm1(x + norm1_offset)))))) without proj's bias
     and without V's (attention passes a constant through: attn.proj.weight @ v's bias joins norm2_offset)."""
     n, heads, h = plan.patches, g.num_heads, g.hidden_size
     normed, qkv, o = s["normed"][:n], s["qkv"][:n], s["attn_out"][:n]
     ops.rmsnorm_residual(x, blk.norm1_offset, blk.norm1, normed, g.rms_norm_eps)  # the biases so far, then norm1
     ops.linear(normed, blk.qkv_weight, qkv, handle=blas, name="GEMM attn.qkv")
-    ops.qk_norm_rope(qkv, blk.qkv_bias, blk.q_norm, blk.k_norm, plan.positions, inv_freq, heads,
+    ops.qk_norm_rope(qkv, blk.qkv_bias, blk.q_norm, blk.k_norm, s["rope"][:n], heads,
                      g.rms_norm_eps)  # in place; + q's and k's biases (v's is in norm2_offset)
     q, k, v = qkv[:, :h], qkv[:, h:2 * h], qkv[:, 2 * h:]
     ops.flash_attention(plan.variant, q, k, v, o, plan.cu_seqlens, plan.tile_seg, plan.tile_q0, heads,

@@ -107,22 +107,39 @@ def layernorm_gelu(y, weight, bias, out, eps):
 
 # -- cuda/rotary.cu --------------------------------------------------------------------------------
 
-def qk_norm_rope(qkv, qkv_bias, q_norm, k_norm, positions, inv_freq, heads, eps):
-    """In place on qkv [rows, 3 * heads * D] bf16 (row r at positions[r]): its q and k columns get
-    their bias, the per-head RMSNorm and the axial RoPE at positions [N, 2]; its v columns are left as
-    they are (v's bias is folded past attention into the residual offsets: params.py)."""
+def rope_table(positions, inv_freq, out):
+    """out [rows, D] float32 = (cos a_d, sin a_d) at columns 2d, 2d + 1 of each rotation pair d < D/2 of the
+    axial RoPE at positions [>= rows, 2] (int32 (h, w) a row), inv_freq float32 [D/4]: computed once a
+    forward, read by every block's qk_norm_rope."""
+    rows, d = out.shape
+    if out.dtype != np.float32 or not out.flags.c_contiguous or d % 16 or inv_freq.shape != (d // 4,) \
+            or inv_freq.dtype != np.float32:
+        raise ValueError(f"rope_table: out must be contiguous float32 [rows, D] with D % 16 == 0 and inv_freq "
+                         f"float32 [D / 4] (out {out.dtype} {out.shape}, inv_freq {inv_freq.dtype} {inv_freq.shape})")
+    if positions.dtype != np.int32 or positions.ndim != 2 or positions.shape[0] < rows or positions.shape[1] != 2 \
+            or not positions.flags.c_contiguous:
+        raise ValueError(f"rope_table: positions must be contiguous int32 [>= {rows}, 2], got {positions.dtype} "
+                         f"{positions.shape}")
+    _launch("rope table", 0, lambda: kernel("rotary", "rope_table")(
+        _grid_1d(rows * d // 2), (THREADS,), (positions, inv_freq, out, np.int32(rows), np.int32(d))))
+
+
+def qk_norm_rope(qkv, qkv_bias, q_norm, k_norm, rope, heads, eps):
+    """In place on qkv [rows, 3 * heads * D] bf16: its q and k columns get their bias, the per-head RMSNorm
+    and the axial RoPE whose cos and sin `rope` holds (rope_table's [>= rows, D] float32, row r for row r);
+    its v columns are left as they are (v's bias is folded past attention into the residual offsets:
+    params.py)."""
     rows, d = qkv.shape[0], q_norm.shape[0]
     if not qkv.flags.c_contiguous or qkv.shape[1] != 3 * heads * d:
         raise ValueError(f"qk_norm_rope: qkv must be contiguous [rows, 3 x {heads} x {d}], got {qkv.shape} "
                          f"with strides {qkv.strides}")
-    if positions.dtype != np.int32 or positions.ndim != 2 or positions.shape[0] < rows or positions.shape[1] != 2 \
-            or not positions.flags.c_contiguous:
-        raise ValueError(f"qk_norm_rope: positions must be contiguous int32 [>= {rows}, 2], got {positions.dtype} "
-                         f"{positions.shape}")
+    if rope.dtype != np.float32 or rope.ndim != 2 or rope.shape[0] < rows or rope.shape[1] != d \
+            or not rope.flags.c_contiguous:
+        raise ValueError(f"qk_norm_rope: rope must be rope_table's contiguous float32 [>= {rows}, {d}], got "
+                         f"{rope.dtype} {rope.shape}")
     _launch("qk norm + rope", 0, lambda: kernel("rotary", "qk_norm_rope_bf16")(
         _grid_1d(rows * heads * d // 8), (THREADS,),  # a thread per (row, head, 4 rotation pairs)
-        (qkv, qkv_bias, q_norm, k_norm, positions, inv_freq, np.int32(rows), np.int32(heads),
-         np.int32(d), np.float32(eps))))
+        (qkv, qkv_bias, q_norm, k_norm, rope, np.int32(rows), np.int32(heads), np.int32(d), np.float32(eps))))
 
 
 # -- cuda/activations.cu ---------------------------------------------------------------------------
