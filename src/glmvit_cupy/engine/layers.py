@@ -6,8 +6,8 @@ is kept without them: each norm adds the running sum of the biases so far (param
 `norm2_offset`, `post_layernorm_offset`) as it reads x, and nothing writes x + bias back. GEMMs that
 feed a kernel (QKV, gate/up) write bf16 as the reference's Linear layers do. QKV runs over all rows at
 once; the rope pass rewrites its q and k columns in place (the angles' cos and sin computed once a
-forward) and attention reads q, k and v where they are. So does the MLP where gate/up and the SwiGLU are one kernel, else it runs in row chunks so that
-gate|up stays small.
+forward) and attention reads q, k and v where they are. So does the MLP where gate/up and the SwiGLU
+are one kernel, else it runs in row chunks so that gate|up stays small.
 """
 
 from __future__ import annotations
