@@ -5,7 +5,9 @@ Median ms after warm-up, TFLOP/s, % of the GEMM ceiling, ratios, peak GPU memory
 with host preprocessing of a real photo, from_checkpoint time, and the serving mix (40 images of
 seeded sizes, one call each, first pass and repeat) beside HF eager.
 
-    python benchmarks/bench_encoder.py [--no-hf] [--no-compiled]
+    python benchmarks/bench_encoder.py [--no-hf] [--no-compiled] [--no-tune]
+
+--no-tune: every GEMM on cuBLAS's default pick (the model's tune_gemms=False), for a same-run comparison.
 """
 
 import os
@@ -39,8 +41,13 @@ def main():
     use_hf, use_compiled = "--no-hf" not in sys.argv, "--no-compiled" not in sys.argv
     path = official_checkpoint()
     t0 = time.perf_counter()
-    model = GlmVit.from_checkpoint(path, capacity_tokens=8000)
+    model = GlmVit.from_checkpoint(path, capacity_tokens=8000, tune_gemms="--no-tune" not in sys.argv)
     load_s = time.perf_counter() - t0
+    if model.gemm_tuning:
+        table(["GEMM tuned at load", "rows", "n", "k", "same-bits algorithms", "cublasGemmEx us", "best us", "kept"],
+              [[r["gemm"], r["rows"], r["n"], r["k"], r["same_bits"], f"{r['gemm_ex_us']:.1f}", f"{r['best_us']:.1f}",
+                "cublasLt" if r["chosen"] is not None else "GemmEx"] for r in model.gemm_tuning])
+        print()
     geo = model.geometry
     rng = np.random.default_rng(0)
     hf = compiled = None
@@ -131,7 +138,7 @@ def serving_mix(path, hf, n=40, seed=1):
     from glmvit_cupy import GlmVit
 
     rng = np.random.default_rng(seed)
-    model = GlmVit.from_checkpoint(path, capacity_tokens=8000)
+    model = GlmVit.from_checkpoint(path, capacity_tokens=8000, tune_gemms="--no-tune" not in sys.argv)
     inputs = []
     for _ in range(n):
         tokens, aspect = int(rng.integers(150, 2501)), float(rng.uniform(0.5, 2.0))

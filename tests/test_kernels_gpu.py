@@ -509,6 +509,62 @@ def test_gemm_on_own_handle_is_capturable_and_equal():
     assert rel(cupy.asnumpy(got), ref) < 1e-5
 
 
+def test_tuned_cublaslt_gemms_give_the_default_bits_at_every_row_count():
+    """gemm_tune keeps only cublasLt algorithms with the bits of cublasGemmEx's default pick, and a row count
+    between the tuned ones runs the nearest one's algorithm: so at row counts that were not tuned, with
+    fresh inputs, the tuned handle must still give GemmEx's bits (else an image's embedding would depend
+    on the budget it lands in). min_gain=-inf keeps a candidate even where it is slower, so the Lt path
+    runs whatever the timings; a captured call replays it; a misaligned output falls back to GemmEx."""
+    from glmvit_cupy.engine import gemm_tune
+    from glmvit_cupy.engine.gemm import Handle
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    plain, tuned = Handle(stream), Handle(stream)
+    shapes = [("attn.proj", 1024, 1024, np.float32, True, 4096), ("attn.qkv", 3072, 1024, BF, False, 4096),
+              ("mlp.down_proj", 1024, 4096, np.float32, True, 4096)]
+    report = gemm_tune.tune(tuned, shapes, min_gain=-math.inf, rounds=1, reps=2)
+    assert [(r["gemm"], r["rows"]) for r in report] == [(s[0], m) for s in shapes for m in (1024, 4096)]
+    assert all(r["same_bits"] > 0 and r["chosen"] is not None for r in report), report
+    fell_back = []
+    for m in (1, 700, 1024, 2500, 2560, 4096, 9000):
+        for _, n, k, dtype, acc, _ in shapes:
+            if not tuned.lt_choice(m, n, k, k, k, n, np.dtype(dtype), 1.0 if acc else 0.0):
+                fell_back.append((m, n, k))  # cublasLtMatmulAlgoCheck refused: GemmEx runs it
+            a, w = dev(bf(rng.standard_normal((m, k)))), dev(bf(rng.standard_normal((n, k)) / math.sqrt(k)))
+            base = dev(rng.standard_normal((m, n), dtype=np.float32).astype(dtype)) if acc else poison((m, n), dtype)
+            want, got = base.copy(), base.copy()
+            with stream:
+                gemm(a, w, want, 1.0 if acc else 0.0, handle=plain)
+                gemm(a, w, got, 1.0 if acc else 0.0, handle=tuned)
+                stream.synchronize()
+            assert cupy.array_equal(got.view(np.uint8), want.view(np.uint8)), (m, n, k)
+            ref = host(a) @ host(w).T + (host(base) if acc else 0)
+            assert rel(host(got), ref) < (1e-5 if dtype == np.float32 else 5e-3)
+    print("GemmEx instead of the tuned algorithm at", fell_back)
+    assert not [f for f in fell_back if f[0] in (1024, 4096)]  # the tuned row counts run what was tuned
+    m, n, k = 4096, 1024, 1024  # a tuned row count: the Lt path, captured and replayed
+    assert tuned.lt_choice(m, n, k, k, k, n, np.dtype(np.float32), 1.0)
+    a, w = dev(bf(rng.standard_normal((m, k)))), dev(bf(rng.standard_normal((n, k)) / math.sqrt(k)))
+    got = dev(rng.standard_normal((m, n), dtype=np.float32))
+    ref = host(got) + host(a) @ host(w).T
+    with stream:
+        stream.begin_capture()
+        gemm(a, w, got, 1.0, handle=tuned)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    assert rel(cupy.asnumpy(got), ref) < 1e-5
+    buf = cupy.empty(m * n + 16, np.float32)  # 64 bytes past a 256-byte boundary: GemmEx's path instead
+    odd = cupy.ndarray((m, n), np.float32, memptr=buf.data + 64)
+    odd[...] = dev(rng.standard_normal((m, n), dtype=np.float32))
+    want = odd.copy()
+    with stream:
+        gemm(a, w, odd, 1.0, handle=tuned)
+        gemm(a, w, want, 1.0, handle=plain)
+        stream.synchronize()
+    assert cupy.array_equal(odd, want)
+
+
 def test_gemm_rejects_bad_arguments():
     a = cupy.zeros((4, 8), BF)
     with pytest.raises(ValueError, match="do not agree"):

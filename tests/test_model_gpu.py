@@ -2,6 +2,7 @@
 (official geometry, random weights with the clamp firing). The bar is HF transformers' own bf16
 error on the same inputs."""
 
+import math
 import os
 import threading
 
@@ -313,6 +314,30 @@ def test_batching_never_changes_an_embedding(official):
         alone = f32(model.encode([img])[0])
         pair = f32(model.encode([imgs[(i + 1) % len(imgs)], img])[1])
         assert np.array_equal(alone, together[i]) and np.array_equal(alone, pair), (i, alone.shape)
+
+
+def test_tuned_gemms_change_no_bit_of_any_embedding(official, monkeypatch):
+    """The load tunes cublasLt's algorithms for the forward's GEMM shapes (gemm_tune.py) and keeps only
+    those with cuBLAS's default bits: a model built with tune_gemms=False (the default pick everywhere)
+    gives the same bits, at budgets on and between the tuned row counts (1,024 / 4,096 / 16,384); so does
+    one that keeps a cublasLt algorithm for every shape and row count, even a slower one (MIN_GAIN -inf)."""
+    from glmvit_cupy.engine import gemm_tune
+
+    binding, model, _ = official
+    shapes = {r["gemm"] for r in model.gemm_tuning}
+    assert {"attn.qkv", "attn.proj", "mlp.down_proj", "merger.downsample", "merger.down_proj"} <= shapes
+    assert all(r["same_bits"] > 0 for r in model.gemm_tuning), model.gemm_tuning
+    print("kept:", [(r["gemm"], r["rows"], r["chosen"], round(r["gemm_ex_us"], 1), round(r["best_us"], 1))
+                    for r in model.gemm_tuning])
+    plain = GlmVit(binding, capacity_tokens=8000, tune_gemms=False)
+    assert plain.gemm_tuning == [] and not plain.executor.blas.algos
+    monkeypatch.setattr(gemm_tune, "MIN_GAIN", -math.inf)
+    forced = GlmVit(binding, capacity_tokens=8000)
+    assert all(r["chosen"] is not None for r in forced.gemm_tuning), forced.gemm_tuning
+    imgs = [cases._smooth(448, 448, 40), cases._smooth(1400, 1000, 46), cases._smooth(896, 672, 41)]
+    want = [f32(o) for o in plain.encode(imgs) + plain.encode(imgs[1:])]
+    for m in (model, forced):
+        assert all(np.array_equal(f32(g), w) for g, w in zip(m.encode(imgs) + m.encode(imgs[1:]), want))
 
 
 def test_official_geometry_vs_reference(official):

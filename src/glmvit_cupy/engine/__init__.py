@@ -2,6 +2,8 @@
 
     kernels     the registry: cuda/*.cu compiled with cupy.RawModule, kernels fetched by name
     gemm        cuBLAS BF16 GEMMs (bf16 or float32 out) on a handle bound to one stream
+    gemm_lt     cublasLt through ctypes: the same GEMM with an algorithm of our choosing
+    gemm_tune   at load: per GEMM shape, the fastest cublasLt algorithm with cuBLAS's default bits
     attention   flash attention's variant table and the heuristics that pick one per input shape
     ops         one typed launcher per kernel entry (grid, block and argument order written once)
     params      the weights uploaded to one GPU, named after the checkpoint

@@ -3,6 +3,9 @@
 Inputs are bf16 with fp32 accumulation; `out` is bf16 or float32. With a float32
 `out` and beta = 1 the product accumulates into it: that is how the encoder adds
 each sub-layer to its float32 residual stream without a separate pass.
+
+On a Handle, a shape that gemm_tune.py tuned runs the cublasLt algorithm chosen for the
+nearest tuned row count (gemm_lt.py); every other call runs cublasGemmEx's default pick.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import cupy
 import ml_dtypes
 import numpy as np
 from cupy_backends.cuda.libs import cublas
+
+from . import gemm_lt
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CUDA_R_16BF, CUDA_R_32F = 14, 0
@@ -75,6 +80,32 @@ class Handle:
         self._finalizer = weakref.finalize(self, cublas.destroy, self.ptr)
         set_workspace = _cublas_fn("cublasSetWorkspace_v2", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
         self.batch_invariant = set_workspace is not None and set_workspace(self.ptr, None, 0) == 0
+        self.lt = None     # a gemm_lt.LtHandle once gemm_tune.tune has run
+        self.algos = {}    # (n, k, out dtype, accumulate) -> [(rows, gemm_lt.Algo or None: GemmEx's pick)]
+        self._problems = {}  # an exact call's key -> (gemm_lt.Problem, Algo), or None: cublasGemmEx
+
+    def adopt(self, n, k, dtype, accumulate, picks):
+        """Run (n, k, out dtype, accumulate) GEMMs with picks [(rows, Algo or None)] from now on."""
+        self.algos[(n, k, np.dtype(dtype), bool(accumulate))] = sorted(picks, key=lambda p: p[0])
+        self._problems.clear()  # calls looked up before (while tuning, say) choose again
+
+    def lt_choice(self, m, n, k, lda, ldw, ldo, dtype, beta):
+        """The (Problem, Algo) this call runs through cublasLt, or None: cublasGemmEx. The pick tuned for
+        (n, k, out dtype, accumulate) at the row count nearest m (in ratio) decides; where its algorithm
+        cannot run this exact shape (cublasLtMatmulAlgoCheck), the next nearest tuned algorithm may."""
+        key = (m, n, k, lda, ldw, ldo, dtype, beta)
+        if key not in self._problems:
+            tuned = self.algos.get((n, k, dtype, beta == 1.0)) if beta in (0.0, 1.0) else None
+            choice = None
+            if tuned and min(tuned, key=lambda t: abs(np.log2(m / t[0])))[1] is not None:
+                out_type = gemm_lt.CUDA_R_32F if dtype == np.float32 else gemm_lt.CUDA_R_16BF
+                problem = gemm_lt.Problem(self.lt, m, n, k, lda, ldw, ldo, out_type)
+                for _, algo in sorted(tuned, key=lambda t: abs(np.log2(m / t[0]))):
+                    if algo is not None and problem.supports(algo):
+                        choice = (problem, algo)
+                        break
+            self._problems[key] = choice
+        return self._problems[key]
 
 
 def gemm(a: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray, beta: float = 0.0,
@@ -101,7 +132,12 @@ def gemm(a: cupy.ndarray, w: cupy.ndarray, out: cupy.ndarray, beta: float = 0.0,
     args = (cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, m, k, _ONE.ctypes.data, w.data.ptr, CUDA_R_16BF, ldw,
             a.data.ptr, CUDA_R_16BF, lda, beta_h.ctypes.data, out.data.ptr, ctype, ldo, CUBLAS_COMPUTE_32F,
             CUBLAS_GEMM_DEFAULT)
-    if handle is not None and handle.capturable:
+    choice = handle.lt_choice(m, n, k, lda, ldw, ldo, out.dtype, beta) if handle is not None and handle.algos \
+        else None
+    if choice is not None and not (a.data.ptr | w.data.ptr | out.data.ptr) % gemm_lt.ALIGNMENT:
+        choice[0].run(choice[1], a.data.ptr, w.data.ptr, out.data.ptr, _ONE.ctypes.data, beta_h.ctypes.data,
+                      handle.stream.ptr)  # the tuned algorithm, on the handle's stream
+    elif handle is not None and handle.capturable:
         cublas.check_status(handle.gemm_ex(handle.ptr, *args))  # on the handle's own stream
     elif handle is not None:
         cublas.gemmEx(handle.ptr, *args)  # CuPy's wrapper: binds the handle to the current stream

@@ -12,9 +12,12 @@ are one kernel, else it runs in row chunks so that gate|up stays small.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..config import VisionGeometry
 from . import fused, ops
 from .arena import MERGER_CHUNK, ROW_CHUNK, Arena
+from .gemm import BF16
 from .params import Block, Merger, Weights
 from .plans import Plan
 
@@ -40,6 +43,21 @@ def forward(g: VisionGeometry, w: Weights, s: Arena, plan: Plan, blas, mark=None
     merger(g, w.merger, s, x, blas, fused_swiglu)
     if mark:
         mark("merger")
+
+
+def gemm_shapes(g: VisionGeometry, patches: int, fused_swiglu=False) -> list[tuple]:
+    """(name, n, k, out dtype, accumulate, most rows a call) of forward()'s cuBLAS GEMMs at up to `patches`
+    patches: the shapes the model tunes at load (gemm_tune.py). The patch embed, a GEMM once a forward,
+    keeps cuBLAS's default pick."""
+    h, i, o, pi = g.hidden_size, g.intermediate_size, g.out_hidden_size, g.projection_intermediate_size
+    chunk, merged = patches if fused_swiglu else min(patches, ROW_CHUNK), max(1, min(patches // 4, MERGER_CHUNK))
+    f32 = np.float32
+    shapes = [("attn.qkv", 3 * h, h, BF16, False, patches), ("attn.proj", h, h, f32, True, patches),
+              ("mlp.down_proj", h, i, f32, True, chunk), ("merger.downsample", o, g.merge_dim, f32, False, merged),
+              ("merger.proj", o, o, f32, False, merged), ("merger.down_proj", o, pi, BF16, False, merged)]
+    if not fused_swiglu:
+        shapes += [("mlp.gate_up", 2 * i, h, BF16, False, chunk), ("merger.gate_up", 2 * pi, o, BF16, False, merged)]
+    return shapes
 
 
 def patch_embed(w: Weights, s: Arena, n: int, blas):

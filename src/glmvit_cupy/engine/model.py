@@ -20,7 +20,7 @@ from .. import batching, gpu
 from ..checkpoint import TowerBinding, bind_tower
 from ..config import VisionGeometry
 from ..preprocess import value_table
-from . import arena, fused, layers, params
+from . import arena, fused, gemm_tune, layers, params
 from .attention import check_variant, default_variants, score_bound_log2, value_bound_log2
 from .budgets import full_pass_budgets
 from .executor import CAPTURE_ON_SECOND_CALL, Executor
@@ -56,13 +56,15 @@ class GlmVit:
     attention_variant: force one of attention.VARIANTS (default: picked per input shape); graphs: run each
     token budget as a CUDA graph, captured on its first call (plans.py); fused_swiglu: the MLPs' gate/up
     GEMMs apply the clamped SwiGLU in their epilogue (gemm_sm90.cu; default: where it can run, Hopper GPUs
-    and MLP widths it tiles; False: cuBLAS and a separate pass, as elsewhere)."""
+    and MLP widths it tiles; False: cuBLAS and a separate pass, as elsewhere); tune_gemms: time cublasLt's
+    algorithms for the forward's GEMM shapes at load and keep the fastest that gives cuBLAS's default bits
+    (gemm_tune.py; False: cuBLAS's default pick everywhere)."""
 
     MAX_PLANS = 48  # token budgets (by attention variant and tile count) whose CUDA graph stays cached
 
     def __init__(self, binding: TowerBinding, *, device=None, capacity_tokens: int | None = None,
                  attention_variant: str | None = None, graphs: bool = True, max_image_tokens: int | None = None,
-                 fused_swiglu: bool | None = None):
+                 fused_swiglu: bool | None = None, tune_gemms: bool = True):
         gpu.require()  # no GPU, driver or CUDA library: GpuUnavailable saying which, not a CUDA error
         g = binding.geometry
         self.geometry: VisionGeometry = g
@@ -99,6 +101,9 @@ class GlmVit:
             self.plans = PlanCache(names, g.num_heads, g.hidden_size, self.device.attributes["MultiProcessorCount"],
                                    self.capacity_tokens * 4, self.MAX_PLANS)
             self.executor = Executor(self.device, graphs)
+            # Per GEMM shape: its fastest cublasLt algorithm with cuBLAS's default bits (report: gemm_tune).
+            self.gemm_tuning = gemm_tune.tune(self.executor.blas, layers.gemm_shapes(
+                g, self.capacity_tokens * 4, self.fused_swiglu)) if tune_gemms else []
             self.stager = Stager(self.value_table, g.temporal_patch_size, g.patch_size)
             self.uploads = Uploader(self.device)  # prepare threads put decoded images on this GPU through it
             self.device.synchronize()
