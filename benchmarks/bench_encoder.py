@@ -103,6 +103,8 @@ def main():
         if compiled is not None:
             header += ["HF compiled ms", "vs compiled", "compile s"]
     table(header, rows)
+    lt, shapes = model.executor.blas.lt_usage()
+    print(f"\nGEMM shapes these forwards ran on a tuned cublasLt algorithm: {lt} of {shapes}")
     print()
     table(["case (eager, per stage)", "patch embed ms", "blocks ms", "merger ms", "eager total ms"], stages)
 

@@ -338,6 +338,8 @@ def test_tuned_gemms_change_no_bit_of_any_embedding(official, monkeypatch):
     want = [f32(o) for o in plain.encode(imgs) + plain.encode(imgs[1:])]
     for m in (model, forced):
         assert all(np.array_equal(f32(g), w) for g, w in zip(m.encode(imgs) + m.encode(imgs[1:]), want))
+        print("GEMM shapes on cublasLt / looked up:", m.executor.blas.lt_usage())
+    assert forced.executor.blas.lt_usage()[0] > 0  # the forwards above did run cublasLt
 
 
 def test_official_geometry_vs_reference(official):

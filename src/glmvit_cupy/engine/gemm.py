@@ -89,10 +89,14 @@ class Handle:
         self.algos[(n, k, np.dtype(dtype), bool(accumulate))] = sorted(picks, key=lambda p: p[0])
         self._problems.clear()  # calls looked up before (while tuning, say) choose again
 
+    def lt_usage(self) -> tuple[int, int]:
+        """(exact GEMM shapes run through cublasLt, exact shapes looked up) so far."""
+        return sum(c is not None for c in self._problems.values()), len(self._problems)
+
     def lt_choice(self, m, n, k, lda, ldw, ldo, dtype, beta):
         """The (Problem, Algo) this call runs through cublasLt, or None: cublasGemmEx. The pick tuned for
-        (n, k, out dtype, accumulate) at the row count nearest m (in ratio) decides; where its algorithm
-        cannot run this exact shape (cublasLtMatmulAlgoCheck), the next nearest tuned algorithm may."""
+        (n, k, out dtype, accumulate) at the row count nearest m (in ratio) decides; where cublasLt's
+        heuristic does not offer its algorithm for this exact shape, the next nearest tuned one may run."""
         key = (m, n, k, lda, ldw, ldo, dtype, beta)
         if key not in self._problems:
             tuned = self.algos.get((n, k, dtype, beta == 1.0)) if beta in (0.0, 1.0) else None
@@ -101,8 +105,9 @@ class Handle:
                 out_type = gemm_lt.CUDA_R_32F if dtype == np.float32 else gemm_lt.CUDA_R_16BF
                 problem = gemm_lt.Problem(self.lt, m, n, k, lda, ldw, ldo, out_type)
                 for _, algo in sorted(tuned, key=lambda t: abs(np.log2(m / t[0]))):
-                    if algo is not None and problem.supports(algo):
-                        choice = (problem, algo)
+                    found = problem.find(algo) if algo is not None else None
+                    if found is not None:
+                        choice = (problem, found)
                         break
             self._problems[key] = choice
         return self._problems[key]

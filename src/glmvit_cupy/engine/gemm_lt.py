@@ -58,7 +58,6 @@ def library():
                            ("cublasLtMatmulPreferenceCreate", [p]), ("cublasLtMatmulPreferenceDestroy", [p]),
                            ("cublasLtMatmulPreferenceSetAttribute", [p, i, p, sz]),
                            ("cublasLtMatmulAlgoGetHeuristic", [p, p, p, p, p, p, p, i, p, p]),
-                           ("cublasLtMatmulAlgoCheck", [p, p, p, p, p, p, p, p]),
                            ("cublasLtMatmulAlgoConfigGetAttribute", [p, i, p, sz, p]),
                            ("cublasLtMatmul", [p, p, p, p, p, p, p, p, p, p, p, p, p, p, sz, p])):
             fn = getattr(lib, name)
@@ -114,12 +113,12 @@ class Problem:
         return [r.algo for r in results[:got.value]
                 if r.state == 0 and r.workspaceSize == 0 and _split_k(lib, r.algo) in (0, 1)]  # 0: default, 1
 
-    def supports(self, algo: Algo) -> bool:
-        """Whether `algo` (chosen for another row count) runs this shape without a workspace."""
-        result = _Heuristic()
-        ok = self.lt.lib.cublasLtMatmulAlgoCheck(self.lt.ptr, self.desc, self.la, self.lb, self.lc, self.lc,
-                                                 ctypes.byref(algo), ctypes.byref(result))
-        return ok == 0 and result.workspaceSize == 0
+    def find(self, algo: Algo) -> Algo | None:
+        """The candidate of this shape configured exactly as `algo` (chosen at another row count: same
+        kernel, tile, stages, swizzle, ...), or None where the heuristic does not offer it here.
+        (cublasLtMatmulAlgoCheck is not used: on the H200 it refused algorithms that run, even at the
+        very shape they were found for.)"""
+        return next((c for c in self.candidates() if bytes(c) == bytes(algo)), None)
 
     def run(self, algo: Algo, a_ptr, w_ptr, out_ptr, alpha_ptr, beta_ptr, stream_ptr):
         """out = alpha * a @ w^T + beta * out on `stream_ptr` (alpha, beta: host float32 scalars)."""
