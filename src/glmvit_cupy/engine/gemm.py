@@ -5,7 +5,8 @@ Inputs are bf16 with fp32 accumulation; `out` is bf16 or float32. With a float32
 each sub-layer to its float32 residual stream without a separate pass.
 
 On a Handle, a shape that gemm_tune.py tuned runs the cublasLt algorithm chosen for the
-nearest tuned row count (gemm_lt.py); every other call runs cublasGemmEx's default pick.
+nearest tuned row count (gemm_lt.py) where cublasLt offers it for the call's exact shape;
+every other call runs cublasGemmEx's default pick.
 """
 
 from __future__ import annotations
