@@ -4,11 +4,12 @@ exactly the bits of cublasGemmEx's default pick, kept on the Handle only where i
 Why bits and not a tolerance: the engine's outputs must not depend on the batch an image shares a
 forward with, nor on the budget it lands in. Every candidate is checked bit for bit against the default
 on random inputs (gemm_lt offers only algorithms without split-K or workspace, so each output element is
-summed over K in one order); a row count between the tuned ones runs the algorithm of the nearest.
+summed over K in one order); a row count between the tuned ones runs the algorithm of the nearest
+where cublasLt's heuristic offers that configuration for its shape (Handle.lt_choice).
 
 Timing: each candidate's `reps` calls are captured in a CUDA graph and replayed, so the host's launch
 cost (~15 us a ctypes call, longer than a 1,024-row GEMM) is not counted; the best of `rounds` replays.
-On the H200 the whole tuning takes well under a second (the load logs it).
+On the H200 the whole tuning took 1.05 s for a model of 8,000 tokens' capacity (the load logs it).
 """
 
 from __future__ import annotations
