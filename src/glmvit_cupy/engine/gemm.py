@@ -40,12 +40,7 @@ def _rows(x, name):
 def _cublas_fn(name: str, *argtypes):
     """`name` from the libcublas CuPy loaded, called through ctypes, or None. CuPy's wrappers re-bind
     the handle to the current stream on every call and refuse that during graph capture."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = sorted({ln.split()[-1] for ln in f if ln.rstrip().split("/")[-1].startswith("libcublas.so")})
-    except OSError:
-        return None
-    for path in paths:
+    for path in gemm_lt.loaded_paths("libcublas.so"):
         try:
             fn = getattr(ctypes.CDLL(path), name)
         except (OSError, AttributeError):
@@ -101,11 +96,12 @@ class Handle:
         key = (m, n, k, lda, ldw, ldo, dtype, beta)
         if key not in self._problems:
             tuned = self.algos.get((n, k, dtype, beta == 1.0)) if beta in (0.0, 1.0) else None
+            nearest = sorted(tuned or [], key=lambda t: abs(np.log2(m / t[0])))  # by the ratio of row counts
             choice = None
-            if tuned and min(tuned, key=lambda t: abs(np.log2(m / t[0])))[1] is not None:
+            if nearest and nearest[0][1] is not None:
                 out_type = gemm_lt.CUDA_R_32F if dtype == np.float32 else gemm_lt.CUDA_R_16BF
                 problem = gemm_lt.Problem(self.lt, m, n, k, lda, ldw, ldo, out_type)
-                for _, algo in sorted(tuned, key=lambda t: abs(np.log2(m / t[0]))):
+                for _, algo in nearest:
                     found = problem.find(algo) if algo is not None else None
                     if found is not None:
                         choice = (problem, found)

@@ -37,13 +37,23 @@ def _check(status, what):
         raise RuntimeError(f"cublasLt: {what} failed with cublasStatus {status}")
 
 
+def loaded_paths(prefix: str) -> list[str]:
+    """The files of the shared libraries this process has loaded whose name starts with `prefix` (e.g.
+    "libcublas.so"), sorted; [] where /proc/self/maps cannot be read. How gemm.py reaches the libcublas
+    CuPy loaded, and this module its libcublasLt."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({ln.split()[-1] for ln in f if ln.rstrip().split("/")[-1].startswith(prefix)})
+    except OSError:
+        return []
+
+
 @functools.cache
 def library():
     """libcublasLt as this process loaded it (libcublas, which CuPy loads, depends on it), its functions
     typed; None where it cannot be found (gemm.py then keeps cublasGemmEx)."""
+    paths = loaded_paths("libcublasLt.so")
     try:
-        with open("/proc/self/maps") as f:
-            paths = sorted({ln.split()[-1] for ln in f if ln.rstrip().split("/")[-1].startswith("libcublasLt.so")})
         lib = ctypes.CDLL(paths[0]) if paths else None
     except OSError:
         return None

@@ -50,7 +50,7 @@ def gemm_shapes(g: VisionGeometry, patches: int, fused_swiglu=False) -> list[tup
     patches: the shapes the model tunes at load (gemm_tune.py). The patch embed, a GEMM once a forward,
     keeps cuBLAS's default pick."""
     h, i, o, pi = g.hidden_size, g.intermediate_size, g.out_hidden_size, g.projection_intermediate_size
-    chunk, merged = patches if fused_swiglu else min(patches, ROW_CHUNK), max(1, min(patches // 4, MERGER_CHUNK))
+    chunk, merged = mlp_chunk(patches, fused_swiglu), max(1, min(patches // 4, MERGER_CHUNK))
     f32 = np.float32
     shapes = [("attn.qkv", 3 * h, h, BF16, False, patches), ("attn.proj", h, h, f32, True, patches),
               ("mlp.down_proj", h, i, f32, True, chunk), ("merger.downsample", o, g.merge_dim, f32, False, merged),
@@ -58,6 +58,12 @@ def gemm_shapes(g: VisionGeometry, patches: int, fused_swiglu=False) -> list[tup
     if not fused_swiglu:
         shapes += [("mlp.gate_up", 2 * i, h, BF16, False, chunk), ("merger.gate_up", 2 * pi, o, BF16, False, merged)]
     return shapes
+
+
+def mlp_chunk(n: int, fused_swiglu: bool) -> int:
+    """Rows an MLP GEMM runs at once over n rows: all of them where gate/up and the SwiGLU are one kernel
+    (no gate|up intermediate), else ROW_CHUNK so that gate|up stays small."""
+    return max(1, n if fused_swiglu else min(n, ROW_CHUNK))
 
 
 def patch_embed(w: Weights, s: Arena, n: int, blas):
@@ -85,7 +91,7 @@ def mlp(g: VisionGeometry, blk: Block, s: Arena, x, blas, fused_swiglu):
     n = x.shape[0]
     normed = s["normed"][:n]
     ops.rmsnorm_residual(x, blk.norm2_offset, blk.norm2, normed, g.rms_norm_eps)  # + attn.proj's bias too
-    chunk = n if fused_swiglu else ROW_CHUNK  # fused: no gate|up intermediate, so one pass over all rows
+    chunk = mlp_chunk(n, fused_swiglu)
     for r0 in range(0, n, chunk):
         rows = min(chunk, n - r0)
         act = s["mlp_act"][:rows]
