@@ -2,7 +2,10 @@
 
 import functools
 import os
+import subprocess
 import tempfile
+import threading
+import time
 
 import numpy as np
 
@@ -10,13 +13,17 @@ PEAK_BW = 4.8e12       # H200 HBM3e, bytes/s (datasheet)
 GEMM_CEIL = 756e12     # the bf16 GEMM ceiling we rate against: 8192^3 on the H200 (our runs: 777-801)
 
 
-def _median_ms(fn, sync, events, elapsed, warmup, repeat):
-    """Median milliseconds of fn() between a pair of CUDA events, after warmup calls and a sync."""
+def _median_ms(fn, sync, events, elapsed, warmup, repeat, idle_s=0.0):
+    """Median milliseconds of fn() between a pair of CUDA events, after warmup calls and a sync;
+    idle_s > 0: the GPU left idle that long before each timed call (a call that starts cool)."""
     for _ in range(warmup):
         fn()
     sync()
     times = []
     for _ in range(repeat):
+        if idle_s:
+            sync()
+            time.sleep(idle_s)
         a, b = events()
         a.record()
         fn()
@@ -26,22 +33,61 @@ def _median_ms(fn, sync, events, elapsed, warmup, repeat):
     return float(np.median(times))
 
 
-def time_ms(fn, warmup=3, repeat=10):
+def time_ms(fn, warmup=3, repeat=10, idle_s=0.0):
     """Median milliseconds of fn() between CUDA events on CuPy's current stream."""
     import cupy
 
     return _median_ms(fn, cupy.cuda.get_current_stream().synchronize, lambda: (cupy.cuda.Event(), cupy.cuda.Event()),
-                      cupy.cuda.get_elapsed_time, warmup, repeat)
+                      cupy.cuda.get_elapsed_time, warmup, repeat, idle_s)
 
 
-def torch_ms(fn, warmup=3, repeat=10):
+def torch_ms(fn, warmup=3, repeat=10, idle_s=0.0):
     """time_ms for torch work: median milliseconds between CUDA events on torch's current stream."""
     import torch
 
     def events():
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    return _median_ms(fn, torch.cuda.synchronize, events, lambda a, b: a.elapsed_time(b), warmup, repeat)
+    return _median_ms(fn, torch.cuda.synchronize, events, lambda a, b: a.elapsed_time(b), warmup, repeat, idle_s)
+
+
+class ClockSampler:
+    """The SM clock (MHz) and board power (W) of the current GPU, sampled by nvidia-smi every ~50 ms
+    while the `with` block runs; medians in .mhz and .watts (None where nvidia-smi is absent or failed).
+    Why: the H200 keeps its 700 W cap by lowering the SM clock, and dense bf16 GEMMs reach the cap, so
+    a sustained figure is read beside the clock it ran at."""
+
+    def __init__(self, period_s=0.05):
+        import cupy
+
+        self.period_s, self.bus = period_s, cupy.cuda.Device().pci_bus_id
+        self.samples, self.mhz, self.watts = [], None, None
+
+    def _poll(self):
+        cmd = ["nvidia-smi", "-i", self.bus, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"]
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout
+                self.samples.append(tuple(float(v) for v in out.strip().split(",")))
+            except (OSError, ValueError, subprocess.SubprocessError):
+                return
+            self._stop.wait(self.period_s)
+
+    def __enter__(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        if self.samples:
+            self.mhz, self.watts = (float(np.median([s[i] for s in self.samples])) for i in (0, 1))
+        return False
+
+    def __str__(self):
+        return "" if self.mhz is None else f"{self.mhz:.0f} MHz, {self.watts:.0f} W"
 
 
 # A one-thread kernel that keeps its stream busy for `ns` nanoseconds (the GPU's global timer).
