@@ -342,6 +342,35 @@ def test_tuned_gemms_change_no_bit_of_any_embedding(official, monkeypatch):
     assert forced.executor.blas.lt_usage()[0] > 0  # the forwards above did run cublasLt
 
 
+def test_tuning_out_of_memory_leaves_a_working_model(official, monkeypatch, caplog):
+    """A GPU too full for the tuning's inputs (here: a real allocation CuPy cannot make, at 4,096 rows
+    and up) does not fail the load: those row counts stay on cublasGemmEx, the 1,024-row tuning is
+    kept, the failures are logged, and the embeddings keep their bits."""
+    import cupy
+
+    from glmvit_cupy.engine import gemm_tune
+
+    binding, model, _ = official
+    tune_one = gemm_tune._tune_one
+
+    def full_gpu(handle, rng, m, *args):
+        if m >= 4096:
+            cupy.empty(1 << 50, np.uint8)  # 1 PiB: OutOfMemoryError from the pool, as on a full GPU
+        return tune_one(handle, rng, m, *args)
+
+    monkeypatch.setattr(gemm_tune, "_tune_one", full_gpu)
+    monkeypatch.setattr(gemm_tune, "MIN_GAIN", -math.inf)  # keep whatever the 1,024-row tuning finds
+    with caplog.at_level("WARNING", logger="glmvit_cupy"):
+        tight = GlmVit(binding, capacity_tokens=8000)
+    failed = [r for r in tight.gemm_tuning if r["rows"] >= 4096]
+    assert failed and all(r["chosen"] is None and r["same_bits"] == 0 for r in failed)
+    assert all(r["chosen"] is not None for r in tight.gemm_tuning if r["rows"] < 4096), tight.gemm_tuning
+    assert "out of memory" in caplog.text.lower(), caplog.text
+    imgs = [cases._smooth(448, 448, 40), cases._smooth(1400, 1000, 46)]
+    want = [f32(o) for o in model.encode(imgs)]
+    assert all(np.array_equal(f32(g), w) for g, w in zip(tight.encode(imgs), want))
+
+
 def test_official_geometry_vs_reference(official):
     from glmvit_cupy import preprocess
 

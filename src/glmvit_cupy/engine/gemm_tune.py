@@ -60,7 +60,10 @@ def tune(handle: Handle, shapes, min_gain: float | None = None, rounds: int = 3,
             for m in tuning_rows(max_rows):
                 try:
                     algo, row = _tune_one(handle, rng, m, n, k, dtype, accumulate, min_gain, rounds, reps)
-                except RuntimeError as e:  # a cublasLt status: this shape stays on GemmEx, the load goes on
+                except (RuntimeError, cupy.cuda.memory.OutOfMemoryError) as e:
+                    # A cublasLt status, or no room for the tuning's inputs on a full GPU: this shape at these
+                    # rows stays on GemmEx (bits unchanged), and the load goes on: tuning is only for speed.
+                    cupy.get_default_memory_pool().free_all_blocks()
                     log.warning("cublasLt tuning of %s at %d rows failed (%s): cublasGemmEx runs it", name, m, e)
                     algo, row = None, {"same_bits": 0, "gemm_ex_us": float("nan"), "best_us": float("nan"),
                                        "chosen": None}
