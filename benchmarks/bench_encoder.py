@@ -104,6 +104,7 @@ def main():
                                   f"{c_cool / cool_ms:.2f}x"]
                 except Exception as e:  # report, keep benchmarking
                     row += [f"failed: {type(e).__name__}", "", ""]
+                    power[-1] += [f"failed: {type(e).__name__}", "", "", "", ""]
         rows.append(row)
     header = ["case", "patches", "TFLOP", "ours ms", "target ms", "TFLOP/s", "% of GEMM ceiling", "ours pool GiB"]
     if hf is not None:
