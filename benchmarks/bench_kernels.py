@@ -117,7 +117,8 @@ def bench_gate_up():
         print("gate/up + swiglu: the fused kernel is sm_90a only; skipped on this GPU")
         return
     BF, rows = ml_dtypes.bfloat16, []
-    for name, m, k, inter, bias in [("block MLP, one chunk", CHUNK, H, I, True), ("block MLP, 16,384 rows", 16384, H, I, True),
+    for name, m, k, inter, bias in [("block MLP, 1,024 rows (448²)", 1024, H, I, True),
+                                    ("block MLP, one chunk", CHUNK, H, I, True), ("block MLP, 16,384 rows", 16384, H, I, True),
                                     ("block MLP, 32,000 rows", N, H, I, True), ("merger, 2,048 rows", 2048, O, P, False),
                                     ("merger, 256 rows (448²)", 256, O, P, False), ("merger, 1,024 rows (896²)", 1024, O, P, False)]:
         a, w, gu, out = rnd((m, k), BF), rnd((2 * inter, k), BF), cupy.empty((m, 2 * inter), BF), cupy.empty((m, inter), BF)
