@@ -21,8 +21,7 @@ def _median_ms(fn, sync, events, elapsed, warmup, repeat, idle_s=0.0):
     sync()
     times = []
     for _ in range(repeat):
-        if idle_s:
-            sync()
+        if idle_s:  # the previous call has finished (synchronised below, or before the loop)
             time.sleep(idle_s)
         a, b = events()
         a.record()
