@@ -7,9 +7,10 @@
 //     (bench_kernels, H200): 52 us, 1.9 TB/s (40%) with a row a thread, 8-byte accesses and expf
 //     (66a180c); 43 us, 2.3 TB/s (48%) with four rows a thread, 16-byte accesses and __expf.
 //   bias_to_bf16, the merger's 8,000 x 4,096 downsample output: 6 B an element, 197 MB, 41 us.
-//     Measured: 117 us, 1.7 TB/s (35%).
+//     Measured: 117 us, 1.7 TB/s (35%), one element a thread (four a thread since: bench_kernels).
 //   f32_to_bf16, 32,000 x 1,176 float32 pixel rows (encode_pixels from float32): 226 MB, 47 us.
-//     Measured: 121 us, 1.9 TB/s (39%). Both are under 0.1% of a forward.
+//     Measured: 121 us, 1.9 TB/s (39%), one element a thread. Both are under 0.1% of a large forward,
+//     but at 448² (1,024 rows) each is one of the ~217 kernels of a 2.3 ms forward (5-6 us under ncu).
 #include "common.cuh"
 #include "swiglu.cuh"
 
@@ -90,12 +91,22 @@ extern "C" __global__ void swiglu_clamp_bf16(const bf16* __restrict__ gu, const 
 // out = bf16(y + bias), y fp32 [rows, cols]: the downsample conv's epilogue.
 extern "C" __global__ void bias_to_bf16(const float* __restrict__ y, const bf16* __restrict__ bias,
                                         bf16* __restrict__ out, long rows, int cols) {
-    const long n = rows * cols;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+    const long n = rows * cols, stride = (long)gridDim.x * blockDim.x;
+    const long first = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    // Four elements a thread where the rows allow it (16-byte loads, 8-byte stores), else one.
+    if ((cols & 3) == 0 && (((size_t)y & 15) | ((size_t)out & 7) | ((size_t)bias & 7)) == 0) {
+        for (long i = first; 4 * i < n; i += stride) {
+            const float4 v = reinterpret_cast<const float4*>(y)[i];
+            const int c = (int)((4 * i) % cols);
+            const float4 b = bias ? load4(bias + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+            store4(out + 4 * i, v.x + b.x, v.y + b.y, v.z + b.z, v.w + b.w);
+        }
+        return;
+    }
+    for (long i = first; i < n; i += stride)
         out[i] = __float2bfloat16(y[i] + ldf(bias, (int)(i % cols)));
 }
 
-// out = bf16(x), for the pixel input (the reference casts pixel_values to the weight dtype).
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ out, long n) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         out[i] = __float2bfloat16(x[i]);

@@ -121,6 +121,8 @@ extern "C" __global__ void rmsnorm_im2col(const float* __restrict__ x, const flo
 
 // The merger's LayerNorm (eps, weight, bias) fused with exact (erf) GELU:
 // out = bf16(gelu((y - mean) / sqrt(var + eps) * w + b)). Two-pass variance for accuracy.
+__device__ __forceinline__ float gelu_erf(float v) { return 0.5f * v * (1.f + erff(v * 0.70710678118654752f)); }
+
 extern "C" __global__ void layernorm_gelu(const float* __restrict__ y, const bf16* __restrict__ w,
                                           const bf16* __restrict__ b, bf16* __restrict__ out,
                                           int rows, int cols, float eps) {
@@ -128,14 +130,50 @@ extern "C" __global__ void layernorm_gelu(const float* __restrict__ y, const bf1
     const long r = blockIdx.x;
     if (r >= rows) return;
     const float* yr = y + r * cols;
+    bf16* o = out + r * cols;
+    if ((cols & 3) == 0 && cols <= 16 * (int)blockDim.x &&
+        (((size_t)y & 15) | ((size_t)out & 7) | ((size_t)w & 7) | ((size_t)b & 7)) == 0) {
+        // The row in registers, up to four float4 a thread: y read once with 16-byte accesses and both
+        // passes over registers (the scalar loop below reads the row three times, 4 bytes at a time:
+        // 12.9 us for the merger's 256 x 4,096 at 448² under ncu).
+        float4 v[4];
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int c = 4 * (threadIdx.x + k * blockDim.x);
+            if (c < cols) {
+                v[k] = *reinterpret_cast<const float4*>(yr + c);
+                s += (v[k].x + v[k].y) + (v[k].z + v[k].w);
+            }
+        }
+        const float mean = block_sum(s, red) / cols;
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int c = 4 * (threadIdx.x + k * blockDim.x);
+            if (c < cols) {
+                v[k] = make_float4(v[k].x - mean, v[k].y - mean, v[k].z - mean, v[k].w - mean);
+                ss += (v[k].x * v[k].x + v[k].y * v[k].y) + (v[k].z * v[k].z + v[k].w * v[k].w);
+            }
+        }
+        const float inv = rsqrtf(block_sum(ss, red) / cols + eps);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int c = 4 * (threadIdx.x + k * blockDim.x);
+            if (c < cols) {
+                const float4 wv = load4(w + c), bv = load4(b + c);
+                store4(o + c, gelu_erf(v[k].x * inv * wv.x + bv.x), gelu_erf(v[k].y * inv * wv.y + bv.y),
+                       gelu_erf(v[k].z * inv * wv.z + bv.z), gelu_erf(v[k].w * inv * wv.w + bv.w));
+            }
+        }
+        return;
+    }
     float s = 0.f;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) s += yr[c];
     const float mean = block_sum(s, red) / cols;
     float ss = 0.f;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) { float d = yr[c] - mean; ss += d * d; }
     const float inv = rsqrtf(block_sum(ss, red) / cols + eps);
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = (yr[c] - mean) * inv * __bfloat162float(w[c]) + __bfloat162float(b[c]);
-        out[r * cols + c] = __float2bfloat16(0.5f * v * (1.f + erff(v * 0.70710678118654752f)));
-    }
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+        o[c] = __float2bfloat16(gelu_erf((yr[c] - mean) * inv * __bfloat162float(w[c]) + __bfloat162float(b[c])));
 }

@@ -91,12 +91,15 @@ def test_rmsnorm_im2col_layout():
     assert rel(host(out), ref) < 5e-3
 
 
-def test_layernorm_gelu():
-    rows, cols = 301, 4096
+# 4096 and 1000: the row in registers (four and one float4 a thread, 1000 leaving threads idle); 4100
+# (past 16 x 256) and 1022 (not a multiple of 4): the scalar loop; (4096, 1): y one float off 16 bytes.
+@pytest.mark.parametrize("rows,cols,shift", [(301, 4096, 0), (7, 1000, 0), (5, 4100, 0), (3, 1022, 0), (4, 4096, 1)])
+def test_layernorm_gelu(rows, cols, shift):
     y = rng.standard_normal((rows, cols), dtype=np.float32) * 2 + 0.5
     w, b = bf(1 + 0.1 * rng.standard_normal(cols)), bf(0.3 * rng.standard_normal(cols))
     out = poison((rows, cols))
-    ops.layernorm_gelu(dev(y), dev(w), dev(b), out, 1e-5)
+    yd = dev(np.concatenate([np.zeros(shift, np.float32), y.ravel()]))[shift:].reshape(rows, cols)
+    ops.layernorm_gelu(yd, dev(w), dev(b), out, 1e-5)
     mu = y.mean(1, keepdims=True)
     v = (y - mu) / np.sqrt(((y - mu) ** 2).mean(1, keepdims=True) + 1e-5) * w.astype(np.float32) + b.astype(np.float32)
     erf = np.vectorize(math.erf)
@@ -268,15 +271,18 @@ def test_patchify_u8_is_bit_identical_to_the_host(h, w):
     assert np.array_equal(cupy.asnumpy(out).view(np.uint16), want.view(np.uint16))
 
 
-def test_bias_and_cast():
-    rows, cols = 129, 4096
+# 4096 columns, aligned: four elements a thread; 1022 columns, or arrays one element off their alignment,
+# or a size not a multiple of 4: one a thread (and the cast's tail). Exact: the same single rounding.
+@pytest.mark.parametrize("rows,cols,shift", [(129, 4096, 0), (7, 1022, 0), (5, 4096, 1), (3, 1177, 0)])
+def test_bias_and_cast(rows, cols, shift):
     y = rng.standard_normal((rows, cols), dtype=np.float32)
     b = bf(rng.standard_normal(cols))
-    out = poison((rows, cols))
-    ops.add_bias_to_bf16(dev(y), dev(b), out)
+    yd = dev(np.concatenate([np.zeros(shift, np.float32), y.ravel()]))[shift:].reshape(rows, cols)
+    out = poison(rows * cols + shift)[shift:].reshape(rows, cols)
+    ops.add_bias_to_bf16(yd, dev(b), out)
     assert np.array_equal(cupy.asnumpy(out), (y + b.astype(np.float32)).astype(BF))
-    out2 = poison((rows, cols))
-    ops.to_bf16(dev(y), out2)
+    out2 = poison(rows * cols + shift)[shift:].reshape(rows, cols)
+    ops.to_bf16(yd, out2)
     assert np.array_equal(cupy.asnumpy(out2), y.astype(BF))
 
 

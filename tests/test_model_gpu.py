@@ -574,6 +574,30 @@ def test_any_mix_of_shapes_replays_its_budgets_graph_bit_for_bit(official):
     assert len(budgets) > 3
 
 
+def test_a_plans_meta_is_uploaded_only_when_the_grid_changes(official, monkeypatch):
+    """Two grids of one plan (same budget, variant and tiles), called A A B A B B: the meta is uploaded on
+    the first call and on each change of grid only, and every output equals the eager model's (a skipped
+    upload that left the other grid's segments in place would not)."""
+    from glmvit_cupy.engine import plans as plans_module
+
+    binding, model, _ = official
+    eager = GlmVit(binding, capacity_tokens=8000, graphs=False)
+    a, b = [[1, 16, 16], [1, 16, 16]], [[1, 8, 16], [1, 8, 16], [1, 16, 16]]
+    assert model.plans.key(np.array(a)) == model.plans.key(np.array(b))
+    uploads = []
+    real = plans_module.HOST.upload
+    monkeypatch.setattr(plans_module.HOST, "upload", lambda src, dst: (uploads.append(dst), real(src, dst)))
+    rng = np.random.default_rng()
+    model.encode_pixels(rng.standard_normal((512, 1176), dtype=np.float32), [[1, 32, 16]])  # another plan first
+    uploads.clear()
+    for grid in (a, a, b, a, b, b):
+        pv = rng.standard_normal((512, 1176), dtype=np.float32)
+        assert np.array_equal(f32(model.encode_pixels(pv, grid)), f32(eager.encode_pixels(pv, grid))), grid
+    plan = model.plans.find(np.array(a))
+    assert uploads.count(plan.meta.data.ptr) == 4  # a, b, a, b: the repeats reuse what the plan's meta holds
+    assert eager.plans.find(np.array(a)).meta.data.ptr != plan.meta.data.ptr
+
+
 def test_a_large_budget_runs_eagerly_first_then_captures(official):
     """From executor.CAPTURE_ON_SECOND_CALL patches a budget's first call runs kernel by kernel, its second
     captures and replays, and a third call replays: all bit-equal to an eager model's (fresh pixels each time)."""

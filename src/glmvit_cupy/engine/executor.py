@@ -23,6 +23,17 @@ log = logging.getLogger("glmvit_cupy")
 CAPTURE_ON_SECOND_CALL = 16384
 
 
+def _copy(src: cupy.ndarray, stream) -> cupy.ndarray:
+    """A copy of `src` the caller owns, made on `stream`. A contiguous slot is copied by memcpy: CuPy's
+    copy() runs an element-wise kernel (7 us for 448²'s 2 MB of embeddings under ncu, after the graph)."""
+    if not src.flags.c_contiguous:
+        return src.copy()
+    out = cupy.empty(src.shape, src.dtype)
+    cupy.cuda.runtime.memcpyAsync(out.data.ptr, src.data.ptr, src.nbytes, cupy.cuda.runtime.memcpyDeviceToDevice,
+                                  stream.ptr)
+    return out
+
+
 class Executor:
     def __init__(self, device: cupy.cuda.Device, graphs: bool = True):
         self.device = device
@@ -69,7 +80,7 @@ class Executor:
                 events.append(("forward", stream.record()))
             else:
                 forward(plan, lambda name: events.append((name, stream.record())))
-            out = output(plan).copy()
+            out = _copy(output(plan), stream)
             events.append(("copy_out", stream.record()))
             caller.wait_event(events[-1][1])
         self._events = events

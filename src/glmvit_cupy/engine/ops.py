@@ -159,13 +159,13 @@ def add_bias_to_bf16(y, bias, out):
     """out = bf16(y + bias), y [rows, cols] fp32."""
     rows, cols = y.shape
     _launch("bias -> bf16", 0, lambda: kernel("activations", "bias_to_bf16")(
-        _grid_1d(rows * cols), (THREADS,), (y, bias, out, np.int64(rows), np.int32(cols))))
+        _grid_1d(_cdiv(rows * cols, 4)), (THREADS,), (y, bias, out, np.int64(rows), np.int32(cols))))
 
 
 def to_bf16(x, out):
     """out = bf16(x), float32 of any shape (the same size)."""
     _launch("f32 -> bf16", 0, lambda: kernel("activations", "f32_to_bf16")(
-        _grid_1d(x.size), (THREADS,), (x, out, np.int64(x.size))))
+        _grid_1d(_cdiv(x.size, 4)), (THREADS,), (x, out, np.int64(x.size))))
 
 
 def _with_shared_memory(module: str, name: str, nbytes: int):

@@ -2,11 +2,12 @@
 
 A batch of P patches runs as a forward over a budget of B >= P patches (budgets: four per power of two,
 from 256 patches up to the model's capacity). What differs between batches of one budget is device data
-the kernels read, uploaded before each call into the budget's buffers: each patch's (h, w) position,
-the attention segments and the attention's query tiles. A graph captured for the budget therefore
-replays for any mix of image shapes that fits it. The rows past P compute on stale inputs and are
-never read: every kernel but attention treats rows independently, and attention's tiles cover only
-the P real rows, each within its own segment, so padding changes no bit of any output.
+the kernels read, uploaded into the budget's buffers before a call whose grid they do not hold yet:
+each patch's (h, w) position, the attention segments and the attention's query tiles. A graph
+captured for the budget therefore replays for any mix of image shapes that fits it. The rows past P
+compute on stale inputs and are never read: every kernel but attention treats rows independently, and
+attention's tiles cover only the P real rows, each within its own segment, so padding changes no bit
+of any output.
 
 Plans are kept per (budget, attention variant, tile count) in a small LRU cache; evicting one frees
 its graph. The attention's grid is part of the graph, so its tile count is fixed per budget (enough
@@ -32,7 +33,7 @@ from .budgets import budget, layout, meta, standard_tiles, tile_count
 @dataclass
 class Plan:
     patches: int              # the budget: rows every kernel runs over
-    meta: cupy.ndarray        # int32: the buffers below, one upload per call
+    meta: cupy.ndarray        # int32: the buffers below, uploaded when a call's grid differs
     positions: cupy.ndarray   # int32 [patches, 2]: (h, w) in the merge-block row order of pixel_values
     cu_seqlens: cupy.ndarray  # int32 [patches // 4 + 1]: segment bounds (one per frame of each image)
     tile_seg: cupy.ndarray    # int32 [tiles]: each attention query tile's segment (-1: idle)
@@ -40,6 +41,7 @@ class Plan:
     variant: Variant
     attention_flop: int = 0   # this call's, per block: 4 * sum(segment^2) * hidden
     uses: int = 0
+    meta_of: object = None    # the host meta last uploaded into `meta` (PlanCache.get skips an upload of it again)
     graph: object = None
     capture_failed: bool = False
 
@@ -76,10 +78,15 @@ class PlanCache:
 
     def get(self, grid) -> Plan:
         """The plan for this grid (int [images, 3]), built on first use, with this grid's meta uploaded on
-        the current stream, ahead of the kernels that read it."""
+        the current stream, ahead of the kernels that read it (unless the plan's meta already holds it:
+        only these uploads write it, all on the model's one stream, so the same grid again, the usual
+        case of a batch job, costs no copy; its ~20 us of host time come before the GPU can start)."""
         key, host, flop = self._describe(grid)
         plan = self._plan(key)
-        HOST.upload(host, plan.meta.data.ptr)
+        if plan.meta_of is not host:  # the cached host array of this grid: identity means the same meta
+            plan.meta_of = None  # until the copy is enqueued
+            HOST.upload(host, plan.meta.data.ptr)
+            plan.meta_of = host
         plan.attention_flop = flop
         return plan
 
