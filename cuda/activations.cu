@@ -7,10 +7,10 @@
 //     (bench_kernels, H200): 52 us, 1.9 TB/s (40%) with a row a thread, 8-byte accesses and expf
 //     (66a180c); 43 us, 2.3 TB/s (48%) with four rows a thread, 16-byte accesses and __expf.
 //   bias_to_bf16, the merger's 8,000 x 4,096 downsample output: 6 B an element, 197 MB, 41 us.
-//     Measured: 117 us, 1.7 TB/s (35%), one element a thread (four a thread since: bench_kernels).
+//     Measured: 117 us, 1.7 TB/s (35%), one element a thread; four a thread since (not yet timed).
 //   f32_to_bf16, 32,000 x 1,176 float32 pixel rows (encode_pixels from float32): 226 MB, 47 us.
-//     Measured: 121 us, 1.9 TB/s (39%), one element a thread. Both are under 0.1% of a large forward,
-//     but at 448² (1,024 rows) each is one of the ~217 kernels of a 2.3 ms forward (5-6 us under ncu).
+//     Measured: 121 us, 1.9 TB/s (39%), one element a thread; four a thread since (not yet timed).
+//     Both are under 0.1% of a large forward; at 448² each is one of ~200 kernels (5-6 us under ncu).
 #include "common.cuh"
 #include "swiglu.cuh"
 
@@ -107,7 +107,18 @@ extern "C" __global__ void bias_to_bf16(const float* __restrict__ y, const bf16*
         out[i] = __float2bfloat16(y[i] + ldf(bias, (int)(i % cols)));
 }
 
+// out = bf16(x), for the pixel input (the reference casts pixel_values to the weight dtype). Four
+// elements a thread where x and out are aligned for it, then the last n % 4 one a thread.
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ out, long n) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+    const long stride = (long)gridDim.x * blockDim.x, first = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    long done = 0;
+    if ((((size_t)x & 15) | ((size_t)out & 7)) == 0) {
+        done = n & ~3L;
+        for (long i = first; 4 * i < done; i += stride) {
+            const float4 v = reinterpret_cast<const float4*>(x)[i];
+            store4(out + 4 * i, v.x, v.y, v.z, v.w);
+        }
+    }
+    for (long i = done + first; i < n; i += stride)
         out[i] = __float2bfloat16(x[i]);
 }
