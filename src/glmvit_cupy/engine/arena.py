@@ -31,34 +31,36 @@ def layout(g: VisionGeometry, patches: int, fused_swiglu: bool = False) -> dict:
     MLPs' gate/up GEMMs write the activation themselves, so there are no gate/up slots, and an MLP runs
     over all rows at once too: its activation [patches, I] takes the attention phase's bytes (norm2's
     output is kept)."""
-    p, h = patches, g.hidden_size
+    p, h, i, pi = patches, g.hidden_size, g.intermediate_size, g.projection_intermediate_size
     rows, merged = min(p, ROW_CHUNK), min(p // 4, MERGER_CHUNK)
     f32, bf = np.float32, BF16
-    attn = {"qkv": ((p, 3 * h), bf),   # the attn.qkv GEMM's output: q and k roped in place, attention's input
-            "attn_out": ((p, h), bf)}  # attention's output, attn.proj's input
-    normed = {"normed": ((p, h), bf)}                 # a norm's output, the next GEMM's input
-    spec = {
-        "keep": {"residual": ((p, h), f32),      # the float32 residual stream x
-                 "rope": ((p, g.head_dim), f32)},  # the batch's RoPE cos and sin (ops.rope_table)
+    keep = {"residual": ((p, h), f32),        # the float32 residual stream x
+            "rope": ((p, g.head_dim), f32)}   # the batch's RoPE cos and sin (ops.rope_table)
+    normed = {"normed": ((p, h), bf)}         # a norm's output, the next GEMM's input
+    attn = {"qkv": ((p, 3 * h), bf),          # the attn.qkv GEMM's output: q and k roped in place, attention's input
+            "attn_out": ((p, h), bf)}         # attention's output, attn.proj's input
+    if fused_swiglu:
+        keep.update(normed)
+        blocks = {"attn": attn, "mlp": {"mlp_act": ((p, i), bf)}}  # the whole MLP's activation
+        merger_gate_up = {}
+    else:
+        blocks = {"blocks": {**normed, **attn,
+                             "gate_up": ((rows, 2 * i), bf),   # one row chunk of mlp gate|up
+                             "mlp_act": ((rows, i), bf)}}      # its clamped SwiGLU
+        merger_gate_up = {"merger_gate_up": ((merged, 2 * pi), bf)}
+    return {
+        "keep": keep,
         "input": {"pixels_f32": ((p, g.patch_dim), f32),  # float32 pixels as uploaded, before the cast
                   "pixels": ((p, g.patch_dim), bf)},      # bf16 pixel_values the patch embed reads
-        "blocks": {**normed, **attn,
-                   "gate_up": ((rows, 2 * g.intermediate_size), bf),   # one row chunk of mlp gate|up
-                   "mlp_act": ((rows, g.intermediate_size), bf)},      # its clamped SwiGLU
+        **blocks,
         # "embeddings" lives in the merger phase, smaller than the blocks phase: it costs no bytes.
         "merger": {"embeddings": ((p // 4, g.out_hidden_size), bf),    # the tower's output rows
                    "im2col": ((p // 4, g.merge_dim), bf),              # post_layernorm as 2x2 im2col
                    "merger_f32": ((merged, g.out_hidden_size), f32),   # downsample / proj outputs
                    "merger_bf16": ((merged, g.out_hidden_size), bf),   # their bf16 inputs to the next
-                   "merger_gate_up": ((merged, 2 * g.projection_intermediate_size), bf),
-                   "merger_act": ((merged, g.projection_intermediate_size), bf)},
+                   **merger_gate_up,
+                   "merger_act": ((merged, pi), bf)},
     }
-    if fused_swiglu:
-        del spec["blocks"], spec["merger"]["merger_gate_up"]
-        spec["keep"].update(normed)
-        spec["attn"] = attn
-        spec["mlp"] = {"mlp_act": ((p, g.intermediate_size), bf)}  # the whole MLP's activation
-    return spec
 
 
 class Arena:
