@@ -112,11 +112,12 @@ def main():
         if compiled is not None:
             header += ["HF compiled ms", "vs compiled", "compile s"]
     table(header, rows)
-    print(f"\nThe 700 W cap: each case's timed calls back to back (as above) with the median SM clock and board "
-          f"power over them, and the same calls each started after {IDLE_S} s idle (the GPU cool, at full clock)")
-    p_header = ["case", "ours ms", "ours clock, power", "ours ms from idle"]
+    print(f"\nClock and power: each case's timed calls back to back (as above) with the median SM clock, the median "
+          f"and highest board power (instant) sampled over them, and the clock event reasons the driver reported "
+          f"(share of samples); then the same calls each started after {IDLE_S} s idle (the GPU cool, at full clock)")
+    p_header = ["case", "ours ms", "ours clock, power, reasons", "ours ms from idle"]
     if compiled is not None:
-        p_header += ["HF compiled ms", "compiled clock, power", "compiled ms from idle", "vs compiled",
+        p_header += ["HF compiled ms", "compiled clock, power, reasons", "compiled ms from idle", "vs compiled",
                      "vs compiled from idle"]
     table(p_header, power)
     lt, shapes = model.executor.blas.lt_usage()

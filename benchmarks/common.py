@@ -51,25 +51,39 @@ def torch_ms(fn, warmup=3, repeat=10, idle_s=0.0):
 
 
 class ClockSampler:
-    """The SM clock (MHz) and board power (W) of the current GPU, sampled by nvidia-smi every ~50 ms
-    while the `with` block runs; medians in .mhz and .watts (None where nvidia-smi is absent or failed).
-    Why: the H200 keeps its 700 W cap by lowering the SM clock, and dense bf16 GEMMs reach the cap, so
-    a sustained figure is read beside the clock it ran at."""
+    """The SM clock (MHz), board power (W) and the active clock event reasons of the current GPU, sampled
+    by nvidia-smi every ~50 ms while the `with` block runs: medians in .mhz and .watts, the highest power
+    in .peak_watts, and .reasons {reason: share of samples it was active in}; None / {} where nvidia-smi
+    is absent or failed. Why: the H200 lowers its SM clock under dense bf16 GEMMs, and a sustained figure
+    is read beside the clock it ran at and what the driver says held the clock down (NVML's
+    clocks_event_reasons: the software power cap, hardware slowdown, thermal, ...)."""
+
+    FIELDS = ("clocks.sm,power.draw.instant,clocks_event_reasons.active", "clocks.sm,power.draw")
+    REASONS = {0x1: "idle", 0x2: "application clocks", 0x4: "SW power cap", 0x8: "HW slowdown", 0x10: "sync boost",
+               0x20: "SW thermal", 0x40: "HW thermal", 0x80: "HW power brake", 0x100: "display clocks"}
 
     def __init__(self, period_s=0.05):
         import cupy
 
         self.period_s, self.bus = period_s, cupy.cuda.Device().pci_bus_id
-        self.samples, self.mhz, self.watts = [], None, None
+        self.samples, self.mhz, self.watts, self.peak_watts, self.reasons = [], None, None, None, {}
 
     def _poll(self):
-        cmd = ["nvidia-smi", "-i", self.bus, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"]
+        fields = self.FIELDS[0]
         while not self._stop.is_set():
+            cmd = ["nvidia-smi", "-i", self.bus, f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
             try:
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout
-                self.samples.append(tuple(float(v) for v in out.strip().split(",")))
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=5)
+                values = [v.strip() for v in r.stdout.strip().split(",")]
+                if r.returncode != 0 or len(values) != fields.count(",") + 1:
+                    raise ValueError(r.stderr or r.stdout)
+                self.samples.append((float(values[0]), float(values[1]),
+                                     int(values[2], 16) if len(values) > 2 else None))
             except (OSError, ValueError, subprocess.SubprocessError):
-                return
+                if fields == self.FIELDS[-1]:
+                    return
+                fields = self.FIELDS[-1]  # an older driver: no instant power or event reasons
+                continue
             self._stop.wait(self.period_s)
 
     def __enter__(self):
@@ -83,10 +97,17 @@ class ClockSampler:
         self._thread.join()
         if self.samples:
             self.mhz, self.watts = (float(np.median([s[i] for s in self.samples])) for i in (0, 1))
+            self.peak_watts = max(s[1] for s in self.samples)
+            masks = [s[2] for s in self.samples if s[2] is not None]
+            self.reasons = {name: sum(bool(m & bit) for m in masks) / len(masks)
+                            for bit, name in self.REASONS.items() if masks and any(m & bit for m in masks)}
         return False
 
     def __str__(self):
-        return "" if self.mhz is None else f"{self.mhz:.0f} MHz, {self.watts:.0f} W"
+        if self.mhz is None:
+            return ""
+        reasons = ", ".join(f"{name} {share:.0%}" for name, share in self.reasons.items())
+        return f"{self.mhz:.0f} MHz, {self.watts:.0f} W (peak {self.peak_watts:.0f})" + (f"; {reasons}" if reasons else "")
 
 
 # A one-thread kernel that keeps its stream busy for `ns` nanoseconds (the GPU's global timer).

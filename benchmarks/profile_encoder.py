@@ -1,5 +1,5 @@
-"""Where a forward's time goes: every launch of one eager forward bracketed by CUDA events (the ops
-layer's `traced` hook), summed per kernel family, with TFLOP/s for the GEMMs and attention. Cases:
+"""Where a forward's time goes: every launch of one eager forward bracketed by CUDA events (launch.py's
+`traced` hook), summed per kernel family, with TFLOP/s for the GEMMs and attention. Cases:
 the speed table's (official geometry, random weights), and a full pass of ~1,000-token images (what
 glmvit-encode --max-image-tokens 1024 runs).
 
@@ -22,7 +22,7 @@ def main():
     import cupy
 
     from glmvit_cupy import GlmVit
-    from glmvit_cupy.engine import ops
+    from glmvit_cupy.engine import launch
 
     model = GlmVit.from_checkpoint(official_checkpoint(), capacity_tokens=8000, graphs=False,
                                    fused_swiglu=False if "--no-fused-swiglu" in sys.argv else None)
@@ -36,7 +36,7 @@ def main():
         grid = np.array(grids, np.int64)
         model.encode_pixels(pv, grid)  # warm: compile, plan
         log.clear()
-        with ops.traced(lambda *rec: log.append(rec)):
+        with launch.traced(lambda *rec: log.append(rec)):
             model.encode_pixels(pv, grid)
         total = model.last_timing
         fam, flop, calls = defaultdict(float), defaultdict(float), defaultdict(int)

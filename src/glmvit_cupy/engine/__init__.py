@@ -5,7 +5,9 @@
     gemm_lt     cublasLt through ctypes: the same GEMM with an algorithm of our choosing
     gemm_tune   at load: per GEMM shape, the fastest cublasLt algorithm with cuBLAS's default bits
     attention   flash attention's variant table and the heuristics that pick one per input shape
+    launch      what the launchers share: grid arithmetic, shared-memory opt-in, the tracing hook
     ops         one typed launcher per kernel entry (grid, block and argument order written once)
+    fused       the launchers of our own Hopper GEMM with the SwiGLU in its epilogue (gemm_sm90.cu)
     params      the weights uploaded to one GPU, named after the checkpoint
     arena       scratch: one allocation, sized once from the capacity, in named slots
     budgets     token budgets, and a batch's positions, segments and attention tiles for one (NumPy)

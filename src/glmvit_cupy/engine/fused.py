@@ -1,14 +1,14 @@
 """Launchers of cuda/gemm_sm90.cu, our own Hopper GEMMs (TMA producer, wgmma consumers, persistent)
 with the MLPs' clamped SwiGLU in their epilogue, and the choice between its two kernels: cooperative
 consumers (both warpgroups on one 128 x 256 tile) or ping-pong ones (each on its own 128 x 128 tile,
-one's epilogue under the other's MMAs). Checked before any launch, as ops.py's launchers are."""
+one's epilogue under the other's MMAs). Checked before any launch, as ops.py's launchers are (launch.py: what they share)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from . import gemm as _gemm
-from .ops import _cdiv, _launch, _ptr_or_null, _sm_count, _with_shared_memory
+from .launch import cdiv, launch, ptr_or_null, sm_count, with_shared_memory
 from .tensor_maps import tensor_map
 
 GATE_UP_STAGES = 4        # gemm_sm90.cu's cooperative kernel's K slots (4 x 48 KB of shared memory)
@@ -34,7 +34,7 @@ def gate_up_swiglu_fits(k: int, inter: int) -> bool:
 def uses_pingpong(m: int, k: int, inter: int, ctas: int | None = None) -> bool:
     """The launcher's choice of kernel for an [m, k] x [2 inter, k] gate/up GEMM on `ctas` CTAs (default:
     one per SM): ping-pong for short K loops or where the cooperative tiles fill under two waves."""
-    waves = _cdiv(m, GATE_UP_TILE[0]) * (inter // GATE_UP_TILE[1]) / (ctas or _sm_count())
+    waves = cdiv(m, GATE_UP_TILE[0]) * (inter // GATE_UP_TILE[1]) / (ctas or sm_count())
     return k <= PINGPONG_MAX_K or waves < PINGPONG_BELOW_WAVES
 
 
@@ -72,15 +72,15 @@ def gate_up_swiglu(a, w, gate_bias, up_bias, out, limit, *, ctas=None, columns_f
         pingpong = uses_pingpong(m, k, inter, ctas)
     if pingpong:
         cols, smem = PINGPONG_COLS, PINGPONG_STAGES * (rows + 2 * PINGPONG_COLS) * 128 + 1024
-        fn = _with_shared_memory("gemm_sm90", f"gemm_swiglu_pingpong_sm90<{PINGPONG_STAGES}>", smem)
+        fn = with_shared_memory("gemm_sm90", f"gemm_swiglu_pingpong_sm90<{PINGPONG_STAGES}>", smem)
     else:
         smem = GATE_UP_STAGES * (rows + 2 * cols) * 128 + 1024
-        fn = _with_shared_memory("gemm_sm90", f"gemm_swiglu_sm90<{GATE_UP_STAGES}>", smem)
+        fn = with_shared_memory("gemm_sm90", f"gemm_swiglu_sm90<{GATE_UP_STAGES}>", smem)
     ta, tw = tensor_map(a, rows), tensor_map(w, cols)  # boxes: A's tile rows; W's gate (or up) rows
-    tiles = _cdiv(m, rows) * (inter // cols)
-    grid = (int(min(tiles, ctas or _sm_count())),)
-    _launch(name, 2 * m * k * n2, lambda: fn(
-        grid, (384,), (ta, tw, _ptr_or_null(gate_bias), _ptr_or_null(up_bias), out, np.int32(m), np.int32(k),
+    tiles = cdiv(m, rows) * (inter // cols)
+    grid = (int(min(tiles, ctas or sm_count())),)
+    launch(name, 2 * m * k * n2, lambda: fn(
+        grid, (384,), (ta, tw, ptr_or_null(gate_bias), ptr_or_null(up_bias), out, np.int32(m), np.int32(k),
                        np.int32(inter), np.float32(limit),
                        np.int32(m > n2 if columns_fastest is None else columns_fastest)), shared_mem=smem))
     return out

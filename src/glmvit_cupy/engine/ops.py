@@ -2,63 +2,23 @@
 
 The engine's layers, the GPU tests, the benchmarks and the profiler call these. Every launch runs on
 the current CuPy stream (GEMMs on their handle's stream, which the engine makes current). Shapes are
-read from the arrays; the caller owns the buffers. `traced` lets a profiler see every launch
-without touching the engine.
+read from the arrays; the caller owns the buffers. launch.py's `traced` lets a profiler see every
+launch without touching the engine.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 
-import cupy
 import numpy as np
 
 from . import gemm as _gemm
 from .attention import KEYS_PER_TILE_SM90, Variant
 from .kernels import kernel
+from .launch import THREADS, cdiv, grid_1d, launch, ptr_or_null, with_shared_memory
 from .tensor_maps import tensor_map
 
-THREADS = 256
 RMS_WARP_VEC = 8  # norms.cu: rmsnorm_residual_warp holds a row of up to 32 x 4 x 8 floats
-_prepared: set = set()  # (device, module, kernel) whose shared-memory limit was raised
-_tracer = None  # set by traced(): record(name, start_event, end_event, flop) around every launch
-
-
-@contextlib.contextmanager
-def traced(record):
-    """Within the block, every launch is bracketed by events on the current stream and reported as
-    record(name, start, end, flop) (FLOP for GEMMs and attention, else 0). Not for CUDA graph capture."""
-    global _tracer
-    old, _tracer = _tracer, record
-    try:
-        yield
-    finally:
-        _tracer = old
-
-
-def _launch(name, flop, fn):
-    if _tracer is None:
-        return fn()
-    stream = cupy.cuda.get_current_stream()
-    start = stream.record()
-    out = fn()
-    _tracer(name, start, stream.record(), flop)
-    return out
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _grid_1d(n):
-    """Blocks for a grid-stride loop over n elements (capped: the loop covers the rest)."""
-    return (int(min(max(1, _cdiv(n, THREADS)), 65535 * 8)),)
-
-
-def _ptr_or_null(a):
-    return np.uint64(0) if a is None else a
 
 
 # -- GEMMs (cuBLAS) ------------------------------------------------------------------------------
@@ -66,7 +26,7 @@ def _ptr_or_null(a):
 def linear(a, w, out, *, accumulate=False, handle=None, name="linear"):
     """out (+)= a @ w.T: a [M, K] bf16, w [N, K] bf16, out [M, N] bf16 or float32 (accumulate: fp32
     out += the product, how sub-layers add into the residual stream)."""
-    _launch(name, 2 * a.shape[0] * w.shape[0] * w.shape[1],
+    launch(name, 2 * a.shape[0] * w.shape[0] * w.shape[1],
             lambda: _gemm.gemm(a, w, out, 1.0 if accumulate else 0.0, handle=handle))
 
 
@@ -76,7 +36,7 @@ def _offset(offset, cols):
     """The norms' fp32 offset row (None: none), checked: the kernels read it as float4s of cols floats."""
     if offset is not None and (offset.dtype != np.float32 or offset.shape != (cols,)):
         raise ValueError(f"rmsnorm offset: float32 [{cols}] expected, got {offset.dtype} {list(offset.shape)}")
-    return _ptr_or_null(offset)
+    return ptr_or_null(offset)
 
 
 def rmsnorm_residual(x, offset, weight, out, eps):
@@ -85,23 +45,23 @@ def rmsnorm_residual(x, offset, weight, out, eps):
     rows, cols = x.shape
     args = (x, _offset(offset, cols), weight, out, np.int32(rows), np.int32(cols), np.float32(eps))
     if cols % 4 == 0 and cols <= 32 * 4 * RMS_WARP_VEC:  # a warp a row (norms.cu); else a block a row
-        _launch("rmsnorm (+bias offset)", 0, lambda: kernel("norms", "rmsnorm_residual_warp")(
-            (_cdiv(rows, THREADS // 32),), (THREADS,), args))
+        launch("rmsnorm (+bias offset)", 0, lambda: kernel("norms", "rmsnorm_residual_warp")(
+            (cdiv(rows, THREADS // 32),), (THREADS,), args))
     else:
-        _launch("rmsnorm (+bias offset)", 0, lambda: kernel("norms", "rmsnorm_residual")((rows,), (THREADS,), args))
+        launch("rmsnorm (+bias offset)", 0, lambda: kernel("norms", "rmsnorm_residual")((rows,), (THREADS,), args))
 
 
 def rmsnorm_im2col(x, offset, weight, out, eps):
     """As rmsnorm_residual, written as the 2x2 downsample's im2col: out [rows / 4, cols * 4]."""
     rows, cols = x.shape
-    _launch("rmsnorm + im2col", 0, lambda: kernel("norms", "rmsnorm_im2col")(
+    launch("rmsnorm + im2col", 0, lambda: kernel("norms", "rmsnorm_im2col")(
         (rows,), (THREADS,), (x, _offset(offset, cols), weight, out, np.int32(rows), np.int32(cols), np.float32(eps))))
 
 
 def layernorm_gelu(y, weight, bias, out, eps):
     """out = bf16(gelu_erf(layernorm(y) * weight + bias)), y [rows, cols] fp32."""
     rows, cols = y.shape
-    _launch("layernorm + gelu", 0, lambda: kernel("norms", "layernorm_gelu")(
+    launch("layernorm + gelu", 0, lambda: kernel("norms", "layernorm_gelu")(
         (rows,), (THREADS,), (y, weight, bias, out, np.int32(rows), np.int32(cols), np.float32(eps))))
 
 
@@ -120,8 +80,8 @@ def rope_table(positions, inv_freq, out):
             or not positions.flags.c_contiguous:
         raise ValueError(f"rope_table: positions must be contiguous int32 [>= {rows}, 2], got {positions.dtype} "
                          f"{positions.shape}")
-    _launch("rope table", 0, lambda: kernel("rotary", "rope_table")(
-        _grid_1d(rows * d // 2), (THREADS,), (positions, inv_freq, out, np.int32(rows), np.int32(d))))
+    launch("rope table", 0, lambda: kernel("rotary", "rope_table")(
+        grid_1d(rows * d // 2), (THREADS,), (positions, inv_freq, out, np.int32(rows), np.int32(d))))
 
 
 def qk_norm_rope(qkv, qkv_bias, q_norm, k_norm, rope, heads, eps):
@@ -137,8 +97,8 @@ def qk_norm_rope(qkv, qkv_bias, q_norm, k_norm, rope, heads, eps):
             or not rope.flags.c_contiguous:
         raise ValueError(f"qk_norm_rope: rope must be rope_table's contiguous float32 [>= {rows}, {d}], got "
                          f"{rope.dtype} {rope.shape}")
-    _launch("qk norm + rope", 0, lambda: kernel("rotary", "qk_norm_rope_bf16")(
-        _grid_1d(rows * heads * d // 8), (THREADS,),  # a thread per (row, head, 4 rotation pairs)
+    launch("qk norm + rope", 0, lambda: kernel("rotary", "qk_norm_rope_bf16")(
+        grid_1d(rows * heads * d // 8), (THREADS,),  # a thread per (row, head, 4 rotation pairs)
         (qkv, qkv_bias, q_norm, k_norm, rope, np.int32(rows), np.int32(heads), np.int32(d), np.float32(eps))))
 
 
@@ -149,43 +109,23 @@ def swiglu_clamp(gate_up, gate_bias, up_bias, out, limit, *, grid=None):
     (None: no bias). Any grid is correct (the kernel's loops stride over columns and rows); tests pass a
     small one to make both loops turn."""
     rows, inter = out.shape
-    grid = grid or (_cdiv(_cdiv(inter, 8), THREADS), int(min(_cdiv(rows, 4), 65535)))  # x: 8 columns a thread; y: 4 rows
-    _launch("swiglu clamp", 0, lambda: kernel("activations", "swiglu_clamp_bf16")(
-        grid, (THREADS,), (gate_up, _ptr_or_null(gate_bias), _ptr_or_null(up_bias), out, np.int64(rows),
+    grid = grid or (cdiv(cdiv(inter, 8), THREADS), int(min(cdiv(rows, 4), 65535)))  # x: 8 columns a thread; y: 4 rows
+    launch("swiglu clamp", 0, lambda: kernel("activations", "swiglu_clamp_bf16")(
+        grid, (THREADS,), (gate_up, ptr_or_null(gate_bias), ptr_or_null(up_bias), out, np.int64(rows),
                            np.int32(inter), np.float32(limit))))
 
 
 def add_bias_to_bf16(y, bias, out):
     """out = bf16(y + bias), y [rows, cols] fp32."""
     rows, cols = y.shape
-    _launch("bias -> bf16", 0, lambda: kernel("activations", "bias_to_bf16")(
-        _grid_1d(_cdiv(rows * cols, 4)), (THREADS,), (y, bias, out, np.int64(rows), np.int32(cols))))
+    launch("bias -> bf16", 0, lambda: kernel("activations", "bias_to_bf16")(
+        grid_1d(cdiv(rows * cols, 4)), (THREADS,), (y, bias, out, np.int64(rows), np.int32(cols))))
 
 
 def to_bf16(x, out):
     """out = bf16(x), float32 of any shape (the same size)."""
-    _launch("f32 -> bf16", 0, lambda: kernel("activations", "f32_to_bf16")(
-        _grid_1d(_cdiv(x.size, 4)), (THREADS,), (x, out, np.int64(x.size))))
-
-
-def _with_shared_memory(module: str, name: str, nbytes: int):
-    """The compiled kernel, allowed nbytes of dynamic shared memory (raised once per device: past
-    48 KiB a launch fails unless the kernel's limit was raised first)."""
-    fn = kernel(module, name)
-    key = (cupy.cuda.runtime.getDevice(), module, name)
-    if key not in _prepared:
-        fn.max_dynamic_shared_size_bytes = nbytes
-        _prepared.add(key)
-    return fn
-
-
-def _sm_count():
-    return _sms_of(cupy.cuda.runtime.getDevice())
-
-
-@functools.cache
-def _sms_of(dev: int) -> int:
-    return cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
+    launch("f32 -> bf16", 0, lambda: kernel("activations", "f32_to_bf16")(
+        grid_1d(cdiv(x.size, 4)), (THREADS,), (x, out, np.int64(x.size))))
 
 
 # -- cuda/pixels.cu --------------------------------------------------------------------------------
@@ -194,8 +134,8 @@ def patchify(canvas, value_table, out, temporal, patch):
     """uint8 canvas [H, W, 3] -> out bf16 [H/patch * W/patch, 3 * temporal * patch^2], normalised by
     the table [3, 256] and laid out as the reference's pixel_values."""
     h, w = canvas.shape[:2]
-    _launch("patchify", 0, lambda: kernel("pixels", "patchify_u8")(
-        _grid_1d((h // patch) * (w // patch) * 3 * patch * patch), (THREADS,),
+    launch("patchify", 0, lambda: kernel("pixels", "patchify_u8")(
+        grid_1d((h // patch) * (w // patch) * 3 * patch * patch), (THREADS,),
         (canvas, value_table, out, np.int32(h), np.int32(w), np.int32(temporal), np.int32(patch))))
 
 
@@ -204,8 +144,8 @@ def resample_pass(src, tables, dst, along):
     columns (along 1) or rows (along 0); tables = (first, count, weights) device int32 from resample.axis."""
     first, count, weights = tables
     rows, cols = dst.shape[:2]
-    _launch("resample pass", 0, lambda: kernel("pixels", "resample_pass_u8")(
-        _grid_1d(dst.size), (THREADS,), (src, dst, first, count, weights, np.int32(weights.shape[1]),
+    launch("resample pass", 0, lambda: kernel("pixels", "resample_pass_u8")(
+        grid_1d(dst.size), (THREADS,), (src, dst, first, count, weights, np.int32(weights.shape[1]),
                                          np.int32(along), np.int32(src.shape[1]), np.int32(rows), np.int32(cols))))
 
 
@@ -214,9 +154,9 @@ def resample_patchify(src, tables, along, content, value_table, out, canvas, tem
     canvas (H, W), the normalise and the patchify: out as patchify's for that canvas."""
     first, count, weights = tables if tables is not None else (None, None, None)
     h, w = canvas
-    _launch("resample + patchify", 0, lambda: kernel("pixels", "resample_patchify_u8")(
-        _grid_1d((h // patch) * (w // patch) * 3 * patch * patch), (THREADS,),
-        (src, _ptr_or_null(first), _ptr_or_null(count), _ptr_or_null(weights),
+    launch("resample + patchify", 0, lambda: kernel("pixels", "resample_patchify_u8")(
+        grid_1d((h // patch) * (w // patch) * 3 * patch * patch), (THREADS,),
+        (src, ptr_or_null(first), ptr_or_null(count), ptr_or_null(weights),
          np.int32(0 if weights is None else weights.shape[1]), np.int32(along), np.int32(src.shape[1]),
          np.int32(content[0]), np.int32(content[1]), value_table, out, np.int32(h), np.int32(w), np.int32(temporal),
          np.int32(patch))))
@@ -226,7 +166,7 @@ def resample_patchify(src, tables, along, content, value_table, out, canvas, tem
 
 def attention_kernel(variant: Variant):
     """The variant's compiled kernel on the current device, its shared-memory limit raised once."""
-    return _with_shared_memory(variant.module, variant.entry, variant.shared_bytes)
+    return with_shared_memory(variant.module, variant.entry, variant.shared_bytes)
 
 
 def flash_attention(variant: Variant, q, k, v, o, cu_seqlens, tile_seg, tile_q0, heads, flop=0):
@@ -247,5 +187,5 @@ def flash_attention(variant: Variant, q, k, v, o, cu_seqlens, tile_seg, tile_q0,
     args = (q, k, v, o, cu_seqlens, tile_seg, tile_q0, np.int32(heads), np.int32(ld // 2), scale_log2)
     if variant.arch == "sm90":  # its TMA producer reads Q, K and V through tensor maps
         args += (tensor_map(q, variant.rows), tensor_map(k, KEYS_PER_TILE_SM90), tensor_map(v, KEYS_PER_TILE_SM90))
-    _launch(f"flash attention ({variant.name})", flop, lambda: fn(
+    launch(f"flash attention ({variant.name})", flop, lambda: fn(
         (len(tile_q0), heads), (variant.threads,), args, shared_mem=variant.shared_bytes))
