@@ -529,10 +529,10 @@ def test_tuned_cublaslt_gemms_give_the_default_bits_at_every_row_count():
     shapes = [("attn.proj", 1024, 1024, np.float32, True, 4096), ("attn.qkv", 3072, 1024, BF, False, 4096),
               ("mlp.down_proj", 1024, 4096, np.float32, True, 4096)]
     report = gemm_tune.tune(tuned, shapes, min_gain=-math.inf, rounds=1, reps=2)
-    assert [(r["gemm"], r["rows"]) for r in report] == [(s[0], m) for s in shapes for m in (1024, 4096)]
+    assert [(r["gemm"], r["rows"]) for r in report] == [(s[0], m) for s in shapes for m in (256, 1024, 4096)]
     assert all(r["same_bits"] > 0 and r["chosen"] is not None for r in report), report
     fell_back = []
-    for m in (1, 700, 1024, 2500, 2560, 4096, 9000):
+    for m in (1, 256, 700, 1024, 2500, 2560, 4096, 9000):
         for _, n, k, dtype, acc, _ in shapes:
             if not tuned.lt_choice(m, n, k, k, k, n, np.dtype(dtype), 1.0 if acc else 0.0):
                 fell_back.append((m, n, k))  # the heuristic offers no tuned algorithm here: GemmEx runs it
@@ -547,7 +547,7 @@ def test_tuned_cublaslt_gemms_give_the_default_bits_at_every_row_count():
             ref = host(a) @ host(w).T + (host(base) if acc else 0)
             assert rel(host(got), ref) < (1e-5 if dtype == np.float32 else 5e-3)
     print("GemmEx instead of the tuned algorithm at", fell_back)
-    assert not [f for f in fell_back if f[0] in (1024, 4096)]  # the tuned row counts run what was tuned
+    assert not [f for f in fell_back if f[0] in (256, 1024, 4096)]  # the tuned row counts run what was tuned
     m, n, k = 4096, 1024, 1024  # a tuned row count: the Lt path, captured and replayed
     assert tuned.lt_choice(m, n, k, k, k, n, np.dtype(np.float32), 1.0)
     a, w = dev(bf(rng.standard_normal((m, k)))), dev(bf(rng.standard_normal((n, k)) / math.sqrt(k)))

@@ -319,7 +319,7 @@ def test_batching_never_changes_an_embedding(official):
 def test_tuned_gemms_change_no_bit_of_any_embedding(official, monkeypatch):
     """The load tunes cublasLt's algorithms for the forward's GEMM shapes (gemm_tune.py) and keeps only
     those with cuBLAS's default bits: a model built with tune_gemms=False (the default pick everywhere)
-    gives the same bits, at budgets on and between the tuned row counts (1,024 / 4,096 / 16,384); so does
+    gives the same bits, at budgets on and between the tuned row counts (256 / 1,024 / 4,096 / 16,384); so does
     one that keeps a cublasLt algorithm for every shape and row count, even a slower one (MIN_GAIN -inf)."""
     from glmvit_cupy.engine import gemm_tune
 
