@@ -1,7 +1,8 @@
 """Launchers of cuda/gemm_sm90.cu, our own Hopper GEMMs (TMA producer, wgmma consumers, persistent)
 with the MLPs' clamped SwiGLU in their epilogue, and the choice between its two kernels: cooperative
 consumers (both warpgroups on one 128 x 256 tile) or ping-pong ones (each on its own 128 x 128 tile,
-one's epilogue under the other's MMAs). Checked before any launch, as ops.py's launchers are (launch.py: what they share)."""
+one's epilogue under the other's MMAs). Checked before any launch, as ops.py's launchers are (launch.py
+holds what both share)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def linear(a, w, out, *, accumulate=False, handle=None, name="linear"):
     """out (+)= a @ w.T: a [M, K] bf16, w [N, K] bf16, out [M, N] bf16 or float32 (accumulate: fp32
     out += the product, how sub-layers add into the residual stream)."""
     launch(name, 2 * a.shape[0] * w.shape[0] * w.shape[1],
-            lambda: _gemm.gemm(a, w, out, 1.0 if accumulate else 0.0, handle=handle))
+           lambda: _gemm.gemm(a, w, out, 1.0 if accumulate else 0.0, handle=handle))
 
 
 # -- cuda/norms.cu ---------------------------------------------------------------------------------
@@ -112,7 +112,7 @@ def swiglu_clamp(gate_up, gate_bias, up_bias, out, limit, *, grid=None):
     grid = grid or (cdiv(cdiv(inter, 8), THREADS), int(min(cdiv(rows, 4), 65535)))  # x: 8 columns a thread; y: 4 rows
     launch("swiglu clamp", 0, lambda: kernel("activations", "swiglu_clamp_bf16")(
         grid, (THREADS,), (gate_up, ptr_or_null(gate_bias), ptr_or_null(up_bias), out, np.int64(rows),
-                           np.int32(inter), np.float32(limit))))
+                          np.int32(inter), np.float32(limit))))
 
 
 def add_bias_to_bf16(y, bias, out):
@@ -146,7 +146,7 @@ def resample_pass(src, tables, dst, along):
     rows, cols = dst.shape[:2]
     launch("resample pass", 0, lambda: kernel("pixels", "resample_pass_u8")(
         grid_1d(dst.size), (THREADS,), (src, dst, first, count, weights, np.int32(weights.shape[1]),
-                                         np.int32(along), np.int32(src.shape[1]), np.int32(rows), np.int32(cols))))
+                                        np.int32(along), np.int32(src.shape[1]), np.int32(rows), np.int32(cols))))
 
 
 def resample_patchify(src, tables, along, content, value_table, out, canvas, temporal, patch):
