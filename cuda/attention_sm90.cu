@@ -23,9 +23,9 @@
 // and without overlap of softmax and MMA at half that. Bytes are small beside it (q, k, v, o
 // 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on the H200 (benchmarks/
 // bench_kernels.py, kernels back to back; TFLOP/s at one segment of 4,096 / 16,384 / 32,000 keys and
-// 16 segments of 1,024): with the running max (ONLINE) 451 / 488 / 472 / 369; without it (the fixed
-// offset, where the weights bound every score) 556 / 611 / 574 / 439; cuDNN (torch SDPA) in the same
-// run 465 / 496 / 477 / 430.
+// 16 segments of 1,024): without the running max (the fixed offset, where the weights bound every
+// score) 556 / 611 / 574 / 439, cuDNN (torch SDPA) in the same run 465 / 496 / 477 / 430; with it
+// (ONLINE, its last tile peeled) 462 / 496 / 476 / 375-384, SDPA beside it 465 / 489-495 / 474-475 / 428.
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "attention_sm90.cu needs sm_90a (wgmma, setmaxnreg): compile it for compute capability 9.0 only"
 #endif
@@ -149,23 +149,34 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
     // A turn is one warpgroup issuing its Q K^T; its softmax and P V follow outside the turn, while
     // the next warpgroup's Q K^T runs. (FA3's intra-warpgroup overlap, this warpgroup's previous P V
     // issued beside its softmax, was slower here each time it was tried: docs/PERFORMANCE.md.)
-    for (int it = 0; it < ntiles; ++it) {
+    // kvalid: the tile's keys inside the segment. Only the last tile can be partial, so with the
+    // running max it is a step of its own: in the loop kvalid is the constant BNW and the masking
+    // compiles away (left to a runtime test, nvcc predicated it into 32 FSEL and their compares on
+    // every tile). Measured beside the unpeeled loop in one run: the online kernels 1-2% faster (the
+    // four-warpgroup one 462 / 496 / 476 against 455 / 489 / 471 TFLOP/s at 4k / 16k / 32k keys).
+    auto step = [&](int it, int kvalid) __attribute__((always_inline)) {
         const int st = it % STAGES;
         mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
         // A partial tile's V came by cp.async (the generic proxy); wgmma reads through the async one.
-        if (s1 - (s0 + it * BNW) < BNW) fence_proxy_async();
+        if (kvalid < BNW) fence_proxy_async();
         if (NC > 1) named_sync(turn, 256);
         wgmma_fence();
         issue_s(st);
         wgmma_commit();
         if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
         wgmma_wait0();
-        softmax_tile<BNW, 32, ONLINE>(s, pa, acc, m0, m1, l0, l1, s1 - (s0 + it * BNW), t, scale_log2, it > 0);
+        softmax_tile<BNW, 32, ONLINE>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, it > 0);
         wgmma_fence();
         issue_pv(st, it > 0);
         wgmma_commit();
         wgmma_wait0();
         if (lane == 0) mbar_arrive(empty0 + 8 * st);  // both wgmmas that read the slot are done
+    };
+    if constexpr (ONLINE) {
+        for (int it = 0; it < ntiles - 1; ++it) step(it, BNW);
+        step(ntiles - 1, s1 - (s0 + (ntiles - 1) * BNW));
+    } else {  // peeled, the fixed-offset kernels lost 1-6% (docs/PERFORMANCE.md, fourteenth session)
+        for (int it = 0; it < ntiles; ++it) step(it, s1 - (s0 + it * BNW));
     }
     store_o<64>(o, acc, l0, l1, q0 + wg * 64 + warp * 16 + g, s1, ld, h * D, t);
 }
