@@ -123,12 +123,12 @@ class Problem:
         return [r.algo for r in results[:got.value]
                 if r.state == 0 and r.workspaceSize == 0 and _split_k(lib, r.algo) in (0, 1)]  # 0: default, 1
 
-    def find(self, algo: Algo) -> Algo | None:
-        """The candidate of this shape configured exactly as `algo` (chosen at another row count: same
-        kernel, tile, stages, swizzle, ...), or None where the heuristic does not offer it here.
+    def offered(self) -> dict[bytes, Algo]:
+        """This shape's candidates by their configuration's bytes (kernel, tile, stages, swizzle, ...):
+        where an algorithm chosen at another row count is offered here, it is offered[bytes(algo)].
         (cublasLtMatmulAlgoCheck is not used: on the H200 it refused algorithms that run, even at the
         very shape they were found for.)"""
-        return next((c for c in self.candidates() if bytes(c) == bytes(algo)), None)
+        return {bytes(c): c for c in self.candidates()}
 
     def run(self, algo: Algo, a_ptr, w_ptr, out_ptr, alpha_ptr, beta_ptr, stream_ptr):
         """out = alpha * a @ w^T + beta * out on `stream_ptr` (alpha, beta: host float32 scalars)."""
