@@ -342,6 +342,45 @@ def test_tuned_gemms_change_no_bit_of_any_embedding(official, monkeypatch):
     assert forced.executor.blas.lt_usage()[0] > 0  # the forwards above did run cublasLt
 
 
+def test_forward_runs_exactly_the_tuned_gemm_shapes(official, monkeypatch):
+    """layers.gemm_shapes restates the forward's cuBLAS GEMMs for the load's tuning: every GEMM an eager
+    forward runs (the patch embed aside) must be one of its shapes within its most rows a call, and every
+    shape it lists must run, with the fused gate/up and without it. A shape the list missed would run on
+    cuBLAS's untuned default pick; a stale one would cost load time."""
+    from glmvit_cupy.engine import gemm as gemm_module
+    from glmvit_cupy.engine import layers
+
+    binding, model, _ = official
+    g = model.geometry
+    plain = GlmVit(binding, capacity_tokens=600, fused_swiglu=False, tune_gemms=False, graphs=False)
+    real = gemm_module.gemm
+    for m in (model, plain):
+        calls = []
+
+        def record(a, w, out, beta=0.0, handle=None, calls=calls):
+            calls.append((w.shape[0], w.shape[1], np.dtype(out.dtype), beta == 1.0, a.shape[0]))
+            return real(a, w, out, beta, handle=handle)
+
+        monkeypatch.setattr(gemm_module, "gemm", record)
+        monkeypatch.setattr(m.executor, "graphs", False)
+        imgs = [cases._smooth(448, 448, 40), cases._smooth(1400, 1000, 46)] if m is model else \
+            [cases._smooth(448, 448, 40), cases._smooth(700, 500, 46)]
+        m.encode(imgs)
+        m.encode(imgs[:1])
+        monkeypatch.setattr(gemm_module, "gemm", real)
+        listed = {}
+        for _, n, k, dtype, acc, rows in layers.gemm_shapes(g, m.capacity_tokens * 4, m.fused_swiglu):
+            key = (n, k, np.dtype(dtype), acc)
+            listed[key] = max(listed.get(key, 0), rows)
+        embed = (g.hidden_size, g.patch_dim, np.dtype(np.float32), False)
+        ran = {}
+        for n, k, dtype, acc, rows in calls:
+            ran[(n, k, dtype, acc)] = max(ran.get((n, k, dtype, acc), 0), rows)
+        ran.pop(embed)
+        assert set(ran) == set(listed), (m.fused_swiglu, sorted(map(str, ran)), sorted(map(str, listed)))
+        assert all(ran[key] <= listed[key] for key in ran), (m.fused_swiglu, ran, listed)
+
+
 def test_tuning_out_of_memory_leaves_a_working_model(official, monkeypatch, caplog):
     """A GPU too full for the tuning's inputs (here: a real allocation CuPy cannot make, at 4,096 rows
     and up) does not fail the load: those row counts stay on cublasGemmEx, the 1,024-row tuning is
