@@ -143,3 +143,55 @@ def test_cached_checkpoint_writes_once(tmp_path, tensors, monkeypatch):
     assert bind_tower(path).geometry == GEO and not (tmp_path / "c.tmp").exists()
     monkeypatch.setattr(synthetic, "write_checkpoint", lambda *a, **k: pytest.fail("written twice"))
     assert synthetic.cached_checkpoint(tmp_path / "c", GEO, seed=5) == str(tmp_path / "c")
+
+
+def _config(path, change):
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    change(cfg["vision_config"])
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_a_depth_past_the_shards_is_refused_before_the_layout(tmp_path, tensors):
+    """A config may claim any depth: 10**12 blocks would exhaust memory building their 14 x 10**12 names,
+    so the binder compares the claim with the shards first and says what they hold."""
+    write_checkpoint(tmp_path, GEO, tensors=tensors)
+    for depth in (10**12, GEO.depth + 1):
+        _config(tmp_path, lambda v: v.__setitem__("depth", depth))
+        with pytest.raises(CheckpointError, match=rf"depth = {depth} blocks.*hold 39 vision tensors.*blocks 0-1 at "
+                                                  r"most: no 'model.visual.blocks.2.norm1.weight'"):
+            bind_tower(tmp_path)
+
+
+def test_a_depth_short_of_the_shards_binds_and_says_what_it_leaves(tmp_path, tensors, caplog):
+    """The reference builds the blocks its config names and ignores the rest; so does the binder, aloud."""
+    write_checkpoint(tmp_path, GEO, tensors=tensors)
+    _config(tmp_path, lambda v: v.__setitem__("depth", 1))
+    with caplog.at_level(logging.WARNING, logger="glmvit_cupy"):
+        b = bind_tower(tmp_path)
+    assert b.geometry.depth == 1 and len(b.layout) == 25
+    assert "14 tower tensors are not read under vision_config (depth = 1)" in caplog.text
+    assert "model.visual.blocks.1." in caplog.text
+
+
+@pytest.mark.parametrize("which", ["config.json", "index", "header"])
+def test_json_nested_past_the_parsers_depth_is_a_checkpoint_error(tmp_path, tensors, which):
+    """Python's JSON parser raises RecursionError (not a JSONDecodeError) past ~1,000 levels: each of the
+    checkpoint's three JSON readers turns it into a CheckpointError naming the file."""
+    import struct
+
+    write_checkpoint(tmp_path, GEO, tensors=tensors)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    if which == "config.json":
+        target = tmp_path / "config.json"
+        target.write_bytes(deep)
+    elif which == "index":
+        target = tmp_path / "model.safetensors.index.json"
+        target.write_bytes(deep)
+    else:
+        target = sorted(tmp_path.glob("*.safetensors"))[0]
+        target.write_bytes(struct.pack("<Q", len(deep)) + deep)
+    with pytest.raises(CheckpointError, match="not valid JSON") as e:
+        bind_tower(tmp_path)
+    assert str(target) in str(e.value)

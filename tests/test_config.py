@@ -47,6 +47,8 @@ def test_text_only_is_its_own_error(tmp_path):
     ({"spatial_merge_size": 3}, "spatial_merge_size = 3"),
     ({"patch_size": 0}, "patch_size = 0"),
     ({"temporal_patch_size": 0}, "temporal_patch_size = 0"),
+    ({"patch_size": [[14]]}, "patch_size = [[14]]"),             # a list in the list: refused, not a TypeError
+    ({"temporal_patch_size": [2, True]}, "temporal_patch_size = [2, True]"),
     ({"hidden_size": -8}, "hidden_size = -8"),
     ({"rms_norm_eps": 0.0}, "rms_norm_eps = 0.0"),
     ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),

@@ -85,3 +85,12 @@ def test_local_paths_are_not_hub_ids(tmp_path, monkeypatch):
     (tmp_path / "org").mkdir()
     (tmp_path / "org" / "name").mkdir()
     assert not is_hub_id("org/name")  # an existing local folder wins
+
+
+@pytest.mark.parametrize("name,says", [("config.json", "config.json is not valid JSON"),
+                                       ("model.safetensors.index.json", "has no usable weight_map")])
+def test_hub_json_nested_past_the_parsers_depth(fake_hub, tmp_path, name, says):
+    """A repository's JSON nested past Python's parser depth (RecursionError) is a CheckpointError too."""
+    (tmp_path / "repo" / name).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match=says):
+        inspect_checkpoint("zai-org/GLM-5.3-Flash-test")

@@ -103,3 +103,31 @@ def test_a_lost_or_unreadable_shard_is_encoded_again(tmp_path):
     os.remove(os.path.join(folder, MANIFEST))
     again = Output(folder, SETTINGS)
     assert again.done("/img/a") and not again.done("/img/b") and again.next_shard == 3
+
+
+@pytest.mark.parametrize("manifest", [
+    "[" * 100_000 + "]" * 100_000,                                  # past the JSON parser's depth
+    "[]",
+    '{"header": {}, "images": {"/img/a": {"shard": "../elsewhere/embeddings-00001.safetensors"}}}',
+    '{"header": {}, "images": {"/img/a": {"shard": 5}}}',
+    '{"header": {}, "images": {"/img/a": "embeddings-00001.safetensors"}}',
+    '{"header": {}, "images": {"/img/a": {"shard": "embeddings-00001.safetensors\\n"}}}',
+])
+def test_a_hostile_manifest_is_refused_by_the_reader_and_dropped_by_a_resume(tmp_path, manifest):
+    """read_embeddings refuses a manifest it cannot trust (saying which file), never reading a shard outside
+    the folder; a resumed run keeps only entries that name one of its own shards, and encodes the rest again."""
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS)
+    out.add_batch(batch(["/img/b"]))
+    out.flush()
+    text = manifest
+    if text.startswith("{"):
+        good = json.loads((tmp_path / "o" / MANIFEST).read_text())
+        bad = json.loads(text)
+        text = json.dumps({"header": good["header"], "images": {**good["images"], **bad["images"]}, "failed": {}})
+    (tmp_path / "o" / MANIFEST).write_text(text)
+    with pytest.raises(OutputError, match=MANIFEST):
+        read_embeddings(folder)
+    if text.startswith("{"):
+        resumed = Output(folder, SETTINGS)
+        assert resumed.done("/img/b") and not resumed.done("/img/a")

@@ -110,6 +110,7 @@ def test_health_and_bit_equality(server, tower):
 
 @pytest.mark.parametrize("body,kind,status,says,index", [
     (b"{not json", "application/json", 400, "not valid JSON", None),
+    (b"[" * 100_000 + b"]" * 100_000, "application/json", 400, "not valid JSON", None),  # past the parser's depth
     (b"[]", "application/json", 400, "JSON object", None),
     (b'{"images": []}', "application/json", 400, "non-empty list", None),
     (b'{"pictures": ["aa"]}', "application/json", 400, "non-empty list", None),

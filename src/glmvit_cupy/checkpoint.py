@@ -97,6 +97,12 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
         raise AbsentTower(
             f"{path}: config.json declares a vision tower, but no '*visual.patch_embed.proj.weight' is in the "
             f"checkpoint (looked under {', '.join(VISION_PREFIXES)}); the shards hold no tower to load")
+    if 14 * geo.depth > len(store):  # checked before the layout, which a hostile depth (10**12) would exhaust memory building
+        held = next(b for b in range(len(store) + 1) if f"{prefix}blocks.{b}.norm1.weight" not in store)
+        raise CheckpointError(
+            f"{path}: vision_config declares depth = {geo.depth} blocks of 14 tensors, but the shards hold "
+            f"{len(store):,} vision tensors in all ({f'blocks 0-{held - 1}' if held else 'no block'} at most: no "
+            f"'{prefix}blocks.{held}.norm1.weight'); the config does not describe this checkpoint")
     layout = tower_layout(geo)
     for suffix, want in layout.items():
         name = prefix + suffix
@@ -105,6 +111,10 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
                                   f"(shape {list(want)})")
         store.require_bf16(name)
         _check_shape(store, name, want)
+    unused = [n for n in store.names() if n.startswith(prefix) and n[len(prefix):] not in layout]
+    if unused:  # the reference ignores them too (HF: "unexpected keys"), but a config that skips blocks is worth a word
+        log.warning("%s: %d tower tensors are not read under vision_config (depth = %d), e.g. %s", path, len(unused),
+                    geo.depth, ", ".join(repr(n) for n in unused[:3]))
     return TowerBinding(path=path, prefix=prefix, geometry=geo, store=store, layout=layout)
 
 

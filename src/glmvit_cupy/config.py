@@ -102,7 +102,7 @@ class VisionGeometry:
 def _as_int_size(field, value, where):
     # HF allows patch_size as [14, 14]; the tower only supports square patches.
     if isinstance(value, (list, tuple)):
-        if len(value) == 0 or len(set(value)) != 1:
+        if len(value) == 0 or any(not isinstance(v, int) or isinstance(v, bool) for v in value) or len(set(value)) != 1:
             raise CheckpointError(f"{where}: {field} = {value!r} cannot work: only square patches are supported")
         value = value[0]
     return value
@@ -172,7 +172,7 @@ def read_config(path: str | os.PathLike) -> VisionGeometry:
         cfg = json.loads(raw)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no config.json; a checkpoint directory needs one to know its geometry") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # nested past the parser's depth
         raise CheckpointError(f"{path}: config.json is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path}: config.json must hold a JSON object, not {type(cfg).__name__}")

@@ -57,7 +57,7 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     try:
         with open(config, "rb") as f:
             cfg = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
         raise CheckpointError(f"{repo_id}: config.json is not valid JSON ({e})") from None
     if isinstance(cfg, dict) and cfg.get("vision_config") is None and "vision" not in str(cfg.get("model_type")):
         return folder  # text-only: nothing to fetch; bind_tower says so
@@ -74,7 +74,7 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
         with open(index, "rb") as f:
             weight_map = json.load(f)["weight_map"]
         shards = vision_shards(weight_map)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CheckpointError(f"{repo_id}: {INDEX_NAME} has no usable weight_map ({type(e).__name__}: {e})") from None
     for shard in shards:
         try:

@@ -66,7 +66,8 @@ def shard_entries(folder: str, skip=()) -> dict[str, tuple[dict, dict]]:
                 meta = json.loads((f.metadata() or {}).get("glmvit", "null"))
                 keys = set(f.keys())
             header, images = meta["header"], meta["images"]
-            assert isinstance(header, dict) and isinstance(images, dict)
+            if not (isinstance(header, dict) and isinstance(images, dict)):
+                raise TypeError("its header and images are not objects")
         except Exception:  # no metadata (an older run's shard, listed in its manifest) or unreadable
             continue
         out[name] = (header, {k: dict(v, shard=name) for k, v in images.items() if k in keys})
@@ -107,15 +108,15 @@ class Output:
             with open(path) as f:
                 old = json.load(f)
             header, images = old["header"], old["images"]
-            assert isinstance(header, dict) and isinstance(images, dict)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+            if not (isinstance(header, dict) and isinstance(images, dict)):  # not assert: kept under python -O
+                raise TypeError("its header and images are not objects")
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise OutputError(f"{path} is unreadable or truncated ({type(e).__name__}: {e}); it cannot say what is "
                               "done. Move it away to encode everything again into this folder, or use another "
                               "--out") from None
         self._check(header, settings, MANIFEST)
         # Keep only entries whose shard exists: a shard lost since is encoded again.
-        self.manifest["images"] = {k: v for k, v in images.items()
-                                   if os.path.exists(os.path.join(self.folder, v.get("shard", "")))}
+        self.manifest["images"] = {k: v for k, v in images.items() if _own_shard(self.folder, v)}
 
     def _recover(self, settings):
         """Images of shards the manifest does not list yet (the run before stopped before writing it)."""
@@ -172,6 +173,13 @@ class Output:
         self._changed()
 
 
+def _own_shard(folder, entry) -> bool:
+    """Whether a manifest entry names a shard file of this folder by a name this module writes (nothing outside
+    the folder, nothing else in it)."""
+    shard = entry.get("shard") if isinstance(entry, dict) else None
+    return isinstance(shard, str) and SHARD.fullmatch(shard) is not None and os.path.isfile(os.path.join(folder, shard))
+
+
 def read_embeddings(folder) -> tuple[dict, dict]:
     """(manifest, {key: bf16 NumPy array [tokens, out_hidden]}) of a glmvit-encode output folder,
     including the shards of a run that stopped before its manifest listed them."""
@@ -180,11 +188,22 @@ def read_embeddings(folder) -> tuple[dict, dict]:
     path = os.path.join(folder, MANIFEST)
     manifest = {"header": None, "images": {}, "failed": {}}
     if os.path.exists(path):
-        with open(path) as f:
-            manifest = json.load(f)
-    listed = {e["shard"] for e in manifest["images"].values()}
+        try:
+            with open(path) as f:
+                manifest = json.load(f)
+            if not (isinstance(manifest, dict) and isinstance(manifest.get("images"), dict)):
+                raise TypeError("it is not an object with an 'images' object")
+            bad = next((k for k, e in manifest["images"].items() if not _own_shard(folder, e)), None)
+            if bad is not None:
+                raise ValueError(f"its entry {bad!r} names no shard of this folder")
+            listed = {e["shard"] for e in manifest["images"].values()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise OutputError(f"{path} is unreadable or not a glmvit-encode manifest ({type(e).__name__}: {e}); "
+                              "move it away to read the shards alone") from None
+    else:
+        listed = set()
     for header, images in shard_entries(folder, skip=listed).values():
-        manifest["header"] = manifest["header"] or header
+        manifest["header"] = manifest.get("header") or header
         manifest["images"].update(images)
     arrays = {}
     for shard in sorted({e["shard"] for e in manifest["images"].values()}):

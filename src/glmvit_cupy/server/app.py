@@ -207,7 +207,7 @@ async def _read_body(request, limit: int) -> bytes:
 def _parse(body: bytes, capacity: int):
     try:
         req = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
         raise Refused(400, f"the body is not valid JSON ({e})") from None
     if not isinstance(req, dict):
         raise Refused(400, "the body must be a JSON object with an 'images' list")
