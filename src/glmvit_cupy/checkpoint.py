@@ -97,7 +97,9 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
         raise AbsentTower(
             f"{path}: config.json declares a vision tower, but no '*visual.patch_embed.proj.weight' is in the "
             f"checkpoint (looked under {', '.join(VISION_PREFIXES)}); the shards hold no tower to load")
-    if 14 * geo.depth > len(store):  # checked before the layout, which a hostile depth (10**12) would exhaust memory building
+    # The blocks alone need 14 tensors each (VisionGeometry.tensor_count). Checked before the layout, whose names a
+    # hostile depth (10**12) would exhaust memory building; a shortfall of a few tensors gets the precise message below.
+    if 14 * geo.depth > len(store):
         held = next(b for b in range(len(store) + 1) if f"{prefix}blocks.{b}.norm1.weight" not in store)
         raise CheckpointError(
             f"{path}: vision_config declares depth = {geo.depth} blocks of 14 tensors, but the shards hold "
