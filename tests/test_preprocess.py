@@ -112,6 +112,25 @@ def test_bad_token_limits():
         == [[1, 2, 2]]
     with pytest.raises(ValueError, match="positive integers"):
         preprocess([np.zeros((5, 5, 3), np.uint8)], max_image_tokens=0)
+    with pytest.raises(ValueError, match="positive integers"):
+        preprocess([np.zeros((5, 5, 3), np.uint8)], min_image_tokens=True)  # a bool is not a token count
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "5"])
+def test_bad_max_pixels_is_refused_as_a_setting_before_any_image(bad, tmp_path):
+    """max_pixels is the decompression-bomb limit: None or a positive integer. Anything else is a ValueError
+    naming the setting, from every entry, before an image is read (it was a per-image 'bomb' refusal of every
+    image, or a format error for a string)."""
+    from glmvit_cupy.batching import preparer
+
+    png = io.BytesIO()
+    Image.new("RGB", (64, 48)).save(png, "PNG")
+    for call in (lambda: preprocess([io.BytesIO(png.getvalue())], max_pixels=bad),
+                 lambda: prepare_canvas(io.BytesIO(png.getvalue()), max_pixels=bad),
+                 lambda: preparer(cases.GEOMETRY, 600, max_pixels=bad)):
+        with pytest.raises(ValueError, match=rf"max_pixels={bad!r} must be a positive integer"):
+            call()
+    assert preprocess([io.BytesIO(png.getvalue())], max_pixels=64 * 48)[1].tolist() == [[1, 8, 10]]
 
 
 def _photo(h, w, seed):

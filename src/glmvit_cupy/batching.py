@@ -14,7 +14,7 @@ import numpy as np
 
 from . import feed
 from .config import VisionGeometry
-from .preprocess import FACTOR, MERGE, PATCH, TEMPORAL, check_resize, prepare_canvas
+from .preprocess import FACTOR, MERGE, PATCH, TEMPORAL, check_max_pixels, check_resize, prepare_canvas
 
 DEFAULT_MAX_IMAGE_TOKENS = 8000  # the reference processor's default per-image limit
 DECODE = ("cpu", "gpu")  # who decodes JPEGs: Pillow, or nvImageCodec (the gpu-decode extra)
@@ -93,6 +93,7 @@ def preparer(geo: VisionGeometry, capacity_tokens: int, min_image_tokens=16, max
                          f"reference processor ({FACTOR}-pixel tokens); use encode_pixels for others")
     lo, hi = image_limits(capacity_tokens, min_image_tokens, max_image_tokens)
     check_resize(resize)
+    check_max_pixels(max_pixels)
     if decode not in DECODE:
         raise ValueError(f"decode={decode!r}: choose one of {', '.join(map(repr, DECODE))}")
     decoder = None

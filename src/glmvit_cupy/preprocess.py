@@ -85,6 +85,15 @@ def check_resize(resize) -> str:
     return resize
 
 
+def check_max_pixels(max_pixels):
+    """The decompression-bomb limit as given: None (Pillow's own) or a positive integer of pixels."""
+    if max_pixels is not None and (not isinstance(max_pixels, (int, np.integer)) or isinstance(max_pixels, bool)
+                                   or max_pixels < 1):
+        raise ValueError(f"max_pixels={max_pixels!r} must be a positive integer (pixels an encoded image may have "
+                         "before it is refused as a decompression bomb) or None for Pillow's own limit")
+    return max_pixels
+
+
 def _value_table() -> np.ndarray:
     """float32 [3, 256]: what rescale-then-normalise makes of each uint8 value, per channel.
 
@@ -137,6 +146,7 @@ def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_ima
     the decoded pixels (see rgb_pixels). name: what errors and info["source"] call the image (default: its
     path, or its index)."""
     check_resize(resize)
+    check_max_pixels(max_pixels)
     name = name_of(image, index) if name is None else name
     if resize == "gpu" and resample.pass_order() is None:
         resize = "host"  # an unknown Pillow: its bytes come from Pillow itself (warned once)
@@ -170,10 +180,10 @@ def preprocess(images, *, min_image_tokens: int = 16, max_image_tokens: int = 80
     HxWx3 uint8 arrays. Raises ImageError naming the first image that cannot be used. `max_pixels`
     raises (or lowers) the decompression-bomb guard for encoded images (default: Pillow's, 89.5 MP).
     """
-    if not isinstance(min_image_tokens, int) or not isinstance(max_image_tokens, int) \
-            or min_image_tokens < 1 or max_image_tokens < 1:
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in (min_image_tokens, max_image_tokens)):
         raise ValueError(f"min_image_tokens={min_image_tokens!r} and max_image_tokens={max_image_tokens!r} "
                          "must be positive integers")
+    check_max_pixels(max_pixels)
     if not isinstance(images, (list, tuple)):
         images = [images]
     if not images:
