@@ -116,7 +116,8 @@ class Output:
                               "--out") from None
         self._check(header, settings, MANIFEST)
         # Keep only entries whose shard exists: a shard lost since is encoded again.
-        self.manifest["images"] = {k: v for k, v in images.items() if _own_shard(self.folder, v)}
+        own = _own_shards(self.folder, images)
+        self.manifest["images"] = {k: v for k, v in images.items() if k in own}
 
     def _recover(self, settings):
         """Images of shards the manifest does not list yet (the run before stopped before writing it)."""
@@ -173,11 +174,20 @@ class Output:
         self._changed()
 
 
-def _own_shard(folder, entry) -> bool:
-    """Whether a manifest entry names a shard file of this folder by a name this module writes (nothing outside
-    the folder, nothing else in it)."""
-    shard = entry.get("shard") if isinstance(entry, dict) else None
-    return isinstance(shard, str) and SHARD.fullmatch(shard) is not None and os.path.isfile(os.path.join(folder, shard))
+def _own_shards(folder, images: dict) -> set:
+    """The keys of manifest entries that name a shard file of this folder by a name this module writes
+    (nothing outside the folder, nothing else in it); each distinct shard is looked at on disk once."""
+    found: dict = {}
+
+    def own(entry):
+        shard = entry.get("shard") if isinstance(entry, dict) else None
+        if not isinstance(shard, str) or SHARD.fullmatch(shard) is None:
+            return False
+        if shard not in found:
+            found[shard] = os.path.isfile(os.path.join(folder, shard))
+        return found[shard]
+
+    return {k for k, e in images.items() if own(e)}
 
 
 def read_embeddings(folder) -> tuple[dict, dict]:
@@ -193,7 +203,8 @@ def read_embeddings(folder) -> tuple[dict, dict]:
                 manifest = json.load(f)
             if not (isinstance(manifest, dict) and isinstance(manifest.get("images"), dict)):
                 raise TypeError("it is not an object with an 'images' object")
-            bad = next((k for k, e in manifest["images"].items() if not _own_shard(folder, e)), None)
+            own = _own_shards(folder, manifest["images"])
+            bad = next((k for k in manifest["images"] if k not in own), None)
             if bad is not None:
                 raise ValueError(f"its entry {bad!r} names no shard of this folder")
             listed = {e["shard"] for e in manifest["images"].values()}

@@ -183,7 +183,6 @@ def preprocess(images, *, min_image_tokens: int = 16, max_image_tokens: int = 80
     if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in (min_image_tokens, max_image_tokens)):
         raise ValueError(f"min_image_tokens={min_image_tokens!r} and max_image_tokens={max_image_tokens!r} "
                          "must be positive integers")
-    check_max_pixels(max_pixels)
     if not isinstance(images, (list, tuple)):
         images = [images]
     if not images:
