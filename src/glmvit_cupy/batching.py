@@ -14,7 +14,8 @@ import numpy as np
 
 from . import feed
 from .config import VisionGeometry
-from .preprocess import FACTOR, MERGE, PATCH, TEMPORAL, check_max_pixels, check_resize, prepare_canvas
+from .preprocess import (FACTOR, MERGE, PATCH, TEMPORAL, check_max_pixels, check_resize,
+                         check_token_limits, prepare_canvas)
 
 DEFAULT_MAX_IMAGE_TOKENS = 8000  # the reference processor's default per-image limit
 DECODE = ("cpu", "gpu")  # who decodes JPEGs: Pillow, or nvImageCodec (the gpu-decode extra)
@@ -68,14 +69,12 @@ def image_limits(capacity_tokens: int, min_image_tokens, max_image_tokens) -> tu
     reference default (8000), lowered to the model's capacity so that every image fits a pass."""
     if max_image_tokens is None:
         max_image_tokens = min(DEFAULT_MAX_IMAGE_TOKENS, capacity_tokens)
-    for name, v in (("min_image_tokens", min_image_tokens), ("max_image_tokens", max_image_tokens)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive integer")
+    min_image_tokens, max_image_tokens = check_token_limits(min_image_tokens, max_image_tokens)
     if max_image_tokens > capacity_tokens:
         raise ValueError(f"max_image_tokens={max_image_tokens} exceeds this model's capacity of {capacity_tokens} "
                          f"tokens per forward pass; pass max_image_tokens <= {capacity_tokens} or build the model "
                          f"with capacity_tokens >= {max_image_tokens}")
-    return int(min_image_tokens), int(max_image_tokens)
+    return min_image_tokens, max_image_tokens
 
 
 def preparer(geo: VisionGeometry, capacity_tokens: int, min_image_tokens=16, max_image_tokens=None,

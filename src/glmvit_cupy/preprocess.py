@@ -94,6 +94,14 @@ def check_max_pixels(max_pixels):
     return max_pixels
 
 
+def check_token_limits(min_image_tokens, max_image_tokens) -> tuple[int, int]:
+    """The per-image token limits as given: positive integers (a bool is not one), returned as ints."""
+    for name, v in (("min_image_tokens", min_image_tokens), ("max_image_tokens", max_image_tokens)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+    return int(min_image_tokens), int(max_image_tokens)
+
+
 def _value_table() -> np.ndarray:
     """float32 [3, 256]: what rescale-then-normalise makes of each uint8 value, per channel.
 
@@ -180,9 +188,7 @@ def preprocess(images, *, min_image_tokens: int = 16, max_image_tokens: int = 80
     HxWx3 uint8 arrays. Raises ImageError naming the first image that cannot be used. `max_pixels`
     raises (or lowers) the decompression-bomb guard for encoded images (default: Pillow's, 89.5 MP).
     """
-    if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in (min_image_tokens, max_image_tokens)):
-        raise ValueError(f"min_image_tokens={min_image_tokens!r} and max_image_tokens={max_image_tokens!r} "
-                         "must be positive integers")
+    min_image_tokens, max_image_tokens = check_token_limits(min_image_tokens, max_image_tokens)
     if not isinstance(images, (list, tuple)):
         images = [images]
     if not images:
