@@ -17,6 +17,15 @@ __device__ __forceinline__ float offset_at(const float* xr, const float* offset,
     return offset ? xr[c] + offset[c] : xr[c];
 }
 
+// 1 / sqrt(ss_row / cols + eps), ss_row the block's sum of this thread's ss: an RMS norm's scale (ss of the
+// values) or a LayerNorm's (ss of their deviations from the mean). Every thread of the block must call it.
+__device__ __forceinline__ float row_inv_std(float ss, int cols, float eps, float* red) {
+    return rsqrtf(block_sum(ss, red) / cols + eps);
+}
+
+// The row's mean from this thread's partial sum s (a block reduction, as above).
+__device__ __forceinline__ float row_mean(float s, int cols, float* red) { return block_sum(s, red) / cols; }
+
 // One row, one block: 1 / sqrt(mean((xr + offset)^2) + eps).
 __device__ __forceinline__ float rms_inv(const float* xr, const float* offset, int cols, float eps, float* red) {
     float ss = 0.f;
@@ -24,7 +33,7 @@ __device__ __forceinline__ float rms_inv(const float* xr, const float* offset, i
         const float v = offset_at(xr, offset, c);
         ss += v * v;
     }
-    return rsqrtf(block_sum(ss, red) / cols + eps);
+    return row_inv_std(ss, cols, eps, red);
 }
 
 // Four floats of row xr at column c into v, the offset (when given) added; returns their sum of
@@ -63,7 +72,7 @@ extern "C" __global__ void rmsnorm_residual(const float* __restrict__ x, const f
             const int c = 4 * (threadIdx.x + k * blockDim.x);
             if (c < cols) ss += load4_offset(v[k], xr, offset, c);
         }
-        const float inv = rsqrtf(block_sum(ss, red) / cols + eps);
+        const float inv = row_inv_std(ss, cols, eps, red);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int c = 4 * (threadIdx.x + k * blockDim.x);
@@ -123,6 +132,9 @@ extern "C" __global__ void rmsnorm_im2col(const float* __restrict__ x, const flo
 // out = bf16(gelu((y - mean) / sqrt(var + eps) * w + b)). Two-pass variance for accuracy.
 __device__ __forceinline__ float gelu_erf(float v) { return 0.5f * v * (1.f + erff(v * 0.70710678118654752f)); }
 
+// One output element from its centred input d = y - mean, both paths alike (the same bits either way).
+__device__ __forceinline__ float ln_gelu(float d, float inv, float w, float b) { return gelu_erf(d * inv * w + b); }
+
 extern "C" __global__ void layernorm_gelu(const float* __restrict__ y, const bf16* __restrict__ w,
                                           const bf16* __restrict__ b, bf16* __restrict__ out,
                                           int rows, int cols, float eps) {
@@ -146,7 +158,7 @@ extern "C" __global__ void layernorm_gelu(const float* __restrict__ y, const bf1
                 s += (v[k].x + v[k].y) + (v[k].z + v[k].w);
             }
         }
-        const float mean = block_sum(s, red) / cols;
+        const float mean = row_mean(s, cols, red);
         float ss = 0.f;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -156,24 +168,24 @@ extern "C" __global__ void layernorm_gelu(const float* __restrict__ y, const bf1
                 ss += (v[k].x * v[k].x + v[k].y * v[k].y) + (v[k].z * v[k].z + v[k].w * v[k].w);
             }
         }
-        const float inv = rsqrtf(block_sum(ss, red) / cols + eps);
+        const float inv = row_inv_std(ss, cols, eps, red);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int c = 4 * (threadIdx.x + k * blockDim.x);
             if (c < cols) {
                 const float4 wv = load4(w + c), bv = load4(b + c);
-                store4(o + c, gelu_erf(v[k].x * inv * wv.x + bv.x), gelu_erf(v[k].y * inv * wv.y + bv.y),
-                       gelu_erf(v[k].z * inv * wv.z + bv.z), gelu_erf(v[k].w * inv * wv.w + bv.w));
+                store4(o + c, ln_gelu(v[k].x, inv, wv.x, bv.x), ln_gelu(v[k].y, inv, wv.y, bv.y),
+                       ln_gelu(v[k].z, inv, wv.z, bv.z), ln_gelu(v[k].w, inv, wv.w, bv.w));
             }
         }
         return;
     }
     float s = 0.f;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) s += yr[c];
-    const float mean = block_sum(s, red) / cols;
+    const float mean = row_mean(s, cols, red);
     float ss = 0.f;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) { float d = yr[c] - mean; ss += d * d; }
-    const float inv = rsqrtf(block_sum(ss, red) / cols + eps);
+    const float inv = row_inv_std(ss, cols, eps, red);
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
-        o[c] = __float2bfloat16(gelu_erf((yr[c] - mean) * inv * __bfloat162float(w[c]) + __bfloat162float(b[c])));
+        o[c] = __float2bfloat16(ln_gelu(yr[c] - mean, inv, __bfloat162float(w[c]), __bfloat162float(b[c])));
 }
