@@ -44,6 +44,37 @@ def test_every_prefix_binds(tmp_path, tensors, prefix):
     assert bind_tower(tmp_path).prefix == prefix
 
 
+def test_a_wrappers_prefix_binds(tmp_path, tensors):
+    # PEFT saves a merged model under "base_model.model."; any prefix ending in the module name `visual.` is taken.
+    prefix = "base_model.model.model.visual."
+    write_checkpoint(tmp_path, GEO, tensors=tensors, prefix=prefix)
+    b = bind_tower(tmp_path)
+    assert b.prefix == prefix and inspect_checkpoint(tmp_path)["prefix"] == prefix
+    for name in ("blocks.1.attn.qkv.weight", "merger.proj.weight"):
+        np.testing.assert_array_equal(b.host(name).view(np.uint16), tensors[name].reshape(b.layout[name]).view(np.uint16))
+
+
+def _add_tower(path, tensors, prefix, fname):
+    import json
+
+    from safetensors.numpy import save_file
+
+    named = {prefix + k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    save_file(named, path / fname, metadata={"format": "pt"})
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({n: fname for n in named})
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_towers_under_two_other_prefixes_are_refused_and_a_known_prefix_is_taken(tmp_path, tensors):
+    write_checkpoint(tmp_path, GEO, tensors=tensors, prefix="a.visual.")
+    _add_tower(tmp_path, tensors, "b.visual.", "extra-1.safetensors")
+    with pytest.raises(CheckpointError, match=r"under each of 'a\.visual\.', 'b\.visual\.'; which one"):
+        bind_tower(tmp_path)
+    _add_tower(tmp_path, tensors, "visual.", "extra-2.safetensors")  # a known prefix settles it
+    assert bind_tower(tmp_path).prefix == "visual."
+
+
 def test_text_tensors_are_never_read(tmp_path, tensors):
     write_checkpoint(tmp_path, GEO, tensors=tensors)
     b = bind_tower(tmp_path)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from .config import VisionGeometry, read_config
 from .errors import AbsentTower, CheckpointError, NoVisionConfig
 from .hub import resolve
-from .layout import VISION_PREFIXES, is_vision_name, tower_layout
+from .layout import VISION_PREFIXES, is_vision_name, tower_layout, tower_prefixes
 from .weights import WeightStore
 
 log = logging.getLogger("glmvit_cupy")
@@ -92,11 +92,17 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
     else:
         raise CheckpointError(f"{path}: no such file or directory")
     store = WeightStore.open(source, only=is_vision_name)
-    prefix = next((p for p in VISION_PREFIXES if p + "patch_embed.proj.weight" in store), None)
-    if prefix is None:
+    prefixes = tower_prefixes(store.names())
+    if not prefixes:
         raise AbsentTower(
             f"{path}: config.json declares a vision tower, but no '*visual.patch_embed.proj.weight' is in the "
-            f"checkpoint (looked under {', '.join(VISION_PREFIXES)}); the shards hold no tower to load")
+            f"checkpoint (looked under {', '.join(VISION_PREFIXES)} and any other prefix ending in 'visual.'); "
+            "the shards hold no tower to load")
+    if prefixes[0] not in VISION_PREFIXES and len(prefixes) > 1:
+        raise CheckpointError(
+            f"{path}: the checkpoint holds a vision tower under each of {', '.join(map(repr, prefixes))}; which one "
+            f"to load is not clear (a single one, or one under {', '.join(VISION_PREFIXES)}, would be taken)")
+    prefix = prefixes[0]
     # The blocks alone need 14 tensors each (VisionGeometry.tensor_count). Checked before the layout, whose names a
     # hostile depth (10**12) would exhaust memory building; a shortfall of a few tensors gets the precise message below.
     if 14 * geo.depth > len(store):

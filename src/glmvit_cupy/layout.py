@@ -9,13 +9,24 @@ from __future__ import annotations
 from .config import VisionGeometry
 
 # The flat layout, the nested one a re-quantisation through AutoModelForImageTextToText leaves,
-# and a bare tower export.
+# and a bare tower export: tried first, in this order. Any other prefix ending in the module name
+# `visual.` is taken too (a wrapper's, e.g. PEFT's "base_model.model.model.visual."), where it is the
+# only one the checkpoint holds a tower under.
 VISION_PREFIXES = ("model.visual.", "model.language_model.visual.", "visual.")
+_ANCHOR = "patch_embed.proj.weight"  # the tensor whose name tells where a tower sits
 
 
 def is_vision_name(name: str) -> bool:
-    """True for a tensor of the vision tower under any of the known prefixes."""
-    return name.startswith(VISION_PREFIXES)
+    """True for a tensor under a module named `visual` at any depth (every prefix a tower may have)."""
+    return name.startswith("visual.") or ".visual." in name
+
+
+def tower_prefixes(names) -> list[str]:
+    """The prefixes a tower sits under among these tensor names: the known ones first, in
+    VISION_PREFIXES' order, then any other ending in `visual.`, sorted."""
+    found = {n[:-len(_ANCHOR)] for n in names if n.endswith(_ANCHOR)}
+    found = {p for p in found if p == "visual." or p.endswith(".visual.")}
+    return [p for p in VISION_PREFIXES if p in found] + sorted(found.difference(VISION_PREFIXES))
 
 
 def tower_layout(geo: VisionGeometry) -> dict[str, tuple]:
