@@ -39,7 +39,8 @@ extern "C" __global__ void rope_table(const int* __restrict__ pos, const float* 
 // a_d = a_{d+D/2}), so each angle is computed once for q and k, and it writes only what it read (in
 // place is safe). All loads are 8 bytes wide (the earlier warp per (row, head, part) moved 2 bytes a
 // lane and reached 0.7 TB/s). A head's D/8 threads are adjacent lanes of one warp: its sum of squares
-// is a shuffle reduction among them. Needs D % 16 == 0 and D <= 256.
+// is an xor-shuffle reduction among them, so D/8 must be a power of two up to 32 (D = 16, 32, 64, 128
+// or 256; the model takes head dims 32, 64 and 128, engine/attention.py).
 __device__ __forceinline__ void load_add4(float* out, const bf16* x, const bf16* b) {
     const float4 u = load4(x), w = load4(b);
     out[0] = u.x + w.x; out[1] = u.y + w.y; out[2] = u.z + w.z; out[3] = u.w + w.w;
