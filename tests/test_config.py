@@ -75,6 +75,12 @@ def test_bad_config_json(tmp_path, text):
         read_config(tmp_path)
 
 
+def test_unreadable_config_says_so_not_bad_json(tmp_path):
+    (tmp_path / "config.json").mkdir()  # a folder where the file should be
+    with pytest.raises(CheckpointError, match=r"config.json cannot be read \(.*Is a directory.*readable JSON file"):
+        read_config(tmp_path)
+
+
 def test_missing_config(tmp_path):
     with pytest.raises(CheckpointError, match="no config.json"):
         read_config(tmp_path)

@@ -126,6 +126,20 @@ def test_index_naming_missing_or_wrong_shard(tmp_path):
         WeightStore.open(tmp_path)
 
 
+def test_unreadable_index_says_so_not_bad_json(tmp_path, monkeypatch):
+    from glmvit_cupy import weights
+
+    shard(tmp_path / "s1.safetensors", ok_header(), bytes(20))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors"}}))
+
+    def refuse(path, *a, **k):  # as a read without permission fails (the tests may run as root)
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(weights, "open", refuse, raising=False)
+    with pytest.raises(CheckpointError, match=r"the index cannot be read \(.*Permission denied.*readable JSON file"):
+        WeightStore.open(tmp_path)
+
+
 def test_only_filter_skips_absent_text_shards(tmp_path):
     shard(tmp_path / "v.safetensors", ok_header(), bytes(20))
     (tmp_path / "model.safetensors.index.json").write_text(

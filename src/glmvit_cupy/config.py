@@ -172,7 +172,9 @@ def read_config(path: str | os.PathLike) -> VisionGeometry:
         cfg = json.loads(raw)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no config.json; a checkpoint directory needs one to know its geometry") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # nested past the parser's depth
+    except OSError as e:  # a folder of that name, no permission, an I/O error
+        raise CheckpointError(f"{path}: config.json cannot be read ({e}); it must be a readable JSON file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # nested past the parser's depth
         raise CheckpointError(f"{path}: config.json is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path}: config.json must hold a JSON object, not {type(cfg).__name__}")

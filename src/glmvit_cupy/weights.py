@@ -176,7 +176,10 @@ def _from_index(index_path):
     try:
         with open(index_path, "rb") as f:
             index = json.loads(f.read(64 << 20))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except OSError as e:  # a folder of that name, no permission, an I/O error
+        raise CheckpointError(f"{index_path}: the index cannot be read ({e}); it must be a readable JSON file") \
+            from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{index_path}: index is not valid JSON ({e})") from None
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
