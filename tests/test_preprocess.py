@@ -87,6 +87,22 @@ def test_undecodable_and_truncated(tmp_path, zoo):
         preprocess([zoo["rgb_28x28"], io.BytesIO(b"not an image")])
 
 
+def test_every_bytes_like_holding_a_file_is_that_file():
+    rng = np.random.default_rng()
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (61, 47, 3), dtype=np.uint8)).save(buf, "PNG")
+    data = buf.getvalue()
+    want = preprocess([data])
+    for held in (bytearray(data), memoryview(data), memoryview(bytearray(data))):
+        got = preprocess([held])
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), type(held)
+
+
+def test_a_url_is_refused_saying_it_is_not_fetched():
+    with pytest.raises(ImageError, match=r"https://example.invalid/a.png: no such file; URLs are not fetched"):
+        preprocess(["https://example.invalid/a.png"])
+
+
 def test_zero_size_and_bad_arrays():
     with pytest.raises(ImageError, match="zero-size"):
         preprocess([np.zeros((0, 5, 3), np.uint8)])

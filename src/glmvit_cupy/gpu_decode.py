@@ -16,6 +16,7 @@ import numpy as np
 from PIL import Image
 
 from .errors import ImageError
+from .images import ENCODED_BYTES
 
 _JPEG = b"\xff\xd8\xff"
 
@@ -46,7 +47,7 @@ class Decoder:
                     data = f.read()
             except OSError:
                 return None  # Pillow's path reports it
-        elif isinstance(image, (bytes, bytearray)):
+        elif isinstance(image, ENCODED_BYTES):
             data = bytes(image)
         else:
             return None

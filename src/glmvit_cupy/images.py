@@ -27,6 +27,7 @@ def name_of(image, index) -> str:
     return f"image {index} ({type(image).__name__})"
 
 
+ENCODED_BYTES = (bytes, bytearray, memoryview)  # an encoded file's bytes, as a caller may hold them
 DECODE_BLOCK = 1 << 26  # bytes of the file handed to Pillow's decoder at once
 
 
@@ -149,9 +150,11 @@ def load(image, name: str, max_pixels: int | None = None, host_buffer=None):
         if os.path.isdir(image):
             raise ImageError(f"{name}: is a folder, not an image file (glmvit-encode walks folders)")
         if not os.path.isfile(image):
-            raise ImageError(f"{name}: no such file")
+            url = str(image).startswith(("http://", "https://", "s3://", "gs://"))
+            raise ImageError(f"{name}: no such file" + ("; URLs are not fetched: download the image and pass the file, "
+                                                         "its bytes or a PIL image" if url else ""))
         out = _decode(image, name, max_pixels, host_buffer)
-    elif isinstance(image, (bytes, bytearray)):
+    elif isinstance(image, ENCODED_BYTES):
         out = _decode(io.BytesIO(image), name, max_pixels, host_buffer)
     elif hasattr(image, "read"):
         out = _decode(image, name, max_pixels, host_buffer)
@@ -161,7 +164,7 @@ def load(image, name: str, max_pixels: int | None = None, host_buffer=None):
         out = _from_array(image, name)
     else:
         raise ImageError(f"{name}: unsupported input type {type(image).__name__}; pass a path, a file object, "
-                         "a PIL image or an HxWx3 uint8 array")
+                         "the file's bytes, a PIL image or an HxWx3 uint8 array")
     h, w = (out.size[1], out.size[0]) if isinstance(out, Image.Image) else out.shape[:2]
     if h == 0 or w == 0:
         raise ImageError(f"{name}: zero-size image {(h, w)}")
