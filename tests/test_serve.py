@@ -113,7 +113,8 @@ def test_health_and_bit_equality(server, tower):
     (b"[" * 100_000 + b"]" * 100_000, "application/json", 400, "not valid JSON", None),  # past the parser's depth
     (b"[]", "application/json", 400, "JSON object", None),
     (b'{"images": []}', "application/json", 400, "non-empty list", None),
-    (b'{"pictures": ["aa"]}', "application/json", 400, "non-empty list", None),
+    (b'{"pictures": ["aa"]}', "application/json", 400, "unknown field 'pictures'", None),
+    (b'{"min_image_tokens": 16}', "application/json", 400, "non-empty list", None),
     (b'{"images": [5]}', "application/json", 400, "not a base64 string", 0),
     (b'{"images": ["aGVsbG8=", "!!!"]}', "application/json", 400, "images[1] is not valid base64", 1),
     (b'{"images": ["aGVsbG8="], "max_image_tokens": 0}', "application/json", 400, "positive integer", None),
@@ -124,6 +125,41 @@ def test_health_and_bit_equality(server, tower):
 def test_bad_requests(server, body, kind, status, says, index):
     got, err = post(server[0], body, kind)
     assert got == status and says in err["error"] and err["index"] == index, err
+
+
+def test_base64_as_clients_send_it_and_null_limits(server, tower):
+    """Wrapped lines (the base64 tool's 76 columns), the URL-safe alphabet and a data URL are the same
+    image; a limit given as null is its default."""
+    from glmvit_cupy.client import _bf16_tensors as load, _metadata
+
+    client, _ = server
+    rng = np.random.default_rng()
+    data = png(90, 70, int(rng.integers(1000)))
+    while b"+" not in base64.b64encode(data):
+        data = png(90, 70, int(rng.integers(1000)))  # one whose base64 has '+' (so URL-safe differs)
+    text = base64.b64encode(data).decode()
+    forms = {"wrapped": "\n".join(text[i:i + 76] for i in range(0, len(text), 76)),
+             "url-safe": base64.urlsafe_b64encode(data).decode(),
+             "data URL": "data:image/png;base64," + text}
+    assert forms["url-safe"] != text
+    want = reference_bf16(tower, data, max_image_tokens=80)
+    for how, form in forms.items():
+        got, raw = post(client, json.dumps({"images": [form], "max_image_tokens": 80, "min_image_tokens": None}).encode())
+        assert got == 200, (how, raw)
+        assert np.array_equal(load(raw)["0"].view(np.uint16), want.view(np.uint16)), how
+    got, raw = post(client, json.dumps({"images": [text], "max_image_tokens": None}).encode())
+    assert got == 200 and load(raw)["0"].shape[0] == json.loads(_metadata(raw)["images"])[0]["tokens"]
+    got, err = post(client, json.dumps({"images": ["data:image/png," + text]}).encode())
+    assert got == 400 and "data URL must carry base64" in err["error"] and err["index"] == 0
+
+
+def test_unknown_fields_are_refused_by_name(server):
+    client, _ = server
+    body = {"images": [base64.b64encode(png(40, 40, 5)).decode()], "max_image_token": 64}  # misspelt
+    got, err = post(client, json.dumps(body).encode())
+    assert got == 400 and err["index"] is None
+    assert err["error"] == ("unknown field 'max_image_token'; a request has 'images', 'min_image_tokens', "
+                            "'max_image_tokens'")
 
 
 def test_too_large_and_undecodable(server):

@@ -2,6 +2,8 @@
 
     GET  /health      200 {"status": "ok", "geometry": {...}, ...}; 503 while loading or stopping
     POST /v1/encode   JSON {"images": [base64, ...], "min_image_tokens": 16, "max_image_tokens": 8000}
+                      (base64 plain, wrapped, URL-safe or a data URL; a limit absent or null: its default;
+                      any other field: 400)
                       -> 200 application/octet-stream: a safetensors file, one bf16 tensor per image
                       named "0", "1", ... and __metadata__["images"] = JSON [{sha256, grid_thw, tokens,
                       cached}, ...]
@@ -135,7 +137,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         blobs = []
         for i, text in enumerate(images):
             try:
-                data = base64.b64decode(text, validate=True)
+                data = _b64decode(text)
             except (binascii.Error, ValueError) as e:
                 raise Refused(400, f"images[{i}] is not valid base64 ({e})", i) from None
             if len(data) > settings.max_image_mib * 2**20:
@@ -204,6 +206,20 @@ async def _read_body(request, limit: int) -> bytes:
     return bytes(body)
 
 
+FIELDS = ("images", "min_image_tokens", "max_image_tokens")  # what a request may hold
+_URL_SAFE = str.maketrans("-_", "+/")
+
+
+def _b64decode(text: str) -> bytes:
+    """An image file's bytes from its base64 text as clients send it: plain, wrapped in lines (the base64
+    tool wraps at 76 columns), in the URL-safe alphabet, or as a data URL (data:image/png;base64,...)."""
+    if text.startswith("data:"):
+        head, comma, text = text.partition(",")
+        if not comma or not head.endswith(";base64"):
+            raise ValueError("a data URL must carry base64: data:<media type>;base64,<data>")
+    return base64.b64decode("".join(text.split()).translate(_URL_SAFE), validate=True)
+
+
 def _parse(body: bytes, capacity: int):
     try:
         req = json.loads(body)
@@ -211,14 +227,20 @@ def _parse(body: bytes, capacity: int):
         raise Refused(400, f"the body is not valid JSON ({e})") from None
     if not isinstance(req, dict):
         raise Refused(400, "the body must be a JSON object with an 'images' list")
+    unknown = sorted(set(req) - set(FIELDS))
+    if unknown:  # a misspelt limit would otherwise be the default without a word
+        raise Refused(400, f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                           f"a request has {', '.join(map(repr, FIELDS))}")
     images = req.get("images")
     if not isinstance(images, list) or not images:
         raise Refused(400, "'images' must be a non-empty list of base64 strings (image files)")
     for i, text in enumerate(images):
         if not isinstance(text, str):
             raise Refused(400, f"images[{i}] is {type(text).__name__}, not a base64 string", i)
-    lo = req.get("min_image_tokens", 16)
-    hi = req.get("max_image_tokens", min(DEFAULT_MAX_IMAGE_TOKENS, capacity))
+    lo = req.get("min_image_tokens")  # absent or null: the default
+    hi = req.get("max_image_tokens")
+    lo = 16 if lo is None else lo
+    hi = min(DEFAULT_MAX_IMAGE_TOKENS, capacity) if hi is None else hi
     for name, v in (("min_image_tokens", lo), ("max_image_tokens", hi)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise Refused(400, f"{name} = {v!r} must be a positive integer")
