@@ -856,3 +856,42 @@ def test_capacity_is_one_word_and_bounds_the_default_image_limit(small):
     assert old.capacity_tokens == 64
     with pytest.raises(ValueError, match="capacity_tokens=0 must be a positive integer"):
         GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=0)
+
+
+ODD_GEOMETRIES = {
+    # head dim 32, widths that are not multiples of 4 or 8, one grey channel, 16-pixel single-frame patches
+    "hd32_odd_widths": VisionGeometry(depth=2, hidden_size=96, num_heads=3, intermediate_size=100, out_hidden_size=130,
+                                      projection_intermediate_size=70, patch_size=16, temporal_patch_size=1,
+                                      in_channels=1),
+    # head dim 128, the official patch geometry
+    "hd128": VisionGeometry(depth=1, hidden_size=256, num_heads=2, intermediate_size=520, out_hidden_size=192,
+                            projection_intermediate_size=384),
+}
+
+
+@pytest.mark.parametrize("name", ODD_GEOMETRIES)
+def test_other_geometries_vs_reference(name, tmp_path):
+    """Geometries other than the official one (other head dims, widths no kernel's vector width divides, other
+    patch shapes) run every kernel's general path: each as close to the float32 reference as the official
+    tower, batched bit-equal to alone, and the replayed graph bit-equal to eager."""
+    geo = ODD_GEOMETRIES[name]
+    binding = bind_tower(write_checkpoint(tmp_path / name, geo, seed=7))
+    tower = reference.Tower(binding)
+    rng = np.random.default_rng()
+    grids = [[1, 6, 10], [2, 4, 6], [1, 14, 8]]  # segments of 60, 24 (x2 frames) and 112 patches
+    rows = [t * h * w for t, h, w in grids]
+    pv = rng.standard_normal((sum(rows), geo.patch_dim), dtype=np.float32)
+    model = GlmVit(binding, capacity_tokens=128)
+    eager = GlmVit(binding, capacity_tokens=128, graphs=False)
+    batch = f32(model.encode_pixels(pv, grids))
+    batch = f32(model.encode_pixels(pv, grids))  # the second call replays its graph
+    assert np.array_equal(batch, f32(eager.encode_pixels(pv, grids)))
+    ref = reference.encode_pixels(tower, pv, grids)
+    err = rel(batch, f32(ref))
+    print(f"{name}: {err:.3e} against the float32 reference")
+    assert err < 2.5e-2
+    start, out_start = 0, 0
+    for g, n in zip(grids, rows):
+        alone = f32(model.encode_pixels(pv[start:start + n], [g]))
+        assert np.array_equal(alone, batch[out_start:out_start + n // 4])
+        start, out_start = start + n, out_start + n // 4
