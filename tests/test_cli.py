@@ -63,6 +63,16 @@ def test_encode_folder_skips_bad_image_and_matches_reference(images, tmp_path, c
     assert "skipped" in captured.out and "broken.png" in captured.out and "1 failed" in captured.out
 
 
+def test_a_broken_link_is_reported_as_one(images, tmp_path, capsys):
+    (images / "gone.png").symlink_to(tmp_path / "moved-away.png")  # found by walking the folder
+    out = tmp_path / "out"
+    assert run([images, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu"]) == 1
+    manifest, _ = load_all(out)
+    assert sorted(os.path.basename(k) for k in manifest["images"]) == ["a.png", "b.png", "c.jpg"]
+    (why,) = [w for w in manifest["failed"].values() if "gone.png" in w]
+    assert "gone.png: a broken symbolic link (to " in why and "moved-away.png" in why
+
+
 def test_resume_skips_finished_images(images, tmp_path, capsys):
     out = tmp_path / "out"
     run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu"])

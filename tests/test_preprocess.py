@@ -98,6 +98,12 @@ def test_every_bytes_like_holding_a_file_is_that_file():
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), type(held)
 
 
+def test_an_unknown_format_says_so_without_pillows_object_repr():
+    with pytest.raises(ImageError) as e:
+        preprocess([b"<svg xmlns='http://www.w3.org/2000/svg'/>"])
+    assert "not in an image format Pillow reads" in str(e.value) and " object at 0x" not in str(e.value)
+
+
 def test_a_url_is_refused_saying_it_is_not_fetched():
     with pytest.raises(ImageError, match=r"https://example.invalid/a.png: no such file; URLs are not fetched"):
         preprocess(["https://example.invalid/a.png"])

@@ -70,7 +70,9 @@ def prepared(paths, workers: int, one):
             with open(path, "rb") as f:
                 data = f.read()
         except OSError as e:
-            return path, ImageError(f"{path}: cannot read ({e})")
+            broken = os.path.islink(path) and not os.path.exists(path)
+            return path, ImageError(f"{path}: " + (f"a broken symbolic link (to {os.readlink(path)!r})" if broken
+                                                   else f"cannot read ({e})"))
         try:
             return path, (one(i, data, name=path), vllm_ec.key_of(data))
         except (ImageError, ValueError) as e:

@@ -90,7 +90,10 @@ def _decode(image, name, max_pixels=None, host_buffer=None):
         raise ImageError(f"{name}: is a folder, not an image file") from None
     except FileNotFoundError:
         raise ImageError(f"{name}: no such file") from None
-    except (OSError, ValueError, SyntaxError, EOFError, TypeError, MemoryError, Image.UnidentifiedImageError) as e:
+    except Image.UnidentifiedImageError:  # Pillow's own message names only its file object
+        raise ImageError(f"{name}: cannot decode image (UnidentifiedImageError: not in an image format Pillow "
+                         "reads, e.g. JPEG, PNG, WebP, GIF, BMP, TIFF)") from None
+    except (OSError, ValueError, SyntaxError, EOFError, TypeError, MemoryError) as e:
         raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e})") from None
 
 
