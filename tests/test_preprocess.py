@@ -114,8 +114,10 @@ def test_zero_size_and_bad_arrays():
         preprocess([np.zeros((0, 5, 3), np.uint8)])
     with pytest.raises(ImageError, match="uint8"):
         preprocess([np.zeros((5, 5, 3), np.float32)])
-    with pytest.raises(ImageError, match="unsupported input type"):
+    with pytest.raises(ImageError, match="unsupported input type int; pass a path.*uint8 array$"):
         preprocess([42])
+    with pytest.raises(ImageError, match="unsupported input type generator; .* several images go in a list"):
+        preprocess(p for p in ["a.png", "b.png"])
     with pytest.raises(ImageError, match="no images"):
         preprocess([])
 

@@ -166,8 +166,9 @@ def load(image, name: str, max_pixels: int | None = None, host_buffer=None):
     elif isinstance(image, np.ndarray):
         out = _from_array(image, name)
     else:
+        several = "; several images go in a list" if hasattr(image, "__iter__") else ""  # a generator, a set, ...
         raise ImageError(f"{name}: unsupported input type {type(image).__name__}; pass a path, a file object, "
-                         "the file's bytes, a PIL image or an HxWx3 uint8 array")
+                         f"the file's bytes, a PIL image or an HxWx3 uint8 array{several}")
     h, w = (out.size[1], out.size[0]) if isinstance(out, Image.Image) else out.shape[:2]
     if h == 0 or w == 0:
         raise ImageError(f"{name}: zero-size image {(h, w)}")
