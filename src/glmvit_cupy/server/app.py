@@ -37,7 +37,7 @@ from starlette.routing import Route
 from .. import vllm_ec
 from ..batching import DEFAULT_MAX_IMAGE_TOKENS
 from ..errors import ImageError
-from ..preprocess import prepare_canvas
+from ..preprocess import check_token_limits, prepare_canvas
 from .batcher import Batcher, QueueFull
 from .cache import EmbeddingCache
 from .metrics import Metrics
@@ -241,9 +241,10 @@ def _parse(body: bytes, capacity: int):
     hi = req.get("max_image_tokens")
     lo = 16 if lo is None else lo
     hi = min(DEFAULT_MAX_IMAGE_TOKENS, capacity) if hi is None else hi
-    for name, v in (("min_image_tokens", lo), ("max_image_tokens", hi)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise Refused(400, f"{name} = {v!r} must be a positive integer")
+    try:
+        lo, hi = check_token_limits(lo, hi)
+    except ValueError as e:
+        raise Refused(400, str(e)) from None
     if hi > capacity:
         raise Refused(400, f"max_image_tokens = {hi} exceeds the server's capacity of {capacity} tokens per pass")
     return images, lo, hi
