@@ -7,12 +7,12 @@ GPU engine cannot disagree on, say, which of two 4096s is the intermediate size.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass
 
 from .errors import CheckpointError, NoVisionConfig
+from .weights import read_json_file
 
 VISION_MODEL_TYPES = ("glm5_next_vision", "glm_ocr_vision")
 
@@ -166,16 +166,8 @@ def read_config(path: str | os.PathLike) -> VisionGeometry:
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(16 << 20)
-        cfg = json.loads(raw)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no config.json; a checkpoint directory needs one to know its geometry") from None
-    except OSError as e:  # a folder of that name, no permission, an I/O error
-        raise CheckpointError(f"{path}: config.json cannot be read ({e}); it must be a readable JSON file") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # nested past the parser's depth
-        raise CheckpointError(f"{path}: config.json is not valid JSON ({e})") from None
+    cfg = read_json_file(path, "config.json", 16 << 20,
+                         missing=f"{path}: no config.json; a checkpoint directory needs one to know its geometry")
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path}: config.json must hold a JSON object, not {type(cfg).__name__}")
     if cfg.get("model_type") in VISION_MODEL_TYPES:

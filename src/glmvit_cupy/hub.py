@@ -13,7 +13,7 @@ import re
 
 from .errors import CheckpointError
 from .layout import is_vision_name
-from .weights import INDEX_NAME
+from .weights import INDEX_NAME, read_json_file
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -54,11 +54,7 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     except EntryNotFoundError:
         raise CheckpointError(f"{repo_id}: the repository has no config.json") from None
     folder = os.path.dirname(config)
-    try:
-        with open(config, "rb") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
-        raise CheckpointError(f"{repo_id}: config.json is not valid JSON ({e})") from None
+    cfg = read_json_file(config, "config.json")
     if isinstance(cfg, dict) and cfg.get("vision_config") is None and "vision" not in str(cfg.get("model_type")):
         return folder  # text-only: nothing to fetch; bind_tower says so
     try:

@@ -172,15 +172,21 @@ def _shard_list(path) -> tuple[list[str], dict | None, str]:
     return files, None, path
 
 
-def _from_index(index_path):
+def read_json_file(path, what: str, limit: int = 64 << 20, missing: str | None = None):
+    """A checkpoint's JSON file (config.json, the index) parsed; missing, unreadable or not JSON: CheckpointError."""
     try:
-        with open(index_path, "rb") as f:
-            index = json.loads(f.read(64 << 20))
+        with open(path, "rb") as f:
+            return json.loads(f.read(limit))
+    except FileNotFoundError:
+        raise CheckpointError(missing or f"{path}: {what} is missing") from None
     except OSError as e:  # a folder of that name, no permission, an I/O error
-        raise CheckpointError(f"{index_path}: the index cannot be read ({e}); it must be a readable JSON file") \
-            from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{index_path}: index is not valid JSON ({e})") from None
+        raise CheckpointError(f"{path}: {what} cannot be read ({e}); it must be a readable JSON file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
+
+
+def _from_index(index_path):
+    index = read_json_file(index_path, "the index")
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise CheckpointError(f"{index_path}: index needs a 'weight_map' object of tensor name -> shard file name")
@@ -196,8 +202,7 @@ class WeightStore:
     """Read-only, memory-mapped view of a checkpoint's tensors."""
 
     def __init__(self, infos: dict, display: str):
-        self._infos = infos
-        self.display = display
+        self._infos, self.display = infos, display
         self._maps: dict[str, mmap.mmap] = {}
 
     @classmethod
