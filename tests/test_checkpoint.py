@@ -226,3 +226,40 @@ def test_json_nested_past_the_parsers_depth_is_a_checkpoint_error(tmp_path, tens
     with pytest.raises(CheckpointError, match="not valid JSON") as e:
         bind_tower(tmp_path)
     assert str(target) in str(e.value)
+
+
+def _poisoned(tensors, where):
+    """tensors with {suffix: [(flat index, bf16 bits)]} written over."""
+    t = dict(tensors)
+    for name, spots in where.items():
+        a = t[name].copy()
+        bits = a.reshape(-1).view(np.uint16)
+        for i, v in spots:
+            bits[i] = v
+        t[name] = a
+    return t
+
+
+# +inf, -inf, a quiet NaN, a NaN with a payload; and bf16's largest finite value, a subnormal and -0 (fine)
+NONFINITE = [0x7F80, 0xFF80, 0x7FC0, 0xFF81]
+EDGE_FINITE = [0x7F7F, 0xFF7F, 0x0001, 0x8000]
+
+
+def test_the_reference_refuses_nan_and_inf_weights_by_name(tmp_path, tensors):
+    from glmvit_cupy import reference
+
+    # One in a GEMM weight, three in a bias the GPU model folds into its offsets, one in a norm weight.
+    where = {"blocks.1.attn.qkv.weight": [(5, 0x7FC0)], "blocks.0.mlp.down_proj.bias": [(0, 0x7F80), (3, 0xFF80),
+             (7, 0xFF81)], "merger.post_projection_norm.weight": [(2, 0x7F80)]}
+    path = write_checkpoint(tmp_path, GEO, tensors=_poisoned(tensors, where))
+    with pytest.raises(CheckpointError) as e:
+        reference.Tower(bind_tower(path))
+    msg = str(e.value)
+    assert "NaN or infinite weights in 3 tower tensors" in msg and "download it again" in msg
+    assert "model.visual.blocks.1.attn.qkv.weight" in msg and ": 1 of 49,152" in msg
+    assert "model.visual.blocks.0.mlp.down_proj.bias" in msg and ": 3 of 128" in msg
+    assert "merger.post_projection_norm.weight" in msg
+    # The edge of the finite range is not refused.
+    path = write_checkpoint(tmp_path / "edge", GEO, tensors=_poisoned(
+        tensors, {"blocks.1.attn.qkv.weight": list(enumerate(EDGE_FINITE))}))
+    reference.Tower(bind_tower(path))

@@ -50,4 +50,4 @@ def test_target_install_finds_its_own_kernels(wheel, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     package, found, mods = r.stdout.split()
     assert package.startswith(str(target)) and found == str(target / "glmvit_cupy" / "cuda")
-    assert mods == "activations,attention_sm80,attention_sm90,gemm_sm90,norms,pixels,rotary"
+    assert mods == "activations,attention_sm80,attention_sm90,finite,gemm_sm90,norms,pixels,rotary"

@@ -616,3 +616,21 @@ def test_resize_on_the_gpu_equals_pillow_bit_for_bit():
             p = resample.plan(h, w, *content)
             orders.add((p.vertical_first, p.horizontal is not None, p.vertical is not None))
     assert len(orders) >= 3  # horizontal only, vertical only and both passes all ran
+
+
+# 16-byte aligned starts (eight values a thread a step) and shifted ones (one a step); lengths with
+# and without a tail of n % 8; every kind of non-finite bf16 and the finite values nearest them.
+@pytest.mark.parametrize("n,shift", [(1, 0), (7, 0), (8, 0), (4099, 0), (1 << 20, 0), (1 << 20, 1), (1001, 3)])
+def test_count_nonfinite_bf16(n, shift):
+    base = rng.standard_normal(n + shift, dtype=np.float32).astype(BF).view(np.uint16)
+    specials = np.array([0x7F80, 0xFF80, 0x7FC0, 0xFFFF, 0x7F81], np.uint16)  # +-inf, NaNs
+    edges = np.array([0x7F7F, 0xFF7F, 0x0001, 0x8000, 0x0080], np.uint16)     # max, -max, subnormal, -0, min normal
+    k = int(rng.integers(1, min(n, 40) + 1))
+    spots = rng.choice(n, size=min(n, 2 * k), replace=False) + shift
+    base[spots[:k]] = rng.choice(specials, k)
+    base[spots[k:]] = rng.choice(edges, len(spots) - k)
+    want = int(np.count_nonzero((base[shift:] & 0x7F80) == 0x7F80))
+    counts = dev(np.array([11, 22, 33], np.uint64))  # += into one slot; the others untouched
+    x = dev(base)[shift:]  # bf16 bits as uint16: the launcher takes any 2-byte dtype
+    ops.count_nonfinite(x, counts, 1)
+    assert want >= k and cupy.asnumpy(counts).tolist() == [11, 22 + want, 33]

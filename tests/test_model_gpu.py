@@ -895,3 +895,33 @@ def test_other_geometries_vs_reference(name, tmp_path):
         alone = f32(model.encode_pixels(pv[start:start + n], [g]))
         assert np.array_equal(alone, batch[out_start:out_start + n // 4])
         start, out_start = start + n, out_start + n // 4
+
+
+def test_nan_or_inf_weights_are_refused_by_name_and_leave_the_gpu_working(small, tmp_path):
+    """A damaged checkpoint (NaN / inf in an uploaded GEMM weight, in a norm weight, and in a bias the model
+    folds into its residual offsets instead of uploading) is refused at load, naming each tensor with its
+    count; the loaded model is untouched and the GPU keeps working."""
+    from glmvit_cupy import CheckpointError
+    from glmvit_cupy.synthetic import random_tower
+
+    geo = cases.GEOMETRY
+    tensors = random_tower(geo, 7)
+    for name, spots in {"blocks.1.mlp.gate_proj.weight": [(3, 0x7FC0), (4000, 0xFF80)],
+                        "merger.up_proj.weight": [(17, 0x7F80)], "blocks.0.attn.proj.bias": [(5, 0xFFC1)],
+                        "post_layernorm.weight": [(0, 0x7F80)]}.items():
+        a = tensors[name].copy()
+        for i, v in spots:
+            a.reshape(-1).view(np.uint16)[i] = v
+        tensors[name] = a
+    pv, grid = G["img_64x64/pixel_values"], G["img_64x64/grid_thw"]
+    before = f32(small.encode_pixels(pv, grid))
+    with pytest.raises(CheckpointError) as e:
+        GlmVit.from_checkpoint(write_checkpoint(tmp_path / "nan", geo, tensors=tensors), capacity_tokens=64)
+    msg = str(e.value)
+    assert "NaN or infinite weights in 4 tower tensors" in msg, msg
+    for name, count in (("blocks.1.mlp.gate_proj.weight", 2), ("merger.up_proj.weight", 1),
+                        ("blocks.0.attn.proj.bias", 1), ("post_layernorm.weight", 1)):
+        assert f"model.visual.{name} (" in msg and f"): {count} of " in msg, (name, msg)
+    assert np.array_equal(f32(small.encode_pixels(pv, grid)), before)
+    ok = GlmVit.from_checkpoint(write_checkpoint(tmp_path / "ok", geo, tensors=random_tower(geo, 7)), capacity_tokens=64)
+    assert np.isfinite(f32(ok.encode_pixels(pv, grid))).all()

@@ -13,7 +13,9 @@ from glmvit_cupy.engine.kernels import cuda_dir, kernel_names, modules
 
 
 def test_modules_and_kernels_the_engine_uses_exist():
-    assert modules() == ["activations", "attention_sm80", "attention_sm90", "gemm_sm90", "norms", "pixels", "rotary"]
+    assert modules() == ["activations", "attention_sm80", "attention_sm90", "finite", "gemm_sm90", "norms", "pixels",
+                         "rotary"]
+    assert kernel_names("finite") == ["count_nonfinite_bf16"]
     assert kernel_names("pixels") == ["patchify_u8", "resample_pass_u8", "resample_patchify_u8"]
     assert (cuda_dir() / "common.cuh").is_file()
     assert set(kernel_names("norms")) == {"rmsnorm_residual", "rmsnorm_residual_warp", "rmsnorm_im2col", "layernorm_gelu"}

@@ -8,6 +8,7 @@ names. It never uploads, and never imports the model: the loader only binds.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -36,6 +37,17 @@ class TowerBinding:
     def host(self, suffix: str):
         """Zero-copy bf16 NumPy view of one tower tensor, flattened to the shape it is read as."""
         return self.store.get(self.prefix + suffix).reshape(self.layout[suffix])
+
+    def nonfinite_error(self, counts: dict) -> CheckpointError:
+        """The error for tower tensors holding NaN or infinite values ({suffix: how many}): a trained tower
+        has none, and one such weight turns every embedding it touches into NaN."""
+        names = sorted(counts, key=lambda s: list(self.layout).index(s))
+        listed = "; ".join(f"{self.prefix + s} ({os.path.basename(self.store.info(self.prefix + s).file)}): "
+                           f"{counts[s]:,} of {math.prod(self.layout[s]):,}" for s in names[:5])
+        more = f"; and {len(names) - 5} more tensors" if len(names) > 5 else ""
+        return CheckpointError(f"checkpoint {self.path}: NaN or infinite weights in {len(names)} tower tensor"
+                               f"{'s' if len(names) > 1 else ''}: {listed}{more}. A trained tower has none and "
+                               f"every embedding would come out NaN: the file is damaged; download it again")
 
     def summary(self) -> dict:
         g = self.geometry

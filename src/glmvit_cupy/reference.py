@@ -104,6 +104,9 @@ class Tower:
         self.geo: VisionGeometry = binding.geometry
         self.w = {s: binding.host(s).astype(dtype) for s in binding.layout}
         self.dtype = dtype
+        bad = {s: int(np.count_nonzero(~np.isfinite(w))) for s, w in self.w.items() if not np.isfinite(w).all()}
+        if bad:  # NaN or inf weights: every output would be NaN (the GPU model refuses them alike)
+            raise binding.nonfinite_error(bad)
 
     def block(self, i, x, cos, sin, bounds, stats):
         g, w, p = self.geo, self.w, f"blocks.{i}."

@@ -30,6 +30,18 @@ def linear(a, w, out, *, accumulate=False, handle=None, name="linear"):
            lambda: _gemm.gemm(a, w, out, 1.0 if accumulate else 0.0, handle=handle))
 
 
+# -- cuda/finite.cu ---------------------------------------------------------------------------------
+
+def count_nonfinite(x, counts, slot: int):
+    """counts[slot] += the NaN and infinite values of x (bf16, contiguous); counts: uint64 on the device."""
+    if x.dtype.itemsize != 2 or not x.flags.c_contiguous or counts.dtype != np.uint64 or not 0 <= slot < counts.size:
+        raise ValueError(f"count_nonfinite: contiguous bf16 x and a uint64 counts with slot {slot} expected, got "
+                         f"{x.dtype} {x.shape} and {counts.dtype} [{counts.size}]")
+    if x.size:
+        launch("nonfinite count", 0, lambda: kernel("finite", "count_nonfinite_bf16")(
+            grid_1d(cdiv(x.size, 8)), (THREADS,), (x, np.int64(x.size), counts, np.int32(slot))))
+
+
 # -- cuda/norms.cu ---------------------------------------------------------------------------------
 
 def _offset(offset, cols):

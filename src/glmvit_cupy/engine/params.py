@@ -20,6 +20,7 @@ import cupy
 import numpy as np
 
 from ..checkpoint import TowerBinding
+from . import ops
 from .gemm import BF16
 
 
@@ -67,15 +68,38 @@ class Weights:
         return sum(a.nbytes for a in arrays)
 
 
-def _upload(binding: TowerBinding, *suffixes) -> cupy.ndarray:
-    """One tensor, or several stacked along rows, as bf16 on the current device."""
-    hosts = [binding.host(s) for s in suffixes]
-    out = cupy.empty((sum(h.shape[0] for h in hosts),) + hosts[0].shape[1:], dtype=BF16)
-    row = 0
-    for h in hosts:
-        out[row:row + h.shape[0]].set(np.ascontiguousarray(h))
-        row += h.shape[0]
-    return out
+class _Uploads:
+    """Uploads tower tensors and counts, on the device, the NaN and infinite values of each (cuda/finite.cu):
+    `check()` then refuses the checkpoint naming every tensor that holds any, with one wait for the GPU."""
+
+    def __init__(self, binding: TowerBinding):
+        self.binding, self.suffixes = binding, []
+        self.counts = cupy.zeros(len(binding.layout), np.uint64)
+
+    def __call__(self, *suffixes) -> cupy.ndarray:
+        """One tensor, or several stacked along rows, as bf16 on the current device."""
+        hosts = [self.binding.host(s) for s in suffixes]
+        out = cupy.empty((sum(h.shape[0] for h in hosts),) + hosts[0].shape[1:], dtype=BF16)
+        row = 0
+        for suffix, h in zip(suffixes, hosts):
+            part = out[row:row + h.shape[0]]
+            part.set(np.ascontiguousarray(h))
+            ops.count_nonfinite(part, self.counts, len(self.suffixes))
+            self.suffixes.append(suffix)
+            row += h.shape[0]
+        return out
+
+    def check(self):
+        """Raise for any NaN or inf: the uploaded tensors' counts, and on the host the biases folded into
+        the residual offsets instead of uploaded (a few hidden-size vectors)."""
+        counts = self.counts.get()
+        bad = {s: int(c) for s, c in zip(self.suffixes, counts) if c}
+        for s in self.binding.layout.keys() - set(self.suffixes):
+            bits = self.binding.host(s).view(np.uint16)
+            if c := int(np.count_nonzero((bits & 0x7F80) == 0x7F80)):
+                bad[s] = c
+        if bad:
+            raise self.binding.nonfinite_error(bad)
 
 
 def _f32(x: np.ndarray) -> cupy.ndarray:
@@ -98,45 +122,49 @@ def residual_offsets(binding: TowerBinding) -> tuple[list, np.ndarray]:
     return per_block, run
 
 
-def _block(b: TowerBinding, i: int, offsets) -> Block:
+def _block(put: _Uploads, i: int, offsets) -> Block:
     p = f"blocks.{i}."
     return Block(
-        norm1=_upload(b, p + "norm1.weight"),
-        qkv_weight=_upload(b, p + "attn.qkv.weight"),
-        qkv_bias=_upload(b, p + "attn.qkv.bias"),
-        q_norm=_upload(b, p + "attn.q_norm.weight"),
-        k_norm=_upload(b, p + "attn.k_norm.weight"),
-        proj_weight=_upload(b, p + "attn.proj.weight"),
-        norm2=_upload(b, p + "norm2.weight"),
-        gate_up_weight=_upload(b, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-        gate_bias=_upload(b, p + "mlp.gate_proj.bias"),
-        up_bias=_upload(b, p + "mlp.up_proj.bias"),
-        down_weight=_upload(b, p + "mlp.down_proj.weight"),
+        norm1=put(p + "norm1.weight"),
+        qkv_weight=put(p + "attn.qkv.weight"),
+        qkv_bias=put(p + "attn.qkv.bias"),
+        q_norm=put(p + "attn.q_norm.weight"),
+        k_norm=put(p + "attn.k_norm.weight"),
+        proj_weight=put(p + "attn.proj.weight"),
+        norm2=put(p + "norm2.weight"),
+        gate_up_weight=put(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+        gate_bias=put(p + "mlp.gate_proj.bias"),
+        up_bias=put(p + "mlp.up_proj.bias"),
+        down_weight=put(p + "mlp.down_proj.weight"),
         norm1_offset=_f32(offsets[0]),
         norm2_offset=_f32(offsets[1]),
     )
 
 
 def upload(binding: TowerBinding) -> Weights:
-    """Every tower tensor on the current device (only the vision bytes of the checkpoint are read)."""
+    """Every tower tensor on the current device (only the vision bytes of the checkpoint are read). A
+    tensor holding NaN or infinite values is a CheckpointError naming it (binding.nonfinite_error)."""
     g = binding.geometry
+    put = _Uploads(binding)
     spatial = g.head_dim // 2
     # As the reference computes it, in float32: 1 / theta^(arange(0, spatial, 2) / spatial).
     exps = np.arange(0, spatial, 2, dtype=np.float32) / np.float32(spatial)
     per_block, final = residual_offsets(binding)
-    return Weights(
-        patch_embed_weight=_upload(binding, "patch_embed.proj.weight"),
-        blocks=[_block(binding, i, per_block[i]) for i in range(g.depth)],
+    weights = Weights(
+        patch_embed_weight=put("patch_embed.proj.weight"),
+        blocks=[_block(put, i, per_block[i]) for i in range(g.depth)],
         merger=Merger(
-            post_layernorm=_upload(binding, "post_layernorm.weight"),
+            post_layernorm=put("post_layernorm.weight"),
             post_layernorm_offset=_f32(final),
-            downsample_weight=_upload(binding, "downsample.weight"),
-            downsample_bias=_upload(binding, "downsample.bias"),
-            proj_weight=_upload(binding, "merger.proj.weight"),
-            post_projection_norm_weight=_upload(binding, "merger.post_projection_norm.weight"),
-            post_projection_norm_bias=_upload(binding, "merger.post_projection_norm.bias"),
-            gate_up_weight=_upload(binding, "merger.gate_proj.weight", "merger.up_proj.weight"),
-            down_weight=_upload(binding, "merger.down_proj.weight"),
+            downsample_weight=put("downsample.weight"),
+            downsample_bias=put("downsample.bias"),
+            proj_weight=put("merger.proj.weight"),
+            post_projection_norm_weight=put("merger.post_projection_norm.weight"),
+            post_projection_norm_bias=put("merger.post_projection_norm.bias"),
+            gate_up_weight=put("merger.gate_proj.weight", "merger.up_proj.weight"),
+            down_weight=put("merger.down_proj.weight"),
         ),
         inv_freq=cupy.asarray(np.float32(1.0) / np.power(np.float32(g.rope_theta), exps)),
     )
+    put.check()
+    return weights
