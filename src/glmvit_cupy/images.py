@@ -1,5 +1,5 @@
 """Images in: any accepted input (a path, file object, bytes, PIL image or uint8 array) -> RGB, decoded
-as the reference loads a path (Pillow, EXIF transpose, convert("RGB"), transparency onto white), with
+as the reference loads a path (Pillow, EXIF transpose, convert("RGB"), a transparent colour onto white), with
 Pillow's decompression-bomb guard, and without holding the GIL longer than it must: threads decode
 side by side while another drives the GPU.
 """
@@ -81,7 +81,11 @@ def _decode(image, name, max_pixels=None, host_buffer=None):
             if into is not None:
                 return into[..., :3]
             ImageOps.exif_transpose(img, in_place=True)  # in place: no copy when nothing is to be turned
-            return img if img.mode == "RGB" else img.convert("RGB")
+            rgb = img if img.mode == "RGB" else img.convert("RGB")
+            # A palette or grey image's transparent index (GIF, PNG tRNS) survives convert("RGB") as a colour
+            # in info, and the reference's processor then composites that colour onto white as it does for
+            # a PIL image with transparency.
+            return _onto_white(rgb) if rgb.info.get("transparency") is not None else rgb
     except ImageError:
         raise
     except Image.DecompressionBombError as e:
@@ -97,6 +101,13 @@ def _decode(image, name, max_pixels=None, host_buffer=None):
         raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e})") from None
 
 
+def _onto_white(img: Image.Image) -> Image.Image:
+    """RGB of img composited onto white by its alpha or transparency, as the reference's convert_to_rgb does."""
+    rgba = img.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
+
+
 def _from_pil(img: Image.Image, name) -> np.ndarray:
     """RGB uint8 HxWx3 from a PIL image, compositing transparency onto white as the reference does."""
     try:
@@ -104,9 +115,7 @@ def _from_pil(img: Image.Image, name) -> np.ndarray:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img.load()
             if "A" in img.getbands() or img.info.get("transparency") is not None:
-                rgba = img.convert("RGBA")
-                white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-                img = Image.alpha_composite(white, rgba).convert("RGB")
+                img = _onto_white(img)
             else:
                 img = img.convert("RGB")
             return np.asarray(img)

@@ -79,6 +79,23 @@ def images(tmpdir):
     im.save(tif, exif=exif)
     z["tiff_exif_rotated_path"] = tif
     z["photo_jpeg_path"] = os.path.abspath(PHOTO)
+    # A transparent palette index or colour (GIF, PNG tRNS) survives convert("RGB") in the image's info, and
+    # the reference composites it onto white: loaded by path, as by a PIL image.
+    gif_t = os.path.join(tmpdir, "transparent.gif")
+    pal_t = Image.fromarray(_smooth(66, 90, seed=22)).convert("P", palette=Image.Palette.ADAPTIVE, colors=64)
+    pal_t.save(gif_t, transparency=int(np.asarray(pal_t)[10, 10]))
+    z["gif_transparent_path"] = gif_t
+    png_pt = os.path.join(tmpdir, "palette_trns.png")
+    pal_t.save(png_pt, transparency=int(np.asarray(pal_t)[30, 40]))
+    z["png_palette_trns_path"] = png_pt
+    png_rgbt = os.path.join(tmpdir, "rgb_trns.png")
+    rgb_t = _noise(40, 52, seed=23) // 64 * 64  # few colours, so the transparent one covers many pixels
+    Image.fromarray(rgb_t).save(png_rgbt, transparency=tuple(int(v) for v in rgb_t[0, 0]))
+    z["png_rgb_trns_path"] = png_rgbt
+    png_lt = os.path.join(tmpdir, "grey_trns.png")
+    grey_t = _noise(37, 45, c=0, seed=24) // 32 * 32
+    Image.fromarray(grey_t).save(png_lt, transparency=int(grey_t[0, 0]))
+    z["png_grey_trns_path"] = png_lt
     return z
 
 
