@@ -1,6 +1,7 @@
 """Tower binding: prefixes, the flattened-shape rule, strict BF16, and the two no-tower outcomes."""
 
 import logging
+import os
 
 import ml_dtypes
 import numpy as np
@@ -263,3 +264,63 @@ def test_the_reference_refuses_nan_and_inf_weights_by_name(tmp_path, tensors):
     path = write_checkpoint(tmp_path / "edge", GEO, tensors=_poisoned(
         tensors, {"blocks.1.attn.qkv.weight": list(enumerate(EDGE_FINITE))}))
     reference.Tower(bind_tower(path))
+
+
+def _swap(folder, name, kind):
+    p = folder / name
+    p.unlink()
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "folder":
+        p.mkdir()
+    elif kind == "dev_zero":
+        p.symlink_to("/dev/zero")
+    elif kind == "loop":
+        p.symlink_to(p)
+    elif kind == "broken_link":
+        p.symlink_to(folder / "gone")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this OS")
+@pytest.mark.parametrize("name,kind,says", [
+    ("config.json", "fifo", "config.json is a FIFO (named pipe), not a regular file"),
+    ("config.json", "dev_zero", "config.json is a character device, not a regular file"),
+    ("config.json", "broken_link", "config.json is a broken symbolic link"),
+    ("config.json", "loop", "config.json cannot be read"),
+    ("model.safetensors.index.json", "fifo", "the index is a FIFO (named pipe), not a regular file"),
+    ("model.safetensors.index.json", "dev_zero", "the index is a character device, not a regular file"),
+    ("model.safetensors.index.json", "broken_link", "the index is a broken symbolic link"),
+    ("model-00002-of-00002.safetensors", "fifo", "which is a FIFO (named pipe)"),
+    ("model-00002-of-00002.safetensors", "dev_zero", "which is a character device"),
+    ("model-00002-of-00002.safetensors", "folder", "which is a folder"),
+    ("model-00002-of-00002.safetensors", "loop", "which is unreadable (Too many levels of symbolic links)"),
+    ("model-00002-of-00002.safetensors", "broken_link", "which is a broken symbolic link"),
+])
+def test_checkpoint_files_that_are_not_regular_files_are_refused_by_what_they_are(tmp_path, name, kind, says):
+    """A FIFO named config.json made the load wait forever for a writer (and /dev/zero would read without end):
+    each odd file is refused at once, saying what it is. Run in a daemon thread so a regression fails, not hangs."""
+    import shutil
+    import threading
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(cases.TOWER_DIR, folder)
+    _swap(folder, name, kind)
+    result = []
+
+    def load():
+        try:
+            inspect_checkpoint(folder)
+            result.append("loaded")
+        except CheckpointError as e:
+            result.append(str(e))
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "the load blocked"
+    assert says in result[0], result[0]
+    if kind == "fifo" and name.endswith(".safetensors"):  # an unindexed shard folder and a bare path: the same
+        (folder / "model.safetensors.index.json").unlink()
+        with pytest.raises(CheckpointError, match="the shard is a FIFO"):
+            inspect_checkpoint(folder)
+        with pytest.raises(CheckpointError, match="is a FIFO \\(named pipe\\), not a checkpoint folder or file"):
+            inspect_checkpoint(folder / name)

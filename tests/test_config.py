@@ -77,7 +77,7 @@ def test_bad_config_json(tmp_path, text):
 
 def test_unreadable_config_says_so_not_bad_json(tmp_path):
     (tmp_path / "config.json").mkdir()  # a folder where the file should be
-    with pytest.raises(CheckpointError, match=r"config.json cannot be read \(.*Is a directory.*readable JSON file"):
+    with pytest.raises(CheckpointError, match=r"config.json: config.json is a folder, not a regular file"):
         read_config(tmp_path)
 
 

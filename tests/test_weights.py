@@ -127,7 +127,7 @@ def test_index_naming_missing_or_wrong_shard(tmp_path):
 
 
 def test_unreadable_index_says_so_not_bad_json(tmp_path, monkeypatch):
-    from glmvit_cupy import weights
+    from glmvit_cupy import files
 
     shard(tmp_path / "s1.safetensors", ok_header(), bytes(20))
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors"}}))
@@ -135,7 +135,7 @@ def test_unreadable_index_says_so_not_bad_json(tmp_path, monkeypatch):
     def refuse(path, *a, **k):  # as a read without permission fails (the tests may run as root)
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(weights, "open", refuse, raising=False)
+    monkeypatch.setattr(files, "open_regular", refuse)
     with pytest.raises(CheckpointError, match=r"the index cannot be read \(.*Permission denied.*readable JSON file"):
         WeightStore.open(tmp_path)
 

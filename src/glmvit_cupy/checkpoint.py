@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from .config import VisionGeometry, read_config
 from .errors import AbsentTower, CheckpointError, NoVisionConfig
+from .files import not_regular
 from .hub import resolve
 from .layout import VISION_PREFIXES, is_vision_name, tower_layout, tower_prefixes
 from .weights import WeightStore
@@ -102,7 +103,9 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
         geo = read_config(os.path.dirname(path) or ".")
         source = path
     else:
-        raise CheckpointError(f"{path}: no such file or directory")
+        what = not_regular(path)
+        raise CheckpointError(f"{path}: is {what}, not a checkpoint folder or file" if what else
+                              f"{path}: no such file or directory")
     store = WeightStore.open(source, only=is_vision_name)
     prefixes = tower_prefixes(store.names())
     if not prefixes:

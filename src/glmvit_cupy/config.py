@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from .errors import CheckpointError, NoVisionConfig
-from .weights import read_json_file
+from .files import read_json_file
 
 VISION_MODEL_TYPES = ("glm5_next_vision", "glm_ocr_vision")
 

@@ -13,7 +13,8 @@ import re
 
 from .errors import CheckpointError
 from .layout import is_vision_name
-from .weights import INDEX_NAME, read_json_file
+from .files import read_json_file
+from .weights import INDEX_NAME
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

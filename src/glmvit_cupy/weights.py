@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from .errors import CheckpointError
+from .files import not_regular, open_regular, read_json_file
 
 # The safetensors dtype names this store can map, with their NumPy types.
 DTYPES = {
@@ -66,8 +67,8 @@ def _prod(shape) -> int:
 def read_header(path: str) -> dict:
     """Parse and validate one shard's header; return {name: TensorInfo}. Touches no tensor data."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_regular(path, "the shard") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"{path}: file is {size} bytes, too short for the 8-byte safetensors header length")
@@ -164,25 +165,12 @@ def _shard_list(path) -> tuple[list[str], dict | None, str]:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such file or directory")
     index = os.path.join(path, INDEX_NAME)
-    if os.path.isfile(index):
+    if os.path.lexists(index):  # a FIFO or broken link there is refused by name, not passed over
         return _from_index(index)
     files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"{path}: the directory holds no *.safetensors shards and no {INDEX_NAME}")
     return files, None, path
-
-
-def read_json_file(path, what: str, limit: int = 64 << 20, missing: str | None = None):
-    """A checkpoint's JSON file (config.json, the index) parsed; missing, unreadable or not JSON: CheckpointError."""
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read(limit))
-    except FileNotFoundError:
-        raise CheckpointError(missing or f"{path}: {what} is missing") from None
-    except OSError as e:  # a folder of that name, no permission, an I/O error
-        raise CheckpointError(f"{path}: {what} cannot be read ({e}); it must be a readable JSON file") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
 
 
 def _from_index(index_path):
@@ -220,8 +208,10 @@ class WeightStore:
             for name, shard in sorted(wanted.items()):
                 if shard not in headers:
                     if not os.path.isfile(shard):
+                        what = not_regular(shard)
                         raise CheckpointError(f"{display}: tensor {name!r} is indexed in shard "
-                                              f"{os.path.basename(shard)!r}, which does not exist")
+                                              f"{os.path.basename(shard)!r}, which " +
+                                              (f"is {what}" if what else "does not exist"))
                     headers[shard] = read_header(shard)
                 if name not in headers[shard]:
                     raise CheckpointError(f"{display}: the index puts tensor {name!r} in {shard}, "

@@ -1,0 +1,61 @@
+"""A checkpoint's files opened for reading: regular files only. A FIFO, device, folder or socket named like
+a shard or config.json is refused by what it is, and never read: a plain open() of a FIFO would wait
+forever for a writer, and a device such as /dev/zero would be read as an endless file."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+from .errors import CheckpointError
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def not_regular(path) -> str | None:
+    """What `path` is when it exists but is not a regular file (after symbolic links), or is a broken or
+    looping symbolic link; None for a regular file or nothing there at all."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken symbolic link" if os.path.islink(path) else None
+    except OSError as e:  # a symbolic link loop, a path through a file
+        return f"unreadable ({e.strerror})"
+    return None if stat.S_ISREG(mode) else kind(mode)
+
+
+def open_regular(path, what: str):
+    """open(path, "rb") of a regular file; anything else is a CheckpointError naming what it is. Opened without
+    blocking (a FIFO would wait for a writer), checked, then read as usual."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{path}: {what} is {kind(mode)}, not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_json_file(path, what: str, limit: int = 64 << 20, missing: str | None = None):
+    """A checkpoint's JSON file (config.json, the index) parsed; missing, unreadable, not a regular file or not
+    JSON: CheckpointError."""
+    try:
+        with open_regular(path, what) as f:
+            return json.loads(f.read(limit))
+    except FileNotFoundError:
+        broken = not_regular(path)  # a broken symbolic link
+        raise CheckpointError(f"{path}: {what} is {broken}" if broken else missing or f"{path}: {what} is missing") \
+            from None
+    except OSError as e:  # no permission, an I/O error, a symbolic link loop
+        raise CheckpointError(f"{path}: {what} cannot be read ({e}); it must be a readable JSON file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
