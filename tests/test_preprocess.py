@@ -3,6 +3,7 @@
 import hashlib
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -323,3 +324,17 @@ def test_arrays_are_height_width_channels_whatever_their_height(shape):
     pv2, grid2 = preprocess([pil])
     assert np.array_equal(grid, grid2) and np.array_equal(pv, pv2)
     assert grid[0, 1] * 14 <= 3 * 14 * 28 and grid[0, 2] >= grid[0, 1]  # wide, as the strip is
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no FIFOs on this OS")
+def test_an_image_path_that_is_a_fifo_or_device_is_refused_by_what_it_is(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "pipe.png")
+    (tmp_path / "zero.jpg").symlink_to("/dev/zero")
+    (tmp_path / "gone.jpg").symlink_to(tmp_path / "nothing")
+    for name, says in (("pipe.png", "is a FIFO (named pipe), not an image file"),
+                       ("zero.jpg", "is a character device, not an image file"),
+                       ("gone.jpg", "is a broken symbolic link, not an image file")):
+        with pytest.raises(ImageError, match=re.escape(says)):
+            preprocess([str(tmp_path / name)])

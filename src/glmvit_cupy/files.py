@@ -1,6 +1,6 @@
-"""A checkpoint's files opened for reading: regular files only. A FIFO, device, folder or socket named like
-a shard or config.json is refused by what it is, and never read: a plain open() of a FIFO would wait
-forever for a writer, and a device such as /dev/zero would be read as an endless file."""
+"""Files opened for reading — a checkpoint's shards and JSON files, images named by path — as regular files
+only. A FIFO, device, folder or socket named like one is refused by what it is, and never read: a plain
+open() of a FIFO would wait forever for a writer, and a device such as /dev/zero reads without end."""
 
 from __future__ import annotations
 

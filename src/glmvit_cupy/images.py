@@ -15,6 +15,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from .errors import ImageError
+from .files import not_regular
 
 
 def name_of(image, index) -> str:
@@ -162,6 +163,9 @@ def load(image, name: str, max_pixels: int | None = None, host_buffer=None):
         if os.path.isdir(image):
             raise ImageError(f"{name}: is a folder, not an image file (glmvit-encode walks folders)")
         if not os.path.isfile(image):
+            odd = not_regular(image)  # a FIFO would block a decoder's read: refused by what it is
+            if odd:
+                raise ImageError(f"{name}: is {odd}, not an image file")
             url = str(image).startswith(("http://", "https://", "s3://", "gs://"))
             raise ImageError(f"{name}: no such file" + ("; URLs are not fetched: download the image and pass the file, "
                                                          "its bytes or a PIL image" if url else ""))
