@@ -9,6 +9,7 @@ import pytest
 
 from glmvit_cupy import AbsentTower, CheckpointError, NoVisionConfig, bind_tower, inspect_checkpoint
 from glmvit_cupy.checkpoint import probe_tower
+from glmvit_cupy.weights import WeightStore
 from glmvit_cupy.layout import VISION_PREFIXES as PREFIXES, tower_layout
 from glmvit_cupy.config import VisionGeometry
 from glmvit_cupy.synthetic import random_tower, write_checkpoint
@@ -324,3 +325,5 @@ def test_checkpoint_files_that_are_not_regular_files_are_refused_by_what_they_ar
             inspect_checkpoint(folder)
         with pytest.raises(CheckpointError, match="is a FIFO \\(named pipe\\), not a checkpoint folder or file"):
             inspect_checkpoint(folder / name)
+        with pytest.raises(CheckpointError, match="is a FIFO \\(named pipe\\), not a shard or checkpoint folder"):
+            WeightStore.open(folder / name)

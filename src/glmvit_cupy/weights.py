@@ -163,7 +163,9 @@ def _shard_list(path) -> tuple[list[str], dict | None, str]:
             return _from_index(path)
         return [path], None, path
     if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such file or directory")
+        what = not_regular(path)
+        raise CheckpointError(f"{path}: is {what}, not a shard or checkpoint folder" if what else
+                              f"{path}: no such file or directory")
     index = os.path.join(path, INDEX_NAME)
     if os.path.lexists(index):  # a FIFO or broken link there is refused by name, not passed over
         return _from_index(index)
