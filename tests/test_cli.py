@@ -205,3 +205,31 @@ def test_workers_do_not_change_the_output(images, tmp_path):
     assert m1["failed"] == m3["failed"]
     assert t1.keys() == t3.keys() and all(np.array_equal(t1[k].view(np.uint16), t3[k].view(np.uint16)) for k in t1)
     assert run([images, "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o0", "--cpu", "--workers", 0]) == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"), reason="no FIFOs or /dev/zero here")
+def test_a_fifo_or_device_in_a_folder_is_skipped_not_read(images, tmp_path):
+    """A FIFO named like an image made glmvit-encode wait forever for a writer, and a link to /dev/zero read
+    until memory ran out: each is skipped saying what it is, and the rest of the folder is encoded. In a
+    subprocess with a time and address-space limit, so a regression fails instead of hanging or eating RAM."""
+    import resource
+    import subprocess
+    import sys
+
+    os.mkfifo(images / "pipe.png")
+    (images / "zero.jpg").symlink_to("/dev/zero")
+    out = tmp_path / "out"
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    r = subprocess.run([sys.executable, "-m", "glmvit_cupy.cli", str(images), "--checkpoint", cases.TOWER_DIR,
+                        "--out", str(out), "--cpu", "--workers", "2"], capture_output=True, text=True, timeout=120,
+                       preexec_fn=cap, env=dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])))
+    assert r.returncode == 1, r.stderr[-2000:]  # some images failed
+    said = r.stdout + r.stderr
+    assert f"{images / 'pipe.png'}: the image is a FIFO (named pipe), not a regular file" in said, said
+    assert f"{images / 'zero.jpg'}: the image is a character device, not a regular file" in said, said
+    manifest, tensors = load_all(out)
+    assert len(tensors) == 3  # a.png, sub/b.png, c.jpg

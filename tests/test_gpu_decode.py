@@ -40,3 +40,21 @@ def test_without_the_extra_the_error_says_what_to_install():
 
     with pytest.raises(ImageError, match=r"pip install 'glmvit-cupy\[gpu-decode-cu12\]'"):
         Decoder()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no FIFOs on this OS")
+def test_a_fifo_path_is_left_to_pillows_path_not_read(tmp_path):
+    """decode() read a path whole before looking at it: a FIFO blocked it. Now such a path is declined at once
+    (None: the Pillow path then refuses it by what it is). In a daemon thread: a regression fails, not hangs."""
+    import os
+    import threading
+
+    from glmvit_cupy.gpu_decode import Decoder
+
+    os.mkfifo(tmp_path / "pipe.jpg")
+    decoder = Decoder.__new__(Decoder)  # the file handling only: nvImageCodec is not needed before the read
+    got = []
+    t = threading.Thread(target=lambda: got.append(decoder.decode(str(tmp_path / "pipe.jpg"))), daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive() and got == [None]

@@ -27,6 +27,7 @@ from .backend import Backend
 from .batching import DECODE, pack, preparer
 from .checkpoint import bind_tower
 from .errors import CheckpointError, ImageError, OutputError
+from .files import open_regular
 from .output import Output, image_key
 from .preprocess import RESIZE
 
@@ -67,14 +68,13 @@ def prepared(paths, workers: int, one):
 
     def job(i, path):
         try:
-            with open(path, "rb") as f:
+            with open_regular(path, "the image", ImageError) as f:  # a FIFO or /dev/zero: refused, not read
                 data = f.read()
+            return path, (one(i, data, name=path), vllm_ec.key_of(data))
         except OSError as e:
             broken = os.path.islink(path) and not os.path.exists(path)
             return path, ImageError(f"{path}: " + (f"a broken symbolic link (to {os.readlink(path)!r})" if broken
                                                    else f"cannot read ({e})"))
-        try:
-            return path, (one(i, data, name=path), vllm_ec.key_of(data))
         except (ImageError, ValueError) as e:
             return path, e
 

@@ -30,14 +30,14 @@ def not_regular(path) -> str | None:
     return None if stat.S_ISREG(mode) else kind(mode)
 
 
-def open_regular(path, what: str):
-    """open(path, "rb") of a regular file; anything else is a CheckpointError naming what it is. Opened without
-    blocking (a FIFO would wait for a writer), checked, then read as usual."""
+def open_regular(path, what: str, error=CheckpointError):
+    """open(path, "rb") of a regular file; anything else is `error` naming what it is. Opened without blocking
+    (a FIFO would wait for a writer), checked, then read as usual."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise CheckpointError(f"{path}: {what} is {kind(mode)}, not a regular file")
+            raise error(f"{path}: {what} is {kind(mode)}, not a regular file")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

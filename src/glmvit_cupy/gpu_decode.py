@@ -16,6 +16,7 @@ import numpy as np
 from PIL import Image
 
 from .errors import ImageError
+from .files import open_regular
 from .images import ENCODED_BYTES
 
 _JPEG = b"\xff\xd8\xff"
@@ -43,9 +44,9 @@ class Decoder:
         when Pillow should decode it (other formats and inputs, or the GPU decoder declined)."""
         if isinstance(image, (str, os.PathLike)):
             try:
-                with open(image, "rb") as f:
+                with open_regular(image, "the image", ImageError) as f:  # a FIFO or device: not read here
                     data = f.read()
-            except OSError:
+            except (OSError, ImageError):
                 return None  # Pillow's path reports it
         elif isinstance(image, ENCODED_BYTES):
             data = bytes(image)
