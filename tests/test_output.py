@@ -131,3 +131,37 @@ def test_a_hostile_manifest_is_refused_by_the_reader_and_dropped_by_a_resume(tmp
     if text.startswith("{"):
         resumed = Output(folder, SETTINGS)
         assert resumed.done("/img/b") and not resumed.done("/img/a")
+
+
+@pytest.mark.parametrize("cut", [10, -10])  # the header cut, or the last bytes of the data
+def test_a_damaged_shard_the_manifest_lists_is_encoded_again(tmp_path, cut, caplog):
+    """The manifest lists a shard that was damaged after the run (copied in part, a disk error): a resume took
+    its images as done because the file existed, and read_embeddings failed inside safetensors. Now the
+    resume counts them as not done (saying which shard) and the reader refuses the manifest by name."""
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=0)
+    out.add_batch(batch(["/img/a"]))
+    out.add_batch(batch(["/img/b", "/img/c"]))
+    out.flush()
+    path = os.path.join(folder, "embeddings-00002.safetensors")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(cut if cut > 0 else size + cut)
+    with pytest.raises(OutputError, match="names no shard of this folder that reads whole"):
+        read_embeddings(folder)
+    again = Output(folder, SETTINGS)
+    assert again.done("/img/a") and not again.done("/img/b") and not again.done("/img/c")
+    assert "embeddings-00002.safetensors: cannot be read whole" in caplog.text
+
+
+def test_an_entry_its_shard_does_not_hold_is_not_done(tmp_path):
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=0)
+    out.add_batch(batch(["/img/a"]))
+    manifest = json.loads((tmp_path / "o" / MANIFEST).read_text())
+    manifest["images"]["/img/z"] = dict(manifest["images"]["/img/a"])  # hand-edited: the shard lacks it
+    (tmp_path / "o" / MANIFEST).write_text(json.dumps(manifest))
+    again = Output(folder, SETTINGS)
+    assert again.done("/img/a") and not again.done("/img/z")
+    with pytest.raises(OutputError, match="'/img/z' names no shard"):
+        read_embeddings(folder)

@@ -20,6 +20,7 @@ Reading the output: `read_embeddings(folder)` (NumPy bf16 arrays, as ml_dtypes.b
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -28,6 +29,8 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: safetensors.nump
 import numpy as np
 
 from .errors import OutputError
+
+log = logging.getLogger("glmvit_cupy")
 
 MANIFEST = "manifest.json"
 KEY = "the image file's resolved absolute path (os.path.realpath)"
@@ -115,7 +118,7 @@ class Output:
                               "done. Move it away to encode everything again into this folder, or use another "
                               "--out") from None
         self._check(header, settings, MANIFEST)
-        # Keep only entries whose shard exists: a shard lost since is encoded again.
+        # Keep only entries whose shard reads whole and holds them: a shard lost or damaged since is encoded again.
         own = _own_shards(self.folder, images)
         self.manifest["images"] = {k: v for k, v in images.items() if k in own}
 
@@ -174,20 +177,35 @@ class Output:
         self._changed()
 
 
+def _shard_keys(path) -> set | None:
+    """The image keys a shard holds; None if it is missing or cannot be read whole (truncated or damaged:
+    safetensors checks that its header covers the file exactly)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="numpy") as f:
+            return set(f.keys())
+    except Exception:  # SafetensorError (damaged), OSError (missing): either way, not done
+        return None
+
+
 def _own_shards(folder, images: dict) -> set:
-    """The keys of manifest entries that name a shard file of this folder by a name this module writes
-    (nothing outside the folder, nothing else in it); each distinct shard is looked at on disk once."""
+    """The keys of manifest entries whose shard is a file of this folder by a name this module writes (nothing
+    outside the folder, nothing else in it) that reads whole and holds the key; each shard is read once."""
     found: dict = {}
 
-    def own(entry):
+    def own(key, entry):
         shard = entry.get("shard") if isinstance(entry, dict) else None
         if not isinstance(shard, str) or SHARD.fullmatch(shard) is None:
             return False
         if shard not in found:
-            found[shard] = os.path.isfile(os.path.join(folder, shard))
-        return found[shard]
+            found[shard] = _shard_keys(os.path.join(folder, shard)) or set()
+            if not found[shard] and os.path.exists(os.path.join(folder, shard)):
+                log.warning("%s: cannot be read whole (truncated or damaged); its images are not counted as done",
+                            os.path.join(folder, shard))
+        return key in found[shard]
 
-    return {k for k, e in images.items() if own(e)}
+    return {k for k, e in images.items() if own(k, e)}
 
 
 def read_embeddings(folder) -> tuple[dict, dict]:
@@ -206,7 +224,7 @@ def read_embeddings(folder) -> tuple[dict, dict]:
             own = _own_shards(folder, manifest["images"])
             bad = next((k for k in manifest["images"] if k not in own), None)
             if bad is not None:
-                raise ValueError(f"its entry {bad!r} names no shard of this folder")
+                raise ValueError(f"its entry {bad!r} names no shard of this folder that reads whole and holds it")
             listed = {e["shard"] for e in manifest["images"].values()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise OutputError(f"{path} is unreadable or not a glmvit-encode manifest ({type(e).__name__}: {e}); "
