@@ -99,3 +99,12 @@ def test_sub_layers_against_closed_forms():
 def test_row_count_must_match_grid(tower):
     with pytest.raises(ValueError, match="rows"):
         reference.encode_pixels(tower, G["img_64x64/pixel_values"][:-4], G["img_64x64/grid_thw"])
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.bool_, object])
+def test_pixel_values_must_be_real_numbers(tower, dtype):
+    """Complex pixels lost their imaginary part without a word (and bools or objects were cast): refused by dtype,
+    before any compute; the GPU model shares the check (batching.check_pixels)."""
+    pv = np.ones((64, 1176), dtype)
+    with pytest.raises(ValueError, match=f"pixel_values has dtype {np.dtype(dtype)}; it must hold real numbers"):
+        reference.encode_pixels(tower, pv, [[1, 8, 8]])

@@ -57,6 +57,10 @@ def check_pixels(geo: VisionGeometry, pixel_values, grid_thw, capacity_tokens: i
                          f"{geo.patch_size})")
     if shape[0] != n:
         raise ValueError(f"pixel_values has {shape[0]} rows but grid_thw describes {n} patches")
+    dtype = getattr(pixel_values, "dtype", None)
+    if dtype is None or not (dtype.kind in "fiu" or dtype.name == "bfloat16"):  # complex would lose its imaginary part
+        raise ValueError(f"pixel_values has dtype {dtype}; it must hold real numbers (float32 as preprocess gives "
+                         "them, or bf16, another float or an integer type)")
     if capacity_tokens is not None and n > capacity_tokens * MERGE * MERGE:
         raise ValueError(f"{n} patches ({n // 4} tokens) exceed this model's capacity of {capacity_tokens} tokens "
                          f"({capacity_tokens * MERGE * MERGE} patches); split the batch or build the model with a "
