@@ -42,7 +42,7 @@ class TowerBinding:
     def nonfinite_error(self, counts: dict) -> CheckpointError:
         """The error for tower tensors holding NaN or infinite values ({suffix: how many}): a trained tower
         has none, and one such weight turns every embedding it touches into NaN."""
-        names = sorted(counts, key=lambda s: list(self.layout).index(s))
+        names = [s for s in self.layout if s in counts]  # in the checkpoint's order
         listed = "; ".join(f"{self.prefix + s} ({os.path.basename(self.store.info(self.prefix + s).file)}): "
                            f"{counts[s]:,} of {math.prod(self.layout[s]):,}" for s in names[:5])
         more = f"; and {len(names) - 5} more tensors" if len(names) > 5 else ""

@@ -12,8 +12,8 @@ import os
 import re
 
 from .errors import CheckpointError
-from .layout import is_vision_name
 from .files import read_json_file
+from .layout import is_vision_name
 from .weights import INDEX_NAME
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -104,7 +104,7 @@ class Tower:
         self.geo: VisionGeometry = binding.geometry
         self.w = {s: binding.host(s).astype(dtype) for s in binding.layout}
         self.dtype = dtype
-        bad = {s: int(np.count_nonzero(~np.isfinite(w))) for s, w in self.w.items() if not np.isfinite(w).all()}
+        bad = {s: n for s, w in self.w.items() if (n := int(np.count_nonzero(~np.isfinite(w))))}
         if bad:  # NaN or inf weights: every output would be NaN (the GPU model refuses them alike)
             raise binding.nonfinite_error(bad)
 
