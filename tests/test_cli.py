@@ -152,6 +152,30 @@ def test_inspect_and_usage(capsys, tmp_path):
         run([tmp_path / "nope.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o", "--cpu"])
 
 
+@pytest.mark.parametrize("flags,named", [(["--devices", "0"], "--devices"), (["--decode", "gpu"], "--decode gpu"),
+                                         (["--resize", "gpu"], "--resize gpu"),
+                                         (["--devices", "1", "--decode", "gpu"], "--devices and --decode gpu")])
+def test_gpu_flags_with_cpu_are_refused_not_ignored(images, tmp_path, capsys, flags, named):
+    out = tmp_path / "out"
+    assert run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", *flags]) == 2
+    assert f"--cpu encodes on the host, without a GPU: leave out {named}" in capsys.readouterr().err
+    assert not out.exists()  # refused before the output folder is made
+
+
+def test_min_image_tokens_zero_is_no_minimum(images, tmp_path, capsys):
+    assert run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o", "--cpu",
+                "--min-image-tokens", -1]) == 2
+    assert "--min-image-tokens -1 must be at least 0" in capsys.readouterr().err
+    small = tmp_path / "small.png"
+    Image.fromarray(np.random.default_rng(5).integers(0, 256, (20, 30, 3), np.uint8)).save(small)
+    for lo, tokens in ((0, 2), (16, 20)):  # 16 scales a 20 x 30 image up to the minimum
+        out = tmp_path / f"o{lo}"
+        assert run([small, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--min-image-tokens", lo]) == 0
+        manifest, _ = load_all(out)
+        (entry,) = manifest["images"].values()
+        assert entry["tokens"] == tokens
+
+
 def test_devices_flag_parses_ordinals():
     assert cli.parse(["--devices", "0,1"]).devices == [0, 1]
     assert cli.parse(["--devices", "3"]).devices == [3]

@@ -117,8 +117,8 @@ def test_health_and_bit_equality(server, tower):
     (b'{"min_image_tokens": 16}', "application/json", 400, "non-empty list", None),
     (b'{"images": [5]}', "application/json", 400, "not a base64 string", 0),
     (b'{"images": ["aGVsbG8=", "!!!"]}', "application/json", 400, "images[1] is not valid base64", 1),
-    (b'{"images": ["aGVsbG8="], "max_image_tokens": 0}', "application/json", 400, "positive integer", None),
-    (b'{"images": ["aGVsbG8="], "min_image_tokens": "16"}', "application/json", 400, "positive integer", None),
+    (b'{"images": ["aGVsbG8="], "max_image_tokens": 0}', "application/json", 400, "integer of at least 1", None),
+    (b'{"images": ["aGVsbG8="], "min_image_tokens": "16"}', "application/json", 400, "integer of at least 0", None),
     (b'{"images": ["aGVsbG8="], "max_image_tokens": 9000}', "application/json", 400, "capacity of 8000", None),
     (b'{"images": ["aGVsbG8="]}', "text/plain", 415, "send application/json", None),
 ])
@@ -160,6 +160,23 @@ def test_unknown_fields_are_refused_by_name(server):
     assert got == 400 and err["index"] is None
     assert err["error"] == ("unknown field 'max_image_token'; a request has 'images', 'min_image_tokens', "
                             "'max_image_tokens'")
+
+
+@pytest.mark.parametrize("method,path,status,says", [
+    ("GET", "/v1/encode", 405, "GET /v1/encode: method not allowed; this server has GET /health, GET /metrics, "
+                               "POST /v1/encode"),
+    ("POST", "/health", 405, "POST /health: method not allowed"),
+    ("GET", "/v1/encoder", 404, "GET /v1/encoder: not found; this server has"),
+])
+def test_wrong_path_or_method_is_json(server, method, path, status, says):
+    req = urllib.request.Request(server[0].url + path, method=method, data=b"{}" if method == "POST" else None)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == status and e.value.headers["Content-Type"] == "application/json"
+    err = json.loads(e.value.read())
+    assert err["error"].startswith(says) and err["index"] is None, err
+    if status == 405:  # the methods the path takes, as HTTP asks
+        assert e.value.headers["Allow"] in ("POST", "GET, HEAD", "GET")
 
 
 def test_too_large_and_undecodable(server):
@@ -364,3 +381,10 @@ def test_glmvit_encode_writes_the_vllm_layout_too(tmp_path):
         assert f.get_tensor("ec_cache").dtype == ml_dtypes.bfloat16
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert next(iter(manifest["images"].values()))["sha256"] == sha
+
+
+def test_devices_with_cpu_is_refused_before_loading(capsys):
+    from glmvit_cupy.server import main as serve_main
+    assert serve_main.main(["--checkpoint", TOWER, "--cpu", "--devices", "0"]) == 2
+    assert "--cpu serves the float32 reference on the host, without a GPU: leave out --devices" in \
+        capsys.readouterr().err

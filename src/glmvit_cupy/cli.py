@@ -8,8 +8,8 @@ the image file's resolved path) and manifest.json (source, size_hw, canvas_hw, g
 shard per image; the images that failed, with why; the settings). Each batch is written to a
 temporary name and renamed, naming its images in its own metadata; the manifest is rewritten every
 few seconds and at the end: an interrupted run loses nothing it finished, and a re-run with the same
-settings skips what is done. A bad image is
-reported and skipped. Read the output with glmvit_cupy.output.read_embeddings(folder).
+settings skips what is done. A bad image is reported and skipped. Read the output with
+glmvit_cupy.output.read_embeddings(folder).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import itertools
 import os
 import sys
 import time
@@ -109,8 +110,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", type=int, default=feed.default_workers(),
                     help="threads reading and decoding images ahead of the GPU (default: the CPUs, at most 16); "
                          "each holds one decoded image (36 MB for a 12-megapixel photo)")
-    ap.add_argument("--resize", choices=RESIZE, default="gpu",
-                    help="who resizes: the GPU, bit for bit as Pillow (default), or Pillow on the host")
+    ap.add_argument("--resize", choices=RESIZE, default=None,
+                    help="who resizes: the GPU, bit for bit as Pillow (default), or Pillow on the host (--cpu's)")
     ap.add_argument("--decode", choices=DECODE, default="cpu",
                     help="who decodes JPEGs: Pillow (default) or nvImageCodec on the GPU (the gpu-decode extra; "
                          "its pixels differ slightly from Pillow's, see docs/PERFORMANCE.md)")
@@ -155,9 +156,14 @@ def main(argv=None) -> int:
         return fail("give images, --checkpoint and --out (or --inspect CHECKPOINT); see --help")
     for flag, value, low in (("--workers", args.workers, 1), ("--capacity-tokens", args.capacity_tokens, 1),
                              ("--max-image-tokens", args.max_image_tokens, 1),
-                             ("--min-image-tokens", args.min_image_tokens, 1), ("--max-pixels", args.max_pixels, 1)):
+                             ("--min-image-tokens", args.min_image_tokens, 0), ("--max-pixels", args.max_pixels, 1)):
         if value is not None and value < low:
             return fail(f"{flag} {value} must be at least {low}")
+    gpu_only = [f for f, on in (("--devices", args.devices), ("--decode gpu", args.decode == "gpu"),
+                                ("--resize gpu", args.resize == "gpu")) if on and args.cpu]
+    if gpu_only:
+        return fail(f"--cpu encodes on the host, without a GPU: leave out {' and '.join(gpu_only)}")
+    args.resize = args.resize or ("host" if args.cpu else "gpu")
     if args.capacity_tokens < args.max_image_tokens:
         return fail(f"--capacity-tokens {args.capacity_tokens} must be at least --max-image-tokens "
                     f"{args.max_image_tokens}, so that the largest image fits one pass")
@@ -255,17 +261,12 @@ def encode_all(args, todo, enc, out) -> int:
 
     def groups(stream):
         """Packed batches, one per device at a time (the replicas run a group side by side)."""
-        ready = []
-        for batch in pack(usable(stream), args.capacity_tokens, lambda item: item[3]["tokens"]):
-            ready.append(batch)
-            if len(ready) == enc.lanes:
-                yield ready
-                ready = []
-        if ready:
-            yield ready
+        batches = pack(usable(stream), args.capacity_tokens, lambda item: item[3]["tokens"])
+        while group := list(itertools.islice(batches, enc.lanes)):
+            yield group
 
     one = preparer(enc.geometry, args.capacity_tokens, args.min_image_tokens, args.max_image_tokens,
-                   args.max_pixels, resize="host" if args.cpu else args.resize, decode=args.decode,
+                   args.max_pixels, resize=args.resize, decode=args.decode,
                    host_buffer=enc.host_buffer if args.resize == "gpu" else None, upload=enc.upload)
     stream = prepared(todo, args.workers, one)
 

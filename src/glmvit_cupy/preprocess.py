@@ -95,10 +95,11 @@ def check_max_pixels(max_pixels):
 
 
 def check_token_limits(min_image_tokens, max_image_tokens) -> tuple[int, int]:
-    """The per-image token limits as given: positive integers (a bool is not one), returned as ints."""
-    for name, v in (("min_image_tokens", min_image_tokens), ("max_image_tokens", max_image_tokens)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive integer")
+    """The per-image token limits as given, returned as ints: the minimum an integer >= 0 (0: no
+    minimum, as the reference allows), the maximum a positive integer; a bool is neither."""
+    for name, v, low in (("min_image_tokens", min_image_tokens, 0), ("max_image_tokens", max_image_tokens, 1)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < low:
+            raise ValueError(f"{name}={v!r} must be an integer of at least {low}")
     return int(min_image_tokens), int(max_image_tokens)
 
 

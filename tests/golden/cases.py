@@ -51,6 +51,9 @@ def images(tmpdir):
     z["rgb_28x28"] = Image.fromarray(_noise(28, 28, seed=7))
     z["rgb_56x56_exact"] = Image.fromarray(_smooth(56, 56, seed=8))
     z["rgb_300x200_min300"] = (Image.fromarray(_smooth(300, 200, seed=9)), {"min_image_tokens": 300})
+    z["rgb_20x30_min0"] = (Image.fromarray(_noise(20, 30, seed=25)), {"min_image_tokens": 0})  # no upscale
+    z["rgb_900x700_min0_max100"] = (Image.fromarray(_smooth(900, 700, seed=26)),
+                                    {"min_image_tokens": 0, "max_image_tokens": 100})
     z["gray_L"] = Image.fromarray(_noise(90, 70, c=0, seed=10))
     rgba = _noise(64, 96, c=4, seed=11)
     z["rgba"] = Image.fromarray(rgba, "RGBA")

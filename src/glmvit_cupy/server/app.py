@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -187,8 +188,15 @@ def create_app(load_backend, settings: Settings) -> Starlette:
 
         return Response(save(out, metadata={"images": json.dumps(meta)}), media_type="application/octet-stream")
 
-    app = Starlette(routes=[Route("/health", health), Route("/metrics", metrics_text),
-                            Route("/v1/encode", encode, methods=["POST"])], lifespan=lifespan)
+    routes = [Route("/health", health), Route("/metrics", metrics_text), Route("/v1/encode", encode, methods=["POST"])]
+    offered = ", ".join(f"{'/'.join(sorted(r.methods - {'HEAD'}))} {r.path}" for r in routes)
+
+    async def http_error(request, exc):  # a wrong path or method: JSON, as every other error a client gets
+        return JSONResponse({"error": f"{request.method} {request.url.path}: {exc.detail.lower()}; this server "
+                                      f"has {offered}", "index": None}, status_code=exc.status_code,
+                            headers=exc.headers)
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.glmvit = state
     app.state.metrics = metrics
     return app

@@ -61,6 +61,10 @@ def main(argv=None) -> int:
         if value < 1:
             print(f"glmvit-serve: {flag} {value} must be at least 1", file=sys.stderr)
             return 2
+    if args.cpu and args.devices:
+        print("glmvit-serve: --cpu serves the float32 reference on the host, without a GPU: leave out --devices",
+              file=sys.stderr)
+        return 2
     try:
         devices = device_list(args.devices) if args.devices else None
         binding = bind_tower(args.checkpoint)
