@@ -176,7 +176,7 @@ def test_wrong_path_or_method_is_json(server, method, path, status, says):
     err = json.loads(e.value.read())
     assert err["error"].startswith(says) and err["index"] is None, err
     if status == 405:  # the methods the path takes, as HTTP asks
-        assert e.value.headers["Allow"] in ("POST", "GET, HEAD", "GET")
+        assert {m.strip() for m in e.value.headers["Allow"].split(",")} in ({"POST"}, {"GET", "HEAD"})
 
 
 def test_too_large_and_undecodable(server):
