@@ -1,6 +1,6 @@
 """Random images through the GPU model: encode(images), with the resize on the GPU and on the host, each
 bit-equal to encode_pixels(*preprocess(image)). The small golden tower; random sizes (1 to ~3,500 px a side),
-modes, files (PNG, JPEG, GIF) and PIL objects, four token limits. Prints each mismatch and a count.
+modes, files (PNG, JPEG, GIF) and PIL objects, three token minimums (0 among them) and four maximums. Prints each mismatch and a count.
 
     python tools/fuzz_gpu_resize.py [seed] [count]      e.g. 11 400: ~20 s on the H200"""
 import os, sys, tempfile, time
@@ -39,13 +39,14 @@ for i in range(N):
     batch.append(item)
     if len(batch) == 4 or i == N - 1:
         hi = int(rng.choice([64, 300, 1000, 2000]))
-        want = [m.encode_pixels(*preprocess([x], max_image_tokens=hi)).get() for x in batch]
+        lo = int(rng.choice([0, 16, 300]))  # 0: no minimum (small images stay small)
+        want = [m.encode_pixels(*preprocess([x], min_image_tokens=lo, max_image_tokens=hi)).get() for x in batch]
         for resize in ("gpu", "host"):
-            got = [o.get() for o in m.encode(batch, max_image_tokens=hi, resize=resize, workers=3)]
+            got = [o.get() for o in m.encode(batch, min_image_tokens=lo, max_image_tokens=hi, resize=resize, workers=3)]
             for x, a, b in zip(batch, got, want):
                 if a.shape != b.shape or not np.array_equal(a.view(np.uint16), b.view(np.uint16)):
                     bad += 1
-                    print("MISMATCH", resize, hi, x if isinstance(x, str) else (x.mode, x.size), a.shape, b.shape)
+                    print("MISMATCH", resize, lo, hi, x if isinstance(x, str) else (x.mode, x.size), a.shape, b.shape)
         groups += 1
         batch = []
 print(f"GPU resize fuzz: {N} images in {groups} batches x 2 resize modes, mismatches {bad}, {time.time() - t0:.0f} s")
