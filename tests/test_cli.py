@@ -162,6 +162,12 @@ def test_gpu_flags_with_cpu_are_refused_not_ignored(images, tmp_path, capsys, fl
     assert not out.exists()  # refused before the output folder is made
 
 
+def test_backend_refuses_devices_with_cpu():
+    from glmvit_cupy.backend import Backend
+    with pytest.raises(ValueError, match=r"cpu=True runs the float32 reference on the host, devices=\[0\] chooses"):
+        Backend(bind_tower(cases.TOWER_DIR), cpu=True, devices=[0])
+
+
 def test_min_image_tokens_zero_is_no_minimum(images, tmp_path, capsys):
     assert run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o", "--cpu",
                 "--min-image-tokens", -1]) == 2

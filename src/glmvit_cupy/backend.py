@@ -19,6 +19,9 @@ class Backend:
         graphs that passes packed full of such images replay (GlmVit.precapture)."""
         import ml_dtypes
 
+        if cpu and devices:
+            raise ValueError(f"Backend: cpu=True runs the float32 reference on the host, devices={devices!r} chooses "
+                             "GPUs: give one or the other")
         self.geometry = binding.geometry
         self.capacity_tokens = capacity_tokens
         self.cpu = cpu
