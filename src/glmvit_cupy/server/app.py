@@ -192,9 +192,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     offered = ", ".join(f"{'/'.join(sorted(r.methods - {'HEAD'}))} {r.path}" for r in routes)
 
     async def http_error(request, exc):  # a wrong path or method: JSON, as every other error a client gets
-        return JSONResponse({"error": f"{request.method} {request.url.path}: {exc.detail.lower()}; this server "
-                                      f"has {offered}", "index": None}, status_code=exc.status_code,
-                            headers=exc.headers)
+        hint = f"; this server has {offered}" if exc.status_code in (404, 405) else ""
+        return JSONResponse({"error": f"{request.method} {request.url.path}: {str(exc.detail).lower()}{hint}",
+                             "index": None}, status_code=exc.status_code, headers=exc.headers)
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.glmvit = state
