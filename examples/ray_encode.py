@@ -50,10 +50,14 @@ def main(argv=None) -> int:
     ap.add_argument("--address", default=None, help="Ray cluster address (e.g. auto); default: a local Ray")
     ap.add_argument("--cpu", action="store_true", help="the float32 reference in CPU actors (slow; no GPU)")
     ap.add_argument("--concurrency", type=int, default=None, help="encoder actors (default: one per GPU)")
-    ap.add_argument("--num-gpus", type=float, default=1, help="GPUs per encoder actor (default 1)")
+    ap.add_argument("--num-gpus", type=float, default=None, help="GPUs per encoder actor (default 1; not with --cpu)")
     ap.add_argument("--capacity-tokens", type=int, default=8000, help="tokens per forward pass (default 8000)")
     ap.add_argument("--max-image-tokens", type=int, default=8000, help="per-image token limit (default 8000)")
     args = ap.parse_args(argv)
+    if args.cpu and args.num_gpus is not None:
+        ap.error("--num-gpus with --cpu: the float32 reference runs in CPU actors that use no GPU; drop one of them")
+    if args.num_gpus is not None and not 0 < args.num_gpus < float("inf"):
+        ap.error(f"--num-gpus {args.num_gpus:g}: GPUs per encoder actor must be above 0 (0.5: two actors share one)")
 
     import ray
 

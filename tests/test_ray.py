@@ -77,6 +77,20 @@ def test_encode_dataset_checks_its_arguments(local_ray):
         gvr.encode_dataset(ds, "/nonexistent/ckpt", cpu=True, bytes_column="data")
     with pytest.raises(ValueError, match="has 0 GPUs.*cpu=True"):  # this local Ray has none
         gvr.encode_dataset(ds, TOWER, bytes_column="data")
+    with pytest.raises(ValueError, match=r"num_gpus=1 with cpu=True.*drop num_gpus"):  # not ignored
+        gvr.encode_dataset(ds, TOWER, cpu=True, num_gpus=1, bytes_column="data")
+    for bad in (0, -1, float("nan"), float("inf"), "1", True):  # 0 divided the cluster's GPUs by zero
+        with pytest.raises(ValueError, match="must be a number above 0"):
+            gvr.encode_dataset(ds, TOWER, num_gpus=bad, bytes_column="data")
+
+
+def test_example_refuses_num_gpus_with_cpu(capsys):
+    import ray_encode
+
+    for argv, says in ((["--cpu", "--num-gpus", "1"], "--num-gpus with --cpu"), (["--num-gpus", "0"], "above 0")):
+        with pytest.raises(SystemExit) as e:
+            ray_encode.main(["imgs", "--checkpoint", TOWER, "--out", "out"] + argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_example_writes_parquet_and_resumes(local_ray, folder, tmp_path, capsys):

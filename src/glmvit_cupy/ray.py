@@ -107,13 +107,14 @@ def embedding_bytes(batch):
     return batch
 
 
-def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = False, num_gpus: float = 1,
+def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = False, num_gpus: float | None = None,
                    concurrency: int | None = None, capacity_tokens: int = 8000, min_image_tokens: int = 16,
                    max_image_tokens: int = DEFAULT_MAX_IMAGE_TOKENS, max_pixels: int | None = None,
                    batch_size: int = 16):
     """A Ray Dataset with one image file per row (its bytes in `bytes_column`) -> the same rows with
-    tokens, grid_thw, embedding and error (see the module's docstring). `concurrency`: encoder actors
-    (default: as many as the cluster's GPUs allow at `num_gpus` each; 1 with cpu=True)."""
+    tokens, grid_thw, embedding and error (see the module's docstring). `num_gpus`: GPUs per encoder actor
+    (default 1; a fraction shares a GPU; not with cpu=True, whose actors use none). `concurrency`: encoder
+    actors (default: as many as the cluster's GPUs allow at `num_gpus` each; 1 with cpu=True)."""
     import ray
 
     from .checkpoint import bind_tower
@@ -121,6 +122,14 @@ def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = F
     if bytes_column not in ds.columns():
         raise ValueError(f"the dataset has no column {bytes_column!r} (it has {ds.columns()}); "
                          "ray.data.read_binary_files(..., include_paths=True) gives 'bytes' and 'path'")
+    if cpu and num_gpus is not None:
+        raise ValueError(f"num_gpus={num_gpus!r} with cpu=True: the float32 reference runs in CPU actors that use no "
+                         "GPU; drop num_gpus, or drop cpu=True to encode on GPUs")
+    if num_gpus is None:
+        num_gpus = 1
+    elif isinstance(num_gpus, bool) or not isinstance(num_gpus, (int, float)) or not 0 < num_gpus < float("inf"):
+        raise ValueError(f"num_gpus={num_gpus!r}: GPUs per encoder actor must be a number above 0 "
+                         "(1: a GPU each, 0.5: two actors share one)")
     min_image_tokens, max_image_tokens = image_limits(capacity_tokens, min_image_tokens, max_image_tokens)
     bind_tower(checkpoint)  # a bad checkpoint fails here, on the driver, not in every actor
     gpus = ray.cluster_resources().get("GPU", 0)
