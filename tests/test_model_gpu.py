@@ -40,6 +40,15 @@ def small():
     return GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=600)
 
 
+def test_a_device_that_is_not_here_is_refused_by_name():
+    count = cupy.cuda.runtime.getDeviceCount()
+    binding = bind_tower(cases.TOWER_DIR)
+    for bad in (count, -1, True, "0", 0.0):
+        with pytest.raises(ValueError, match=rf"device={bad!r} is not a CUDA device of this machine \(it has {count}"):
+            GlmVit(binding, device=bad, capacity_tokens=64)
+    assert GlmVit(binding, device=np.int64(0), capacity_tokens=64).device.id == 0
+
+
 @pytest.mark.parametrize("name", GOLDEN)
 def test_golden_vs_hf_fp32(small, name):
     pv, grid, want = G[f"{name}/pixel_values"], G[f"{name}/grid_thw"], G[f"{name}/hf_fp32"]

@@ -66,6 +66,12 @@ class GlmVit:
                  attention_variant: str | None = None, graphs: bool = True, max_image_tokens: int | None = None,
                  fused_swiglu: bool | None = None, tune_gemms: bool = True):
         gpu.require()  # no GPU, driver or CUDA library: GpuUnavailable saying which, not a CUDA error
+        if device is not None:  # before CUDA's bare "invalid device ordinal" from the first call on it
+            count = cupy.cuda.runtime.getDeviceCount()
+            if not isinstance(device, (int, np.integer)) or isinstance(device, bool) or not 0 <= device < count:
+                raise ValueError(f"device={device!r} is not a CUDA device of this machine (it has {count}: "
+                                 f"ordinals 0..{count - 1}); for several GPUs use glmvit_cupy.Replicas")
+            device = int(device)
         g = binding.geometry
         self.geometry: VisionGeometry = g
         self.capacity_tokens = _capacity(capacity_tokens, max_image_tokens)
