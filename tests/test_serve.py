@@ -388,3 +388,21 @@ def test_devices_with_cpu_is_refused_before_loading(capsys):
     assert serve_main.main(["--checkpoint", TOWER, "--cpu", "--devices", "0"]) == 2
     assert "--cpu serves the float32 reference on the host, without a GPU: leave out --devices" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--max-pixels", "-3"], "--max-pixels -3 must be at least 1"),
+    (["--port", "70000"], "--port 70000 is not a TCP port"),
+    (["--max-wait-ms", "-1"], "--max-wait-ms -1 must be a finite number of at least 0"),
+    (["--max-wait-ms", "inf"], "--max-wait-ms inf must be a finite"),
+    (["--cache-mib", "-5"], "--cache-mib -5 must be a finite number of at least 0"),
+    (["--max-body-mib", "0"], "--max-body-mib 0 must be a finite number above 0"),
+    (["--max-image-mib", "nan"], "--max-image-mib nan must be a finite number above 0"),
+    (["--max-queue", "0"], "--max-queue 0 must be at least 1"),
+])
+def test_bad_settings_are_refused_at_start_not_per_request(capsys, flags, says):
+    """An operator's bad flag stops the server before it loads (before: --max-pixels -3 served, and every
+    request got a 422 as if the client were wrong; --port 70000 a traceback)."""
+    from glmvit_cupy.server import main as serve_main
+    assert serve_main.main(["--checkpoint", TOWER, "--cpu"] + flags) == 2
+    assert says in capsys.readouterr().err

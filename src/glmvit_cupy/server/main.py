@@ -40,6 +40,28 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_settings(args) -> str | None:
+    """What is wrong with the numeric flags, or None."""
+    import math
+
+    for flag, value in (("--capacity-tokens", args.capacity_tokens), ("--max-queue", args.max_queue),
+                        ("--decode-workers", args.decode_workers)):
+        if value < 1:
+            return f"{flag} {value} must be at least 1"
+    if args.max_pixels is not None and args.max_pixels < 1:
+        return (f"--max-pixels {args.max_pixels} must be at least 1 (pixels an image may have before it is refused "
+                "as a decompression bomb); leave it out for Pillow's own limit")
+    if not 0 <= args.port <= 65535:
+        return f"--port {args.port} is not a TCP port: 0..65535 (0: any free port)"
+    for flag, value, least in (("--max-wait-ms", args.max_wait_ms, 0.0), ("--cache-mib", args.cache_mib, 0.0)):
+        if not (math.isfinite(value) and value >= least):
+            return f"{flag} {value:g} must be a finite number of at least {least:g}"
+    for flag, value in (("--max-body-mib", args.max_body_mib), ("--max-image-mib", args.max_image_mib)):
+        if not (math.isfinite(value) and value > 0):
+            return f"{flag} {value:g} must be a finite number above 0"
+    return None
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -56,11 +78,10 @@ def main(argv=None) -> int:
     from ..errors import CheckpointError
     from .app import Settings, create_app
 
-    for flag, value in (("--capacity-tokens", args.capacity_tokens), ("--max-queue", args.max_queue),
-                        ("--decode-workers", args.decode_workers)):
-        if value < 1:
-            print(f"glmvit-serve: {flag} {value} must be at least 1", file=sys.stderr)
-            return 2
+    why = check_settings(args)
+    if why:  # the operator's mistake, said at start: not a 422 blaming every client later
+        print(f"glmvit-serve: {why}", file=sys.stderr)
+        return 2
     if args.cpu and args.devices:
         print("glmvit-serve: --cpu serves the float32 reference on the host, without a GPU: leave out --devices",
               file=sys.stderr)
