@@ -36,25 +36,37 @@ def random_checkpoint():
 
 
 def save(path, names, arrays):
-    if path.endswith(".safetensors"):
+    if path.endswith(".safetensors"):  # else .npy (run() checked)
         from safetensors.numpy import save_file
 
-        save_file({n: np.ascontiguousarray(a) for n, a in zip(names, arrays)}, path)
-    elif path.endswith(".npy"):
-        np.save(path, np.concatenate(arrays).astype(np.float32))  # NumPy files cannot hold bf16
+        keys = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]  # one tensor an image
+        save_file({k: np.ascontiguousarray(a) for k, a in zip(keys, arrays)}, path)
     else:
-        raise SystemExit(f"--save {path}: use a .safetensors or .npy file name")
+        np.save(path, np.concatenate(arrays).astype(np.float32))  # NumPy files cannot hold bf16
     print(f"saved {len(arrays)} embedding(s) to {path}")
 
 
-def main():
+def main(argv=None) -> int:
+    """0, or 2 with one line on stderr for a bad image, checkpoint, flag or an unusable GPU."""
+    from glmvit_cupy import GpuOutOfMemory, GpuUnavailable
+
+    try:
+        return run(argv)
+    except (ValueError, OSError, GpuUnavailable, GpuOutOfMemory) as e:  # ImageError, CheckpointError: ValueErrors
+        print(f"encode_image.py: {e}", file=sys.stderr)
+        return 2
+
+
+def run(argv) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("images", nargs="*", help="image files (default: the bundled photo)")
     ap.add_argument("--checkpoint", help="GLM-5.3 checkpoint directory (default: random weights, said loudly)")
     ap.add_argument("--save", help="write embeddings to a .safetensors (bf16, one tensor per image) or .npy file")
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference even if a GPU exists")
     ap.add_argument("--max-image-tokens", type=int, default=8000, help="per-image token limit (default 8000)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.save and not args.save.endswith((".safetensors", ".npy")):  # said before any work, not after it
+        ap.error(f"--save {args.save}: use a .safetensors or .npy file name")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     images = args.images or [PHOTO]
     if args.checkpoint:
@@ -63,6 +75,7 @@ def main():
         print("!! no --checkpoint given: using RANDOM weights of the official geometry; "
               "the embeddings are meaningless, the shapes and timings are real !!")
         ckpt = random_checkpoint()
+    bind_tower(ckpt)  # a bad checkpoint is said before the images are read
     why = "--cpu given" if args.cpu else gpu.problem()
 
     t = time.perf_counter()
@@ -105,7 +118,8 @@ def main():
         print(f"{info['source']}: embeddings {a.shape} {a.dtype}, mean {f.mean():+.4f}, std {f.std():.4f}")
     if args.save:
         save(args.save, [info["source"] for _, _, info in prepared], arrays)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""examples/encode_image.py without a GPU (--cpu): the README's main command on the golden tower, its
+embeddings equal to the float32 reference's, and one line with exit status 2 for what a user gets wrong."""
+
+import os
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from PIL import Image
+
+from glmvit_cupy import bind_tower, preprocess, reference
+from tests.golden import cases
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import encode_image  # noqa: E402
+
+TOWER = str(cases.TOWER_DIR)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ex")
+    paths = []
+    for i, (h, w) in enumerate([(100, 150), (70, 64)]):
+        paths.append(str(d / f"im{i}.png"))
+        Image.fromarray(cases._smooth(h, w, 300 + i)).save(paths[-1])
+    return paths
+
+
+def reference_bf16(paths):
+    pv, grid = preprocess(paths)
+    return reference.encode_pixels(bind_tower(TOWER), pv, grid).astype(ml_dtypes.bfloat16)
+
+
+def test_cpu_run_saves_what_the_reference_computes(images, tmp_path, capsys):
+    from safetensors.numpy import load_file
+
+    out = str(tmp_path / "e.safetensors")
+    paths = images + images[:1]  # the same file twice: two tensors, not one
+    assert encode_image.main(paths + ["--checkpoint", TOWER, "--cpu", "--save", out]) == 0
+    assert "float32 NumPy reference runs on the CPU" in capsys.readouterr().out
+    got = load_file(out)
+    assert len(got) == 3
+    want = reference_bf16(paths)
+    flat = np.concatenate([got[k] for k in (images[0] + "#0", images[1], images[0] + "#2")])
+    assert flat.dtype == ml_dtypes.bfloat16 and np.array_equal(flat.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["/nonexistent.jpg"], "/nonexistent.jpg: no such file"),
+    (["README.md"], "README.md: cannot decode image"),
+    (["{img}", "--max-image-tokens", "0"], "max_image_tokens=0 is too small"),
+    (["{img}", "--checkpoint", "/nonexistent"], "/nonexistent: no such file or directory"),
+    (["{img}", "--save", "/nonexistent-dir/e.npy"], "No such file or directory"),
+])
+def test_mistakes_are_one_line_and_status_2(images, capsys, argv, says):
+    argv = [a.format(img=images[0]) for a in argv]
+    if "--checkpoint" not in argv:
+        argv += ["--checkpoint", TOWER]
+    assert encode_image.main(argv + ["--cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("encode_image.py: ") and says in err and "Traceback" not in err
+
+
+def test_a_bad_save_name_is_refused_before_any_work(images, capsys):
+    with pytest.raises(SystemExit) as e:
+        encode_image.main([images[0], "--checkpoint", "/nonexistent", "--save", "e.txt"])
+    assert e.value.code == 2 and "--save e.txt: use a .safetensors or .npy file name" in capsys.readouterr().err
