@@ -168,6 +168,21 @@ def test_backend_refuses_devices_with_cpu():
         Backend(bind_tower(cases.TOWER_DIR), cpu=True, devices=[0])
 
 
+def test_backend_checks_its_limits_before_loading():
+    """Either path: the CPU one used to take any capacity (0, -5, 1.5, "8000"), the GPU one said a bad
+    image_tokens only after loading every replica."""
+    from glmvit_cupy.backend import Backend
+    binding = bind_tower(cases.TOWER_DIR)
+    for cpu in (True, False):
+        for bad in (0, -5, 1.5, True, "8000"):
+            with pytest.raises(ValueError, match=rf"capacity_tokens={bad!r} must be a positive integer"):
+                Backend(binding, cpu=cpu, capacity_tokens=bad)
+        for bad in (0, 2.0, False, "64"):
+            with pytest.raises(ValueError, match=rf"image_tokens={bad!r} must be a positive integer"):
+                Backend(binding, cpu=cpu, image_tokens=bad)
+    assert Backend(binding, cpu=True, capacity_tokens=np.int64(64), image_tokens=16).capacity_tokens == 64
+
+
 def test_min_image_tokens_zero_is_no_minimum(images, tmp_path, capsys):
     assert run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o", "--cpu",
                 "--min-image-tokens", -1]) == 2
