@@ -223,8 +223,14 @@ def test_preparing_threads_give_every_image_and_error_once(images, tmp_path):
     many = list(cli.prepared(paths, 4, _preparer()))
     assert [p for p, _ in one] == paths and sorted(p for p, _ in many) == sorted(paths)
     many_by_path = dict(many)
-    for p, a in one:
+    for p, a in one:  # each image alike whichever thread prepared it, errors included
         b = many_by_path[p]
+        if isinstance(a, Exception):
+            assert type(b) is type(a) and str(b) == str(a)
+        else:
+            (ia, ga, fa), sha_a = a
+            (ib, gb, fb), sha_b = b
+            assert np.array_equal(ia, ib) and ga == gb and fa == fb and sha_a == sha_b
     for resize in ("host", "gpu"):  # the GPU's input is the decoded image, the host's the canvas
         (_, ((img, grid, info), _)), = cli.prepared(paths[:1], 2, _preparer(resize))
         assert info["resize"] == resize and img.shape[:2] == (tuple(info["canvas"]) if resize == "host"
