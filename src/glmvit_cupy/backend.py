@@ -22,13 +22,11 @@ class Backend:
         if cpu and devices:
             raise ValueError(f"Backend: cpu=True runs the float32 reference on the host, devices={devices!r} chooses "
                              "GPUs: give one or the other")
-        from .batching import check_capacity
+        from .batching import check_capacity, check_positive
 
         capacity_tokens = check_capacity(capacity_tokens)  # either path, before any load
-        if image_tokens is not None and (isinstance(image_tokens, bool) or
-                                         not isinstance(image_tokens, (int, np.integer)) or image_tokens < 1):
-            raise ValueError(f"Backend: image_tokens={image_tokens!r} must be a positive integer (the most tokens "
-                             "an image will have) or None")
+        if image_tokens is not None:
+            check_positive("Backend: image_tokens", image_tokens, " (the most tokens an image will have) or None")
         self.geometry = binding.geometry
         self.capacity_tokens = capacity_tokens
         self.cpu = cpu

@@ -15,19 +15,24 @@ import numpy as np
 from . import feed
 from .config import VisionGeometry
 from .preprocess import (FACTOR, MERGE, PATCH, TEMPORAL, check_max_pixels, check_resize,
-                         check_token_limits, prepare_canvas)
+                         check_token_limits, is_integer, prepare_canvas)
 
 DEFAULT_MAX_IMAGE_TOKENS = 8000  # the reference processor's default per-image limit
 DECODE = ("cpu", "gpu")  # who decodes JPEGs: Pillow, or nvImageCodec (the gpu-decode extra)
 T = TypeVar("T")
 
 
+def check_positive(name: str, value, why: str = "") -> int:
+    """value as an int, or ValueError: "{name}={value!r} must be a positive integer{why}"."""
+    if not is_integer(value) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer{why}")
+    return int(value)
+
+
 def check_capacity(capacity_tokens) -> int:
     """capacity_tokens as an int, or ValueError saying what it must be."""
-    if not isinstance(capacity_tokens, (int, np.integer)) or isinstance(capacity_tokens, bool) or capacity_tokens < 1:
-        raise ValueError(f"capacity_tokens={capacity_tokens!r} must be a positive integer: the tokens one forward "
-                         "pass holds (the scratch is sized from it)")
-    return int(capacity_tokens)
+    return check_positive("capacity_tokens", capacity_tokens,
+                          ": the tokens one forward pass holds (the scratch is sized from it)")
 
 
 def check_grid(grid_thw) -> np.ndarray:
@@ -164,7 +169,7 @@ def check_devices(devices, count: int) -> list[int]:
     if not out:
         raise ValueError("devices=[]: give at least one CUDA device ordinal")
     for d in out:
-        if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or not 0 <= d < count:
+        if not is_integer(d) or not 0 <= d < count:
             raise ValueError(f"devices={out!r}: {d!r} is not a CUDA device of this machine "
                              f"(it has {count}: ordinals 0..{count - 1})")
     return [int(d) for d in out]

@@ -85,10 +85,15 @@ def check_resize(resize) -> str:
     return resize
 
 
+def is_integer(v) -> bool:
+    """An int or a NumPy integer, and not a bool (which Python counts as an int): what every count the
+    library takes must be."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
 def check_max_pixels(max_pixels):
     """The decompression-bomb limit as given: None (Pillow's own) or a positive integer of pixels."""
-    if max_pixels is not None and (not isinstance(max_pixels, (int, np.integer)) or isinstance(max_pixels, bool)
-                                   or max_pixels < 1):
+    if max_pixels is not None and (not is_integer(max_pixels) or max_pixels < 1):
         raise ValueError(f"max_pixels={max_pixels!r} must be a positive integer (pixels an encoded image may have "
                          "before it is refused as a decompression bomb) or None for Pillow's own limit")
     return max_pixels
@@ -98,7 +103,7 @@ def check_token_limits(min_image_tokens, max_image_tokens) -> tuple[int, int]:
     """The per-image token limits as given, returned as ints: the minimum an integer >= 0 (0: no
     minimum, as the reference allows), the maximum a positive integer; a bool is neither."""
     for name, v, low in (("min_image_tokens", min_image_tokens, 0), ("max_image_tokens", max_image_tokens, 1)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < low:
+        if not is_integer(v) or v < low:
             raise ValueError(f"{name}={v!r} must be an integer of at least {low}")
     return int(min_image_tokens), int(max_image_tokens)
 

@@ -19,7 +19,7 @@ import numpy as np
 from .. import batching, gpu
 from ..checkpoint import TowerBinding, bind_tower
 from ..config import VisionGeometry
-from ..preprocess import value_table
+from ..preprocess import is_integer, value_table
 from . import arena, fused, gemm_tune, layers, params
 from .attention import check_variant, default_variants, score_bound_log2, value_bound_log2
 from .budgets import full_pass_budgets
@@ -68,7 +68,7 @@ class GlmVit:
         gpu.require()  # no GPU, driver or CUDA library: GpuUnavailable saying which, not a CUDA error
         if device is not None:  # before CUDA's bare "invalid device ordinal" from the first call on it
             count = cupy.cuda.runtime.getDeviceCount()
-            if not isinstance(device, (int, np.integer)) or isinstance(device, bool) or not 0 <= device < count:
+            if not is_integer(device) or not 0 <= device < count:
                 raise ValueError(f"device={device!r} is not a CUDA device of this machine (it has {count}: "
                                  f"ordinals 0..{count - 1}); for several GPUs use glmvit_cupy.Replicas")
             device = int(device)
@@ -162,12 +162,10 @@ class GlmVit:
         threads decode photos (measured, docs/PERFORMANCE.md), and a stream's first passes run exactly
         then. glmvit-encode, the server and Ray do this for their image limit; encode() does not (a
         library call's shapes are not known ahead)."""
-        if isinstance(max_image_tokens, bool) or not isinstance(max_image_tokens, (int, np.integer)) or \
-                max_image_tokens < 1:
-            raise ValueError(f"precapture: max_image_tokens={max_image_tokens!r} must be a positive integer")
+        max_image_tokens = batching.check_positive("precapture: max_image_tokens", max_image_tokens)
         if not (self.graphs and self.executor.blas.capturable):
             return []
-        image = 4 * min(int(max_image_tokens), self.capacity_tokens)
+        image = 4 * min(max_image_tokens, self.capacity_tokens)
         ready = []
         with self.device:
             self.arena()  # allocated outside the capture

@@ -10,6 +10,7 @@ flight, exit 0.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -42,8 +43,6 @@ def parser() -> argparse.ArgumentParser:
 
 def check_settings(args) -> str | None:
     """What is wrong with the numeric flags, or None."""
-    import math
-
     for flag, value in (("--capacity-tokens", args.capacity_tokens), ("--max-queue", args.max_queue),
                         ("--decode-workers", args.decode_workers)):
         if value < 1:
