@@ -73,7 +73,8 @@ def main():
        CHUNK * I * (4 + 2))
     bw("activations.bias_to_bf16 [8000x4096]", lambda: ops.add_bias_to_bf16(y, bo, yb), N // 4 * O * 6)
     pf, pb = rnd((N, 1176)), cupy.empty((N, 1176), BF)
-    bw("activations.f32_to_bf16 [32000x1176]", lambda: ops.to_bf16(pf, pb), N * 1176 * 6)
+    on, real = cupy.ones(1, np.int32), cupy.full(1, N, np.int32)
+    bw("activations.pixels_to_bf16 [32000x1176]", lambda: ops.cast_pixels(on, real, pf, pb), N * 1176 * 6)
     canvas = cupy.asarray(np.random.default_rng(1).integers(0, 256, (2240, 2800, 3), dtype=np.uint8))
     values = cupy.asarray(np.random.default_rng(2).random((3, 256), dtype=np.float32))
     bw("pixels.patchify_u8 [2240x2800 canvas]", lambda: ops.patchify(canvas, values, pb, 2, 14),

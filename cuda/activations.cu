@@ -1,4 +1,4 @@
-// Clamped SwiGLU (blocks and merger) and the element-wise epilogues: bias + bf16, float32 -> bf16.
+// Clamped SwiGLU (blocks and merger) and the element-wise epilogues: bias + bf16, the pixels' float32 -> bf16.
 //
 // Napkin math (8000 tokens = 32,000 patches; H200 HBM 4.8 TB/s). All memory-bound (a handful of FLOP
 // and one exp an output element against 6 bytes moved):
@@ -9,7 +9,7 @@
 //   bias_to_bf16, the merger's 8,000 x 4,096 downsample output: 6 B an element, 197 MB, 41 us.
 //     Measured: 117 us, 1.7 TB/s (35%), one element a thread; timed alone (kernel_ms,
 //     1495f37): 100.6 us one a thread, 49.9 (3.9 TB/s) four a thread.
-//   f32_to_bf16, 32,000 x 1,176 float32 pixel rows (encode_pixels from float32): 226 MB, 47 us.
+//   pixels_to_bf16 (was f32_to_bf16), 32,000 x 1,176 float32 pixel rows (encode_pixels from float32): 226 MB, 47 us.
 //     Measured: 121 us, 1.9 TB/s (39%), one element a thread; timed alone (kernel_ms,
 //     1495f37): 105.5 us one a thread, 55.4 (4.1 TB/s) four a thread.
 //     Both are under 0.1% of a large forward; at 448² each is one of ~200 kernels (5-6 us under ncu).
@@ -109,9 +109,16 @@ extern "C" __global__ void bias_to_bf16(const float* __restrict__ y, const bf16*
         out[i] = __float2bfloat16(y[i] + ldf(bias, (int)(i % cols)));
 }
 
-// out = bf16(x), for the pixel input (the reference casts pixel_values to the weight dtype). Four
+// The forward's first kernel, inside its CUDA graph: the call's float32 pixel rows -> bf16 (the reference
+// casts pixel_values to the weight dtype), so a float32 call needs no launch of its own between the host's
+// checks and the graph (a CuPy launch there cost ~49 us of host time at 448², the GPU idle; tools/host_share.py).
+// *cast == 0: the staging wrote bf16 rows itself (encode(images), bf16 input); nothing to do. *rows: the
+// call's real rows (the plan's last segment bound), so a budget's padding rows keep what they held. Four
 // elements a thread where x and out are aligned for it, then the last n % 4 one a thread.
-extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ out, long n) {
+extern "C" __global__ void pixels_to_bf16(const int* __restrict__ cast, const int* __restrict__ rows,
+                                          const float* __restrict__ x, bf16* __restrict__ out, long cols) {
+    if (*cast == 0) return;
+    const long n = (long)*rows * cols;
     const long stride = (long)gridDim.x * blockDim.x, first = blockIdx.x * (long)blockDim.x + threadIdx.x;
     long done = 0;
     if ((((size_t)x & 15) | ((size_t)out & 7)) == 0) {

@@ -281,9 +281,24 @@ def test_bias_and_cast(rows, cols, shift):
     out = poison(rows * cols + shift)[shift:].reshape(rows, cols)
     ops.add_bias_to_bf16(yd, dev(b), out)
     assert np.array_equal(cupy.asnumpy(out), (y + b.astype(np.float32)).astype(BF))
-    out2 = poison(rows * cols + shift)[shift:].reshape(rows, cols)
-    ops.to_bf16(yd, out2)
-    assert np.array_equal(cupy.asnumpy(out2), y.astype(BF))
+
+
+# The forward's pixel cast reads its flag and its row count on the device: cast set, all rows or the
+# first few (the rows past them keep their poison); cast clear, nothing written. Aligned (four elements a
+# thread) and shifted or odd-sized (one a thread) as above.
+@pytest.mark.parametrize("rows,cols,shift", [(129, 1176, 0), (7, 1022, 0), (5, 1176, 1), (3, 1177, 0)])
+def test_pixel_cast_reads_its_flag_and_row_count(rows, cols, shift):
+    y = rng.standard_normal((rows, cols), dtype=np.float32)
+    yd = dev(np.concatenate([np.zeros(shift, np.float32), y.ravel()]))[shift:].reshape(rows, cols)
+    for cast, real in ((1, rows), (7, rows - 2), (1, 1), (0, rows)):
+        out = poison(rows * cols + shift)[shift:].reshape(rows, cols)
+        ops.cast_pixels(dev(np.array([cast], np.int32)), dev(np.array([real], np.int32)), yd, out)
+        got = cupy.asnumpy(out)
+        written = real if cast else 0
+        assert np.array_equal(got[:written], y[:written].astype(BF)), (cast, real)
+        assert np.isnan(got[written:].astype(np.float32)).all(), (cast, real)
+    with pytest.raises(ValueError, match="cast_pixels"):
+        ops.cast_pixels(dev(np.array([1], np.int32)), dev(np.array([rows], np.int32)), yd, poison((rows, cols + 1)))
 
 
 # -- attention --------------------------------------------------------------------------------

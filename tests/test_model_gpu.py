@@ -736,6 +736,43 @@ def test_bf16_and_other_device_cupy_inputs(small):
     assert out.device.id == small.device.id and np.array_equal(f32(out), want)
 
 
+def test_input_kinds_in_any_order_each_stage_their_own_pixels(small, monkeypatch):
+    """float32 pixels are cast by the forward's first kernel (inside the graph) when the arena's flag says
+    so; bf16 pixels and encode(images) write bf16 rows and clear it. Any order of kinds, fresh inputs each
+    call, replayed graphs: every output equals an eager model's from NumPy float32, and the flag is written
+    only when it changes (a stale flag would cast the last float32 rows over an image's, or leave them)."""
+    from glmvit_cupy import preprocess
+
+    eager = GlmVit(bind_tower(cases.TOWER_DIR), capacity_tokens=600, graphs=False)
+    writes = []
+    real = cupy.cuda.runtime.memsetAsync
+    flag = small.arena()["pixels_cast"].data.ptr
+    monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync",
+                        lambda *a: (writes.append(a[1]) if a[0] == flag else None, real(*a)))
+    rng = np.random.default_rng()
+    kinds = ["numpy", "numpy", "image", "image", "cupy", "bf16", "float64", "image", "strided", "cupy"]
+    want_writes, held = [], small._pixels_cast
+    for kind in kinds:
+        if (kind not in ("image", "bf16")) is not held:
+            held = kind not in ("image", "bf16")
+            want_writes.append(int(held))
+    for k, kind in enumerate(kinds):
+        h, w = 2 * int(rng.integers(3, 9)), 2 * int(rng.integers(3, 9))
+        if kind == "image":
+            image = rng.integers(0, 256, (14 * h, 14 * w, 3), dtype=np.uint8)
+            pv, grid = preprocess([image], min_image_tokens=0, max_image_tokens=600)
+            got = f32(small.encode(image, min_image_tokens=0, max_image_tokens=600)[0])
+        else:
+            grid = np.array([[1, h, w]])
+            pv = rng.standard_normal((h * w, 1176)).astype(ml_dtypes.bfloat16)  # every kind holds these exactly
+            x = {"numpy": pv.astype(np.float32), "cupy": cupy.asarray(pv.astype(np.float32)),
+                 "bf16": cupy.asarray(pv), "float64": cupy.asarray(pv.astype(np.float64)),
+                 "strided": cupy.asarray(np.repeat(pv.astype(np.float32), 2, axis=1))[:, ::2]}[kind]
+            got = f32(small.encode_pixels(x, grid))
+        assert np.array_equal(got, f32(eager.encode_pixels(np.asarray(pv, np.float32), grid))), (k, kind)
+    assert writes == want_writes and len(writes) >= 6, writes
+
+
 def test_attention_variant_argument(official):
     binding, model, tower = official
     with pytest.raises(ValueError, match="unknown; choices: sm90_4wg"):

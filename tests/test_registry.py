@@ -19,7 +19,7 @@ def test_modules_and_kernels_the_engine_uses_exist():
     assert kernel_names("pixels") == ["patchify_u8", "resample_pass_u8", "resample_patchify_u8"]
     assert (cuda_dir() / "common.cuh").is_file()
     assert set(kernel_names("norms")) == {"rmsnorm_residual", "rmsnorm_residual_warp", "rmsnorm_im2col", "layernorm_gelu"}
-    assert set(kernel_names("activations")) == {"swiglu_clamp_bf16", "bias_to_bf16", "f32_to_bf16"}
+    assert set(kernel_names("activations")) == {"swiglu_clamp_bf16", "bias_to_bf16", "pixels_to_bf16"}
     assert kernel_names("rotary") == ["rope_table", "qk_norm_rope_bf16"]
     assert kernel_names("attention_sm90") == ["flash_fwd_sm90"]
     assert kernel_names("attention_sm80") == ["flash_fwd_sm80"]

@@ -54,7 +54,7 @@ def check_pixels(geo: VisionGeometry, pixel_values, grid_thw, capacity_tokens: i
     """(grid as int64 [images, 3], patch count) for an encode_pixels call (the GPU's, or the reference's
     with no capacity), or ValueError naming what is wrong with pixel_values or grid_thw."""
     grid = check_grid(grid_thw)
-    n = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
+    n = sum(t * h * w for t, h, w in grid.tolist())  # plain ints: a small call's host time is the GPU's idle time
     shape = tuple(getattr(pixel_values, "shape", ()))
     if len(shape) != 2 or shape[1] != geo.patch_dim:
         raise ValueError(f"pixel_values has shape {shape}; each row must be one patch of {geo.patch_dim} values "

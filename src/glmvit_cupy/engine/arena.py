@@ -35,7 +35,8 @@ def layout(g: VisionGeometry, patches: int, fused_swiglu: bool = False) -> dict:
     rows, merged = min(p, ROW_CHUNK), min(p // 4, MERGER_CHUNK)
     f32, bf = np.float32, BF16
     keep = {"residual": ((p, h), f32),        # the float32 residual stream x
-            "rope": ((p, g.head_dim), f32)}   # the batch's RoPE cos and sin (ops.rope_table)
+            "rope": ((p, g.head_dim), f32),   # the batch's RoPE cos and sin (ops.rope_table)
+            "pixels_cast": ((1,), np.int32)}  # != 0: the forward casts pixels_f32 into pixels first
     normed = {"normed": ((p, h), bf)}         # a norm's output, the next GEMM's input
     attn = {"qkv": ((p, 3 * h), bf),          # the attn.qkv GEMM's output: q and k roped in place, attention's input
             "attn_out": ((p, h), bf)}         # attention's output, attn.proj's input

@@ -25,12 +25,14 @@ LAYERNORM_EPS = 1e-5  # the merger's post_projection_norm (nn.LayerNorm's defaul
 
 
 def forward(g: VisionGeometry, w: Weights, s: Arena, plan: Plan, blas, mark=None, fused_swiglu=False):
-    """s["pixels"] (bf16 pixel_values of plan.patches rows) -> s["embeddings"] [patches / 4, out_hidden].
+    """The call's pixel rows (bf16 in s["pixels"], or float32 in s["pixels_f32"] where s["pixels_cast"] is
+    set) -> s["embeddings"] [patches / 4, out_hidden], over the plan's budget of plan.patches rows.
     mark(stage), when given, is called at each stage's end (the executor times stages with it).
     fused_swiglu: the gate/up GEMMs apply the clamped SwiGLU in their epilogue (gemm_sm90.cu, Hopper)
     instead of cuBLAS writing gate|up for a separate pass."""
     n = plan.patches
     x = s["residual"][:n]
+    ops.cast_pixels(s["pixels_cast"], plan.cu_seqlens[-1:], s["pixels_f32"][:n], s["pixels"][:n])
     patch_embed(w, s, n, blas)
     ops.rope_table(plan.positions, w.inv_freq, s["rope"][:n])  # this batch's angles, for every block's rope
     if mark:

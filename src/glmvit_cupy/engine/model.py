@@ -114,6 +114,7 @@ class GlmVit:
             self.uploads = Uploader(self.device)  # prepare threads put decoded images on this GPU through it
             self.device.synchronize()
         self._arena = None
+        self._pixels_cast = None  # what the arena's pixels_cast flag holds once the model's stream gets there
         self.weight_bytes = binding.nbytes
         self.load_seconds = time.perf_counter() - t0
         log.info("GLM vision tower bound from %s: %d tensors, %.1f MiB of BF16 uploaded in %.2f s "
@@ -183,7 +184,7 @@ class GlmVit:
             grid_thw, cupy.ndarray) else grid_thw, self.capacity_tokens)
         if isinstance(pixel_values, cupy.ndarray) and pixel_values.device.id != self.device.id:
             pixel_values = cupy.asnumpy(pixel_values)  # another GPU's array: through the host, safely ordered
-        return self._encode(grid, lambda s: stage_pixels(s["pixels_f32"][:n], s["pixels"][:n], pixel_values))
+        return self._encode(grid, n // 4, lambda s: stage_pixels(s["pixels_f32"], s["pixels"], pixel_values))
 
     def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None,
                max_pixels: int | None = None, resize: str = "gpu", decode: str = "cpu",
@@ -207,17 +208,32 @@ class GlmVit:
         output per image, in order. Each batch is launched as soon as it is packed (no host wait)."""
         results = []
         for batch in batching.pack(prepared, self.capacity_tokens, lambda item: item[2]["tokens"]):
-            out = self._encode([grid for _, grid, _ in batch], lambda s, b=batch: self.stager.images(b, s["pixels"]))
+            grids = [grid for _, grid, _ in batch]
+            out = self._encode(grids, sum(int(t) * int(h) * int(w) for t, h, w in grids) // 4,
+                               lambda s, b=batch: self._stage_images(b, s))
             row = 0
             for _, _, info in batch:
                 results.append(out[row:row + info["tokens"]])
                 row += info["tokens"]
         return results
 
-    def _encode(self, grid, stage):
-        """One forward of this grid (over its token budget), stage(arena) filling the pixel rows."""
-        tokens = int(sum(t * h * w for t, h, w in np.asarray(grid).tolist())) // 4
-        return self.executor.run(lambda: self.plans.get(grid), lambda: stage(self.arena()), self._forward,
+    def _stage_images(self, batch, s) -> bool:
+        self.stager.images(batch, s["pixels"])
+        return False  # bf16 rows written: nothing for the forward to cast
+
+    def _encode(self, grid, tokens: int, stage):
+        """One forward of this grid (`tokens` output rows, over its token budget), stage(arena) filling the
+        pixel rows and saying whether they are float32 ones for the forward to cast."""
+        def staged():
+            s = self.arena()
+            cast = bool(stage(s))
+            if cast is not self._pixels_cast:  # only these writes change the flag, all on the model's stream
+                self._pixels_cast = None  # unknown until the write is enqueued
+                cupy.cuda.runtime.memsetAsync(s["pixels_cast"].data.ptr, int(cast), 4,
+                                              cupy.cuda.get_current_stream().ptr)
+                self._pixels_cast = cast
+
+        return self.executor.run(lambda: self.plans.get(grid), staged, self._forward,
                                  lambda plan: self.arena()["embeddings"][:tokens])
 
     def _forward(self, plan, mark):

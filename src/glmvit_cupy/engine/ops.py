@@ -134,10 +134,14 @@ def add_bias_to_bf16(y, bias, out):
         grid_1d(cdiv(rows * cols, 4)), (THREADS,), (y, bias, out, np.int64(rows), np.int32(cols))))
 
 
-def to_bf16(x, out):
-    """out = bf16(x), float32 of any shape (the same size)."""
-    launch("f32 -> bf16", 0, lambda: kernel("activations", "f32_to_bf16")(
-        grid_1d(cdiv(x.size, 4)), (THREADS,), (x, out, np.int64(x.size))))
+def cast_pixels(cast, rows, x, out):
+    """out[:rows] = bf16(x[:rows]) if cast[0] != 0, else nothing: x [budget, cols] float32, out alike bf16;
+    cast and rows int32 on the device (read there, so one CUDA graph serves every call of a budget)."""
+    if x.shape != out.shape or x.dtype != np.float32 or x.ndim != 2 or not (x.flags.c_contiguous and out.flags.c_contiguous):
+        raise ValueError(f"cast_pixels: contiguous float32 x and bf16 out of one 2-D shape expected, got {x.dtype} "
+                         f"{x.shape} and {out.dtype} {out.shape}")
+    launch("pixels f32 -> bf16", 0, lambda: kernel("activations", "pixels_to_bf16")(
+        grid_1d(cdiv(x.size, 4)), (THREADS,), (cast, rows, x, out, np.int64(x.shape[1]))))
 
 
 # -- cuda/pixels.cu --------------------------------------------------------------------------------

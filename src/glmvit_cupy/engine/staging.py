@@ -1,6 +1,6 @@
-"""Inputs into the arena's bf16 pixel rows, on the model's stream and outside any CUDA graph (they
-differ per call): HF-layout pixel_values, or prepared images whose resize, pad, normalise and patchify
-run on the GPU.
+"""Inputs into the arena's pixel rows, on the model's stream and outside any CUDA graph (they differ per
+call): HF-layout pixel_values (float32 rows the forward casts, or bf16 rows), or prepared images whose
+resize, pad, normalise and patchify run on the GPU (bf16 rows).
 
 An image travels once over PCIe, as uint8 bytes (4 a pixel, as Pillow decodes them; the GPU drops the
 fourth). With one GPU the prepare threads upload their images themselves (uploads.py): this thread only
@@ -18,7 +18,7 @@ from .. import resample
 from ..images import four_channels
 from .blocks import HOST
 from .gemm import BF16
-from .ops import patchify, resample_pass, resample_patchify, to_bf16
+from .ops import patchify, resample_pass, resample_patchify
 from .uploads import Uploaded
 
 ALIGN = 256
@@ -141,15 +141,21 @@ class Stager:
         resample_patchify(last, tab, along, content, self.value_table, out, canvas, self.temporal, self.patch)
 
 
-def stage_pixels(pixels_f32, pixels, pixel_values):
-    """pixel_values (NumPy or this device's CuPy, float or bf16) -> the bf16 rows `pixels`; the float32
-    slot `pixels_f32` carries a NumPy upload before the cast on the GPU."""
-    if isinstance(pixel_values, cupy.ndarray) and pixel_values.dtype == BF16:
-        pixels[...] = pixel_values
-        return
+def stage_pixels(pixels_f32, pixels, pixel_values) -> bool:
+    """pixel_values (NumPy or this device's CuPy, float, integer or bf16; n rows) -> the first n rows of the
+    arena's slots: float32 ones into `pixels_f32` for the forward's first kernel to cast (True), or bf16
+    ones straight into `pixels` (False). A contiguous CuPy float32 or bf16 array travels by one memcpy:
+    a kernel launched here would keep the GPU idle for the host's ~50 us it takes (tools/host_share.py)."""
+    n = len(pixel_values)
     if isinstance(pixel_values, cupy.ndarray):
-        src = cupy.ascontiguousarray(pixel_values, dtype=np.float32)
-    else:
-        src = pixels_f32
-        src.set(np.ascontiguousarray(pixel_values, dtype=np.float32))
-    to_bf16(src, pixels)
+        is_bf16 = pixel_values.dtype == BF16
+        dst = pixels if is_bf16 else pixels_f32
+        if pixel_values.flags.c_contiguous and pixel_values.dtype == dst.dtype:
+            stream = cupy.cuda.get_current_stream()
+            cupy.cuda.runtime.memcpyAsync(dst.data.ptr, pixel_values.data.ptr, pixel_values.nbytes,
+                                          cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+        else:
+            dst[:n] = pixel_values  # CuPy casts and gathers on the current stream
+        return not is_bf16
+    pixels_f32[:n].set(np.ascontiguousarray(pixel_values, dtype=np.float32))
+    return True
