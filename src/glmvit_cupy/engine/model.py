@@ -226,15 +226,18 @@ class GlmVit:
         pixel rows and saying whether they are float32 ones for the forward to cast."""
         def staged():
             s = self.arena()
-            cast = bool(stage(s))
-            if cast is not self._pixels_cast:  # only these writes change the flag, all on the model's stream
-                self._pixels_cast = None  # unknown until the write is enqueued
-                cupy.cuda.runtime.memsetAsync(s["pixels_cast"].data.ptr, int(cast), 4,
-                                              cupy.cuda.get_current_stream().ptr)
-                self._pixels_cast = cast
+            self._set_pixels_cast(s, bool(stage(s)))
 
         return self.executor.run(lambda: self.plans.get(grid), staged, self._forward,
                                  lambda plan: self.arena()["embeddings"][:tokens])
+
+    def _set_pixels_cast(self, s, cast: bool):
+        """The arena's pixels_cast flag (read by the forward's first kernel) set to `cast`, written only when
+        it changes: only these writes change it, all on the model's stream, as plans skip a meta upload."""
+        if cast is not self._pixels_cast:
+            self._pixels_cast = None  # unknown until the write is enqueued
+            cupy.cuda.runtime.memsetAsync(s["pixels_cast"].data.ptr, int(cast), 4, cupy.cuda.get_current_stream().ptr)
+            self._pixels_cast = cast
 
     def _forward(self, plan, mark):
         layers.forward(self.geometry, self.weights, self.arena(), plan, self.executor.blas, mark, self.fused_swiglu)

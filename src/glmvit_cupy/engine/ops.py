@@ -137,7 +137,8 @@ def add_bias_to_bf16(y, bias, out):
 def cast_pixels(cast, rows, x, out):
     """out[:rows] = bf16(x[:rows]) if cast[0] != 0, else nothing: x [budget, cols] float32, out alike bf16;
     cast and rows int32 on the device (read there, so one CUDA graph serves every call of a budget)."""
-    if x.shape != out.shape or x.dtype != np.float32 or x.ndim != 2 or not (x.flags.c_contiguous and out.flags.c_contiguous):
+    contiguous = x.flags.c_contiguous and out.flags.c_contiguous
+    if x.shape != out.shape or x.dtype != np.float32 or x.ndim != 2 or not contiguous:
         raise ValueError(f"cast_pixels: contiguous float32 x and bf16 out of one 2-D shape expected, got {x.dtype} "
                          f"{x.shape} and {out.dtype} {out.shape}")
     launch("pixels f32 -> bf16", 0, lambda: kernel("activations", "pixels_to_bf16")(
