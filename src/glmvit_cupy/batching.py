@@ -161,6 +161,15 @@ def spread(costs, bins: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
+def check_device(d, count: int, where: str, hint: str = "") -> int:
+    """d as an int if it is a CUDA device ordinal of a machine with `count` of them, or ValueError:
+    "{where}{d!r} is not a CUDA device of this machine (it has ...){hint}"."""
+    if not is_integer(d) or not 0 <= d < count:
+        raise ValueError(f"{where}{d!r} is not a CUDA device of this machine (it has {count}: ordinals "
+                         f"0..{count - 1}){hint}")
+    return int(d)
+
+
 def check_devices(devices, count: int) -> list[int]:
     """The device list as ints, or ValueError saying what is wrong with it."""
     if isinstance(devices, (int, str)) or not hasattr(devices, "__iter__"):
@@ -168,8 +177,4 @@ def check_devices(devices, count: int) -> list[int]:
     out = list(devices)
     if not out:
         raise ValueError("devices=[]: give at least one CUDA device ordinal")
-    for d in out:
-        if not is_integer(d) or not 0 <= d < count:
-            raise ValueError(f"devices={out!r}: {d!r} is not a CUDA device of this machine "
-                             f"(it has {count}: ordinals 0..{count - 1})")
-    return [int(d) for d in out]
+    return [check_device(d, count, f"devices={out!r}: ") for d in out]

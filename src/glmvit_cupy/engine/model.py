@@ -19,7 +19,7 @@ import numpy as np
 from .. import batching, gpu
 from ..checkpoint import TowerBinding, bind_tower
 from ..config import VisionGeometry
-from ..preprocess import is_integer, value_table
+from ..preprocess import value_table
 from . import arena, fused, gemm_tune, layers, params
 from .attention import check_variant, default_variants, score_bound_log2, value_bound_log2
 from .budgets import full_pass_budgets
@@ -67,11 +67,8 @@ class GlmVit:
                  fused_swiglu: bool | None = None, tune_gemms: bool = True):
         gpu.require()  # no GPU, driver or CUDA library: GpuUnavailable saying which, not a CUDA error
         if device is not None:  # before CUDA's bare "invalid device ordinal" from the first call on it
-            count = cupy.cuda.runtime.getDeviceCount()
-            if not is_integer(device) or not 0 <= device < count:
-                raise ValueError(f"device={device!r} is not a CUDA device of this machine (it has {count}: "
-                                 f"ordinals 0..{count - 1}); for several GPUs use glmvit_cupy.Replicas")
-            device = int(device)
+            device = batching.check_device(device, cupy.cuda.runtime.getDeviceCount(), "device=",
+                                           "; for several GPUs use glmvit_cupy.Replicas")
         g = binding.geometry
         self.geometry: VisionGeometry = g
         self.capacity_tokens = _capacity(capacity_tokens, max_image_tokens)
@@ -208,8 +205,7 @@ class GlmVit:
         output per image, in order. Each batch is launched as soon as it is packed (no host wait)."""
         results = []
         for batch in batching.pack(prepared, self.capacity_tokens, lambda item: item[2]["tokens"]):
-            grids = [grid for _, grid, _ in batch]
-            out = self._encode(grids, sum(int(t) * int(h) * int(w) for t, h, w in grids) // 4,
+            out = self._encode([grid for _, grid, _ in batch], sum(info["tokens"] for _, _, info in batch),
                                lambda s, b=batch: self._stage_images(b, s))
             row = 0
             for _, _, info in batch:
