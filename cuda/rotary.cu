@@ -39,8 +39,8 @@ extern "C" __global__ void rope_table(const int* __restrict__ pos, const float* 
 // a_d = a_{d+D/2}), so each angle is computed once for q and k, and it writes only what it read (in
 // place is safe). All loads are 8 bytes wide (the earlier warp per (row, head, part) moved 2 bytes a
 // lane and reached 0.7 TB/s). A head's D/8 threads are adjacent lanes of one warp: its sum of squares
-// is an xor-shuffle reduction among them, so D/8 must be a power of two up to 32 (D = 16, 32, 64, 128
-// or 256; the model takes head dims 32, 64 and 128, engine/attention.py).
+// is an xor-shuffle reduction among them, so D/8 must be a power of two up to 32 (D = 8, 16, 32, 64,
+// 128 or 256); other head dims take qk_norm_rope_any_bf16 below.
 __device__ __forceinline__ void load_add4(float* out, const bf16* x, const bf16* b) {
     const float4 u = load4(x), w = load4(b);
     out[0] = u.x + w.x; out[1] = u.y + w.y; out[2] = u.z + w.z; out[3] = u.w + w.w;
@@ -95,4 +95,45 @@ extern "C" __global__ void qk_norm_rope_bf16(bf16* qkv, const bf16* __restrict__
     store4(src + c + half, oqb[0], oqb[1], oqb[2], oqb[3]);
     store4(src + HD + c, oka[0], oka[1], oka[2], oka[3]);
     store4(src + HD + c + half, okb[0], okb[1], okb[2], okb[3]);
+}
+
+// The same for any head dim D (a multiple of 4, so each rotation half is whole pairs; ops.qk_norm_rope
+// picks it where the kernel above cannot run): a warp per (row, head) (grid-stride), lane l over the elements l,
+// l + 32, ... for the sums of squares, then over the pairs d = l, l + 32, ... < D/2. 2-byte accesses: for
+// geometries other than the released one, where this pass is a small part of a small forward. In
+// place is safe: every lane's reads feed the sums, which the shuffles complete before any lane writes.
+extern "C" __global__ void qk_norm_rope_any_bf16(bf16* qkv, const bf16* __restrict__ bias,
+                                                 const bf16* __restrict__ qn, const bf16* __restrict__ kn,
+                                                 const float* __restrict__ rope, int rows, int heads, int D,
+                                                 float eps) {
+    const int lane = threadIdx.x & 31, HD = heads * D, half = D / 2;
+    const long warps = (long)gridDim.x * blockDim.x >> 5;  // blockDim.x is a multiple of 32: whole warps
+    for (long w = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < (long)rows * heads; w += warps) {
+        const long r = w / heads;
+        const int c0 = (int)(w % heads) * D;  // the head's first column
+        bf16* q = qkv + r * 3 * HD + c0;
+        bf16* k = q + HD;
+        const bf16* bq = bias + c0;
+        const bf16* bk = bias + HD + c0;
+        float sq = 0.f, sk = 0.f;
+        for (int d = lane; d < D; d += 32) {
+            const float a = load1(q + d) + load1(bq + d), b = load1(k + d) + load1(bk + d);
+            sq += a * a;
+            sk += b * b;
+        }
+        sq = warp_sum(sq);
+        sk = warp_sum(sk);
+        const float iq = rsqrtf(sq / D + eps), ik = rsqrtf(sk / D + eps);
+        for (int d = lane; d < half; d += 32) {
+            const float2 t = *reinterpret_cast<const float2*>(rope + r * D + 2 * d);  // (cos, sin)
+            const float a = (load1(q + d) + load1(bq + d)) * iq * __bfloat162float(qn[d]);
+            const float b = (load1(q + d + half) + load1(bq + d + half)) * iq * __bfloat162float(qn[d + half]);
+            const float ka = (load1(k + d) + load1(bk + d)) * ik * __bfloat162float(kn[d]);
+            const float kb = (load1(k + d + half) + load1(bk + d + half)) * ik * __bfloat162float(kn[d + half]);
+            q[d] = __float2bfloat16_rn(a * t.x - b * t.y);
+            q[d + half] = __float2bfloat16_rn(b * t.x + a * t.y);
+            k[d] = __float2bfloat16_rn(ka * t.x - kb * t.y);
+            k[d + half] = __float2bfloat16_rn(kb * t.x + ka * t.y);
+        }
+    }
 }

@@ -113,7 +113,7 @@ def rope_angles(pos, inv_freq):
     return np.concatenate([p[:, :1] * f, p[:, 1:] * f], axis=1)
 
 
-@pytest.mark.parametrize("d", [64, 32, 128])
+@pytest.mark.parametrize("d", [64, 32, 128, 36, 4])
 def test_rope_table(d):
     """cos and sin of every rotation pair's angle, interleaved, against float64; rows past the count stay
     poisoned; too few positions are refused before any launch."""
@@ -132,10 +132,13 @@ def test_rope_table(d):
         ops.rope_table(dev(pos[:rows - 1]), dev(inv_freq), buf[:rows])
 
 
-@pytest.mark.parametrize("heads,d", [(16, 64), (2, 64), (3, 64), (4, 32), (8, 128)])  # 3 x 64 / 8 = 24 threads a row
+@pytest.mark.parametrize("heads,d", [(16, 64), (2, 64), (3, 64), (4, 32), (8, 128), (2, 8),  # 3 x 64 / 8 = 24 threads a row
+                                     (3, 36), (2, 48), (5, 4), (2, 80), (1, 12), (1, 264)])  # qk_norm_rope_any_bf16
 def test_qk_norm_rope(heads, d):
     """In place on the QKV rows: q and k columns become their biased, normed, rotated selves (against a
-    float64 reference), v's columns keep their bits, and rows around the chunk stay poisoned."""
+    float64 reference), v's columns keep their bits, and rows around the chunk stay poisoned. Head dims
+    whose d / 8 is not a power of two up to 32 take the warp-per-head kernel (past 32 pairs a lane turns
+    its loop more than once at 264)."""
     total, row0, rows = 700, 123, 401  # 401 rows: the last block is partial for every head count here; their
     # angles come from the positions starting at row0 of a longer array (the rows' own, sliced on the host)
     hd = heads * d
@@ -368,6 +371,21 @@ def test_attention_refuses_mismatched_layouts():
         ops.flash_attention(v, qkv[:, :1024], cupy.zeros((8, 1024), BF), qkv[:, 2048:], o, cu, seg, q0, 16)
     with pytest.raises(ValueError, match=r"o be contiguous, all \[N, 16 x 64\]"):
         ops.flash_attention(v, qkv[:, :1024], qkv[:, 1024:2048], qkv[:, 2048:], qkv[:, :1024], cu, seg, q0, 16)
+
+
+@pytest.mark.parametrize("d", [4, 12, 36, 48, 80, 96, 256])
+def test_attention_any_head_dim(d):
+    """attention_sm80.cu at head dims other than 32 / 64 / 128: its MMAs run over d rounded up to 16 with
+    zero columns past d (8-byte copies where 8 does not divide d), and only d columns are stored (the
+    poisoned output's other heads' columns would show NaN otherwise), packed and separate q, k, v."""
+    lengths = [1, 63, 65, 300]
+    for packed in (True, False):
+        assert run_attention(lengths, heads=3, d=d, packed=packed) <= ATTN_TOL, (d, packed)
+    v = VARIANTS[f"sm80_d{d}"]
+    cu, seg, q0 = (cupy.zeros(2, np.int32) for _ in range(3))
+    qkv, o = cupy.zeros((8, 3 * 3 * d + 1), BF), cupy.zeros((8, 3 * d), BF)
+    with pytest.raises(ValueError, match=rf"start {8 if d % 8 else 16}-byte aligned"):  # a row stride of odd bytes
+        ops.flash_attention(v, qkv[:, :3 * d], qkv[:, 3 * d:6 * d], qkv[:, 6 * d:9 * d], o, cu, seg, q0, 3)
 
 
 @pytest.mark.parametrize("variant", D64)

@@ -912,6 +912,14 @@ ODD_GEOMETRIES = {
     # head dim 128, the official patch geometry
     "hd128": VisionGeometry(depth=1, hidden_size=256, num_heads=2, intermediate_size=520, out_hidden_size=192,
                             projection_intermediate_size=384),
+    # head dims that neither the vector RoPE pass nor the MMAs' 16-column steps divide: 36 (8-byte copies,
+    # 48 columns of MMA), 48 (RoPE's warp-per-head kernel), 4 (the smallest the axial RoPE allows)
+    "hd36": VisionGeometry(depth=2, hidden_size=108, num_heads=3, intermediate_size=200, out_hidden_size=100,
+                           projection_intermediate_size=96),
+    "hd48": VisionGeometry(depth=1, hidden_size=96, num_heads=2, intermediate_size=256, out_hidden_size=128,
+                           projection_intermediate_size=256),
+    "hd4": VisionGeometry(depth=1, hidden_size=12, num_heads=3, intermediate_size=20, out_hidden_size=24,
+                          projection_intermediate_size=28),
 }
 
 

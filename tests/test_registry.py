@@ -20,7 +20,7 @@ def test_modules_and_kernels_the_engine_uses_exist():
     assert (cuda_dir() / "common.cuh").is_file()
     assert set(kernel_names("norms")) == {"rmsnorm_residual", "rmsnorm_residual_warp", "rmsnorm_im2col", "layernorm_gelu"}
     assert set(kernel_names("activations")) == {"swiglu_clamp_bf16", "bias_to_bf16", "pixels_to_bf16"}
-    assert kernel_names("rotary") == ["rope_table", "qk_norm_rope_bf16"]
+    assert kernel_names("rotary") == ["rope_table", "qk_norm_rope_bf16", "qk_norm_rope_any_bf16"]
     assert kernel_names("attention_sm90") == ["flash_fwd_sm90"]
     assert kernel_names("attention_sm80") == ["flash_fwd_sm80"]
     assert kernel_names("gemm_sm90") == ["gemm_swiglu_sm90", "gemm_swiglu_pingpong_sm90"]
@@ -41,6 +41,10 @@ def test_variant_table_derives_entries_and_sizes():
     assert VARIANTS["sm90_2wg"].entry == "flash_fwd_sm90<2, 4>"
     assert VARIANTS["sm80_d128"].entry == "flash_fwd_sm80<128, 4>"
     assert VARIANTS["sm80_d64"].shared_bytes == (64 + 4 * 64) * 72 * 2
+    assert VARIANTS["sm80_d36"].entry == "flash_fwd_sm80<36, 4>"  # any multiple of 4: the MMAs over 48 columns
+    assert VARIANTS["sm80_d36"].shared_bytes == (64 + 4 * 64) * (48 + 8) * 2
+    assert VARIANTS["sm80_d256"].shared_bytes == (64 + 4 * 64) * (256 + 8) * 2
+    assert {v.head_dim for v in VARIANTS.values() if v.arch == "sm80"} == set(range(4, 257, 4))
     for v in VARIANTS.values():
         assert v.rows % 64 == 0 and v.shared_bytes <= 227 * 1024  # an H100/H200 SM's shared memory
         assert v.threads % 128 == 0 and v.threads <= 1024
@@ -51,12 +55,14 @@ def test_attention_variant_choice():
     assert all(v.startswith("sm90") for v in default_variants(64, "90"))  # wgmma on Hopper
     assert default_variants(64, "80") == ("sm80_d64",)  # mma.sync elsewhere
     assert default_variants(128, "90") == ("sm80_d128",)  # the wgmma kernel is head_dim 64 only
-    with pytest.raises(ValueError, match="32, 64 and 128"):
-        default_variants(48, "90")
+    assert default_variants(48, "90") == ("sm80_d48",) and default_variants(4, "80") == ("sm80_d4",)
+    for bad in (2, 30, 260):  # the RoPE needs a multiple of 4 (config.py refuses the rest); 256 at most
+        with pytest.raises(ValueError, match=rf"head_dim {bad}: .* multiples of 4 up to 256; the float32 reference"):
+            default_variants(bad, "90")
 
 
 @pytest.mark.parametrize("name,head_dim,cc,says", [
-    ("sm90_3wg_fma1in16", 64, "90", r"unknown; choices: sm90_4wg, sm90_2wg, sm90_4wg_fixed, sm90_2wg_fixed, sm80_d32"),
+    ("sm90_3wg_fma1in16", 64, "90", r"unknown; choices: sm90_4wg, sm90_2wg, sm90_4wg_fixed, sm90_2wg_fixed, sm80_d<head dim> \(a multiple of 4 up to 256\)$"),
     ("sm90_4wg", 64, "80", r"needs a Hopper GPU .* this GPU is 8\.0: use sm80_d64"),
     ("sm90_4wg", 64, "100", r"this GPU is 10\.0"),
     ("sm80_d32", 64, "90", r"built for head dim 32, this tower's is 64; choices for it: sm90_4wg"),

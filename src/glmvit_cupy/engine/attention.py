@@ -60,7 +60,17 @@ class Variant:
         by 8 bf16 (ldmatrix's banks)."""
         if self.arch == "sm90":
             return self.rows * 128 + self.stages * 2 * KEYS_PER_TILE_SM90 * 128 + 1024
-        return (self.rows + 4 * KEYS_PER_TILE_SM80) * (self.head_dim + 8) * 2
+        return (self.rows + 4 * KEYS_PER_TILE_SM80) * (padded_head_dim(self.head_dim) + 8) * 2
+
+
+def padded_head_dim(d: int) -> int:
+    """The columns attention_sm80.cu's MMAs run over for head dim d: d rounded up to 16 (HeadCols::DP)."""
+    return -(-d // 16) * 16
+
+
+# attention_sm80.cu takes any head dim that is a multiple of 4 (the axial RoPE's own condition) up to
+# 256 (its registers and shared memory: 169 KB at 256).
+SM80_HEAD_DIMS = range(4, 257, 4)
 
 
 # The H200's measured choices (docs/PERFORMANCE.md): four consumer warpgroups are fastest on long
@@ -74,10 +84,9 @@ VARIANTS = {v.name: v for v in (
     Variant("sm90_2wg", "sm90", 64, warpgroups=2, stages=4, speed=345.0),
     Variant("sm90_4wg_fixed", "sm90", 64, warpgroups=4, stages=4, speed=590.0, online=False),
     Variant("sm90_2wg_fixed", "sm90", 64, warpgroups=2, stages=4, speed=445.0, online=False),
-    Variant("sm80_d32", "sm80", 32, warps=4),
-    Variant("sm80_d64", "sm80", 64, warps=4),
-    Variant("sm80_d128", "sm80", 128, warps=4),
-)}
+)} | {f"sm80_d{d}": Variant(f"sm80_d{d}", "sm80", d, warps=4) for d in SM80_HEAD_DIMS}
+CHOICES = ", ".join(k for k, v in VARIANTS.items() if v.arch == "sm90") + \
+    f", sm80_d<head dim> (a multiple of 4 up to {SM80_HEAD_DIMS[-1]})"  # what errors list
 
 
 # How far from 0 (log2 units) every score may be for the variants without a running max: P <= 2^64,
@@ -128,8 +137,10 @@ def default_variants(head_dim: int, compute_capability: str, score_bound: float 
     if head_dim == 64 and compute_capability == "90":
         fixed = fixed_offset_fits(score_bound, value_bound, max_keys)
         return tuple(v.name for v in VARIANTS.values() if v.arch == "sm90" and v.online != fixed)
-    if head_dim not in (32, 64, 128):
-        raise ValueError(f"head_dim {head_dim}: the attention kernels are built for head dims 32, 64 and 128")
+    if head_dim not in SM80_HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim}: the attention kernels take head dims that are multiples of 4 up to "
+                         f"{SM80_HEAD_DIMS[-1]}; the float32 reference (glmvit_cupy.reference, glmvit-encode --cpu) "
+                         "runs any")
     return (f"sm80_d{head_dim}",)
 
 
@@ -142,7 +153,7 @@ def check_variant(name, head_dim: int, compute_capability: str, score_bound: flo
     value_bound_log2, none known by default: those variants are then refused)."""
     v = VARIANTS.get(name)
     if v is None:
-        raise ValueError(f"attention_variant={name!r} is unknown; choices: {', '.join(VARIANTS)}")
+        raise ValueError(f"attention_variant={name!r} is unknown; choices: {CHOICES}")
     if v.head_dim != head_dim:
         raise ValueError(f"attention_variant={name!r} is built for head dim {v.head_dim}, this tower's is "
                          f"{head_dim}; choices for it: {', '.join(k for k, x in VARIANTS.items() if x.head_dim == head_dim)}")

@@ -84,9 +84,9 @@ def rope_table(positions, inv_freq, out):
     axial RoPE at positions [>= rows, 2] (int32 (h, w) a row), inv_freq float32 [D/4]: computed once a
     forward, read by every block's qk_norm_rope."""
     rows, d = out.shape
-    if out.dtype != np.float32 or not out.flags.c_contiguous or d % 16 or inv_freq.shape != (d // 4,) \
-            or inv_freq.dtype != np.float32:
-        raise ValueError(f"rope_table: out must be contiguous float32 [rows, D] with D % 16 == 0 and inv_freq "
+    if out.dtype != np.float32 or not out.flags.c_contiguous or d % 4 or inv_freq.shape != (d // 4,) \
+            or inv_freq.dtype != np.float32:  # D % 4: the axial RoPE's two halves of whole pairs (config.py)
+        raise ValueError(f"rope_table: out must be contiguous float32 [rows, D] with D % 4 == 0 and inv_freq "
                          f"float32 [D / 4] (out {out.dtype} {out.shape}, inv_freq {inv_freq.dtype} {inv_freq.shape})")
     if positions.dtype != np.int32 or positions.ndim != 2 or positions.shape[0] < rows or positions.shape[1] != 2 \
             or not positions.flags.c_contiguous:
@@ -94,6 +94,9 @@ def rope_table(positions, inv_freq, out):
                          f"{positions.shape}")
     launch("rope table", 0, lambda: kernel("rotary", "rope_table")(
         grid_1d(rows * d // 2), (THREADS,), (positions, inv_freq, out, np.int32(rows), np.int32(d))))
+
+
+ROPE_VECTOR_HEAD_DIMS = (8, 16, 32, 64, 128, 256)  # rotary.cu's qk_norm_rope_bf16: d / 8 a power of two <= 32
 
 
 def qk_norm_rope(qkv, qkv_bias, q_norm, k_norm, rope, heads, eps):
@@ -109,9 +112,13 @@ def qk_norm_rope(qkv, qkv_bias, q_norm, k_norm, rope, heads, eps):
             or not rope.flags.c_contiguous:
         raise ValueError(f"qk_norm_rope: rope must be rope_table's contiguous float32 [>= {rows}, {d}], got "
                          f"{rope.dtype} {rope.shape}")
-    launch("qk norm + rope", 0, lambda: kernel("rotary", "qk_norm_rope_bf16")(
-        grid_1d(rows * heads * d // 8), (THREADS,),  # a thread per (row, head, 4 rotation pairs)
-        (qkv, qkv_bias, q_norm, k_norm, rope, np.int32(rows), np.int32(heads), np.int32(d), np.float32(eps))))
+    args = (qkv, qkv_bias, q_norm, k_norm, rope, np.int32(rows), np.int32(heads), np.int32(d), np.float32(eps))
+    if d in ROPE_VECTOR_HEAD_DIMS:  # a thread per (row, head, 4 rotation pairs), a head's threads in one warp
+        launch("qk norm + rope", 0, lambda: kernel("rotary", "qk_norm_rope_bf16")(
+            grid_1d(rows * heads * d // 8), (THREADS,), args))
+    else:  # a warp per (row, head)
+        launch("qk norm + rope", 0, lambda: kernel("rotary", "qk_norm_rope_any_bf16")(
+            grid_1d(rows * heads * 32), (THREADS,), args))
 
 
 # -- cuda/activations.cu ---------------------------------------------------------------------------
@@ -188,14 +195,17 @@ def attention_kernel(variant: Variant):
 
 def flash_attention(variant: Variant, q, k, v, o, cu_seqlens, tile_seg, tile_q0, heads, flop=0):
     """o = softmax(q k^T / sqrt(D)) v within each segment of cu_seqlens [S + 1]; q, k, v bf16 [N, heads * D]
-    with one row stride (16-byte multiple: the engine's are column blocks of the QKV GEMM's output), o
+    with one row stride (16-byte multiple, 8 for sm80 at a D that 8 does not divide: the engine's are
+    column blocks of the QKV GEMM's output), o
     contiguous bf16 [N, heads * D]; one CTA per (query tile, head), tiles from attention.tiles(cu,
     variant.rows)."""
     shape, ld = o.shape, q.strides[0]
-    if (any(a.shape != shape or a.strides != (ld, 2) or a.dtype != o.dtype for a in (q, k, v))
-            or ld % 16 or not o.flags.c_contiguous or shape[1] != heads * variant.head_dim):
-        raise ValueError(f"flash_attention: q, k, v must share one shape and row stride (a multiple of 16 bytes) and "
-                         f"o be contiguous, all [N, {heads} x {variant.head_dim}]: q{q.shape} strides {q.strides}, "
+    align = 8 if variant.arch == "sm80" and variant.head_dim % 8 else 16  # bytes a copy moves (sm80: 8 or 16)
+    if (any(a.shape != shape or a.strides != (ld, 2) or a.dtype != o.dtype or a.data.ptr % align for a in (q, k, v))
+            or ld % align or not o.flags.c_contiguous or shape[1] != heads * variant.head_dim):
+        raise ValueError(f"flash_attention: q, k, v must share one shape and row stride and start {align}-byte "
+                         f"aligned (the stride a multiple of {align} bytes), and o be contiguous, all "
+                         f"[N, {heads} x {variant.head_dim}]: q{q.shape} strides {q.strides}, "
                          f"k{k.shape} {k.strides}, v{v.shape} {v.strides}, o{o.shape} {o.strides}")
     if len(tile_q0) == 0:
         return o
