@@ -2,9 +2,9 @@
 // dims other than 64, or a GPU without sm_90a). Any head dim D that is a multiple of 4 up to 256 (the
 // axial RoPE's own condition, config.py): the MMAs run over DP = D rounded up to 16 columns, the
 // columns past D zero in shared memory (so Q K^T and P V are exactly those over D), and only D
-// columns are stored; rows come in 16-byte pieces where D is a multiple of 8, else in 8-byte ones. Variable-length segments (one per image frame) packed
-// in one launch, non-causal, bf16 tensor-core MMA (mma.sync m16n8k16) with fp32 accumulation and
-// an online softmax; O(n) memory.
+// columns are stored; rows come in 16-byte pieces where D is a multiple of 8, else in 8-byte ones.
+// Variable-length segments (one per image frame) packed in one launch, non-causal, bf16 tensor-core
+// MMA (mma.sync m16n8k16) with fp32 accumulation and an online softmax; O(n) memory.
 //
 // q, k, v, o: bf16 [N, H*D], head h at columns h*D.. (q, k and v rows ldi elements apart: where
 // qk_norm_rope leaves them in the QKV GEMM's output; o where the proj GEMM reads it: no transposes
