@@ -9,7 +9,7 @@
 //   bias_to_bf16, the merger's 8,000 x 4,096 downsample output: 6 B an element, 197 MB, 41 us.
 //     Measured: 117 us, 1.7 TB/s (35%), one element a thread; timed alone (kernel_ms,
 //     1495f37): 100.6 us one a thread, 49.9 (3.9 TB/s) four a thread.
-//   pixels_to_bf16 (was f32_to_bf16), 32,000 x 1,176 float32 pixel rows (encode_pixels from float32): 226 MB, 47 us.
+//   pixels_to_bf16, 32,000 x 1,176 float32 pixel rows (encode_pixels from float32): 226 MB, 47 us.
 //     Measured: 121 us, 1.9 TB/s (39%), one element a thread; timed alone (kernel_ms,
 //     1495f37): 105.5 us one a thread, 55.4 (4.1 TB/s) four a thread.
 //     Both are under 0.1% of a large forward; at 448² each is one of ~200 kernels (5-6 us under ncu).
