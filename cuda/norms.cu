@@ -112,20 +112,20 @@ extern "C" __global__ void rmsnorm_residual_warp(const float* __restrict__ x, co
     }
 }
 
-// The final post_layernorm fused with the downsample's 2x2 im2col: patch row r is
-// position j = r % 4 of merged row m = r / 4, and channel c lands at column c*4 + j,
-// the Conv2d weight's (channel, kh, kw) order. The offset as in rmsnorm_residual (every bias).
+// The final post_layernorm fused with the downsample's m x m im2col (group = m^2 rows a merged row):
+// patch row r is position j = r % group of merged row r / group, and channel c lands at column
+// c * group + j, the Conv2d weight's (channel, kh, kw) order. The offset as in rmsnorm_residual.
 extern "C" __global__ void rmsnorm_im2col(const float* __restrict__ x, const float* __restrict__ offset,
                                           const bf16* __restrict__ w, bf16* __restrict__ out,
-                                          int rows, int cols, float eps) {
+                                          int rows, int cols, float eps, int group) {
     __shared__ float red[32];
     const long r = blockIdx.x;
     if (r >= rows) return;
     const float* xr = x + r * cols;
     const float inv = rms_inv(xr, offset, cols, eps, red);
-    bf16* o = out + (r / 4) * (long)cols * 4 + (r % 4);
+    bf16* o = out + (r / group) * (long)cols * group + (r % group);
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
-        o[(long)c * 4] = __float2bfloat16(offset_at(xr, offset, c) * inv * __bfloat162float(w[c]));
+        o[(long)c * group] = __float2bfloat16(offset_at(xr, offset, c) * inv * __bfloat162float(w[c]));
 }
 
 // The merger's LayerNorm (eps, weight, bias) fused with exact (erf) GELU:

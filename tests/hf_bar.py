@@ -34,7 +34,10 @@ def hf_model(binding, dtype_name="bfloat16", device="cuda"):
         cfg = Glm5NextVisionConfig(depth=g.depth, hidden_size=g.hidden_size, num_heads=g.num_heads,
                                    intermediate_size=g.intermediate_size, out_hidden_size=g.out_hidden_size,
                                    projection_intermediate_size=g.projection_intermediate_size,
-                                   swiglu_limit=g.swiglu_limit, rms_norm_eps=g.rms_norm_eps)
+                                   swiglu_limit=g.swiglu_limit, rms_norm_eps=g.rms_norm_eps,
+                                   patch_size=g.patch_size, temporal_patch_size=g.temporal_patch_size,
+                                   in_channels=g.in_channels, spatial_merge_size=g.spatial_merge_size,
+                                   rope_parameters={"rope_type": "axial", "rope_theta": g.rope_theta})
         cfg._attn_implementation = "sdpa"
         dtype = getattr(torch, dtype_name)
         with torch.device("meta"):

@@ -44,7 +44,9 @@ def test_text_only_is_its_own_error(tmp_path):
 @pytest.mark.parametrize("fields,needle", [
     ({"num_heads": 3}, "num_heads = 3"),                              # 1024 / 3 does not tile
     ({"hidden_size": 1020, "num_heads": 10}, "head_dim = 1020 / 10 = 102"),  # 102 is not a multiple of 4
-    ({"spatial_merge_size": 3}, "spatial_merge_size = 3"),
+    ({"spatial_merge_size": 0}, "spatial_merge_size = 0"),      # merges m x m patches: m >= 1
+    ({"spatial_merge_size": 2.0}, "spatial_merge_size = 2.0"),  # a Conv2d kernel size: an integer
+    ({"spatial_merge_size": True}, "spatial_merge_size = True"),
     ({"patch_size": 0}, "patch_size = 0"),
     ({"temporal_patch_size": 0}, "temporal_patch_size = 0"),
     ({"patch_size": [[14]]}, "patch_size = [[14]]"),             # a list in the list: refused, not a TypeError
@@ -84,6 +86,21 @@ def test_unreadable_config_says_so_not_bad_json(tmp_path):
 def test_missing_config(tmp_path):
     with pytest.raises(CheckpointError, match="no config.json"):
         read_config(tmp_path)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+def test_any_spatial_merge_size_is_a_geometry(m):
+    g = geometry_from_dict({"spatial_merge_size": m})
+    assert g.spatial_merge_size == m and g.merge_patches == m * m and g.merge_dim == 1024 * m * m
+
+
+def test_check_grid_follows_the_merge_size():
+    assert check_grid([[1, 3, 9], [2, 6, 3]], merge=3).tolist() == [[1, 3, 9], [2, 6, 3]]
+    assert check_grid([[1, 1, 7]], merge=1).tolist() == [[1, 1, 7]]  # merge 1: any patch grid
+    with pytest.raises(ValueError, match=r"grid_thw\[1\] = \(1, 4, 9\).*multiples of 3 .*3x3"):
+        check_grid([[1, 3, 9], [1, 4, 9]], merge=3)
+    with pytest.raises(ValueError, match=r"grid_thw\[0\] = \(1, 0, 3\)"):
+        check_grid([[1, 0, 3]], merge=3)
 
 
 def test_check_grid_accepts_and_normalises():

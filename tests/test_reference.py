@@ -1,5 +1,7 @@
 """The NumPy float32 reference equals HF transformers' float32 forward on the golden tower."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -54,9 +56,14 @@ def test_video_frames_are_separate_segments(tower):
     assert rel(both, np.concatenate([first, second])) < 1e-5
 
 
-def test_reference_matches_live_hf_on_fresh_weights(tmp_path):
+LIVE_GRIDS = {1: [[1, 5, 7], [2, 3, 4]], 2: [[1, 6, 8], [2, 4, 4]], 3: [[1, 6, 9], [2, 3, 6]]}  # by merge size
+
+
+@pytest.mark.parametrize("merge", sorted(LIVE_GRIDS))
+def test_reference_matches_live_hf_on_fresh_weights(tmp_path, merge):
     """Not the golden file alone: HF transformers 5.23.0's float32 forward, run here on the CPU, on weights
-    and pixels drawn afresh (where torch and transformers 5.23.0 are installed: the GPU machine's check)."""
+    and pixels drawn afresh (where torch and transformers 5.23.0 are installed: the GPU machine's check),
+    for the released 2 x 2 merge and for others the config may declare."""
     from tests import hf_bar
 
     why = hf_bar.available("cpu")
@@ -65,15 +72,37 @@ def test_reference_matches_live_hf_on_fresh_weights(tmp_path):
     from glmvit_cupy.synthetic import write_checkpoint
 
     seed = int(np.random.default_rng().integers(1 << 30))
-    binding = reference.bind_tower(write_checkpoint(tmp_path / "ckpt", cases.GEOMETRY, seed=seed))
+    geo = dataclasses.replace(cases.GEOMETRY, spatial_merge_size=merge)
+    binding = reference.bind_tower(write_checkpoint(tmp_path / "ckpt", geo, seed=seed))
     rng = np.random.default_rng(seed)
-    grid = np.array([[1, 6, 8], [2, 4, 4]])
-    pv = rng.standard_normal((int(np.prod(grid, 1).sum()), cases.GEOMETRY.patch_dim), dtype=np.float32)
+    grid = np.array(LIVE_GRIDS[merge])
+    pv = rng.standard_normal((int(np.prod(grid, 1).sum()), geo.patch_dim), dtype=np.float32)
     stats = {}
     ours = reference.encode_pixels(binding, pv, grid, stats=stats)
     hf = hf_bar.hf_forward(binding, pv, grid, "float32", device="cpu")
     assert all(s["gate_above"] > 0 for s in stats.values()), stats  # the clamp fires on these weights
     assert rel(ours, hf) <= 1e-4, (seed, rel(ours, hf))
+
+
+@pytest.mark.parametrize("merge", [1, 2, 3])
+def test_downsample_is_the_conv2d_over_each_frame(tmp_path, merge):
+    """The merger's downsample equals a Conv2d of kernel and stride m, written out as loops over the
+    frame's (h, w) layout (the rows put there by their positions), for every merge size."""
+    from glmvit_cupy.synthetic import write_checkpoint
+
+    geo = dataclasses.replace(cases.GEOMETRY, spatial_merge_size=merge, depth=1)
+    tower = reference.Tower(reference.bind_tower(write_checkpoint(tmp_path / "ckpt", geo, seed=3)))
+    t, h, w = 1, 3 * merge, 2 * merge
+    rng = np.random.default_rng()
+    x = rng.standard_normal((h * w, geo.hidden_size), dtype=np.float32)
+    frame = np.zeros((h, w, geo.hidden_size), np.float32)
+    for row, (ph, pw) in zip(x, reference.position_ids([(t, h, w)], merge)):
+        frame[ph, pw] = row
+    kern = tower.w["downsample.weight"].reshape(geo.out_hidden_size, geo.hidden_size, merge, merge)
+    want = np.array([np.einsum("ochw,hwc->o", kern, frame[i:i + merge, j:j + merge])
+                     for i in range(0, h, merge) for j in range(0, w, merge)]) + tower.w["downsample.bias"]
+    got = tower.downsample(x)
+    assert got.shape == want.shape and rel(got, want) < 1e-5
 
 
 def test_sub_layers_against_closed_forms():

@@ -263,14 +263,39 @@ def test_budget_meta_pads_positions_segments_and_tiles():
     b, rows = 96, 16
     cu = np.array([0, 24, 28, 32, 64], np.int32)
     seg, q0 = tiles(cu, rows)
-    m = meta(grid, b, rows, 12)
-    o = layout(b, 12)
+    m = meta(grid, b, rows, 12, 2)
+    o = layout(b, 12, 2)
     assert o == (0, 192, 192 + 25, 217 + 12, 229 + 12) and m.shape == (o[-1],) and m.dtype == np.int32
+    assert layout(b, 12, 1)[2] == 192 + 97 and layout(b, 12, 3)[2] == 192 + 11  # segments <= b // merge^2
     pos = m[o[0]:o[1]].reshape(b, 2)
-    assert np.array_equal(pos[:64], positions(grid)) and not pos[64:].any()
+    assert np.array_equal(pos[:64], positions(grid, 2)) and not pos[64:].any()
     assert np.array_equal(m[o[1]:o[1] + 5], cu) and (m[o[1] + 5:o[2]] == 64).all()
     assert np.array_equal(m[o[2]:o[2] + len(seg)], seg) and (m[o[2] + len(seg):o[3]] == -1).all()
     assert np.array_equal(m[o[3]:o[3] + len(q0)], q0) and len(seg) == 6
+
+
+def closed_form_positions(grid, merge):
+    """(h, w) of each patch row i of a frame, from i alone: block i // m^2 in row-major block order, then
+    position i % m^2 row-major inside the block."""
+    out = []
+    for t, h, w in grid:
+        i = np.arange(h * w)
+        blk, j = i // (merge * merge), i % (merge * merge)
+        bw = w // merge
+        out += [np.stack([blk // bw * merge + j // merge, blk % bw * merge + j % merge], axis=1)] * t
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("merge", [1, 2, 3])
+def test_positions_follow_the_merge_block_order(merge):
+    """The GPU plans' positions and the float32 reference's (written apart) both equal the closed form."""
+    from glmvit_cupy import reference
+    from glmvit_cupy.engine.budgets import positions
+
+    grid = [[1, 2 * merge, 3 * merge], [2, merge, 4 * merge], [1, 5 * merge, merge]]
+    want = closed_form_positions(grid, merge)
+    assert np.array_equal(positions(grid, merge), want)
+    assert np.array_equal(reference.position_ids(grid, merge), want)
 
 
 def test_budget_tiles_cover_each_real_row_once_and_no_padded_row():
@@ -281,7 +306,8 @@ def test_budget_tiles_cover_each_real_row_once_and_no_padded_row():
 
     rng = np.random.default_rng()
     for _ in range(200):
-        grid = [[int(rng.integers(1, 3)), 2 * int(rng.integers(1, 30)), 2 * int(rng.integers(1, 30))]
+        mg = int(rng.integers(1, 4))  # the tower's spatial_merge_size
+        grid = [[int(rng.integers(1, 3)), mg * int(rng.integers(1, 30)), mg * int(rng.integers(1, 30))]
                 for _ in range(int(rng.integers(1, 12)))]
         n = sum(t * h * w for t, h, w in grid)
         b = budget(n, 1 << 16)
@@ -289,8 +315,8 @@ def test_budget_tiles_cover_each_real_row_once_and_no_padded_row():
         seg_lens = [h * w for t, h, w in grid for _ in range(t)]
         real = sum(-(-s // rows) for s in seg_lens)
         tiles_n = tile_count(real, b, rows)
-        m = meta(grid, b, rows, tiles_n)
-        o = layout(b, tiles_n)
+        m = meta(grid, b, rows, tiles_n, mg)
+        o = layout(b, tiles_n, mg)
         cu, seg, q0 = m[o[1]:o[2]], m[o[2]:o[3]], m[o[3]:o[4]]
         covered = np.zeros(b, np.int32)
         for s, q in zip(seg, q0):

@@ -35,17 +35,19 @@ def check_capacity(capacity_tokens) -> int:
                           ": the tokens one forward pass holds (the scratch is sized from it)")
 
 
-def check_grid(grid_thw) -> np.ndarray:
+def check_grid(grid_thw, merge: int = 2) -> np.ndarray:
     """A batch's grid_thw (host array-like, one (frames, patch rows, patch columns) per image) as int64
-    [images, 3], or ValueError naming what is wrong: the GPU encoder and its replicas check alike."""
+    [images, 3], or ValueError naming what is wrong: the GPU encoder and its replicas check alike.
+    merge: the tower's spatial_merge_size (patches merge in merge x merge blocks)."""
     grid = np.asarray(grid_thw)
     if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or not np.issubdtype(grid.dtype, np.integer):
         raise ValueError(f"grid_thw must be an integer array of shape [images, 3], got {grid.dtype} {grid.shape}")
     grid = grid.astype(np.int64)
     for i, (t, h, w) in enumerate(grid.tolist()):
-        if t < 1 or h < 2 or w < 2 or h % 2 or w % 2:
-            raise ValueError(f"grid_thw[{i}] = ({t}, {h}, {w}): t must be >= 1 and h, w positive and even "
-                             "(patches merge in 2x2 blocks)")
+        if t < 1 or h < merge or w < merge or h % merge or w % merge:
+            what = "even" if merge == 2 else f"multiples of {merge}"
+            raise ValueError(f"grid_thw[{i}] = ({t}, {h}, {w}): t must be >= 1 and h, w positive and {what} "
+                             f"(patches merge in {merge}x{merge} blocks)")
     return grid
 
 
@@ -53,7 +55,7 @@ def check_pixels(geo: VisionGeometry, pixel_values, grid_thw, capacity_tokens: i
                  ) -> tuple[np.ndarray, int]:
     """(grid as int64 [images, 3], patch count) for an encode_pixels call (the GPU's, or the reference's
     with no capacity), or ValueError naming what is wrong with pixel_values or grid_thw."""
-    grid = check_grid(grid_thw)
+    grid = check_grid(grid_thw, geo.spatial_merge_size)
     n = sum(t * h * w for t, h, w in grid.tolist())  # plain ints: a small call's host time is the GPU's idle time
     shape = tuple(getattr(pixel_values, "shape", ()))
     if len(shape) != 2 or shape[1] != geo.patch_dim:
@@ -66,9 +68,10 @@ def check_pixels(geo: VisionGeometry, pixel_values, grid_thw, capacity_tokens: i
     if dtype is None or not (dtype.kind in "fiu" or dtype.name == "bfloat16"):  # complex would lose its imaginary part
         raise ValueError(f"pixel_values has dtype {dtype}; it must hold real numbers (float32 as preprocess gives "
                          "them, or bf16, another float or an integer type)")
-    if capacity_tokens is not None and n > capacity_tokens * MERGE * MERGE:
-        raise ValueError(f"{n} patches ({n // 4} tokens) exceed this model's capacity of {capacity_tokens} tokens "
-                         f"({capacity_tokens * MERGE * MERGE} patches); split the batch or build the model with a "
+    mm = geo.merge_patches
+    if capacity_tokens is not None and n > capacity_tokens * mm:
+        raise ValueError(f"{n} patches ({n // mm} tokens) exceed this model's capacity of {capacity_tokens} tokens "
+                         f"({capacity_tokens * mm} patches); split the batch or build the model with a "
                          "larger capacity_tokens")
     return grid, n
 

@@ -51,9 +51,14 @@ class VisionGeometry:
         return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
 
     @property
+    def merge_patches(self) -> int:
+        """Patches that merge into one output token: spatial_merge_size^2 = 4."""
+        return self.spatial_merge_size**2
+
+    @property
     def merge_dim(self) -> int:
         """Width of one downsample im2col row: hidden x 2 x 2 = 4096."""
-        return self.hidden_size * self.spatial_merge_size**2
+        return self.hidden_size * self.merge_patches
 
     @property
     def tensor_count(self) -> int:
@@ -80,6 +85,10 @@ class VisionGeometry:
             v = getattr(self, field)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 bad(field, v, "a patch needs a non-zero integer size (the Conv3d kernel is this big)")
+        m = self.spatial_merge_size
+        if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
+            bad("spatial_merge_size", m, "the downsample merges m x m patches into a token (a Conv2d of kernel "
+                "and stride m), so m must be a positive integer")
         if self.hidden_size % self.num_heads:
             bad("hidden_size", self.hidden_size,
                 f"it is not divisible by num_heads = {self.num_heads}, so heads would not tile the width")
@@ -87,9 +96,6 @@ class VisionGeometry:
             bad("num_heads", self.num_heads,
                 f"head_dim = {self.hidden_size} / {self.num_heads} = {self.head_dim} is not a multiple of 4; "
                 "the axial RoPE splits a head into an h half and a w half, and rotates each half by halves")
-        if self.spatial_merge_size != 2:
-            bad("spatial_merge_size", self.spatial_merge_size,
-                "the 2x2 downsample, its im2col and the preprocessor's patch order are defined for 2 only")
         if not (isinstance(self.rms_norm_eps, float) and math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
             bad("rms_norm_eps", self.rms_norm_eps, "it must be a positive finite float (it sits under a square root)")
         if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):

@@ -45,12 +45,12 @@ def clamped_swiglu(g, u, limit, stats=None, where=""):
     return silu(g) * u
 
 
-def position_ids(grid_thw):
-    """(h, w) of every patch, in the input's merge-block row order, frame after frame."""
+def position_ids(grid_thw, merge):
+    """(h, w) of every patch, in the input's merge x merge block row order, frame after frame."""
     rows = []
     for t, h, w in grid_thw:
         hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        blocks = (h // 2, 2, w // 2, 2)
+        blocks = (h // merge, merge, w // merge, merge)
         hh = hh.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)
         ww = ww.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)
         rows.append(np.tile(np.stack([hh, ww], axis=1), (t, 1)))
@@ -127,13 +127,17 @@ class Tower:
         act = clamped_swiglu(gate, up, g.swiglu_limit, stats, f"blocks.{i}")
         return x + act @ w[p + "mlp.down_proj.weight"].T + w[p + "mlp.down_proj.bias"]
 
+    def downsample(self, x):
+        """The m x m Conv2d of stride m over each frame: m^2 consecutive rows are one block (the input's
+        row order), so it is a GEMM over their im2col in the weight's (channel, kh, kw) order."""
+        g, w = self.geo, self.w
+        cols = x.reshape(-1, g.merge_patches, g.hidden_size).transpose(0, 2, 1).reshape(-1, g.merge_dim)
+        return cols @ w["downsample.weight"].T + w["downsample.bias"]
+
     def merger(self, x, stats):
         g, w = self.geo, self.w
         x = rms_norm(x, w["post_layernorm.weight"], g.rms_norm_eps)
-        # 4 consecutive rows are one 2x2 block; im2col in (channel, kh, kw) order.
-        cols = x.reshape(-1, 4, g.hidden_size).transpose(0, 2, 1).reshape(-1, g.merge_dim)
-        y = cols @ w["downsample.weight"].T + w["downsample.bias"]
-        y = y @ w["merger.proj.weight"].T
+        y = self.downsample(x) @ w["merger.proj.weight"].T
         y = gelu_erf(layer_norm(y, w["merger.post_projection_norm.weight"], w["merger.post_projection_norm.bias"]))
         gate = y @ w["merger.gate_proj.weight"].T
         up = y @ w["merger.up_proj.weight"].T
@@ -154,7 +158,8 @@ class Tower:
         grid_thw, _ = check_pixels(g, pixel_values, grid_thw)  # the GPU path's checks and messages
         x = pixel_values.astype(self.dtype)
         x = x @ self.w["patch_embed.proj.weight"].T + self.w["patch_embed.proj.bias"]
-        cos, sin = rotary(position_ids(grid_thw).astype(self.dtype), g.head_dim, g.rope_theta, self.dtype)
+        cos, sin = rotary(position_ids(grid_thw, g.spatial_merge_size).astype(self.dtype), g.head_dim,
+                          g.rope_theta, self.dtype)
         bounds = segments(grid_thw)
         for i in range(g.depth):
             x = self.block(i, x, cos, sin, bounds, stats)
@@ -162,7 +167,7 @@ class Tower:
 
 
 def encode_pixels(checkpoint_path, pixel_values, grid_thw, *, dtype=np.float32, stats=None) -> np.ndarray:
-    """The whole forward of HF transformers 5.23.0's Glm5NextVisionModel in NumPy: [N, patch_dim] pixels -> [N/4, out_hidden_size].
+    """The whole forward of HF transformers 5.23.0's Glm5NextVisionModel in NumPy: [N, patch_dim] pixels -> [N / merge^2, out_hidden_size].
 
     `checkpoint_path` may also be a TowerBinding or a Tower (to reuse loaded weights).
     `stats`, a dict, receives per-layer counts of values the SwiGLU clamp cut.

@@ -46,7 +46,7 @@ def random_tower(geo: VisionGeometry, seed: int = 0) -> dict[str, np.ndarray]:
     disk_shape = {
         "patch_embed.proj.weight": (geo.hidden_size, geo.in_channels, geo.temporal_patch_size,
                                     geo.patch_size, geo.patch_size),
-        "downsample.weight": (geo.out_hidden_size, geo.hidden_size, 2, 2),
+        "downsample.weight": (geo.out_hidden_size, geo.hidden_size, geo.spatial_merge_size, geo.spatial_merge_size),
     }
     tensors = {}
     for suffix, flat in tower_layout(geo).items():

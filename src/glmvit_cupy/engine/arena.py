@@ -32,7 +32,8 @@ def layout(g: VisionGeometry, patches: int, fused_swiglu: bool = False) -> dict:
     over all rows at once too: its activation [patches, I] takes the attention phase's bytes (norm2's
     output is kept)."""
     p, h, i, pi = patches, g.hidden_size, g.intermediate_size, g.projection_intermediate_size
-    rows, merged = min(p, ROW_CHUNK), min(p // 4, MERGER_CHUNK)
+    tokens = p // g.merge_patches
+    rows, merged = min(p, ROW_CHUNK), min(tokens, MERGER_CHUNK)
     f32, bf = np.float32, BF16
     keep = {"residual": ((p, h), f32),        # the float32 residual stream x
             "rope": ((p, g.head_dim), f32),   # the batch's RoPE cos and sin (ops.rope_table)
@@ -55,8 +56,8 @@ def layout(g: VisionGeometry, patches: int, fused_swiglu: bool = False) -> dict:
                   "pixels": ((p, g.patch_dim), bf)},      # bf16 pixel_values the patch embed reads
         **blocks,
         # "embeddings" lives in the merger phase, smaller than the blocks phase: it costs no bytes.
-        "merger": {"embeddings": ((p // 4, g.out_hidden_size), bf),    # the tower's output rows
-                   "im2col": ((p // 4, g.merge_dim), bf),              # post_layernorm as 2x2 im2col
+        "merger": {"embeddings": ((tokens, g.out_hidden_size), bf),    # the tower's output rows
+                   "im2col": ((tokens, g.merge_dim), bf),              # post_layernorm as merge x merge im2col
                    "merger_f32": ((merged, g.out_hidden_size), f32),   # downsample / proj outputs
                    "merger_bf16": ((merged, g.out_hidden_size), bf),   # their bf16 inputs to the next
                    **merger_gate_up,

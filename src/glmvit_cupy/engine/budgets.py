@@ -69,36 +69,37 @@ def full_pass_budgets(capacity_patches: int, image_patches: int, smallest: int) 
     return [b for b in all_budgets(capacity_patches) if b >= budget(first, capacity_patches)]
 
 
-def positions(grid) -> np.ndarray:
-    """(h, w) of every patch, in the 2x2 merge-block order of the reference processor's rows."""
+def positions(grid, merge: int) -> np.ndarray:
+    """(h, w) of every patch, in the merge x merge block order of the reference processor's rows."""
     out = []
     for t, h, w in grid:
         hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        blk = (h // 2, 2, w // 2, 2)
+        blk = (h // merge, merge, w // merge, merge)
         p = np.stack([hh.reshape(blk).transpose(0, 2, 1, 3).ravel(),
                       ww.reshape(blk).transpose(0, 2, 1, 3).ravel()], axis=1)
         out += [p] * t  # each frame repeats the positions
     return np.concatenate(out).astype(np.int32)
 
 
-def layout(budget_patches: int, tiles: int) -> tuple[int, ...]:
-    """Offsets (in int32) of positions, cu_seqlens, tile_seg, tile_q0 and the end, in a plan's meta."""
+def layout(budget_patches: int, tiles: int, merge: int) -> tuple[int, ...]:
+    """Offsets (in int32) of positions, cu_seqlens, tile_seg, tile_q0 and the end, in a plan's meta. A
+    frame holds at least merge^2 patches, so a budget holds at most budget_patches // merge^2 segments."""
     offs = [0, 2 * budget_patches]
-    offs.append(offs[-1] + budget_patches // 4 + 1)
+    offs.append(offs[-1] + budget_patches // merge**2 + 1)
     offs.append(offs[-1] + tiles)
     offs.append(offs[-1] + tiles)
     return tuple(offs)
 
 
-def meta(grid, budget_patches: int, rows: int, tiles: int) -> np.ndarray:
+def meta(grid, budget_patches: int, rows: int, tiles: int, merge: int) -> np.ndarray:
     """A call's int32 meta for a plan of this budget and tile count: the real rows' positions (zeros past
     them), segment bounds (the last repeated), the real tiles (then idle ones: segment -1)."""
     seg_lens = [h * w for t, h, w in grid for _ in range(t)]  # each frame is its own attention segment
     cu = np.concatenate([[0], np.cumsum(seg_lens)]).astype(np.int32)
     seg, q0 = attention.tiles(cu, rows)
-    o = layout(budget_patches, tiles)
+    o = layout(budget_patches, tiles, merge)
     out = np.zeros(o[-1], np.int32)
-    out[:2 * int(cu[-1])] = positions(grid).reshape(-1)
+    out[:2 * int(cu[-1])] = positions(grid, merge).reshape(-1)
     out[o[1]:o[2]] = cu[-1]
     out[o[1]:o[1] + len(cu)] = cu
     out[o[2]:o[3]] = -1

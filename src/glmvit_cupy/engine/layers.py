@@ -26,7 +26,7 @@ LAYERNORM_EPS = 1e-5  # the merger's post_projection_norm (nn.LayerNorm's defaul
 
 def forward(g: VisionGeometry, w: Weights, s: Arena, plan: Plan, blas, mark=None, fused_swiglu=False):
     """The call's pixel rows (bf16 in s["pixels"], or float32 in s["pixels_f32"] where s["pixels_cast"] is
-    set) -> s["embeddings"] [patches / 4, out_hidden], over the plan's budget of plan.patches rows.
+    set) -> s["embeddings"] [patches / merge^2, out_hidden], over the plan's budget of plan.patches rows.
     mark(stage), when given, is called at each stage's end (the executor times stages with it).
     fused_swiglu: the gate/up GEMMs apply the clamped SwiGLU in their epilogue (gemm_sm90.cu, Hopper)
     instead of cuBLAS writing gate|up for a separate pass."""
@@ -52,7 +52,7 @@ def gemm_shapes(g: VisionGeometry, patches: int, fused_swiglu=False) -> list[tup
     patches: the shapes the model tunes at load (gemm_tune.py). The patch embed, a GEMM once a forward,
     keeps cuBLAS's default pick."""
     h, i, o, pi = g.hidden_size, g.intermediate_size, g.out_hidden_size, g.projection_intermediate_size
-    chunk, merged = mlp_chunk(patches, fused_swiglu), max(1, min(patches // 4, MERGER_CHUNK))
+    chunk, merged = mlp_chunk(patches, fused_swiglu), max(1, min(patches // g.merge_patches, MERGER_CHUNK))
     f32 = np.float32
     shapes = [("attn.qkv", 3 * h, h, BF16, False, patches), ("attn.proj", h, h, f32, True, patches),
               ("mlp.down_proj", h, i, f32, True, chunk), ("merger.downsample", o, g.merge_dim, f32, False, merged),
@@ -103,13 +103,14 @@ def mlp(g: VisionGeometry, blk: Block, s: Arena, x, blas, fused_swiglu):
 
 
 def merger(g: VisionGeometry, m: Merger, s: Arena, x, blas, fused_swiglu):
-    """post_layernorm(x + post_layernorm_offset) as 2x2 im2col -> downsample -> merger.proj -> post_projection_norm +
+    """post_layernorm(x + post_layernorm_offset) as merge x merge im2col -> downsample -> merger.proj -> post_projection_norm +
     GELU -> clamped SwiGLU -> merger.down_proj, into s["embeddings"]."""
-    n = x.shape[0]
-    cols, out = s["im2col"][:n // 4], s["embeddings"][:n // 4]
-    ops.rmsnorm_im2col(x, m.post_layernorm_offset, m.post_layernorm, cols, g.rms_norm_eps)  # every bias
-    for r0 in range(0, n // 4, MERGER_CHUNK):
-        rows = min(MERGER_CHUNK, n // 4 - r0)
+    tokens = x.shape[0] // g.merge_patches  # a budget need not be a multiple of merge^2; the real rows are
+    cols, out = s["im2col"][:tokens], s["embeddings"][:tokens]
+    ops.rmsnorm_im2col(x[:tokens * g.merge_patches], m.post_layernorm_offset, m.post_layernorm, cols,
+                       g.rms_norm_eps)  # every bias
+    for r0 in range(0, tokens, MERGER_CHUNK):
+        rows = min(MERGER_CHUNK, tokens - r0)
         wide, narrow = s["merger_f32"][:rows], s["merger_bf16"][:rows]  # [rows, out_hidden] in fp32 and bf16
         act = s["merger_act"][:rows]
         ops.linear(cols[r0:r0 + rows], m.downsample_weight, wide, handle=blas, name="GEMM merger")

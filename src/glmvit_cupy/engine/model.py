@@ -85,7 +85,8 @@ class GlmVit:
                                                 binding.host(f"blocks.{i}.attn.qkv.weight")[2 * h:],
                                                 binding.host(f"blocks.{i}.attn.qkv.bias")[2 * h:])
                                for i in range(g.depth))
-        bounds = (self.score_bound, self.value_bound, self.capacity_tokens * 4)  # a segment: at most one pass
+        self.capacity_patches = self.capacity_tokens * g.merge_patches  # the rows one forward pass holds
+        bounds = (self.score_bound, self.value_bound, self.capacity_patches)  # a segment: at most one pass
         names = (check_variant(attention_variant, g.head_dim, cc, *bounds).name,) if attention_variant \
             else default_variants(g.head_dim, cc, *bounds)
         fits = cc == "90" and all(fused.gate_up_swiglu_fits(k, i) for k, i in (
@@ -102,11 +103,11 @@ class GlmVit:
             self.weights = params.upload(binding)
             self.value_table = cupy.asarray(value_table())  # [3, 256] float32: uint8 -> normalised value
             self.plans = PlanCache(names, g.num_heads, g.hidden_size, self.device.attributes["MultiProcessorCount"],
-                                   self.capacity_tokens * 4, self.MAX_PLANS)
+                                   self.capacity_patches, g.spatial_merge_size, self.MAX_PLANS)
             self.executor = Executor(self.device, graphs)
             # Per GEMM shape: its fastest cublasLt algorithm with cuBLAS's default bits (report: gemm_tune).
             self.gemm_tuning = gemm_tune.tune(self.executor.blas, layers.gemm_shapes(
-                g, self.capacity_tokens * 4, self.fused_swiglu)) if tune_gemms else []
+                g, self.capacity_patches, self.fused_swiglu)) if tune_gemms else []
             self.stager = Stager(self.value_table, g.temporal_patch_size, g.patch_size)
             self.uploads = Uploader(self.device)  # prepare threads put decoded images on this GPU through it
             self.device.synchronize()
@@ -144,7 +145,7 @@ class GlmVit:
     def arena(self) -> arena.Arena:
         """The scratch, allocated on first use, once, sized from capacity_tokens."""
         if self._arena is None:
-            patches = self.capacity_tokens * 4
+            patches = self.capacity_patches
             self._arena = arena.Arena(arena.layout(self.geometry, patches, self.fused_swiglu))
             log.info("GLM vision scratch allocated on first encode: %d patches (%d tokens), %.1f MiB",
                      patches, self.capacity_tokens, self._arena.nbytes / 2**20)
@@ -163,11 +164,11 @@ class GlmVit:
         max_image_tokens = batching.check_positive("precapture: max_image_tokens", max_image_tokens)
         if not (self.graphs and self.executor.blas.capturable):
             return []
-        image = 4 * min(max_image_tokens, self.capacity_tokens)
+        image = self.geometry.merge_patches * min(max_image_tokens, self.capacity_tokens)
         ready = []
         with self.device:
             self.arena()  # allocated outside the capture
-            for b in full_pass_budgets(self.capacity_tokens * 4, image, CAPTURE_ON_SECOND_CALL):
+            for b in full_pass_budgets(self.capacity_patches, image, CAPTURE_ON_SECOND_CALL):
                 if self.executor.capture(self.plans.full_pass(b, image), self._forward):
                     ready.append(b)
         return ready
@@ -175,13 +176,13 @@ class GlmVit:
     # -- encoding ---------------------------------------------------------------------------------
     def encode_pixels(self, pixel_values, grid_thw) -> cupy.ndarray:
         """HF-layout input ([N, patch_dim] pixels, [n, 3] grid; NumPy or CuPy, float or bf16) -> bf16
-        [N / 4, out_hidden_size] on this GPU. Runs on the model's own stream; the caller's current stream
+        [N / merge^2, out_hidden_size] on this GPU (merge: spatial_merge_size). Runs on the model's own stream; the caller's current stream
         waits for the result (no host synchronisation)."""
         grid, n = batching.check_pixels(self.geometry, pixel_values, grid_thw.get() if isinstance(
             grid_thw, cupy.ndarray) else grid_thw, self.capacity_tokens)
         if isinstance(pixel_values, cupy.ndarray) and pixel_values.device.id != self.device.id:
             pixel_values = cupy.asnumpy(pixel_values)  # another GPU's array: through the host, safely ordered
-        return self._encode(grid, n // 4, lambda s: stage_pixels(s["pixels_f32"], s["pixels"], pixel_values))
+        return self._encode(grid, n // self.geometry.merge_patches, lambda s: stage_pixels(s["pixels_f32"], s["pixels"], pixel_values))
 
     def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None,
                max_pixels: int | None = None, resize: str = "gpu", decode: str = "cpu",

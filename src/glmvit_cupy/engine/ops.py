@@ -64,10 +64,16 @@ def rmsnorm_residual(x, offset, weight, out, eps):
 
 
 def rmsnorm_im2col(x, offset, weight, out, eps):
-    """As rmsnorm_residual, written as the 2x2 downsample's im2col: out [rows / 4, cols * 4]."""
+    """As rmsnorm_residual, written as the m x m downsample's im2col: out [rows / m^2, cols * m^2], each
+    m^2 consecutive rows one merged row (m^2 is read from out's shape)."""
     rows, cols = x.shape
+    group = out.shape[1] // cols if out.ndim == 2 and cols else 0
+    if group < 1 or out.shape != (rows // group, cols * group) or rows % group or not out.flags.c_contiguous:
+        raise ValueError(f"rmsnorm_im2col: out must be a contiguous [rows / m^2, cols * m^2] for x {list(x.shape)}, "
+                         f"got {list(out.shape)}")
     launch("rmsnorm + im2col", 0, lambda: kernel("norms", "rmsnorm_im2col")(
-        (rows,), (THREADS,), (x, _offset(offset, cols), weight, out, np.int32(rows), np.int32(cols), np.float32(eps))))
+        (rows,), (THREADS,), (x, _offset(offset, cols), weight, out, np.int32(rows), np.int32(cols), np.float32(eps),
+                              np.int32(group))))
 
 
 def layernorm_gelu(y, weight, bias, out, eps):

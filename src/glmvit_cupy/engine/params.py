@@ -45,7 +45,7 @@ class Block:
 class Merger:
     post_layernorm: cupy.ndarray
     post_layernorm_offset: cupy.ndarray  # float32: every bias added into x (patch_embed, all blocks)
-    downsample_weight: cupy.ndarray  # the 2x2 Conv2d as [out, hidden * 4], (channel, kh, kw) columns
+    downsample_weight: cupy.ndarray  # the m x m Conv2d as [out, hidden * m^2], (channel, kh, kw) columns
     downsample_bias: cupy.ndarray
     proj_weight: cupy.ndarray
     post_projection_norm_weight: cupy.ndarray

@@ -35,7 +35,7 @@ class Plan:
     patches: int              # the budget: rows every kernel runs over
     meta: cupy.ndarray        # int32: the buffers below, uploaded when a call's grid differs
     positions: cupy.ndarray   # int32 [patches, 2]: (h, w) in the merge-block row order of pixel_values
-    cu_seqlens: cupy.ndarray  # int32 [patches // 4 + 1]: segment bounds (one per frame of each image)
+    cu_seqlens: cupy.ndarray  # int32 [patches // merge^2 + 1]: segment bounds (one per frame of each image)
     tile_seg: cupy.ndarray    # int32 [tiles]: each attention query tile's segment (-1: idle)
     tile_q0: cupy.ndarray     # int32 [tiles]: and its first row
     variant: Variant
@@ -51,9 +51,10 @@ class PlanCache:
 
     GRIDS = 256  # grids whose key and meta stay cached on the host (a server sees its sizes again)
 
-    def __init__(self, variants: tuple, heads: int, hidden: int, sms: int, capacity_patches: int, size: int = 48):
+    def __init__(self, variants: tuple, heads: int, hidden: int, sms: int, capacity_patches: int, merge: int,
+                 size: int = 48):
         self.variants, self.heads, self.hidden, self.sms, self.size = variants, heads, hidden, sms, size
-        self.capacity_patches = capacity_patches
+        self.capacity_patches, self.merge = capacity_patches, merge
         self._plans: OrderedDict = OrderedDict()
         self._grids: OrderedDict = OrderedDict()  # grid -> (plan key, host meta, attention FLOP per block)
 
@@ -114,7 +115,7 @@ class PlanCache:
         hit = self._grids.get(g)
         if hit is None:
             key = self.key(g)
-            hit = (key, meta(g, key[0], attention.VARIANTS[key[1]].rows, key[2]),
+            hit = (key, meta(g, key[0], attention.VARIANTS[key[1]].rows, key[2], self.merge),
                    4 * sum(h * w * h * w * t for t, h, w in g) * self.hidden)
             self._grids[g] = hit
             while len(self._grids) > self.GRIDS:
@@ -123,7 +124,7 @@ class PlanCache:
         return hit
 
     def _new(self, b: int, name: str, tiles: int) -> Plan:
-        o = layout(b, tiles)
+        o = layout(b, tiles, self.merge)
         dev = cupy.zeros(o[-1], dtype=cupy.int32)
         return Plan(b, dev, dev[o[0]:o[1]].reshape(b, 2), dev[o[1]:o[2]], dev[o[2]:o[3]], dev[o[3]:o[4]],
                     attention.VARIANTS[name])

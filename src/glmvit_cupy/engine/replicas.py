@@ -95,7 +95,9 @@ class Replicas:
 
     def encode_pixels(self, pixel_values, grid_thw):
         """A batch of images split across the replicas by patches; the output, in order, on devices[0]."""
-        grid = batching.check_grid(grid_thw.get() if isinstance(grid_thw, cupy.ndarray) else grid_thw)
+        mm = self.geometry.merge_patches
+        grid = batching.check_grid(grid_thw.get() if isinstance(grid_thw, cupy.ndarray) else grid_thw,
+                                   self.geometry.spatial_merge_size)
         if isinstance(pixel_values, cupy.ndarray):
             pixel_values = cupy.asnumpy(pixel_values)  # rows go to other GPUs: stage them once on the host
         sizes = (grid[:, 0] * grid[:, 1] * grid[:, 2]).astype(np.int64)
@@ -109,12 +111,12 @@ class Replicas:
         outs = self.map(lambda m, b: None if b is None else m.encode_pixels(*b), work)
         d0 = self.devices[0]
         with cupy.cuda.Device(d0):
-            result = cupy.empty((int(sizes.sum()) // 4, self.geometry.out_hidden_size), dtype=BF16)
-            tok_start = starts // 4
+            result = cupy.empty((int(sizes.sum()) // mm, self.geometry.out_hidden_size), dtype=BF16)
+            tok_start = starts // mm
             for g, o in zip(groups, outs):
                 row = 0
                 for i in g:
-                    t = int(sizes[i]) // 4
+                    t = int(sizes[i]) // mm
                     part = o[row:row + t]
                     if o.device.id != d0:
                         result[tok_start[i]:tok_start[i] + t].data.copy_from_device(part.data, part.nbytes)
