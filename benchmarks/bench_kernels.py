@@ -77,7 +77,7 @@ def main():
     bw("activations.pixels_to_bf16 [32000x1176]", lambda: ops.cast_pixels(on, real, pf, pb), N * 1176 * 6)
     canvas = cupy.asarray(np.random.default_rng(1).integers(0, 256, (2240, 2800, 3), dtype=np.uint8))
     values = cupy.asarray(np.random.default_rng(2).random((3, 256), dtype=np.float32))
-    bw("pixels.patchify_u8 [2240x2800 canvas]", lambda: ops.patchify(canvas, values, pb, 2, 14),
+    bw("pixels.patchify_u8 [2240x2800 canvas]", lambda: ops.patchify(canvas, values, pb, 2, 14, 2),
        canvas.size + N * 1176 * 2)
     table(["kernel", "us", "GB/s", "% of 4.8 TB/s"], rows)
 

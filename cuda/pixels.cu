@@ -12,23 +12,30 @@
 // (~2 ms at 20 GB/s) is what the image costs the GPU. Measured: see bench_kernels (resize rows).
 #include "common.cuh"
 
-// Output element i of the HF pixel_values layout (patches in 2x2 merge-block order; each row
+// Output element i of the HF pixel_values layout (patches in M x M merge-block order; each row
 // (channel, frame, py, px)) -> the canvas pixel it shows, for one frame: channel `ch` at (y, x); `p` is
-// the patch row, `off` the offset of frame 0's element in that row.
+// the patch row, `off` the offset of frame 0's element in that row. MC: the merge size known at compile
+// time (2, the released tower's: shifts and masks), or 0 to use the run-time M.
 struct PatchPixel { long p; int ch, y, x, off; };
 
-__device__ __forceinline__ PatchPixel patch_pixel(long i, int W, int P) {
-    const int PP = P * P, bwn = W / P / 2;
+template <int MC>
+__device__ __forceinline__ PatchPixel patch_pixel(long i, int W, int P, int m) {
+    const int M = MC ? MC : m, MM = M * M, PP = P * P, bwn = W / P / M;
     PatchPixel r;
     r.p = i / (3 * PP);
     const int rem = (int)(i - r.p * 3 * PP);
     r.ch = rem / PP;
     const int py = (rem % PP) / P, px = rem % P;
-    const int bh = (int)(r.p / (4 * bwn)), rest = (int)(r.p % (4 * bwn));
-    r.y = (bh * 2 + (rest & 3) / 2) * P + py;
-    r.x = ((rest >> 2) * 2 + (rest & 1)) * P + px;
+    const int bh = (int)(r.p / (MM * bwn)), rest = (int)(r.p % (MM * bwn));
+    const int bw = rest / MM, j = rest % MM;  // the block's column, and the patch's place inside it
+    r.y = (bh * M + j / M) * P + py;
+    r.x = (bw * M + j % M) * P + px;
     r.off = py * P + px;
     return r;
+}
+
+__device__ __forceinline__ PatchPixel patch_pixel_at(long i, int W, int P, int M) {
+    return M == 2 ? patch_pixel<2>(i, W, P, 2) : patch_pixel<0>(i, W, P, M);
 }
 
 __device__ __forceinline__ void store_frames(bf16* out, const PatchPixel& q, int T, int P, bf16 val) {
@@ -39,12 +46,12 @@ __device__ __forceinline__ void store_frames(bf16* out, const PatchPixel& q, int
 
 // canvas: uint8 [H, W, 3]; table: float32 [3, 256], table[c * 256 + v] = what rescale + normalise
 // make of value v in channel c (preprocess._value_table: the reference's own float operations), so
-// out is bit-identical to bf16 of the host's patches. out: bf16 [H/P * W/P, 3 * T * P * P].
+// out is bit-identical to bf16 of the host's patches. out: bf16 [H/P * W/P, 3 * T * P * P]; M the merge.
 extern "C" __global__ void patchify_u8(const unsigned char* __restrict__ canvas, const float* __restrict__ table,
-                                       bf16* __restrict__ out, int H, int W, int T, int P) {
+                                       bf16* __restrict__ out, int H, int W, int T, int P, int M) {
     const long n = (long)(H / P) * (W / P) * 3 * P * P;  // one frame's worth of output
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        const PatchPixel q = patch_pixel(i, W, P);
+        const PatchPixel q = patch_pixel_at(i, W, P, M);
         store_frames(out, q, T, P, __float2bfloat16(table[q.ch * 256 + canvas[((long)q.y * W + q.x) * 3 + q.ch]]));
     }
 }
@@ -88,10 +95,10 @@ extern "C" __global__ void resample_patchify_u8(const unsigned char* __restrict_
                                                 const int* __restrict__ count, const int* __restrict__ weights,
                                                 int taps, int along, int src_w, int content_h, int content_w,
                                                 const float* __restrict__ table, bf16* __restrict__ out,
-                                                int H, int W, int T, int P) {
+                                                int H, int W, int T, int P, int M) {
     const long n = (long)(H / P) * (W / P) * 3 * P * P;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        const PatchPixel q = patch_pixel(i, W, P);
+        const PatchPixel q = patch_pixel_at(i, W, P, M);
         unsigned char v = 0;  // the pad
         if (q.y < content_h && q.x < content_w) {
             if (along == 1)

@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout without installing
 
 from glmvit_cupy import VisionGeometry, bind_tower, gpu, preprocess  # noqa: E402
-from glmvit_cupy.preprocess import prepare  # noqa: E402
+from glmvit_cupy.preprocess import Patching, prepare  # noqa: E402
 
 PHOTO = os.path.join(HERE, "grace_hopper.jpg")
 
@@ -79,7 +79,9 @@ def run(argv) -> int:
     why = "--cpu given" if args.cpu else gpu.problem()
 
     t = time.perf_counter()
-    prepared = [prepare(im, i, max_image_tokens=args.max_image_tokens) for i, im in enumerate(images)]
+    patching = Patching.of(binding.geometry)  # the checkpoint's patch size, merge and frames
+    prepared = [prepare(im, i, max_image_tokens=args.max_image_tokens, patching=patching)
+                for i, im in enumerate(images)]
     t_pre = time.perf_counter() - t
     for _, grid, info in prepared:
         print(f"{info['source']}: {info['size'][1]}x{info['size'][0]} px -> canvas {info['canvas'][1]}x"
@@ -105,7 +107,7 @@ def run(argv) -> int:
         print(f"!! the GPU engine cannot run here: {why} !!")
         print("!! so the float32 NumPy reference runs on the CPU instead: slow (half a minute or so for one photo "
               "at the official geometry) !!")
-        pv, grid = preprocess(images, max_image_tokens=args.max_image_tokens)
+        pv, grid = preprocess(images, max_image_tokens=args.max_image_tokens, patching=patching)
         t = time.perf_counter()
         ref = reference.encode_pixels(binding, pv, grid)
         print(f"CPU reference: {time.perf_counter() - t:.1f} s")

@@ -920,23 +920,32 @@ ODD_GEOMETRIES = {
                            projection_intermediate_size=256),
     "hd4": VisionGeometry(depth=1, hidden_size=12, num_heads=3, intermediate_size=20, out_hidden_size=24,
                           projection_intermediate_size=28),
+    # other spatial merges than the released 2 x 2: 3 x 3 (budgets that 9 does not divide) and none (1 x 1)
+    "merge3": VisionGeometry(depth=2, hidden_size=128, num_heads=2, intermediate_size=256, out_hidden_size=192,
+                             projection_intermediate_size=256, spatial_merge_size=3),
+    "merge1": VisionGeometry(depth=1, hidden_size=64, num_heads=2, intermediate_size=128, out_hidden_size=96,
+                             projection_intermediate_size=128, spatial_merge_size=1),
 }
+ODD_GRIDS = {1: [[1, 5, 7], [2, 3, 4], [1, 11, 9]],    # segments of 35, 12 (x2 frames) and 99 patches
+             2: [[1, 6, 10], [2, 4, 6], [1, 14, 8]],   # 60, 24 (x2) and 112
+             3: [[1, 6, 9], [2, 3, 6], [1, 12, 9]]}    # 54, 18 (x2) and 108
 
 
 @pytest.mark.parametrize("name", ODD_GEOMETRIES)
 def test_other_geometries_vs_reference(name, tmp_path):
     """Geometries other than the official one (other head dims, widths no kernel's vector width divides, other
-    patch shapes) run every kernel's general path: each as close to the float32 reference as the official
-    tower, batched bit-equal to alone, and the replayed graph bit-equal to eager."""
+    patch shapes, other merge sizes) run every kernel's general path: each as close to the float32 reference
+    as the official tower, batched bit-equal to alone, and the replayed graph bit-equal to eager."""
     geo = ODD_GEOMETRIES[name]
     binding = bind_tower(write_checkpoint(tmp_path / name, geo, seed=7))
     tower = reference.Tower(binding)
     rng = np.random.default_rng()
-    grids = [[1, 6, 10], [2, 4, 6], [1, 14, 8]]  # segments of 60, 24 (x2 frames) and 112 patches
+    grids, mm = ODD_GRIDS[geo.spatial_merge_size], geo.merge_patches
     rows = [t * h * w for t, h, w in grids]
     pv = rng.standard_normal((sum(rows), geo.patch_dim), dtype=np.float32)
-    model = GlmVit(binding, capacity_tokens=128)
-    eager = GlmVit(binding, capacity_tokens=128, graphs=False)
+    cap = max(2 * sum(rows) // mm, 96)  # budgets past the batch: padded rows
+    model = GlmVit(binding, capacity_tokens=cap)
+    eager = GlmVit(binding, capacity_tokens=cap, graphs=False)
     batch = f32(model.encode_pixels(pv, grids))
     batch = f32(model.encode_pixels(pv, grids))  # the second call replays its graph
     assert np.array_equal(batch, f32(eager.encode_pixels(pv, grids)))
@@ -947,8 +956,19 @@ def test_other_geometries_vs_reference(name, tmp_path):
     start, out_start = 0, 0
     for g, n in zip(grids, rows):
         alone = f32(model.encode_pixels(pv[start:start + n], [g]))
-        assert np.array_equal(alone, batch[out_start:out_start + n // 4])
-        start, out_start = start + n, out_start + n // 4
+        assert np.array_equal(alone, batch[out_start:out_start + n // mm])
+        start, out_start = start + n, out_start + n // mm
+    assert batch.shape == (sum(rows) // mm, geo.out_hidden_size)
+    if geo.in_channels == 3:  # images: preprocessed with the tower's own patching, resized on the GPU or by Pillow
+        from glmvit_cupy.preprocess import Patching, preprocess
+
+        images = [rng.integers(0, 256, (int(rng.integers(20, 300)), int(rng.integers(20, 300)), 3), dtype=np.uint8)
+                  for _ in range(3)]
+        pv_img, grid_img = preprocess(images, max_image_tokens=cap // 3, patching=Patching.of(geo))
+        want = f32(model.encode_pixels(pv_img, grid_img))
+        for resize in ("gpu", "host"):
+            got = np.concatenate([f32(o) for o in model.encode(images, max_image_tokens=cap // 3, resize=resize)])
+            assert np.array_equal(got, want), resize
 
 
 def test_nan_or_inf_weights_are_refused_by_name_and_leave_the_gpu_working(small, tmp_path):

@@ -342,3 +342,34 @@ def test_an_image_path_that_is_a_fifo_or_device_is_refused_by_what_it_is(tmp_pat
                        ("gone.jpg", "is a broken symbolic link, not an image file")):
         with pytest.raises(ImageError, match=re.escape(says)):
             preprocess([str(tmp_path / name)])
+
+
+@pytest.mark.parametrize("patch,merge,frames", [(14, 2, 2), (16, 3, 1), (8, 1, 3), (6, 4, 2)])
+def test_other_patchings_put_each_patch_where_its_position_says(patch, merge, frames):
+    """A tower of another patch size, merge or frame count (Patching) gets rows of 3 x frames x patch^2
+    values, patch i of a frame at the (h, w) that merge-block order gives it: written out here from the
+    position alone and the rescale + normalise table, on a random canvas-sized image (no resize)."""
+    from glmvit_cupy.preprocess import Patching, value_table
+
+    pt = Patching(patch, merge, frames)
+    th, tw = 3, 5  # tokens down and across
+    rgb = np.random.default_rng().integers(0, 256, (th * pt.factor, tw * pt.factor, 3), dtype=np.uint8)
+    pv, grid = preprocess([rgb], min_image_tokens=0, max_image_tokens=th * tw, patching=pt)
+    assert grid.tolist() == [[1, th * merge, tw * merge]] and pv.shape == (th * tw * merge**2, 3 * frames * patch**2)
+    table = value_table()
+    for i in range(pv.shape[0]):
+        blk, j = divmod(i, merge * merge)
+        ph, pw = blk // tw * merge + j // merge, blk % tw * merge + j % merge
+        px = rgb[ph * patch:(ph + 1) * patch, pw * patch:(pw + 1) * patch]  # [patch, patch, 3]
+        want = np.stack([np.stack([table[c][px[..., c]].ravel()] * frames) for c in range(3)])  # (c, t, py*px)
+        assert np.array_equal(pv[i], want.ravel()), (i, ph, pw)
+
+
+def test_a_tower_whose_patches_are_not_rgb_is_refused_for_images():
+    from glmvit_cupy import VisionGeometry
+    from glmvit_cupy.batching import preparer
+    from glmvit_cupy.preprocess import Patching
+
+    assert Patching.of(VisionGeometry(patch_size=16, spatial_merge_size=3, temporal_patch_size=1)) == Patching(16, 3, 1)
+    with pytest.raises(ValueError, match="in_channels = 1; use encode_pixels"):
+        preparer(VisionGeometry(in_channels=1), 64)

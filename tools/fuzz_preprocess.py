@@ -2,7 +2,10 @@
 equal, refusals alike. Seeded; prints each mismatch and a count. Needs transformers 5.23.0 (its PIL processor
 runs without torch) beside this checkout; no GPU.
 
-    python tools/fuzz_preprocess.py [seed] [count]      e.g. 2 400: ~15 s
+    python tools/fuzz_preprocess.py [seed] [count] [patch,merge,frames]   e.g. 2 400: ~15 s; 2 200 16,3,1
+
+The third argument sets another tower's patch geometry on both sides (HF's patch_size, merge_size and
+temporal_patch_size; ours preprocess.Patching); default the reference processor's 14,2,2.
 
 Random sizes (1 to ~4,000 px a side, some 1-3 px strips), modes (RGB, RGBA, L, LA, P with and without a
 transparent index, CMYK, I;16, I, F, 1, ...), alpha, files (PNG, JPEG, WebP, BMP, TIFF, GIF; some with an
@@ -13,10 +16,13 @@ import numpy as np
 from PIL import Image
 sys.path[:0] = ["src", "."]
 from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
-from glmvit_cupy import preprocess, ImageError
+from glmvit_cupy import Patching, preprocess, ImageError
 
 rng = np.random.default_rng(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 150
+PATCHING = Patching(*map(int, sys.argv[3].split(","))) if len(sys.argv) > 3 else Patching()
+HF_PATCHING = dict(patch_size=PATCHING.patch_size, merge_size=PATCHING.merge_size,
+                   temporal_patch_size=PATCHING.temporal_patch_size)
 proc = Glm5NextImageProcessorPil()
 MODES = ["RGB", "RGBA", "L", "LA", "P", "Pt", "CMYK", "I;16", "I", "F", "1", "YCbCr", "RGBX", "PA"]
 FORMATS = ["PNG", "JPEG", "WEBP", "BMP", "TIFF", "GIF", None, None, None, "array"]
@@ -78,12 +84,12 @@ for i in range(N):
         item = img
     hf = ours = None
     try:
-        f = proc(images=[item], return_tensors="np", **kw)
+        f = proc(images=[item], return_tensors="np", **kw, **HF_PATCHING)
         hf = (hashlib.sha256(np.ascontiguousarray(f["pixel_values"], np.float32).tobytes()).hexdigest(), f["image_grid_thw"].tolist())
     except Exception as e:
         hf = ("refused", type(e).__name__, str(e)[:120])
     try:
-        pv, grid = preprocess([item], **kw)
+        pv, grid = preprocess([item], **kw, patching=PATCHING)
         ours = (hashlib.sha256(np.ascontiguousarray(pv).tobytes()).hexdigest(), grid.tolist())
     except ImageError as e:
         ours = ("refused", "ImageError", str(e)[:120])
@@ -98,4 +104,4 @@ for i in range(N):
     else:
         stats["MISMATCH"] += 1
         print("MISMATCH", desc, "\n   HF  ", hf, "\n   ours", ours, flush=True)
-print(f"preprocess fuzz vs HF 5.23.0: {N} images, {stats}, {time.time() - t0:.0f} s")
+print(f"preprocess fuzz vs HF 5.23.0 ({PATCHING}): {N} images, {stats}, {time.time() - t0:.0f} s")

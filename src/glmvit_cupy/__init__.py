@@ -15,7 +15,7 @@ from .checkpoint import bind_tower, inspect_checkpoint, probe_tower
 from .config import VisionGeometry, read_config
 from .errors import (AbsentTower, CheckpointError, GpuOutOfMemory, GpuUnavailable, ImageError, KernelError,
                      NoVisionConfig, OutputError, ServerError)
-from .preprocess import preprocess
+from .preprocess import Patching, preprocess
 from .weights import WeightStore
 
 __version__ = "0.2.0.dev0"
@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # for type checkers only: at run time these are imported on f
 
 __all__ = [
     "AbsentTower", "CheckpointError", "GlmVit", "GpuOutOfMemory", "GpuUnavailable", "ImageError", "KernelError",
-    "NoVisionConfig", "OutputError", "Replicas", "ServerError", "VisionGeometry", "WeightStore", "bind_tower", "inspect_checkpoint",
+    "NoVisionConfig", "OutputError", "Patching", "Replicas", "ServerError", "VisionGeometry", "WeightStore", "bind_tower", "inspect_checkpoint",
     "load_vision_tower", "preprocess", "read_config",
 ]
 

@@ -89,13 +89,21 @@ class Backend:
             model.encode_prepared([item])
             model.executor.stream.synchronize()
 
+    def patching(self):
+        """How this tower's images become pixel rows (preprocess.Patching.of: ValueError for a tower whose
+        patches are not RGB, which images cannot feed)."""
+        from .preprocess import Patching
+
+        return Patching.of(self.geometry)
+
     def encode_on(self, lane: int, items: list) -> list[np.ndarray]:
         """One batch of prepared images on replica `lane` (from any thread) -> host bf16 arrays."""
         if self.cpu:
             from . import reference
             from .preprocess import normalise_patchify
 
-            return [reference.encode_pixels(self._tower, normalise_patchify(canvas), np.array([grid], np.int64))
+            patching = self.patching()
+            return [reference.encode_pixels(self._tower, normalise_patchify(canvas, patching), np.array([grid], np.int64))
                     .astype(self._bf16) for canvas, grid, _ in items]
         from .engine.blocks import HOST
 

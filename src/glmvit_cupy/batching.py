@@ -14,8 +14,7 @@ import numpy as np
 
 from . import feed
 from .config import VisionGeometry
-from .preprocess import (FACTOR, MERGE, PATCH, TEMPORAL, check_max_pixels, check_resize,
-                         check_token_limits, is_integer, prepare_canvas)
+from .preprocess import Patching, check_max_pixels, check_resize, check_token_limits, is_integer, prepare_canvas
 
 DEFAULT_MAX_IMAGE_TOKENS = 8000  # the reference processor's default per-image limit
 DECODE = ("cpu", "gpu")  # who decodes JPEGs: Pillow, or nvImageCodec (the gpu-decode extra)
@@ -97,11 +96,9 @@ def preparer(geo: VisionGeometry, capacity_tokens: int, min_image_tokens=16, max
     resize bit for bit alike, its pixels in host_buffer memory, see preprocess.rgb_pixels). Safe to call from
     several threads. Everything about the settings is checked here, before any image is read. decode "gpu":
     JPEGs decoded by nvImageCodec (gpu_decode), others by Pillow. upload: called with each prepared image on
-    the preparing thread, its result handed on instead (uploads.Uploader: the image copied to the GPU there)."""
-    if (geo.in_channels, geo.patch_size, geo.temporal_patch_size, geo.spatial_merge_size) != (3, PATCH, TEMPORAL,
-                                                                                             MERGE):
-        raise ValueError(f"encode(images) needs the RGB, {PATCH}-pixel, {TEMPORAL}-frame patch geometry of the "
-                         f"reference processor ({FACTOR}-pixel tokens); use encode_pixels for others")
+    the preparing thread, its result handed on instead (uploads.Uploader: the image copied to the GPU there).
+    The tower's patch geometry decides the canvas and the rows (preprocess.Patching.of)."""
+    patching = Patching.of(geo)
     lo, hi = image_limits(capacity_tokens, min_image_tokens, max_image_tokens)
     check_resize(resize)
     check_max_pixels(max_pixels)
@@ -116,7 +113,8 @@ def preparer(geo: VisionGeometry, capacity_tokens: int, min_image_tokens=16, max
     def one(i, image, name=None):
         decoded = decoder.decode(image, i) if decoder is not None else None
         out, grid, info = prepare_canvas(image, i, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels,
-                                         resize=resize, decoded=decoded, host_buffer=host_buffer, name=name)
+                                         resize=resize, decoded=decoded, host_buffer=host_buffer, name=name,
+                                         patching=patching)
         return (out if upload is None else upload(out)), grid, info
 
     return one

@@ -3,12 +3,16 @@
 Bit-identical to transformers' Glm5NextImageProcessorPil: the same PIL decode and
 RGB conversion, the same canvas (smart_resize), BICUBIC content resize, zero pad
 bottom/right, rescale in float64 then float32, normalise in float32, and patches in
-2x2 merge-block order with the frame repeated along the temporal axis.
+2x2 merge-block order with the frame repeated along the temporal axis. The patch
+geometry (14-pixel patches, 2 x 2 merges, 2 frames) is the processor's default; a
+tower whose config.json declares another is preprocessed with its own (`Patching`),
+as the processor is with its patch_size, merge_size and temporal_patch_size.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
@@ -21,6 +25,32 @@ PATCH = 14
 MERGE = 2
 TEMPORAL = 2
 FACTOR = PATCH * MERGE  # 28: one merged token is a 28 x 28 pixel square
+
+
+@dataclass(frozen=True)
+class Patching:
+    """How a canvas becomes pixel rows: patch_size-pixel square patches, merged merge_size x merge_size into
+    a token, the still frame repeated temporal_patch_size times. The defaults are the reference processor's."""
+
+    patch_size: int = PATCH
+    merge_size: int = MERGE
+    temporal_patch_size: int = TEMPORAL
+
+    @property
+    def factor(self) -> int:
+        """The side of one token's pixel square (28): canvases are multiples of it."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def of(cls, geo) -> "Patching":
+        """A tower geometry's patching, or ValueError if its patches are not RGB (images have 3 channels)."""
+        if geo.in_channels != 3:
+            raise ValueError(f"encode(images) makes RGB patches, but this tower's in_channels = {geo.in_channels}; "
+                             "use encode_pixels with pixel_values of that many channels")
+        return cls(geo.patch_size, geo.spatial_merge_size, geo.temporal_patch_size)
+
+
+REFERENCE = Patching()
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP
 STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -128,37 +158,41 @@ def value_table() -> np.ndarray:
     return _TABLE.copy()
 
 
-def normalise_patchify(canvas_u8: np.ndarray) -> np.ndarray:
-    """HxWx3 uint8 canvas -> [H/14 * W/14, 1176] float32 in merge-block patch order."""
+def normalise_patchify(canvas_u8: np.ndarray, patching: Patching = REFERENCE) -> np.ndarray:
+    """HxWx3 uint8 canvas -> [H/14 * W/14, 1176] float32 in merge-block patch order (14, 2, 1176: the
+    reference patching's; others alike)."""
+    P, M, T = patching.patch_size, patching.merge_size, patching.temporal_patch_size
     hh, ww, c = canvas_u8.shape
-    gh, gw = hh // PATCH, ww // PATCH
+    if hh % patching.factor or ww % patching.factor:
+        raise ValueError(f"normalise_patchify: a {hh}x{ww} canvas is not made of {patching.factor}-pixel tokens")
+    gh, gw = hh // P, ww // P
     # Reorder the bytes first (a quarter of the float traffic): (bh, bw, r, c, channel, py, px).
-    p = canvas_u8.reshape(gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH, c)
-    p = np.ascontiguousarray(p.transpose(0, 3, 1, 4, 6, 2, 5)).reshape(gh * gw, c, PATCH * PATCH)
+    p = canvas_u8.reshape(gh // M, M, P, gw // M, M, P, c)
+    p = np.ascontiguousarray(p.transpose(0, 3, 1, 4, 6, 2, 5)).reshape(gh * gw, c, P * P)
     vals = _TABLE[np.arange(c)[None, :, None], p]  # [N, channel, py*px] float32
-    out = np.empty((gh * gw, c, TEMPORAL, PATCH * PATCH), dtype=np.float32)
+    out = np.empty((gh * gw, c, T, P * P), dtype=np.float32)
     out[...] = vals[:, :, None, :]  # the still frame repeated along the temporal axis
-    return out.reshape(gh * gw, c * TEMPORAL * PATCH * PATCH)
+    return out.reshape(gh * gw, c * T * P * P)
 
 
 def prepare(image, index: int = 0, *, min_image_tokens: int = 16, max_image_tokens: int = 8000,
-            max_pixels: int | None = None):
+            max_pixels: int | None = None, patching: Patching = REFERENCE):
     """One image -> (patches [h*w, 1176] float32, (1, h, w), info dict)."""
     canvas, grid, info = prepare_canvas(image, index, min_image_tokens=min_image_tokens,
-                                        max_image_tokens=max_image_tokens, max_pixels=max_pixels)
-    return normalise_patchify(canvas), grid, info
+                                        max_image_tokens=max_image_tokens, max_pixels=max_pixels, patching=patching)
+    return normalise_patchify(canvas, patching), grid, info
 
 
 def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_image_tokens: int = 8000,
                    max_pixels: int | None = None, resize: str = "host", decoded=None, host_buffer=None,
-                   name: str | None = None):
+                   name: str | None = None, patching: Patching = REFERENCE):
     """One image -> (uint8 image, (1, H/14, W/14), info dict): everything but the normalise and patchify,
     which the GPU does from these 8x fewer bytes. resize "host": the image is the resized, zero-padded
     canvas [H, W, 3] (Pillow resizes); "gpu": it is the decoded image, which the GPU resizes to
     info["content"] bit for bit as Pillow would and pads to info["canvas"]. `decoded`: the image already
     decoded (an RGB PIL image or HxWx3 uint8 array), e.g. by a GPU decoder. host_buffer: where "gpu" puts
     the decoded pixels (see rgb_pixels). name: what errors and info["source"] call the image (default: its
-    path, or its index)."""
+    path, or its index). patching: the tower's patch geometry (default: the reference processor's)."""
     check_resize(resize)
     check_max_pixels(max_pixels)
     name = name_of(image, index) if name is None else name
@@ -166,11 +200,14 @@ def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_ima
         resize = "host"  # an unknown Pillow: its bytes come from Pillow itself (warned once)
     img = load(image, name, max_pixels, host_buffer if resize == "gpu" else None) if decoded is None else decoded
     width, height = img.size if isinstance(img, Image.Image) else (img.shape[1], img.shape[0])
-    canvas = smart_resize(height, width, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens)
-    ch, cw = content_size(height, width, canvas, min_image_tokens=min_image_tokens)
-    grid = (1, canvas[0] // PATCH, canvas[1] // PATCH)
+    factor, frames = patching.factor, patching.temporal_patch_size
+    canvas = smart_resize(height, width, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens,
+                          factor=factor, temporal_factor=frames)
+    ch, cw = content_size(height, width, canvas, min_image_tokens=min_image_tokens, factor=factor,
+                          temporal_factor=frames)
+    grid = (1, canvas[0] // patching.patch_size, canvas[1] // patching.patch_size)
     info = {"source": name, "size": (height, width), "canvas": canvas, "content": (ch, cw),
-            "grid": grid, "tokens": grid[1] * grid[2] // (MERGE * MERGE), "resize": resize}
+            "grid": grid, "tokens": grid[1] * grid[2] // patching.merge_size**2, "resize": resize}
     if resize == "gpu":
         if (ch, cw) != (height, width):
             resample.plan(height, width, ch, cw)  # made here, on a decoding thread; the GPU's thread looks it up
@@ -187,12 +224,14 @@ def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_ima
 
 
 def preprocess(images, *, min_image_tokens: int = 16, max_image_tokens: int = 8000,
-               max_pixels: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+               max_pixels: int | None = None, patching: Patching = REFERENCE) -> tuple[np.ndarray, np.ndarray]:
     """Images -> (pixel_values float32 [N, 1176], grid_thw int64 [n, 3]), as the reference processor.
 
     `images` is one image or a list of them: paths, file objects, bytes, PIL images, or
     HxWx3 uint8 arrays. Raises ImageError naming the first image that cannot be used. `max_pixels`
     raises (or lowers) the decompression-bomb guard for encoded images (default: Pillow's, 89.5 MP).
+    `patching`: another tower's patch geometry, e.g. Patching.of(model.geometry) (rows of
+    3 x temporal x patch x patch values, merge x merge blocks); default the reference processor's.
     """
     min_image_tokens, max_image_tokens = check_token_limits(min_image_tokens, max_image_tokens)
     if not isinstance(images, (list, tuple)):
@@ -202,7 +241,7 @@ def preprocess(images, *, min_image_tokens: int = 16, max_image_tokens: int = 80
     rows, grids = [], []
     for i, image in enumerate(images):
         patches, grid, _ = prepare(image, i, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens,
-                                   max_pixels=max_pixels)
+                                   max_pixels=max_pixels, patching=patching)
         rows.append(patches)
         grids.append(grid)
     return np.concatenate(rows, axis=0), np.array(grids, dtype=np.int64)

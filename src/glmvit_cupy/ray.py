@@ -26,7 +26,7 @@ import numpy as np
 
 from .batching import DEFAULT_MAX_IMAGE_TOKENS, image_limits
 from .errors import ImageError
-from .preprocess import prepare_canvas
+from .preprocess import REFERENCE, Patching, prepare_canvas
 
 
 class Prepare:
@@ -35,10 +35,10 @@ class Prepare:
     column comes back as "nan" strings)."""
 
     def __init__(self, bytes_column: str, min_image_tokens: int, max_image_tokens: int, max_pixels=None,
-                 resize: str = "host"):
+                 resize: str = "host", patching: Patching = REFERENCE):
         self.column, self.limits = bytes_column, dict(min_image_tokens=min_image_tokens,
                                                       max_image_tokens=max_image_tokens, max_pixels=max_pixels,
-                                                      resize=resize)
+                                                      resize=resize, patching=patching)
 
     def __call__(self, batch):
         import pandas as pd
@@ -131,7 +131,7 @@ def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = F
         raise ValueError(f"num_gpus={num_gpus!r}: GPUs per encoder actor must be a number above 0 "
                          "(1: a GPU each, 0.5: two actors share one)")
     min_image_tokens, max_image_tokens = image_limits(capacity_tokens, min_image_tokens, max_image_tokens)
-    bind_tower(checkpoint)  # a bad checkpoint fails here, on the driver, not in every actor
+    patching = Patching.of(bind_tower(checkpoint).geometry)  # a bad checkpoint fails here, not in every actor
     gpus = ray.cluster_resources().get("GPU", 0)
     if not cpu and gpus < num_gpus:
         raise ValueError(f"the Ray cluster has {gpus:g} GPUs, and each encoder actor asks for {num_gpus:g}: its "
@@ -141,7 +141,7 @@ def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = F
     # On GPUs the decoded image travels and the actor's GPU resizes it (bit for bit as Pillow); the float32
     # reference takes Pillow's canvas.
     prepared = ds.map_batches(Prepare(bytes_column, min_image_tokens, max_image_tokens, max_pixels,
-                                      "host" if cpu else "gpu"),
+                                      "host" if cpu else "gpu", patching),
                               batch_format="pandas", batch_size=batch_size)
     return prepared.map_batches(Encode, fn_constructor_args=(checkpoint, cpu, capacity_tokens, max_image_tokens),
                                 compute=ray.data.ActorPoolStrategy(size=concurrency), num_gpus=0 if cpu else num_gpus,

@@ -108,7 +108,7 @@ class GlmVit:
             # Per GEMM shape: its fastest cublasLt algorithm with cuBLAS's default bits (report: gemm_tune).
             self.gemm_tuning = gemm_tune.tune(self.executor.blas, layers.gemm_shapes(
                 g, self.capacity_patches, self.fused_swiglu)) if tune_gemms else []
-            self.stager = Stager(self.value_table, g.temporal_patch_size, g.patch_size)
+            self.stager = Stager(self.value_table, g.temporal_patch_size, g.patch_size, g.spatial_merge_size)
             self.uploads = Uploader(self.device)  # prepare threads put decoded images on this GPU through it
             self.device.synchronize()
         self._arena = None

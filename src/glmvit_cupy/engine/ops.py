@@ -160,13 +160,22 @@ def cast_pixels(cast, rows, x, out):
 
 # -- cuda/pixels.cu --------------------------------------------------------------------------------
 
-def patchify(canvas, value_table, out, temporal, patch):
+def _check_canvas(h, w, patch, merge, out, temporal):
+    """The patchify kernels' shapes: a canvas of whole merge x merge blocks of patches, out one row a patch."""
+    rows, width = (h // patch) * (w // patch), 3 * temporal * patch * patch
+    if h % (patch * merge) or w % (patch * merge) or out.shape != (rows, width) or not out.flags.c_contiguous:
+        raise ValueError(f"patchify: a {h}x{w} canvas in {patch}-pixel patches merged {merge}x{merge} fills a "
+                         f"contiguous [{rows}, {width}] output; got {list(out.shape)}")
+
+
+def patchify(canvas, value_table, out, temporal, patch, merge):
     """uint8 canvas [H, W, 3] -> out bf16 [H/patch * W/patch, 3 * temporal * patch^2], normalised by
-    the table [3, 256] and laid out as the reference's pixel_values."""
+    the table [3, 256] and laid out as the reference's pixel_values (merge x merge blocks)."""
     h, w = canvas.shape[:2]
+    _check_canvas(h, w, patch, merge, out, temporal)
     launch("patchify", 0, lambda: kernel("pixels", "patchify_u8")(
         grid_1d((h // patch) * (w // patch) * 3 * patch * patch), (THREADS,),
-        (canvas, value_table, out, np.int32(h), np.int32(w), np.int32(temporal), np.int32(patch))))
+        (canvas, value_table, out, np.int32(h), np.int32(w), np.int32(temporal), np.int32(patch), np.int32(merge))))
 
 
 def resample_pass(src, tables, dst, along):
@@ -179,17 +188,18 @@ def resample_pass(src, tables, dst, along):
                                         np.int32(along), np.int32(src.shape[1]), np.int32(rows), np.int32(cols))))
 
 
-def resample_patchify(src, tables, along, content, value_table, out, canvas, temporal, patch):
+def resample_patchify(src, tables, along, content, value_table, out, canvas, temporal, patch, merge):
     """The last resize pass (along 0 / 1; -1: src is already the content) fused with the zero pad to the
     canvas (H, W), the normalise and the patchify: out as patchify's for that canvas."""
     first, count, weights = tables if tables is not None else (None, None, None)
     h, w = canvas
+    _check_canvas(h, w, patch, merge, out, temporal)
     launch("resample + patchify", 0, lambda: kernel("pixels", "resample_patchify_u8")(
         grid_1d((h // patch) * (w // patch) * 3 * patch * patch), (THREADS,),
         (src, ptr_or_null(first), ptr_or_null(count), ptr_or_null(weights),
          np.int32(0 if weights is None else weights.shape[1]), np.int32(along), np.int32(src.shape[1]),
          np.int32(content[0]), np.int32(content[1]), value_table, out, np.int32(h), np.int32(w), np.int32(temporal),
-         np.int32(patch))))
+         np.int32(patch), np.int32(merge))))
 
 
 # -- cuda/attention_sm90.cu, attention_sm80.cu -----------------------------------------------------

@@ -31,8 +31,8 @@ def _round(n: int) -> int:
 class Stager:
     """Prepared images -> bf16 pixel rows. Device scratch for the raw images grows to the largest seen."""
 
-    def __init__(self, value_table, temporal: int, patch: int):
-        self.value_table, self.temporal, self.patch = value_table, temporal, patch
+    def __init__(self, value_table, temporal: int, patch: int, merge: int):
+        self.value_table, self.temporal, self.patch, self.merge = value_table, temporal, patch, merge
         self.pinned = HOST
         self._buffers: dict = {}
 
@@ -118,7 +118,7 @@ class Stager:
         h, w = image.shape[:2]
         src = self._upload(image)
         if (h, w) == canvas:
-            patchify(src, self.value_table, out, self.temporal, self.patch)
+            patchify(src, self.value_table, out, self.temporal, self.patch, self.merge)
             return
         p = resample.plan(h, w, *content)
         views = self._tables(p)
@@ -138,7 +138,8 @@ class Stager:
             last, tab, along = src, vertical, 0
         else:
             last, tab, along = src, None, -1
-        resample_patchify(last, tab, along, content, self.value_table, out, canvas, self.temporal, self.patch)
+        resample_patchify(last, tab, along, content, self.value_table, out, canvas, self.temporal, self.patch,
+                          self.merge)
 
 
 def stage_pixels(pixels_f32, pixels, pixel_values) -> bool:

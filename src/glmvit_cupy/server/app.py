@@ -153,8 +153,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             if hits[i] is None:
                 todo.setdefault(k, i)
         loop = asyncio.get_running_loop()
+        backend = state["backend"]
         prepared = await asyncio.gather(*[loop.run_in_executor(pool, _prepare, blobs[i], i, lo, hi, settings.max_pixels,
-                                                               state["backend"].resize)
+                                                               backend.resize, backend.patching)
                                           for i in todo.values()], return_exceptions=True)
         for i, got in zip(todo.values(), prepared):
             if isinstance(got, BaseException):
@@ -258,6 +259,8 @@ def _parse(body: bytes, capacity: int):
     return images, lo, hi
 
 
-def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels, resize: str):
+def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels, resize: str, patching):
+    """One request image -> prepare_canvas's triple, with the tower's patching (patching(): a ValueError, a 422,
+    where the tower's patches are not RGB)."""
     return prepare_canvas(io.BytesIO(data), index, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels,
-                          resize=resize)
+                          resize=resize, patching=patching())
