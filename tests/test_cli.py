@@ -63,6 +63,29 @@ def test_encode_folder_skips_bad_image_and_matches_reference(images, tmp_path, c
     assert "skipped" in captured.out and "broken.png" in captured.out and "1 failed" in captured.out
 
 
+def test_a_tower_of_other_patches_and_merges_is_encoded_with_its_own_patching(images, tmp_path):
+    """A 3 x 3-merge tower of 16-pixel single-frame patches: the command's canvases, grids and tokens are the
+    tower's (48-pixel tokens, 768 values a row), and each embedding is the reference's of those pixels."""
+    import dataclasses
+
+    from glmvit_cupy.preprocess import Patching
+    from glmvit_cupy.synthetic import write_checkpoint
+
+    geo = dataclasses.replace(cases.GEOMETRY, spatial_merge_size=3, patch_size=16, temporal_patch_size=1, depth=1)
+    ckpt = write_checkpoint(tmp_path / "m3", geo, seed=5)
+    out = tmp_path / "out"
+    assert run([images / "a.png", images / "c.jpg", "--checkpoint", ckpt, "--out", out, "--cpu"]) == 0
+    manifest, tensors = load_all(out)
+    tower = reference.Tower(reference.bind_tower(ckpt))
+    for key, entry in manifest["images"].items():
+        pv, grid = preprocess([key], patching=Patching.of(geo))
+        assert pv.shape[1] == 768 and entry["grid_thw"] == grid[0].tolist() and grid[0, 1] % 3 == 0
+        assert entry["tokens"] == grid[0, 1] * grid[0, 2] // 9 == tensors[key].shape[0]
+        ref = reference.encode_pixels(tower, pv, grid)
+        got = tensors[key].astype(np.float32)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 4e-3
+
+
 def test_a_broken_link_is_reported_as_one(images, tmp_path, capsys):
     (images / "gone.png").symlink_to(tmp_path / "moved-away.png")  # found by walking the folder
     out = tmp_path / "out"

@@ -51,3 +51,35 @@ def test_gpu_command_matches_reference_and_model(tmp_path, capsys):
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2, key
         assert np.linalg.norm(got - alone) / np.linalg.norm(alone) < 1e-2, key  # batching may differ in last bits
     print(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_gpu_command_on_a_tower_of_another_merge_size(tmp_path):
+    """A 3 x 3-merge tower of 16-pixel single-frame patches through glmvit-encode on two replicas: each image's
+    tokens are its canvas's (48-pixel tokens), and its embedding is the float32 reference's of the pixels
+    preprocessed with the tower's own patching."""
+    import dataclasses
+
+    from glmvit_cupy.preprocess import Patching
+    from glmvit_cupy.synthetic import write_checkpoint
+
+    geo = dataclasses.replace(cases.GEOMETRY, spatial_merge_size=3, patch_size=16, temporal_patch_size=1)
+    ckpt = write_checkpoint(tmp_path / "m3", geo, seed=5)
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i, (h, w) in enumerate([(100, 150), (300, 90), (48, 48)]):
+        Image.fromarray(cases._smooth(h, w, 20 + i)).save(folder / f"{i}.png")
+    devices = "0,1" if cupy.cuda.runtime.getDeviceCount() >= 2 else "0,0"
+    out = tmp_path / "out"
+    assert cli.main([str(folder), "--checkpoint", ckpt, "--out", str(out), "--devices", devices,
+                     "--capacity-tokens", "40", "--max-image-tokens", "40"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    tensors = {}
+    for f in {e["shard"] for e in manifest["images"].values()}:
+        tensors.update(load_file(str(out / f)))
+    tower = reference.Tower(reference.bind_tower(ckpt))
+    for key, entry in manifest["images"].items():
+        got = tensors[key].astype(np.float32)
+        pv, grid = preprocess([key], max_image_tokens=40, patching=Patching.of(geo))
+        assert entry["tokens"] == got.shape[0] == grid[0, 1] * grid[0, 2] // 9 and pv.shape[1] == 3 * 16 * 16
+        ref = reference.encode_pixels(tower, pv, grid)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2, key

@@ -66,6 +66,28 @@ def test_encode_dataset_matches_reference_and_records_failures(local_ray, folder
         assert np.array_equal(emb.astype(ml_dtypes.bfloat16).view(np.uint16), ref.view(np.uint16))
 
 
+def test_a_tower_of_another_merge_size_is_prepared_with_its_own_patching(local_ray, folder, tmp_path):
+    """A 3 x 3-merge tower of 16-pixel single-frame patches: the pipeline's CPU stage makes that tower's
+    canvases, and each row's embedding is the reference's of them, bit for bit."""
+    import dataclasses
+
+    import glmvit_cupy.ray as gvr
+    from glmvit_cupy.preprocess import Patching
+    from glmvit_cupy.synthetic import write_checkpoint
+
+    geo = dataclasses.replace(cases.GEOMETRY, spatial_merge_size=3, patch_size=16, temporal_patch_size=1, depth=1)
+    ckpt = write_checkpoint(tmp_path / "m3", geo, seed=8)
+    files = sorted(str(p) for p in folder.glob("img*.png"))[:2]
+    rows = gvr.encode_dataset(ray.data.read_binary_files(files, include_paths=True), ckpt, cpu=True).take_all()
+    tower = reference.Tower(reference.bind_tower(ckpt))
+    for r in rows:
+        canvas, grid, info = prepare_canvas(r["path"], patching=Patching.of(geo))
+        ref = reference.encode_pixels(tower, normalise_patchify(canvas, Patching.of(geo)), [grid])
+        assert r["error"] is None and list(r["grid_thw"]) == list(grid) and r["tokens"] == info["tokens"]
+        assert np.array_equal(r["embedding"].astype(ml_dtypes.bfloat16).view(np.uint16),
+                              ref.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
 def test_encode_dataset_checks_its_arguments(local_ray):
     import glmvit_cupy.ray as gvr
     from glmvit_cupy import CheckpointError

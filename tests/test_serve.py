@@ -24,7 +24,7 @@ pytest.importorskip("uvicorn", reason="the serve extra is not installed")
 
 from glmvit_cupy import ServerError, cli, reference  # noqa: E402
 from glmvit_cupy.client import Client  # noqa: E402
-from glmvit_cupy.preprocess import normalise_patchify, prepare_canvas  # noqa: E402
+from glmvit_cupy.preprocess import REFERENCE, Patching, normalise_patchify, prepare_canvas  # noqa: E402
 from tests.golden import cases  # noqa: E402
 
 TOWER = str(cases.TOWER_DIR)
@@ -43,10 +43,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(tmp_path, *flags):
+def start(tmp_path, *flags, checkpoint=TOWER):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.server.main", "--checkpoint", TOWER, "--cpu",
+    proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.server.main", "--checkpoint", checkpoint, "--cpu",
                              "--port", str(port), *map(str, flags)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     client = Client(f"http://127.0.0.1:{port}", timeout=60)
@@ -76,9 +76,9 @@ def tower():
     return reference.Tower(reference.bind_tower(TOWER))
 
 
-def reference_bf16(tower, data, **limits):
-    canvas, grid, _ = prepare_canvas(io.BytesIO(data), 0, **limits)
-    return reference.encode_pixels(tower, normalise_patchify(canvas), [grid]).astype(ml_dtypes.bfloat16)
+def reference_bf16(tower, data, patching=REFERENCE, **limits):
+    canvas, grid, _ = prepare_canvas(io.BytesIO(data), 0, patching=patching, **limits)
+    return reference.encode_pixels(tower, normalise_patchify(canvas, patching), [grid]).astype(ml_dtypes.bfloat16)
 
 
 def post(client, body, kind="application/json"):
@@ -284,6 +284,28 @@ def test_sigterm_finishes_in_flight_then_exits_0(tmp_path):
     assert proc.wait(30) == 0
     with pytest.raises(OSError):
         client.health()
+
+
+def test_a_tower_of_another_merge_size_is_served_with_its_own_patching(tmp_path):
+    """A 3 x 3-merge tower of 16-pixel single-frame patches: the server's tokens and embeddings are the
+    reference's of the image preprocessed with the tower's own patching, bit for bit."""
+    import dataclasses
+
+    from glmvit_cupy.synthetic import write_checkpoint
+
+    geo = dataclasses.replace(cases.GEOMETRY, spatial_merge_size=3, patch_size=16, temporal_patch_size=1, depth=1)
+    ckpt = write_checkpoint(tmp_path / "m3", geo, seed=6)
+    proc, client = start(tmp_path, "--max-wait-ms", 50, checkpoint=ckpt)
+    try:
+        images = [png(100, 150, 31), png(300, 64, 32)]
+        embs, meta = client.encode(images, max_image_tokens=60)
+        tower = reference.Tower(reference.bind_tower(ckpt))
+        for data, emb, m in zip(images, embs, meta):
+            ref = reference_bf16(tower, data, Patching.of(geo), max_image_tokens=60)
+            assert np.array_equal(emb.view(np.uint16), ref.view(np.uint16)) and m["tokens"] == emb.shape[0]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
 
 
 def test_loading_answers_503(tmp_path):
