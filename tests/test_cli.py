@@ -86,6 +86,16 @@ def test_a_tower_of_other_patches_and_merges_is_encoded_with_its_own_patching(im
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 4e-3
 
 
+def test_a_tower_whose_patches_are_not_rgb_is_refused_before_any_output(images, tmp_path, capsys):
+    import dataclasses
+
+    from glmvit_cupy.synthetic import write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "grey", dataclasses.replace(cases.GEOMETRY, in_channels=1, depth=1))
+    assert run([images / "a.png", "--checkpoint", ckpt, "--out", tmp_path / "out", "--cpu"]) == 2
+    assert "in_channels = 1; use encode_pixels" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
 def test_a_broken_link_is_reported_as_one(images, tmp_path, capsys):
     (images / "gone.png").symlink_to(tmp_path / "moved-away.png")  # found by walking the folder
     out = tmp_path / "out"

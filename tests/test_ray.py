@@ -88,7 +88,7 @@ def test_a_tower_of_another_merge_size_is_prepared_with_its_own_patching(local_r
                               ref.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
-def test_encode_dataset_checks_its_arguments(local_ray):
+def test_encode_dataset_checks_its_arguments(local_ray, tmp_path):
     import glmvit_cupy.ray as gvr
     from glmvit_cupy import CheckpointError
 
@@ -104,6 +104,13 @@ def test_encode_dataset_checks_its_arguments(local_ray):
     for bad in (0, -1, float("nan"), float("inf"), "1", True):  # 0 divided the cluster's GPUs by zero
         with pytest.raises(ValueError, match="must be a number above 0"):
             gvr.encode_dataset(ds, TOWER, num_gpus=bad, bytes_column="data")
+    import dataclasses
+
+    from glmvit_cupy.synthetic import write_checkpoint
+
+    grey = write_checkpoint(tmp_path / "grey", dataclasses.replace(cases.GEOMETRY, in_channels=1, depth=1))
+    with pytest.raises(ValueError, match="in_channels = 1; use encode_pixels"):  # on the driver, not in the actors
+        gvr.encode_dataset(ds, grey, cpu=True, bytes_column="data")
 
 
 def test_example_refuses_num_gpus_with_cpu(capsys):

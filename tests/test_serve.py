@@ -428,3 +428,15 @@ def test_bad_settings_are_refused_at_start_not_per_request(capsys, flags, says):
     from glmvit_cupy.server import main as serve_main
     assert serve_main.main(["--checkpoint", TOWER, "--cpu"] + flags) == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_tower_whose_patches_are_not_rgb_is_refused_at_start(capsys, tmp_path):
+    """The server takes images: a tower of one-channel patches stops it before it loads, naming the field."""
+    import dataclasses
+
+    from glmvit_cupy.server import main as serve_main
+    from glmvit_cupy.synthetic import write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "grey", dataclasses.replace(cases.GEOMETRY, in_channels=1, depth=1))
+    assert serve_main.main(["--checkpoint", ckpt, "--cpu"]) == 2
+    assert "in_channels = 1; use encode_pixels" in capsys.readouterr().err

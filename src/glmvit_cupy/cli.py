@@ -30,7 +30,7 @@ from .checkpoint import bind_tower
 from .errors import CheckpointError, ImageError, OutputError
 from .files import open_regular
 from .output import Output, image_key
-from .preprocess import RESIZE
+from .preprocess import RESIZE, Patching
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -173,7 +173,8 @@ def main(argv=None) -> int:
         return fail(f"no images found in {', '.join(args.inputs)} (looked for {', '.join(IMAGE_EXTENSIONS)})")
     try:
         binding = bind_tower(args.checkpoint)
-    except CheckpointError as e:
+        Patching.of(binding.geometry)  # images need a tower of RGB patches
+    except (CheckpointError, ValueError) as e:
         return fail(e)
     why = None if args.cpu else gpu.problem()
     if why:

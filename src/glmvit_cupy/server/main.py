@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     from ..checkpoint import bind_tower
     from ..cli import device_list
     from ..errors import CheckpointError
+    from ..preprocess import Patching
     from .app import Settings, create_app
 
     why = check_settings(args)
@@ -88,7 +89,8 @@ def main(argv=None) -> int:
     try:
         devices = device_list(args.devices) if args.devices else None
         binding = bind_tower(args.checkpoint)
-    except (CheckpointError, argparse.ArgumentTypeError) as e:
+        Patching.of(binding.geometry)  # the server takes images: a tower of RGB patches
+    except (CheckpointError, argparse.ArgumentTypeError, ValueError) as e:
         print(f"glmvit-serve: {e}", file=sys.stderr)
         return 2
     why = None if args.cpu else gpu.problem()
