@@ -103,8 +103,8 @@ class Backend:
             from .preprocess import normalise_patchify
 
             patching = self.patching()
-            return [reference.encode_pixels(self._tower, normalise_patchify(canvas, patching), np.array([grid], np.int64))
-                    .astype(self._bf16) for canvas, grid, _ in items]
+            return [reference.encode_pixels(self._tower, normalise_patchify(canvas, patching),
+                                            np.array([grid], np.int64)).astype(self._bf16) for canvas, grid, _ in items]
         from .engine.blocks import HOST
 
         model = self._engine.models[lane]

@@ -62,10 +62,9 @@ def expand_inputs(items) -> list[str]:
 
 
 def prepared(paths, workers: int, one):
-    """(path, ((uint8 image, grid, info), sha256 of the file) or the ImageError / ValueError that image
-    raised), as each is ready; `workers` threads read each file once, hash it and prepare it with
-    one(index, data, name) (batching.preparer) ahead of the GPU (feed.as_done: the output is keyed by
-    path, so a pass takes whichever images are ready and a 12 MP photo still decoding holds up none)."""
+    """(path, ((uint8 image, grid, info), the file's sha256) or the ImageError / ValueError it raised), as each is
+    ready: `workers` threads read, hash and prepare each file with one(index, data, name) ahead of the GPU (as_done:
+    the output is keyed by path, so a pass takes the images that are ready; a 12 MP photo decoding holds up none)."""
 
     def job(i, path):
         try:

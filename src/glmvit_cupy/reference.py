@@ -167,7 +167,7 @@ class Tower:
 
 
 def encode_pixels(checkpoint_path, pixel_values, grid_thw, *, dtype=np.float32, stats=None) -> np.ndarray:
-    """The whole forward of HF transformers 5.23.0's Glm5NextVisionModel in NumPy: [N, patch_dim] pixels -> [N / merge^2, out_hidden_size].
+    """HF transformers 5.23.0's Glm5NextVisionModel forward in NumPy: [N, patch_dim] pixels -> [N / m^2, out_hidden].
 
     `checkpoint_path` may also be a TowerBinding or a Tower (to reuse loaded weights).
     `stats`, a dict, receives per-layer counts of values the SwiGLU clamp cut.

@@ -103,9 +103,9 @@ def mlp(g: VisionGeometry, blk: Block, s: Arena, x, blas, fused_swiglu):
 
 
 def merger(g: VisionGeometry, m: Merger, s: Arena, x, blas, fused_swiglu):
-    """post_layernorm(x + post_layernorm_offset) as merge x merge im2col -> downsample -> merger.proj -> post_projection_norm +
-    GELU -> clamped SwiGLU -> merger.down_proj, into s["embeddings"]."""
-    tokens = x.shape[0] // g.merge_patches  # a budget need not be a multiple of merge^2; the real rows are
+    """post_layernorm(x + post_layernorm_offset) as the m x m im2col -> downsample -> merger.proj ->
+    post_projection_norm + GELU -> clamped SwiGLU -> merger.down_proj, into s["embeddings"]."""
+    tokens = x.shape[0] // g.merge_patches  # a budget need not be a multiple of merge^2 (the real rows are)
     cols, out = s["im2col"][:tokens], s["embeddings"][:tokens]
     ops.rmsnorm_im2col(x[:tokens * g.merge_patches], m.post_layernorm_offset, m.post_layernorm, cols,
                        g.rms_norm_eps)  # every bias

@@ -176,13 +176,14 @@ class GlmVit:
     # -- encoding ---------------------------------------------------------------------------------
     def encode_pixels(self, pixel_values, grid_thw) -> cupy.ndarray:
         """HF-layout input ([N, patch_dim] pixels, [n, 3] grid; NumPy or CuPy, float or bf16) -> bf16
-        [N / merge^2, out_hidden_size] on this GPU (merge: spatial_merge_size). Runs on the model's own stream; the caller's current stream
-        waits for the result (no host synchronisation)."""
+        [N / merge^2, out_hidden_size] on this GPU (merge: spatial_merge_size). Runs on the model's own
+        stream; the caller's current stream waits for the result (no host synchronisation)."""
         grid, n = batching.check_pixels(self.geometry, pixel_values, grid_thw.get() if isinstance(
             grid_thw, cupy.ndarray) else grid_thw, self.capacity_tokens)
         if isinstance(pixel_values, cupy.ndarray) and pixel_values.device.id != self.device.id:
             pixel_values = cupy.asnumpy(pixel_values)  # another GPU's array: through the host, safely ordered
-        return self._encode(grid, n // self.geometry.merge_patches, lambda s: stage_pixels(s["pixels_f32"], s["pixels"], pixel_values))
+        return self._encode(grid, n // self.geometry.merge_patches,
+                            lambda s: stage_pixels(s["pixels_f32"], s["pixels"], pixel_values))
 
     def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None,
                max_pixels: int | None = None, resize: str = "gpu", decode: str = "cpu",
