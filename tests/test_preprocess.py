@@ -373,3 +373,8 @@ def test_a_tower_whose_patches_are_not_rgb_is_refused_for_images():
     assert Patching.of(VisionGeometry(patch_size=16, spatial_merge_size=3, temporal_patch_size=1)) == Patching(16, 3, 1)
     with pytest.raises(ValueError, match="in_channels = 1; use encode_pixels"):
         preparer(VisionGeometry(in_channels=1), 64)
+    for bad in ({"patch_size": 0}, {"merge_size": True}, {"temporal_patch_size": 2.0}):
+        with pytest.raises(ValueError, match=f"Patching: {next(iter(bad))}="):
+            Patching(**bad)
+    with pytest.raises(TypeError, match=r"give a glmvit_cupy.Patching, e.g. Patching.of\(model.geometry\)"):
+        preprocess([np.zeros((28, 28, 3), np.uint8)], patching=VisionGeometry())

@@ -27,6 +27,12 @@ TEMPORAL = 2
 FACTOR = PATCH * MERGE  # 28: one merged token is a 28 x 28 pixel square
 
 
+def is_integer(v) -> bool:
+    """An int or a NumPy integer, and not a bool (which Python counts as an int): what every count the
+    library takes must be."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class Patching:
     """How a canvas becomes pixel rows: patch_size-pixel square patches, merged merge_size x merge_size into
@@ -35,6 +41,12 @@ class Patching:
     patch_size: int = PATCH
     merge_size: int = MERGE
     temporal_patch_size: int = TEMPORAL
+
+    def __post_init__(self):
+        for field in ("patch_size", "merge_size", "temporal_patch_size"):
+            v = getattr(self, field)
+            if not is_integer(v) or v < 1:
+                raise ValueError(f"Patching: {field}={v!r} must be a positive integer")
 
     @property
     def factor(self) -> int:
@@ -51,6 +63,12 @@ class Patching:
 
 
 REFERENCE = Patching()
+
+
+def check_patching(patching) -> Patching:
+    if not isinstance(patching, Patching):
+        raise TypeError(f"patching={patching!r}: give a glmvit_cupy.Patching, e.g. Patching.of(model.geometry)")
+    return patching
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP
 STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -115,12 +133,6 @@ def check_resize(resize) -> str:
     return resize
 
 
-def is_integer(v) -> bool:
-    """An int or a NumPy integer, and not a bool (which Python counts as an int): what every count the
-    library takes must be."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
 def check_max_pixels(max_pixels):
     """The decompression-bomb limit as given: None (Pillow's own) or a positive integer of pixels."""
     if max_pixels is not None and (not is_integer(max_pixels) or max_pixels < 1):
@@ -161,7 +173,7 @@ def value_table() -> np.ndarray:
 def normalise_patchify(canvas_u8: np.ndarray, patching: Patching = REFERENCE) -> np.ndarray:
     """HxWx3 uint8 canvas -> [H/14 * W/14, 1176] float32 in merge-block patch order (14, 2, 1176: the
     reference patching's; others alike)."""
-    P, M, T = patching.patch_size, patching.merge_size, patching.temporal_patch_size
+    P, M, T = check_patching(patching).patch_size, patching.merge_size, patching.temporal_patch_size
     hh, ww, c = canvas_u8.shape
     if hh % patching.factor or ww % patching.factor:
         raise ValueError(f"normalise_patchify: a {hh}x{ww} canvas is not made of {patching.factor}-pixel tokens")
@@ -195,6 +207,7 @@ def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_ima
     path, or its index). patching: the tower's patch geometry (default: the reference processor's)."""
     check_resize(resize)
     check_max_pixels(max_pixels)
+    check_patching(patching)
     name = name_of(image, index) if name is None else name
     if resize == "gpu" and resample.pass_order() is None:
         resize = "host"  # an unknown Pillow: its bytes come from Pillow itself (warned once)
