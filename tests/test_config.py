@@ -104,9 +104,9 @@ def test_check_grid_follows_the_merge_size():
 
 
 def test_check_grid_accepts_and_normalises():
-    grid = check_grid([[1, 32, 32], [2, 8, 6]])  # a 448x448 image: 32 x 32 patches; a 2-frame video
+    grid = check_grid([[1, 32, 32], [2, 8, 6]], 2)  # a 448x448 image: 32 x 32 patches; a 2-frame video
     assert grid.dtype == np.int64 and grid.tolist() == [[1, 32, 32], [2, 8, 6]]
-    assert check_grid(np.array([[1, 2, 2]], np.int32)).dtype == np.int64  # the smallest image: one 2x2 merge
+    assert check_grid(np.array([[1, 2, 2]], np.int32), 2).dtype == np.int64  # the smallest image: one 2x2 merge
 
 
 @pytest.mark.parametrize("grid,says", [
@@ -119,4 +119,4 @@ def test_check_grid_accepts_and_normalises():
 ])
 def test_check_grid_names_what_is_wrong(grid, says):
     with pytest.raises(ValueError, match=says):
-        check_grid(grid)
+        check_grid(grid, 2)

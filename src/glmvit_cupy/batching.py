@@ -34,7 +34,7 @@ def check_capacity(capacity_tokens) -> int:
                           ": the tokens one forward pass holds (the scratch is sized from it)")
 
 
-def check_grid(grid_thw, merge: int = 2) -> np.ndarray:
+def check_grid(grid_thw, merge: int) -> np.ndarray:
     """A batch's grid_thw (host array-like, one (frames, patch rows, patch columns) per image) as int64
     [images, 3], or ValueError naming what is wrong: the GPU encoder and its replicas check alike.
     merge: the tower's spatial_merge_size (patches merge in merge x merge blocks)."""

@@ -154,8 +154,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 todo.setdefault(k, i)
         loop = asyncio.get_running_loop()
         backend = state["backend"]
+        patching = backend.patching()  # once a request (main refused towers whose patches are not RGB)
         prepared = await asyncio.gather(*[loop.run_in_executor(pool, _prepare, blobs[i], i, lo, hi, settings.max_pixels,
-                                                               backend.resize, backend.patching)
+                                                               backend.resize, patching)
                                           for i in todo.values()], return_exceptions=True)
         for i, got in zip(todo.values(), prepared):
             if isinstance(got, BaseException):
@@ -260,7 +261,5 @@ def _parse(body: bytes, capacity: int):
 
 
 def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels, resize: str, patching):
-    """One request image -> prepare_canvas's triple, with the tower's patching (patching(): a ValueError, a 422,
-    where the tower's patches are not RGB)."""
     return prepare_canvas(io.BytesIO(data), index, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels,
-                          resize=resize, patching=patching())
+                          resize=resize, patching=patching)
