@@ -999,3 +999,39 @@ def test_nan_or_inf_weights_are_refused_by_name_and_leave_the_gpu_working(small,
     assert np.array_equal(f32(small.encode_pixels(pv, grid)), before)
     ok = GlmVit.from_checkpoint(write_checkpoint(tmp_path / "ok", geo, tensors=random_tower(geo, 7)), capacity_tokens=64)
     assert np.isfinite(f32(ok.encode_pixels(pv, grid))).all()
+
+
+def test_videos_encode_in_frame_groups_with_the_bits_of_one_pass(official):
+    """A video is its temporal groups encoded as images of their own: one pass, passes of a few groups (a
+    small capacity) and encode_video all give the same bits, near the float32 reference within HF bf16's
+    error on the same rows (the live bar where HF runs here)."""
+    from glmvit_cupy import preprocess_video
+
+    binding, model, tower = official
+    rng = np.random.default_rng(21)
+    vids = [np.stack([cases._smooth(180, 260, seed=50 + k) for k in range(7)]),
+            rng.integers(0, 256, (4, 90, 120, 3), dtype=np.uint8)]
+    pv, grid, infos = preprocess_video(vids, fps=[6.0, 3.0], target_fps=6, max_image_tokens=4000)
+    assert grid[:, 0].tolist() == [4, 2] and [i["frames_indices"] for i in infos] == [list(range(7)) + [6],
+                                                                                        [0, 1, 2, 3]]
+    one = [f32(o) for o in model.encode_video_pixels(pv, grid)]
+    ref = reference.encode_pixels(tower, pv, grid)
+    why = hf_bar.available()
+    hf = hf_bar.hf_forward(binding, pv, grid) if why is None else None
+    row = 0
+    for i, info in enumerate(infos):
+        assert one[i].shape == (info["tokens"], binding.geometry.out_hidden_size)
+        r = ref[row:row + info["tokens"]]
+        bar = rel(hf[row:row + info["tokens"]], r) if hf is not None else 2e-2
+        print(f"video {i} {grid[i].tolist()}: ours {rel(one[i], r):.3e}  HF bf16 {bar:.3e} ({why or 'measured'})")
+        assert rel(one[i], r) <= bar
+        row += info["tokens"]
+    per_group = max(i["frame_tokens"] for i in infos)
+    narrow = GlmVit(binding, capacity_tokens=2 * per_group + 1)  # two groups a pass at most: several passes
+    for a, b in zip(one, narrow.encode_video_pixels(cupy.asarray(pv), grid)):
+        assert np.array_equal(a, f32(b))
+    for a, b in zip(one, model.encode_video(vids, fps=[6.0, 3.0], target_fps=6, max_image_tokens=4000)):
+        assert np.array_equal(a, f32(b))
+    tiny = GlmVit(binding, capacity_tokens=per_group - 1)
+    with pytest.raises(ValueError, match="video 0: one frame group of .* more than this model's capacity"):
+        tiny.encode_video_pixels(pv, grid)

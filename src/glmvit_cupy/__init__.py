@@ -16,6 +16,7 @@ from .config import VisionGeometry, read_config
 from .errors import (AbsentTower, CheckpointError, GpuOutOfMemory, GpuUnavailable, ImageError, KernelError,
                      NoVisionConfig, OutputError, ServerError)
 from .preprocess import Patching, preprocess
+from .video import preprocess_video
 from .weights import WeightStore
 
 __version__ = "0.2.0.dev0"
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # for type checkers only: at run time these are imported on f
 __all__ = [
     "AbsentTower", "CheckpointError", "GlmVit", "GpuOutOfMemory", "GpuUnavailable", "ImageError", "KernelError",
     "NoVisionConfig", "OutputError", "Patching", "Replicas", "ServerError", "VisionGeometry", "WeightStore", "bind_tower", "inspect_checkpoint",
-    "load_vision_tower", "preprocess", "read_config",
+    "load_vision_tower", "preprocess", "preprocess_video", "read_config",
 ]
 
 _ENGINE = {"GlmVit": "model", "Replicas": "replicas"}

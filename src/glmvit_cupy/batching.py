@@ -8,7 +8,7 @@ from it); `max_image_tokens` is the per-image resize limit of the reference proc
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -147,6 +147,36 @@ def pack(items: Iterable[T], capacity: int, cost: Callable[[T], int]) -> Iterato
         used += c
     if batch:
         yield batch
+
+
+class Piece(NamedTuple):
+    """Whole temporal groups of one video that one forward pass can hold: rows start..start + rows of the
+    video rows, grid (groups, h, w), `tokens` output rows."""
+    video: int
+    start: int
+    rows: int
+    grid: tuple[int, int, int]
+    tokens: int
+
+
+def frame_pieces(grid: np.ndarray, capacity_tokens: int, merge: int) -> list[Piece]:
+    """Videos (a checked grid_thw, one (groups, h, w) each, rows in order) cut into pieces of whole temporal
+    groups of at most capacity_tokens tokens, in row order. The tower attends within a group only (each is
+    an image of its own to it), so encoding the pieces gives a video's bits. ValueError naming the video
+    whose one group exceeds the capacity."""
+    pieces, row = [], 0
+    for i, (t, h, w) in enumerate(grid.tolist()):
+        per_group = h * w // merge ** 2
+        if per_group > capacity_tokens:
+            raise ValueError(f"video {i}: one frame group of {h}x{w} patches is {per_group} tokens, more than this "
+                             f"model's capacity of {capacity_tokens} per forward pass; preprocess it with a lower "
+                             "max_image_tokens or build the model with a larger capacity_tokens")
+        step = capacity_tokens // per_group
+        for g in range(0, t, step):
+            k = min(step, t - g)
+            pieces.append(Piece(i, row, k * h * w, (k, h, w), k * per_group))
+            row += k * h * w
+    return pieces
 
 
 def spread(costs, bins: int) -> list[list[int]]:

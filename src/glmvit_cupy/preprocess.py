@@ -74,14 +74,17 @@ STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def smart_resize(height: int, width: int, *, min_image_tokens: int = 16, max_image_tokens: int = 8000,
-                 factor: int = FACTOR, temporal_factor: int = TEMPORAL) -> tuple[int, int]:
-    """The canvas (H, W), multiples of `factor`, for an image of height x width pixels.
+                 factor: int = FACTOR, temporal_factor: int = TEMPORAL, num_frames: int | None = None
+                 ) -> tuple[int, int]:
+    """The canvas (H, W), multiples of `factor`, for an image (or num_frames video frames) of height x width
+    pixels.
 
     Follows the reference's rules, edge cases included: align up; scale up when under
     the token minimum; when over the maximum, binary-search the largest content
     height (1..height) whose aligned canvas fits, keeping the width proportional.
     """
-    num_frames = temporal_factor  # a still image is treated as `temporal_factor` frames
+    if num_frames is None:
+        num_frames = temporal_factor  # a still image is treated as `temporal_factor` frames
     per_token = temporal_factor * factor * factor
     min_px = min_image_tokens * per_token
     max_px = max_image_tokens * per_token
@@ -114,12 +117,14 @@ def smart_resize(height: int, width: int, *, min_image_tokens: int = 16, max_ima
 
 
 def content_size(height: int, width: int, canvas: tuple[int, int], *, min_image_tokens: int = 16,
-                 factor: int = FACTOR, temporal_factor: int = TEMPORAL) -> tuple[int, int]:
-    """Size the image is resized to before padding to the canvas: aspect kept, never upscaled
-    once the image already meets the token minimum."""
+                 factor: int = FACTOR, temporal_factor: int = TEMPORAL, num_frames: int | None = None
+                 ) -> tuple[int, int]:
+    """Size the image (or each of num_frames video frames) is resized to before padding to the canvas:
+    aspect kept, never upscaled once it already meets the token minimum."""
     ch_, cw_ = canvas
     scale = min(ch_ / height, cw_ / width)
-    if temporal_factor * height * width >= temporal_factor * factor * factor * min_image_tokens:
+    frames = temporal_factor if num_frames is None else num_frames
+    if frames * height * width >= temporal_factor * factor * factor * min_image_tokens:
         scale = min(1.0, scale)
     return (max(1, min(ch_, math.floor(height * scale))), max(1, min(cw_, math.floor(width * scale))))
 

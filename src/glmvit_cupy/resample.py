@@ -1,4 +1,5 @@
-"""Pillow's BICUBIC resize of 8-bit images, as tables a GPU kernel can apply bit for bit.
+"""The two 8-bit BICUBIC resizes of the reference processors, as integer tables: Pillow's (images) and
+ATen's antialiased uint8 path (videos, which the reference resizes with torchvision).
 
 The reference processor resizes with Pillow (Image.resize(..., BICUBIC), src/libImaging/Resample.c),
 whose 8-bit path is integer arithmetic once its coefficients are made: per output column (or row),
@@ -12,6 +13,13 @@ and the tests compare against; Pillow itself stays the host path's resizer).
 
 Exactness assumes Pillow built without fused multiply-add in these few lines (x86-64 wheels: SSE2,
 no FMA); tests/test_resample.py compares against the installed Pillow on hundreds of size pairs.
+
+The reference video processor resizes uint8 frames with torchvision's resize (BICUBIC, antialias), which on
+the CPU runs ATen's uint8 path (aten/src/ATen/native/cpu/UpSampleKernel.cpp and its AVX2 twin, both
+integer): the same support, centres and normalisation as Pillow, but the far lobe written as
+((a x - 5a) x + 8a) x - 4a, the weights rounded to int16 with as many fractional bits as the largest
+weight of the side allows (at most 22), and always the horizontal pass first, over every row.
+`aten_axis` / `aten_resize` are that path.
 """
 
 from __future__ import annotations
@@ -37,41 +45,77 @@ def _bicubic(x: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class Axis:
     """One pass's tables: output position i reads `count[i]` inputs from `first[i]` on, weighted by
-    `weights[i, :count[i]]` (int32 fixed point, 22 fractional bits; zero beyond count)."""
+    `weights[i, :count[i]]` (int32 fixed point with `precision` fractional bits; zero beyond count)."""
     first: np.ndarray    # int32 [out]
     count: np.ndarray    # int32 [out]
     weights: np.ndarray  # int32 [out, taps]
+    precision: int = PRECISION_BITS  # fractional bits of the weights (Pillow: 22; ATen: per side)
 
     @property
     def taps(self) -> int:
         return self.weights.shape[1]
 
 
-@lru_cache(maxsize=256)
-def axis(in_size: int, out_size: int) -> Axis:
-    """Pillow's precompute_coeffs + normalize_coeffs_8bpc for a whole side (box 0..in_size) read
-    as out_size positions. Cached: photos repeat their sizes."""
+def _aten_bicubic(x: np.ndarray) -> np.ndarray:
+    """ATen's HelperInterpCubic::aa_filter (a = -0.5: antialias), elementwise, with its operations in its order."""
+    a = -0.5
+    x = np.abs(x)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
+
+
+def _weights(in_size: int, out_size: int, scale: float, kernel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first, count, float64 weights [out, taps]) of an antialiased bicubic side: Pillow's precompute_coeffs,
+    which ATen's _compute_indices_min_size_weights_aa repeats (the kernel aside)."""
     if in_size < 1 or out_size < 1:
         raise ValueError(f"resize from {in_size} to {out_size} pixels: both sides must be at least 1")
-    scale = float(np.float32(in_size)) / out_size  # Pillow: (double)(float in1 - float in0) / outSize
     filterscale = max(scale, 1.0)
     support = SUPPORT * filterscale
     taps = int(np.ceil(support)) * 2 + 1
-    center = 0.0 + (np.arange(out_size, dtype=np.float64) + 0.5) * scale
+    center = (np.arange(out_size, dtype=np.float64) + 0.5) * scale
     ss = 1.0 / filterscale
     first = np.maximum(np.trunc(center - support + 0.5), 0).astype(np.int64)   # C's (int) truncates
     last = np.minimum(np.trunc(center + support + 0.5), in_size).astype(np.int64)
-    count = last - first
+    count = np.clip(last - first, 0, taps)  # ATen clips; Pillow's count never exceeds taps either
     w = np.zeros((out_size, taps), dtype=np.float64)
     total = np.zeros(out_size, dtype=np.float64)
     for x in range(taps):  # column by column: the running sum adds in Pillow's order
         live = x < count
-        wx = _bicubic(((x + first).astype(np.float64) - center + 0.5) * ss)
+        wx = kernel(((x + first).astype(np.float64) - center + 0.5) * ss)
         w[:, x] = np.where(live, wx, 0.0)
         total = np.where(live, total + wx, total)
     w = np.where((total != 0.0)[:, None], w / np.where(total != 0.0, total, 1.0)[:, None], w)
-    fixed = np.where(w < 0, np.trunc(-0.5 + w * (1 << PRECISION_BITS)), np.trunc(0.5 + w * (1 << PRECISION_BITS)))
-    return Axis(first.astype(np.int32), count.astype(np.int32), fixed.astype(np.int32))
+    return first, count, w
+
+
+def _fixed(w: np.ndarray, bits: int) -> np.ndarray:
+    """Weights to fixed point with `bits` fractional bits, rounded half away from zero as C's (int)(v +- 0.5)."""
+    v = w * float(1 << bits)
+    return np.where(v < 0, np.trunc(-0.5 + v), np.trunc(0.5 + v)).astype(np.int32)
+
+
+@lru_cache(maxsize=256)
+def axis(in_size: int, out_size: int) -> Axis:
+    """Pillow's precompute_coeffs + normalize_coeffs_8bpc for a whole side (box 0..in_size) read
+    as out_size positions. Cached: photos repeat their sizes."""
+    scale = float(np.float32(in_size)) / out_size if in_size >= 1 and out_size >= 1 else 0.0
+    first, count, w = _weights(in_size, out_size, scale, _bicubic)  # Pillow: (double)(float in) / outSize
+    return Axis(first.astype(np.int32), count.astype(np.int32), _fixed(w, PRECISION_BITS))
+
+
+@lru_cache(maxsize=256)
+def aten_axis(in_size: int, out_size: int) -> Axis:
+    """ATen's uint8 antialiased bicubic weights for a side (_compute_index_ranges_int16_weights): the
+    fractional bits are the first count p for which round(max weight * 2^(p + 1)) reaches 2^15 (so every
+    weight fits an int16), at most 22."""
+    scale = in_size / out_size if in_size >= 1 and out_size >= 1 else 0.0
+    first, count, w = _weights(in_size, out_size, scale, _aten_bicubic)
+    wt_max = max(0.0, float(w.max()))
+    bits = 0
+    while bits < 22 and int(0.5 + wt_max * (1 << (bits + 1))) < (1 << 15):
+        bits += 1
+    return Axis(first.astype(np.int32), count.astype(np.int32), _fixed(w, bits), bits)
 
 
 # Which pass Pillow runs first. The order changes the 8-bit intermediate, so it changes output bits, and
@@ -164,7 +208,7 @@ def _apply(src: np.ndarray, ax: Axis, along: int) -> np.ndarray:
         part = src[a:a + slab] if along == 1 else src[:, a:a + slab]
         g = np.take(part, idx, axis=along).astype(np.int64)  # along -> (out, taps)
         acc = np.einsum("hotc,ot->hoc", g, k) if along == 1 else np.einsum("otwc,ot->owc", g, k)
-        val = np.clip((acc + (1 << (PRECISION_BITS - 1))) >> PRECISION_BITS, 0, 255)
+        val = np.clip((acc + (1 << (ax.precision - 1))) >> ax.precision, 0, 255)
         if along == 1:
             out[a:a + slab] = val
         else:
@@ -184,4 +228,16 @@ def resize(rgb: np.ndarray, out_h: int, out_w: int, vertical_first=None) -> np.n
             x = _apply(rgb[p.row0:p.row0 + p.rows], p.horizontal, 1)
         if p.vertical is not None:
             x = _apply(x, p.vertical, 0)
+    return np.ascontiguousarray(x)
+
+
+def aten_resize(rgb: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
+    """uint8 [H, W, C] -> uint8 [out_h, out_w, C] as ATen's uint8 BICUBIC antialias resize (torchvision's
+    resize of a uint8 tensor on the CPU): the horizontal pass first, each pass skipped where its side keeps
+    its size, an 8-bit result after each."""
+    x = rgb
+    if out_w != rgb.shape[1]:
+        x = _apply(x, aten_axis(rgb.shape[1], out_w), 1)
+    if out_h != rgb.shape[0]:
+        x = _apply(x, aten_axis(rgb.shape[0], out_h), 0)
     return np.ascontiguousarray(x)

@@ -19,7 +19,7 @@ import numpy as np
 from .. import batching, gpu
 from ..checkpoint import TowerBinding, bind_tower
 from ..config import VisionGeometry
-from ..preprocess import value_table
+from ..preprocess import Patching, value_table
 from . import arena, fused, gemm_tune, layers, params
 from .attention import check_variant, default_variants, score_bound_log2, value_bound_log2
 from .budgets import full_pass_budgets
@@ -184,6 +184,34 @@ class GlmVit:
             pixel_values = cupy.asnumpy(pixel_values)  # another GPU's array: through the host, safely ordered
         return self._encode(grid, n // self.geometry.merge_patches,
                             lambda s: stage_pixels(s["pixels_f32"], s["pixels"], pixel_values))
+
+    def encode_video_pixels(self, pixel_values_videos, video_grid_thw) -> list[cupy.ndarray]:
+        """Video rows in HF's layout (preprocess_video's, or the reference processor's pixel_values_videos and
+        video_grid_thw) -> one bf16 [tokens_i, out_hidden_size] per video. A video of more tokens than the
+        capacity runs in passes of whole frame groups, short ones share passes: the same bits either way,
+        as the tower encodes each temporal group on its own."""
+        grid, _ = batching.check_pixels(self.geometry, pixel_values_videos, video_grid_thw.get() if isinstance(
+            video_grid_thw, cupy.ndarray) else video_grid_thw)
+        outs = [[] for _ in range(len(grid))]
+        for batch in batching.pack(batching.frame_pieces(grid, self.capacity_tokens, self.geometry.spatial_merge_size),
+                                   self.capacity_tokens, lambda p: p.tokens):
+            start, end = batch[0].start, batch[-1].start + batch[-1].rows  # pieces are consecutive rows
+            out = self.encode_pixels(pixel_values_videos[start:end], [p.grid for p in batch])
+            row = 0
+            for p in batch:
+                outs[p.video].append(out[row:row + p.tokens])
+                row += p.tokens
+        return [o[0] if len(o) == 1 else cupy.concatenate(o) for o in outs]
+
+    def encode_video(self, videos, *, fps=None, sample: bool = True, **settings) -> list[cupy.ndarray]:
+        """Decoded videos (uint8 [T, H, W, 3] arrays or lists of frames; one or a list) -> one bf16
+        [tokens_i, out_hidden_size] per video, preprocessed on the host exactly as the reference video
+        processor (glmvit_cupy.video.preprocess_video, whose settings `settings` passes on; its info, with the
+        frames' timestamps, comes from calling it and then encode_video_pixels)."""
+        from ..video import preprocess_video
+
+        pixels, grid, _ = preprocess_video(videos, fps=fps, sample=sample, patching=Patching.of(self.geometry), **settings)
+        return self.encode_video_pixels(pixels, grid)
 
     def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None,
                max_pixels: int | None = None, resize: str = "gpu", decode: str = "cpu",

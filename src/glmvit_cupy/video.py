@@ -1,0 +1,237 @@
+"""Host video preprocessor: decoded frames -> (pixel_values_videos [N, 1176] float32, video_grid_thw [n, 3] int64).
+
+Bit-identical to transformers' Glm5NextVideoProcessor as it runs on the CPU (its torchvision backend): the
+same frame sampling (frames at `target_fps` per second of the source, capped at max_frames, deduplicated,
+made even), one canvas for all of a video's frames (smart_resize over the frame count, 240,000 tokens at
+most by default), each frame resized to the content size by ATen's uint8 BICUBIC antialias path
+(resample.aten_resize), zero padded bottom/right, normalised in float32 as (x - 255 mean) / (255 std), the
+last frame repeated up to a multiple of the temporal patch, and patches in the same merge-block order as
+images, temporal_patch_size consecutive frames a row. The tower encodes each group of temporal_patch_size
+frames as an image of its own (grid (1, h, w)); a video's output is its groups' outputs in order.
+
+Frames are what a decoder gives: a uint8 [T, H, W, 3] array, or a list of HxWx3 uint8 arrays or RGB PIL
+images of one size. Decoding files is left to the caller's decoder (the reference's is torchcodec).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from PIL import Image
+
+from . import resample
+from .errors import ImageError
+from .preprocess import MEAN, REFERENCE, STD, Patching, check_patching, content_size, is_integer, smart_resize
+
+TARGET_FPS = 2  # frames sampled per second of video (the reference processor's fps)
+MAX_FRAMES = 2048
+MIN_VIDEO_TOKENS = 16
+MAX_VIDEO_TOKENS = 240_000  # the reference video processor's max_image_tokens: a video's total
+
+
+def _value_table() -> np.ndarray:
+    """float32 [3, 256]: what the video processor makes of each uint8 value, per channel. Its fused rescale
+    and normalise: mean and std as float32 tensors times 1 / (1/255) = 255 (one float32 rounding each),
+    then (x - mean') / std' in float32; a lookup gives the same bits."""
+    mean = np.array(MEAN, dtype=np.float32) * np.float32(255.0)
+    std = np.array(STD, dtype=np.float32) * np.float32(255.0)
+    return (np.arange(256, dtype=np.float32)[None, :] - mean[:, None]) / std[:, None]
+
+
+_TABLE = _value_table()
+
+
+def _positive_number(name: str, v, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v) \
+            or v <= 0:
+        raise ValueError(f"{where}: {name}={v!r} must be a positive finite number")
+    return float(v) if isinstance(v, (float, np.floating)) else int(v)
+
+
+def sample_frames(total_frames: int, fps: float, *, duration: float | None = None, target_fps: float = TARGET_FPS,
+                  max_frames: int = MAX_FRAMES, max_duration: float = 0) -> np.ndarray:
+    """Indices of the frames the reference samples from a video of total_frames frames at fps frames a second
+    (duration: the container's, in seconds, if known; else from the frame count). About target_fps frames a
+    second of video, at most max_frames; max_duration > 0 caps the seconds counted. Unique, ascending, an
+    even count (the last repeated when odd). ValueError when the video is too short to give any."""
+    if not is_integer(total_frames) or total_frames < 1:
+        raise ValueError(f"sample_frames: total_frames={total_frames!r} must be a positive integer")
+    fps = _positive_number("fps", fps, "sample_frames")
+    target_fps = _positive_number("target_fps", target_fps, "sample_frames")
+    if not is_integer(max_frames) or max_frames < 1:
+        raise ValueError(f"sample_frames: max_frames={max_frames!r} must be a positive integer")
+    max_idx = total_frames - 1
+    duration = duration or round(max_idx / fps) + 1  # the reference: metadata.duration or this
+    max_seconds = int(duration)  # the cap below counts the source's whole seconds
+    duration = duration if max_duration <= 0 else min(duration, max_duration)
+    want = min(int(duration * target_fps), max_frames)
+    stamps = [i * (1 / fps) for i in range(total_frames)]  # as the reference adds them up
+    if total_frames < want:
+        picked = np.linspace(0, max_idx, want, dtype=int).tolist()
+    else:
+        picked, second, step = [], 0, 1 / target_fps
+        for i in range(total_frames):
+            if stamps[i] >= second:
+                second += step
+                picked.append(i)
+                if second >= max_seconds:
+                    break
+    if len(picked) < want:
+        start, end = (picked[0], picked[-1]) if picked else (0, max(max_idx, 0))
+        picked = np.linspace(start, end, want, dtype=int).tolist()
+    elif len(picked) > want:
+        picked = np.linspace(0, max_idx, want, dtype=int).tolist()
+    unique = list(dict.fromkeys(picked))
+    if not unique:
+        raise ValueError(f"sample_frames: a {total_frames}-frame video at {fps} fps lasts {duration} s, which "
+                         f"gives no frame at target_fps={target_fps} (int(duration x target_fps) = {want}); "
+                         "raise target_fps or pass sample=False to encode the frames as given")
+    if len(unique) % 2:
+        unique.append(unique[-1])
+    return np.array(unique, dtype=np.int64)
+
+
+def video_frames(video, name: str) -> np.ndarray:
+    """One video's frames as a uint8 [T, H, W, 3] array (a view where it already is one), or ImageError
+    naming the video and what would be right."""
+    if isinstance(video, np.ndarray):
+        frames = video
+    elif isinstance(video, (list, tuple)):
+        if not video:
+            raise ImageError(f"{name}: a video needs at least one frame, got an empty list")
+        arrays = []
+        for j, f in enumerate(video):
+            if isinstance(f, Image.Image):
+                if f.mode != "RGB":
+                    raise ImageError(f"{name}: frame {j} is a {f.mode} PIL image; give RGB frames "
+                                     "(frame.convert('RGB'))")
+                f = np.asarray(f)
+            if not isinstance(f, np.ndarray) or f.ndim != 3:
+                raise ImageError(f"{name}: frame {j} is {type(f).__name__} {getattr(f, 'shape', '')}; each frame "
+                                 "must be an HxWx3 uint8 array or an RGB PIL image")
+            if f.dtype != np.uint8:
+                raise ImageError(f"{name}: frame {j} is {f.dtype}; give uint8 RGB frames (as a decoder gives them)")
+            if arrays and f.shape != arrays[0].shape:
+                raise ImageError(f"{name}: frame {j} is {f.shape[1]}x{f.shape[0]}, frame 0 "
+                                 f"{arrays[0].shape[1]}x{arrays[0].shape[0]}; a video's frames share one size")
+            arrays.append(f)
+        frames = np.stack(arrays)
+    else:
+        raise ImageError(f"{name}: a video is a uint8 [frames, height, width, 3] array or a list of frames, "
+                         f"got {type(video).__name__}")
+    if frames.dtype != np.uint8:
+        raise ImageError(f"{name}: frames are {frames.dtype}; give uint8 RGB frames (as a decoder gives them)")
+    if frames.ndim != 4 or frames.shape[3] != 3 or 0 in frames.shape:
+        raise ImageError(f"{name}: frames have shape {frames.shape}; a video is [frames, height, width, 3] uint8 "
+                         "RGB with at least one frame of at least 1x1")
+    return frames
+
+
+def normalise_patchify(frames_u8: np.ndarray, patching: Patching = REFERENCE) -> np.ndarray:
+    """uint8 [T, H, W, 3] canvases (T a multiple of temporal_patch_size) -> [T/tp * H/p * W/p, 3 tp p p] float32,
+    rows in (frame group, merge block, patch) order, each row channel x frame x py x px."""
+    P, M, T = check_patching(patching).patch_size, patching.merge_size, patching.temporal_patch_size
+    t, hh, ww, c = frames_u8.shape
+    if t % T or hh % patching.factor or ww % patching.factor:
+        raise ValueError(f"normalise_patchify: {t} frames of {hh}x{ww} are not whole {T}-frame groups of "
+                         f"{patching.factor}-pixel tokens")
+    gt, gh, gw = t // T, hh // P, ww // P
+    p = frames_u8.reshape(gt, T, gh // M, M, P, gw // M, M, P, c)
+    p = np.ascontiguousarray(p.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7))  # gt, bh, bw, r, c, channel, tp, py, px
+    rows = p.reshape(gt * gh * gw, c, T * P * P)
+    return _TABLE[np.arange(c)[None, :, None], rows].reshape(gt * gh * gw, c * T * P * P)
+
+
+def prepare_video(video, index: int = 0, *, fps=None, sample: bool = True, duration=None,
+                  target_fps: float = TARGET_FPS, max_frames: int = MAX_FRAMES, max_duration: float = 0,
+                  min_image_tokens: int = MIN_VIDEO_TOKENS, max_image_tokens: int = MAX_VIDEO_TOKENS,
+                  patching: Patching = REFERENCE, name: str | None = None):
+    """One video -> (patches [t*h*w, patch_dim] float32, (t, h, w), info dict). info: "source", "frames_indices"
+    (the frames used, as indices into the given ones), "timestamps" (seconds, index / fps; None without fps),
+    "size", "canvas", "content", "grid", "tokens" (t*h*w / merge^2), "frame_tokens" (h*w / merge^2)."""
+    name = f"video {index}" if name is None else name
+    check_patching(patching)
+    if not is_integer(min_image_tokens) or min_image_tokens < 0:
+        raise ValueError(f"{name}: min_image_tokens={min_image_tokens!r} must be an integer of at least 0")
+    if not is_integer(max_image_tokens) or max_image_tokens < 1:
+        raise ValueError(f"{name}: max_image_tokens={max_image_tokens!r} must be a positive integer")
+    frames = video_frames(video, name)
+    if fps is not None:
+        fps = _positive_number("fps", fps, name)
+    if sample:
+        if fps is None:
+            raise ValueError(f"{name}: sampling frames needs the video's fps (frames a second); pass fps=, or "
+                             "sample=False to encode the frames as given")
+        try:
+            picked = sample_frames(len(frames), fps, duration=duration, target_fps=target_fps,
+                                   max_frames=max_frames, max_duration=max_duration)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        frames = frames[picked]
+    else:
+        picked = np.arange(len(frames), dtype=np.int64)
+    n, height, width = frames.shape[:3]
+    factor, T = patching.factor, patching.temporal_patch_size
+    try:
+        canvas = smart_resize(height, width, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens,
+                              factor=factor, temporal_factor=T, num_frames=n)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    ch, cw = content_size(height, width, canvas, min_image_tokens=min_image_tokens, factor=factor,
+                          temporal_factor=T, num_frames=n)
+    groups = -(-n // T)
+    out = np.zeros((groups * T, canvas[0], canvas[1], 3), dtype=np.uint8)
+    for j in range(n):
+        out[j, :ch, :cw] = frames[j] if (ch, cw) == (height, width) else resample.aten_resize(frames[j], ch, cw)
+    out[n:] = out[n - 1]  # the last frame repeated to a whole temporal group
+    grid = (groups, canvas[0] // patching.patch_size, canvas[1] // patching.patch_size)
+    frame_tokens = grid[1] * grid[2] // patching.merge_size ** 2
+    info = {"source": name, "frames_indices": picked.tolist(),
+            "timestamps": None if fps is None else [int(i) / fps for i in picked],
+            "size": (height, width), "canvas": canvas, "content": (ch, cw), "grid": grid,
+            "tokens": groups * frame_tokens, "frame_tokens": frame_tokens}
+    return normalise_patchify(out, patching), grid, info
+
+
+def _as_list(videos) -> list:
+    """One video or a list of them: a list of videos holds 4-D arrays or lists of frames."""
+    if isinstance(videos, np.ndarray):
+        return [videos]
+    if isinstance(videos, (list, tuple)) and videos and all(
+            isinstance(v, (list, tuple)) or (isinstance(v, np.ndarray) and v.ndim == 4) for v in videos):
+        return list(videos)
+    return [videos]
+
+
+def preprocess_video(videos, *, fps=None, sample: bool = True, duration=None, target_fps: float = TARGET_FPS,
+                     max_frames: int = MAX_FRAMES, max_duration: float = 0,
+                     min_image_tokens: int = MIN_VIDEO_TOKENS, max_image_tokens: int = MAX_VIDEO_TOKENS,
+                     patching: Patching = REFERENCE) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+    """Videos -> (pixel_values_videos float32 [N, patch_dim], video_grid_thw int64 [n, 3], one info dict each),
+    as the reference video processor with these settings (its names: fps is the source's, target_fps its
+    `fps`, min/max_image_tokens a video's total). `videos`: one video (uint8 [T, H, W, 3] array or list of
+    frames) or a list of them; fps and duration: one value for all or a list with one per video. With
+    sample=False every frame given is used (the reference's do_sample_frames=False). info["timestamps"]
+    are what a prompt needs (the reference labels each temporal group by its first frame's)."""
+    videos = _as_list(videos)
+    n = len(videos)
+
+    def per_video(name, v):
+        if isinstance(v, (list, tuple)):
+            if len(v) != n:
+                raise ValueError(f"preprocess_video: {name} has {len(v)} values for {n} videos")
+            return list(v)
+        return [v] * n
+
+    fpss, durations = per_video("fps", fps), per_video("duration", duration)
+    rows, grids, infos = [], [], []
+    for i, video in enumerate(videos):
+        patches, grid, info = prepare_video(video, i, fps=fpss[i], sample=sample, duration=durations[i],
+                                            target_fps=target_fps, max_frames=max_frames, max_duration=max_duration,
+                                            min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens,
+                                            patching=patching)
+        rows.append(patches)
+        grids.append(grid)
+        infos.append(info)
+    return np.concatenate(rows, axis=0), np.array(grids, dtype=np.int64), infos

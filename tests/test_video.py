@@ -1,0 +1,256 @@
+"""The video preprocessor equals HF's Glm5NextVideoProcessor (golden digests made on a machine with torch and
+torchvision by tools/fuzz_video.py, and live where both are importable), its resize equals a plain re-statement
+of ATen's uint8 path, and bad videos are refused by name."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from glmvit_cupy import ImageError, Patching, preprocess_video
+from glmvit_cupy import batching, resample
+from glmvit_cupy.video import normalise_patchify, sample_frames
+from tests.video_cases import case, digest
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "video_hf.json")
+
+
+def ours(i):
+    frames, s = case(i)
+    pv, grid, info = preprocess_video(frames, fps=s["fps"], duration=s["duration"], sample=s["sample"],
+                                      target_fps=s["target_fps"], min_image_tokens=s["min_image_tokens"],
+                                      max_image_tokens=s["max_image_tokens"])
+    return pv, grid, info
+
+
+def golden_cases():
+    if not os.path.exists(GOLDEN):
+        return {}  # test_golden_file_covers... fails, saying so
+    with open(GOLDEN) as f:
+        return json.load(f)["cases"]
+
+
+@pytest.mark.parametrize("i", sorted(int(k) for k in golden_cases()))
+def test_bit_identical_to_hf_video_processor(i):
+    want = golden_cases()[str(i)]
+    if want.get("refused"):
+        with pytest.raises((ValueError, ImageError)):
+            ours(i)
+        return
+    pv, grid, info = ours(i)
+    assert grid.tolist() == want["grid"] and info[0]["frames_indices"] == want["frames_indices"]
+    assert pv.dtype == np.float32 and digest(pv) == want["sha256"], f"case {i}: {case(i)[0].shape} {case(i)[1]}"
+
+
+def test_golden_file_covers_sampling_resizing_and_refusals():
+    g = golden_cases()
+    assert g, f"{GOLDEN} is missing: make it with tools/fuzz_video.py 0 300 --golden {GOLDEN} (needs torchvision)"
+    frames = [case(int(k)) for k in g]
+    kept = [v for v in g.values() if not v.get("refused")]
+    assert len(kept) >= 40 and any(v.get("refused") for v in g.values())
+    assert any(s["sample"] for _, s in frames) and any(not s["sample"] for _, s in frames)
+    assert any(v["grid"][0][0] > 8 for v in kept)  # long videos, many frame groups
+
+
+def _hf_or_skip():
+    try:
+        import torch  # noqa: F401
+        import torchvision  # noqa: F401
+        import transformers
+    except ImportError as e:
+        pytest.skip(f"the live comparison needs torch, torchvision and transformers 5.23.0 ({e})")
+    if transformers.__version__ != "5.23.0":
+        pytest.skip(f"transformers {transformers.__version__} is not the reference 5.23.0")
+    from transformers.models.glm5_next.video_processing_glm5_next import Glm5NextVideoProcessor
+    return Glm5NextVideoProcessor()
+
+
+def test_live_against_hf_with_several_videos_in_one_call():
+    proc = _hf_or_skip()
+    rng = np.random.default_rng(5)
+    vids = [rng.integers(0, 256, (t, h, w, 3), dtype=np.uint8) for t, h, w in ((9, 70, 130), (4, 300, 41), (30, 64, 64))]
+    meta = [{"total_num_frames": len(v), "fps": f, "duration": None} for v, f in zip(vids, (10.0, 2.0, 29.97))]
+    hf = proc(videos=vids, video_metadata=meta, fps=4, max_image_tokens=3000, return_metadata=True,
+              input_data_format="channels_last")
+    pv, grid, info = preprocess_video(vids, fps=[10.0, 2.0, 29.97], target_fps=4, max_image_tokens=3000)
+    assert np.array_equal(np.asarray(hf["pixel_values_videos"]).view(np.uint32), pv.view(np.uint32))
+    assert np.asarray(hf["video_grid_thw"]).tolist() == grid.tolist()
+    assert [list(m.frames_indices) for m in hf["video_metadata"]] == [i["frames_indices"] for i in info]
+    assert [list(m.timestamps) for m in hf["video_metadata"]] == [i["timestamps"] for i in info]
+
+
+# -- the resize: ATen's uint8 antialiased bicubic, re-stated as plain scalar code -------------------------
+
+def _aten_pass_scalar(src, out_size, along):
+    """One pass of ATen's uint8 path written out per output pixel from its C++ (UpSampleKernel.cpp): returns
+    (uint8 result, whether any sum fell outside 0..255 before the clamp)."""
+    in_size = src.shape[along]
+    scale = in_size / out_size
+    support = 2.0 * scale if scale >= 1.0 else 2.0
+    taps = int(math.ceil(support)) * 2 + 1
+    invscale = 1.0 / scale if scale >= 1.0 else 1.0
+
+    def cubic(x):
+        a, x = -0.5, abs(x)
+        if x < 1.0:
+            return ((a + 2) * x - (a + 3)) * x * x + 1
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a if x < 2.0 else 0.0
+
+    rows = []
+    for i in range(out_size):
+        center = scale * (i + 0.5)
+        xmin = max(int(center - support + 0.5), 0)
+        xsize = min(max(min(int(center + support + 0.5), in_size) - xmin, 0), taps)
+        w = [cubic((j + xmin - center + 0.5) * invscale) for j in range(xsize)]
+        total = 0.0
+        for v in w:
+            total += v
+        w = [v / total for v in w] if total != 0.0 else w
+        rows.append((xmin, w))
+    wt_max = max(max(w) for _, w in rows)
+    bits = 0
+    for bits in range(23):
+        if bits == 22 or int(0.5 + wt_max * (1 << (bits + 1))) >= (1 << 15):
+            break
+    clipped = False
+    moved = np.moveaxis(src, along, 0).astype(np.int64)
+    out = np.empty((out_size,) + moved.shape[1:], dtype=np.uint8)
+    for i, (xmin, w) in enumerate(rows):
+        k = [int(-0.5 + v * (1 << bits)) if v * (1 << bits) < 0 else int(0.5 + v * (1 << bits)) for v in w]
+        acc = np.full(moved.shape[1:], 1 << (bits - 1), dtype=np.int64)
+        for j, kj in enumerate(k):
+            acc += moved[xmin + j] * kj
+        val = acc >> bits
+        clipped |= bool((val < 0).any() or (val > 255).any())
+        out[i] = np.clip(val, 0, 255)
+    return np.moveaxis(out, 0, along), clipped
+
+
+@pytest.mark.parametrize("h,w,oh,ow", [(37, 50, 20, 61), (9, 120, 30, 7), (100, 3, 1, 40), (5, 5, 64, 2),
+                                       (64, 48, 64, 17), (31, 77, 12, 77), (1, 90, 3, 31)])
+def test_aten_resize_equals_the_scalar_statement(h, w, oh, ow):
+    rng = np.random.default_rng(h * 1000 + w)
+    img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    img[::2] = 255 * (img[::2] > 127)  # hard edges: the negative lobes overshoot
+    got = resample.aten_resize(img, oh, ow)
+    x, clipped = img, False
+    if ow != w:
+        x, c = _aten_pass_scalar(x, ow, 1)
+        clipped |= c
+    if oh != h:
+        x, c = _aten_pass_scalar(x, oh, 0)
+        clipped |= c
+    assert got.shape == (oh, ow, 3) and np.array_equal(got, x)
+    if (h, w, oh, ow) == (37, 50, 20, 61):
+        assert clipped  # the clamp fired here
+
+
+def test_aten_weights_differ_from_pillows_where_they_should():
+    """Same supports and centres as Pillow, other fixed point: int16 with the side's own precision."""
+    a, p = resample.aten_axis(1000, 77), resample.axis(1000, 77)
+    assert np.array_equal(a.first, p.first) and np.array_equal(a.count, p.count)
+    assert a.precision < 22 == p.precision and np.abs(a.weights).max() < 2 ** 15
+    assert np.allclose(a.weights / 2.0 ** a.precision, p.weights / 2.0 ** 22, atol=2 ** -a.precision)
+
+
+# -- frames, layout, sampling --------------------------------------------------------------------------------
+
+def test_rows_are_frame_groups_of_merge_blocks():
+    """Row (g, bh, bw, r, c) holds channel x frame x py x px of patch (bh*M + r, bw*M + c) in frames
+    g*T..g*T+T-1, each value (v - 255 mean) / (255 std) in float32, indexed here independently."""
+    rng = np.random.default_rng(3)
+    pat = Patching(4, 2, 2)
+    frames = rng.integers(0, 256, (4, 16, 24, 3), dtype=np.uint8)
+    rows = normalise_patchify(frames, pat)
+    mean = np.float32([0.48145466, 0.4578275, 0.40821073]) * np.float32(255)
+    std = np.float32([0.26862954, 0.26130258, 0.27577711]) * np.float32(255)
+    gh, gw = 4, 6
+    for n in rng.integers(0, len(rows), 12):
+        g, rest = divmod(int(n), gh * gw)
+        b, rc = divmod(rest, 4)
+        bh, bw = divmod(b, gw // 2)
+        r, c = divmod(rc, 2)
+        y0, x0 = (bh * 2 + r) * 4, (bw * 2 + c) * 4
+        for ch in range(3):
+            for t in range(2):
+                want = (frames[g * 2 + t, y0:y0 + 4, x0:x0 + 4, ch].astype(np.float32) - mean[ch]) / std[ch]
+                got = rows[n].reshape(3, 2, 4, 4)[ch, t]
+                assert np.array_equal(got, want), (n, ch, t)
+
+
+def test_an_odd_frame_count_repeats_the_last_frame():
+    rng = np.random.default_rng(4)
+    v = rng.integers(0, 256, (3, 56, 56, 3), dtype=np.uint8)
+    pv, grid, info = preprocess_video(v, sample=False, min_image_tokens=0)
+    pv4, grid4, _ = preprocess_video(np.concatenate([v, v[-1:]]), sample=False, min_image_tokens=0)
+    assert grid.tolist() == [[2, 4, 4]] == grid4.tolist() and np.array_equal(pv, pv4)
+    assert info[0]["frames_indices"] == [0, 1, 2] and info[0]["timestamps"] is None
+    assert info[0]["tokens"] == 8 and info[0]["frame_tokens"] == 4
+
+
+def test_frames_as_a_list_of_arrays_or_rgb_pil_images_equal_the_array():
+    rng = np.random.default_rng(6)
+    v = rng.integers(0, 256, (4, 50, 70, 3), dtype=np.uint8)
+    a = preprocess_video(v, fps=8.0)
+    b = preprocess_video(list(v), fps=8.0)
+    c = preprocess_video([Image.fromarray(f) for f in v], fps=8.0)
+    for other in (b, c):
+        assert np.array_equal(a[0], other[0]) and np.array_equal(a[1], other[1])
+
+
+def test_sampling_follows_the_reference_rules():
+    idx = sample_frames(300, 30.0)  # 10 s: round(299 / 30) + 1 = 11 s counted, 22 frames at 2 fps
+    assert len(idx) == 22 and idx[0] == 0 and np.all(np.diff(idx) > 0) and idx[-1] < 300
+    assert sample_frames(7, 30.0).tolist() == [0, 0]  # one frame found, made even
+    assert sample_frames(100, 24, duration=4.2).tolist() == [0, 12, 24, 36, 48, 60, 72, 84]
+    assert len(sample_frames(10_000, 30.0, max_frames=64)) == 64
+    long = sample_frames(3000, 30.0, max_duration=5)  # 10 s of frames capped at 5 s: 10 evenly spread
+    assert len(long) == 10 and long[-1] == 2999
+    assert sample_frames(5, 1.0, target_fps=2).tolist() == [0, 1, 2, 3, 4, 4]  # fewer frames than wanted: all
+
+
+@pytest.mark.parametrize("video,kw,match", [
+    (np.zeros((3, 20, 20, 3), np.float32), {}, "frames are float32; give uint8"),
+    (np.zeros((3, 20, 20), np.uint8), {}, r"shape \(3, 20, 20\); a video is \[frames, height, width, 3\]"),
+    (np.zeros((0, 20, 20, 3), np.uint8), {}, "at least one frame"),
+    ([], {}, "empty list"),
+    ([np.zeros((20, 20, 3), np.uint8), np.zeros((20, 21, 3), np.uint8)], {}, "frame 1 is 21x20, frame 0 20x20"),
+    ([Image.new("RGBA", (9, 9))], {}, "frame 0 is a RGBA PIL image; give RGB frames"),
+    ([np.zeros((9, 9, 3), np.uint16)], {}, "frame 0 is uint16"),
+    ("clip.mp4", {}, "a video is a uint8 .* array or a list of frames, got str"),
+])
+def test_bad_frames_are_refused_by_name(video, kw, match):
+    with pytest.raises(ImageError, match=match) as e:
+        preprocess_video(video, sample=False, **kw)
+    assert str(e.value).startswith("video 0:")
+
+
+def test_bad_settings_are_refused_by_name():
+    v = np.zeros((4, 30, 30, 3), np.uint8) + 9
+    with pytest.raises(ValueError, match="video 0: sampling frames needs the video's fps"):
+        preprocess_video(v)
+    for bad in (0, -2.0, float("nan"), True, "30"):
+        with pytest.raises(ValueError, match=r"video 0: fps=.* must be a positive finite number"):
+            preprocess_video(v, fps=bad)
+    with pytest.raises(ValueError, match="fps has 3 values for 2 videos"):
+        preprocess_video([v, v], fps=[1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="video 1: sample_frames: a 4-frame video at 60.0 fps lasts"):
+        preprocess_video([v, v], fps=[2.0, 60.0], target_fps=0.5)
+    with pytest.raises(ValueError, match="video 0: max_image_tokens=1 is too small"):
+        preprocess_video(v, sample=False, max_image_tokens=1)
+    with pytest.raises(ValueError, match="min_image_tokens=-1 must be an integer of at least 0"):
+        preprocess_video(v, sample=False, min_image_tokens=-1)
+
+
+def test_frame_pieces_cut_videos_into_whole_groups_that_fit():
+    grid = np.array([[7, 8, 10], [1, 4, 4], [3, 6, 6]])
+    pieces = batching.frame_pieces(grid, 45, 2)  # 20, 4 and 9 tokens a group
+    assert [p.grid for p in pieces] == [(2, 8, 10), (2, 8, 10), (2, 8, 10), (1, 8, 10), (1, 4, 4), (3, 6, 6)]
+    assert all(p.tokens <= 45 for p in pieces)
+    assert pieces[0].start == 0 and all(a.start + a.rows == b.start for a, b in zip(pieces, pieces[1:]))
+    assert pieces[-1].start + pieces[-1].rows == int(np.prod(grid, axis=1).sum())
+    with pytest.raises(ValueError, match="video 0: one frame group of 8x10 patches is 20 tokens, more than"):
+        batching.frame_pieces(grid, 19, 2)
