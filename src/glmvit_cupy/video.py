@@ -16,6 +16,8 @@ images of one size. Decoding files is left to the caller's decoder (the referenc
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from PIL import Image
@@ -182,8 +184,14 @@ def prepare_video(video, index: int = 0, *, fps=None, sample: bool = True, durat
                           temporal_factor=T, num_frames=n)
     groups = -(-n // T)
     out = np.zeros((groups * T, canvas[0], canvas[1], 3), dtype=np.uint8)
-    for j in range(n):
-        out[j, :ch, :cw] = frames[j] if (ch, cw) == (height, width) else resample.aten_resize(frames[j], ch, cw)
+    if (ch, cw) == (height, width):
+        out[:n, :ch, :cw] = frames
+    else:
+        def one(j):
+            out[j, :ch, :cw] = resample.aten_resize(frames[j], ch, cw)
+
+        with ThreadPoolExecutor(min(n, os.cpu_count() or 1, 16)) as pool:  # NumPy's loops let go of the GIL
+            list(pool.map(one, range(n)))
     out[n:] = out[n - 1]  # the last frame repeated to a whole temporal group
     grid = (groups, canvas[0] // patching.patch_size, canvas[1] // patching.patch_size)
     frame_tokens = grid[1] * grid[2] // patching.merge_size ** 2
