@@ -209,7 +209,8 @@ def test_sampling_follows_the_reference_rules():
     assert len(sample_frames(10_000, 30.0, max_frames=64)) == 64
     long = sample_frames(3000, 30.0, max_duration=5)  # 10 s of frames capped at 5 s: 10 evenly spread
     assert len(long) == 10 and long[-1] == 2999
-    assert sample_frames(5, 1.0, target_fps=2).tolist() == [0, 1, 2, 3, 4, 4]  # fewer frames than wanted: all
+    assert sample_frames(5, 1.0, target_fps=2).tolist() == [0, 1, 2, 3, 4, 4]
+    assert sample_frames(100, 24, duration=0).tolist() == sample_frames(100, 24).tolist()  # 0: unknown  # fewer frames than wanted: all
 
 
 @pytest.mark.parametrize("video,kw,match", [
@@ -235,6 +236,11 @@ def test_bad_settings_are_refused_by_name():
     for bad in (0, -2.0, float("nan"), True, "30"):
         with pytest.raises(ValueError, match=r"video 0: fps=.* must be a positive finite number"):
             preprocess_video(v, fps=bad)
+    for bad in (-1.0, float("inf")):
+        with pytest.raises(ValueError, match=r"video 0: sample_frames: duration=.* must be a positive finite"):
+            preprocess_video(v, fps=10.0, duration=bad)
+    with pytest.raises(ValueError, match=r"max_duration=-3 must be a positive finite number"):
+        preprocess_video(v, fps=10.0, max_duration=-3)
     with pytest.raises(ValueError, match="fps has 3 values for 2 videos"):
         preprocess_video([v, v], fps=[1.0, 2.0, 3.0])
     with pytest.raises(ValueError, match="video 1: sample_frames: a 4-frame video at 60.0 fps lasts"):

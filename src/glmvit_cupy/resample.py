@@ -197,8 +197,8 @@ def plan(height: int, width: int, out_h: int, out_w: int, vertical_first=None) -
 
 def _apply(src: np.ndarray, ax: Axis, along: int) -> np.ndarray:
     """One pass over uint8 src [H, W, C] along axis `along` (1: columns, 0: rows) -> uint8: tap by tap, each
-    output position adds byte x weight in int32, as the C does (the sums fit: bytes < 2^8, and the weights'
-    absolute sum stays under 2^23)."""
+    output position adds byte x weight in int32, as the C does (the sums fit: bytes < 2^8, and a position's
+    weights add up to at most ~1.3 x 2^22 in absolute value)."""
     idx = np.minimum(ax.first[:, None].astype(np.int64) + np.arange(ax.taps), src.shape[along] - 1)  # weight 0
     shape = [1, 1, 1]
     shape[along] = len(ax.first)

@@ -63,6 +63,10 @@ def sample_frames(total_frames: int, fps: float, *, duration: float | None = Non
     target_fps = _positive_number("target_fps", target_fps, "sample_frames")
     if not is_integer(max_frames) or max_frames < 1:
         raise ValueError(f"sample_frames: max_frames={max_frames!r} must be a positive integer")
+    if duration is not None and (isinstance(duration, bool) or duration != 0):  # 0: unknown, as the reference reads it
+        duration = _positive_number("duration", duration, "sample_frames")
+    if max_duration != 0:
+        max_duration = _positive_number("max_duration", max_duration, "sample_frames (0: no cap)")
     max_idx = total_frames - 1
     duration = duration or round(max_idx / fps) + 1  # the reference: metadata.duration or this
     max_seconds = int(duration)  # the cap below counts the source's whole seconds
