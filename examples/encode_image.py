@@ -46,15 +46,29 @@ def save(path, names, arrays):
     print(f"saved {len(arrays)} embedding(s) to {path}")
 
 
-def main(argv=None) -> int:
-    """0, or 2 with one line on stderr for a bad image, checkpoint, flag or an unusable GPU."""
+def guarded(run, argv, prog: str) -> int:
+    """run(argv), or 2 with one line on stderr for a bad input, checkpoint, flag or an unusable GPU."""
     from glmvit_cupy import GpuOutOfMemory, GpuUnavailable
 
     try:
         return run(argv)
     except (ValueError, OSError, GpuUnavailable, GpuOutOfMemory) as e:  # ImageError, CheckpointError: ValueErrors
-        print(f"encode_image.py: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
+
+
+def checkpoint(path):
+    """The checkpoint given, or the random-weight one, said loudly."""
+    if path:
+        return path
+    print("!! no --checkpoint given: using RANDOM weights of the official geometry; "
+          "the embeddings are meaningless, the shapes and timings are real !!")
+    return random_checkpoint()
+
+
+def main(argv=None) -> int:
+    """0, or 2 with one line on stderr for a bad image, checkpoint, flag or an unusable GPU."""
+    return guarded(run, argv, "encode_image.py")
 
 
 def run(argv) -> int:
@@ -69,13 +83,7 @@ def run(argv) -> int:
         ap.error(f"--save {args.save}: use a .safetensors or .npy file name")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     images = args.images or [PHOTO]
-    if args.checkpoint:
-        ckpt = args.checkpoint
-    else:
-        print("!! no --checkpoint given: using RANDOM weights of the official geometry; "
-              "the embeddings are meaningless, the shapes and timings are real !!")
-        ckpt = random_checkpoint()
-    binding = bind_tower(ckpt)  # a bad checkpoint is said before the images are read; bound once
+    binding = bind_tower(checkpoint(args.checkpoint))  # a bad checkpoint is said before the images are read
     why = "--cpu given" if args.cpu else gpu.problem()
 
     t = time.perf_counter()

@@ -67,3 +67,28 @@ def test_a_bad_save_name_is_refused_before_any_work(images, capsys):
     with pytest.raises(SystemExit) as e:
         encode_image.main([images[0], "--checkpoint", "/nonexistent", "--save", "e.txt"])
     assert e.value.code == 2 and "--save e.txt: use a .safetensors or .npy file name" in capsys.readouterr().err
+
+
+def test_video_example_on_the_cpu_saves_what_the_reference_computes(tmp_path, capsys):
+    """examples/encode_video.py: frames from files, sampled and preprocessed as HF's video processor, the
+    embeddings the float32 reference's; a bad flag is one line and status 2."""
+    import encode_video
+    from safetensors.numpy import load_file
+
+    from glmvit_cupy import preprocess_video
+
+    frames = encode_video.pan(6)[:, ::4, ::4]
+    paths = []
+    for i, f in enumerate(frames):
+        paths.append(str(tmp_path / f"f{i}.png"))
+        Image.fromarray(f).save(paths[-1])
+    out = str(tmp_path / "v.safetensors")
+    assert encode_video.main(paths + ["--fps", "4", "--checkpoint", TOWER, "--cpu", "--save", out]) == 0
+    said = capsys.readouterr().out
+    assert "float32 NumPy reference runs on the CPU" in said and "frames [0, 1, 2, 4]" in said  # 3 found at 2 fps, 4 wanted: spread
+    pv, grid, _ = preprocess_video(frames, fps=4.0, max_image_tokens=4000)
+    want = reference.encode_pixels(bind_tower(TOWER), pv, grid).astype(ml_dtypes.bfloat16)
+    got = load_file(out)["video"]
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert encode_video.main(paths + ["--fps", "-1", "--checkpoint", TOWER, "--cpu"]) == 2
+    assert "fps=-1.0 must be a positive finite number" in capsys.readouterr().err

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Encode a video with the GLM-5.3-Flash vision tower, preprocessed as HF's Glm5NextVideoProcessor.
+
+    python examples/encode_video.py                                   # a pan over the bundled photo
+    python examples/encode_video.py f0.png f1.png ... --fps 24 --checkpoint /models/GLM-5.3-Flash
+
+The frames are image files in order (decoding a video file is the caller's: any decoder's RGB frames as
+a uint8 [T, H, W, 3] array go to glmvit_cupy.preprocess_video alike); --fps is the source's frame rate,
+from which about --target-fps frames a second are sampled. Without --checkpoint the tower has RANDOM
+weights of the official geometry (shapes and timings real, embeddings meaningless). Without a GPU (or
+with --cpu) the float32 NumPy reference runs on the CPU instead: slowly, and it says so.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout without installing
+sys.path.insert(0, HERE)
+
+from encode_image import PHOTO, checkpoint, guarded, save  # noqa: E402
+from glmvit_cupy import bind_tower, gpu, preprocess_video  # noqa: E402
+from glmvit_cupy.images import load_rgb  # noqa: E402
+from glmvit_cupy.preprocess import Patching  # noqa: E402
+
+
+def pan(frames: int = 16):
+    """A camera panning across the bundled photo: frames 320 x 400 px, 8 px apart."""
+    photo = np.asarray(load_rgb(PHOTO, "photo"))
+    return np.stack([photo[40:440, 8 * k:8 * k + 320] for k in range(frames)])
+
+
+def main(argv=None) -> int:
+    """0, or 2 with one line on stderr for a bad frame, checkpoint, flag or an unusable GPU."""
+    return guarded(run, argv, "encode_video.py")
+
+
+def run(argv) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("frames", nargs="*", help="frame image files, in order (default: a pan over the bundled photo)")
+    ap.add_argument("--fps", type=float, default=8.0, help="the source's frames a second (default 8)")
+    ap.add_argument("--target-fps", type=float, default=2.0, help="frames sampled a second of video (default 2)")
+    ap.add_argument("--max-video-tokens", type=int, default=4000, help="the video's token limit (default 4000)")
+    ap.add_argument("--checkpoint", help="GLM-5.3 checkpoint directory (default: random weights, said loudly)")
+    ap.add_argument("--save", help="write the embeddings to a .safetensors (bf16) or .npy file")
+    ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference even if a GPU exists")
+    args = ap.parse_args(argv)
+    if args.save and not args.save.endswith((".safetensors", ".npy")):
+        ap.error(f"--save {args.save}: use a .safetensors or .npy file name")
+    frames = [load_rgb(f, i) for i, f in enumerate(args.frames)] if args.frames else pan()
+    binding = bind_tower(checkpoint(args.checkpoint))
+    why = "--cpu given" if args.cpu else gpu.problem()
+
+    t = time.perf_counter()
+    settings = dict(fps=args.fps, target_fps=args.target_fps, max_image_tokens=args.max_video_tokens,
+                    patching=Patching.of(binding.geometry))
+    pv, grid, (info,) = preprocess_video(frames, **settings)
+    print(f"{len(frames)} frames of {info['size'][1]}x{info['size'][0]} px at {args.fps:g} fps -> frames "
+          f"{info['frames_indices']} -> canvas {info['canvas'][1]}x{info['canvas'][0]}, grid {tuple(info['grid'])}, "
+          f"{info['tokens']} tokens ({info['frame_tokens']} a group of {binding.geometry.temporal_patch_size} "
+          f"frames); preprocess {1e3 * (time.perf_counter() - t):.1f} ms")
+    print("group timestamps (s):", [round(s, 3) for s in info["timestamps"][::binding.geometry.temporal_patch_size]])
+    if why is None:
+        from glmvit_cupy import GlmVit
+
+        model = GlmVit(binding, capacity_tokens=max(info["frame_tokens"], 1024))
+        model.encode_video_pixels(pv, grid)  # warm-up: kernels compile, graphs capture
+        t = time.perf_counter()
+        (out,) = model.encode_video_pixels(pv, grid)
+        emb = out.get()
+        print(f"GPU encode: {1e3 * (time.perf_counter() - t):.1f} ms for {info['tokens']} tokens")
+    else:
+        import ml_dtypes
+
+        from glmvit_cupy import reference
+
+        print(f"!! the GPU engine cannot run here: {why} !!")
+        print("!! so the float32 NumPy reference runs on the CPU instead: slow (tens of seconds) !!")
+        t = time.perf_counter()
+        emb = reference.encode_pixels(binding, pv, grid).astype(ml_dtypes.bfloat16)
+        print(f"CPU reference: {time.perf_counter() - t:.1f} s")
+    f = emb.astype(np.float32)
+    print(f"video: embeddings {emb.shape} {emb.dtype}, mean {f.mean():+.4f}, std {f.std():.4f}")
+    if args.save:
+        save(args.save, ["video"], [emb])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
