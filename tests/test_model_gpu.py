@@ -486,7 +486,17 @@ def test_replicas_match_one_gpu(official):
     batches = [(pv[rows[i]:rows[i + 1]], grid[i:i + 1]) for i in range(len(imgs))]
     for i, out in enumerate(reps.encode_batches(batches)):  # batch j on replica j % 2, as one GPU encodes it
         assert out.device.id == devices[i % 2] and np.array_equal(f32(out), f32(model.encode_pixels(*batches[i]))), i
-    print(f"replicas on devices {devices}: {len(imgs)} images bit-equal to one GPU")
+    from glmvit_cupy import preprocess_video
+
+    rng = np.random.default_rng(8)
+    vids = [rng.integers(0, 256, (t, h, w, 3), dtype=np.uint8) for t, h, w in ((5, 90, 140), (3, 200, 60), (8, 64, 64))]
+    vpv, vgrid, _ = preprocess_video(vids, sample=False)
+    want_v = [f32(o) for o in model.encode_video_pixels(vpv, vgrid)]
+    got_v = reps.encode_video(vids, sample=False)
+    assert {o.device.id for o in got_v} == set(devices)
+    for i, (g, w) in enumerate(zip(got_v, want_v)):
+        assert np.array_equal(f32(g), w), f"video {i}"
+    print(f"replicas on devices {devices}: {len(imgs)} images and {len(vids)} videos bit-equal to one GPU")
     with pytest.raises(ValueError, match="not a CUDA device of this machine"):
         Replicas.from_checkpoint(binding.path, [0, 99])
     with pytest.raises(TypeError, match="Replicas.from_checkpoint"):

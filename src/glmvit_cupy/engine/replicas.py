@@ -93,21 +93,50 @@ class Replicas:
                 results[i] = emb
         return results
 
+    def _spread_rows(self, pixel_values, grid):
+        """(row starts, image groups, one (rows, grid) or None per replica): whole images spread by patches,
+        their rows gathered on the host (they go to other GPUs: staged there once)."""
+        if isinstance(pixel_values, cupy.ndarray):
+            pixel_values = cupy.asnumpy(pixel_values)
+        sizes = (grid[:, 0] * grid[:, 1] * grid[:, 2]).astype(np.int64)
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        groups = batching.spread(sizes.tolist(), len(self))
+        work = [(np.concatenate([pixel_values[starts[i]:starts[i + 1]] for i in g]), grid[g]) if g else None
+                for g in groups]
+        return starts, groups, work
+
+    def encode_video_pixels(self, pixel_values_videos, video_grid_thw) -> list:
+        """As GlmVit.encode_video_pixels; whole videos spread over the replicas by patches, each embedding on
+        the GPU that computed it."""
+        grid, _ = batching.check_pixels(self.geometry, pixel_values_videos, video_grid_thw.get() if isinstance(
+            video_grid_thw, cupy.ndarray) else video_grid_thw)
+        _, groups, work = self._spread_rows(pixel_values_videos, grid)
+        outs = self.map(lambda m, b: [] if b is None else m.encode_video_pixels(*b), work)
+        results = [None] * len(grid)
+        for g, o in zip(groups, outs):
+            for i, emb in zip(g, o):
+                results[i] = emb
+        return results
+
+    def encode_video(self, videos, *, fps=None, sample: bool = True, **settings) -> list:
+        """As GlmVit.encode_video, the videos spread over the replicas (encode_video_pixels)."""
+        from ..preprocess import Patching
+        from ..video import preprocess_video
+
+        pixels, grid, _ = preprocess_video(videos, fps=fps, sample=sample, patching=Patching.of(self.geometry),
+                                           **settings)
+        return self.encode_video_pixels(pixels, grid)
+
     def encode_pixels(self, pixel_values, grid_thw):
         """A batch of images split across the replicas by patches; the output, in order, on devices[0]."""
         mm = self.geometry.merge_patches
         grid = batching.check_grid(grid_thw.get() if isinstance(grid_thw, cupy.ndarray) else grid_thw,
                                    self.geometry.spatial_merge_size)
-        if isinstance(pixel_values, cupy.ndarray):
-            pixel_values = cupy.asnumpy(pixel_values)  # rows go to other GPUs: stage them once on the host
         sizes = (grid[:, 0] * grid[:, 1] * grid[:, 2]).astype(np.int64)
         if pixel_values.ndim != 2 or pixel_values.shape[0] != sizes.sum():
             raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)} but grid_thw describes "
                              f"{int(sizes.sum())} patches")
-        starts = np.concatenate([[0], np.cumsum(sizes)])
-        groups = batching.spread(sizes.tolist(), len(self))
-        work = [(np.concatenate([pixel_values[starts[i]:starts[i + 1]] for i in g]), grid[g]) if g else None
-                for g in groups]
+        starts, groups, work = self._spread_rows(pixel_values, grid)
         outs = self.map(lambda m, b: None if b is None else m.encode_pixels(*b), work)
         d0 = self.devices[0]
         with cupy.cuda.Device(d0):
