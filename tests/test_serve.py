@@ -164,7 +164,8 @@ def test_unknown_fields_are_refused_by_name(server):
 
 @pytest.mark.parametrize("method,path,status,says", [
     ("GET", "/v1/encode", 405, "GET /v1/encode: method not allowed; this server has GET /health, GET /metrics, "
-                               "POST /v1/encode"),
+                               "POST /v1/encode, POST /v1/encode_video"),
+    ("GET", "/v1/encode_video", 405, "GET /v1/encode_video: method not allowed"),
     ("POST", "/health", 405, "POST /health: method not allowed"),
     ("GET", "/v1/encoder", 404, "GET /v1/encoder: not found; this server has"),
 ])
@@ -440,3 +441,88 @@ def test_a_tower_whose_patches_are_not_rgb_is_refused_at_start(capsys, tmp_path)
     ckpt = write_checkpoint(tmp_path / "grey", dataclasses.replace(cases.GEOMETRY, in_channels=1, depth=1))
     assert serve_main.main(["--checkpoint", ckpt, "--cpu"]) == 2
     assert "in_channels = 1; use encode_pixels" in capsys.readouterr().err
+
+
+# -- videos -----------------------------------------------------------------------------------------------
+
+def clip(t, h, w, seed):
+    return np.stack([cases._smooth(h, w, seed + k) for k in range(t)])
+
+
+def post_video(client, body):
+    req = urllib.request.Request(client.url + "/v1/encode_video", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_videos_bit_equal_to_the_reference_beside_image_requests(server, tower):
+    """Two videos in one request (frames sent as PNG: lossless), sampled and preprocessed as the reference
+    video processor, bit-equal to the reference on preprocess_video's rows, while image requests run."""
+    from glmvit_cupy import preprocess_video
+
+    client, _ = server
+    vids = [clip(5, 60, 90, 70), clip(3, 40, 44, 80)]
+    before = metric(client, "glmvit_videos_total")
+    images = [png(70, 50, 23), png(40, 90, 24)]
+    got_images = {}
+    threads = [threading.Thread(target=lambda i=i: got_images.__setitem__(i, client.encode([images[i]])[0][0]))
+               for i in range(2)]
+    for th in threads:
+        th.start()
+    embs, meta = client.encode_video(vids, fps=[4.0, 2.0], max_image_tokens=200)
+    for th in threads:
+        th.join()
+    pv, grid, infos = preprocess_video(vids, fps=[4.0, 2.0], max_image_tokens=200)
+    ref = reference.encode_pixels(tower, pv, grid).astype(ml_dtypes.bfloat16)
+    ref = np.split(ref, np.cumsum([i["tokens"] for i in infos])[:-1])
+    for emb, r, m, info in zip(embs, ref, meta, infos):
+        assert emb.dtype == ml_dtypes.bfloat16 and np.array_equal(emb.view(np.uint16), r.view(np.uint16))
+        assert m == {"grid_thw": list(info["grid"]), "tokens": info["tokens"], "frame_tokens": info["frame_tokens"],
+                     "frames_indices": info["frames_indices"], "timestamps": info["timestamps"]}
+    assert [m["frames_indices"] for m in meta] == [[0, 1, 2, 4], [0, 1, 2, 2]]
+    for i in range(2):
+        assert np.array_equal(got_images[i].view(np.uint16), reference_bf16(tower, images[i]).view(np.uint16))
+    assert metric(client, "glmvit_videos_total") == before + 2
+    every, _ = client.encode_video([list(vids[1])], sample=False, max_image_tokens=200)  # frames as given
+    pv1, grid1, _ = preprocess_video(vids[1], sample=False, max_image_tokens=200)
+    want = reference.encode_pixels(tower, pv1, grid1).astype(ml_dtypes.bfloat16)
+    assert np.array_equal(every[0].view(np.uint16), want.view(np.uint16))
+
+
+def _b64png(a) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("body,status,says,index", [
+    ([], 400, "JSON object with a 'videos' list", None),
+    ({"videos": []}, 400, "'videos' must be a non-empty list", None),
+    ({"videos": [{"frames": ["F"], "fps": 2}], "fps": 2}, 400, "unknown field 'fps'; a video request has", None),
+    ({"videos": ["x"]}, 400, "videos[0] is str, not an object", 0),
+    ({"videos": [{"frames": ["F"], "rate": 2}]}, 400, "videos[0]: unknown field 'rate'; a video has", 0),
+    ({"videos": [{"frames": []}]}, 400, "videos[0].frames must be a non-empty list", 0),
+    ({"videos": [{"frames": ["F"]}, {"frames": ["F", "!!"]}]}, 400, "videos[1].frames[1] is not valid base64", 1),
+    ({"videos": [{"frames": ["F"], "fps": 2}], "sample": "yes"}, 400, "'sample' must be true or false", None),
+    ({"videos": [{"frames": ["F", "aGVsbG8="], "fps": 2}]}, 422, "video 0 frame 1: cannot decode", 0),
+    ({"videos": [{"frames": ["F", "G"], "fps": 2}]}, 422, "video 0: frame 1 is 30x20, frame 0 20x20", 0),
+    ({"videos": [{"frames": ["F"]}]}, 422, "video 0: sampling frames needs the video's fps", 0),
+    ({"videos": [{"frames": ["F"], "fps": -1}]}, 422, "video 0: fps=-1 must be a positive finite number", 0),
+    ({"videos": [{"frames": ["F"], "fps": 2}], "target_fps": 0}, 422, "target_fps=0 must be a positive", 0),
+    ({"videos": [{"frames": ["B", "B"], "fps": 2}]}, 422, "video 0: a group of 2 frames is 8649 tokens, over the "
+                                                         "server's capacity of 8000 tokens per pass", 0),
+])
+def test_video_requests_refused_by_name(server, body, status, says, index):
+    frames = {"F": _b64png(clip(1, 20, 20, 1)[0]), "G": _b64png(clip(1, 20, 30, 2)[0]),
+              "B": _b64png(np.full((2604, 2604, 3), 90, np.uint8))}
+    if isinstance(body, dict):
+        body = json.loads(json.dumps(body))
+        for v in body.get("videos", []):
+            if isinstance(v, dict):
+                v["frames"] = [frames.get(f, f) for f in v.get("frames", [])]
+    got, err = post_video(server[0], body)
+    assert got == status and says in err["error"] and err["index"] == index, err

@@ -112,6 +112,22 @@ class Backend:
         with model.device:
             return HOST.download(outs)  # the caller's stream (this device's) was made to wait for them
 
+    def encode_video_on(self, lane: int, pixel_values_videos, video_grid_thw) -> list[np.ndarray]:
+        """Videos' rows (video.preprocess_video's) on replica `lane` (from any thread) -> one host bf16 array
+        per video, in passes of whole frame groups (GlmVit.encode_video_pixels)."""
+        if self.cpu:
+            from . import reference
+
+            out = reference.encode_pixels(self._tower, pixel_values_videos, video_grid_thw).astype(self._bf16)
+            tokens = np.prod(np.asarray(video_grid_thw), axis=1) // self.geometry.merge_patches
+            return np.split(out, np.cumsum(tokens)[:-1])
+        from .engine.blocks import HOST
+
+        model = self._engine.models[lane]
+        outs = model.encode_video_pixels(pixel_values_videos, video_grid_thw)
+        with model.device:
+            return HOST.download(outs)
+
     def launch(self, batches: list) -> "Launched":
         """Start several batches (batch j on lane j % lanes) and return at once: the GPUs compute them while
         the caller prepares and launches the next ones. (The CPU reference computes them here.)"""

@@ -4,6 +4,8 @@
     embs, meta = Client("http://127.0.0.1:8000").encode(["cat.jpg", open("dog.png", "rb").read()])
     # embs: one ml_dtypes.bfloat16 NumPy array [tokens, out_hidden] per image
     # meta: per image {"sha256", "grid_thw", "tokens", "cached"}
+    embs, meta = Client().encode_video([["f0.png", "f1.png", ...]], fps=30.0)  # one list of frames a video
+    # meta: per video {"grid_thw", "tokens", "frame_tokens", "frames_indices", "timestamps"}
 """
 
 from __future__ import annotations
@@ -29,13 +31,9 @@ class Client:
 
     def encode(self, images, *, min_image_tokens: int | None = None,
                max_image_tokens: int | None = None) -> tuple[list[np.ndarray], list[dict]]:
-        """Image files (paths or bytes) -> (one bf16 array per image, per-image metadata)."""
-        blobs = []
-        for im in images:
-            if isinstance(im, (str, os.PathLike)):
-                with open(im, "rb") as f:
-                    im = f.read()
-            blobs.append(base64.b64encode(bytes(im)).decode("ascii"))
+        """Image files (paths or bytes; HxWx3 uint8 arrays go as PNG) -> (one bf16 array per image, per-image
+        metadata)."""
+        blobs = [_frame_b64(im) for im in images]
         body = {"images": blobs}
         if min_image_tokens is not None:
             body["min_image_tokens"] = min_image_tokens
@@ -45,6 +43,20 @@ class Client:
         tensors = _bf16_tensors(raw)
         meta = json.loads(_metadata(raw)["images"])
         return [tensors[str(i)] for i in range(len(blobs))], meta
+
+    def encode_video(self, videos, *, fps=None, duration=None, **settings) -> tuple[list[np.ndarray], list[dict]]:
+        """Videos, each a list of frames (image files as paths or bytes, or HxWx3 uint8 arrays, sent as PNG:
+        lossless), or a uint8 [T, H, W, 3] array -> (one bf16 array per video, per-video metadata). fps and
+        duration: one value for all or one per video; settings: preprocess_video's (sample, target_fps,
+        max_frames, max_duration, min_image_tokens, max_image_tokens)."""
+        n = len(videos)
+        per = lambda v: list(v) if isinstance(v, (list, tuple)) else [v] * n  # noqa: E731
+        fpss, durations = per(fps), per(duration)
+        body = {"videos": [{"frames": [_frame_b64(f) for f in frames], "fps": fpss[i], "duration": durations[i]}
+                           for i, frames in enumerate(videos)], **settings}
+        _, raw = self._call("POST", "/v1/encode_video", json.dumps(body).encode(), "application/json")
+        tensors = _bf16_tensors(raw)
+        return [tensors[str(i)] for i in range(n)], json.loads(_metadata(raw)["videos"])
 
     def _call(self, method, path, data=None, kind=None):
         req = urllib.request.Request(self.url + path, data=data, method=method,
@@ -77,3 +89,19 @@ def _metadata(raw: bytes) -> dict:
     """The __metadata__ of a safetensors byte string."""
     n = int.from_bytes(raw[:8], "little")
     return json.loads(raw[8:8 + n]).get("__metadata__", {})
+
+
+def _frame_b64(frame) -> str:
+    """A frame as base64 of an image file: a path's or bytes as they are, an array as a PNG (lossless)."""
+    if isinstance(frame, np.ndarray):
+        import io
+
+        from PIL import Image
+
+        buf = io.BytesIO()
+        Image.fromarray(frame).save(buf, format="PNG", compress_level=1)
+        frame = buf.getvalue()
+    elif isinstance(frame, (str, os.PathLike)):
+        with open(frame, "rb") as f:
+            frame = f.read()
+    return base64.b64encode(bytes(frame)).decode("ascii")

@@ -210,7 +210,8 @@ class GlmVit:
         frames' timestamps, comes from calling it and then encode_video_pixels)."""
         from ..video import preprocess_video
 
-        pixels, grid, _ = preprocess_video(videos, fps=fps, sample=sample, patching=Patching.of(self.geometry), **settings)
+        pixels, grid, _ = preprocess_video(videos, fps=fps, sample=sample, patching=Patching.of(self.geometry),
+                                           **settings)
         return self.encode_video_pixels(pixels, grid)
 
     def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None,

@@ -7,9 +7,16 @@
                       -> 200 application/octet-stream: a safetensors file, one bf16 tensor per image
                       named "0", "1", ... and __metadata__["images"] = JSON [{sha256, grid_thw, tokens,
                       cached}, ...]
+    POST /v1/encode_video
+                      JSON {"videos": [{"frames": [base64 image file, ...], "fps": 30.0, "duration": null}, ...],
+                      "sample": true, "target_fps": 2, "max_frames": 2048, "max_duration": 0,
+                      "min_image_tokens": 16, "max_image_tokens": 240000} (video.preprocess_video's settings;
+                      absent or null: its default) -> 200 a safetensors file, one bf16 tensor per video and
+                      __metadata__["videos"] = JSON [{grid_thw, tokens, frame_tokens, frames_indices,
+                      timestamps}, ...]
     GET  /metrics     Prometheus text
 
-Errors are JSON {"error": why, "index": the image's position or null}: 400 malformed request, 413
+Errors are JSON {"error": why, "index": the image's (or video's) position or null}: 400 malformed request, 413
 too large, 415 not JSON, 422 an image that cannot be decoded (nothing of that request is encoded),
 429 queue full, 503 loading or shutting down, 500 the engine failed. Decoding runs on a thread pool
 and the engine on the batcher's threads: the event loop never blocks on either.
@@ -38,7 +45,9 @@ from starlette.routing import Route
 from .. import vllm_ec
 from ..batching import DEFAULT_MAX_IMAGE_TOKENS
 from ..errors import ImageError
+from ..images import load
 from ..preprocess import check_token_limits, prepare_canvas
+from ..video import MAX_VIDEO_TOKENS, prepare_video
 from .batcher import Batcher, QueueFull
 from .cache import EmbeddingCache
 from .metrics import Metrics
@@ -114,27 +123,34 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         metrics.cache_bytes.set(cache.bytes)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def encode(request):
-        t0 = time.perf_counter()
-        try:
-            response = await _encode(request)
-        except Refused as e:
-            response = JSONResponse({"error": e.error, "index": e.index}, status_code=e.status)
-        except Exception as e:  # the engine failed (out of memory, say): the server stays up
-            response = JSONResponse({"error": f"encoding failed ({type(e).__name__}: {e})", "index": None},
-                                    status_code=500)
-        metrics.requests.labels(str(response.status_code)).inc()
-        metrics.latency.observe(time.perf_counter() - t0)
-        return response
+    def endpoint(handle):
+        """A POST endpoint: handle(request)'s response, a Refused as its JSON error, anything else a 500 (the
+        engine failed, out of memory say: the server stays up); counted and timed."""
+        async def run(request):
+            t0 = time.perf_counter()
+            try:
+                response = await handle(request)
+            except Refused as e:
+                response = JSONResponse({"error": e.error, "index": e.index}, status_code=e.status)
+            except Exception as e:
+                response = JSONResponse({"error": f"encoding failed ({type(e).__name__}: {e})", "index": None},
+                                        status_code=500)
+            metrics.requests.labels(str(response.status_code)).inc()
+            metrics.latency.observe(time.perf_counter() - t0)
+            return response
+        return run
 
-    async def _encode(request):
+    async def json_body(request) -> bytes:
+        """The request's body, or Refused: the model not ready (503), not JSON (415), too large (413)."""
         if state["status"] != "ok":
             raise Refused(503, not_ready())
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind != "application/json":
             raise Refused(415, f"Content-Type {kind or 'none'!r}: send application/json")
-        body = await _read_body(request, int(settings.max_body_mib * 2**20))
-        images, lo, hi = _parse(body, settings.capacity_tokens)
+        return await _read_body(request, int(settings.max_body_mib * 2**20))
+
+    async def _encode(request):
+        images, lo, hi = _parse(await json_body(request), settings.capacity_tokens)
         blobs = []
         for i, text in enumerate(images):
             try:
@@ -190,7 +206,57 @@ def create_app(load_backend, settings: Settings) -> Starlette:
 
         return Response(save(out, metadata={"images": json.dumps(meta)}), media_type="application/octet-stream")
 
-    routes = [Route("/health", health), Route("/metrics", metrics_text), Route("/v1/encode", encode, methods=["POST"])]
+    async def _encode_video(request):
+        """Frames decoded and videos preprocessed on the pool; their passes run as one task on a lane's thread,
+        between image passes (the engine is one thread's). No cache: a video's frames are its key."""
+        videos, common = _parse_videos(await json_body(request))
+        for i, v in enumerate(videos):
+            for j, text in enumerate(v["frames"]):
+                try:
+                    v["frames"][j] = _b64decode(text)
+                except (binascii.Error, ValueError) as e:
+                    raise Refused(400, f"videos[{i}].frames[{j}] is not valid base64 ({e})", i) from None
+                if len(v["frames"][j]) > settings.max_image_mib * 2**20:
+                    raise Refused(413, f"videos[{i}].frames[{j}] is {len(v['frames'][j])} bytes, over the "
+                                       f"{settings.max_image_mib:g} MiB limit per image", i)
+        loop = asyncio.get_running_loop()
+        backend = state["backend"]
+        patching = backend.patching()
+        done = await asyncio.gather(*[loop.run_in_executor(pool, _prepare_video, v, i, common, settings.max_pixels,
+                                                           patching) for i, v in enumerate(videos)],
+                                    return_exceptions=True)
+        for i, got in enumerate(done):
+            if isinstance(got, BaseException):
+                metrics.videos.labels("failed").inc()
+                if isinstance(got, (ImageError, ValueError)):
+                    raise Refused(422, str(got), i)
+                raise got
+            if got[2]["frame_tokens"] > settings.capacity_tokens:
+                metrics.videos.labels("failed").inc()
+                raise Refused(422, f"video {i}: a group of {patching.temporal_patch_size} frames is "
+                                   f"{got[2]['frame_tokens']} tokens, over the server's capacity of "
+                                   f"{settings.capacity_tokens} tokens per pass; lower max_image_tokens", i)
+        import numpy as np
+
+        pixels = np.concatenate([p for p, _, _ in done])
+        grid = np.array([g for _, g, _ in done], dtype=np.int64)
+        try:
+            future = state["batcher"].submit_task(lambda lane: backend.encode_video_on(lane, pixels, grid))
+        except QueueFull as e:
+            raise Refused(429 if state["status"] == "ok" else 503, str(e)) from None
+        embs = await future
+        metrics.videos.labels("encoded").inc(len(embs))
+        metrics.tokens.inc(sum(int(e.shape[0]) for e in embs))
+        meta = [{"grid_thw": list(info["grid"]), "tokens": info["tokens"], "frame_tokens": info["frame_tokens"],
+                 "frames_indices": info["frames_indices"], "timestamps": info["timestamps"]} for _, _, info in done]
+        from safetensors.numpy import save
+
+        return Response(save({str(i): e for i, e in enumerate(embs)}, metadata={"videos": json.dumps(meta)}),
+                        media_type="application/octet-stream")
+
+    routes = [Route("/health", health), Route("/metrics", metrics_text),
+              Route("/v1/encode", endpoint(_encode), methods=["POST"]),
+              Route("/v1/encode_video", endpoint(_encode_video), methods=["POST"])]
     offered = ", ".join(f"{'/'.join(sorted(r.methods - {'HEAD'}))} {r.path}" for r in routes)
 
     async def http_error(request, exc):  # a wrong path or method: JSON, as every other error a client gets
@@ -263,3 +329,53 @@ def _parse(body: bytes, capacity: int):
 def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels, resize: str, patching):
     return prepare_canvas(io.BytesIO(data), index, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels,
                           resize=resize, patching=patching)
+
+
+VIDEO_FIELDS = ("videos", "sample", "target_fps", "max_frames", "max_duration", "min_image_tokens", "max_image_tokens")
+VIDEO_ENTRY = ("frames", "fps", "duration")  # what one video holds
+
+
+def _parse_videos(body: bytes) -> tuple[list[dict], dict]:
+    """(videos [{"frames": [base64], "fps", "duration"}], the settings for preprocess_video) or Refused 400.
+    The settings' values are checked by preprocess_video itself (a 422 naming the video)."""
+    try:
+        req = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise Refused(400, f"the body is not valid JSON ({e})") from None
+    if not isinstance(req, dict):
+        raise Refused(400, "the body must be a JSON object with a 'videos' list")
+    unknown = sorted(set(req) - set(VIDEO_FIELDS))
+    if unknown:
+        raise Refused(400, f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                           f"a video request has {', '.join(map(repr, VIDEO_FIELDS))}")
+    videos = req.get("videos")
+    if not isinstance(videos, list) or not videos:
+        raise Refused(400, "'videos' must be a non-empty list of {\"frames\": [base64 image files], \"fps\": ...}")
+    out = []
+    for i, v in enumerate(videos):
+        if not isinstance(v, dict):
+            raise Refused(400, f"videos[{i}] is {type(v).__name__}, not an object with 'frames' and 'fps'", i)
+        extra = sorted(set(v) - set(VIDEO_ENTRY))
+        if extra:
+            raise Refused(400, f"videos[{i}]: unknown field{'s' if len(extra) > 1 else ''} "
+                               f"{', '.join(map(repr, extra))}; a video has {', '.join(map(repr, VIDEO_ENTRY))}", i)
+        frames = v.get("frames")
+        if not isinstance(frames, list) or not frames or not all(isinstance(f, str) for f in frames):
+            raise Refused(400, f"videos[{i}].frames must be a non-empty list of base64 strings (image files)", i)
+        out.append({"frames": list(frames), "fps": v.get("fps"), "duration": v.get("duration")})
+    defaults = {"sample": True, "target_fps": 2, "max_frames": 2048, "max_duration": 0, "min_image_tokens": 16,
+                "max_image_tokens": MAX_VIDEO_TOKENS}
+    common = {k: (defaults[k] if req.get(k) is None else req[k]) for k in defaults}
+    if not isinstance(common["sample"], bool):
+        raise Refused(400, f"'sample' must be true or false, got {common['sample']!r}")
+    return out, common
+
+
+def _prepare_video(video: dict, index: int, common: dict, max_pixels, patching):
+    """One request video -> (rows, grid, info): its frames decoded as images are (a frame that cannot be is
+    an ImageError naming it), then preprocess_video's steps."""
+    import numpy as np
+
+    frames = [np.asarray(load(io.BytesIO(d), f"video {index} frame {j}", max_pixels))
+              for j, d in enumerate(video["frames"])]
+    return prepare_video(frames, index, fps=video["fps"], duration=video["duration"], patching=patching, **common)

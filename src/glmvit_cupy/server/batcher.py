@@ -3,8 +3,9 @@
 Requests put prepared images (uint8 canvas, grid, info) into one bounded queue and await a future per
 image. One worker thread per replica takes the oldest image, waits at most `max_wait` for company,
 packs images in arrival order up to the capacity, runs the pass and resolves the futures on the event
-loop. A future whose request went away (the client disconnected) is simply dropped: the pass and the
-other requests in it go on. The queue is bounded: a request that would overflow it is refused whole.
+loop. A task (a request's videos: task(lane) runs their passes) queues alike and runs on its own. A
+future whose request went away (the client disconnected) is simply dropped: the pass and the other
+requests in it go on. The queue is bounded: a request that would overflow it is refused whole.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 class QueueFull(Exception):
@@ -22,10 +24,11 @@ class QueueFull(Exception):
 
 @dataclass
 class Job:
-    item: tuple                 # (uint8 canvas, grid, info)
+    item: tuple | None          # (uint8 canvas, grid, info), or None for a task
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     queued: float = field(default_factory=time.perf_counter)
+    task: Callable[[int], object] | None = None  # run alone on a lane: task(lane) is the future's value
 
     @property
     def tokens(self) -> int:
@@ -51,17 +54,24 @@ class Batcher:
 
     def submit(self, items: list) -> list[asyncio.Future]:
         """Queue a request's images (all or none); a future per image, resolved on the calling loop."""
+        return self._queue([(item, None) for item in items], "images")
+
+    def submit_task(self, task: Callable[[int], object]) -> asyncio.Future:
+        """Queue task(lane), to run on a lane's thread between passes (a request's videos); its future."""
+        return self._queue([(None, task)], "tasks")[0]
+
+    def _queue(self, work: list, what: str) -> list[asyncio.Future]:
         loop = asyncio.get_running_loop()
         with self._cv:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
-            if len(items) > self.max_queue:
-                raise QueueFull(f"this request has {len(items)} images, more than the queue ever holds "
+            if len(work) > self.max_queue:
+                raise QueueFull(f"this request has {len(work)} {what}, more than the queue ever holds "
                                 f"({self.max_queue}, --max-queue): send them in smaller requests")
-            if self._waiting + len(items) > self.max_queue:
-                raise QueueFull(f"{self._waiting} images are waiting and this request brings {len(items)}; the "
-                                f"queue holds {self.max_queue} (--max-queue): retry later")
-            jobs = [Job(item, loop.create_future(), loop) for item in items]
+            if self._waiting + len(work) > self.max_queue:
+                raise QueueFull(f"{self._waiting} images or tasks are waiting and this request brings {len(work)}; "
+                                f"the queue holds {self.max_queue} (--max-queue): retry later")
+            jobs = [Job(item, loop.create_future(), loop, task=task) for item, task in work]
             self._jobs.extend(jobs)
             self._waiting += len(jobs)
             self._cv.notify_all()
@@ -74,12 +84,14 @@ class Batcher:
             if not self._jobs:
                 return None  # stopping, nothing left
             batch = [self._jobs.popleft()]
+            if batch[0].task is not None:
+                return batch  # a task runs on its own
             used = batch[0].tokens
             deadline = time.perf_counter() + self.max_wait
             while used < self.capacity:
                 if self._jobs:
-                    if used + self._jobs[0].tokens > self.capacity:
-                        break  # the next image opens the next pass
+                    if self._jobs[0].task is not None or used + self._jobs[0].tokens > self.capacity:
+                        break  # the next image (or task) opens the next pass
                     job = self._jobs.popleft()
                     batch.append(job)
                     used += job.tokens
@@ -96,13 +108,16 @@ class Batcher:
             if batch is None:
                 return
             t0 = time.perf_counter()
+            task = batch[0].task
             try:
-                outs, error = self.backend.encode_on(lane, [j.item for j in batch]), None
+                outs, error = ([task(lane)] if task is not None else
+                               self.backend.encode_on(lane, [j.item for j in batch])), None
             except Exception as e:  # the pass failed: every image in it gets the error
                 outs, error = None, e
             with self._cv:
                 self._waiting -= len(batch)
-            self.on_pass(len(batch), sum(j.tokens for j in batch), time.perf_counter() - t0)
+            if task is None:
+                self.on_pass(len(batch), sum(j.tokens for j in batch), time.perf_counter() - t0)
             for i, job in enumerate(batch):
                 value = error if error is not None else outs[i]
                 try:

@@ -10,7 +10,8 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("glmvit_requests", "Encode requests by outcome (HTTP status)", ["status"], registry=r)
         self.images = Counter("glmvit_images", "Images by outcome: encoded, cached, failed", ["outcome"], registry=r)
-        self.tokens = Counter("glmvit_tokens", "Image tokens encoded on the engine", registry=r)
+        self.videos = Counter("glmvit_videos", "Videos by outcome: encoded, failed", ["outcome"], registry=r)
+        self.tokens = Counter("glmvit_tokens", "Image and video tokens encoded on the engine", registry=r)
         self.passes = Counter("glmvit_forward_passes", "Forward passes run", registry=r)
         self.pass_images = Histogram("glmvit_forward_pass_images", "Images in a forward pass", registry=r,
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128))
