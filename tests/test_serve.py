@@ -43,14 +43,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(tmp_path, *flags, checkpoint=TOWER):
+def start(tmp_path, *flags, checkpoint=TOWER, cpu=True, wait_s=15.0):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.server.main", "--checkpoint", checkpoint, "--cpu",
-                             "--port", str(port), *map(str, flags)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.server.main", "--checkpoint", checkpoint,
+                             *(["--cpu"] if cpu else []), "--port", str(port), *map(str, flags)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     client = Client(f"http://127.0.0.1:{port}", timeout=60)
-    for _ in range(300):
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
         try:
             if client.health()["status"] == "ok":
                 return proc, client
@@ -58,7 +59,7 @@ def start(tmp_path, *flags, checkpoint=TOWER):
             time.sleep(0.05)
         if proc.poll() is not None:
             raise AssertionError(proc.stdout.read())
-    raise AssertionError("the server did not come up")
+    raise AssertionError(f"the server did not come up in {wait_s:g} s")
 
 
 @pytest.fixture(scope="module")
