@@ -89,28 +89,17 @@ def test_serve_on_the_gpu_encodes_videos_and_images_as_the_model(tmp_path):
     """glmvit-serve on the GPU: a video request (two videos, frames as PNG) and image requests at once, each
     bit-equal to GlmVit.encode_video_pixels / encode of the same inputs; the golden tower."""
     import io
-    import threading
 
     import pytest
 
     pytest.importorskip("uvicorn", reason="the serve extra is not installed")
     from glmvit_cupy import preprocess_video
-    from tests.test_serve import png, start
+    from tests.test_serve import start, videos_beside_images
 
     proc, client = start(tmp_path, "--capacity-tokens", 300, checkpoint=str(cases.TOWER_DIR), cpu=False,
                          wait_s=300)  # a fresh machine compiles the kernels first
     try:
-        vids = [np.stack([cases._smooth(60, 90, 70 + k) for k in range(5)]),
-                np.stack([cases._smooth(40, 44, 80 + k) for k in range(3)])]
-        images = [png(70, 50, 23), png(40, 90, 24)]
-        got = {}
-        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, client.encode([images[i]])[0][0]))
-                   for i in range(2)]
-        for t in threads:
-            t.start()
-        embs, meta = client.encode_video(vids, fps=[4.0, 2.0], max_image_tokens=200)
-        for t in threads:
-            t.join()
+        vids, images, embs, meta, got = videos_beside_images(client)
         assert "gpu" in client.health()["backend"]
         model = GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=300)
         pv, grid, _ = preprocess_video(vids, fps=[4.0, 2.0], max_image_tokens=200)

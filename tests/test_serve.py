@@ -460,23 +460,30 @@ def post_video(client, body):
         return e.code, json.loads(e.read())
 
 
-def test_videos_bit_equal_to_the_reference_beside_image_requests(server, tower):
-    """Two videos in one request (frames sent as PNG: lossless), sampled and preprocessed as the reference
-    video processor, bit-equal to the reference on preprocess_video's rows, while image requests run."""
-    from glmvit_cupy import preprocess_video
-
-    client, _ = server
+def videos_beside_images(client):
+    """Two videos in one request while two image requests run on threads: (videos, image files, the videos'
+    embeddings, their metadata, {i: image i's embedding})."""
     vids = [clip(5, 60, 90, 70), clip(3, 40, 44, 80)]
-    before = metric(client, "glmvit_videos_total")
     images = [png(70, 50, 23), png(40, 90, 24)]
-    got_images = {}
-    threads = [threading.Thread(target=lambda i=i: got_images.__setitem__(i, client.encode([images[i]])[0][0]))
+    got = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, client.encode([images[i]])[0][0]))
                for i in range(2)]
     for th in threads:
         th.start()
     embs, meta = client.encode_video(vids, fps=[4.0, 2.0], max_image_tokens=200)
     for th in threads:
         th.join()
+    return vids, images, embs, meta, got
+
+
+def test_videos_bit_equal_to_the_reference_beside_image_requests(server, tower):
+    """Two videos in one request (frames sent as PNG: lossless), sampled and preprocessed as the reference
+    video processor, bit-equal to the reference on preprocess_video's rows, while image requests run."""
+    from glmvit_cupy import preprocess_video
+
+    client, _ = server
+    before = metric(client, "glmvit_videos_total")
+    vids, images, embs, meta, got_images = videos_beside_images(client)
     pv, grid, infos = preprocess_video(vids, fps=[4.0, 2.0], max_image_tokens=200)
     ref = reference.encode_pixels(tower, pv, grid).astype(ml_dtypes.bfloat16)
     ref = np.split(ref, np.cumsum([i["tokens"] for i in infos])[:-1])
