@@ -25,7 +25,6 @@ and the engine on the batcher's threads: the event loop never blocks on either.
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import dataclasses
 import io
@@ -43,14 +42,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .. import vllm_ec
-from ..batching import DEFAULT_MAX_IMAGE_TOKENS
 from ..errors import ImageError
 from ..images import load
-from ..preprocess import check_token_limits, prepare_canvas
-from ..video import MAX_VIDEO_TOKENS, prepare_video
+from ..preprocess import prepare_canvas
+from ..video import prepare_video
 from .batcher import Batcher, QueueFull
 from .cache import EmbeddingCache
 from .metrics import Metrics
+from .requests import Refused, b64decode, parse_images, parse_videos, read_body
 
 
 @dataclass
@@ -65,12 +64,6 @@ class Settings:
     max_pixels: int | None = None
     decode_workers: int = 8
     vllm_ec_dir: str | None = None
-
-
-class Refused(Exception):
-    def __init__(self, status: int, error: str, index: int | None = None):
-        super().__init__(error)
-        self.status, self.error, self.index = status, error, index
 
 
 def create_app(load_backend, settings: Settings) -> Starlette:
@@ -147,14 +140,14 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind != "application/json":
             raise Refused(415, f"Content-Type {kind or 'none'!r}: send application/json")
-        return await _read_body(request, int(settings.max_body_mib * 2**20))
+        return await read_body(request, int(settings.max_body_mib * 2**20))
 
     async def _encode(request):
-        images, lo, hi = _parse(await json_body(request), settings.capacity_tokens)
+        images, lo, hi = parse_images(await json_body(request), settings.capacity_tokens)
         blobs = []
         for i, text in enumerate(images):
             try:
-                data = _b64decode(text)
+                data = b64decode(text)
             except (binascii.Error, ValueError) as e:
                 raise Refused(400, f"images[{i}] is not valid base64 ({e})", i) from None
             if len(data) > settings.max_image_mib * 2**20:
@@ -209,11 +202,11 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     async def _encode_video(request):
         """Frames decoded and videos preprocessed on the pool; their passes run as one task on a lane's thread,
         between image passes (the engine is one thread's). No cache: a video's frames are its key."""
-        videos, common = _parse_videos(await json_body(request))
+        videos, common = parse_videos(await json_body(request))
         for i, v in enumerate(videos):
             for j, text in enumerate(v["frames"]):
                 try:
-                    v["frames"][j] = _b64decode(text)
+                    v["frames"][j] = b64decode(text)
                 except (binascii.Error, ValueError) as e:
                     raise Refused(400, f"videos[{i}].frames[{j}] is not valid base64 ({e})", i) from None
                 if len(v["frames"][j]) > settings.max_image_mib * 2**20:
@@ -270,105 +263,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     return app
 
 
-async def _read_body(request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise Refused(413, f"the body is {declared} bytes, over the {limit / 2**20:g} MiB limit")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise Refused(413, f"the body is over the {limit / 2**20:g} MiB limit")
-    return bytes(body)
-
-
-FIELDS = ("images", "min_image_tokens", "max_image_tokens")  # what a request may hold
-_URL_SAFE = str.maketrans("-_", "+/")
-
-
-def _b64decode(text: str) -> bytes:
-    """An image file's bytes from its base64 text as clients send it: plain, wrapped in lines (the base64
-    tool wraps at 76 columns), in the URL-safe alphabet, or as a data URL (data:image/png;base64,...)."""
-    if text.startswith("data:"):
-        head, comma, text = text.partition(",")
-        if not comma or not head.endswith(";base64"):
-            raise ValueError("a data URL must carry base64: data:<media type>;base64,<data>")
-    return base64.b64decode("".join(text.split()).translate(_URL_SAFE), validate=True)
-
-
-def _parse(body: bytes, capacity: int):
-    try:
-        req = json.loads(body)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
-        raise Refused(400, f"the body is not valid JSON ({e})") from None
-    if not isinstance(req, dict):
-        raise Refused(400, "the body must be a JSON object with an 'images' list")
-    unknown = sorted(set(req) - set(FIELDS))
-    if unknown:  # a misspelt limit would otherwise be the default without a word
-        raise Refused(400, f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                           f"a request has {', '.join(map(repr, FIELDS))}")
-    images = req.get("images")
-    if not isinstance(images, list) or not images:
-        raise Refused(400, "'images' must be a non-empty list of base64 strings (image files)")
-    for i, text in enumerate(images):
-        if not isinstance(text, str):
-            raise Refused(400, f"images[{i}] is {type(text).__name__}, not a base64 string", i)
-    lo = req.get("min_image_tokens")  # absent or null: the default
-    hi = req.get("max_image_tokens")
-    lo = 16 if lo is None else lo
-    hi = min(DEFAULT_MAX_IMAGE_TOKENS, capacity) if hi is None else hi
-    try:
-        lo, hi = check_token_limits(lo, hi)
-    except ValueError as e:
-        raise Refused(400, str(e)) from None
-    if hi > capacity:
-        raise Refused(400, f"max_image_tokens = {hi} exceeds the server's capacity of {capacity} tokens per pass")
-    return images, lo, hi
-
-
 def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels, resize: str, patching):
     return prepare_canvas(io.BytesIO(data), index, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels,
                           resize=resize, patching=patching)
-
-
-VIDEO_FIELDS = ("videos", "sample", "target_fps", "max_frames", "max_duration", "min_image_tokens", "max_image_tokens")
-VIDEO_ENTRY = ("frames", "fps", "duration")  # what one video holds
-
-
-def _parse_videos(body: bytes) -> tuple[list[dict], dict]:
-    """(videos [{"frames": [base64], "fps", "duration"}], the settings for preprocess_video) or Refused 400.
-    The settings' values are checked by preprocess_video itself (a 422 naming the video)."""
-    try:
-        req = json.loads(body)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise Refused(400, f"the body is not valid JSON ({e})") from None
-    if not isinstance(req, dict):
-        raise Refused(400, "the body must be a JSON object with a 'videos' list")
-    unknown = sorted(set(req) - set(VIDEO_FIELDS))
-    if unknown:
-        raise Refused(400, f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                           f"a video request has {', '.join(map(repr, VIDEO_FIELDS))}")
-    videos = req.get("videos")
-    if not isinstance(videos, list) or not videos:
-        raise Refused(400, "'videos' must be a non-empty list of {\"frames\": [base64 image files], \"fps\": ...}")
-    out = []
-    for i, v in enumerate(videos):
-        if not isinstance(v, dict):
-            raise Refused(400, f"videos[{i}] is {type(v).__name__}, not an object with 'frames' and 'fps'", i)
-        extra = sorted(set(v) - set(VIDEO_ENTRY))
-        if extra:
-            raise Refused(400, f"videos[{i}]: unknown field{'s' if len(extra) > 1 else ''} "
-                               f"{', '.join(map(repr, extra))}; a video has {', '.join(map(repr, VIDEO_ENTRY))}", i)
-        frames = v.get("frames")
-        if not isinstance(frames, list) or not frames or not all(isinstance(f, str) for f in frames):
-            raise Refused(400, f"videos[{i}].frames must be a non-empty list of base64 strings (image files)", i)
-        out.append({"frames": list(frames), "fps": v.get("fps"), "duration": v.get("duration")})
-    defaults = {"sample": True, "target_fps": 2, "max_frames": 2048, "max_duration": 0, "min_image_tokens": 16,
-                "max_image_tokens": MAX_VIDEO_TOKENS}
-    common = {k: (defaults[k] if req.get(k) is None else req[k]) for k in defaults}
-    if not isinstance(common["sample"], bool):
-        raise Refused(400, f"'sample' must be true or false, got {common['sample']!r}")
-    return out, common
 
 
 def _prepare_video(video: dict, index: int, common: dict, max_pixels, patching):
