@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -229,8 +230,6 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 raise Refused(422, f"video {i}: a group of {patching.temporal_patch_size} frames is "
                                    f"{got[2]['frame_tokens']} tokens, over the server's capacity of "
                                    f"{settings.capacity_tokens} tokens per pass; lower max_image_tokens", i)
-        import numpy as np
-
         pixels = np.concatenate([p for p, _, _ in done])
         grid = np.array([g for _, g, _ in done], dtype=np.int64)
         try:
