@@ -33,7 +33,7 @@ class Client:
                max_image_tokens: int | None = None) -> tuple[list[np.ndarray], list[dict]]:
         """Image files (paths or bytes; HxWx3 uint8 arrays go as PNG) -> (one bf16 array per image, per-image
         metadata)."""
-        blobs = [_frame_b64(im) for im in images]
+        blobs = [_file_b64(im) for im in images]
         body = {"images": blobs}
         if min_image_tokens is not None:
             body["min_image_tokens"] = min_image_tokens
@@ -52,7 +52,7 @@ class Client:
         n = len(videos)
         per = lambda v: list(v) if isinstance(v, (list, tuple)) else [v] * n  # noqa: E731
         fpss, durations = per(fps), per(duration)
-        body = {"videos": [{"frames": [_frame_b64(f) for f in frames], "fps": fpss[i], "duration": durations[i]}
+        body = {"videos": [{"frames": [_file_b64(f) for f in frames], "fps": fpss[i], "duration": durations[i]}
                            for i, frames in enumerate(videos)], **settings}
         _, raw = self._call("POST", "/v1/encode_video", json.dumps(body).encode(), "application/json")
         tensors = _bf16_tensors(raw)
@@ -91,8 +91,8 @@ def _metadata(raw: bytes) -> dict:
     return json.loads(raw[8:8 + n]).get("__metadata__", {})
 
 
-def _frame_b64(frame) -> str:
-    """A frame as base64 of an image file: a path's or bytes as they are, an array as a PNG (lossless)."""
+def _file_b64(frame) -> str:
+    """An image or frame as base64 of an image file: a path's or bytes as they are, an array as a PNG (lossless)."""
     if isinstance(frame, np.ndarray):
         import io
 

@@ -24,7 +24,9 @@ from PIL import Image
 
 from . import resample
 from .errors import ImageError
-from .preprocess import MEAN, REFERENCE, STD, Patching, check_patching, content_size, is_integer, smart_resize
+from .batching import check_positive
+from .preprocess import (MEAN, REFERENCE, STD, Patching, check_patching, check_token_limits, content_size,
+                         smart_resize)
 
 TARGET_FPS = 2  # frames sampled per second of video (the reference processor's fps)
 MAX_FRAMES = 2048
@@ -57,12 +59,10 @@ def sample_frames(total_frames: int, fps: float, *, duration: float | None = Non
     (duration: the container's, in seconds, if known; else from the frame count). About target_fps frames a
     second of video, at most max_frames; max_duration > 0 caps the seconds counted. Unique, ascending, an
     even count (the last repeated when odd). ValueError when the video is too short to give any."""
-    if not is_integer(total_frames) or total_frames < 1:
-        raise ValueError(f"sample_frames: total_frames={total_frames!r} must be a positive integer")
+    check_positive("sample_frames: total_frames", total_frames)
     fps = _positive_number("fps", fps, "sample_frames")
     target_fps = _positive_number("target_fps", target_fps, "sample_frames")
-    if not is_integer(max_frames) or max_frames < 1:
-        raise ValueError(f"sample_frames: max_frames={max_frames!r} must be a positive integer")
+    check_positive("sample_frames: max_frames", max_frames)
     if duration is not None and (isinstance(duration, bool) or duration != 0):  # 0: unknown, as the reference reads it
         duration = _positive_number("duration", duration, "sample_frames")
     if max_duration != 0:
@@ -72,13 +72,12 @@ def sample_frames(total_frames: int, fps: float, *, duration: float | None = Non
     max_seconds = int(duration)  # the cap below counts the source's whole seconds
     duration = duration if max_duration <= 0 else min(duration, max_duration)
     want = min(int(duration * target_fps), max_frames)
-    stamps = [i * (1 / fps) for i in range(total_frames)]  # as the reference adds them up
     if total_frames < want:
         picked = np.linspace(0, max_idx, want, dtype=int).tolist()
     else:
         picked, second, step = [], 0, 1 / target_fps
         for i in range(total_frames):
-            if stamps[i] >= second:
+            if i * (1 / fps) >= second:  # the frame's timestamp, as the reference computes it
                 second += step
                 picked.append(i)
                 if second >= max_seconds:
@@ -158,10 +157,10 @@ def prepare_video(video, index: int = 0, *, fps=None, sample: bool = True, durat
     "size", "canvas", "content", "grid", "tokens" (t*h*w / merge^2), "frame_tokens" (h*w / merge^2)."""
     name = f"video {index}" if name is None else name
     check_patching(patching)
-    if not is_integer(min_image_tokens) or min_image_tokens < 0:
-        raise ValueError(f"{name}: min_image_tokens={min_image_tokens!r} must be an integer of at least 0")
-    if not is_integer(max_image_tokens) or max_image_tokens < 1:
-        raise ValueError(f"{name}: max_image_tokens={max_image_tokens!r} must be a positive integer")
+    try:
+        min_image_tokens, max_image_tokens = check_token_limits(min_image_tokens, max_image_tokens)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
     frames = video_frames(video, name)
     if fps is not None:
         fps = _positive_number("fps", fps, name)

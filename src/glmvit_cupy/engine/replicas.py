@@ -118,14 +118,7 @@ class Replicas:
                 results[i] = emb
         return results
 
-    def encode_video(self, videos, *, fps=None, sample: bool = True, **settings) -> list:
-        """As GlmVit.encode_video, the videos spread over the replicas (encode_video_pixels)."""
-        from ..preprocess import Patching
-        from ..video import preprocess_video
-
-        pixels, grid, _ = preprocess_video(videos, fps=fps, sample=sample, patching=Patching.of(self.geometry),
-                                           **settings)
-        return self.encode_video_pixels(pixels, grid)
+    encode_video = GlmVit.encode_video  # preprocess_video, then this class's encode_video_pixels
 
     def encode_pixels(self, pixel_values, grid_thw):
         """A batch of images split across the replicas by patches; the output, in order, on devices[0]."""
