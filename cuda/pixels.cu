@@ -38,34 +38,42 @@ __device__ __forceinline__ PatchPixel patch_pixel_at(long i, int W, int P, int M
     return M == 2 ? patch_pixel<2>(i, W, P, 2) : patch_pixel<0>(i, W, P, M);
 }
 
-__device__ __forceinline__ void store_frames(bf16* out, const PatchPixel& q, int T, int P, bf16 val) {
+// slot < 0: a still image, its pixel repeated over the row's T frames; slot t: frame t of a video's
+// temporal group (the group's T frames are staged one launch each, each writing its own slot).
+__device__ __forceinline__ void store_frames(bf16* out, const PatchPixel& q, int T, int P, int slot, bf16 val) {
     const int PP = P * P;
     bf16* o = out + q.p * 3 * T * PP + (long)q.ch * T * PP + q.off;
-    for (int t = 0; t < T; ++t) o[(long)t * PP] = val;  // the still image repeated over the T frames
+    if (slot >= 0) {
+        o[(long)slot * PP] = val;
+        return;
+    }
+    for (int t = 0; t < T; ++t) o[(long)t * PP] = val;
 }
 
 // canvas: uint8 [H, W, 3]; table: float32 [3, 256], table[c * 256 + v] = what rescale + normalise
 // make of value v in channel c (preprocess._value_table: the reference's own float operations), so
-// out is bit-identical to bf16 of the host's patches. out: bf16 [H/P * W/P, 3 * T * P * P]; M the merge.
+// out is bit-identical to bf16 of the host's patches. out: bf16 [H/P * W/P, 3 * T * P * P]; M the merge;
+// slot as store_frames'.
 extern "C" __global__ void patchify_u8(const unsigned char* __restrict__ canvas, const float* __restrict__ table,
-                                       bf16* __restrict__ out, int H, int W, int T, int P, int M) {
+                                       bf16* __restrict__ out, int H, int W, int T, int P, int M, int slot) {
     const long n = (long)(H / P) * (W / P) * 3 * P * P;  // one frame's worth of output
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         const PatchPixel q = patch_pixel_at(i, W, P, M);
-        store_frames(out, q, T, P, __float2bfloat16(table[q.ch * 256 + canvas[((long)q.y * W + q.x) * 3 + q.ch]]));
+        store_frames(out, q, T, P, slot, __float2bfloat16(table[q.ch * 256 + canvas[((long)q.y * W + q.x) * 3 + q.ch]]));
     }
 }
 
-// -- Pillow's 8-bit resampling (src/libImaging/Resample.c) ----------------------------------------
+// -- 8-bit resampling: Pillow's (src/libImaging/Resample.c) and ATen's (UpSampleKernel.cpp) -----------
 // Output position o of a pass reads count[o] source pixels from first[o] on, weighted by the int32
-// fixed-point weights[o * taps + j] (22 fractional bits, resample.axis: Pillow's own numbers). Pillow
-// adds 2^21, sums byte x weight in 32-bit int (its bounds keep it from overflowing) and keeps bits
-// 22.. clipped to 0..255; integer sums are exact in any order, so this equals Pillow's bytes.
+// fixed-point weights[o * taps + j] with `prec` fractional bits (resample.axis: Pillow's own numbers, 22
+// bits; resample.aten_axis: ATen's uint8 antialias int16 weights, 22 bits or fewer per side). Both add
+// 2^(prec - 1), sum byte x weight in 32-bit int (their bounds keep it from overflowing) and keep bits
+// prec.. clipped to 0..255; integer sums are exact in any order, so this equals their bytes.
 __device__ __forceinline__ unsigned char resample_tap_sum(const unsigned char* s, long stride, int count,
-                                                          const int* __restrict__ w) {
-    int acc = 1 << 21;
+                                                          const int* __restrict__ w, int prec) {
+    int acc = 1 << (prec - 1);
     for (int j = 0; j < count; ++j) acc += (int)s[j * stride] * w[j];
-    acc >>= 22;  // arithmetic shift, as Pillow's clip8 table lookup
+    acc >>= prec;  // arithmetic shift, as Pillow's clip8 table lookup and ATen's shift
     return (unsigned char)(acc < 0 ? 0 : (acc > 255 ? 255 : acc));
 }
 
@@ -73,8 +81,8 @@ __device__ __forceinline__ unsigned char resample_tap_sum(const unsigned char* s
 // reads src row r, columns first[o]...; along 0 (vertical): dst[o, c] reads src column c, rows first[o]....
 extern "C" __global__ void resample_pass_u8(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
                                             const int* __restrict__ first, const int* __restrict__ count,
-                                            const int* __restrict__ weights, int taps, int along, int src_w,
-                                            int rows, int cols) {
+                                            const int* __restrict__ weights, int taps, int prec, int along,
+                                            int src_w, int rows, int cols) {
     const long n = (long)rows * cols * 3;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         const int ch = (int)(i % 3);
@@ -83,19 +91,19 @@ extern "C" __global__ void resample_pass_u8(const unsigned char* __restrict__ sr
         const int o = along ? c : r;
         const unsigned char* s = along ? src + ((long)r * src_w + first[o]) * 3 + ch
                                        : src + ((long)first[o] * src_w + c) * 3 + ch;
-        dst[i] = resample_tap_sum(s, along ? 3 : (long)src_w * 3, count[o], weights + (long)o * taps);
+        dst[i] = resample_tap_sum(s, along ? 3 : (long)src_w * 3, count[o], weights + (long)o * taps, prec);
     }
 }
 
 // The last pass fused with the zero pad, normalise and patchify: out as patchify_u8's for an H x W canvas
 // whose top-left content_h x content_w pixels are the resized image and the rest zeros. The content
 // pixel (y, x) is the pass `along` (0 vertical, 1 horizontal) over src uint8 [., src_w, 3] at output
-// position y or x, or, along -1, src's pixel itself (nothing to resize).
+// position y or x, or, along -1, src's pixel itself (nothing to resize); slot as store_frames'.
 extern "C" __global__ void resample_patchify_u8(const unsigned char* __restrict__ src, const int* __restrict__ first,
                                                 const int* __restrict__ count, const int* __restrict__ weights,
-                                                int taps, int along, int src_w, int content_h, int content_w,
-                                                const float* __restrict__ table, bf16* __restrict__ out,
-                                                int H, int W, int T, int P, int M) {
+                                                int taps, int prec, int along, int src_w, int content_h,
+                                                int content_w, const float* __restrict__ table,
+                                                bf16* __restrict__ out, int H, int W, int T, int P, int M, int slot) {
     const long n = (long)(H / P) * (W / P) * 3 * P * P;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         const PatchPixel q = patch_pixel_at(i, W, P, M);
@@ -103,13 +111,13 @@ extern "C" __global__ void resample_patchify_u8(const unsigned char* __restrict_
         if (q.y < content_h && q.x < content_w) {
             if (along == 1)
                 v = resample_tap_sum(src + ((long)q.y * src_w + first[q.x]) * 3 + q.ch, 3, count[q.x],
-                                     weights + (long)q.x * taps);
+                                     weights + (long)q.x * taps, prec);
             else if (along == 0)
                 v = resample_tap_sum(src + ((long)first[q.y] * src_w + q.x) * 3 + q.ch, (long)src_w * 3,
-                                     count[q.y], weights + (long)q.y * taps);
+                                     count[q.y], weights + (long)q.y * taps, prec);
             else
                 v = src[((long)q.y * src_w + q.x) * 3 + q.ch];
         }
-        store_frames(out, q, T, P, __float2bfloat16(table[q.ch * 256 + v]));
+        store_frames(out, q, T, P, slot, __float2bfloat16(table[q.ch * 256 + v]));
     }
 }

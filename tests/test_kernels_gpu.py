@@ -672,6 +672,53 @@ def test_resize_on_the_gpu_equals_pillow_bit_for_bit(patching, pairs):
     assert len(orders) >= (3 if pairs >= 300 else 2)  # horizontal only, vertical only and both passes ran
 
 
+@pytest.mark.parametrize("patching,videos", [(PATCHINGS[0], 60)] + [(p, 12) for p in PATCHINGS[1:]])
+def test_video_frames_on_the_gpu_equal_the_host_bit_for_bit(patching, videos):
+    """The Stager's frame groups (video.frame_groups: ATen's resize on the GPU, pad, the video table, each
+    frame into its own slot, the last frame repeated) against the host's video_canvases + normalise_patchify:
+    bf16 bits equal, outputs poisoned first; no resize, either pass alone and both ran."""
+    import importlib
+
+    video = importlib.import_module("glmvit_cupy.video")
+    pre = importlib.import_module("glmvit_cupy.preprocess")
+    staging = importlib.import_module("glmvit_cupy.engine.staging")
+    from glmvit_cupy import resample
+
+    pt = pre.Patching(*patching)
+    T, f = pt.temporal_patch_size, pt.factor
+    stager = staging.Stager(dev(pre.value_table()), T, pt.patch_size, pt.merge_size, dev(video.value_table()))
+    kinds = set()
+    for i in range(videos):
+        h, w = (int(v) for v in rng.integers(1, 300, 2))
+        if i % 4 == 1:
+            h = f * int(rng.integers(1, 12))  # a side that keeps its size: one pass only
+        if i % 4 == 2:
+            w = f * int(rng.integers(1, 12))
+        limit = int(rng.integers(8, 900))
+        if i % 8 == 3:  # no resize at all: whole tokens, within the limits
+            h, w, limit = f * int(rng.integers(4, 8)), f * int(rng.integers(4, 8)), 900
+        n = int(rng.integers(1, 6))
+        frames = rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8)
+        frames[:, ::2] = np.where(frames[:, ::2] > 127, 255, 0)  # hard edges: the lobes overshoot and clip
+        planned = video.plan_video(frames, i, sample=False, patching=pt, max_image_tokens=limit)
+        want = video.video_pixels([planned], pt)[0].astype(BF)
+        out = poison(want.shape)
+        stager.images(video.frame_groups(*planned, T), out)
+        got = cupy.asnumpy(out)
+        bad = int((got.view(np.uint16) != want.view(np.uint16)).sum())
+        content = planned[2]["content"]
+        assert bad == 0, f"{n} frames of {h}x{w} -> content {content}, canvas {planned[2]['canvas']}: {bad} differ"
+        p = resample.aten_plan(h, w, *content)
+        kinds.add((p.horizontal is not None, p.vertical is not None))
+    assert len(kinds) == 4 if videos >= 60 else len(kinds) >= 2, kinds
+    with pytest.raises(ValueError, match=r"video 0 frames 0\.\.\d+: a frame group is uint8"):
+        one = video.frame_groups(*video.plan_video(frames, sample=False, patching=pt), T)[0]
+        stager.images([(one[0][:0], one[1], one[2])], poison(want.shape))
+    bare = staging.Stager(dev(pre.value_table()), T, pt.patch_size, pt.merge_size)
+    with pytest.raises(ValueError, match="without the video processor's value table"):
+        bare.images(video.frame_groups(*planned, T), poison(want.shape))
+
+
 # 16-byte aligned starts (eight values a thread a step) and shifted ones (one a step); lengths with
 # and without a tail of n % 8; every kind of non-finite bf16 and the finite values nearest them.
 @pytest.mark.parametrize("n,shift", [(1, 0), (7, 0), (8, 0), (4099, 0), (1 << 20, 0), (1 << 20, 1), (1001, 3)])

@@ -492,10 +492,10 @@ def test_replicas_match_one_gpu(official):
     vids = [rng.integers(0, 256, (t, h, w, 3), dtype=np.uint8) for t, h, w in ((5, 90, 140), (3, 200, 60), (8, 64, 64))]
     vpv, vgrid, _ = preprocess_video(vids, sample=False)
     want_v = [f32(o) for o in model.encode_video_pixels(vpv, vgrid)]
-    got_v = reps.encode_video(vids, sample=False)
-    assert {o.device.id for o in got_v} == set(devices)
-    for i, (g, w) in enumerate(zip(got_v, want_v)):
-        assert np.array_equal(f32(g), w), f"video {i}"
+    for got_v in (reps.encode_video(vids, sample=False), reps.encode_video_pixels(vpv, vgrid)):  # GPU resize, rows
+        assert {o.device.id for o in got_v} == set(devices)
+        for i, (g, w) in enumerate(zip(got_v, want_v)):
+            assert np.array_equal(f32(g), w), f"video {i}"
     print(f"replicas on devices {devices}: {len(imgs)} images and {len(vids)} videos bit-equal to one GPU")
     with pytest.raises(ValueError, match="not a CUDA device of this machine"):
         Replicas.from_checkpoint(binding.path, [0, 99])
@@ -1040,8 +1040,14 @@ def test_videos_encode_in_frame_groups_with_the_bits_of_one_pass(official):
     narrow = GlmVit(binding, capacity_tokens=2 * per_group + 1)  # two groups a pass at most: several passes
     for a, b in zip(one, narrow.encode_video_pixels(cupy.asarray(pv), grid)):
         assert np.array_equal(a, f32(b))
-    for a, b in zip(one, model.encode_video(vids, fps=[6.0, 3.0], target_fps=6, max_image_tokens=4000)):
-        assert np.array_equal(a, f32(b))
+    settings = dict(fps=[6.0, 3.0], target_fps=6, max_image_tokens=4000)
+    for m, resize in ((model, "gpu"), (model, "host"), (narrow, "gpu")):  # frames resized on the GPU or host
+        for a, b in zip(one, m.encode_video(vids, resize=resize, **settings)):
+            assert np.array_equal(a, f32(b)), (m.capacity_tokens, resize)
     tiny = GlmVit(binding, capacity_tokens=per_group - 1)
     with pytest.raises(ValueError, match="video 0: one frame group of .* more than this model's capacity"):
         tiny.encode_video_pixels(pv, grid)
+    with pytest.raises(ValueError, match="video 0: one frame group of .* more than this model's capacity"):
+        tiny.encode_video(vids, **settings)
+    with pytest.raises(ValueError, match="resize='cuda': 'gpu' .* or 'host' expected"):
+        model.encode_video(vids, resize="cuda", **settings)

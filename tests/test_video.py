@@ -12,7 +12,7 @@ from PIL import Image
 
 from glmvit_cupy import ImageError, Patching, preprocess_video
 from glmvit_cupy import batching, resample
-from glmvit_cupy.video import normalise_patchify, sample_frames
+from glmvit_cupy.video import frame_groups, normalise_patchify, plan_videos, sample_frames, video_canvases
 from tests.video_cases import case, digest
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "video_hf.json")
@@ -189,6 +189,29 @@ def test_an_odd_frame_count_repeats_the_last_frame():
     assert grid.tolist() == [[2, 4, 4]] == grid4.tolist() and np.array_equal(pv, pv4)
     assert info[0]["frames_indices"] == [0, 1, 2] and info[0]["timestamps"] is None
     assert info[0]["tokens"] == 8 and info[0]["frame_tokens"] == 4
+
+
+def test_frame_groups_are_the_sampled_frames_unresized_in_whole_groups():
+    """What the GPU stages (frame_groups) holds the frames the host resizes (video_canvases) in the same
+    groups: the sampled frames themselves, the last repeated, one (1, h, w) item a group, with the content
+    size and the group's tokens."""
+    rng = np.random.default_rng(12)
+    vids = [rng.integers(0, 256, (9, 61, 83, 3), dtype=np.uint8), rng.integers(0, 256, (4, 40, 30, 3), np.uint8)]
+    for (frames, grid, info), given in zip(plan_videos(vids, fps=[4.0, 2.0], target_fps=4), vids):
+        assert np.array_equal(frames, given[info["frames_indices"]])
+        items = frame_groups(frames, grid, info, 2)
+        assert len(items) == grid[0] and sum(it[2]["tokens"] for it in items) == info["tokens"]
+        canvases = video_canvases(frames, grid, info, 2)
+        for g, (group, item_grid, item) in enumerate(items):
+            assert item_grid == (1, grid[1], grid[2]) and item["content"] == info["content"]
+            assert item["source"] == f"{info['source']} frames {2 * g}..{2 * g + 1}"
+            for t in range(2):
+                j = min(2 * g + t, len(frames) - 1)  # the last frame repeated
+                assert np.array_equal(group[t], frames[j])
+                ch, cw = info["content"]
+                assert np.array_equal(canvases[2 * g + t, :ch, :cw], resample.aten_resize(frames[j], ch, cw))
+    with pytest.raises(ValueError, match="video 1: "):  # every video checked before any pixel is made
+        plan_videos([vids[0], vids[1][:, :0]], fps=4.0)
 
 
 def test_frames_as_a_list_of_arrays_or_rgb_pil_images_equal_the_array():

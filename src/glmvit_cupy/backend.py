@@ -112,19 +112,21 @@ class Backend:
         with model.device:
             return HOST.download(outs)  # the caller's stream (this device's) was made to wait for them
 
-    def encode_video_on(self, lane: int, pixel_values_videos, video_grid_thw) -> list[np.ndarray]:
-        """Videos' rows (video.preprocess_video's) on replica `lane` (from any thread) -> one host bf16 array
-        per video, in passes of whole frame groups (GlmVit.encode_video_pixels)."""
+    def encode_video_on(self, lane: int, planned: list) -> list[np.ndarray]:
+        """Planned videos (video.plan_videos') on replica `lane` (from any thread) -> one host bf16 array per
+        video, in passes of whole frame groups; frames resized where this backend resizes images."""
         if self.cpu:
             from . import reference
+            from .video import video_pixels
 
-            out = reference.encode_pixels(self._tower, pixel_values_videos, video_grid_thw).astype(self._bf16)
-            tokens = np.prod(np.asarray(video_grid_thw), axis=1) // self.geometry.merge_patches
+            pixels, grid = video_pixels(planned, self.patching())
+            out = reference.encode_pixels(self._tower, pixels, grid).astype(self._bf16)
+            tokens = np.prod(grid, axis=1) // self.geometry.merge_patches
             return np.split(out, np.cumsum(tokens)[:-1])
         from .engine.blocks import HOST
 
         model = self._engine.models[lane]
-        outs = model.encode_video_pixels(pixel_values_videos, video_grid_thw)
+        outs = model.encode_planned_videos(planned, self.resize)
         with model.device:
             return HOST.download(outs)
 

@@ -159,6 +159,23 @@ class Piece(NamedTuple):
     tokens: int
 
 
+def check_frame_group(name: str, h: int, w: int, merge: int, capacity_tokens: int) -> int:
+    """The tokens of one temporal group of h x w patches, or ValueError naming the video when one forward
+    pass cannot hold it (a group is the tower's unit: its frames attend to each other)."""
+    per_group = h * w // merge ** 2
+    if per_group > capacity_tokens:
+        raise ValueError(f"{name}: one frame group of {h}x{w} patches is {per_group} tokens, more than this "
+                         f"model's capacity of {capacity_tokens} per forward pass; preprocess it with a lower "
+                         "max_image_tokens or build the model with a larger capacity_tokens")
+    return per_group
+
+
+def check_planned_videos(planned: list, merge: int, capacity_tokens: int) -> None:
+    """check_frame_group for each of video.plan_videos' (frames, grid, info), named by its info's source."""
+    for _, (_, h, w), info in planned:
+        check_frame_group(info["source"], h, w, merge, capacity_tokens)
+
+
 def frame_pieces(grid: np.ndarray, capacity_tokens: int, merge: int) -> list[Piece]:
     """Videos (a checked grid_thw, one (groups, h, w) each, rows in order) cut into pieces of whole temporal
     groups of at most capacity_tokens tokens, in row order. The tower attends within a group only (each is
@@ -166,11 +183,7 @@ def frame_pieces(grid: np.ndarray, capacity_tokens: int, merge: int) -> list[Pie
     whose one group exceeds the capacity."""
     pieces, row = [], 0
     for i, (t, h, w) in enumerate(grid.tolist()):
-        per_group = h * w // merge ** 2
-        if per_group > capacity_tokens:
-            raise ValueError(f"video {i}: one frame group of {h}x{w} patches is {per_group} tokens, more than this "
-                             f"model's capacity of {capacity_tokens} per forward pass; preprocess it with a lower "
-                             "max_image_tokens or build the model with a larger capacity_tokens")
+        per_group = check_frame_group(f"video {i}", h, w, merge, capacity_tokens)
         step = capacity_tokens // per_group
         for g in range(0, t, step):
             k = min(step, t - g)

@@ -46,6 +46,11 @@ def _value_table() -> np.ndarray:
 _TABLE = _value_table()
 
 
+def value_table() -> np.ndarray:
+    """A copy of the float32 [3, 256] uint8 -> normalised-value table of video frames (the GPU's staging reads it)."""
+    return _TABLE.copy()
+
+
 def _positive_number(name: str, v, where: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v) \
             or v <= 0:
@@ -148,13 +153,13 @@ def normalise_patchify(frames_u8: np.ndarray, patching: Patching = REFERENCE) ->
     return _TABLE[np.arange(c)[None, :, None], rows].reshape(gt * gh * gw, c * T * P * P)
 
 
-def prepare_video(video, index: int = 0, *, fps=None, sample: bool = True, duration=None,
-                  target_fps: float = TARGET_FPS, max_frames: int = MAX_FRAMES, max_duration: float = 0,
-                  min_image_tokens: int = MIN_VIDEO_TOKENS, max_image_tokens: int = MAX_VIDEO_TOKENS,
-                  patching: Patching = REFERENCE, name: str | None = None):
-    """One video -> (patches [t*h*w, patch_dim] float32, (t, h, w), info dict). info: "source", "frames_indices"
-    (the frames used, as indices into the given ones), "timestamps" (seconds, index / fps; None without fps),
-    "size", "canvas", "content", "grid", "tokens" (t*h*w / merge^2), "frame_tokens" (h*w / merge^2)."""
+def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration=None,
+               target_fps: float = TARGET_FPS, max_frames: int = MAX_FRAMES, max_duration: float = 0,
+               min_image_tokens: int = MIN_VIDEO_TOKENS, max_image_tokens: int = MAX_VIDEO_TOKENS,
+               patching: Patching = REFERENCE, name: str | None = None):
+    """One video's checks, frame sampling and canvas, without its pixels -> (frames uint8 [n, H, W, 3], the
+    sampled ones; grid (t, h, w); info as prepare_video's). video_canvases (host) or frame_groups (for the
+    GPU) make its pixels."""
     name = f"video {index}" if name is None else name
     check_patching(patching)
     try:
@@ -183,10 +188,23 @@ def prepare_video(video, index: int = 0, *, fps=None, sample: bool = True, durat
                               factor=factor, temporal_factor=T, num_frames=n)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
-    ch, cw = content_size(height, width, canvas, min_image_tokens=min_image_tokens, factor=factor,
-                          temporal_factor=T, num_frames=n)
-    groups = -(-n // T)
-    out = np.zeros((groups * T, canvas[0], canvas[1], 3), dtype=np.uint8)
+    content = content_size(height, width, canvas, min_image_tokens=min_image_tokens, factor=factor,
+                           temporal_factor=T, num_frames=n)
+    grid = (-(-n // T), canvas[0] // patching.patch_size, canvas[1] // patching.patch_size)
+    frame_tokens = grid[1] * grid[2] // patching.merge_size ** 2
+    info = {"source": name, "frames_indices": picked.tolist(),
+            "timestamps": None if fps is None else [int(i) / fps for i in picked],
+            "size": (height, width), "canvas": canvas, "content": content, "grid": grid,
+            "tokens": grid[0] * frame_tokens, "frame_tokens": frame_tokens}
+    return frames, grid, info
+
+
+def video_canvases(frames: np.ndarray, grid, info: dict, temporal: int) -> np.ndarray:
+    """A planned video's frames resized on the host (ATen's bytes) and zero padded to its canvas, the last
+    frame repeated to whole temporal groups: uint8 [t * temporal, canvas h, canvas w, 3]."""
+    n, height, width = frames.shape[:3]
+    (ch, cw), canvas = info["content"], info["canvas"]
+    out = np.zeros((grid[0] * temporal, canvas[0], canvas[1], 3), dtype=np.uint8)
     if (ch, cw) == (height, width):
         out[:n, :ch, :cw] = frames
     else:
@@ -196,13 +214,36 @@ def prepare_video(video, index: int = 0, *, fps=None, sample: bool = True, durat
         with ThreadPoolExecutor(min(n, os.cpu_count() or 1, 16)) as pool:  # NumPy's loops let go of the GIL
             list(pool.map(one, range(n)))
     out[n:] = out[n - 1]  # the last frame repeated to a whole temporal group
-    grid = (groups, canvas[0] // patching.patch_size, canvas[1] // patching.patch_size)
-    frame_tokens = grid[1] * grid[2] // patching.merge_size ** 2
-    info = {"source": name, "frames_indices": picked.tolist(),
-            "timestamps": None if fps is None else [int(i) / fps for i in picked],
-            "size": (height, width), "canvas": canvas, "content": (ch, cw), "grid": grid,
-            "tokens": groups * frame_tokens, "frame_tokens": frame_tokens}
-    return normalise_patchify(out, patching), grid, info
+    return out
+
+
+def frame_groups(frames: np.ndarray, grid, info: dict, temporal: int) -> list:
+    """A planned video as the GPU stages it: one (uint8 [temporal, H, W, 3] frames, (1, h, w), item info)
+    per temporal group, the source frames unresized (the last repeated to a whole group), item info with
+    the "content" size to resize them to and the group's "tokens". Each group is an image of its own to
+    the tower, so encoding the groups and joining their outputs gives the video's."""
+    n = len(frames)
+    items = []
+    for g in range(grid[0]):
+        lo, hi = g * temporal, (g + 1) * temporal
+        group = frames[lo:hi] if hi <= n else frames[np.minimum(np.arange(lo, hi), n - 1)]
+        items.append((group, (1, grid[1], grid[2]), {"source": f"{info['source']} frames {lo}..{hi - 1}",
+                                                     "content": info["content"], "tokens": info["frame_tokens"]}))
+    return items
+
+
+def prepare_video(video, index: int = 0, *, fps=None, sample: bool = True, duration=None,
+                  target_fps: float = TARGET_FPS, max_frames: int = MAX_FRAMES, max_duration: float = 0,
+                  min_image_tokens: int = MIN_VIDEO_TOKENS, max_image_tokens: int = MAX_VIDEO_TOKENS,
+                  patching: Patching = REFERENCE, name: str | None = None):
+    """One video -> (patches [t*h*w, patch_dim] float32, (t, h, w), info dict). info: "source", "frames_indices"
+    (the frames used, as indices into the given ones), "timestamps" (seconds, index / fps; None without fps),
+    "size", "canvas", "content", "grid", "tokens" (t*h*w / merge^2), "frame_tokens" (h*w / merge^2)."""
+    frames, grid, info = plan_video(video, index, fps=fps, sample=sample, duration=duration, target_fps=target_fps,
+                                    max_frames=max_frames, max_duration=max_duration,
+                                    min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens,
+                                    patching=patching, name=name)
+    return normalise_patchify(video_canvases(frames, grid, info, patching.temporal_patch_size), patching), grid, info
 
 
 def _as_list(videos) -> list:
@@ -215,16 +256,11 @@ def _as_list(videos) -> list:
     return [videos]
 
 
-def preprocess_video(videos, *, fps=None, sample: bool = True, duration=None, target_fps: float = TARGET_FPS,
-                     max_frames: int = MAX_FRAMES, max_duration: float = 0,
-                     min_image_tokens: int = MIN_VIDEO_TOKENS, max_image_tokens: int = MAX_VIDEO_TOKENS,
-                     patching: Patching = REFERENCE) -> tuple[np.ndarray, np.ndarray, list[dict]]:
-    """Videos -> (pixel_values_videos float32 [N, patch_dim], video_grid_thw int64 [n, 3], one info dict each),
-    as the reference video processor with these settings (its names: fps is the source's, target_fps its
-    `fps`, min/max_image_tokens a video's total). `videos`: one video (uint8 [T, H, W, 3] array or list of
-    frames) or a list of them; fps and duration: one value for all or a list with one per video. With
-    sample=False every frame given is used (the reference's do_sample_frames=False). info["timestamps"]
-    are what a prompt needs (the reference labels each temporal group by its first frame's)."""
+def plan_videos(videos, *, fps=None, sample: bool = True, duration=None, target_fps: float = TARGET_FPS,
+                max_frames: int = MAX_FRAMES, max_duration: float = 0, min_image_tokens: int = MIN_VIDEO_TOKENS,
+                max_image_tokens: int = MAX_VIDEO_TOKENS, patching: Patching = REFERENCE) -> list[tuple]:
+    """plan_video for each of `videos` (as preprocess_video takes them), every video checked before any
+    pixel is made: one (frames, grid, info) each."""
     videos = _as_list(videos)
     n = len(videos)
 
@@ -236,13 +272,29 @@ def preprocess_video(videos, *, fps=None, sample: bool = True, duration=None, ta
         return [v] * n
 
     fpss, durations = per_video("fps", fps), per_video("duration", duration)
-    rows, grids, infos = [], [], []
-    for i, video in enumerate(videos):
-        patches, grid, info = prepare_video(video, i, fps=fpss[i], sample=sample, duration=durations[i],
-                                            target_fps=target_fps, max_frames=max_frames, max_duration=max_duration,
-                                            min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens,
-                                            patching=patching)
-        rows.append(patches)
-        grids.append(grid)
-        infos.append(info)
-    return np.concatenate(rows, axis=0), np.array(grids, dtype=np.int64), infos
+    return [plan_video(video, i, fps=fpss[i], sample=sample, duration=durations[i], target_fps=target_fps,
+                       max_frames=max_frames, max_duration=max_duration, min_image_tokens=min_image_tokens,
+                       max_image_tokens=max_image_tokens, patching=patching) for i, video in enumerate(videos)]
+
+
+def preprocess_video(videos, *, fps=None, sample: bool = True, duration=None, target_fps: float = TARGET_FPS,
+                     max_frames: int = MAX_FRAMES, max_duration: float = 0,
+                     min_image_tokens: int = MIN_VIDEO_TOKENS, max_image_tokens: int = MAX_VIDEO_TOKENS,
+                     patching: Patching = REFERENCE) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+    """Videos -> (pixel_values_videos float32 [N, patch_dim], video_grid_thw int64 [n, 3], one info dict each),
+    as the reference video processor with these settings (its names: fps is the source's, target_fps its
+    `fps`, min/max_image_tokens a video's total). `videos`: one video (uint8 [T, H, W, 3] array or list of
+    frames) or a list of them; fps and duration: one value for all or a list with one per video. With
+    sample=False every frame given is used (the reference's do_sample_frames=False). info["timestamps"]
+    are what a prompt needs (the reference labels each temporal group by its first frame's)."""
+    plans = plan_videos(videos, fps=fps, sample=sample, duration=duration, target_fps=target_fps,
+                        max_frames=max_frames, max_duration=max_duration, min_image_tokens=min_image_tokens,
+                        max_image_tokens=max_image_tokens, patching=patching)
+    return (*video_pixels(plans, patching), [i for _, _, i in plans])
+
+
+def video_pixels(plans: list, patching: Patching = REFERENCE) -> tuple[np.ndarray, np.ndarray]:
+    """plan_videos' plans -> (pixel_values_videos float32, video_grid_thw int64), made on the host."""
+    T = patching.temporal_patch_size
+    rows = [normalise_patchify(video_canvases(frames, grid, info, T), patching) for frames, grid, info in plans]
+    return np.concatenate(rows, axis=0), np.array([g for _, g, _ in plans], dtype=np.int64)

@@ -20,6 +20,8 @@ from .. import batching, gpu
 from ..checkpoint import TowerBinding, bind_tower
 from ..config import VisionGeometry
 from ..preprocess import Patching, value_table
+from ..video import frame_groups, plan_videos, video_pixels
+from ..video import value_table as video_value_table
 from . import arena, fused, gemm_tune, layers, params
 from .attention import check_variant, default_variants, score_bound_log2, value_bound_log2
 from .budgets import full_pass_budgets
@@ -108,7 +110,8 @@ class GlmVit:
             # Per GEMM shape: its fastest cublasLt algorithm with cuBLAS's default bits (report: gemm_tune).
             self.gemm_tuning = gemm_tune.tune(self.executor.blas, layers.gemm_shapes(
                 g, self.capacity_patches, self.fused_swiglu)) if tune_gemms else []
-            self.stager = Stager(self.value_table, g.temporal_patch_size, g.patch_size, g.spatial_merge_size)
+            self.stager = Stager(self.value_table, g.temporal_patch_size, g.patch_size, g.spatial_merge_size,
+                                 cupy.asarray(video_value_table()))
             self.uploads = Uploader(self.device)  # prepare threads put decoded images on this GPU through it
             self.device.synchronize()
         self._arena = None
@@ -203,16 +206,32 @@ class GlmVit:
                 row += p.tokens
         return [o[0] if len(o) == 1 else cupy.concatenate(o) for o in outs]
 
-    def encode_video(self, videos, *, fps=None, sample: bool = True, **settings) -> list[cupy.ndarray]:
+    def encode_video(self, videos, *, fps=None, sample: bool = True, resize: str = "gpu",
+                     **settings) -> list[cupy.ndarray]:
         """Decoded videos (uint8 [T, H, W, 3] arrays or lists of frames; one or a list) -> one bf16
-        [tokens_i, out_hidden_size] per video, preprocessed on the host exactly as the reference video
-        processor (glmvit_cupy.video.preprocess_video, whose settings `settings` passes on; its info, with the
-        frames' timestamps, comes from calling it and then encode_video_pixels)."""
-        from ..video import preprocess_video
+        [tokens_i, out_hidden_size] per video, preprocessed exactly as the reference video processor
+        (glmvit_cupy.video.preprocess_video, whose settings `settings` passes on; its info, with the frames'
+        timestamps, from video.plan_videos). resize "gpu" (default): the sampled frames are uploaded as they
+        are and resized, padded and normalised on the GPU, bit for bit as the host; "host": on the host."""
+        planned = plan_videos(videos, fps=fps, sample=sample, patching=Patching.of(self.geometry), **settings)
+        return self.encode_planned_videos(planned, resize)
 
-        pixels, grid, _ = preprocess_video(videos, fps=fps, sample=sample, patching=Patching.of(self.geometry),
-                                           **settings)
-        return self.encode_video_pixels(pixels, grid)
+    def encode_planned_videos(self, planned: list, resize: str = "gpu") -> list[cupy.ndarray]:
+        """video.plan_videos' (frames, grid, info) per video -> one bf16 output per video (resize: as
+        encode_video's). Every video's frame group is checked against the capacity before any is encoded."""
+        if resize not in ("gpu", "host"):
+            raise ValueError(f"resize={resize!r}: 'gpu' (frames resized on the GPU) or 'host' expected")
+        g = self.geometry
+        batching.check_planned_videos(planned, g.spatial_merge_size, self.capacity_tokens)
+        if resize == "host":
+            return self.encode_video_pixels(*video_pixels(planned, Patching.of(g)))
+        outs = iter(self.encode_prepared([item for frames, grid, info in planned
+                                          for item in frame_groups(frames, grid, info, g.temporal_patch_size)]))
+        joined = []
+        for _, grid, _ in planned:  # a video's groups are consecutive outputs
+            parts = [next(outs) for _ in range(grid[0])]
+            joined.append(parts[0] if len(parts) == 1 else cupy.concatenate(parts))
+        return joined
 
     def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None,
                max_pixels: int | None = None, resize: str = "gpu", decode: str = "cpu",

@@ -160,46 +160,60 @@ def cast_pixels(cast, rows, x, out):
 
 # -- cuda/pixels.cu --------------------------------------------------------------------------------
 
-def _check_canvas(h, w, patch, merge, out, temporal):
-    """The patchify kernels' shapes: a canvas of whole merge x merge blocks of patches, out one row a patch."""
+def _check_canvas(h, w, patch, merge, out, temporal, slot):
+    """The patchify kernels' shapes: a canvas of whole merge x merge blocks of patches, out one row a patch,
+    slot -1 or a frame of the row."""
     rows, width = (h // patch) * (w // patch), 3 * temporal * patch * patch
     if h % (patch * merge) or w % (patch * merge) or out.shape != (rows, width) or not out.flags.c_contiguous:
         raise ValueError(f"patchify: a {h}x{w} canvas in {patch}-pixel patches merged {merge}x{merge} fills a "
                          f"contiguous [{rows}, {width}] output; got {list(out.shape)}")
+    if not -1 <= slot < temporal:
+        raise ValueError(f"patchify: slot {slot} is not -1 (every frame) or a frame 0..{temporal - 1} of a row")
 
 
-def patchify(canvas, value_table, out, temporal, patch, merge):
+def patchify(canvas, value_table, out, temporal, patch, merge, slot=-1):
     """uint8 canvas [H, W, 3] -> out bf16 [H/patch * W/patch, 3 * temporal * patch^2], normalised by
-    the table [3, 256] and laid out as the reference's pixel_values (merge x merge blocks)."""
+    the table [3, 256] and laid out as the reference's pixel_values (merge x merge blocks); slot -1: the
+    image in every frame of a row, slot t: frame t of a video's temporal group only."""
     h, w = canvas.shape[:2]
-    _check_canvas(h, w, patch, merge, out, temporal)
+    _check_canvas(h, w, patch, merge, out, temporal, slot)
     launch("patchify", 0, lambda: kernel("pixels", "patchify_u8")(
         grid_1d((h // patch) * (w // patch) * 3 * patch * patch), (THREADS,),
-        (canvas, value_table, out, np.int32(h), np.int32(w), np.int32(temporal), np.int32(patch), np.int32(merge))))
+        (canvas, value_table, out, np.int32(h), np.int32(w), np.int32(temporal), np.int32(patch), np.int32(merge),
+         np.int32(slot))))
 
 
-def resample_pass(src, tables, dst, along):
-    """One pass of Pillow's 8-bit BICUBIC: src uint8 [rows_in, W_in, 3] -> dst uint8 [rows, cols, 3] along
-    columns (along 1) or rows (along 0); tables = (first, count, weights) device int32 from resample.axis."""
-    first, count, weights = tables
+def _taps(tables, precision):
+    """(first, count, weights) device int32 tables of a resample.Axis and its fractional bits -> the kernels'
+    (first, count, weights, taps, precision) arguments (null tables: none)."""
+    if not 1 <= precision <= 22:
+        raise ValueError(f"resample: weights with {precision} fractional bits; Pillow's and ATen's have 1..22")
+    first, count, weights = tables if tables is not None else (None, None, None)
+    return (ptr_or_null(first), ptr_or_null(count), ptr_or_null(weights),
+            np.int32(0 if weights is None else weights.shape[1]), np.int32(precision))
+
+
+def resample_pass(src, tables, dst, along, precision=22):
+    """One 8-bit BICUBIC pass: src uint8 [rows_in, W_in, 3] -> dst uint8 [rows, cols, 3] along columns (along
+    1) or rows (along 0); tables = (first, count, weights) device int32 from resample.axis (Pillow's, 22
+    fractional bits) or resample.aten_axis (ATen's: `precision` is its Axis's)."""
     rows, cols = dst.shape[:2]
     launch("resample pass", 0, lambda: kernel("pixels", "resample_pass_u8")(
-        grid_1d(dst.size), (THREADS,), (src, dst, first, count, weights, np.int32(weights.shape[1]),
-                                        np.int32(along), np.int32(src.shape[1]), np.int32(rows), np.int32(cols))))
+        grid_1d(dst.size), (THREADS,), (src, dst, *_taps(tables, precision), np.int32(along),
+                                        np.int32(src.shape[1]), np.int32(rows), np.int32(cols))))
 
 
-def resample_patchify(src, tables, along, content, value_table, out, canvas, temporal, patch, merge):
+def resample_patchify(src, tables, along, content, value_table, out, canvas, temporal, patch, merge, precision=22,
+                      slot=-1):
     """The last resize pass (along 0 / 1; -1: src is already the content) fused with the zero pad to the
-    canvas (H, W), the normalise and the patchify: out as patchify's for that canvas."""
-    first, count, weights = tables if tables is not None else (None, None, None)
+    canvas (H, W), the normalise and the patchify: out as patchify's for that canvas (slot too)."""
     h, w = canvas
-    _check_canvas(h, w, patch, merge, out, temporal)
+    _check_canvas(h, w, patch, merge, out, temporal, slot)
     launch("resample + patchify", 0, lambda: kernel("pixels", "resample_patchify_u8")(
         grid_1d((h // patch) * (w // patch) * 3 * patch * patch), (THREADS,),
-        (src, ptr_or_null(first), ptr_or_null(count), ptr_or_null(weights),
-         np.int32(0 if weights is None else weights.shape[1]), np.int32(along), np.int32(src.shape[1]),
-         np.int32(content[0]), np.int32(content[1]), value_table, out, np.int32(h), np.int32(w), np.int32(temporal),
-         np.int32(patch), np.int32(merge))))
+        (src, *_taps(tables, precision), np.int32(along), np.int32(src.shape[1]), np.int32(content[0]),
+         np.int32(content[1]), value_table, out, np.int32(h), np.int32(w), np.int32(temporal), np.int32(patch),
+         np.int32(merge), np.int32(slot))))
 
 
 # -- cuda/attention_sm90.cu, attention_sm80.cu -----------------------------------------------------

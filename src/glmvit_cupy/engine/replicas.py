@@ -87,11 +87,7 @@ class Replicas:
                                                 resize=resize, decode=decode, workers=workers))
         groups = batching.spread([info["tokens"] for _, _, info in prepared], len(self))
         outs = self.map(lambda m, g: m.encode_prepared([prepared[i] for i in g]), groups)
-        results = [None] * len(prepared)
-        for g, o in zip(groups, outs):
-            for i, emb in zip(g, o):
-                results[i] = emb
-        return results
+        return _in_order(groups, outs, len(prepared))
 
     def _spread_rows(self, pixel_values, grid):
         """(row starts, image groups, one (rows, grid) or None per replica): whole images spread by patches,
@@ -112,13 +108,17 @@ class Replicas:
             video_grid_thw, cupy.ndarray) else video_grid_thw)
         _, groups, work = self._spread_rows(pixel_values_videos, grid)
         outs = self.map(lambda m, b: [] if b is None else m.encode_video_pixels(*b), work)
-        results = [None] * len(grid)
-        for g, o in zip(groups, outs):
-            for i, emb in zip(g, o):
-                results[i] = emb
-        return results
+        return _in_order(groups, outs, len(grid))
 
-    encode_video = GlmVit.encode_video  # preprocess_video, then this class's encode_video_pixels
+    encode_video = GlmVit.encode_video  # plan_videos, then this class's encode_planned_videos
+
+    def encode_planned_videos(self, planned: list, resize: str = "gpu") -> list:
+        """As GlmVit.encode_planned_videos; whole videos spread over the replicas by tokens, each embedding on
+        the GPU that computed it. Every video is checked before any replica starts."""
+        batching.check_planned_videos(planned, self.geometry.spatial_merge_size, self.capacity_tokens)
+        groups = batching.spread([info["tokens"] for _, _, info in planned], len(self))
+        outs = self.map(lambda m, g: m.encode_planned_videos([planned[i] for i in g], resize), groups)
+        return _in_order(groups, outs, len(planned))
 
     def encode_pixels(self, pixel_values, grid_thw):
         """A batch of images split across the replicas by patches; the output, in order, on devices[0]."""
@@ -146,3 +146,12 @@ class Replicas:
                         result[tok_start[i]:tok_start[i] + t] = part
                     row += t
         return result
+
+
+def _in_order(groups: list, outs: list, n: int) -> list:
+    """The outputs of index groups (batching.spread's), one list per group, back in index order."""
+    results = [None] * n
+    for g, o in zip(groups, outs):
+        for i, emb in zip(g, o):
+            results[i] = emb
+    return results

@@ -1,6 +1,8 @@
 """Inputs into the arena's pixel rows, on the model's stream and outside any CUDA graph (they differ per
-call): HF-layout pixel_values (float32 rows the forward casts, or bf16 rows), or prepared images whose
-resize, pad, normalise and patchify run on the GPU (bf16 rows).
+call): HF-layout pixel_values (float32 rows the forward casts, or bf16 rows), or prepared images and
+video frame groups whose resize, pad, normalise and patchify run on the GPU (bf16 rows): images as the
+image processor (Pillow's resize, its value table), frames as the video processor (ATen's resize, its
+table), each frame of a group into its own slot of the rows.
 
 An image travels once over PCIe, as uint8 bytes (4 a pixel, as Pillow decodes them; the GPU drops the
 fourth). With one GPU the prepare threads upload their images themselves (uploads.py): this thread only
@@ -31,8 +33,9 @@ def _round(n: int) -> int:
 class Stager:
     """Prepared images -> bf16 pixel rows. Device scratch for the raw images grows to the largest seen."""
 
-    def __init__(self, value_table, temporal: int, patch: int, merge: int):
+    def __init__(self, value_table, temporal: int, patch: int, merge: int, video_table=None):
         self.value_table, self.temporal, self.patch, self.merge = value_table, temporal, patch, merge
+        self.video_table = video_table  # [3, 256] float32 of the video processor (None: no videos)
         self.pinned = HOST
         self._buffers: dict = {}
 
@@ -46,15 +49,18 @@ class Stager:
 
     def images(self, items, pixels) -> None:
         """(uint8 image, grid, info) items -> pixels rows, in order. The image is the canvas (host resize: its
-        shape is the grid's, times the patch) or the decoded image to resize to info["content"] and pad.
-        An image is a host array or Uploaded (on this device)."""
+        shape is the grid's, times the patch) or the decoded image to resize to info["content"] and pad; or a
+        video's frame group, uint8 [temporal, H, W, 3] (video.frame_groups). An image is a host array or
+        Uploaded (on this device)."""
         row, uploaded = 0, []
         try:
             for image, grid, info in items:
                 canvas = (int(grid[1]) * self.patch, int(grid[2]) * self.patch)
                 rows = int(grid[1]) * int(grid[2])
-                if tuple(image.shape[:2]) != canvas and "content" not in info:
-                    raise ValueError(f"{info.get('source', 'an image')}: a decoded {image.shape[0]}x{image.shape[1]} "
+                frames = len(image.shape) == 4
+                size = tuple(image.shape[1:3] if frames else image.shape[:2])
+                if size != canvas and "content" not in info:
+                    raise ValueError(f"{info.get('source', 'an image')}: a decoded {size[0]}x{size[1]} "
                                      f"image for a {canvas[0]}x{canvas[1]} canvas needs info['content'], the size to "
                                      "resize it to (prepare_canvas gives it)")
                 if isinstance(image, Uploaded):
@@ -62,13 +68,27 @@ class Stager:
                         raise ValueError(f"{info.get('source', 'an image')}: uploaded to GPU {image.device}, staged "
                                          f"on GPU {cupy.cuda.Device().id}; prepare it for the model that encodes it")
                     uploaded.append(image)
-                self._one(image, canvas, tuple(info.get("content", canvas)), pixels[row:row + rows])
+                content, out = tuple(info.get("content", canvas)), pixels[row:row + rows]
+                if frames:
+                    self._frames(image, grid, info, canvas, content, out)
+                else:
+                    self._one(image, canvas, content, out)
                 row += rows
         finally:  # an uploaded block is reused once what this stream queued reading it has run
             if uploaded:
                 done = cupy.cuda.get_current_stream().record()
                 for image in uploaded:
                     image.block.event = done
+
+    def _frames(self, frames, grid, info, canvas, content, out) -> None:
+        where = info.get("source", "a video")
+        if self.video_table is None:
+            raise ValueError(f"{where}: this Stager was made without the video processor's value table")
+        if int(grid[0]) != 1 or frames.shape[0] != self.temporal or frames.shape[3] != 3 or frames.dtype != np.uint8:
+            raise ValueError(f"{where}: a frame group is uint8 [{self.temporal}, H, W, 3] with grid (1, h, w); got "
+                             f"{frames.dtype} {list(frames.shape)} with grid {tuple(int(g) for g in grid)}")
+        for t in range(self.temporal):
+            self._one(frames[t], canvas, content, out, slot=t)
 
     def _upload(self, image) -> cupy.ndarray:
         """An image (host uint8 [H, W, 3], or Uploaded) -> [H, W, 3] on this device, in order on the current
@@ -114,32 +134,35 @@ class Stager:
         self.pinned.upload(host, dev.data.ptr)
         return [dev[o:o + t.nbytes].view(cupy.int32).reshape(t.shape) for o, t in zip(offsets, tables)]
 
-    def _one(self, image, canvas, content, out) -> None:
+    def _one(self, image, canvas, content, out, slot: int = -1) -> None:
+        """An image into out's rows (slot -1: every frame of a row), or frame `slot` of a video's group."""
         h, w = image.shape[:2]
         src = self._upload(image)
+        table = self.value_table if slot < 0 else self.video_table
+        args = (self.temporal, self.patch, self.merge)
         if (h, w) == canvas:
-            patchify(src, self.value_table, out, self.temporal, self.patch, self.merge)
+            patchify(src, table, out, *args, slot=slot)
             return
-        p = resample.plan(h, w, *content)
+        p = resample.plan(h, w, *content) if slot < 0 else resample.aten_plan(h, w, *content)
         views = self._tables(p)
         horizontal = tuple(views[:3]) if p.horizontal is not None else None
         vertical = tuple(views[-3:]) if p.vertical is not None else None
         if p.vertical_first:  # vertical over every column, then horizontal fused with the patchify
             tmp = self._scratch("between", (content[0], w, 3))
-            resample_pass(src, vertical, tmp, 0)
-            last, tab, along = tmp, horizontal, 1
+            resample_pass(src, vertical, tmp, 0, p.vertical.precision)
+            last, tab, ax, along = tmp, horizontal, p.horizontal, 1
         elif horizontal is not None and vertical is not None:  # horizontal over the rows the vertical reads
             tmp = self._scratch("between", (p.rows, content[1], 3))
-            resample_pass(src[p.row0:p.row0 + p.rows], horizontal, tmp, 1)
-            last, tab, along = tmp, vertical, 0
+            resample_pass(src[p.row0:p.row0 + p.rows], horizontal, tmp, 1, p.horizontal.precision)
+            last, tab, ax, along = tmp, vertical, p.vertical, 0
         elif horizontal is not None:
-            last, tab, along = src, horizontal, 1
+            last, tab, ax, along = src, horizontal, p.horizontal, 1
         elif vertical is not None:
-            last, tab, along = src, vertical, 0
+            last, tab, ax, along = src, vertical, p.vertical, 0
         else:
-            last, tab, along = src, None, -1
-        resample_patchify(last, tab, along, content, self.value_table, out, canvas, self.temporal, self.patch,
-                          self.merge)
+            last, tab, ax, along = src, None, None, -1
+        resample_patchify(last, tab, along, content, table, out, canvas, *args,
+                          precision=resample.PRECISION_BITS if ax is None else ax.precision, slot=slot)
 
 
 def stage_pixels(pixels_f32, pixels, pixel_values) -> bool:

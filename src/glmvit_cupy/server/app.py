@@ -46,7 +46,7 @@ from .. import vllm_ec
 from ..errors import ImageError
 from ..images import load
 from ..preprocess import prepare_canvas
-from ..video import prepare_video
+from ..video import plan_video
 from .batcher import Batcher, QueueFull
 from .cache import EmbeddingCache
 from .metrics import Metrics
@@ -201,8 +201,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         return Response(save(out, metadata={"images": json.dumps(meta)}), media_type="application/octet-stream")
 
     async def _encode_video(request):
-        """Frames decoded and videos preprocessed on the pool; their passes run as one task on a lane's thread,
-        between image passes (the engine is one thread's). No cache: a video's frames are its key."""
+        """Frames decoded and videos sampled on the pool; their resize (on the GPU where images are) and passes
+        run as one task on a lane's thread, between image passes (the engine is one thread's). No cache: a
+        video's frames are its key."""
         videos, common = parse_videos(await json_body(request))
         for i, v in enumerate(videos):
             for j, text in enumerate(v["frames"]):
@@ -230,10 +231,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 raise Refused(422, f"video {i}: a group of {patching.temporal_patch_size} frames is "
                                    f"{got[2]['frame_tokens']} tokens, over the server's capacity of "
                                    f"{settings.capacity_tokens} tokens per pass; lower max_image_tokens", i)
-        pixels = np.concatenate([p for p, _, _ in done])
-        grid = np.array([g for _, g, _ in done], dtype=np.int64)
         try:
-            future = state["batcher"].submit_task(lambda lane: backend.encode_video_on(lane, pixels, grid))
+            future = state["batcher"].submit_task(lambda lane: backend.encode_video_on(lane, done))
         except QueueFull as e:
             raise Refused(429 if state["status"] == "ok" else 503, str(e)) from None
         embs = await future
@@ -268,10 +267,8 @@ def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels, resize: str,
 
 
 def _prepare_video(video: dict, index: int, common: dict, max_pixels, patching):
-    """One request video -> (rows, grid, info): its frames decoded as images are (a frame that cannot be is
-    an ImageError naming it), then preprocess_video's steps."""
-    import numpy as np
-
+    """One request video -> video.plan_video's (frames, grid, info): its frames decoded as images are (a frame
+    that cannot be is an ImageError naming it), sampled and checked; the backend makes their pixels."""
     frames = [np.asarray(load(io.BytesIO(d), f"video {index} frame {j}", max_pixels))
               for j, d in enumerate(video["frames"])]
-    return prepare_video(frames, index, fps=video["fps"], duration=video["duration"], patching=patching, **common)
+    return plan_video(frames, index, fps=video["fps"], duration=video["duration"], patching=patching, **common)
