@@ -157,9 +157,9 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
                target_fps: float = TARGET_FPS, max_frames: int = MAX_FRAMES, max_duration: float = 0,
                min_image_tokens: int = MIN_VIDEO_TOKENS, max_image_tokens: int = MAX_VIDEO_TOKENS,
                patching: Patching = REFERENCE, name: str | None = None):
-    """One video's checks, frame sampling and canvas, without its pixels -> (frames uint8 [n, H, W, 3], the
-    sampled ones; grid (t, h, w); info as prepare_video's). video_canvases (host) or frame_groups (for the
-    GPU) make its pixels."""
+    """One video's checks, frame sampling and canvas, without its pixels -> (frames: the n sampled frames, a
+    list of HxWx3 uint8 views of the given ones, nothing copied; grid (t, h, w); info as prepare_video's).
+    video_canvases (host) or frame_groups (for the GPU) make its pixels."""
     name = f"video {index}" if name is None else name
     check_patching(patching)
     try:
@@ -178,10 +178,9 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
                                    max_frames=max_frames, max_duration=max_duration)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
-        frames = frames[picked]
     else:
         picked = np.arange(len(frames), dtype=np.int64)
-    n, height, width = frames.shape[:3]
+    n, height, width = len(picked), frames.shape[1], frames.shape[2]
     factor, T = patching.factor, patching.temporal_patch_size
     try:
         canvas = smart_resize(height, width, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens,
@@ -196,13 +195,13 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
             "timestamps": None if fps is None else [int(i) / fps for i in picked],
             "size": (height, width), "canvas": canvas, "content": content, "grid": grid,
             "tokens": grid[0] * frame_tokens, "frame_tokens": frame_tokens}
-    return frames, grid, info
+    return [frames[i] for i in picked], grid, info
 
 
-def video_canvases(frames: np.ndarray, grid, info: dict, temporal: int) -> np.ndarray:
+def video_canvases(frames: list, grid, info: dict, temporal: int) -> np.ndarray:
     """A planned video's frames resized on the host (ATen's bytes) and zero padded to its canvas, the last
     frame repeated to whole temporal groups: uint8 [t * temporal, canvas h, canvas w, 3]."""
-    n, height, width = frames.shape[:3]
+    n, (height, width) = len(frames), info["size"]
     (ch, cw), canvas = info["content"], info["canvas"]
     out = np.zeros((grid[0] * temporal, canvas[0], canvas[1], 3), dtype=np.uint8)
     if (ch, cw) == (height, width):
@@ -217,19 +216,24 @@ def video_canvases(frames: np.ndarray, grid, info: dict, temporal: int) -> np.nd
     return out
 
 
-def frame_groups(frames: np.ndarray, grid, info: dict, temporal: int) -> list:
-    """A planned video as the GPU stages it: one (uint8 [temporal, H, W, 3] frames, (1, h, w), item info)
-    per temporal group, the source frames unresized (the last repeated to a whole group), item info with
-    the "content" size to resize them to and the group's "tokens". Each group is an image of its own to
-    the tower, so encoding the groups and joining their outputs gives the video's."""
+def frame_groups(frames: list, grid, info: dict, temporal: int) -> list:
+    """A planned video as the GPU stages it: one (FrameGroup, (1, h, w), item info) per temporal group, the
+    sampled frames unresized (the last repeated to a whole group), item info with the "content" size to
+    resize them to and the group's "tokens". Each group is an image of its own to the tower, so encoding
+    the groups and joining their outputs gives the video's."""
     n = len(frames)
-    items = []
-    for g in range(grid[0]):
-        lo, hi = g * temporal, (g + 1) * temporal
-        group = frames[lo:hi] if hi <= n else frames[np.minimum(np.arange(lo, hi), n - 1)]
-        items.append((group, (1, grid[1], grid[2]), {"source": f"{info['source']} frames {lo}..{hi - 1}",
-                                                     "content": info["content"], "tokens": info["frame_tokens"]}))
-    return items
+    return [(FrameGroup([frames[min(j, n - 1)] for j in range(lo, lo + temporal)]), (1, grid[1], grid[2]),
+             {"source": f"{info['source']} frames {lo}..{lo + temporal - 1}", "content": info["content"],
+              "tokens": info["frame_tokens"]}) for lo in range(0, grid[0] * temporal, temporal)]
+
+
+class FrameGroup(list):
+    """One temporal group's frames, HxWx3 uint8 arrays (views, not copies), staged into one row's frame
+    slots; `shape` is the [frames, H, W, 3] they would stack to."""
+
+    @property
+    def shape(self) -> tuple:
+        return (len(self), *self[0].shape) if self else (0,)
 
 
 def prepare_video(video, index: int = 0, *, fps=None, sample: bool = True, duration=None,

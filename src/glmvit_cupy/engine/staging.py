@@ -38,6 +38,7 @@ class Stager:
         self.video_table = video_table  # [3, 256] float32 of the video processor (None: no videos)
         self.pinned = HOST
         self._buffers: dict = {}
+        self._last_tables = (None, [])  # (plan, its device tables in the "tables" scratch)
 
     def _scratch(self, name: str, shape) -> cupy.ndarray:
         """A uint8 device array of this shape in the scratch `name` (grown when too small)."""
@@ -50,7 +51,7 @@ class Stager:
     def images(self, items, pixels) -> None:
         """(uint8 image, grid, info) items -> pixels rows, in order. The image is the canvas (host resize: its
         shape is the grid's, times the patch) or the decoded image to resize to info["content"] and pad; or a
-        video's frame group, uint8 [temporal, H, W, 3] (video.frame_groups). An image is a host array or
+        video's frame group (video.FrameGroup: `temporal` HxWx3 uint8 frames, from video.frame_groups). An image is a host array or
         Uploaded (on this device)."""
         row, uploaded = 0, []
         try:
@@ -84,9 +85,12 @@ class Stager:
         where = info.get("source", "a video")
         if self.video_table is None:
             raise ValueError(f"{where}: this Stager was made without the video processor's value table")
-        if int(grid[0]) != 1 or frames.shape[0] != self.temporal or frames.shape[3] != 3 or frames.dtype != np.uint8:
-            raise ValueError(f"{where}: a frame group is uint8 [{self.temporal}, H, W, 3] with grid (1, h, w); got "
-                             f"{frames.dtype} {list(frames.shape)} with grid {tuple(int(g) for g in grid)}")
+        if int(grid[0]) != 1 or len(frames) != self.temporal or not all(
+                isinstance(f, np.ndarray) and f.dtype == np.uint8 and f.shape == frames[0].shape and f.shape[2:] == (3,)
+                for f in frames):
+            raise ValueError(f"{where}: a frame group is {self.temporal} uint8 HxWx3 frames of one size with grid "
+                             f"(1, h, w); got {[getattr(f, 'shape', type(f).__name__) for f in frames]} with grid "
+                             f"{tuple(int(g) for g in grid)}")
         for t in range(self.temporal):
             self._one(frames[t], canvas, content, out, slot=t)
 
@@ -119,7 +123,10 @@ class Stager:
         return out
 
     def _tables(self, p) -> list[cupy.ndarray]:
-        """A resize plan's int32 tables (first, count, weights per pass), uploaded in one copy."""
+        """A resize plan's int32 tables (first, count, weights per pass), uploaded in one copy; the last plan's
+        are kept (a video's frames share one)."""
+        if self._last_tables[0] is p:
+            return self._last_tables[1]
         tables = [a for ax in (p.horizontal, p.vertical) if ax is not None for a in (ax.first, ax.count, ax.weights)]
         if not tables:
             return []
@@ -132,7 +139,9 @@ class Stager:
             host[off:off + t.nbytes] = t.reshape(-1).view(np.uint8)
         dev = self._scratch("tables", (total,))
         self.pinned.upload(host, dev.data.ptr)
-        return [dev[o:o + t.nbytes].view(cupy.int32).reshape(t.shape) for o, t in zip(offsets, tables)]
+        views = [dev[o:o + t.nbytes].view(cupy.int32).reshape(t.shape) for o, t in zip(offsets, tables)]
+        self._last_tables = (p, views)
+        return views
 
     def _one(self, image, canvas, content, out, slot: int = -1) -> None:
         """An image into out's rows (slot -1: every frame of a row), or frame `slot` of a video's group."""
