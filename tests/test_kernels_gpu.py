@@ -714,6 +714,12 @@ def test_video_frames_on_the_gpu_equal_the_host_bit_for_bit(patching, videos):
     with pytest.raises(ValueError, match=r"video 0 frames 0\.\.\d+: a frame group is \d+ uint8 HxWx3 frames"):
         one = video.frame_groups(*video.plan_video(frames, sample=False, patching=pt), T)[0]
         stager.images([(video.FrameGroup(one[0] + one[0]), one[1], one[2])], poison(want.shape))  # 2T frames
+    with pytest.raises(ValueError, match=f"patchify: slot {T} is not -1 \\(every frame\\) or a frame 0..{T - 1}"):
+        canvas = dev(np.zeros((f, f, 3), np.uint8))
+        ops.patchify(canvas, dev(video.value_table()), poison((pt.merge_size ** 2, 3 * T * pt.patch_size ** 2)), T,
+                     pt.patch_size, pt.merge_size, slot=T)
+    with pytest.raises(ValueError, match="resample: weights with 0 fractional bits"):
+        ops.resample_pass(canvas, None, canvas, 1, precision=0)
     bare = staging.Stager(dev(pre.value_table()), T, pt.patch_size, pt.merge_size)
     with pytest.raises(ValueError, match="without the video processor's value table"):
         bare.images(video.frame_groups(*planned, T), poison(want.shape))

@@ -19,7 +19,7 @@ import numpy as np
 from .. import batching, gpu
 from ..checkpoint import TowerBinding, bind_tower
 from ..config import VisionGeometry
-from ..preprocess import Patching, value_table
+from ..preprocess import Patching, check_resize, value_table
 from ..video import frame_groups, plan_videos, video_pixels
 from ..video import value_table as video_value_table
 from . import arena, fused, gemm_tune, layers, params
@@ -219,9 +219,7 @@ class GlmVit:
     def encode_planned_videos(self, planned: list, resize: str = "gpu") -> list[cupy.ndarray]:
         """video.plan_videos' (frames, grid, info) per video -> one bf16 output per video (resize: as
         encode_video's). Every video's frame group is checked against the capacity before any is encoded."""
-        if resize not in ("gpu", "host"):
-            raise ValueError(f"resize={resize!r}: 'gpu' (frames resized on the GPU) or 'host' expected")
-        g = self.geometry
+        resize, g = check_resize(resize), self.geometry
         batching.check_planned_videos(planned, g.spatial_merge_size, self.capacity_tokens)
         if resize == "host":
             return self.encode_video_pixels(*video_pixels(planned, Patching.of(g)))

@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import batching, gpu
 from ..checkpoint import TowerBinding, bind_tower
+from ..preprocess import check_resize
 from .gemm import BF16
 from .model import GlmVit
 
@@ -115,6 +116,7 @@ class Replicas:
     def encode_planned_videos(self, planned: list, resize: str = "gpu") -> list:
         """As GlmVit.encode_planned_videos; whole videos spread over the replicas by tokens, each embedding on
         the GPU that computed it. Every video is checked before any replica starts."""
+        check_resize(resize)
         batching.check_planned_videos(planned, self.geometry.spatial_merge_size, self.capacity_tokens)
         groups = batching.spread([info["tokens"] for _, _, info in planned], len(self))
         outs = self.map(lambda m, g: m.encode_planned_videos([planned[i] for i in g], resize), groups)

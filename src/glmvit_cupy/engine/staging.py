@@ -51,8 +51,8 @@ class Stager:
     def images(self, items, pixels) -> None:
         """(uint8 image, grid, info) items -> pixels rows, in order. The image is the canvas (host resize: its
         shape is the grid's, times the patch) or the decoded image to resize to info["content"] and pad; or a
-        video's frame group (video.FrameGroup: `temporal` HxWx3 uint8 frames, from video.frame_groups). An image is a host array or
-        Uploaded (on this device)."""
+        video's frame group (video.FrameGroup: `temporal` HxWx3 uint8 frames, from video.frame_groups). An
+        image is a host array or Uploaded (on this device)."""
         row, uploaded = 0, []
         try:
             for image, grid, info in items:
