@@ -481,7 +481,7 @@ def test_videos_bit_equal_to_the_reference_beside_image_requests(server, tower):
     video processor, bit-equal to the reference on preprocess_video's rows, while image requests run."""
     from glmvit_cupy import preprocess_video
 
-    client, _ = server
+    client, ec = server
     before = metric(client, "glmvit_videos_total")
     vids, images, embs, meta, got_images = videos_beside_images(client)
     pv, grid, infos = preprocess_video(vids, fps=[4.0, 2.0], max_image_tokens=200)
@@ -490,15 +490,47 @@ def test_videos_bit_equal_to_the_reference_beside_image_requests(server, tower):
     for emb, r, m, info in zip(embs, ref, meta, infos):
         assert emb.dtype == ml_dtypes.bfloat16 and np.array_equal(emb.view(np.uint16), r.view(np.uint16))
         assert m == {"grid_thw": list(info["grid"]), "tokens": info["tokens"], "frame_tokens": info["frame_tokens"],
-                     "frames_indices": info["frames_indices"], "timestamps": info["timestamps"]}
+                     "frames_indices": info["frames_indices"], "timestamps": info["timestamps"], "cached": False,
+                     "key": m["key"]}
     assert [m["frames_indices"] for m in meta] == [[0, 1, 2, 4], [0, 1, 2, 2]]
     for i in range(2):
         assert np.array_equal(got_images[i].view(np.uint16), reference_bf16(tower, images[i]).view(np.uint16))
     assert metric(client, "glmvit_videos_total") == before + 2
-    every, _ = client.encode_video([list(vids[1])], sample=False, max_image_tokens=200)  # frames as given
+    every, every_meta = client.encode_video([list(vids[1])], sample=False, max_image_tokens=200)  # frames as given
     pv1, grid1, _ = preprocess_video(vids[1], sample=False, max_image_tokens=200)
     want = reference.encode_pixels(tower, pv1, grid1).astype(ml_dtypes.bfloat16)
     assert np.array_equal(every[0].view(np.uint16), want.view(np.uint16))
+    # The same video with other settings is another key; the same request again comes from the cache, the
+    # repeated video of one request is encoded once; every video's embedding is in the vLLM layout.
+    assert every_meta[0]["key"] != meta[1]["key"] and len({m["key"] for m in meta}) == 2
+    hits = metric(client, "glmvit_cache_hits_total")
+    again, again_meta = client.encode_video([vids[1], vids[0], vids[1]], fps=[2.0, 4.0, 2.0], max_image_tokens=200)
+    assert [m["cached"] for m in again_meta] == [True, True, True]
+    assert [m["key"] for m in again_meta] == [meta[1]["key"], meta[0]["key"], meta[1]["key"]]
+    for a, b in zip(again, [embs[1], embs[0], embs[1]]):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    assert metric(client, "glmvit_cache_hits_total") == hits + 3
+    fresh, fresh_meta = client.encode_video([vids[0], vids[0]], fps=3.0, max_image_tokens=200)  # new key, twice
+    assert [m["cached"] for m in fresh_meta] == [False, False] and fresh_meta[0]["key"] == fresh_meta[1]["key"]
+    assert np.array_equal(fresh[0].view(np.uint16), fresh[1].view(np.uint16))
+    from safetensors import safe_open
+
+    for m, e in zip(meta + every_meta + fresh_meta, embs + every + fresh):
+        with safe_open(str(ec / m["key"] / "encoder_cache.safetensors"), "numpy") as f:
+            assert list(f.keys()) == ["ec_cache"] and np.array_equal(f.get_tensor("ec_cache").view(np.uint16),
+                                                                      e.view(np.uint16))
+
+
+def test_a_video_key_covers_its_frames_in_order_and_every_setting():
+    from glmvit_cupy import vllm_ec
+
+    frames, settings = [b"a", b"b"], {"sample": True, "target_fps": 2, "max_image_tokens": 200}
+    key = vllm_ec.video_key_of(frames, 4.0, None, settings)
+    assert key == vllm_ec.video_key_of(list(frames), 4.0, None, dict(reversed(list(settings.items()))))
+    others = [vllm_ec.video_key_of(frames[::-1], 4.0, None, settings), vllm_ec.video_key_of(frames, 2.0, None, settings),
+              vllm_ec.video_key_of(frames, 4.0, 1.0, settings), vllm_ec.video_key_of(frames[:1], 4.0, None, settings),
+              vllm_ec.video_key_of(frames, 4.0, None, {**settings, "max_image_tokens": 100})]
+    assert len({key, *others}) == 6 and all(len(k) == 64 for k in others)
 
 
 def _b64png(a) -> str:

@@ -5,7 +5,7 @@
     # embs: one ml_dtypes.bfloat16 NumPy array [tokens, out_hidden] per image
     # meta: per image {"sha256", "grid_thw", "tokens", "cached"}
     embs, meta = Client().encode_video([["f0.png", "f1.png", ...]], fps=30.0)  # one list of frames a video
-    # meta: per video {"grid_thw", "tokens", "frame_tokens", "frames_indices", "timestamps"}
+    # meta: per video {"key", "grid_thw", "tokens", "frame_tokens", "frames_indices", "timestamps", "cached"}
 """
 
 from __future__ import annotations

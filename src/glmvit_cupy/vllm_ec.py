@@ -2,8 +2,9 @@
 
 vLLM (ECExampleConnector, formerly ECSharedStorageConnector) looks for
 `<shared_storage_path>/<mm_hash>/encoder_cache.safetensors` holding one tensor named "ec_cache",
-[tokens, hidden]; a file that exists is ready. We key by the sha256 hex of the image file's bytes and
-write under a temporary name, then rename, so vLLM never reads half a file. The language-only vLLM is
+[tokens, hidden]; a file that exists is ready. We key an image by the sha256 hex of its file's bytes, a
+video by video_key_of (its frame files and the settings that shape its embedding), and write under a
+temporary name, then rename, so vLLM never reads half a file. The language-only vLLM is
 started with --ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
 "ec_connector_extra_config": {"shared_storage_path": DIR}}' and each request passes that key as the
 image's uuid (README: "Handing embeddings to vLLM").
@@ -12,6 +13,7 @@ image's uuid (README: "Handing embeddings to vLLM").
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import numpy as np
@@ -24,9 +26,18 @@ def key_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def video_key_of(frames: list[bytes], fps, duration, settings: dict) -> str:
+    """A video's key: the sha256 hex of a canonical JSON of its frame files' sha256s, its fps and duration
+    and the preprocess_video settings (sampling, token limits) that decide which frames count and their size.
+    The same frames with other settings give another embedding, so another key."""
+    doc = {"frames": [key_of(f) for f in frames], "fps": fps, "duration": duration,
+           "settings": {k: settings[k] for k in sorted(settings)}}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
 def write(folder: str, key: str, embedding: np.ndarray) -> str:
     """DIR/<key>/encoder_cache.safetensors with the bf16 [tokens, hidden] embedding; returns its path.
-    An existing file for the key is left as it is (the same bytes give the same embedding)."""
+    An existing file for the key is left as it is (the same key gives the same embedding)."""
     from safetensors.numpy import save_file
 
     target = os.path.join(folder, key, FILE)

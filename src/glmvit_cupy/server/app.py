@@ -50,7 +50,7 @@ from ..video import plan_video
 from .batcher import Batcher, QueueFull
 from .cache import EmbeddingCache
 from .metrics import Metrics
-from .requests import Refused, b64decode, parse_images, parse_videos, read_body
+from .requests import Refused, b64decode, decode_frames, parse_images, parse_videos, read_body
 
 
 @dataclass
@@ -202,25 +202,23 @@ def create_app(load_backend, settings: Settings) -> Starlette:
 
     async def _encode_video(request):
         """Frames decoded and videos sampled on the pool; their resize (on the GPU where images are) and passes
-        run as one task on a lane's thread, between image passes (the engine is one thread's). No cache: a
-        video's frames are its key."""
+        run as one task on a lane's thread, between image passes (the engine is one thread's). A video's key
+        (vllm_ec.video_key_of: its frame files and settings) finds it in the cache and names its vLLM file."""
         videos, common = parse_videos(await json_body(request))
-        for i, v in enumerate(videos):
-            for j, text in enumerate(v["frames"]):
-                try:
-                    v["frames"][j] = b64decode(text)
-                except (binascii.Error, ValueError) as e:
-                    raise Refused(400, f"videos[{i}].frames[{j}] is not valid base64 ({e})", i) from None
-                if len(v["frames"][j]) > settings.max_image_mib * 2**20:
-                    raise Refused(413, f"videos[{i}].frames[{j}] is {len(v['frames'][j])} bytes, over the "
-                                       f"{settings.max_image_mib:g} MiB limit per image", i)
+        decode_frames(videos, settings.max_image_mib)
+        keys = [vllm_ec.video_key_of(v["frames"], v["fps"], v["duration"], common) for v in videos]
+        hits = {i: cache.get((k, settings.checkpoint)) for i, k in enumerate(keys)}
+        todo = {}  # key -> first index that needs encoding (a repeated video is encoded once)
+        for i, k in enumerate(keys):
+            if hits[i] is None:
+                todo.setdefault(k, i)
         loop = asyncio.get_running_loop()
         backend = state["backend"]
         patching = backend.patching()
-        done = await asyncio.gather(*[loop.run_in_executor(pool, _prepare_video, v, i, common, settings.max_pixels,
-                                                           patching) for i, v in enumerate(videos)],
+        done = await asyncio.gather(*[loop.run_in_executor(pool, _prepare_video, videos[i], i, common,
+                                                           settings.max_pixels, patching) for i in todo.values()],
                                     return_exceptions=True)
-        for i, got in enumerate(done):
+        for i, got in zip(todo.values(), done):
             if isinstance(got, BaseException):
                 metrics.videos.labels("failed").inc()
                 if isinstance(got, (ImageError, ValueError)):
@@ -231,19 +229,33 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 raise Refused(422, f"video {i}: a group of {patching.temporal_patch_size} frames is "
                                    f"{got[2]['frame_tokens']} tokens, over the server's capacity of "
                                    f"{settings.capacity_tokens} tokens per pass; lower max_image_tokens", i)
-        try:
-            future = state["batcher"].submit_task(lambda lane: backend.encode_video_on(lane, done))
-        except QueueFull as e:
-            raise Refused(429 if state["status"] == "ok" else 503, str(e)) from None
-        embs = await future
-        metrics.videos.labels("encoded").inc(len(embs))
-        metrics.tokens.inc(sum(int(e.shape[0]) for e in embs))
-        meta = [{"grid_thw": list(info["grid"]), "tokens": info["tokens"], "frame_tokens": info["frame_tokens"],
-                 "frames_indices": info["frames_indices"], "timestamps": info["timestamps"]} for _, _, info in done]
+        embs = []
+        if todo:
+            try:
+                future = state["batcher"].submit_task(lambda lane: backend.encode_video_on(lane, done))
+            except QueueFull as e:
+                raise Refused(429 if state["status"] == "ok" else 503, str(e)) from None
+            embs = await future
+            metrics.tokens.inc(sum(int(e.shape[0]) for e in embs))
+        encoded = {k: (emb, {"grid_thw": list(info["grid"]), "tokens": info["tokens"],
+                             "frame_tokens": info["frame_tokens"], "frames_indices": info["frames_indices"],
+                             "timestamps": info["timestamps"]}) for k, emb, (_, _, info) in zip(todo, embs, done)}
+        out, meta = {}, []
+        for i, k in enumerate(keys):
+            emb, m = hits[i] if hits[i] is not None else encoded[k]
+            if hits[i] is None:
+                cache.put((k, settings.checkpoint), emb, m)
+            else:
+                metrics.cache_hits.inc()
+            metrics.videos.labels("encoded" if hits[i] is None else "cached").inc()
+            out[str(i)] = emb
+            meta.append({"key": k, **m, "cached": hits[i] is not None})
+        if settings.vllm_ec_dir:
+            await loop.run_in_executor(pool, lambda: [vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)])
+                                                      for i, k in enumerate(keys)])
         from safetensors.numpy import save
 
-        return Response(save({str(i): e for i, e in enumerate(embs)}, metadata={"videos": json.dumps(meta)}),
-                        media_type="application/octet-stream")
+        return Response(save(out, metadata={"videos": json.dumps(meta)}), media_type="application/octet-stream")
 
     routes = [Route("/health", health), Route("/metrics", metrics_text),
               Route("/v1/encode", endpoint(_encode), methods=["POST"]),

@@ -8,8 +8,8 @@ import numpy as np
 
 
 class EmbeddingCache:
-    """{(sha256 of the image bytes, min_image_tokens, max_image_tokens, checkpoint): (embedding, grid)}.
-    Used from the event loop only (no lock needed)."""
+    """{(sha256 of the image bytes, min_image_tokens, max_image_tokens, checkpoint): (embedding, grid)} and
+    {(video key, checkpoint): (embedding, its metadata)}. Used from the event loop only (no lock needed)."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes, self.bytes = max_bytes, 0
@@ -24,10 +24,10 @@ class EmbeddingCache:
             self._entries.move_to_end(key)
         return hit
 
-    def put(self, key, embedding: np.ndarray, grid):
+    def put(self, key, embedding: np.ndarray, about):
         if key in self._entries or embedding.nbytes > self.max_bytes:
             return
-        self._entries[key] = (embedding, grid)
+        self._entries[key] = (embedding, about)
         self.bytes += embedding.nbytes
         while self.bytes > self.max_bytes:
             _, (old, _) = self._entries.popitem(last=False)

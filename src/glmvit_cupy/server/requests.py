@@ -5,6 +5,7 @@ wrong (status, reason, the image's or video's position)."""
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 
 from ..batching import DEFAULT_MAX_IMAGE_TOKENS
@@ -112,3 +113,17 @@ def parse_videos(body: bytes) -> tuple[list[dict], dict]:
     if not isinstance(common["sample"], bool):
         raise Refused(400, f"'sample' must be true or false, got {common['sample']!r}")
     return out, common
+
+
+def decode_frames(videos: list[dict], max_image_mib: float) -> None:
+    """Each video's base64 frames replaced by the bytes they hold, in place, or Refused: not base64 (400), a
+    frame over the per-image limit (413)."""
+    for i, v in enumerate(videos):
+        for j, text in enumerate(v["frames"]):
+            try:
+                v["frames"][j] = b64decode(text)
+            except (binascii.Error, ValueError) as e:
+                raise Refused(400, f"videos[{i}].frames[{j}] is not valid base64 ({e})", i) from None
+            if len(v["frames"][j]) > max_image_mib * 2**20:
+                raise Refused(413, f"videos[{i}].frames[{j}] is {len(v['frames'][j])} bytes, over the "
+                                   f"{max_image_mib:g} MiB limit per image", i)
