@@ -3,10 +3,10 @@
 
     python examples/encode_video.py                                   # a pan over the bundled photo
     python examples/encode_video.py f0.png f1.png ... --fps 24 --checkpoint /models/GLM-5.3-Flash
+    python examples/encode_video.py --video clip.mp4                  # needs the video extra (PyAV)
 
-The frames are image files in order (decoding a video file is the caller's: any decoder's RGB frames as
-a uint8 [T, H, W, 3] array go to glmvit_cupy.preprocess_video alike); --fps is the source's frame rate,
-from which about --target-fps frames a second are sampled. Without --checkpoint the tower has RANDOM
+The frames are image files in order, with --fps the source's frame rate, or a video file (--video: its
+container's fps; only the sampled frames are decoded); about --target-fps frames a second are sampled. Without --checkpoint the tower has RANDOM
 weights of the official geometry (shapes and timings real, embeddings meaningless). Without a GPU (or
 with --cpu) the float32 NumPy reference runs on the CPU instead: slowly, and it says so.
 """
@@ -42,7 +42,8 @@ def main(argv=None) -> int:
 def run(argv) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("frames", nargs="*", help="frame image files, in order (default: a pan over the bundled photo)")
-    ap.add_argument("--fps", type=float, default=8.0, help="the source's frames a second (default 8)")
+    ap.add_argument("--video", help="a video file instead of frame files (decoded by PyAV: the video extra)")
+    ap.add_argument("--fps", type=float, help="the source's frames a second (default: the video file's, or 8)")
     ap.add_argument("--target-fps", type=float, default=2.0, help="frames sampled a second of video (default 2)")
     ap.add_argument("--max-video-tokens", type=int, default=4000, help="the video's token limit (default 4000)")
     ap.add_argument("--checkpoint", help="GLM-5.3 checkpoint directory (default: random weights, said loudly)")
@@ -51,15 +52,20 @@ def run(argv) -> int:
     args = ap.parse_args(argv)
     if args.save and not args.save.endswith((".safetensors", ".npy")):
         ap.error(f"--save {args.save}: use a .safetensors or .npy file name")
-    frames = [load_rgb(f, i) for i, f in enumerate(args.frames)] if args.frames else pan()
+    if args.video and args.frames:
+        ap.error("give frame files or --video, not both")
+    frames = args.video or ([load_rgb(f, i) for i, f in enumerate(args.frames)] if args.frames else pan())
+    fps = args.fps if args.fps is not None or args.video else 8.0
     binding = bind_tower(checkpoint(args.checkpoint))
     why = "--cpu given" if args.cpu else gpu.problem()
 
     t = time.perf_counter()
-    settings = dict(fps=args.fps, target_fps=args.target_fps, max_image_tokens=args.max_video_tokens,
+    settings = dict(fps=fps, target_fps=args.target_fps, max_image_tokens=args.max_video_tokens,
                     patching=Patching.of(binding.geometry))
     pv, grid, (info,) = preprocess_video(frames, **settings)
-    print(f"{len(frames)} frames of {info['size'][1]}x{info['size'][0]} px at {args.fps:g} fps -> frames "
+    source = args.video or f"{len(frames)} frames"
+    rate = f"{fps:g} fps" if fps else "its fps"
+    print(f"{source} of {info['size'][1]}x{info['size'][0]} px at {rate} -> frames "
           f"{info['frames_indices']} -> canvas {info['canvas'][1]}x{info['canvas'][0]}, grid {tuple(info['grid'])}, "
           f"{info['tokens']} tokens ({info['frame_tokens']} a group of {binding.geometry.temporal_patch_size} "
           f"frames); preprocess {1e3 * (time.perf_counter() - t):.1f} ms")
@@ -76,7 +82,7 @@ def run(argv) -> int:
         ms = 1e3 * (time.perf_counter() - t)
         (host_rows,) = model.encode_video_pixels(pv, grid)  # the rows preprocessed on the host above
         same = np.array_equal(emb.view(np.uint16), host_rows.get().view(np.uint16))
-        print(f"GPU resize + encode: {ms:.1f} ms for {info['tokens']} tokens "
+        print(f"{'decode + ' if args.video else ''}GPU resize + encode: {ms:.1f} ms for {info['tokens']} tokens "
               f"(bit-equal to the host-preprocessed rows: {same})")
     else:
         import ml_dtypes

@@ -92,3 +92,20 @@ def test_video_example_on_the_cpu_saves_what_the_reference_computes(tmp_path, ca
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
     assert encode_video.main(paths + ["--fps", "-1", "--checkpoint", TOWER, "--cpu"]) == 2
     assert "fps=-1.0 must be a positive finite number" in capsys.readouterr().err
+    av = pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
+    clip = str(tmp_path / "clip.mkv")  # the same frames as a lossless file: the same embeddings
+    with av.open(clip, "w") as c:
+        s = c.add_stream("ffv1", rate=4)
+        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "bgr0"
+        for f in frames:
+            for pkt in s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")):
+                c.mux(pkt)
+        for pkt in s.encode():
+            c.mux(pkt)
+    assert encode_video.main(["--video", clip, "--checkpoint", TOWER, "--cpu", "--save", out]) == 0
+    assert f"{clip} of" in capsys.readouterr().out
+    pv, grid, _ = preprocess_video(frames, fps=4.0, duration=6 / 4, max_image_tokens=4000)  # a file's: frames / fps
+    want = reference.encode_pixels(bind_tower(TOWER), pv, grid).astype(ml_dtypes.bfloat16)
+    assert np.array_equal(load_file(out)["video"].view(np.uint16), want.view(np.uint16))
+    assert encode_video.main(["--video", str(tmp_path / "none.mp4"), "--checkpoint", TOWER, "--cpu"]) == 2
+    assert "none.mp4' is not a file" in capsys.readouterr().err

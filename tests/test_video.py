@@ -244,7 +244,7 @@ def test_sampling_follows_the_reference_rules():
     ([np.zeros((20, 20, 3), np.uint8), np.zeros((20, 21, 3), np.uint8)], {}, "frame 1 is 21x20, frame 0 20x20"),
     ([Image.new("RGBA", (9, 9))], {}, "frame 0 is a RGBA PIL image; give RGB frames"),
     ([np.zeros((9, 9, 3), np.uint16)], {}, "frame 0 is uint16"),
-    ("clip.mp4", {}, "a video is a uint8 .* array or a list of frames, got str"),
+    (3.5, {}, "a video is a uint8 .* array, a list of frames or a video file's path, got float"),
 ])
 def test_bad_frames_are_refused_by_name(video, kw, match):
     with pytest.raises(ImageError, match=match) as e:

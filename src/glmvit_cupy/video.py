@@ -20,10 +20,9 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from PIL import Image
 
 from . import resample
-from .errors import ImageError
+from .video_files import load_video, video_frames
 from .batching import check_positive
 from .preprocess import (MEAN, REFERENCE, STD, Patching, check_patching, check_token_limits, content_size,
                          smart_resize)
@@ -102,42 +101,6 @@ def sample_frames(total_frames: int, fps: float, *, duration: float | None = Non
     return np.array(unique, dtype=np.int64)
 
 
-def video_frames(video, name: str) -> np.ndarray:
-    """One video's frames as a uint8 [T, H, W, 3] array (a view where it already is one), or ImageError
-    naming the video and what would be right."""
-    if isinstance(video, np.ndarray):
-        frames = video
-    elif isinstance(video, (list, tuple)):
-        if not video:
-            raise ImageError(f"{name}: a video needs at least one frame, got an empty list")
-        arrays = []
-        for j, f in enumerate(video):
-            if isinstance(f, Image.Image):
-                if f.mode != "RGB":
-                    raise ImageError(f"{name}: frame {j} is a {f.mode} PIL image; give RGB frames "
-                                     "(frame.convert('RGB'))")
-                f = np.asarray(f)
-            if not isinstance(f, np.ndarray) or f.ndim != 3:
-                raise ImageError(f"{name}: frame {j} is {type(f).__name__} {getattr(f, 'shape', '')}; each frame "
-                                 "must be an HxWx3 uint8 array or an RGB PIL image")
-            if f.dtype != np.uint8:
-                raise ImageError(f"{name}: frame {j} is {f.dtype}; give uint8 RGB frames (as a decoder gives them)")
-            if arrays and f.shape != arrays[0].shape:
-                raise ImageError(f"{name}: frame {j} is {f.shape[1]}x{f.shape[0]}, frame 0 "
-                                 f"{arrays[0].shape[1]}x{arrays[0].shape[0]}; a video's frames share one size")
-            arrays.append(f)
-        frames = np.stack(arrays)
-    else:
-        raise ImageError(f"{name}: a video is a uint8 [frames, height, width, 3] array or a list of frames, "
-                         f"got {type(video).__name__}")
-    if frames.dtype != np.uint8:
-        raise ImageError(f"{name}: frames are {frames.dtype}; give uint8 RGB frames (as a decoder gives them)")
-    if frames.ndim != 4 or frames.shape[3] != 3 or 0 in frames.shape:
-        raise ImageError(f"{name}: frames have shape {frames.shape}; a video is [frames, height, width, 3] uint8 "
-                         "RGB with at least one frame of at least 1x1")
-    return frames
-
-
 def normalise_patchify(frames_u8: np.ndarray, patching: Patching = REFERENCE) -> np.ndarray:
     """uint8 [T, H, W, 3] canvases (T a multiple of temporal_patch_size) -> [T/tp * H/p * W/p, 3 tp p p] float32,
     rows in (frame group, merge block, patch) order, each row channel x frame x py x px."""
@@ -159,28 +122,37 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
                patching: Patching = REFERENCE, name: str | None = None):
     """One video's checks, frame sampling and canvas, without its pixels -> (frames: the n sampled frames, a
     list of HxWx3 uint8 views of the given ones, nothing copied; grid (t, h, w); info as prepare_video's).
-    video_canvases (host) or frame_groups (for the GPU) make its pixels."""
+    video_canvases (host) or frame_groups (for the GPU) make its pixels. A video file's path (str or
+    PathLike) is read by video_files.load_video: its container's fps and duration unless given, only the
+    sampled frames decoded."""
     name = f"video {index}" if name is None else name
     check_patching(patching)
     try:
         min_image_tokens, max_image_tokens = check_token_limits(min_image_tokens, max_image_tokens)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
-    frames = video_frames(video, name)
     if fps is not None:
         fps = _positive_number("fps", fps, name)
-    if sample:
+    def pick(total, fps, duration):  # the frames to use out of `total`
+        if not sample:
+            return np.arange(total, dtype=np.int64)
         if fps is None:
             raise ValueError(f"{name}: sampling frames needs the video's fps (frames a second); pass fps=, or "
                              "sample=False to encode the frames as given")
         try:
-            picked = sample_frames(len(frames), fps, duration=duration, target_fps=target_fps,
-                                   max_frames=max_frames, max_duration=max_duration)
+            return sample_frames(total, fps, duration=duration, target_fps=target_fps, max_frames=max_frames,
+                                 max_duration=max_duration)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
+
+    if isinstance(video, (str, os.PathLike)):  # a file: only the sampled frames are decoded
+        sampled, meta = load_video(video, pick, fps=fps, duration=duration, name=name)
+        picked, fps = np.array(meta["frames_indices"], dtype=np.int64), meta["fps"]
     else:
-        picked = np.arange(len(frames), dtype=np.int64)
-    n, height, width = len(picked), frames.shape[1], frames.shape[2]
+        frames = video_frames(video, name)
+        picked = pick(len(frames), fps, duration)
+        sampled = [frames[i] for i in picked]
+    n, (height, width) = len(picked), sampled[0].shape[:2]
     factor, T = patching.factor, patching.temporal_patch_size
     try:
         canvas = smart_resize(height, width, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens,
@@ -195,7 +167,7 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
             "timestamps": None if fps is None else [int(i) / fps for i in picked],
             "size": (height, width), "canvas": canvas, "content": content, "grid": grid,
             "tokens": grid[0] * frame_tokens, "frame_tokens": frame_tokens}
-    return [frames[i] for i in picked], grid, info
+    return sampled, grid, info
 
 
 def video_canvases(frames: list, grid, info: dict, temporal: int) -> np.ndarray:
@@ -251,11 +223,12 @@ def prepare_video(video, index: int = 0, *, fps=None, sample: bool = True, durat
 
 
 def _as_list(videos) -> list:
-    """One video or a list of them: a list of videos holds 4-D arrays or lists of frames."""
-    if isinstance(videos, np.ndarray):
+    """One video or a list of them: a list of videos holds 4-D arrays, lists of frames or video files' paths."""
+    if isinstance(videos, (np.ndarray, str, os.PathLike)):
         return [videos]
     if isinstance(videos, (list, tuple)) and videos and all(
-            isinstance(v, (list, tuple)) or (isinstance(v, np.ndarray) and v.ndim == 4) for v in videos):
+            isinstance(v, (list, tuple, str, os.PathLike)) or (isinstance(v, np.ndarray) and v.ndim == 4)
+            for v in videos):
         return list(videos)
     return [videos]
 

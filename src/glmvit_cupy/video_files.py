@@ -1,0 +1,140 @@
+"""What a video comes as -> its frames: decoded frames checked (video_frames), or a video file's sampled
+frames decoded by PyAV (load_video; the `video` extra, imported only when a path is given).
+
+As HF transformers' load_video(backend="pyav"): the video stream's frame count and average rate, duration
+= frames / fps unless the caller gives one, the sampled indices (the caller's pick: video.plan_video passes
+the video processor's rule) kept from one sequential decode, each converted to RGB by FFmpeg (frame.to_ndarray(format="rgb24")).
+Only the sampled frames are kept, so a long video costs its decoding time, not its size in memory. The
+video processor's own default decoder, torchcodec, reads the container's duration and converts colours
+with its own FFmpeg settings; its frames can differ from these slightly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from PIL import Image
+
+from .errors import ImageError
+
+
+def _av():
+    try:
+        import av
+    except ImportError as e:
+        raise ImageError(f"reading video files needs PyAV: pip install 'glmvit-cupy[video]' ({e}); or decode the "
+                         "frames yourself and pass them as a uint8 [T, H, W, 3] array") from None
+    return av
+
+
+def _open(path, name: str):
+    av = _av()
+    if not os.path.isfile(path):
+        raise ImageError(f"{name}: {os.fspath(path)!r} is not a file")
+    try:
+        container = av.open(os.fspath(path))
+    except (av.FFmpegError, OSError, ValueError) as e:
+        raise ImageError(f"{name}: cannot open {os.fspath(path)!r} as a video ({e})") from None
+    if not container.streams.video:
+        container.close()
+        raise ImageError(f"{name}: {os.fspath(path)!r} has no video stream")
+    return container
+
+
+def probe(path, name: str = "video") -> tuple[int, float, float]:
+    """(frames, fps, duration in seconds) of a video file's first video stream, as HF's PyAV loader reads
+    them; a container that does not store its frame count has its packets counted."""
+    with _open(path, name) as container:
+        return _probe(container, path, name)
+
+
+def _probe(container, path, name):
+    stream = container.streams.video[0]
+    frames = int(stream.frames)
+    if frames <= 0:  # e.g. WebM and Matroska keep no count: count the packets (no decoding)
+        frames = sum(1 for packet in container.demux(stream) if packet.size)
+        container.seek(0)
+    fps = float(stream.average_rate) if stream.average_rate else 0.0
+    if frames <= 0 or fps <= 0:
+        raise ImageError(f"{name}: {os.fspath(path)!r} reports {frames} frames at {fps:g} fps; cannot sample it")
+    return frames, fps, frames / fps
+
+
+def load_video(path, pick, *, fps=None, duration=None, name: str = "video"):
+    """A video file -> (frames: HxWx3 uint8 arrays, those at pick(total, fps, duration)'s indices, in its
+    order; meta: {"fps", "duration", "total_frames", "frames_indices"}). fps / duration: the caller's where
+    the container's are wrong (None: the container's rate, and frames / fps). A container whose frame count
+    is more than it holds is picked from again over the frames it holds. ImageError naming the file for
+    anything that cannot be read; pick's own errors pass through."""
+    with _open(path, name) as container:
+        total, file_fps, _ = _probe(container, path, name)
+    own_duration = duration is None  # the file's: frames / fps
+    fps = file_fps if fps is None else fps
+    duration = total / fps if own_duration else duration
+    indices = pick(total, fps, duration)
+    kept, decoded = _decode(path, name, indices)
+    if len(kept) < len(set(int(i) for i in indices)) and decoded < total:  # the count was high
+        total = decoded
+        duration = total / fps if own_duration else duration
+        indices = pick(total, fps, duration)
+        kept, _ = _decode(path, name, indices)
+    meta = {"fps": float(fps), "duration": float(duration), "total_frames": total,
+            "frames_indices": [int(i) for i in indices]}
+    return [kept[int(i)] for i in indices], meta
+
+
+def _decode(path, name, indices) -> tuple[dict, int]:
+    """({index: HxWx3 uint8} for the wanted indices that decoding reached, frames decoded), one sequential
+    pass stopping after the last wanted frame."""
+    av = _av()
+    wanted, kept, last, i = set(int(j) for j in indices), {}, int(indices[-1]), -1
+    with _open(path, name) as container:
+        container.streams.video[0].thread_type = "AUTO"  # frame threads: decoding is the cost
+        try:
+            for i, frame in enumerate(container.decode(video=0)):
+                if i in wanted:
+                    kept[i] = frame.to_ndarray(format="rgb24")
+                if i >= last:
+                    break
+        except (av.FFmpegError, OSError, ValueError) as e:
+            raise ImageError(f"{name}: decoding {os.fspath(path)!r} failed after {i + 1} frames ({e})") from None
+    if not kept:
+        raise ImageError(f"{name}: {os.fspath(path)!r} gave no frame to decode")
+    return kept, i + 1
+
+
+def video_frames(video, name: str) -> np.ndarray:
+    """One video's frames as a uint8 [T, H, W, 3] array (a view where it already is one), or ImageError
+    naming the video and what would be right."""
+    if isinstance(video, np.ndarray):
+        frames = video
+    elif isinstance(video, (list, tuple)):
+        if not video:
+            raise ImageError(f"{name}: a video needs at least one frame, got an empty list")
+        arrays = []
+        for j, f in enumerate(video):
+            if isinstance(f, Image.Image):
+                if f.mode != "RGB":
+                    raise ImageError(f"{name}: frame {j} is a {f.mode} PIL image; give RGB frames "
+                                     "(frame.convert('RGB'))")
+                f = np.asarray(f)
+            if not isinstance(f, np.ndarray) or f.ndim != 3:
+                raise ImageError(f"{name}: frame {j} is {type(f).__name__} {getattr(f, 'shape', '')}; each frame "
+                                 "must be an HxWx3 uint8 array or an RGB PIL image")
+            if f.dtype != np.uint8:
+                raise ImageError(f"{name}: frame {j} is {f.dtype}; give uint8 RGB frames (as a decoder gives them)")
+            if arrays and f.shape != arrays[0].shape:
+                raise ImageError(f"{name}: frame {j} is {f.shape[1]}x{f.shape[0]}, frame 0 "
+                                 f"{arrays[0].shape[1]}x{arrays[0].shape[0]}; a video's frames share one size")
+            arrays.append(f)
+        frames = np.stack(arrays)
+    else:
+        raise ImageError(f"{name}: a video is a uint8 [frames, height, width, 3] array, a list of frames or a "
+                         f"video file's path, got {type(video).__name__}")
+    if frames.dtype != np.uint8:
+        raise ImageError(f"{name}: frames are {frames.dtype}; give uint8 RGB frames (as a decoder gives them)")
+    if frames.ndim != 4 or frames.shape[3] != 3 or 0 in frames.shape:
+        raise ImageError(f"{name}: frames have shape {frames.shape}; a video is [frames, height, width, 3] uint8 "
+                         "RGB with at least one frame of at least 1x1")
+    return frames
