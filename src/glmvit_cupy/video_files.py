@@ -3,10 +3,10 @@ frames decoded by PyAV (load_video; the `video` extra, imported only when a path
 
 As HF transformers' load_video(backend="pyav"): the video stream's frame count and average rate, duration
 = frames / fps unless the caller gives one, the sampled indices (the caller's pick: video.plan_video passes
-the video processor's rule) kept from one sequential decode, each converted to RGB by FFmpeg (frame.to_ndarray(format="rgb24")).
-Only the sampled frames are kept, so a long video costs its decoding time, not its size in memory. The
-video processor's own default decoder, torchcodec, reads the container's duration and converts colours
-with its own FFmpeg settings; its frames can differ from these slightly.
+the video processor's rule) kept from one sequential decode, each converted to RGB by FFmpeg
+(frame.to_ndarray(format="rgb24")). Only the sampled frames are kept, so a long video costs its decoding
+time, not its size in memory. The video processor's own default decoder, torchcodec, reads the container's
+duration and converts colours with its own FFmpeg settings; its frames can differ from these slightly.
 """
 
 from __future__ import annotations
@@ -79,6 +79,9 @@ def load_video(path, pick, *, fps=None, duration=None, name: str = "video"):
         duration = total / fps if own_duration else duration
         indices = pick(total, fps, duration)
         kept, _ = _decode(path, name, indices)
+    missing = sorted(set(int(i) for i in indices) - set(kept))
+    if missing:  # the file decodes differently from one pass to the next
+        raise ImageError(f"{name}: decoding {os.fspath(path)!r} gave no frame {missing[0]} of the {total} it has")
     meta = {"fps": float(fps), "duration": float(duration), "total_frames": total,
             "frames_indices": [int(i) for i in indices]}
     return [kept[int(i)] for i in indices], meta
