@@ -85,6 +85,11 @@ def test_files_that_cannot_be_read_are_refused_by_name(tmp_path, monkeypatch):
     short = write(tmp_path / "short.mkv", clip(2), fps=30)
     with pytest.raises(ValueError, match="video 1: sample_frames: a 2-frame video at 30.0 fps .* gives no frame"):
         preprocess_video([write(tmp_path / "ok.mkv", clip(8), fps=4), short])
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 42 * 58 - 1)  # the decompression-bomb guard, as for images
+    with pytest.raises(ImageError, match=r"video 0: '.*ok.mkv' has 58x42 frames, over the 2,435 pixels"):
+        plan_video(tmp_path / "ok.mkv", fps=4.0)
     monkeypatch.setitem(sys.modules, "av", None)  # PyAV not installed
     with pytest.raises(ImageError, match=r"reading video files needs PyAV: pip install 'glmvit-cupy\[video\]'"):
         plan_video(short)

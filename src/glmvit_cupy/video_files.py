@@ -39,6 +39,12 @@ def _open(path, name: str):
     if not container.streams.video:
         container.close()
         raise ImageError(f"{name}: {os.fspath(path)!r} has no video stream")
+    stream = container.streams.video[0]
+    if stream.width * stream.height > Image.MAX_IMAGE_PIXELS:  # each kept frame is 3 bytes a pixel
+        container.close()
+        raise ImageError(f"{name}: {os.fspath(path)!r} has {stream.width}x{stream.height} frames, over the "
+                         f"{Image.MAX_IMAGE_PIXELS:,} pixels a decoded image may have (Pillow's MAX_IMAGE_PIXELS, "
+                         "the same guard as for images)")
     return container
 
 
