@@ -66,7 +66,7 @@ def start(tmp_path, *flags, checkpoint=TOWER, cpu=True, wait_s=15.0):
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     proc, client = start(tmp, "--max-wait-ms", 300, "--max-queue", 4, "--max-body-mib", 1, "--max-image-mib", 0.5,
-                         "--cache-mib", 16, "--vllm-ec-dir", tmp / "ec")
+                         "--cache-mib", 16, "--vllm-ec-dir", tmp / "ec", "--max-video-pixels", 20_000_000)
     yield client, tmp / "ec"
     proc.send_signal(signal.SIGTERM)
     proc.wait(30)
@@ -423,6 +423,7 @@ def test_devices_with_cpu_is_refused_before_loading(capsys):
     (["--max-body-mib", "0"], "--max-body-mib 0 must be a finite number above 0"),
     (["--max-image-mib", "nan"], "--max-image-mib nan must be a finite number above 0"),
     (["--max-queue", "0"], "--max-queue 0 must be at least 1"),
+    (["--max-video-pixels", "0"], "--max-video-pixels 0 must be at least 1"),
 ])
 def test_bad_settings_are_refused_at_start_not_per_request(capsys, flags, says):
     """An operator's bad flag stops the server before it loads (before: --max-pixels -3 served, and every
@@ -555,6 +556,9 @@ def _b64png(a) -> str:
     ({"videos": [{"frames": ["F"], "fps": 2}], "target_fps": 0}, 422, "target_fps=0 must be a positive", 0),
     ({"videos": [{"frames": ["B", "B"], "fps": 2}]}, 422, "video 0: a group of 2 frames is 8649 tokens, over the "
                                                          "server's capacity of 8000 tokens per pass", 0),
+    ({"videos": [{"frames": ["F"], "fps": 2}, {"frames": ["B", "B", "B"], "fps": 2}]}, 422,
+     "video 1: its 3 sampled frames have 20,342,448 pixels, over the limit of 20,000,000", 1),
+    ({"videos": [{"frames": ["F", "nope", "F"], "fps": 2}], "max_frames": 2}, 200, None, None),  # frames 0, 2 sampled
 ])
 def test_video_requests_refused_by_name(server, body, status, says, index):
     frames = {"F": _b64png(clip(1, 20, 20, 1)[0]), "G": _b64png(clip(1, 20, 30, 2)[0]),
@@ -565,4 +569,7 @@ def test_video_requests_refused_by_name(server, body, status, says, index):
             if isinstance(v, dict):
                 v["frames"] = [frames.get(f, f) for f in v.get("frames", [])]
     got, err = post_video(server[0], body)
+    if status == 200:  # only sampled frames are decoded: an unsampled one is never read
+        assert got == 200, err
+        return
     assert got == status and says in err["error"] and err["index"] == index, err

@@ -214,6 +214,47 @@ def test_frame_groups_are_the_sampled_frames_unresized_in_whole_groups():
         plan_videos([vids[0], vids[1][:, :0]], fps=4.0)
 
 
+def _png(a) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_frame_files_decode_only_the_sampled_frames():
+    """FrameFiles (a video as its frames' image files, as glmvit-serve gets them): the array path's frames,
+    indices and canvas; a broken file that is not sampled is never read, one that is names its index; the
+    frames' sizes and the pixel cap are checked by index before or while decoding."""
+    from glmvit_cupy.video import plan_video
+    from glmvit_cupy.video_files import FrameFiles
+
+    rng = np.random.default_rng(14)
+    v = rng.integers(0, 256, (12, 30, 40, 3), dtype=np.uint8)
+    files = [_png(f) for f in v]
+    want = plan_video(v, fps=6.0)
+    picked = want[2]["frames_indices"]
+    assert len(set(picked)) < 12  # some frames are not sampled
+    skipped = next(j for j in range(12) if j not in picked)
+    files[skipped] = b"not an image"
+    got = plan_video(FrameFiles(files), fps=6.0)
+    assert got[1:] == want[1:] and all(np.array_equal(a, b) for a, b in zip(got[0], want[0]))
+    broken = list(files)
+    broken[picked[1]] = b"not an image either"
+    with pytest.raises(ImageError, match=f"video 0 frame {picked[1]}: "):
+        plan_video(FrameFiles(broken), fps=6.0)
+    odd = list(files)
+    odd[picked[2]] = _png(v[0][:, :20])
+    with pytest.raises(ImageError, match=f"video 0: frame {picked[2]} is 20x30, frame 0 40x30; a video's frames"):
+        plan_video(FrameFiles(odd), fps=6.0)
+    n = len(set(picked))
+    with pytest.raises(ImageError, match=f"video 0: its {n} sampled frames have {n * 1200:,} pixels, over the limit"):
+        plan_video(FrameFiles(files, max_total_pixels=n * 1200 - 1), fps=6.0)
+    assert plan_video(FrameFiles(files, max_total_pixels=n * 1200), fps=6.0)[1:] == want[1:]
+    with pytest.raises(ImageError, match="FrameFiles: a non-empty list of image files expected"):
+        FrameFiles([])
+
+
 def test_frames_as_a_list_of_arrays_or_rgb_pil_images_equal_the_array():
     rng = np.random.default_rng(6)
     v = rng.integers(0, 256, (4, 50, 70, 3), dtype=np.uint8)

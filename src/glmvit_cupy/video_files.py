@@ -1,5 +1,6 @@
-"""What a video comes as -> its frames: decoded frames checked (video_frames), or a video file's sampled
-frames decoded by PyAV (load_video; the `video` extra, imported only when a path is given).
+"""What a video comes as -> its frames: decoded frames checked (video_frames), its frames' image files of
+which only the sampled ones are decoded (FrameFiles), or a video file's sampled frames decoded by PyAV
+(load_video; the `video` extra, imported only when a path is given).
 
 As HF transformers' load_video(backend="pyav"): the video stream's frame count and average rate, duration
 = frames / fps unless the caller gives one, the sampled indices (the caller's pick: video.plan_video passes
@@ -11,6 +12,7 @@ duration and converts colours with its own FFmpeg settings; its frames can diffe
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
@@ -111,6 +113,51 @@ def _decode(path, name, indices) -> tuple[dict, int]:
     if not kept:
         raise ImageError(f"{name}: {os.fspath(path)!r} gave no frame to decode")
     return kept, i + 1
+
+
+class FrameFiles:
+    """A video given as its frames' image files (paths or encoded bytes, in order). plan_video decodes only
+    the frames its sampling picks (images.load: the same checks and errors as images, named "video i frame
+    j"); max_pixels: each frame's decompression-bomb guard (None: Pillow's); max_total_pixels: a cap on the
+    picked frames' pixels together, read from their headers before any is decoded (None: no cap)."""
+
+    def __init__(self, files, max_pixels: int | None = None, max_total_pixels: int | None = None):
+        if not isinstance(files, (list, tuple)) or not files:
+            raise ImageError(f"FrameFiles: a non-empty list of image files expected, got {type(files).__name__}")
+        self.files, self.max_pixels, self.max_total_pixels = list(files), max_pixels, max_total_pixels
+
+    def __len__(self):
+        return len(self.files)
+
+    def read(self, pick, fps, duration, name: str):
+        """(the picked frames as HxWx3 uint8 arrays, {"fps", "frames_indices"}) for pick(len, fps, duration)."""
+        from .images import load
+
+        indices = [int(i) for i in pick(len(self.files), fps, duration)]
+        unique = sorted(set(indices))
+        if self.max_total_pixels is not None:
+            total = sum(_header_pixels(self.files[j]) for j in unique)
+            if total > self.max_total_pixels:
+                raise ImageError(f"{name}: its {len(unique)} sampled frames have {total:,} pixels, over the limit "
+                                 f"of {self.max_total_pixels:,}; send fewer or smaller frames")
+        decoded = {}
+        for j in unique:
+            f = np.asarray(load(self.files[j], f"{name} frame {j}", self.max_pixels))
+            first = decoded[unique[0]] if decoded else f
+            if f.shape != first.shape:
+                raise ImageError(f"{name}: frame {j} is {f.shape[1]}x{f.shape[0]}, frame {unique[0]} "
+                                 f"{first.shape[1]}x{first.shape[0]}; a video's frames share one size")
+            decoded[j] = f
+        return [decoded[j] for j in indices], {"fps": fps, "frames_indices": indices}
+
+
+def _header_pixels(file) -> int:
+    """An image file's width x height from its header (0 where Pillow cannot tell: load reports it)."""
+    try:
+        with Image.open(io.BytesIO(file) if isinstance(file, (bytes, bytearray, memoryview)) else file) as im:
+            return im.size[0] * im.size[1]
+    except Exception:  # noqa: BLE001 - decoding it reports what is wrong, by name
+        return 0
 
 
 def video_frames(video, name: str) -> np.ndarray:

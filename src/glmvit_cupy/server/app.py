@@ -35,7 +35,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -44,9 +43,9 @@ from starlette.routing import Route
 
 from .. import vllm_ec
 from ..errors import ImageError
-from ..images import load
 from ..preprocess import prepare_canvas
 from ..video import plan_video
+from ..video_files import FrameFiles
 from .batcher import Batcher, QueueFull
 from .cache import EmbeddingCache
 from .metrics import Metrics
@@ -63,6 +62,7 @@ class Settings:
     max_body_mib: float = 256.0
     max_image_mib: float = 64.0
     max_pixels: int | None = None
+    max_video_pixels: int = 2**32   # a video's sampled frames' pixels together (decoding stops short of more)
     decode_workers: int = 8
     vllm_ec_dir: str | None = None
 
@@ -215,9 +215,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         loop = asyncio.get_running_loop()
         backend = state["backend"]
         patching = backend.patching()
-        done = await asyncio.gather(*[loop.run_in_executor(pool, _prepare_video, videos[i], i, common,
-                                                           settings.max_pixels, patching) for i in todo.values()],
-                                    return_exceptions=True)
+        limits = (settings.max_pixels, settings.max_video_pixels)
+        done = await asyncio.gather(*[loop.run_in_executor(pool, _prepare_video, videos[i], i, common, *limits, patching)
+                                      for i in todo.values()], return_exceptions=True)
         for i, got in zip(todo.values(), done):
             if isinstance(got, BaseException):
                 metrics.videos.labels("failed").inc()
@@ -278,9 +278,9 @@ def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels, resize: str,
                           resize=resize, patching=patching)
 
 
-def _prepare_video(video: dict, index: int, common: dict, max_pixels, patching):
-    """One request video -> video.plan_video's (frames, grid, info): its frames decoded as images are (a frame
-    that cannot be is an ImageError naming it), sampled and checked; the backend makes their pixels."""
-    frames = [np.asarray(load(io.BytesIO(d), f"video {index} frame {j}", max_pixels))
-              for j, d in enumerate(video["frames"])]
-    return plan_video(frames, index, fps=video["fps"], duration=video["duration"], patching=patching, **common)
+def _prepare_video(video: dict, index: int, common: dict, max_pixels, max_total_pixels, patching):
+    """One request video -> video.plan_video's (frames, grid, info): sampled first, then only the sampled
+    frames decoded as images are (one that cannot be is an ImageError naming it); the backend makes their
+    pixels."""
+    return plan_video(FrameFiles(video["frames"], max_pixels, max_total_pixels), index, fps=video["fps"],
+                      duration=video["duration"], patching=patching, **common)

@@ -34,6 +34,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-image-mib", type=float, default=64.0, help="largest image file (default 64)")
     ap.add_argument("--max-pixels", type=int, default=None,
                     help="largest image to decode, in pixels (default: Pillow's guard, 89,478,485)")
+    ap.add_argument("--max-video-pixels", type=int, default=2**32,
+                    help="a video's sampled frames' pixels together (default 2^32); only "
+                         "sampled frames are decoded")
     ap.add_argument("--decode-workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="threads decoding and resizing images (default: min(8, CPUs))")
     ap.add_argument("--vllm-ec-dir", default=None, metavar="DIR",
@@ -44,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
 def check_settings(args) -> str | None:
     """What is wrong with the numeric flags, or None."""
     for flag, value in (("--capacity-tokens", args.capacity_tokens), ("--max-queue", args.max_queue),
-                        ("--decode-workers", args.decode_workers)):
+                        ("--decode-workers", args.decode_workers), ("--max-video-pixels", args.max_video_pixels)):
         if value < 1:
             return f"{flag} {value} must be at least 1"
     if args.max_pixels is not None and args.max_pixels < 1:
@@ -100,7 +103,8 @@ def main(argv=None) -> int:
     settings = Settings(checkpoint=os.path.abspath(binding.path), capacity_tokens=args.capacity_tokens,
                         max_wait_ms=args.max_wait_ms, cache_mib=args.cache_mib, max_queue=args.max_queue,
                         max_body_mib=args.max_body_mib, max_image_mib=args.max_image_mib, max_pixels=args.max_pixels,
-                        decode_workers=args.decode_workers, vllm_ec_dir=args.vllm_ec_dir)
+                        max_video_pixels=args.max_video_pixels, decode_workers=args.decode_workers,
+                        vllm_ec_dir=args.vllm_ec_dir)
     # Graphs for full passes of images at the default limit are captured at load (GlmVit.precapture
     # clamps it to the capacity).
     app = create_app(lambda: Backend(binding, cpu=args.cpu, devices=devices, capacity_tokens=args.capacity_tokens,
