@@ -522,6 +522,34 @@ def test_videos_bit_equal_to_the_reference_beside_image_requests(server, tower):
                                                                       e.view(np.uint16))
 
 
+def test_a_video_file_is_decoded_by_the_server(server, tower, tmp_path):
+    """A video sent as its file (a lossless clip): the server samples and decodes it as preprocess_video does
+    the same path, bit-equal to the reference; its key is the file's; again from the cache."""
+    av = pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
+    from glmvit_cupy import preprocess_video
+
+    frames = clip(21, 44, 60, 90)
+    path = tmp_path / "clip.mkv"
+    with av.open(str(path), "w") as c:
+        st = c.add_stream("ffv1", rate=6)
+        st.width, st.height, st.pix_fmt = 60, 44, "bgr0"
+        for f in frames:
+            for pkt in st.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")):
+                c.mux(pkt)
+        for pkt in st.encode():
+            c.mux(pkt)
+    client, ec = server
+    embs, meta = client.encode_video([str(path), path.read_bytes()], max_image_tokens=200)
+    pv, grid, infos = preprocess_video(path, max_image_tokens=200)
+    want = reference.encode_pixels(tower, pv, grid).astype(ml_dtypes.bfloat16)
+    assert meta[0]["frames_indices"] == infos[0]["frames_indices"] and meta[0]["timestamps"] == infos[0]["timestamps"]
+    for e in embs:
+        assert np.array_equal(e.view(np.uint16), want.view(np.uint16))
+    assert meta[0]["key"] == meta[1]["key"] and (ec / meta[0]["key"] / "encoder_cache.safetensors").exists()
+    again, again_meta = client.encode_video([path.read_bytes()], max_image_tokens=200)
+    assert again_meta[0]["cached"] and np.array_equal(again[0].view(np.uint16), want.view(np.uint16))
+
+
 def test_a_video_key_covers_its_frames_in_order_and_every_setting():
     from glmvit_cupy import vllm_ec
 
@@ -559,6 +587,12 @@ def _b64png(a) -> str:
     ({"videos": [{"frames": ["F"], "fps": 2}, {"frames": ["B", "B", "B"], "fps": 2}]}, 422,
      "video 1: its 3 sampled frames have 20,342,448 pixels, over the limit of 20,000,000", 1),
     ({"videos": [{"frames": ["F", "nope", "F"], "fps": 2}], "max_frames": 2}, 200, None, None),  # frames 0, 2 sampled
+    ({"videos": [{"frames": ["F"], "file": "F"}]}, 400, "videos[0] needs 'frames' (its frames' image files) or "
+                                                       "'file' (a video file), one of the two", 0),
+    ({"videos": [{"fps": 2}]}, 400, "videos[0] needs 'frames'", 0),
+    ({"videos": [{"file": 7}]}, 400, "videos[0].file must be a base64 string (a video file)", 0),
+    ({"videos": [{"file": "!!"}]}, 400, "videos[0].file is not valid base64", 0),
+    ({"videos": [{"file": "aGVsbG8="}]}, 422, "video 0: cannot open the video file of 5 bytes as a video", 0),
 ])
 def test_video_requests_refused_by_name(server, body, status, says, index):
     frames = {"F": _b64png(clip(1, 20, 20, 1)[0]), "G": _b64png(clip(1, 20, 30, 2)[0]),
@@ -566,8 +600,8 @@ def test_video_requests_refused_by_name(server, body, status, says, index):
     if isinstance(body, dict):
         body = json.loads(json.dumps(body))
         for v in body.get("videos", []):
-            if isinstance(v, dict):
-                v["frames"] = [frames.get(f, f) for f in v.get("frames", [])]
+            if isinstance(v, dict) and "frames" in v:
+                v["frames"] = [frames.get(f, f) for f in v["frames"]]
     got, err = post_video(server[0], body)
     if status == 200:  # only sampled frames are decoded: an unsampled one is never read
         assert got == 200, err

@@ -93,3 +93,21 @@ def test_files_that_cannot_be_read_are_refused_by_name(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "av", None)  # PyAV not installed
     with pytest.raises(ImageError, match=r"reading video files needs PyAV: pip install 'glmvit-cupy\[video\]'"):
         plan_video(short)
+
+
+def test_a_video_file_as_bytes_and_its_pixel_cap(tmp_path):
+    """VideoFile: the file's bytes read as the path is; the sampled frames' pixels capped before decoding."""
+    frames = clip(50)
+    path = write(tmp_path / "d.mkv", frames, fps=10)
+    want = plan_video(path)
+    data = path.read_bytes()
+    got = plan_video(video_files.VideoFile(data))
+    assert got[1:] == want[1:] and all(np.array_equal(a, b) for a, b in zip(got[0], want[0]))
+    n = len(set(want[2]["frames_indices"]))
+    with pytest.raises(ImageError, match=f"video 0: its {n} sampled frames have {n * 42 * 58:,} pixels, over the "
+                                         f"limit of {n * 42 * 58 - 1:,}"):
+        plan_video(video_files.VideoFile(data, max_total_pixels=n * 42 * 58 - 1))
+    with pytest.raises(ImageError, match=f"video 0: cannot open the video file of 9 bytes as a video"):
+        plan_video(video_files.VideoFile(b"not a mp4"))
+    with pytest.raises(ImageError, match="VideoFile: a path or a video file's bytes expected, got int"):
+        video_files.VideoFile(3)

@@ -5,6 +5,7 @@
     # embs: one ml_dtypes.bfloat16 NumPy array [tokens, out_hidden] per image
     # meta: per image {"sha256", "grid_thw", "tokens", "cached"}
     embs, meta = Client().encode_video([["f0.png", "f1.png", ...]], fps=30.0)  # one list of frames a video
+    embs, meta = Client().encode_video(["clip.mp4"])  # or video files (paths or bytes): the server decodes them
     # meta: per video {"key", "grid_thw", "tokens", "frame_tokens", "frames_indices", "timestamps", "cached"}
 """
 
@@ -46,14 +47,22 @@ class Client:
 
     def encode_video(self, videos, *, fps=None, duration=None, **settings) -> tuple[list[np.ndarray], list[dict]]:
         """Videos, each a list of frames (image files as paths or bytes, or HxWx3 uint8 arrays, sent as PNG:
-        lossless), or a uint8 [T, H, W, 3] array -> (one bf16 array per video, per-video metadata). fps and
-        duration: one value for all or one per video; settings: preprocess_video's (sample, target_fps,
-        max_frames, max_duration, min_image_tokens, max_image_tokens)."""
+        lossless), a uint8 [T, H, W, 3] array, or a video file (a path or its bytes; the server decodes it
+        with PyAV, its fps and duration the container's unless given) -> (one bf16 array per video,
+        per-video metadata). fps and duration: one value for all or one per video; settings:
+        preprocess_video's (sample, target_fps, max_frames, max_duration, min_image_tokens, max_image_tokens)."""
         n = len(videos)
         per = lambda v: list(v) if isinstance(v, (list, tuple)) else [v] * n  # noqa: E731
         fpss, durations = per(fps), per(duration)
-        body = {"videos": [{"frames": [_file_b64(f) for f in frames], "fps": fpss[i], "duration": durations[i]}
-                           for i, frames in enumerate(videos)], **settings}
+
+        def one(i, video):
+            if isinstance(video, (str, os.PathLike, bytes, bytearray)):
+                sent = {"file": _file_b64(video)}
+            else:
+                sent = {"frames": [_file_b64(f) for f in video]}
+            return {**sent, "fps": fpss[i], "duration": durations[i]}
+
+        body = {"videos": [one(i, v) for i, v in enumerate(videos)], **settings}
         _, raw = self._call("POST", "/v1/encode_video", json.dumps(body).encode(), "application/json")
         tensors = _bf16_tensors(raw)
         return [tensors[str(i)] for i in range(n)], json.loads(_metadata(raw)["videos"])
@@ -92,7 +101,7 @@ def _metadata(raw: bytes) -> dict:
 
 
 def _file_b64(frame) -> str:
-    """An image or frame as base64 of an image file: a path's or bytes as they are, an array as a PNG (lossless)."""
+    """An image, frame or video file as base64: a path's or bytes as they are, an array as a PNG (lossless)."""
     if isinstance(frame, np.ndarray):
         import io
 

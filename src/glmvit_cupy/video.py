@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import resample
-from .video_files import FrameFiles, load_video, video_frames
+from .video_files import FrameFiles, VideoFile, video_frames
 from .batching import check_positive
 from .preprocess import (MEAN, REFERENCE, STD, Patching, check_patching, check_token_limits, content_size,
                          smart_resize)
@@ -123,8 +123,9 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
     """One video's checks, frame sampling and canvas, without its pixels -> (frames: the n sampled frames, a
     list of HxWx3 uint8 views of the given ones, nothing copied; grid (t, h, w); info as prepare_video's).
     video_canvases (host) or frame_groups (for the GPU) make its pixels. A video file's path (str or
-    PathLike) is read by video_files.load_video: its container's fps and duration unless given, only the
-    sampled frames decoded; a video_files.FrameFiles (its frames' image files) decodes only those too."""
+    PathLike, or a video_files.VideoFile) is read by video_files.load_video: its container's fps and
+    duration unless given, only the sampled frames decoded; a video_files.FrameFiles (its frames' image
+    files) decodes only those too."""
     name = f"video {index}" if name is None else name
     check_patching(patching)
     try:
@@ -145,9 +146,10 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
 
-    if isinstance(video, (str, os.PathLike, FrameFiles)):  # files: only the sampled frames are decoded
-        sampled, meta = (video.read(pick, fps, duration, name) if isinstance(video, FrameFiles) else
-                         load_video(video, pick, fps=fps, duration=duration, name=name))
+    if isinstance(video, (str, os.PathLike)):
+        video = VideoFile(video)
+    if isinstance(video, (FrameFiles, VideoFile)):  # files: only the sampled frames are decoded
+        sampled, meta = video.read(pick, fps, duration, name)
         picked, fps = np.array(meta["frames_indices"], dtype=np.int64), meta["fps"]
     else:
         frames = video_frames(video, name)
@@ -225,11 +227,11 @@ def prepare_video(video, index: int = 0, *, fps=None, sample: bool = True, durat
 
 def _as_list(videos) -> list:
     """One video or a list of them: a list of videos holds 4-D arrays, lists of frames or video files' paths."""
-    if isinstance(videos, (np.ndarray, str, os.PathLike, FrameFiles)):
+    one = (str, os.PathLike, FrameFiles, VideoFile)
+    if isinstance(videos, (np.ndarray, *one)):
         return [videos]
     if isinstance(videos, (list, tuple)) and videos and all(
-            isinstance(v, (list, tuple, str, os.PathLike, FrameFiles)) or (isinstance(v, np.ndarray) and v.ndim == 4)
-            for v in videos):
+            isinstance(v, (list, tuple, *one)) or (isinstance(v, np.ndarray) and v.ndim == 4) for v in videos):
         return list(videos)
     return [videos]
 

@@ -30,34 +30,42 @@ def _av():
     return av
 
 
-def _open(path, name: str):
-    av = _av()
-    if not os.path.isfile(path):
-        raise ImageError(f"{name}: {os.fspath(path)!r} is not a file")
+def _label(source) -> str:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return f"the video file of {len(source):,} bytes"
+    return repr(os.fspath(source))
+
+
+def _open(source, name: str):
+    """source (a path, or a video file's bytes) opened by PyAV, its first video stream checked."""
+    av, label = _av(), _label(source)
+    is_bytes = isinstance(source, (bytes, bytearray, memoryview))
+    if not is_bytes and not os.path.isfile(source):
+        raise ImageError(f"{name}: {label} is not a file")
     try:
-        container = av.open(os.fspath(path))
+        container = av.open(io.BytesIO(bytes(source)) if is_bytes else os.fspath(source))
     except (av.FFmpegError, OSError, ValueError) as e:
-        raise ImageError(f"{name}: cannot open {os.fspath(path)!r} as a video ({e})") from None
+        raise ImageError(f"{name}: cannot open {label} as a video ({e})") from None
     if not container.streams.video:
         container.close()
-        raise ImageError(f"{name}: {os.fspath(path)!r} has no video stream")
+        raise ImageError(f"{name}: {label} has no video stream")
     stream = container.streams.video[0]
     if stream.width * stream.height > Image.MAX_IMAGE_PIXELS:  # each kept frame is 3 bytes a pixel
         container.close()
-        raise ImageError(f"{name}: {os.fspath(path)!r} has {stream.width}x{stream.height} frames, over the "
+        raise ImageError(f"{name}: {label} has {stream.width}x{stream.height} frames, over the "
                          f"{Image.MAX_IMAGE_PIXELS:,} pixels a decoded image may have (Pillow's MAX_IMAGE_PIXELS, "
                          "the same guard as for images)")
     return container
 
 
-def probe(path, name: str = "video") -> tuple[int, float, float]:
+def probe(source, name: str = "video") -> tuple[int, float, float]:
     """(frames, fps, duration in seconds) of a video file's first video stream, as HF's PyAV loader reads
     them; a container that does not store its frame count has its packets counted."""
-    with _open(path, name) as container:
-        return _probe(container, path, name)
+    with _open(source, name) as container:
+        return _probe(container, source, name)
 
 
-def _probe(container, path, name):
+def _probe(container, source, name):
     stream = container.streams.video[0]
     frames = int(stream.frames)
     if frames <= 0:  # e.g. WebM and Matroska keep no count: count the packets (no decoding)
@@ -65,42 +73,62 @@ def _probe(container, path, name):
         container.seek(0)
     fps = float(stream.average_rate) if stream.average_rate else 0.0
     if frames <= 0 or fps <= 0:
-        raise ImageError(f"{name}: {os.fspath(path)!r} reports {frames} frames at {fps:g} fps; cannot sample it")
+        raise ImageError(f"{name}: {_label(source)} reports {frames} frames at {fps:g} fps; cannot sample it")
     return frames, fps, frames / fps
 
 
-def load_video(path, pick, *, fps=None, duration=None, name: str = "video"):
-    """A video file -> (frames: HxWx3 uint8 arrays, those at pick(total, fps, duration)'s indices, in its
-    order; meta: {"fps", "duration", "total_frames", "frames_indices"}). fps / duration: the caller's where
-    the container's are wrong (None: the container's rate, and frames / fps). A container whose frame count
-    is more than it holds is picked from again over the frames it holds. ImageError naming the file for
-    anything that cannot be read; pick's own errors pass through."""
-    with _open(path, name) as container:
-        total, file_fps, _ = _probe(container, path, name)
+def load_video(source, pick, *, fps=None, duration=None, name: str = "video", max_total_pixels: int | None = None):
+    """A video file (path or bytes) -> (frames: HxWx3 uint8 arrays, those at pick(total, fps, duration)'s
+    indices, in its order; meta: {"fps", "duration", "total_frames", "frames_indices"}). fps / duration: the
+    caller's where the container's are wrong (None: the container's rate, and frames / fps).
+    max_total_pixels: a cap on the picked frames' pixels together, checked before decoding. A container
+    whose frame count is more than it holds is picked from again over the frames it holds. ImageError
+    naming the file for anything that cannot be read; pick's own errors pass through."""
+    with _open(source, name) as container:
+        total, file_fps, _ = _probe(container, source, name)
+        frame_pixels = container.streams.video[0].width * container.streams.video[0].height
     own_duration = duration is None  # the file's: frames / fps
     fps = file_fps if fps is None else fps
     duration = total / fps if own_duration else duration
     indices = pick(total, fps, duration)
-    kept, decoded = _decode(path, name, indices)
-    if len(kept) < len(set(int(i) for i in indices)) and decoded < total:  # the count was high
+    unique = len(set(int(i) for i in indices))
+    if max_total_pixels is not None and unique * frame_pixels > max_total_pixels:
+        raise ImageError(f"{name}: its {unique} sampled frames have {unique * frame_pixels:,} pixels, over the "
+                         f"limit of {max_total_pixels:,}; send a shorter or smaller video")
+    kept, decoded = _decode(source, name, indices)
+    if len(kept) < unique and decoded < total:  # the count was high
         total = decoded
         duration = total / fps if own_duration else duration
         indices = pick(total, fps, duration)
-        kept, _ = _decode(path, name, indices)
+        kept, _ = _decode(source, name, indices)
     missing = sorted(set(int(i) for i in indices) - set(kept))
     if missing:  # the file decodes differently from one pass to the next
-        raise ImageError(f"{name}: decoding {os.fspath(path)!r} gave no frame {missing[0]} of the {total} it has")
+        raise ImageError(f"{name}: decoding {_label(source)} gave no frame {missing[0]} of the {total} it has")
     meta = {"fps": float(fps), "duration": float(duration), "total_frames": total,
             "frames_indices": [int(i) for i in indices]}
     return [kept[int(i)] for i in indices], meta
 
 
-def _decode(path, name, indices) -> tuple[dict, int]:
+class VideoFile:
+    """A video file (a path, or its bytes) with a cap on its sampled frames' pixels, for plan_video (a plain
+    path is one with no cap)."""
+
+    def __init__(self, source, max_total_pixels: int | None = None):
+        if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
+            raise ImageError(f"VideoFile: a path or a video file's bytes expected, got {type(source).__name__}")
+        self.source, self.max_total_pixels = source, max_total_pixels
+
+    def read(self, pick, fps, duration, name: str):
+        return load_video(self.source, pick, fps=fps, duration=duration, name=name,
+                          max_total_pixels=self.max_total_pixels)
+
+
+def _decode(source, name, indices) -> tuple[dict, int]:
     """({index: HxWx3 uint8} for the wanted indices that decoding reached, frames decoded), one sequential
     pass stopping after the last wanted frame."""
     av = _av()
     wanted, kept, last, i = set(int(j) for j in indices), {}, int(indices[-1]), -1
-    with _open(path, name) as container:
+    with _open(source, name) as container:
         container.streams.video[0].thread_type = "AUTO"  # frame threads: decoding is the cost
         try:
             for i, frame in enumerate(container.decode(video=0)):
@@ -109,9 +137,9 @@ def _decode(path, name, indices) -> tuple[dict, int]:
                 if i >= last:
                     break
         except (av.FFmpegError, OSError, ValueError) as e:
-            raise ImageError(f"{name}: decoding {os.fspath(path)!r} failed after {i + 1} frames ({e})") from None
+            raise ImageError(f"{name}: decoding {_label(source)} failed after {i + 1} frames ({e})") from None
     if not kept:
-        raise ImageError(f"{name}: {os.fspath(path)!r} gave no frame to decode")
+        raise ImageError(f"{name}: {_label(source)} gave no frame to decode")
     return kept, i + 1
 
 

@@ -45,7 +45,7 @@ from .. import vllm_ec
 from ..errors import ImageError
 from ..preprocess import prepare_canvas
 from ..video import plan_video
-from ..video_files import FrameFiles
+from ..video_files import FrameFiles, VideoFile
 from .batcher import Batcher, QueueFull
 from .cache import EmbeddingCache
 from .metrics import Metrics
@@ -206,7 +206,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         (vllm_ec.video_key_of: its frame files and settings) finds it in the cache and names its vLLM file."""
         videos, common = parse_videos(await json_body(request))
         decode_frames(videos, settings.max_image_mib)
-        keys = [vllm_ec.video_key_of(v["frames"], v["fps"], v["duration"], common) for v in videos]
+        keys = [vllm_ec.video_key_of(v["frames"] or [v["file"]], v["fps"], v["duration"], common) for v in videos]
         hits = {i: cache.get((k, settings.checkpoint)) for i, k in enumerate(keys)}
         todo = {}  # key -> first index that needs encoding (a repeated video is encoded once)
         for i, k in enumerate(keys):
@@ -215,8 +215,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         loop = asyncio.get_running_loop()
         backend = state["backend"]
         patching = backend.patching()
-        limits = (settings.max_pixels, settings.max_video_pixels)
-        done = await asyncio.gather(*[loop.run_in_executor(pool, _prepare_video, videos[i], i, common, *limits, patching)
+        args = (common, settings.max_pixels, settings.max_video_pixels, patching)
+        done = await asyncio.gather(*[loop.run_in_executor(pool, _prepare_video, videos[i], i, *args)
                                       for i in todo.values()], return_exceptions=True)
         for i, got in zip(todo.values(), done):
             if isinstance(got, BaseException):
@@ -280,7 +280,8 @@ def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels, resize: str,
 
 def _prepare_video(video: dict, index: int, common: dict, max_pixels, max_total_pixels, patching):
     """One request video -> video.plan_video's (frames, grid, info): sampled first, then only the sampled
-    frames decoded as images are (one that cannot be is an ImageError naming it); the backend makes their
-    pixels."""
-    return plan_video(FrameFiles(video["frames"], max_pixels, max_total_pixels), index, fps=video["fps"],
-                      duration=video["duration"], patching=patching, **common)
+    frames decoded (frame files as images are, a video file by PyAV; what cannot be is an ImageError naming
+    it); the backend makes their pixels."""
+    source = (VideoFile(video["file"], max_total_pixels) if video["file"] is not None else
+              FrameFiles(video["frames"], max_pixels, max_total_pixels))
+    return plan_video(source, index, fps=video["fps"], duration=video["duration"], patching=patching, **common)

@@ -76,11 +76,12 @@ def parse_images(body: bytes, capacity: int):
 
 
 VIDEO_FIELDS = ("videos", "sample", "target_fps", "max_frames", "max_duration", "min_image_tokens", "max_image_tokens")
-VIDEO_ENTRY = ("frames", "fps", "duration")  # what one video holds
+VIDEO_ENTRY = ("frames", "file", "fps", "duration")  # what one video holds: its frames' image files, or a video file
 
 
 def parse_videos(body: bytes) -> tuple[list[dict], dict]:
-    """(videos [{"frames": [base64], "fps", "duration"}], the settings for preprocess_video) or Refused 400.
+    """(videos [{"frames": [base64] or None, "file": base64 or None, "fps", "duration"}], the settings for
+    preprocess_video) or Refused 400.
     The settings' values are checked by preprocess_video itself (a 422 naming the video)."""
     try:
         req = json.loads(body)
@@ -103,10 +104,17 @@ def parse_videos(body: bytes) -> tuple[list[dict], dict]:
         if extra:
             raise Refused(400, f"videos[{i}]: unknown field{'s' if len(extra) > 1 else ''} "
                                f"{', '.join(map(repr, extra))}; a video has {', '.join(map(repr, VIDEO_ENTRY))}", i)
-        frames = v.get("frames")
-        if not isinstance(frames, list) or not frames or not all(isinstance(f, str) for f in frames):
+        frames, file = v.get("frames"), v.get("file")
+        if (frames is None) == (file is None):
+            raise Refused(400, f"videos[{i}] needs 'frames' (its frames' image files) or 'file' (a video file), "
+                               "one of the two", i)
+        if frames is not None and (not isinstance(frames, list) or not frames or
+                                   not all(isinstance(f, str) for f in frames)):
             raise Refused(400, f"videos[{i}].frames must be a non-empty list of base64 strings (image files)", i)
-        out.append({"frames": list(frames), "fps": v.get("fps"), "duration": v.get("duration")})
+        if file is not None and not isinstance(file, str):
+            raise Refused(400, f"videos[{i}].file must be a base64 string (a video file)", i)
+        out.append({"frames": None if frames is None else list(frames), "file": file, "fps": v.get("fps"),
+                    "duration": v.get("duration")})
     defaults = {"sample": True, "target_fps": 2, "max_frames": 2048, "max_duration": 0, "min_image_tokens": 16,
                 "max_image_tokens": MAX_VIDEO_TOKENS}
     common = {k: (defaults[k] if req.get(k) is None else req[k]) for k in defaults}
@@ -116,9 +124,15 @@ def parse_videos(body: bytes) -> tuple[list[dict], dict]:
 
 
 def decode_frames(videos: list[dict], max_image_mib: float) -> None:
-    """Each video's base64 frames replaced by the bytes they hold, in place, or Refused: not base64 (400), a
-    frame over the per-image limit (413)."""
+    """Each video's base64 frames (or file) replaced by the bytes they hold, in place, or Refused: not base64
+    (400), a frame over the per-image limit (413; a video file has the body's limit)."""
     for i, v in enumerate(videos):
+        if v["file"] is not None:
+            try:
+                v["file"] = b64decode(v["file"])
+            except (binascii.Error, ValueError) as e:
+                raise Refused(400, f"videos[{i}].file is not valid base64 ({e})", i) from None
+            continue
         for j, text in enumerate(v["frames"]):
             try:
                 v["frames"][j] = b64decode(text)
