@@ -255,6 +255,25 @@ def test_frame_files_decode_only_the_sampled_frames():
         FrameFiles([])
 
 
+def test_frame_files_as_paths_and_a_fifo_that_must_not_block(tmp_path):
+    import os
+
+    from glmvit_cupy.video import plan_video
+    from glmvit_cupy.video_files import FrameFiles
+
+    v = np.random.default_rng(15).integers(0, 256, (4, 20, 24, 3), dtype=np.uint8)
+    paths = []
+    for j, f in enumerate(v):
+        paths.append(tmp_path / f"f{j}.png")
+        paths[-1].write_bytes(_png(f))
+    want = plan_video(v, sample=False)
+    got = plan_video(FrameFiles(paths, max_total_pixels=10**6), sample=False)
+    assert got[1:] == want[1:] and all(np.array_equal(a, b) for a, b in zip(got[0], want[0]))
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ImageError, match="video 0 frame 2: is a FIFO"):  # refused by what it is, never opened
+        plan_video(FrameFiles(paths[:2] + [tmp_path / "fifo"], max_total_pixels=10**6), sample=False)
+
+
 def test_frames_as_a_list_of_arrays_or_rgb_pil_images_equal_the_array():
     rng = np.random.default_rng(6)
     v = rng.integers(0, 256, (4, 50, 70, 3), dtype=np.uint8)

@@ -180,9 +180,13 @@ class FrameFiles:
 
 
 def _header_pixels(file) -> int:
-    """An image file's width x height from its header (0 where Pillow cannot tell: load reports it)."""
+    """An image file's width x height from its header (0 where Pillow cannot tell, or the path is not a
+    regular file, which could block a read: load reports it)."""
+    is_bytes = isinstance(file, (bytes, bytearray, memoryview))
+    if not is_bytes and not (isinstance(file, (str, os.PathLike)) and os.path.isfile(file)):
+        return 0
     try:
-        with Image.open(io.BytesIO(file) if isinstance(file, (bytes, bytearray, memoryview)) else file) as im:
+        with Image.open(io.BytesIO(file) if is_bytes else file) as im:
             return im.size[0] * im.size[1]
     except Exception:  # noqa: BLE001 - decoding it reports what is wrong, by name
         return 0
