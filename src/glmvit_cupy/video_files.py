@@ -84,23 +84,24 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
     max_total_pixels: a cap on the picked frames' pixels together, checked before decoding. A container
     whose frame count is more than it holds is picked from again over the frames it holds. ImageError
     naming the file for anything that cannot be read; pick's own errors pass through."""
-    with _open(source, name) as container:
+    with _open(source, name) as container:  # one open: probed, then decoded (twice if the count was high)
         total, file_fps, _ = _probe(container, source, name)
-        frame_pixels = container.streams.video[0].width * container.streams.video[0].height
-    own_duration = duration is None  # the file's: frames / fps
-    fps = file_fps if fps is None else fps
-    duration = total / fps if own_duration else duration
-    indices = pick(total, fps, duration)
-    unique = len(set(int(i) for i in indices))
-    if max_total_pixels is not None and unique * frame_pixels > max_total_pixels:
-        raise ImageError(f"{name}: its {unique} sampled frames have {unique * frame_pixels:,} pixels, over the "
-                         f"limit of {max_total_pixels:,}; send a shorter or smaller video")
-    kept, decoded = _decode(source, name, indices)
-    if len(kept) < unique and decoded < total:  # the count was high
-        total = decoded
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"  # frame threads: decoding is the cost
+        own_duration = duration is None  # the file's: frames / fps
+        fps = file_fps if fps is None else fps
         duration = total / fps if own_duration else duration
         indices = pick(total, fps, duration)
-        kept, _ = _decode(source, name, indices)
+        unique = len(set(int(i) for i in indices))
+        if max_total_pixels is not None and unique * stream.width * stream.height > max_total_pixels:
+            raise ImageError(f"{name}: its {unique} sampled frames have {unique * stream.width * stream.height:,} "
+                             f"pixels, over the limit of {max_total_pixels:,}; send a shorter or smaller video")
+        kept, decoded = _decode(container, source, name, indices)
+        if len(kept) < unique and decoded < total:  # the count was high: pick again from what is there
+            total = decoded
+            duration = total / fps if own_duration else duration
+            indices = pick(total, fps, duration)
+            kept, _ = _decode(container, source, name, indices)
     missing = sorted(set(int(i) for i in indices) - set(kept))
     if missing:  # the file decodes differently from one pass to the next
         raise ImageError(f"{name}: decoding {_label(source)} gave no frame {missing[0]} of the {total} it has")
@@ -123,21 +124,20 @@ class VideoFile:
                           max_total_pixels=self.max_total_pixels)
 
 
-def _decode(source, name, indices) -> tuple[dict, int]:
+def _decode(container, source, name, indices) -> tuple[dict, int]:
     """({index: HxWx3 uint8} for the wanted indices that decoding reached, frames decoded), one sequential
-    pass stopping after the last wanted frame."""
+    pass from the start, stopping after the last wanted frame."""
     av = _av()
     wanted, kept, last, i = set(int(j) for j in indices), {}, int(indices[-1]), -1
-    with _open(source, name) as container:
-        container.streams.video[0].thread_type = "AUTO"  # frame threads: decoding is the cost
-        try:
-            for i, frame in enumerate(container.decode(video=0)):
-                if i in wanted:
-                    kept[i] = frame.to_ndarray(format="rgb24")
-                if i >= last:
-                    break
-        except (av.FFmpegError, OSError, ValueError) as e:
-            raise ImageError(f"{name}: decoding {_label(source)} failed after {i + 1} frames ({e})") from None
+    try:
+        container.seek(0)
+        for i, frame in enumerate(container.decode(video=0)):
+            if i in wanted:
+                kept[i] = frame.to_ndarray(format="rgb24")
+            if i >= last:
+                break
+    except (av.FFmpegError, OSError, ValueError) as e:
+        raise ImageError(f"{name}: decoding {_label(source)} failed after {i + 1} frames ({e})") from None
     if not kept:
         raise ImageError(f"{name}: {_label(source)} gave no frame to decode")
     return kept, i + 1

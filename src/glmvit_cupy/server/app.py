@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import binascii
 import dataclasses
+import functools
 import io
 import json
 import threading
@@ -143,6 +144,41 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             raise Refused(415, f"Content-Type {kind or 'none'!r}: send application/json")
         return await read_body(request, int(settings.max_body_mib * 2**20))
 
+    def split_hits(keys):
+        """({i: the cache's entry for keys[i] or None}, {key: the first index that needs encoding}): a key
+        repeated in one request is encoded once."""
+        hits = {i: cache.get(k) for i, k in enumerate(keys)}
+        todo = {}
+        for i, k in enumerate(keys):
+            if hits[i] is None:
+                todo.setdefault(k, i)
+        return hits, todo
+
+    async def on_pool(calls: dict, failed) -> list:
+        """{request index: a call} run on the decoding pool, results in order; the first failure a 422 naming
+        its index (an ImageError or ValueError, counted in `failed`), anything else raised as it is."""
+        loop = asyncio.get_running_loop()
+        got = await asyncio.gather(*[loop.run_in_executor(pool, c) for c in calls.values()], return_exceptions=True)
+        for i, g in zip(calls, got):
+            if isinstance(g, BaseException):
+                failed.inc()
+                if isinstance(g, (ImageError, ValueError)):
+                    raise Refused(422, str(g), i)
+                raise g
+        return got
+
+    def queued(submit):
+        """submit()'s futures, or Refused: 429 when the queue is full, 503 once shutting down."""
+        try:
+            return submit()
+        except QueueFull as e:
+            raise Refused(429 if state["status"] == "ok" else 503, str(e)) from None
+
+    async def hand_to_vllm(keys, out):
+        if settings.vllm_ec_dir:
+            await asyncio.get_running_loop().run_in_executor(
+                pool, lambda: [vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)]) for i, k in enumerate(keys)])
+
     async def _encode(request):
         images, lo, hi = parse_images(await json_body(request), settings.capacity_tokens)
         blobs = []
@@ -157,27 +193,13 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             blobs.append(data)
         shas = [vllm_ec.key_of(d) for d in blobs]
         keys = [(sha, lo, hi, settings.checkpoint) for sha in shas]
-        hits = {i: cache.get(k) for i, k in enumerate(keys)}
-        todo = {}  # key -> first index that needs encoding (a repeated image is encoded once)
-        for i, k in enumerate(keys):
-            if hits[i] is None:
-                todo.setdefault(k, i)
-        loop = asyncio.get_running_loop()
+        hits, todo = split_hits(keys)
         backend = state["backend"]
         patching = backend.patching()  # once a request (main refused towers whose patches are not RGB)
-        prepared = await asyncio.gather(*[loop.run_in_executor(pool, _prepare, blobs[i], i, lo, hi, settings.max_pixels,
-                                                               backend.resize, patching)
-                                          for i in todo.values()], return_exceptions=True)
-        for i, got in zip(todo.values(), prepared):
-            if isinstance(got, BaseException):
-                metrics.images.labels("failed").inc()
-                if isinstance(got, (ImageError, ValueError)):
-                    raise Refused(422, str(got), i)
-                raise got
-        try:
-            futures = state["batcher"].submit(list(prepared))
-        except QueueFull as e:
-            raise Refused(429 if state["status"] == "ok" else 503, str(e)) from None
+        prepared = await on_pool({i: functools.partial(_prepare, blobs[i], i, lo, hi, settings.max_pixels,
+                                                       backend.resize, patching) for i in todo.values()},
+                                 metrics.images.labels("failed"))
+        futures = queued(lambda: state["batcher"].submit(list(prepared)))
         encoded = dict(zip(todo, await asyncio.gather(*futures)))
         grids = {k: item[1] for k, item in zip(todo, prepared)}
         out, meta = {}, []
@@ -193,9 +215,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             out[str(i)] = emb
             meta.append({"sha256": shas[i], "grid_thw": list(grid), "tokens": int(emb.shape[0]),
                          "cached": hits[i] is not None})
-        if settings.vllm_ec_dir:
-            await loop.run_in_executor(pool, lambda: [vllm_ec.write(settings.vllm_ec_dir, s, out[str(i)])
-                                                      for i, s in enumerate(shas)])
+        await hand_to_vllm(shas, out)
         from safetensors.numpy import save
 
         return Response(save(out, metadata={"images": json.dumps(meta)}), media_type="application/octet-stream")
@@ -207,23 +227,13 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         videos, common = parse_videos(await json_body(request))
         decode_frames(videos, settings.max_image_mib)
         keys = [vllm_ec.video_key_of(v["frames"] or [v["file"]], v["fps"], v["duration"], common) for v in videos]
-        hits = {i: cache.get((k, settings.checkpoint)) for i, k in enumerate(keys)}
-        todo = {}  # key -> first index that needs encoding (a repeated video is encoded once)
-        for i, k in enumerate(keys):
-            if hits[i] is None:
-                todo.setdefault(k, i)
-        loop = asyncio.get_running_loop()
+        hits, todo = split_hits([(k, settings.checkpoint) for k in keys])
         backend = state["backend"]
         patching = backend.patching()
         args = (common, settings.max_pixels, settings.max_video_pixels, patching)
-        done = await asyncio.gather(*[loop.run_in_executor(pool, _prepare_video, videos[i], i, *args)
-                                      for i in todo.values()], return_exceptions=True)
+        done = await on_pool({i: functools.partial(_prepare_video, videos[i], i, *args) for i in todo.values()},
+                             metrics.videos.labels("failed"))
         for i, got in zip(todo.values(), done):
-            if isinstance(got, BaseException):
-                metrics.videos.labels("failed").inc()
-                if isinstance(got, (ImageError, ValueError)):
-                    raise Refused(422, str(got), i)
-                raise got
             if got[2]["frame_tokens"] > settings.capacity_tokens:
                 metrics.videos.labels("failed").inc()
                 raise Refused(422, f"video {i}: a group of {patching.temporal_patch_size} frames is "
@@ -231,18 +241,14 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                                    f"{settings.capacity_tokens} tokens per pass; lower max_image_tokens", i)
         embs = []
         if todo:
-            try:
-                future = state["batcher"].submit_task(lambda lane: backend.encode_video_on(lane, done))
-            except QueueFull as e:
-                raise Refused(429 if state["status"] == "ok" else 503, str(e)) from None
-            embs = await future
+            embs = await queued(lambda: state["batcher"].submit_task(lambda lane: backend.encode_video_on(lane, done)))
             metrics.tokens.inc(sum(int(e.shape[0]) for e in embs))
         encoded = {k: (emb, {"grid_thw": list(info["grid"]), "tokens": info["tokens"],
                              "frame_tokens": info["frame_tokens"], "frames_indices": info["frames_indices"],
                              "timestamps": info["timestamps"]}) for k, emb, (_, _, info) in zip(todo, embs, done)}
         out, meta = {}, []
         for i, k in enumerate(keys):
-            emb, m = hits[i] if hits[i] is not None else encoded[k]
+            emb, m = hits[i] if hits[i] is not None else encoded[(k, settings.checkpoint)]
             if hits[i] is None:
                 cache.put((k, settings.checkpoint), emb, m)
             else:
@@ -250,9 +256,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             metrics.videos.labels("encoded" if hits[i] is None else "cached").inc()
             out[str(i)] = emb
             meta.append({"key": k, **m, "cached": hits[i] is not None})
-        if settings.vllm_ec_dir:
-            await loop.run_in_executor(pool, lambda: [vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)])
-                                                      for i, k in enumerate(keys)])
+        await hand_to_vllm(keys, out)
         from safetensors.numpy import save
 
         return Response(save(out, metadata={"videos": json.dumps(meta)}), media_type="application/octet-stream")
