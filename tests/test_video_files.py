@@ -2,7 +2,11 @@
 PyAV, read back as the same frames the array path samples, containers with and without a frame count, a
 count higher than the file holds, and files that cannot be read refused by name."""
 
+import hashlib
+import io
+import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +16,9 @@ from glmvit_cupy import video_files
 from glmvit_cupy.video import plan_video
 
 av = pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
+
+GOLDEN = Path(__file__).parent / "golden" / "video_files"
+CLIPS = {k: v for k, v in json.loads((GOLDEN / "golden.json").read_text()).items()}
 
 
 def write(path, frames, fps=30, codec="ffv1", pix="bgr0"):
@@ -31,18 +38,21 @@ def clip(n, h=42, w=58, seed=0):
     return np.random.default_rng(seed).integers(0, 256, (n, h, w, 3), dtype=np.uint8)
 
 
-@pytest.mark.parametrize("ext,codec,pix", [("mkv", "ffv1", "bgr0"), ("avi", "ffv1", "bgr0"), ("mov", "png", "rgb24")])
-def test_a_file_gives_the_frames_the_array_path_samples(tmp_path, ext, codec, pix):
-    """Matroska keeps no frame count (packets counted), AVI and MOV do; the sampled frames, indices,
-    timestamps and canvas equal plan_video of the decoded array at the container's fps and duration."""
+# Matroska's millisecond timestamps end the 95th frame at 3.166 s, so fps = 95 / 3.166 (torchcodec's too).
+@pytest.mark.parametrize("ext,codec,pix,duration", [("mkv", "ffv1", "bgr0", 3.166), ("avi", "ffv1", "bgr0", 95 / 30),
+                                                    ("mov", "png", "rgb24", 95 / 30)])
+def test_a_file_gives_the_frames_the_array_path_samples(tmp_path, ext, codec, pix, duration):
+    """Frames, duration and fps from the packets' timestamps (as torchcodec scans them); the sampled frames,
+    indices, timestamps and canvas equal plan_video of the decoded array at that fps and duration."""
     frames = clip(95)  # 95 frames at 30 fps: 3.17 s, ~6 sampled at 2 fps
     path = write(tmp_path / f"clip.{ext}", frames, codec=codec, pix=pix)
-    assert video_files.probe(path) == (95, 30.0, 95 / 30)
+    fps = 95 / duration
+    assert video_files.probe(path) == (95, fps, duration)
     got, grid, info = plan_video(path, max_image_tokens=400)
-    want, wgrid, winfo = plan_video(frames, fps=30.0, duration=95 / 30, max_image_tokens=400)
+    want, wgrid, winfo = plan_video(frames, fps=fps, duration=duration, max_image_tokens=400)
     assert grid == wgrid and info == winfo and len(got) == len(want)
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
-    assert info["frames_indices"][0] == 0 and info["timestamps"] == [i / 30 for i in info["frames_indices"]]
+    assert info["frames_indices"][0] == 0 and info["timestamps"] == [i / fps for i in info["frames_indices"]]
     every, meta = video_files.load_video(path, lambda total, fps, duration: np.arange(total))
     assert np.array_equal(np.stack(every), frames) and meta["frames_indices"] == list(range(95))
     _, every_info = plan_video(path, sample=False)[1:]
@@ -83,7 +93,8 @@ def test_files_that_cannot_be_read_are_refused_by_name(tmp_path, monkeypatch):
     with pytest.raises(ImageError, match=r"video 0: cannot open '.*text.mp4' as a video"):
         plan_video(tmp_path / "text.mp4")
     short = write(tmp_path / "short.mkv", clip(2), fps=30)
-    with pytest.raises(ValueError, match="video 1: sample_frames: a 2-frame video at 30.0 fps .* gives no frame"):
+    with pytest.raises(ValueError, match=r"video 1: sample_frames: a 2-frame video at 30\.30[0-9]* fps lasts 0\.066 s, "
+                                         r".* gives no frame"):  # mkv's millisecond timestamps: 2 frames in 66 ms
         preprocess_video([write(tmp_path / "ok.mkv", clip(8), fps=4), short])
     from PIL import Image
 
@@ -107,7 +118,56 @@ def test_a_video_file_as_bytes_and_its_pixel_cap(tmp_path):
     with pytest.raises(ImageError, match=f"video 0: its {n} sampled frames have {n * 42 * 58:,} pixels, over the "
                                          f"limit of {n * 42 * 58 - 1:,}"):
         plan_video(video_files.VideoFile(data, max_total_pixels=n * 42 * 58 - 1))
-    with pytest.raises(ImageError, match=f"video 0: cannot open the video file of 9 bytes as a video"):
+    with pytest.raises(ImageError, match="video 0: cannot open the video file of 9 bytes as a video"):
         plan_video(video_files.VideoFile(b"not a mp4"))
     with pytest.raises(ImageError, match="VideoFile: a path or a video file's bytes expected, got int"):
         video_files.VideoFile(3)
+
+
+@pytest.mark.parametrize("name", sorted(CLIPS))
+def test_clips_read_as_the_reference_processor_reads_them(name):
+    """Clips written by FFmpeg's own encoders (10-bit H.264, HEVC HLG and VP9; display rotations of 90, 180 and
+    270 degrees; a stream starting at 1.3 s; 29.97 fps with B-frames), against what torchcodec 0.17 (the
+    decoder HF's processor opens a path with) made of them (tools/video_decoders.py --golden): the frame
+    count, fps and duration to the last bit, every frame's RGB bytes, and the processor's grid, sampled
+    frames and pixels given the path. Before (PyAV's to_ndarray, the container's rate) all six failed: 10-bit
+    frames up to ~150 levels off, rotated videos sideways, the offset clip's frames (1.4999999999999998 s, as
+    2.8 - 1.3, gives 2 frames at 2 fps, not 3), the 29.97 fps clip's fps in its last bits (30000 / 1001 against
+    torchcodec's 15 / 0.5005)."""
+    want, path = CLIPS[name], GOLDEN / name
+    assert video_files.probe(path) == (want["frames"], want["fps"], want["duration"])
+    frames, meta = video_files.load_video(path, lambda total, fps, duration: np.arange(total))
+    got = np.stack(frames)
+    assert list(got.shape) == want["shape"] and hashlib.sha256(got.tobytes()).hexdigest() == want["sha256"]
+    pixels, grid, info = preprocess_video(path, max_image_tokens=600)
+    from tests.video_cases import digest
+
+    hf = want["processor"]
+    assert grid.tolist() == [hf["grid"]] and info[0]["frames_indices"] == hf["frames_indices"]
+    assert digest(pixels) == hf["sha256"]
+
+
+def test_a_rotation_the_frames_cannot_take_and_a_size_change_are_refused(tmp_path):
+    """A display matrix of 45 degrees (FFmpeg writes any angle), and a stream whose frames change size (two
+    MPEG-TS files joined): each refused by name, not encoded skewed or half-resized."""
+    with pytest.raises(ImageError, match=r"video 0: '.*h264_rotate45.mp4' asks for its frames to be shown rotated "
+                                         r"by 45 degrees; only multiples of 90"):
+        plan_video(Path(__file__).parent / "golden" / "video_files_refused" / "h264_rotate45.mp4")
+
+    def ts(width, seed):
+        buf = io.BytesIO()
+        with av.open(buf, "w", format="mpegts") as c:
+            s = c.add_stream("mpeg2video", rate=10)
+            s.width, s.height, s.pix_fmt = width, 32, "yuv420p"
+            for f in clip(5, 32, width, seed):
+                for pkt in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                    c.mux(pkt)
+            for pkt in s.encode():
+                c.mux(pkt)
+        return buf.getvalue()
+
+    path = tmp_path / "joined.ts"
+    path.write_bytes(ts(48, 1) + ts(64, 2))
+    with pytest.raises(ImageError, match=r"video 0: '.*joined.ts' changes its frame size mid-stream \(48x32 and "
+                                         r"64x32 among the sampled frames\)"):
+        plan_video(path, sample=False)

@@ -10,7 +10,8 @@ images, temporal_patch_size consecutive frames a row. The tower encodes each gro
 frames as an image of its own (grid (1, h, w)); a video's output is its groups' outputs in order.
 
 Frames are what a decoder gives: a uint8 [T, H, W, 3] array, or a list of HxWx3 uint8 arrays or RGB PIL
-images of one size. Decoding files is left to the caller's decoder (the reference's is torchcodec).
+images of one size; or a video file, read by video_files as the reference's decoder (torchcodec) reads
+it.
 """
 
 from __future__ import annotations

@@ -2,18 +2,22 @@
 which only the sampled ones are decoded (FrameFiles), or a video file's sampled frames decoded by PyAV
 (load_video; the `video` extra, imported only when a path is given).
 
-As HF transformers' load_video(backend="pyav"): the video stream's frame count and average rate, duration
-= frames / fps unless the caller gives one, the sampled indices (the caller's pick: video.plan_video passes
-the video processor's rule) kept from one sequential decode, each converted to RGB by FFmpeg
-(frame.to_ndarray(format="rgb24")). Only the sampled frames are kept, so a long video costs its decoding
-time, not its size in memory. The video processor's own default decoder, torchcodec, reads the container's
-duration and converts colours with its own FFmpeg settings; its frames can differ from these slightly.
+As the reference video processor reads a path (HF transformers 5.23.0's fetch_videos: torchcodec's
+VideoDecoder, seek_mode="exact", on the CPU): frames, duration and fps from a scan of the stream's packets,
+the sampled indices (the caller's pick: video.plan_video passes the video processor's rule) kept from one
+sequential decode in presentation order, each converted to RGB by FFmpeg's scale filter and turned upright
+by its display rotation. Checked bit for bit against torchcodec 0.17 (tools/video_decoders.py; the golden
+clips in tests/golden/video_files). Only the sampled frames are kept, so a long video costs its decoding
+time, not its size in memory. Where FFmpeg's own versions differ (a decoder's output, a demuxer's packet
+durations), torchcodec on another FFmpeg can differ too. HF's load_video(backend="pyav") reads otherwise
+(the container's rate, no rotation, to_ndarray's colour conversion).
 """
 
 from __future__ import annotations
 
 import io
 import os
+from fractions import Fraction
 
 import numpy as np
 from PIL import Image
@@ -59,38 +63,50 @@ def _open(source, name: str):
 
 
 def probe(source, name: str = "video") -> tuple[int, float, float]:
-    """(frames, fps, duration in seconds) of a video file's first video stream, as HF's PyAV loader reads
-    them; a container that does not store its frame count has its packets counted."""
+    """(frames, fps, duration in seconds) of a video file's first video stream, as the reference processor's
+    decoder reads them (torchcodec, seek_mode="exact"): a scan of the stream's packets, nothing decoded."""
     with _open(source, name) as container:
         return _probe(container, source, name)
 
 
 def _probe(container, source, name):
+    """frames = the stream's packets (less those flagged discard), duration = the latest pts + duration less
+    the earliest pts, fps = frames / duration. A container's own frame count and rate can differ from these
+    (variable frame rate, a count it never wrote): the reference samples by these."""
     stream = container.streams.video[0]
-    frames = int(stream.frames)
-    if frames <= 0:  # e.g. WebM and Matroska keep no count: count the packets (no decoding)
-        frames = sum(1 for packet in container.demux(stream) if packet.size)
-        container.seek(0)
-    fps = float(stream.average_rate) if stream.average_rate else 0.0
-    if frames <= 0 or fps <= 0:
-        raise ImageError(f"{name}: {_label(source)} reports {frames} frames at {fps:g} fps; cannot sample it")
-    return frames, fps, frames / fps
+    frames, first, end = 0, None, None
+    for packet in container.demux(stream):
+        if not packet.size or getattr(packet, "is_discard", False):  # size 0: the demuxer's last, empty one
+            continue
+        pts = packet.pts if packet.pts is not None else packet.dts
+        frames += 1
+        if pts is not None:
+            first = pts if first is None else min(first, pts)
+            end = pts + (packet.duration or 0) if end is None else max(end, pts + (packet.duration or 0))
+    container.seek(0)
+    tb = stream.time_base  # each end in seconds, then subtracted: the reference's float64 steps, bit for bit
+    duration = end * tb.numerator / tb.denominator - first * tb.numerator / tb.denominator if first is not None else 0.0
+    if frames <= 0 or duration <= 0:
+        raise ImageError(f"{name}: {_label(source)} holds {frames} video frames over {duration:g} s; cannot "
+                         "sample it")
+    return frames, frames / duration, duration
 
 
 def load_video(source, pick, *, fps=None, duration=None, name: str = "video", max_total_pixels: int | None = None):
     """A video file (path or bytes) -> (frames: HxWx3 uint8 arrays, those at pick(total, fps, duration)'s
     indices, in its order; meta: {"fps", "duration", "total_frames", "frames_indices"}). fps / duration: the
-    caller's where the container's are wrong (None: the container's rate, and frames / fps).
+    caller's where the file's are wrong (None: the file's, as _probe reads them; a caller's fps alone gives
+    duration = frames / fps).
     max_total_pixels: a cap on the picked frames' pixels together, checked before decoding. A container
     whose frame count is more than it holds is picked from again over the frames it holds. ImageError
     naming the file for anything that cannot be read; pick's own errors pass through."""
     with _open(source, name) as container:  # one open: probed, then decoded (twice if the count was high)
-        total, file_fps, _ = _probe(container, source, name)
+        total, file_fps, file_duration = _probe(container, source, name)
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"  # frame threads: decoding is the cost
-        own_duration = duration is None  # the file's: frames / fps
+        own_duration = duration is None  # the file's, or frames / the caller's fps
+        duration = (file_duration if fps is None else total / fps) if own_duration else duration
         fps = file_fps if fps is None else fps
-        duration = total / fps if own_duration else duration
         indices = pick(total, fps, duration)
         unique = len(set(int(i) for i in indices))
         if max_total_pixels is not None and unique * stream.width * stream.height > max_total_pixels:
@@ -126,21 +142,60 @@ class VideoFile:
 
 def _decode(container, source, name, indices) -> tuple[dict, int]:
     """({index: HxWx3 uint8} for the wanted indices that decoding reached, frames decoded), one sequential
-    pass from the start, stopping after the last wanted frame."""
+    pass from the start, stopping after the last wanted frame; each kept frame converted by _RGB."""
     av = _av()
     wanted, kept, last, i = set(int(j) for j in indices), {}, int(indices[-1]), -1
+    rgb = _RGB(av, name, source)
     try:
         container.seek(0)
         for i, frame in enumerate(container.decode(video=0)):
             if i in wanted:
-                kept[i] = frame.to_ndarray(format="rgb24")
+                kept[i] = rgb(frame)
             if i >= last:
                 break
     except (av.FFmpegError, OSError, ValueError) as e:
         raise ImageError(f"{name}: decoding {_label(source)} failed after {i + 1} frames ({e})") from None
     if not kept:
         raise ImageError(f"{name}: {_label(source)} gave no frame to decode")
+    shapes = sorted({f.shape for f in kept.values()})
+    if len(shapes) > 1:
+        raise ImageError(f"{name}: {_label(source)} changes its frame size mid-stream ({shapes[0][1]}x{shapes[0][0]} "
+                         f"and {shapes[1][1]}x{shapes[1][0]} among the sampled frames); a video's frames share one size")
     return kept, i + 1
+
+
+class _RGB:
+    """A decoded frame -> HxWx3 uint8 RGB as the reference's decoder (torchcodec on the CPU) makes it: FFmpeg's
+    scale filter with its default (bicubic) flags to rgb24, then turned upright by the frame's display
+    rotation (phones store portrait video as landscape frames and a rotation). Why not PyAV's
+    to_ndarray(format="rgb24"): it converts 10- and 12-bit frames another way (up to ~150 levels apart at
+    chroma edges) and ignores the rotation. One filter graph per frame format and size."""
+
+    def __init__(self, av, name, source):
+        self.av, self.name, self.source, self.key, self.graph = av, name, source, None, None
+
+    def _build(self, frame):
+        g = self.av.filter.Graph()
+        chain = [g.add_buffer(width=frame.width, height=frame.height, format=frame.format,
+                              time_base=frame.time_base or Fraction(1, 1000)),
+                 g.add("scale", "flags=bicubic"), g.add("format", "rgb24"), g.add("buffersink")]
+        for a, b in zip(chain, chain[1:]):
+            a.link_to(b)
+        g.configure()
+        return g
+
+    def __call__(self, frame) -> np.ndarray:
+        key = (frame.format.name, frame.width, frame.height)
+        if key != self.key:
+            self.graph, self.key = self._build(frame), key
+        self.graph.push(frame)
+        out = self.graph.pull().to_ndarray()
+        rotation = getattr(frame, "rotation", 0) or 0  # degrees counter-clockwise
+        if rotation % 90:
+            raise ImageError(f"{self.name}: {_label(self.source)} asks for its frames to be shown rotated by "
+                             f"{rotation} degrees; only multiples of 90 can be applied")
+        turns = round(rotation / 90) % 4
+        return np.ascontiguousarray(np.rot90(out, turns)) if turns else out
 
 
 class FrameFiles:
