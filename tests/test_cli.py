@@ -112,7 +112,7 @@ def test_resume_skips_finished_images(images, tmp_path, capsys):
     shards = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
     rc = run([images / "a.png", images / "c.jpg", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu"])
     assert rc == 0
-    assert "1 of 2 images already" in capsys.readouterr().out
+    assert "1 of 2 files already" in capsys.readouterr().out
     manifest, tensors = load_all(out)
     assert len(manifest["images"]) == 2 and len(tensors) == 2
     assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))[: len(shards)] == shards
@@ -140,7 +140,7 @@ def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch, c
     args = [images / "a.png", images / "c.jpg", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu",
             "--capacity-tokens", 30, "--max-image-tokens", 30]
     assert run(args) == 130  # Ctrl-C: a sentence, not a traceback
-    assert "interrupted; 1 images saved this run (1 in" in capsys.readouterr().err
+    assert "interrupted; 1 file saved this run (1 in" in capsys.readouterr().err
     manifest, tensors = load_all(out)
     # the first batch is whichever image was prepared first (cli.prepared hands them on as they finish)
     saved = list(manifest["images"])

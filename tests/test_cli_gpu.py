@@ -53,6 +53,49 @@ def test_gpu_command_matches_reference_and_model(tmp_path, capsys):
     print(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+def test_gpu_command_encodes_videos_as_the_model(tmp_path):
+    """glmvit-encode on two replicas with video files (a clip of several 60-token passes, a rotated 10-bit one, a
+    late-starting one) beside an image: each video bit-equal to GlmVit.encode_video of its path with the same
+    settings, frames resized on the GPU or (--resize host) on the host alike, and near the float32 reference."""
+    import pytest
+
+    pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
+    import shutil
+
+    from glmvit_cupy.output import read_embeddings
+    from glmvit_cupy.video import preprocess_video
+    from tests.test_cli_videos import write_clip
+
+    folder, golden = tmp_path / "media", os.path.join(os.path.dirname(__file__), "golden", "video_files")
+    folder.mkdir()
+    write_clip(folder / "pan.mkv", n=30, h=150, w=200, fps=5)
+    for name in ("h264_10bit_rot90.mp4", "h264_offset.mp4"):
+        shutil.copy(os.path.join(golden, name), folder / name)
+    Image.fromarray(cases._smooth(100, 150, 3)).save(folder / "a.png")
+    devices = "0,1" if cupy.cuda.runtime.getDeviceCount() >= 2 else "0,0"
+    settings = ["--capacity-tokens", "60", "--max-image-tokens", "60", "--max-video-tokens", "300"]
+    runs = {}
+    for resize in ("gpu", "host"):
+        out = tmp_path / f"out-{resize}"
+        assert cli.main([str(folder), "--checkpoint", str(cases.TOWER_DIR), "--out", str(out), "--devices", devices,
+                         "--resize", resize, *settings]) == 0
+        runs[resize] = read_embeddings(out)
+    manifest, embs = runs["gpu"]
+    model = GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=60)
+    tower = reference.Tower(reference.bind_tower(cases.TOWER_DIR))
+    videos = [k for k, e in manifest["images"].items() if e.get("kind") == "video"]
+    assert len(videos) == 3 and len(embs) == 4
+    for key in videos:
+        alone = cupy.asnumpy(model.encode_video(key, max_image_tokens=300)[0])
+        assert np.array_equal(embs[key], alone) and np.array_equal(runs["host"][1][key], alone), key
+        pv, grid, info = preprocess_video(key, max_image_tokens=300)
+        ref = reference.encode_pixels(tower, pv, grid)
+        got = embs[key].astype(np.float32)
+        assert manifest["images"][key]["grid_thw"] == grid[0].tolist()
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2, key
+    assert max(manifest["images"][k]["grid_thw"][0] * manifest["images"][k]["frame_tokens"] for k in videos) > 60
+
+
 def test_gpu_command_on_a_tower_of_another_merge_size(tmp_path):
     """A 3 x 3-merge tower of 16-pixel single-frame patches through glmvit-encode on two replicas: each image's
     tokens are its canvas's (48-pixel tokens), and its embedding is the float32 reference's of the pixels

@@ -113,7 +113,7 @@ def test_resume_keys_are_resolved_files(folder, tmp_path, monkeypatch, capsys):
     assert sorted(manifest["images"]) == [os.path.realpath(folder / "a.png"), os.path.realpath(folder / "b.png")]
     assert "resolved absolute path" in manifest["header"]["key"]
     assert len([f for f in os.listdir(out) if f.endswith(".safetensors")]) == 2  # a.png encoded once
-    assert "2 of 2 images already" in capsys.readouterr().out
+    assert "2 of 2 files already" in capsys.readouterr().out
 
 
 def test_resuming_with_other_settings_is_refused(folder, tmp_path, capsys):
@@ -130,9 +130,9 @@ def test_empty_inputs_are_an_error_and_create_nothing(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     out = tmp_path / "out"
     assert run(tmp_path / "empty", "--checkpoint", TOWER, "--out", out, "--cpu") == 2
-    assert "no images found in" in capsys.readouterr().err and not out.exists()
+    assert "no images or videos found in" in capsys.readouterr().err and not out.exists()
     assert run(str(tmp_path / "*.png"), "--checkpoint", TOWER, "--out", out, "--cpu") == 2
-    assert "no images found" in capsys.readouterr().err and not out.exists()
+    assert "no images or videos found" in capsys.readouterr().err and not out.exists()
 
 
 def test_output_is_readable_and_modes_are_consistent(folder, tmp_path):

@@ -112,9 +112,10 @@ class Backend:
         with model.device:
             return HOST.download(outs)  # the caller's stream (this device's) was made to wait for them
 
-    def encode_video_on(self, lane: int, planned: list) -> list[np.ndarray]:
+    def encode_video_on(self, lane: int, planned: list, resize: str | None = None) -> list[np.ndarray]:
         """Planned videos (video.plan_videos') on replica `lane` (from any thread) -> one host bf16 array per
-        video, in passes of whole frame groups; frames resized where this backend resizes images."""
+        video, in passes of whole frame groups; frames resized where `resize` says (None: where this backend
+        resizes images; the CPU reference always on the host)."""
         if self.cpu:
             from . import reference
             from .video import video_pixels
@@ -126,7 +127,7 @@ class Backend:
         from .engine.blocks import HOST
 
         model = self._engine.models[lane]
-        outs = model.encode_planned_videos(planned, self.resize)
+        outs = model.encode_planned_videos(planned, resize or self.resize)
         with model.device:
             return HOST.download(outs)
 

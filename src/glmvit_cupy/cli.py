@@ -1,22 +1,23 @@
-"""glmvit-encode: images from files, folders or globs -> embeddings in safetensors + a JSON manifest.
+"""glmvit-encode: images and videos from files, folders or globs -> embeddings in safetensors + a JSON manifest.
 
-    glmvit-encode photos/ 'scans/**/*.png' --checkpoint zai-org/GLM-5.3-Flash --out embeddings/
+    glmvit-encode photos/ 'scans/**/*.png' clips/ --checkpoint zai-org/GLM-5.3-Flash --out embeddings/
     glmvit-encode --inspect /models/GLM-5.3-Flash
 
-The output folder holds embeddings-NNNNN.safetensors shards (one bf16 tensor per image, keyed by
-the image file's resolved path) and manifest.json (source, size_hw, canvas_hw, grid_thw, tokens,
-shard per image; the images that failed, with why; the settings). Each batch is written to a
-temporary name and renamed, naming its images in its own metadata; the manifest is rewritten every
-few seconds and at the end: an interrupted run loses nothing it finished, and a re-run with the same
-settings skips what is done. A bad image is reported and skipped. Read the output with
-glmvit_cupy.output.read_embeddings(folder).
+The output folder holds embeddings-NNNNN.safetensors shards (one bf16 tensor per image or video, keyed
+by the file's resolved path) and manifest.json (source, size_hw, canvas_hw, grid_thw, tokens, shard per
+file, a video's with kind "video", its frames_indices, timestamps and fps; the files that failed, with
+why; the settings). Each batch is written to a temporary name and renamed, naming its files in its own
+metadata; the manifest is rewritten every few seconds and at the end: an interrupted run loses nothing
+it finished, and a re-run with the same settings skips what is done. A bad file is reported and
+skipped. Video files (the `video` extra, PyAV) are read as the reference processor reads a path and
+encoded after the images. Read the output with glmvit_cupy.output.read_embeddings(folder).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
+import importlib.util
 import itertools
 import os
 import sys
@@ -27,74 +28,17 @@ from . import feed, gpu, vllm_ec
 from .backend import Backend
 from .batching import DECODE, pack, preparer
 from .checkpoint import bind_tower
-from .errors import CheckpointError, ImageError, OutputError
-from .files import open_regular
+from .errors import CheckpointError, OutputError
+from .inputs import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, device_list, expand_inputs, is_video, prepared
 from .output import Output, image_key
 from .preprocess import RESIZE, Patching
-
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-
-
-def expand_inputs(items) -> list[str]:
-    """Files as given, folders walked for images (sorted), globs expanded, each file once however it was
-    reached; an input that names nothing is an error (SystemExit with the message)."""
-    out, missing = [], []
-    for item in items:
-        if os.path.isdir(item):
-            for root, dirs, files in os.walk(item):
-                dirs.sort()
-                out += [os.path.join(root, f) for f in sorted(files) if f.lower().endswith(IMAGE_EXTENSIONS)]
-        elif os.path.isfile(item):
-            out.append(item)
-        elif glob.has_magic(item):
-            out += sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
-        else:
-            missing.append(item)
-    if missing:
-        raise SystemExit(f"glmvit-encode: no such file, folder or matching glob: {', '.join(missing)}")
-    seen, unique = set(), []
-    for p in out:
-        key = image_key(p)  # the same file by any path is one image
-        if key not in seen:
-            seen.add(key)
-            unique.append(os.path.normpath(p))
-    return unique
-
-
-def prepared(paths, workers: int, one):
-    """(path, ((uint8 image, grid, info), the file's sha256) or the ImageError / ValueError it raised), as each is
-    ready: `workers` threads read, hash and prepare each file with one(index, data, name) ahead of the GPU (as_done:
-    the output is keyed by path, so a pass takes the images that are ready; a 12 MP photo decoding holds up none)."""
-
-    def job(i, path):
-        try:
-            with open_regular(path, "the image", ImageError) as f:  # a FIFO or /dev/zero: refused, not read
-                data = f.read()
-            return path, (one(i, data, name=path), vllm_ec.key_of(data))
-        except OSError as e:
-            broken = os.path.islink(path) and not os.path.exists(path)
-            return path, ImageError(f"{path}: " + (f"a broken symbolic link (to {os.readlink(path)!r})" if broken
-                                                   else f"cannot read ({e})"))
-        except (ImageError, ValueError) as e:
-            return path, e
-
-    return feed.as_done(job, paths, workers)
-
-
-def device_list(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        out = []
-    if not out or min(out) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give CUDA device ordinals separated by commas, e.g. 0,1")
-    return out
-
+from .encode_videos import encode_videos, video_settings
+from .video import MAX_FRAMES, MAX_VIDEO_TOKENS, MIN_VIDEO_TOKENS, TARGET_FPS
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="glmvit-encode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("inputs", nargs="*", help="image files, folders (walked for images) or globs")
+    ap.add_argument("inputs", nargs="*", help="image and video files, folders (walked for both) or globs")
     ap.add_argument("--checkpoint", help="checkpoint folder, shard or index, or Hub id (org/name)")
     ap.add_argument("--out", help="output folder (created; re-running the same command resumes)")
     ap.add_argument("--inspect", metavar="CHECKPOINT", help="print what the load-time checks find, then exit")
@@ -120,6 +64,19 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-ec-dir", default=None, metavar="DIR",
                     help="also write each embedding as DIR/<sha256 of the file>/encoder_cache.safetensors, the "
                          "layout vLLM's shared-storage encoder-cache connector reads")
+    ap.add_argument("--no-videos", action="store_true", help="leave video files out (folders and globs included)")
+    ap.add_argument("--max-video-tokens", type=int, default=MAX_VIDEO_TOKENS,
+                    help=f"a video's resize limit, all its frames together (default {MAX_VIDEO_TOKENS:,}, the reference "
+                         "video processor's); one group of 2 frames must fit --capacity-tokens")
+    ap.add_argument("--min-video-tokens", type=int, default=MIN_VIDEO_TOKENS,
+                    help=f"a video's lower limit (default {MIN_VIDEO_TOKENS})")
+    ap.add_argument("--video-fps", type=float, default=TARGET_FPS,
+                    help=f"frames sampled per second of video (default {TARGET_FPS}, the reference's)")
+    ap.add_argument("--max-frames", type=int, default=MAX_FRAMES,
+                    help=f"most frames sampled from a video (default {MAX_FRAMES})")
+    ap.add_argument("--max-video-pixels", type=int, default=2**32, metavar="N",
+                    help="a video's sampled frames' pixels together, checked before decoding (default 2^32; up to "
+                         "4 videos are held at once, 3 bytes a pixel)")
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference (slow; no GPU needed)")
     return ap
 
@@ -152,12 +109,19 @@ def main(argv=None) -> int:
     if args.inspect:
         return inspect(args.inspect)
     if not args.inputs or not args.checkpoint or not args.out:
-        return fail("give images, --checkpoint and --out (or --inspect CHECKPOINT); see --help")
+        return fail("give images or videos, --checkpoint and --out (or --inspect CHECKPOINT); see --help")
     for flag, value, low in (("--workers", args.workers, 1), ("--capacity-tokens", args.capacity_tokens, 1),
                              ("--max-image-tokens", args.max_image_tokens, 1),
-                             ("--min-image-tokens", args.min_image_tokens, 0), ("--max-pixels", args.max_pixels, 1)):
+                             ("--min-image-tokens", args.min_image_tokens, 0), ("--max-pixels", args.max_pixels, 1),
+                             ("--max-video-tokens", args.max_video_tokens, 1),
+                             ("--min-video-tokens", args.min_video_tokens, 0), ("--max-frames", args.max_frames, 1),
+                             ("--max-video-pixels", args.max_video_pixels, 1)):
         if value is not None and value < low:
             return fail(f"{flag} {value} must be at least {low}")
+    if not args.video_fps > 0 or args.video_fps == float("inf"):
+        return fail(f"--video-fps {args.video_fps} must be a positive number of frames a second")
+    if args.min_video_tokens > args.max_video_tokens:
+        return fail(f"--min-video-tokens {args.min_video_tokens} is above --max-video-tokens {args.max_video_tokens}")
     gpu_only = [f for f, on in (("--devices", args.devices), ("--decode gpu", args.decode == "gpu"),
                                 ("--resize gpu", args.resize == "gpu")) if on and args.cpu]
     if gpu_only:
@@ -167,9 +131,15 @@ def main(argv=None) -> int:
         return fail(f"--capacity-tokens {args.capacity_tokens} must be at least --max-image-tokens "
                     f"{args.max_image_tokens}, so that the largest image fits one pass")
     # Everything that can refuse the run is checked before the output folder is made.
-    paths = expand_inputs(args.inputs)
+    kinds = IMAGE_EXTENSIONS + (() if args.no_videos else VIDEO_EXTENSIONS)
+    paths = [p for p in expand_inputs(args.inputs, kinds) if not (args.no_videos and is_video(p))]
     if not paths:
-        return fail(f"no images found in {', '.join(args.inputs)} (looked for {', '.join(IMAGE_EXTENSIONS)})")
+        return fail(f"no images or videos found in {', '.join(args.inputs)} (looked for {', '.join(kinds)})")
+    videos = [p for p in paths if is_video(p)]
+    if videos and importlib.util.find_spec("av") is None:
+        return fail(f"{len(videos)} video file{'s' if len(videos) > 1 else ''} among the inputs ({videos[0]}"
+                    f"{', ...' if len(videos) > 1 else ''}); reading them needs PyAV: pip install "
+                    "'glmvit-cupy[video]', or leave them out with --no-videos")
     try:
         binding = bind_tower(args.checkpoint)
         Patching.of(binding.geometry)  # images need a tower of RGB patches
@@ -180,16 +150,19 @@ def main(argv=None) -> int:
         return fail(f"cannot use the GPU: {why}")
     settings = {"checkpoint": os.path.abspath(binding.path), "geometry": dict(vars(binding.geometry)),
                 "min_image_tokens": args.min_image_tokens, "max_image_tokens": args.max_image_tokens,
-                "max_pixels": args.max_pixels}
+                "max_pixels": args.max_pixels,
+                "video": dict(video_settings(args), max_video_pixels=args.max_video_pixels)}
     try:
         out = Output(args.out, settings)
     except OutputError as e:
         return fail(e)
     todo = [p for p in paths if not out.done(image_key(p))]
     if len(todo) < len(paths):
-        print(f"glmvit-encode: {len(paths) - len(todo)} of {len(paths)} images already in {args.out}; skipping them")
+        print(f"glmvit-encode: {len(paths) - len(todo)} of {len(paths)} files already in {args.out}; skipping them")
     if not todo:
         return 0
+    todo_videos = [p for p in todo if is_video(p)]
+    todo = [p for p in todo if not is_video(p)]
     if args.cpu:
         print("glmvit-encode: --cpu: the float32 NumPy reference encodes on the CPU; this is slow", file=sys.stderr)
     try:
@@ -203,9 +176,11 @@ def main(argv=None) -> int:
         return fail(e)
     saved_before = len(out)
     try:
-        return encode_all(args, todo, enc, out)
+        rc = encode_all(args, todo, enc, out) if todo else 0
+        return max(rc, encode_videos(args, todo_videos, enc, out, video_settings(args)) if todo_videos else 0)
     except KeyboardInterrupt:
-        print(f"\nglmvit-encode: interrupted; {len(out) - saved_before} images saved this run ({len(out)} in "
+        n = len(out) - saved_before
+        print(f"\nglmvit-encode: interrupted; {n} file{'' if n == 1 else 's'} saved this run ({len(out)} in "
               f"{args.out}); re-run the same command to resume", file=sys.stderr)
         return 130
 

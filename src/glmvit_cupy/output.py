@@ -4,6 +4,9 @@
                                    metadata "glmvit" holds the run's settings and its images' entries
     manifest.json                  {"header": settings, "images": {key: entry}, "failed": {key: why}}
 
+"images" holds videos too: a video's entry has "kind": "video" (and its grid_thw [t, h, w], frames_indices,
+timestamps, fps); an image's has no "kind".
+
 An image's key is its file's resolved absolute path (os.path.realpath), so the same file reached
 through another relative path, a "." or a symlink is the same image. Every shard is written to a
 temporary name and renamed, so a shard is whole or absent. The manifest is rewritten (atomically) at
@@ -36,6 +39,9 @@ MANIFEST = "manifest.json"
 KEY = "the image file's resolved absolute path (os.path.realpath)"
 SHARD = re.compile(r"embeddings-(\d{5,})\.safetensors$")  # five digits, more from shard 100,000 on
 FLUSH_SECONDS = 5.0  # the manifest is rewritten at most this often while a run goes on
+# Settings added since the first release: a folder whose header lacks one was written before it existed, when
+# it could hold none of the files it governs (videos), so it resumes under this run's value.
+ADDED = ("video",)
 
 
 def image_key(path) -> str:
@@ -101,6 +107,8 @@ class Output:
 
     def _check(self, header: dict, settings: dict, where: str):
         for name, value in settings.items():
+            if name in ADDED and name not in header:  # written before the setting was: it held none of its files
+                continue
             if header.get(name) != value:
                 raise OutputError(f"{self.folder} was written with {name} = {header.get(name)!r}, this run asks for "
                                   f"{value!r} (the setting is recorded in {where}); one folder holds one setting (use "

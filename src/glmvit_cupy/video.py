@@ -152,9 +152,11 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
     if isinstance(video, (FrameFiles, VideoFile)):  # files: only the sampled frames are decoded
         sampled, meta = video.read(pick, fps, duration, name)
         picked, fps = np.array(meta["frames_indices"], dtype=np.int64), meta["fps"]
+        total, duration = meta["total_frames"], meta["duration"]
     else:
         frames = video_frames(video, name)
-        picked = pick(len(frames), fps, duration)
+        total = len(frames)
+        picked = pick(total, fps, duration)
         sampled = [frames[i] for i in picked]
     n, (height, width) = len(picked), sampled[0].shape[:2]
     factor, T = patching.factor, patching.temporal_patch_size
@@ -170,7 +172,8 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
     info = {"source": name, "frames_indices": picked.tolist(),
             "timestamps": None if fps is None else [int(i) / fps for i in picked],
             "size": (height, width), "canvas": canvas, "content": content, "grid": grid,
-            "tokens": grid[0] * frame_tokens, "frame_tokens": frame_tokens}
+            "tokens": grid[0] * frame_tokens, "frame_tokens": frame_tokens, "fps": fps,
+            "duration": None if duration is None else float(duration), "total_frames": total}
     return sampled, grid, info
 
 
@@ -218,7 +221,8 @@ def prepare_video(video, index: int = 0, *, fps=None, sample: bool = True, durat
                   patching: Patching = REFERENCE, name: str | None = None):
     """One video -> (patches [t*h*w, patch_dim] float32, (t, h, w), info dict). info: "source", "frames_indices"
     (the frames used, as indices into the given ones), "timestamps" (seconds, index / fps; None without fps),
-    "size", "canvas", "content", "grid", "tokens" (t*h*w / merge^2), "frame_tokens" (h*w / merge^2)."""
+    "size", "canvas", "content", "grid", "tokens" (t*h*w / merge^2), "frame_tokens" (h*w / merge^2), "fps" and
+    "duration" the sampling used (None where not known), "total_frames" (the frames sampled from)."""
     frames, grid, info = plan_video(video, index, fps=fps, sample=sample, duration=duration, target_fps=target_fps,
                                     max_frames=max_frames, max_duration=max_duration,
                                     min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens,

@@ -213,7 +213,8 @@ class FrameFiles:
         return len(self.files)
 
     def read(self, pick, fps, duration, name: str):
-        """(the picked frames as HxWx3 uint8 arrays, {"fps", "frames_indices"}) for pick(len, fps, duration)."""
+        """(the picked frames as HxWx3 uint8 arrays, {"fps", "duration", "total_frames", "frames_indices"}) for
+        pick(len, fps, duration)."""
         from .images import load
 
         indices = [int(i) for i in pick(len(self.files), fps, duration)]
@@ -231,7 +232,8 @@ class FrameFiles:
                 raise ImageError(f"{name}: frame {j} is {f.shape[1]}x{f.shape[0]}, frame {unique[0]} "
                                  f"{first.shape[1]}x{first.shape[0]}; a video's frames share one size")
             decoded[j] = f
-        return [decoded[j] for j in indices], {"fps": fps, "frames_indices": indices}
+        return [decoded[j] for j in indices], {"fps": fps, "duration": duration, "total_frames": len(self.files),
+                                               "frames_indices": indices}
 
 
 def _header_pixels(file) -> int:

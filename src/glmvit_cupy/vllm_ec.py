@@ -27,10 +27,15 @@ def key_of(data: bytes) -> str:
 
 
 def video_key_of(frames: list[bytes], fps, duration, settings: dict) -> str:
-    """A video's key: the sha256 hex of a canonical JSON of its frame files' sha256s, its fps and duration
-    and the preprocess_video settings (sampling, token limits) that decide which frames count and their size.
-    The same frames with other settings give another embedding, so another key."""
-    doc = {"frames": [key_of(f) for f in frames], "fps": fps, "duration": duration,
+    """A video's key: the sha256 hex of a canonical JSON of its frame files' sha256s (or its video file's),
+    its fps and duration and the preprocess_video settings (sampling, token limits) that decide which frames
+    count and their size. The same frames with other settings give another embedding, so another key."""
+    return video_key_of_shas([key_of(f) for f in frames], fps, duration, settings)
+
+
+def video_key_of_shas(shas: list[str], fps, duration, settings: dict) -> str:
+    """video_key_of from the files' sha256 hex digests (a video file hashed in pieces, not held in memory)."""
+    doc = {"frames": list(shas), "fps": fps, "duration": duration,
            "settings": {k: settings[k] for k in sorted(settings)}}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 

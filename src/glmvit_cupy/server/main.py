@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     from ..backend import Backend
     from ..batching import DEFAULT_MAX_IMAGE_TOKENS
     from ..checkpoint import bind_tower
-    from ..cli import device_list
+    from ..inputs import device_list
     from ..errors import CheckpointError
     from ..preprocess import Patching
     from .app import Settings, create_app

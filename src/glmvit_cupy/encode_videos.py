@@ -1,0 +1,144 @@
+"""glmvit-encode's video files: each read on a thread (its file hashed, its sampled frames decoded by
+video_files, as the reference processor reads a path), encoded on a free GPU lane (passes of whole frame
+groups, the frames resized where --resize says), and written to the same output folder as the images: one
+shard a video, its entry's "kind" "video". Finished videos are written as they finish, so an interrupted
+run loses none of them.
+
+The settings that shape a video's embedding are the server's video settings (server/requests.py), so a
+video's "key" (vllm_ec.video_key_of of its file and those settings) is the one glmvit-serve gives the same
+file, and names its --vllm-ec-dir entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+from . import batching, feed, vllm_ec
+from .errors import ImageError
+from .files import open_regular
+from .inputs import unreadable
+from .output import image_key
+
+VIDEO_WORKERS = 4  # videos decoding at once: each decode already runs on FFmpeg's frame threads
+HASH_CHUNK = 1 << 20
+
+
+def video_settings(args) -> dict:
+    """The preprocess_video settings of this run, as glmvit-serve names them (its video_key_of's input)."""
+    return {"sample": True, "target_fps": args.video_fps, "max_frames": args.max_frames, "max_duration": 0,
+            "min_image_tokens": args.min_video_tokens, "max_image_tokens": args.max_video_tokens}
+
+
+def file_sha256(path) -> str:
+    """The file's sha256 hex, read in pieces (a video can be larger than memory); a FIFO is refused."""
+    h = hashlib.sha256()
+    with open_regular(path, "the video", ImageError) as f:
+        while piece := f.read(HASH_CHUNK):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def planned_videos(paths, workers: int, settings: dict, patching, capacity_tokens: int, max_video_pixels):
+    """(path, ((frames, grid, info), entry for the manifest) or the ImageError / ValueError it raised), as each
+    is ready; at most `workers` videos' frames held at once beyond those the caller holds."""
+    from .video import plan_video
+    from .video_files import VideoFile
+
+    def job(i, path):
+        try:
+            sha = file_sha256(path)
+            frames, grid, info = plan_video(VideoFile(path, max_video_pixels), i, name=path, patching=patching,
+                                            **{k: v for k, v in settings.items() if k != "sample"})
+            batching.check_frame_group(path, grid[1], grid[2], patching.merge_size, capacity_tokens)
+        except OSError as e:
+            return path, unreadable(path, e)
+        except (ImageError, ValueError) as e:
+            return path, e
+        entry = {"kind": "video", "source": image_key(path), "sha256": sha,
+                 "key": vllm_ec.video_key_of_shas([sha], None, None, settings), "size_hw": list(info["size"]),
+                 "canvas_hw": list(info["canvas"]), "content": list(info["content"]), "grid_thw": list(grid),
+                 "tokens": info["tokens"], "frame_tokens": info["frame_tokens"],
+                 "frames_indices": info["frames_indices"], "timestamps": info["timestamps"], "fps": info["fps"],
+                 "duration": info["duration"], "total_frames": info["total_frames"]}
+        return path, ((frames, grid, info), entry)
+
+    return feed.as_done(job, paths, min(workers, VIDEO_WORKERS), ahead=min(workers, VIDEO_WORKERS))
+
+
+def encode_videos(args, todo, enc, out, settings: dict) -> int:
+    """Encode the video files `todo` into `out` (the image run's Output); 1 if any video failed, else 0.
+    One video a GPU lane at a time, every lane busy while videos are ready; this thread writes each as it
+    finishes (the lanes go on meanwhile)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(todo), unit="video", dynamic_ncols=True)
+    encoded, tokens, failed = 0, 0, 0
+    lanes = queue.SimpleQueue()
+    for lane in range(enc.lanes):
+        lanes.put(lane)
+    gpu = ThreadPoolExecutor(enc.lanes, thread_name_prefix="glmvit-video")
+    running: dict = {}  # future -> (key, entry)
+    t0 = time.perf_counter()
+
+    def on_lane(lane, planned):
+        try:
+            return enc.encode_video_on(lane, [planned], resize=args.resize)[0]
+        finally:
+            lanes.put(lane)
+
+    def write(key, entry, emb):
+        if args.vllm_ec_dir:
+            vllm_ec.write(args.vllm_ec_dir, entry["key"], emb)
+        out.add_batch([(key, entry, emb)])
+
+    def collect(done):
+        nonlocal encoded, tokens, failed
+        for fut in done:
+            key, entry = running.pop(fut)
+            try:
+                emb = fut.result()
+            except (ImageError, ValueError) as e:  # the engine's own checks of this video
+                failed += 1
+                out.fail(key, str(e))
+                bar.write(f"skipped {entry['source']}: {e}")
+            else:
+                write(key, entry, emb)
+                encoded, tokens = encoded + 1, tokens + entry["tokens"]
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", failed=failed)
+
+    stream = planned_videos(todo, args.workers, settings, enc.patching(), args.capacity_tokens,
+                            args.max_video_pixels)
+    try:
+        for path, got in stream:
+            if isinstance(got, Exception):
+                failed += 1
+                out.fail(image_key(path), str(got))
+                bar.write(f"skipped {path}: {got}")
+                bar.update(1)
+                continue
+            planned, entry = got
+            while len(running) >= enc.lanes:  # every lane busy: take in what finished
+                collect(wait(running, return_when=FIRST_COMPLETED)[0])
+            lane = lanes.get()
+            running[gpu.submit(on_lane, lane, planned)] = (image_key(path), entry)
+        collect(wait(running)[0])
+    finally:
+        stream.close()  # an interrupted run stops the decoding threads too
+        # What is on a lane is finished work: written before the run stops.
+        for fut in list(running):
+            if not fut.cancel():
+                try:
+                    collect([fut])
+                except Exception:  # noqa: BLE001 - already interrupted; the video is encoded again next run
+                    running.pop(fut, None)
+        gpu.shutdown(wait=True)
+        out.flush()
+    bar.close()
+    dt = time.perf_counter() - t0
+    print(f"glmvit-encode: {encoded} videos, {tokens} tokens in {dt:.1f} s ({encoded / dt:.2f} videos/s, "
+          f"{tokens / dt:.0f} tokens/s); {failed} failed; output in {args.out}")
+    return 1 if failed else 0

@@ -1,0 +1,178 @@
+"""glmvit-encode with video files, on the CPU backend (the float32 reference) with the golden tower: a folder
+of images and videos, each video's entry and embedding against the reference of preprocess_video(path),
+resume (also of a folder written before videos), a bad video skipped by name, --no-videos, a frame group
+over the capacity, the vLLM files under glmvit-serve's key, and PyAV missing."""
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from PIL import Image
+
+from glmvit_cupy import cli, reference, vllm_ec
+from glmvit_cupy.output import read_embeddings
+from glmvit_cupy.server.requests import parse_videos
+from glmvit_cupy.video import preprocess_video
+from tests.golden import cases
+
+av = pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
+CLIP = Path(__file__).parent / "golden" / "video_files" / "h264_offset.mp4"  # 15 frames, 48 x 32, from 1.3 s
+LIMITS = ["--max-video-tokens", "40", "--video-fps", "4"]
+
+
+def write_clip(path, n=9, h=30, w=44, fps=6, seed=0):
+    """A lossless ffv1 clip of smooth random frames (never zeros)."""
+    from tests.test_video_files import write
+
+    return write(path, np.stack([cases._smooth(h, w, seed + i) for i in range(n)]), fps=fps)
+
+
+@pytest.fixture
+def media(tmp_path):
+    folder = tmp_path / "media"
+    (folder / "sub").mkdir(parents=True)
+    Image.fromarray(cases._smooth(60, 80, 1)).save(folder / "a.png")
+    write_clip(folder / "sub" / "pan.mkv")
+    shutil.copy(CLIP, folder / "offset.mp4")
+    (folder / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not really a video")
+    return folder
+
+
+def run(*args):
+    return cli.main([str(a) for a in args])
+
+
+def reference_of(path, tower, **settings):
+    pv, grid, info = preprocess_video(str(path), **settings)
+    return reference.encode_pixels(tower, pv, grid), grid[0].tolist(), info[0]
+
+
+def test_a_folder_of_images_and_videos(media, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run(media, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", *LIMITS) == 1  # broken.mp4 failed
+    manifest, embs = read_embeddings(out)
+    real = {name: os.path.realpath(media / name) for name in ("a.png", "sub/pan.mkv", "offset.mp4", "broken.mp4")}
+    assert sorted(manifest["images"]) == sorted(real[n] for n in ("a.png", "sub/pan.mkv", "offset.mp4"))
+    (why,) = manifest["failed"].values()
+    assert list(manifest["failed"]) == [real["broken.mp4"]] and "cannot open" in why and "broken.mp4" in why
+    assert "kind" not in manifest["images"][real["a.png"]]
+    tower = reference.Tower(reference.bind_tower(cases.TOWER_DIR))
+    for name in ("sub/pan.mkv", "offset.mp4"):
+        entry, emb = manifest["images"][real[name]], embs[real[name]]
+        want, grid, info = reference_of(real[name], tower, max_image_tokens=40, target_fps=4)
+        assert entry["kind"] == "video" and entry["grid_thw"] == grid and entry["tokens"] == info["tokens"]
+        assert entry["frames_indices"] == info["frames_indices"] and entry["timestamps"] == info["timestamps"]
+        assert entry["fps"] == info["fps"] and entry["total_frames"] == info["total_frames"] > 0
+        assert grid[0] >= 2 or name == "offset.mp4"  # the pan is several frame groups
+        assert emb.dtype == ml_dtypes.bfloat16 and emb.shape == (info["tokens"], 256)
+        assert np.array_equal(emb, want.astype(ml_dtypes.bfloat16))  # the reference computes each video alone
+    # The offset clip lasts 2.8 - 1.3 = 1.4999999999999998 s, as the reference processor's decoder says.
+    assert manifest["images"][real["offset.mp4"]]["duration"] == 2.8 - 1.3
+    assert manifest["header"]["video"] == {"sample": True, "target_fps": 4.0, "max_frames": 2048, "max_duration": 0,
+                                           "min_image_tokens": 16, "max_image_tokens": 40, "max_video_pixels": 2**32}
+    printed = capsys.readouterr()
+    assert "2 videos" in printed.out and "1 failed" in printed.out and "skipped" in printed.out
+
+    # Resumed: nothing is encoded again; the broken video is tried again and fails again.
+    assert run(media, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", *LIMITS) == 1
+    assert "3 of 4 files already" in capsys.readouterr().out
+    # Other video settings: another folder.
+    assert run(media, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--max-video-tokens", "50") == 2
+    assert "was written with video = " in capsys.readouterr().err
+
+
+def test_a_folder_written_before_videos_resumes_with_them(media, tmp_path, capsys):
+    """A manifest whose header has no "video" setting (written before glmvit-encode took videos, so it holds
+    none) resumes: its images are kept, the videos are added, the header gains the setting."""
+    out = tmp_path / "out"
+    assert run(media / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu") == 0
+    path = out / "manifest.json"
+    old = json.loads(path.read_text())
+    del old["header"]["video"]
+    path.write_text(json.dumps(old))
+    for shard in out.glob("*.safetensors"):  # the shard's own header, as that version wrote it
+        from safetensors.numpy import load_file, save_file
+        from safetensors import safe_open
+
+        with safe_open(str(shard), "numpy") as f:
+            meta = json.loads(f.metadata()["glmvit"])
+        del meta["header"]["video"]
+        save_file(load_file(str(shard)), str(shard), metadata={"glmvit": json.dumps(meta)})
+    assert run(media / "a.png", media / "sub", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", *LIMITS) == 0
+    assert "1 of 2 files already" in capsys.readouterr().out
+    manifest, embs = read_embeddings(out)
+    assert len(embs) == 2 and manifest["header"]["video"]["max_image_tokens"] == 40
+
+
+def test_no_videos_and_pyav_missing(media, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    assert run(media, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--no-videos") == 0
+    manifest, _ = read_embeddings(out)
+    assert [os.path.basename(k) for k in manifest["images"]] == ["a.png"] and not manifest["failed"]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else real(name, *a))
+    assert run(media, "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o2", "--cpu") == 2
+    err = capsys.readouterr().err
+    assert "3 video files among the inputs" in err and "pip install 'glmvit-cupy[video]'" in err
+    assert "--no-videos" in err and not (tmp_path / "o2").exists()
+    assert run(media / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o3", "--cpu") == 0  # no video
+
+
+@pytest.mark.parametrize("flags,why", [(["--video-fps", "0"], "--video-fps 0.0 must be a positive number"),
+                                       (["--max-frames", "0"], "--max-frames 0 must be at least 1"),
+                                       (["--min-video-tokens", "50", "--max-video-tokens", "40"],
+                                        "--min-video-tokens 50 is above --max-video-tokens 40")])
+def test_bad_video_flags_refuse_the_run(media, tmp_path, capsys, flags, why):
+    assert run(media, "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "out", "--cpu", *flags) == 2
+    assert why in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_frame_group_over_the_capacity_and_the_vllm_files(media, tmp_path, capsys):
+    """A pass of 24 tokens cannot hold a 196 x 280 clip's 70-token frame groups: that video is recorded as
+    failed, by name; the offset clip (one group of at most 24 tokens) is written, and its vLLM file is under
+    the key glmvit-serve gives the same file with the same settings."""
+    out, ec = tmp_path / "out", tmp_path / "ec"
+    files = [write_clip(tmp_path / "large.mkv", n=6, h=196, w=280, fps=4), media / "offset.mp4"]
+    assert run(*files, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--capacity-tokens", "24",
+               "--max-image-tokens", "24", "--max-video-tokens", "400", "--vllm-ec-dir", ec) == 1
+    manifest, embs = read_embeddings(out)
+    (why,) = manifest["failed"].values()
+    assert "large.mkv: one frame group of 14x20 patches is 70 tokens, more than this model's capacity of 24" in why
+    entry = manifest["images"][os.path.realpath(files[1])]
+    assert entry["frame_tokens"] <= 24
+    _, common = parse_videos(json.dumps({"videos": [{"file": "AA=="}], "max_image_tokens": 400}).encode())
+    assert entry["key"] == vllm_ec.video_key_of([files[1].read_bytes()], None, None, common)
+    assert entry["sha256"] == vllm_ec.key_of(files[1].read_bytes())
+    from safetensors.numpy import load_file
+
+    handed = load_file(str(ec / entry["key"] / "encoder_cache.safetensors"))["ec_cache"]
+    assert np.array_equal(handed, embs[os.path.realpath(files[1])])
+
+
+def test_an_interrupted_run_keeps_the_videos_it_finished(media, tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the second video encodes: the first is written (it finished), the run says so and exits
+    130, and the same command then encodes only what is missing."""
+    from glmvit_cupy.backend import Backend
+
+    real, calls = Backend.encode_video_on, []
+
+    def second_interrupts(self, lane, planned, resize=None):
+        calls.append(planned[0][2]["source"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, lane, planned, resize)
+
+    monkeypatch.setattr(Backend, "encode_video_on", second_interrupts)
+    out, videos = tmp_path / "out", [media / "sub" / "pan.mkv", media / "offset.mp4"]
+    assert run(*videos, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", *LIMITS) == 130
+    assert "interrupted; 1 file saved this run (1 in" in capsys.readouterr().err
+    manifest, embs = read_embeddings(out)
+    assert list(embs) == [os.path.realpath(calls[0])]
+    monkeypatch.setattr(Backend, "encode_video_on", real)
+    assert run(*videos, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", *LIMITS) == 0
+    assert "1 of 2 files already" in capsys.readouterr().out and len(read_embeddings(out)[1]) == 2
