@@ -171,3 +171,25 @@ def test_a_rotation_the_frames_cannot_take_and_a_size_change_are_refused(tmp_pat
     with pytest.raises(ImageError, match=r"video 0: '.*joined.ts' changes its frame size mid-stream \(48x32 and "
                                          r"64x32 among the sampled frames\)"):
         plan_video(path, sample=False)
+
+
+def test_damaged_files_are_refused_by_name_never_crash():
+    """Truncated and byte-flipped copies of a golden clip (seeded): each decodes or is refused with an
+    ImageError naming the video; none raises anything else (before: AttributeError for a stream whose codec
+    context PyAV could not open, av's own errors from the packet scan)."""
+    data = (GOLDEN / "h264_10bit_rot90.mp4").read_bytes()
+    rng = np.random.default_rng(7)
+    variants = [data[:int(len(data) * f)] for f in (0.9, 0.5, 0.2, 0.05)]
+    for _ in range(60):
+        b = bytearray(data)
+        for i in rng.integers(0, len(b), int(rng.integers(1, 200))):
+            b[i] = rng.integers(0, 256)
+        variants.append(bytes(b))
+    refused = set()
+    for v in variants:
+        try:
+            plan_video(video_files.VideoFile(v), max_image_tokens=300)
+        except ImageError as e:
+            assert str(e).startswith("video 0: "), e
+            refused.add(str(e).split("(")[0][:60])
+    assert len(refused) >= 3  # several kinds of damage, each said in its own words

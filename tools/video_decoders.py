@@ -81,7 +81,9 @@ def main(argv=None) -> int:
               f"{rdur:.6g} s | ours {of.shape} {on} frames {ofps:.6g} fps {odur:.6g} s | frames "
               f"{'equal' if same else 'differ'}{diff}")
         golden[os.path.basename(path)] = {"frames": rn, "fps": rfps, "duration": rdur, "shape": list(rf.shape),
-                                          "sha256": digest(rf), **({"processor": processor(path)} if args.golden else {})}
+                                          "sha256": digest(rf)}
+        if args.golden:
+            golden[os.path.basename(path)]["processor"] = processor(path)
     if args.golden:
         with open(os.path.join(args.golden, "golden.json"), "w") as f:
             json.dump(golden, f, indent=1, sort_keys=True)

@@ -66,8 +66,8 @@ def parser() -> argparse.ArgumentParser:
                          "layout vLLM's shared-storage encoder-cache connector reads")
     ap.add_argument("--no-videos", action="store_true", help="leave video files out (folders and globs included)")
     ap.add_argument("--max-video-tokens", type=int, default=MAX_VIDEO_TOKENS,
-                    help=f"a video's resize limit, all its frames together (default {MAX_VIDEO_TOKENS:,}, the reference "
-                         "video processor's); one group of 2 frames must fit --capacity-tokens")
+                    help=f"a video's resize limit, all its frames together (default {MAX_VIDEO_TOKENS:,}, the "
+                         "reference video processor's); one group of 2 frames must fit --capacity-tokens")
     ap.add_argument("--min-video-tokens", type=int, default=MIN_VIDEO_TOKENS,
                     help=f"a video's lower limit (default {MIN_VIDEO_TOKENS})")
     ap.add_argument("--video-fps", type=float, default=TARGET_FPS,

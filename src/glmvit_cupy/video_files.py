@@ -54,6 +54,10 @@ def _open(source, name: str):
         container.close()
         raise ImageError(f"{name}: {label} has no video stream")
     stream = container.streams.video[0]
+    if stream.codec_context is None:  # PyAV has no decoder for it (a damaged header, an unknown codec)
+        container.close()
+        raise ImageError(f"{name}: {label}'s video stream cannot be decoded (no decoder for its codec, or a "
+                         "damaged header)")
     if stream.width * stream.height > Image.MAX_IMAGE_PIXELS:  # each kept frame is 3 bytes a pixel
         container.close()
         raise ImageError(f"{name}: {label} has {stream.width}x{stream.height} frames, over the "
@@ -73,17 +77,20 @@ def _probe(container, source, name):
     """frames = the stream's packets (less those flagged discard), duration = the latest pts + duration less
     the earliest pts, fps = frames / duration. A container's own frame count and rate can differ from these
     (variable frame rate, a count it never wrote): the reference samples by these."""
-    stream = container.streams.video[0]
+    av, stream = _av(), container.streams.video[0]
     frames, first, end = 0, None, None
-    for packet in container.demux(stream):
-        if not packet.size or getattr(packet, "is_discard", False):  # size 0: the demuxer's last, empty one
-            continue
-        pts = packet.pts if packet.pts is not None else packet.dts
-        frames += 1
-        if pts is not None:
-            first = pts if first is None else min(first, pts)
-            end = pts + (packet.duration or 0) if end is None else max(end, pts + (packet.duration or 0))
-    container.seek(0)
+    try:
+        for packet in container.demux(stream):
+            if not packet.size or getattr(packet, "is_discard", False):  # size 0: the demuxer's last, empty one
+                continue
+            pts = packet.pts if packet.pts is not None else packet.dts
+            frames += 1
+            if pts is not None:
+                first = pts if first is None else min(first, pts)
+                end = pts + (packet.duration or 0) if end is None else max(end, pts + (packet.duration or 0))
+        container.seek(0)
+    except (av.FFmpegError, OSError, ValueError) as e:  # a damaged or truncated container
+        raise ImageError(f"{name}: reading {_label(source)}'s packets failed after {frames} ({e})") from None
     tb = stream.time_base  # each end in seconds, then subtracted: the reference's float64 steps, bit for bit
     duration = end * tb.numerator / tb.denominator - first * tb.numerator / tb.denominator if first is not None else 0.0
     if frames <= 0 or duration <= 0:
@@ -159,8 +166,9 @@ def _decode(container, source, name, indices) -> tuple[dict, int]:
         raise ImageError(f"{name}: {_label(source)} gave no frame to decode")
     shapes = sorted({f.shape for f in kept.values()})
     if len(shapes) > 1:
-        raise ImageError(f"{name}: {_label(source)} changes its frame size mid-stream ({shapes[0][1]}x{shapes[0][0]} "
-                         f"and {shapes[1][1]}x{shapes[1][0]} among the sampled frames); a video's frames share one size")
+        raise ImageError(f"{name}: {_label(source)} changes its frame size mid-stream ({shapes[0][1]}x"
+                         f"{shapes[0][0]} and {shapes[1][1]}x{shapes[1][0]} among the sampled frames); a video's "
+                         "frames share one size")
     return kept, i + 1
 
 
