@@ -155,3 +155,28 @@ def test_serve_on_the_gpu_encodes_videos_and_images_as_the_model(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_ray_video_stages_on_the_gpu_equal_the_model(tmp_path):
+    """The Ray video pipeline's two stages called as Ray calls them (Ray itself does not fit the GPU machine):
+    PrepareVideo's rows into EncodeVideo on the GPU, three videos in one actor call (their groups share
+    passes), each bit-equal to GlmVit.encode_video of its file alone."""
+    import pytest
+
+    pd = pytest.importorskip("pandas", reason="pandas (Ray Data's batches) is not installed")
+    pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
+    from glmvit_cupy.preprocess import Patching
+    from glmvit_cupy.ray import EncodeVideo, PrepareVideo
+    from tests.test_cli_videos import write_clip
+
+    golden = os.path.join(os.path.dirname(__file__), "golden", "video_files")
+    paths = [os.path.join(golden, "h264_10bit_rot90.mp4"), os.path.join(golden, "hevc_hlg_rot270.mp4"),
+             str(write_clip(tmp_path / "pan.mkv", n=20, h=120, w=160, fps=5))]
+    batch = pd.DataFrame({"bytes": [open(p, "rb").read() for p in paths], "path": paths})
+    settings = {"target_fps": 2, "max_frames": 2048, "min_image_tokens": 16, "max_image_tokens": 300}
+    patching = Patching.of(reference.bind_tower(cases.TOWER_DIR).geometry)
+    rows = EncodeVideo(str(cases.TOWER_DIR), False, 60)(PrepareVideo("bytes", settings, None, patching, 60)(batch))
+    model = GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=60)
+    for path, emb, err in zip(paths, rows["embedding"], rows["error"]):
+        alone = cupy.asnumpy(model.encode_video(path, max_image_tokens=300)[0]).astype(np.float32)
+        assert pd.isna(err) and np.array_equal(emb, alone), (path, err)

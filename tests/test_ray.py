@@ -155,3 +155,53 @@ def test_prepare_hands_contiguous_decoded_images_for_the_gpu(folder):
         want = np.asarray(Image.open(p).convert("RGB"))
         assert canvas.flags.c_contiguous and np.array_equal(canvas, want)
         assert tuple(content) == prepare_canvas(p, max_image_tokens=64)[2]["content"]
+
+
+def test_encode_video_dataset_matches_reference_and_records_failures(local_ray, tmp_path):
+    """Video files through Ray (cpu=True, one video an actor call): each row's embedding is the reference's of
+    preprocess_video(path) bit for bit, with its grid, sampled frames, timestamps and fps; a file that is not a
+    video, and one whose frame group is over the capacity, fail their rows by name."""
+    pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
+    import shutil
+
+    import glmvit_cupy.ray as gvr
+    from glmvit_cupy.video import preprocess_video
+    from tests.test_cli_videos import write_clip
+
+    golden = os.path.join(os.path.dirname(__file__), "golden", "video_files")
+    for name in ("h264_10bit_rot90.mp4", "h264_offset.mp4"):
+        shutil.copy(os.path.join(golden, name), tmp_path / name)
+    write_clip(tmp_path / "pan.mkv", n=12, h=40, w=60, fps=4)
+    write_clip(tmp_path / "large.mkv", n=4, h=196, w=280, fps=4)  # a 70-token group: over capacity 60
+    (tmp_path / "notes.mp4").write_text("not a video")
+    files = sorted(str(p) for p in tmp_path.iterdir())
+    ds = ray.data.read_binary_files(files, include_paths=True)
+    rows = {r["path"]: r for r in gvr.encode_video_dataset(ds, TOWER, cpu=True, capacity_tokens=60,
+                                                           max_video_tokens=400, batch_size=1).take_all()}
+    assert set(rows) == set(files)
+    tower = reference.Tower(reference.bind_tower(TOWER))
+    for path, r in rows.items():
+        assert "bytes" not in r and "frames" not in r
+        if path.endswith(("notes.mp4", "large.mkv")):
+            assert r["embedding"].shape == (0, 256) and path in r["error"]
+            assert ("cannot open" if "notes" in path else "more than this model's capacity of 60") in r["error"]
+            continue
+        pv, grid, info = preprocess_video(path, max_image_tokens=400)
+        ref = reference.encode_pixels(tower, pv, grid).astype(ml_dtypes.bfloat16)
+        assert r["error"] is None and list(r["grid_thw"]) == grid[0].tolist() and r["tokens"] == info[0]["tokens"]
+        assert list(r["frames_indices"]) == info[0]["frames_indices"] and r["fps"] == info[0]["fps"]
+        assert list(r["timestamps"]) == info[0]["timestamps"]
+        assert np.array_equal(r["embedding"].astype(ml_dtypes.bfloat16).view(np.uint16), ref.view(np.uint16))
+    assert rows[str(tmp_path / "pan.mkv")]["grid_thw"][0] >= 2  # several frame groups
+
+
+def test_encode_video_dataset_checks_its_arguments(local_ray):
+    import glmvit_cupy.ray as gvr
+
+    ds = ray.data.from_items([{"bytes": b"x"}])
+    for kwargs, says in (({"target_fps": 0}, "target_fps=0 must be a positive number"),
+                         ({"max_frames": 0}, "max_frames=0 must be a positive integer"),
+                         ({"min_video_tokens": 50, "max_video_tokens": 40}, "min_video_tokens=50 is above"),
+                         ({"capacity_tokens": 0}, "capacity_tokens=0"), ({}, "has 0 GPUs.*cpu=True")):
+        with pytest.raises(ValueError, match=says):
+            gvr.encode_video_dataset(ds, TOWER, cpu="GPUs" not in says, **kwargs)

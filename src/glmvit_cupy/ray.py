@@ -1,8 +1,10 @@
-"""Beyond one machine: encode a Ray Dataset of image files (the `ray` extra; Ray imported only here).
+"""Beyond one machine: encode a Ray Dataset of image or video files (the `ray` extra; Ray imported only here).
 
     import ray, glmvit_cupy.ray as gvr
     ds = ray.data.read_binary_files("s3://bucket/photos/", include_paths=True)     # columns bytes, path
     out = gvr.encode_dataset(ds, "/models/GLM-5.3-Flash", concurrency=8)           # 8 GPU actors
+    clips = gvr.encode_video_dataset(ray.data.read_binary_files("s3://bucket/clips/", include_paths=True),
+                                     "/models/GLM-5.3-Flash")
 
 Two stages: `Prepare` decodes and resizes on CPU workers (Ray tasks); `Encode` runs in actors that
 load the tower once (`num_gpus` each, `concurrency` of them) and pack rows into forward passes of up to
@@ -14,8 +16,13 @@ load the tower once (`num_gpus` each, `concurrency` of them) and pack rows into 
   an empty [0, out_hidden] array (an array all the same, so every block of the column has one type);
 - `error`: None, or why the image could not be used (the row keeps its other columns).
 
-Embeddings equal, bit for bit, `GlmVit.encode` of the same image alone on the same kind of GPU (the
-engine is batch-invariant), or the float32 reference's with cpu=True.
+Videos alike (`PrepareVideo`, `EncodeVideo`): the CPU stage reads the file as the reference processor
+reads a path (video_files) and hands on only its sampled frames, unresized; the actor resizes them
+on its GPU and encodes them in passes of whole frame groups. Their rows also get `frames_indices`,
+`timestamps` (seconds) and `fps`, and `grid_thw` is (frame groups, h, w).
+
+Embeddings equal, bit for bit, `GlmVit.encode` (`encode_video`) of the same file alone on the same kind
+of GPU (the engine is batch-invariant), or the float32 reference's with cpu=True.
 """
 
 from __future__ import annotations
@@ -80,14 +87,21 @@ class Encode:
         canvases, contents = list(batch.pop("canvas")), list(batch.pop("content_hw"))
         errors = [None if pd.isna(e) else str(e) for e in batch["error"]]
         grids, tokens = list(batch["grid_thw"]), list(batch["tokens"])
-        width = self.backend.geometry.out_hidden_size
-        embeddings = [np.zeros((0, width), np.float32) for _ in canvases]  # a failed row has none
         rows = [i for i, e in enumerate(errors) if e is None]
         items = [(canvases[i], tuple(int(v) for v in grids[i]), {"tokens": int(tokens[i]),
                                                                  "content": tuple(int(v) for v in contents[i])})
                  for i in rows]
+        return self._finish(batch, errors, rows, lambda: self.backend.encode_on(0, items))
+
+    def _finish(self, batch, errors: list, rows: list, encode):
+        """The batch with its embedding and error columns: encode() gives the bf16 embeddings of `rows` (the
+        rows without an error), in order; a failed row has none (an empty array)."""
+        import pandas as pd
+
+        width = self.backend.geometry.out_hidden_size
+        embeddings = [np.zeros((0, width), np.float32) for _ in errors]
         try:
-            for i, emb in zip(rows, self.backend.encode_on(0, items) if items else []):
+            for i, emb in zip(rows, encode() if rows else []):
                 embeddings[i] = emb.astype(np.float32)  # exact: every bf16 value is a float32 value
         except Exception as e:  # the engine failed on this batch: its rows say so, the pipeline goes on
             for i in rows:
@@ -95,6 +109,71 @@ class Encode:
         batch["embedding"] = embeddings
         batch["error"] = pd.array(errors, dtype="string")
         return batch
+
+
+class PrepareVideo:
+    """CPU stage for videos: the bytes column -> frames (the sampled ones, uint8 [n, H, W, 3]; dropped by
+    EncodeVideo), grid_thw, tokens, frames_indices, timestamps, fps, error (`_VIDEO_INFO` travels too)."""
+
+    def __init__(self, bytes_column: str, settings: dict, max_video_pixels, patching: Patching, capacity_tokens: int):
+        self.column, self.settings, self.max_pixels = bytes_column, settings, max_video_pixels
+        self.patching, self.capacity = patching, capacity_tokens
+
+    def __call__(self, batch):
+        import pandas as pd
+
+        from .batching import check_frame_group
+        from .video import plan_video
+        from .video_files import VideoFile
+
+        data = batch.pop(self.column)
+        names = batch["path"] if "path" in batch else [f"row {i}" for i in range(len(data))]
+        cols = {k: [] for k in ("frames", "grid_thw", "tokens", "frames_indices", "timestamps", "fps", "error",
+                                *_VIDEO_INFO)}
+        for blob, name in zip(data, names):
+            try:
+                frames, grid, info = plan_video(VideoFile(bytes(blob), self.max_pixels), name=str(name),
+                                                patching=self.patching, **self.settings)
+                check_frame_group(str(name), grid[1], grid[2], self.patching.merge_size, self.capacity)
+                got = {"frames": np.stack(frames), "grid_thw": np.array(grid, np.int64), "tokens": info["tokens"],
+                       "frames_indices": np.array(info["frames_indices"], np.int64), "fps": float(info["fps"]),
+                       "timestamps": np.array(info["timestamps"], np.float64), "error": None,
+                       **{k: np.array(info[k.removesuffix("_hw")], np.int64) for k in _VIDEO_INFO}}
+            except (ImageError, ValueError) as e:  # a failed row: empty arrays (one type per column)
+                got = {"frames": np.zeros((0, 0, 0, 3), np.uint8), "grid_thw": np.zeros(3, np.int64), "tokens": 0,
+                       "frames_indices": np.zeros(0, np.int64), "timestamps": np.zeros(0), "fps": float("nan"),
+                       "error": str(e), **{k: np.zeros(2, np.int64) for k in _VIDEO_INFO}}
+            for k, v in got.items():
+                cols[k].append(v)
+        for k, v in cols.items():
+            batch[k] = pd.array(v, dtype="string") if k == "error" else (np.array(v) if k in ("tokens", "fps") else v)
+        return batch
+
+
+_VIDEO_INFO = ("size_hw", "canvas_hw", "content_hw")  # what the actor's resize needs besides the frames
+
+
+class EncodeVideo(Encode):
+    """The tower, loaded once per actor: each batch's videos -> embeddings, their frame groups packed into
+    passes of up to capacity_tokens."""
+
+    def __call__(self, batch):
+        import pandas as pd
+
+        frames, grids = list(batch.pop("frames")), list(batch["grid_thw"])
+        info = {k: list(batch.pop(k)) for k in _VIDEO_INFO}
+        errors = [None if pd.isna(e) else str(e) for e in batch["error"]]
+        names = batch["path"] if "path" in batch else [f"row {i}" for i in range(len(frames))]
+        rows = [i for i, e in enumerate(errors) if e is None]
+        m2 = self.backend.geometry.spatial_merge_size ** 2
+        planned = []
+        for i in rows:
+            grid = tuple(int(v) for v in grids[i])
+            planned.append((list(frames[i]), grid, {"source": str(names[i]), "frame_tokens": grid[1] * grid[2] // m2,
+                                                     "tokens": grid[0] * grid[1] * grid[2] // m2,
+                                                     **{k.removesuffix("_hw"): tuple(int(v) for v in info[k][i])
+                                                        for k in _VIDEO_INFO}}))
+        return self._finish(batch, errors, rows, lambda: self.backend.encode_video_on(0, planned))
 
 
 def embedding_bytes(batch):
@@ -107,14 +186,8 @@ def embedding_bytes(batch):
     return batch
 
 
-def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = False, num_gpus: float | None = None,
-                   concurrency: int | None = None, capacity_tokens: int = 8000, min_image_tokens: int = 16,
-                   max_image_tokens: int = DEFAULT_MAX_IMAGE_TOKENS, max_pixels: int | None = None,
-                   batch_size: int = 16):
-    """A Ray Dataset with one image file per row (its bytes in `bytes_column`) -> the same rows with
-    tokens, grid_thw, embedding and error (see the module's docstring). `num_gpus`: GPUs per encoder actor
-    (default 1; a fraction shares a GPU; not with cpu=True, whose actors use none). `concurrency`: encoder
-    actors (default: as many as the cluster's GPUs allow at `num_gpus` each; 1 with cpu=True)."""
+def _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint):
+    """(num_gpus, concurrency, patching) for the encoder actors, every argument checked on the driver."""
     import ray
 
     from .checkpoint import bind_tower
@@ -130,7 +203,6 @@ def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = F
     elif isinstance(num_gpus, bool) or not isinstance(num_gpus, (int, float)) or not 0 < num_gpus < float("inf"):
         raise ValueError(f"num_gpus={num_gpus!r}: GPUs per encoder actor must be a number above 0 "
                          "(1: a GPU each, 0.5: two actors share one)")
-    min_image_tokens, max_image_tokens = image_limits(capacity_tokens, min_image_tokens, max_image_tokens)
     patching = Patching.of(bind_tower(checkpoint).geometry)  # a bad checkpoint fails here, not in every actor
     gpus = ray.cluster_resources().get("GPU", 0)
     if not cpu and gpus < num_gpus:
@@ -138,11 +210,58 @@ def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = F
                          "actors would wait forever; add GPU nodes, or pass cpu=True for the float32 reference")
     if concurrency is None:
         concurrency = 1 if cpu else max(1, int(gpus // num_gpus))
+    return num_gpus, concurrency, patching
+
+
+def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = False, num_gpus: float | None = None,
+                   concurrency: int | None = None, capacity_tokens: int = 8000, min_image_tokens: int = 16,
+                   max_image_tokens: int = DEFAULT_MAX_IMAGE_TOKENS, max_pixels: int | None = None,
+                   batch_size: int = 16):
+    """A Ray Dataset with one image file per row (its bytes in `bytes_column`) -> the same rows with
+    tokens, grid_thw, embedding and error (see the module's docstring). `num_gpus`: GPUs per encoder actor
+    (default 1; a fraction shares a GPU; not with cpu=True, whose actors use none). `concurrency`: encoder
+    actors (default: as many as the cluster's GPUs allow at `num_gpus` each; 1 with cpu=True)."""
+    import ray
+
+    min_image_tokens, max_image_tokens = image_limits(capacity_tokens, min_image_tokens, max_image_tokens)
+    num_gpus, concurrency, patching = _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint)
     # On GPUs the decoded image travels and the actor's GPU resizes it (bit for bit as Pillow); the float32
     # reference takes Pillow's canvas.
     prepared = ds.map_batches(Prepare(bytes_column, min_image_tokens, max_image_tokens, max_pixels,
                                       "host" if cpu else "gpu", patching),
                               batch_format="pandas", batch_size=batch_size)
     return prepared.map_batches(Encode, fn_constructor_args=(checkpoint, cpu, capacity_tokens, max_image_tokens),
+                                compute=ray.data.ActorPoolStrategy(size=concurrency), num_gpus=0 if cpu else num_gpus,
+                                batch_format="pandas", batch_size=batch_size)
+
+
+def encode_video_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = False,
+                         num_gpus: float | None = None, concurrency: int | None = None, capacity_tokens: int = 8000,
+                         target_fps: float = 2, max_frames: int = 2048, min_video_tokens: int = 16,
+                         max_video_tokens: int = 240_000, max_video_pixels: int | None = 2**32, batch_size: int = 4):
+    """A Ray Dataset with one video file per row -> the same rows with tokens, grid_thw, frames_indices,
+    timestamps, fps, embedding and error (the module's docstring), each video preprocessed as
+    preprocess_video(path, target_fps=, max_frames=, min_image_tokens=min_video_tokens,
+    max_image_tokens=max_video_tokens) would. A video one of whose frame groups is over capacity_tokens,
+    or whose sampled frames have more than max_video_pixels pixels, fails its row. num_gpus and
+    concurrency as for encode_dataset; batch_size videos to an actor call (their frames in memory at once)."""
+    import ray
+
+    from .batching import check_capacity, check_positive
+    from .preprocess import check_token_limits
+
+    capacity_tokens = check_capacity(capacity_tokens)
+    check_positive("max_frames", max_frames)
+    min_video_tokens, max_video_tokens = check_token_limits(min_video_tokens, max_video_tokens)
+    if min_video_tokens > max_video_tokens:
+        raise ValueError(f"min_video_tokens={min_video_tokens} is above max_video_tokens={max_video_tokens}")
+    if isinstance(target_fps, bool) or not isinstance(target_fps, (int, float)) or not 0 < target_fps < float("inf"):
+        raise ValueError(f"target_fps={target_fps!r} must be a positive number of frames a second")
+    num_gpus, concurrency, patching = _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint)
+    settings = {"target_fps": target_fps, "max_frames": max_frames, "min_image_tokens": min_video_tokens,
+                "max_image_tokens": max_video_tokens}
+    prepared = ds.map_batches(PrepareVideo(bytes_column, settings, max_video_pixels, patching, capacity_tokens),
+                              batch_format="pandas", batch_size=batch_size)
+    return prepared.map_batches(EncodeVideo, fn_constructor_args=(checkpoint, cpu, capacity_tokens),
                                 compute=ray.data.ActorPoolStrategy(size=concurrency), num_gpus=0 if cpu else num_gpus,
                                 batch_format="pandas", batch_size=batch_size)
