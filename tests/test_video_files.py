@@ -175,7 +175,7 @@ def test_a_rotation_the_frames_cannot_take_and_a_size_change_are_refused(tmp_pat
 
 def test_damaged_files_are_refused_by_name_never_crash():
     """Truncated and byte-flipped copies of a golden clip (seeded): each decodes or is refused with an
-    ImageError naming the video; none raises anything else (before: AttributeError for a stream whose codec
+    ImageError (or the sampling's ValueError) naming the video; none raises anything else (before: AttributeError for a stream whose codec
     context PyAV could not open, av's own errors from the packet scan)."""
     data = (GOLDEN / "h264_10bit_rot90.mp4").read_bytes()
     rng = np.random.default_rng(7)
@@ -189,7 +189,7 @@ def test_damaged_files_are_refused_by_name_never_crash():
     for v in variants:
         try:
             plan_video(video_files.VideoFile(v), max_image_tokens=300)
-        except ImageError as e:
+        except (ImageError, ValueError) as e:  # ValueError: the sampling's (a damaged clip read as too short)
             assert str(e).startswith("video 0: "), e
             refused.add(str(e).split("(")[0][:60])
     assert len(refused) >= 3  # several kinds of damage, each said in its own words

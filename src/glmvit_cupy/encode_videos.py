@@ -24,6 +24,7 @@ from .output import image_key
 
 VIDEO_WORKERS = 4  # videos decoding at once: each decode already runs on FFmpeg's frame threads
 HASH_CHUNK = 1 << 20
+PENDING_WRITES = 4  # finished videos waiting for the disk (a 10 s 720p clip's embedding is ~107 MB)
 
 
 def video_settings(args) -> dict:
@@ -70,8 +71,8 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
 
 def encode_videos(args, todo, enc, out, settings: dict) -> int:
     """Encode the video files `todo` into `out` (the image run's Output); 1 if any video failed, else 0.
-    One video a GPU lane at a time, every lane busy while videos are ready; this thread writes each as it
-    finishes (the lanes go on meanwhile)."""
+    One video a GPU lane at a time, every lane busy while videos are ready; one writer thread writes each
+    as it finishes (the lanes go on meanwhile)."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(todo), unit="video", dynamic_ncols=True)
@@ -80,7 +81,9 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
     for lane in range(enc.lanes):
         lanes.put(lane)
     gpu = ThreadPoolExecutor(enc.lanes, thread_name_prefix="glmvit-video")
+    writer = ThreadPoolExecutor(1, thread_name_prefix="glmvit-write-video")  # it alone touches `out`
     running: dict = {}  # future -> (key, entry)
+    writes: list = []
     t0 = time.perf_counter()
 
     def on_lane(lane, planned):
@@ -94,6 +97,13 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
             vllm_ec.write(args.vllm_ec_dir, entry["key"], emb)
         out.add_batch([(key, entry, emb)])
 
+    def submit(fn, *a):
+        """fn(*a) on the writer; at most PENDING_WRITES queued (each holds an embedding); a failed write
+        stops the run here."""
+        writes.append(writer.submit(fn, *a))
+        while writes and (writes[0].done() or len(writes) > PENDING_WRITES):
+            writes.pop(0).result()
+
     def collect(done):
         nonlocal encoded, tokens, failed
         for fut in done:
@@ -102,10 +112,10 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
                 emb = fut.result()
             except (ImageError, ValueError) as e:  # the engine's own checks of this video
                 failed += 1
-                out.fail(key, str(e))
+                submit(out.fail, key, str(e))
                 bar.write(f"skipped {entry['source']}: {e}")
             else:
-                write(key, entry, emb)
+                submit(write, key, entry, emb)  # the lane takes the next video meanwhile
                 encoded, tokens = encoded + 1, tokens + entry["tokens"]
             bar.update(1)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", failed=failed)
@@ -116,7 +126,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
         for path, got in stream:
             if isinstance(got, Exception):
                 failed += 1
-                out.fail(image_key(path), str(got))
+                submit(out.fail, image_key(path), str(got))
                 bar.write(f"skipped {path}: {got}")
                 bar.update(1)
                 continue
@@ -136,7 +146,10 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
                 except Exception:  # noqa: BLE001 - already interrupted; the video is encoded again next run
                     running.pop(fut, None)
         gpu.shutdown(wait=True)
+        writer.shutdown(wait=True)  # what was computed is written
         out.flush()
+    for w in writes:
+        w.result()
     bar.close()
     dt = time.perf_counter() - t0
     print(f"glmvit-encode: {encoded} videos, {tokens} tokens in {dt:.1f} s ({encoded / dt:.2f} videos/s, "
