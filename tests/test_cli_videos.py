@@ -139,7 +139,8 @@ def test_a_frame_group_over_the_capacity_and_the_vllm_files(media, tmp_path, cap
     out, ec = tmp_path / "out", tmp_path / "ec"
     files = [write_clip(tmp_path / "large.mkv", n=6, h=196, w=280, fps=4), media / "offset.mp4"]
     assert run(*files, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--capacity-tokens", "24",
-               "--max-image-tokens", "24", "--max-video-tokens", "400", "--vllm-ec-dir", ec) == 1
+               "--max-image-tokens", "24", "--max-video-tokens", "400", "--vllm-ec-dir", ec,
+               "--video-fps", "2") == 1  # 2.0 here, the server's default 2: one key
     manifest, embs = read_embeddings(out)
     (why,) = manifest["failed"].values()
     assert "large.mkv: one frame group of 14x20 patches is 70 tokens, more than this model's capacity of 24" in why
@@ -147,6 +148,8 @@ def test_a_frame_group_over_the_capacity_and_the_vllm_files(media, tmp_path, cap
     assert entry["frame_tokens"] <= 24
     _, common = parse_videos(json.dumps({"videos": [{"file": "AA=="}], "max_image_tokens": 400}).encode())
     assert entry["key"] == vllm_ec.video_key_of([files[1].read_bytes()], None, None, common)
+    assert vllm_ec.video_key_of([b"x"], 30.0, None, dict(common, target_fps=2.0)) == \
+        vllm_ec.video_key_of([b"x"], 30, None, dict(common, target_fps=2))  # --video-fps 2 is the server's 2
     assert entry["sha256"] == vllm_ec.key_of(files[1].read_bytes())
     from safetensors.numpy import load_file
 

@@ -34,9 +34,13 @@ def video_key_of(frames: list[bytes], fps, duration, settings: dict) -> str:
 
 
 def video_key_of_shas(shas: list[str], fps, duration, settings: dict) -> str:
-    """video_key_of from the files' sha256 hex digests (a video file hashed in pieces, not held in memory)."""
-    doc = {"frames": list(shas), "fps": fps, "duration": duration,
-           "settings": {k: settings[k] for k in sorted(settings)}}
+    """video_key_of from the files' sha256 hex digests (a video file hashed in pieces, not held in memory).
+    Whole-number floats count as ints (target_fps 2.0 is 2): one setting, one key, however it was typed."""
+    def number(v):
+        return int(v) if isinstance(v, float) and v.is_integer() else v
+
+    doc = {"frames": list(shas), "fps": number(fps), "duration": number(duration),
+           "settings": {k: number(settings[k]) for k in sorted(settings)}}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
