@@ -28,12 +28,13 @@ from . import feed, gpu, vllm_ec
 from .backend import Backend
 from .batching import DECODE, pack, preparer
 from .checkpoint import bind_tower
+from .encode_videos import encode_videos, video_settings
 from .errors import CheckpointError, OutputError
 from .inputs import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, device_list, expand_inputs, is_video, prepared
 from .output import Output, image_key
 from .preprocess import RESIZE, Patching
-from .encode_videos import encode_videos, video_settings
 from .video import MAX_FRAMES, MAX_VIDEO_TOKENS, MIN_VIDEO_TOKENS, TARGET_FPS
+
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="glmvit-encode", description=__doc__,
