@@ -568,6 +568,22 @@ def _b64png(a) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def test_damaged_video_files_are_refused_by_name_and_the_server_goes_on(server):
+    """Truncated copies of golden clips sent as files: each a 422 naming video 0 (PyAV's own errors from the
+    container and the packet scan, or the sampling of what is left), never a 500; then a whole clip encodes."""
+    pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
+    golden = os.path.join(os.path.dirname(__file__), "golden", "video_files")
+    for name in ("h264_10bit_rot90.mp4", "vp9_10bit.webm"):
+        with open(os.path.join(golden, name), "rb") as f:
+            data = f.read()
+        for fraction in (0.02, 0.1, 0.5):
+            body = {"videos": [{"file": base64.b64encode(data[:int(len(data) * fraction)]).decode()}]}
+            got, err = post_video(server[0], body)
+            assert got == 422 and err["error"].startswith("video 0: ") and err["index"] == 0, (name, fraction, err)
+    whole = {"videos": [{"file": base64.b64encode(data).decode()}]}  # vp9_10bit.webm
+    assert post_video(server[0], whole)[0] == 200
+
+
 @pytest.mark.parametrize("body,status,says,index", [
     ([], 400, "JSON object with a 'videos' list", None),
     ({"videos": []}, 400, "'videos' must be a non-empty list", None),

@@ -90,7 +90,7 @@ def _probe(container, source, name):
                 end = pts + (packet.duration or 0) if end is None else max(end, pts + (packet.duration or 0))
         container.seek(0)
     except (av.FFmpegError, OSError, ValueError) as e:  # a damaged or truncated container
-        raise ImageError(f"{name}: reading {_label(source)}'s packets failed after {frames} ({e})") from None
+        raise ImageError(f"{name}: reading the packets of {_label(source)} failed after {frames} ({e})") from None
     tb = stream.time_base  # each end in seconds, then subtracted: the reference's float64 steps, bit for bit
     duration = end * tb.numerator / tb.denominator - first * tb.numerator / tb.denominator if first is not None else 0.0
     if frames <= 0 or duration <= 0:
