@@ -159,14 +159,13 @@ def _value_table() -> np.ndarray:
     """float32 [3, 256]: what rescale-then-normalise makes of each uint8 value, per channel.
 
     Computed with the reference's own operations (x * (1/255) in float64, cast to float32, then
-    (x - mean) / std in float32), so looking values up is bit-identical to computing them, and
-    ~15x faster on a full-size canvas."""
+    (x - mean) / std in float32), so looking values up is bit-identical to computing them (the GPU
+    patchify looks them up; normalise_patchify computes them)."""
     x = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
-    mean = np.array(MEAN, dtype=np.float32)[:, None]
-    std = np.array(STD, dtype=np.float32)[:, None]
-    return (x[None, :] - mean) / std
+    return (x[None, :] - _MEAN[:, None]) / _STD[:, None]
 
 
+_MEAN, _STD = np.array(MEAN, dtype=np.float32), np.array(STD, dtype=np.float32)
 _TABLE = _value_table()
 
 
@@ -186,7 +185,11 @@ def normalise_patchify(canvas_u8: np.ndarray, patching: Patching = REFERENCE) ->
     # Reorder the bytes first (a quarter of the float traffic): (bh, bw, r, c, channel, py, px).
     p = canvas_u8.reshape(gh // M, M, P, gw // M, M, P, c)
     p = np.ascontiguousarray(p.transpose(0, 3, 1, 4, 6, 2, 5)).reshape(gh * gw, c, P * P)
-    vals = _TABLE[np.arange(c)[None, :, None], p]  # [N, channel, py*px] float32
+    # The table's own steps on the rows (x * (1/255) in float64, then float32): its bits, 1.4x faster than
+    # looking each value up (the gather cost ~20 ns a value; 188 against 128 ms for a 10k-token canvas).
+    vals = np.multiply(p, 1 / 255, dtype=np.float64).astype(np.float32)  # [N, channel, py*px]
+    vals -= _MEAN[:c, None]
+    vals /= _STD[:c, None]
     out = np.empty((gh * gw, c, T, P * P), dtype=np.float32)
     out[...] = vals[:, :, None, :]  # the still frame repeated along the temporal axis
     return out.reshape(gh * gw, c * T * P * P)

@@ -34,12 +34,15 @@ MIN_VIDEO_TOKENS = 16
 MAX_VIDEO_TOKENS = 240_000  # the reference video processor's max_image_tokens: a video's total
 
 
+# The video processor's fused rescale and normalise: mean and std as float32 tensors times 1 / (1/255) = 255
+# (one float32 rounding each), then (x - mean') / std' in float32.
+_MEAN_STD = (np.array(MEAN, dtype=np.float32) * np.float32(255.0), np.array(STD, dtype=np.float32) * np.float32(255.0))
+
+
 def _value_table() -> np.ndarray:
-    """float32 [3, 256]: what the video processor makes of each uint8 value, per channel. Its fused rescale
-    and normalise: mean and std as float32 tensors times 1 / (1/255) = 255 (one float32 rounding each),
-    then (x - mean') / std' in float32; a lookup gives the same bits."""
-    mean = np.array(MEAN, dtype=np.float32) * np.float32(255.0)
-    std = np.array(STD, dtype=np.float32) * np.float32(255.0)
+    """float32 [3, 256]: what the video processor makes of each uint8 value, per channel (_MEAN_STD's steps); a
+    lookup gives the same bits."""
+    mean, std = _MEAN_STD
     return (np.arange(256, dtype=np.float32)[None, :] - mean[:, None]) / std[:, None]
 
 
@@ -114,7 +117,12 @@ def normalise_patchify(frames_u8: np.ndarray, patching: Patching = REFERENCE) ->
     p = frames_u8.reshape(gt, T, gh // M, M, P, gw // M, M, P, c)
     p = np.ascontiguousarray(p.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7))  # gt, bh, bw, r, c, channel, tp, py, px
     rows = p.reshape(gt * gh * gw, c, T * P * P)
-    return _TABLE[np.arange(c)[None, :, None], rows].reshape(gt * gh * gw, c * T * P * P)
+    # The table's own float32 steps on the rows: the same bits as looking each value up, 2x faster (the
+    # gather cost ~20 ns a value; 80 against 40 ms for 6 frames of 1288 x 728 on two cores).
+    mean, std = _MEAN_STD
+    out = np.subtract(rows, mean[:c, None], dtype=np.float32)
+    np.divide(out, std[:c, None], out=out)
+    return out.reshape(gt * gh * gw, c * T * P * P)
 
 
 def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration=None,
