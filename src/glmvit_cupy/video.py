@@ -114,15 +114,26 @@ def normalise_patchify(frames_u8: np.ndarray, patching: Patching = REFERENCE) ->
         raise ValueError(f"normalise_patchify: {t} frames of {hh}x{ww} are not whole {T}-frame groups of "
                          f"{patching.factor}-pixel tokens")
     gt, gh, gw = t // T, hh // P, ww // P
-    p = frames_u8.reshape(gt, T, gh // M, M, P, gw // M, M, P, c)
-    p = np.ascontiguousarray(p.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7))  # gt, bh, bw, r, c, channel, tp, py, px
-    rows = p.reshape(gt * gh * gw, c, T * P * P)
-    # The table's own float32 steps on the rows: the same bits as looking each value up, 2x faster (the
-    # gather cost ~20 ns a value; 80 against 40 ms for 6 frames of 1288 x 728 on two cores).
+    per_group = gh * gw
+    out = np.empty((gt * per_group, c, T * P * P), dtype=np.float32)
     mean, std = _MEAN_STD
-    out = np.subtract(rows, mean[:c, None], dtype=np.float32)
-    np.divide(out, std[:c, None], out=out)
-    return out.reshape(gt * gh * gw, c * T * P * P)
+
+    def group(g):
+        """Frame group g's rows: its bytes reordered (a quarter of the float traffic), then the table's own
+        float32 steps on them: the same bits as looking each value up, 2x faster (the gather cost ~20 ns a
+        value). NumPy lets go of the GIL in both, so groups run side by side."""
+        p = frames_u8[g * T:(g + 1) * T].reshape(T, gh // M, M, P, gw // M, M, P, c)
+        p = np.ascontiguousarray(p.transpose(1, 4, 2, 5, 7, 0, 3, 6))  # bh, bw, r, c, channel, tp, py, px
+        rows = out[g * per_group:(g + 1) * per_group]
+        np.subtract(p.reshape(per_group, c, T * P * P), mean[:c, None], out=rows, dtype=np.float32)
+        np.divide(rows, std[:c, None], out=rows)
+
+    if gt > 1:
+        with ThreadPoolExecutor(min(gt, os.cpu_count() or 1, 16)) as pool:
+            list(pool.map(group, range(gt)))
+    elif gt:
+        group(0)
+    return out.reshape(gt * per_group, c * T * P * P)
 
 
 def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration=None,
