@@ -127,13 +127,15 @@ def test_a_video_file_as_bytes_and_its_pixel_cap(tmp_path):
 @pytest.mark.parametrize("name", sorted(CLIPS))
 def test_clips_read_as_the_reference_processor_reads_them(name):
     """Clips written by FFmpeg's own encoders (10-bit H.264, HEVC HLG and VP9; display rotations of 90, 180 and
-    270 degrees; a stream starting at 1.3 s; 29.97 fps with B-frames), against what torchcodec 0.17 (the
+    270 degrees; a stream starting at 1.3 s; 29.97 fps with B-frames; a Matroska file whose first video
+    stream is a one-frame cover picture, the clip second), against what torchcodec 0.17 (the
     decoder HF's processor opens a path with) made of them (tools/video_decoders.py --golden): the frame
     count, fps and duration to the last bit, every frame's RGB bytes, and the processor's grid, sampled
     frames and pixels given the path. Before (PyAV's to_ndarray, the container's rate) all six failed: 10-bit
     frames up to ~150 levels off, rotated videos sideways, the offset clip's frames (1.4999999999999998 s, as
     2.8 - 1.3, gives 2 frames at 2 fps, not 3), the 29.97 fps clip's fps in its last bits (30000 / 1001 against
-    torchcodec's 15 / 0.5005)."""
+    torchcodec's 15 / 0.5005); and the cover picture was read as a 1-frame video (FFmpeg's best stream is
+    the clip)."""
     want, path = CLIPS[name], GOLDEN / name
     assert video_files.probe(path) == (want["frames"], want["fps"], want["duration"])
     frames, meta = video_files.load_video(path, lambda total, fps, duration: np.arange(total))

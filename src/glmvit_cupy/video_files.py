@@ -41,7 +41,7 @@ def _label(source) -> str:
 
 
 def _open(source, name: str):
-    """source (a path, or a video file's bytes) opened by PyAV, its first video stream checked."""
+    """source (a path, or a video file's bytes) opened by PyAV, its video stream (_stream) checked."""
     av, label = _av(), _label(source)
     is_bytes = isinstance(source, (bytes, bytearray, memoryview))
     if not is_bytes and not os.path.isfile(source):
@@ -53,7 +53,7 @@ def _open(source, name: str):
     if not container.streams.video:
         container.close()
         raise ImageError(f"{name}: {label} has no video stream")
-    stream = container.streams.video[0]
+    stream = _stream(container)
     if stream.codec_context is None:  # PyAV has no decoder for it (a damaged header, an unknown codec)
         container.close()
         raise ImageError(f"{name}: {label}'s video stream cannot be decoded (no decoder for its codec, or a "
@@ -66,8 +66,14 @@ def _open(source, name: str):
     return container
 
 
+def _stream(container):
+    """The video stream the reference decodes: FFmpeg's best one (av_find_best_stream, as torchcodec asks), not
+    the first: a still cover picture or thumbnail stored as a 1-frame stream can come before the video."""
+    return container.streams.best("video") or container.streams.video[0]
+
+
 def probe(source, name: str = "video") -> tuple[int, float, float]:
-    """(frames, fps, duration in seconds) of a video file's first video stream, as the reference processor's
+    """(frames, fps, duration in seconds) of a video file's video stream (_stream), as the reference processor's
     decoder reads them (torchcodec, seek_mode="exact"): a scan of the stream's packets, nothing decoded."""
     with _open(source, name) as container:
         return _probe(container, source, name)
@@ -77,7 +83,7 @@ def _probe(container, source, name):
     """frames = the stream's packets (less those flagged discard), duration = the latest pts + duration less
     the earliest pts, fps = frames / duration. A container's own frame count and rate can differ from these
     (variable frame rate, a count it never wrote): the reference samples by these."""
-    av, stream = _av(), container.streams.video[0]
+    av, stream = _av(), _stream(container)
     frames, first, end = 0, None, None
     try:
         for packet in container.demux(stream):
@@ -109,7 +115,7 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
     naming the file for anything that cannot be read; pick's own errors pass through."""
     with _open(source, name) as container:  # one open: probed, then decoded (twice if the count was high)
         total, file_fps, file_duration = _probe(container, source, name)
-        stream = container.streams.video[0]
+        stream = _stream(container)
         stream.thread_type = "AUTO"  # frame threads: decoding is the cost
         own_duration = duration is None  # the file's, or frames / the caller's fps
         duration = (file_duration if fps is None else total / fps) if own_duration else duration
@@ -155,7 +161,7 @@ def _decode(container, source, name, indices) -> tuple[dict, int]:
     rgb = _RGB(av, name, source)
     try:
         container.seek(0)
-        for i, frame in enumerate(container.decode(video=0)):
+        for i, frame in enumerate(container.decode(_stream(container))):
             if i in wanted:
                 kept[i] = rgb(frame)
             if i >= last:
