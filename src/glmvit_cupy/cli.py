@@ -22,7 +22,6 @@ import itertools
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from . import feed, gpu, vllm_ec
 from .backend import Backend
@@ -31,7 +30,7 @@ from .checkpoint import bind_tower
 from .encode_videos import encode_videos, video_settings
 from .errors import CheckpointError, OutputError
 from .inputs import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, device_list, expand_inputs, is_video, prepared
-from .output import Output, image_key
+from .output import Output, Writer, image_key
 from .preprocess import RESIZE, Patching
 from .video import MAX_FRAMES, MAX_VIDEO_TOKENS, MIN_VIDEO_TOKENS, TARGET_FPS
 
@@ -195,8 +194,7 @@ def encode_all(args, todo, enc, out) -> int:
     tokens_done, failed = 0, 0
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), unit="img", dynamic_ncols=True)
-    writer = ThreadPoolExecutor(1, thread_name_prefix="glmvit-write")
-    writes = []
+    writer = Writer(out)
 
     def write(group, launched):
         nonlocal tokens_done
@@ -216,11 +214,7 @@ def encode_all(args, todo, enc, out) -> int:
         bar.write(f"skipped {path}: {why}")
         bar.update(1)
 
-    def submit(fn, *a):
-        writes.append(writer.submit(fn, *a))
-        while writes and writes[0].done():
-            writes.pop(0).result()  # a write that failed stops the run here
-
+    submit = writer.submit  # a write that failed stops the run at the next submit
     def usable(stream):
         """The prepared images, keyed; a failed one is recorded and skipped."""
         nonlocal failed
@@ -270,10 +264,8 @@ def encode_all(args, todo, enc, out) -> int:
         if running is not None:  # interrupted: the group on the GPU is finished work too
             with contextlib.suppress(Exception):
                 collect(running)
-        writer.shutdown(wait=True)  # what was computed is written
-        out.flush()
-    for w in writes:
-        w.result()
+        writer.close()  # what was computed is written
+    writer.check()
     bar.close()
     dt = time.perf_counter() - t0
     print(f"glmvit-encode: {len(todo) - failed} images, {tokens_done} tokens in {dt:.1f} s "

@@ -20,7 +20,7 @@ from . import batching, feed, vllm_ec
 from .errors import ImageError
 from .files import open_regular
 from .inputs import unreadable
-from .output import image_key
+from .output import Writer, image_key
 
 VIDEO_WORKERS = 4  # videos decoding at once: each decode already runs on FFmpeg's frame threads
 HASH_CHUNK = 1 << 20
@@ -52,7 +52,7 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
         try:
             sha = file_sha256(path)
             frames, grid, info = plan_video(VideoFile(path, max_video_pixels), i, name=path, patching=patching,
-                                            **{k: v for k, v in settings.items() if k != "sample"})
+                                            **settings)
             batching.check_frame_group(path, grid[1], grid[2], patching.merge_size, capacity_tokens)
         except OSError as e:
             return path, unreadable(path, e)
@@ -81,9 +81,9 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
     for lane in range(enc.lanes):
         lanes.put(lane)
     gpu = ThreadPoolExecutor(enc.lanes, thread_name_prefix="glmvit-video")
-    writer = ThreadPoolExecutor(1, thread_name_prefix="glmvit-write-video")  # it alone touches `out`
+    writer = Writer(out, PENDING_WRITES)  # it alone touches `out`
+    submit = writer.submit
     running: dict = {}  # future -> (key, entry)
-    writes: list = []
     t0 = time.perf_counter()
 
     def on_lane(lane, planned):
@@ -96,13 +96,6 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
         if args.vllm_ec_dir:
             vllm_ec.write(args.vllm_ec_dir, entry["key"], emb)
         out.add_batch([(key, entry, emb)])
-
-    def submit(fn, *a):
-        """fn(*a) on the writer; at most PENDING_WRITES queued (each holds an embedding); a failed write
-        stops the run here."""
-        writes.append(writer.submit(fn, *a))
-        while writes and (writes[0].done() or len(writes) > PENDING_WRITES):
-            writes.pop(0).result()
 
     def collect(done):
         nonlocal encoded, tokens, failed
@@ -146,10 +139,8 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
                 except Exception:  # noqa: BLE001 - already interrupted; the video is encoded again next run
                     running.pop(fut, None)
         gpu.shutdown(wait=True)
-        writer.shutdown(wait=True)  # what was computed is written
-        out.flush()
-    for w in writes:
-        w.result()
+        writer.close()  # what was computed is written
+    writer.check()
     bar.close()
     dt = time.perf_counter() - t0
     print(f"glmvit-encode: {encoded} videos, {tokens} tokens in {dt:.1f} s ({encoded / dt:.2f} videos/s, "

@@ -185,6 +185,37 @@ class Output:
         self._changed()
 
 
+class Writer:
+    """One thread that alone touches an Output (its shards and manifest, in the order asked), so the GPU and
+    the prepare threads never wait for the disk. submit(fn, *a) queues fn(*a); with `pending`, at most that
+    many wait (each may hold an embedding) before submit waits for the oldest. A write that failed raises
+    from the next submit, or from check() after close()."""
+
+    def __init__(self, out: Output, pending: int | None = None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.out, self.pending = out, pending
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="glmvit-write")
+        self._writes: list = []
+
+    def submit(self, fn, *a) -> None:
+        self._writes.append(self._pool.submit(fn, *a))
+        while self._writes and (self._writes[0].done() or
+                                (self.pending is not None and len(self._writes) > self.pending)):
+            self._writes.pop(0).result()
+
+    def close(self) -> None:
+        """Wait for what was submitted and flush the manifest (in a `finally`: an interrupted run's finished
+        work is written too); check() then raises the first write that failed."""
+        self._pool.shutdown(wait=True)
+        self.out.flush()
+
+    def check(self) -> None:
+        writes, self._writes = self._writes, []
+        for w in writes:
+            w.result()
+
+
 def _shard_keys(path) -> set | None:
     """The image keys a shard holds; None if it is missing or cannot be read whole (truncated or damaged:
     safetensors checks that its header covers the file exactly)."""

@@ -125,12 +125,12 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
         if max_total_pixels is not None and unique * stream.width * stream.height > max_total_pixels:
             raise ImageError(f"{name}: its {unique} sampled frames have {unique * stream.width * stream.height:,} "
                              f"pixels, over the limit of {max_total_pixels:,}; send a shorter or smaller video")
-        kept, decoded = _decode(container, source, name, indices)
+        kept, decoded = _decode(container, stream, source, name, indices)
         if len(kept) < unique and decoded < total:  # the count was high: pick again from what is there
             total = decoded
             duration = total / fps if own_duration else duration
             indices = pick(total, fps, duration)
-            kept, _ = _decode(container, source, name, indices)
+            kept, _ = _decode(container, stream, source, name, indices)
     missing = sorted(set(int(i) for i in indices) - set(kept))
     if missing:  # the file decodes differently from one pass to the next
         raise ImageError(f"{name}: decoding {_label(source)} gave no frame {missing[0]} of the {total} it has")
@@ -153,7 +153,7 @@ class VideoFile:
                           max_total_pixels=self.max_total_pixels)
 
 
-def _decode(container, source, name, indices) -> tuple[dict, int]:
+def _decode(container, stream, source, name, indices) -> tuple[dict, int]:
     """({index: HxWx3 uint8} for the wanted indices that decoding reached, frames decoded), one sequential
     pass from the start, stopping after the last wanted frame; each kept frame converted by _RGB."""
     av = _av()
@@ -161,7 +161,7 @@ def _decode(container, source, name, indices) -> tuple[dict, int]:
     rgb = _RGB(av, name, source)
     try:
         container.seek(0)
-        for i, frame in enumerate(container.decode(_stream(container))):
+        for i, frame in enumerate(container.decode(stream)):
             if i in wanted:
                 kept[i] = rgb(frame)
             if i >= last:
