@@ -162,7 +162,7 @@ def test_an_interrupted_run_keeps_the_videos_it_finished(media, tmp_path, capsys
     130, and the same command then encodes only what is missing."""
     from glmvit_cupy.backend import Backend
 
-    real, calls = Backend.encode_video_on, []
+    real, calls = Backend.launch_video_on, []
 
     def second_interrupts(self, lane, planned, resize=None):
         calls.append(planned[0][2]["source"])
@@ -170,12 +170,12 @@ def test_an_interrupted_run_keeps_the_videos_it_finished(media, tmp_path, capsys
             raise KeyboardInterrupt
         return real(self, lane, planned, resize)
 
-    monkeypatch.setattr(Backend, "encode_video_on", second_interrupts)
+    monkeypatch.setattr(Backend, "launch_video_on", second_interrupts)
     out, videos = tmp_path / "out", [media / "sub" / "pan.mkv", media / "offset.mp4"]
     assert run(*videos, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", *LIMITS) == 130
     assert "interrupted; 1 file saved this run (1 in" in capsys.readouterr().err
     manifest, embs = read_embeddings(out)
     assert list(embs) == [os.path.realpath(calls[0])]
-    monkeypatch.setattr(Backend, "encode_video_on", real)
+    monkeypatch.setattr(Backend, "launch_video_on", real)
     assert run(*videos, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", *LIMITS) == 0
     assert "1 of 2 files already" in capsys.readouterr().out and len(read_embeddings(out)[1]) == 2

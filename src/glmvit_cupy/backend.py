@@ -131,6 +131,20 @@ class Backend:
         with model.device:
             return HOST.download(outs)
 
+    def launch_video_on(self, lane: int, planned: list, resize: str | None = None) -> "Launched":
+        """As encode_video_on, but returns once replica `lane` has the work (its checks passed): viewed()
+        then lends one list, an embedding a video, as views of page-locked blocks. So the lane takes the
+        next video while these are copied out, and nothing is copied into ordinary memory."""
+        if self.cpu:
+            return Launched(None, [self.encode_video_on(lane, planned, resize)])
+        import cupy
+
+        model = self._engine.models[lane]
+        outs = model.encode_planned_videos(planned, resize or self.resize)  # the current stream waits for them
+        with model.device:
+            event = cupy.cuda.get_current_stream().record()
+        return Launched(lambda: [(outs, event)], None)
+
     def launch(self, batches: list) -> "Launched":
         """Start several batches (batch j on lane j % lanes) and return at once: the GPUs compute them while
         the caller prepares and launches the next ones. (The CPU reference computes them here.)"""

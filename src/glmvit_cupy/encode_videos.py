@@ -71,8 +71,8 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
 
 def encode_videos(args, todo, enc, out, settings: dict) -> int:
     """Encode the video files `todo` into `out` (the image run's Output); 1 if any video failed, else 0.
-    One video a GPU lane at a time, every lane busy while videos are ready; one writer thread writes each
-    as it finishes (the lanes go on meanwhile)."""
+    One video a GPU lane at a time, every lane busy while videos are ready; a lane takes its next video once
+    the GPU has the last one's work, and one writer thread copies each out and writes it as it finishes."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(todo), unit="video", dynamic_ncols=True)
@@ -83,32 +83,34 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
     gpu = ThreadPoolExecutor(enc.lanes, thread_name_prefix="glmvit-video")
     writer = Writer(out, PENDING_WRITES)  # it alone touches `out`
     submit = writer.submit
-    running: dict = {}  # future -> (key, entry)
+    running: dict = {}  # future of a lane's launch -> (key, entry)
     t0 = time.perf_counter()
 
     def on_lane(lane, planned):
         try:
-            return enc.encode_video_on(lane, [planned], resize=args.resize)[0]
+            return enc.launch_video_on(lane, [planned], resize=args.resize)
         finally:
             lanes.put(lane)
 
-    def write(key, entry, emb):
-        if args.vllm_ec_dir:
-            vllm_ec.write(args.vllm_ec_dir, entry["key"], emb)
-        out.add_batch([(key, entry, emb)])
+    def write(key, entry, launched):
+        with launched.viewed() as views:  # waits for the video's forwards; the views die with the `with`
+            emb = views[0][0]
+            if args.vllm_ec_dir:
+                vllm_ec.write(args.vllm_ec_dir, entry["key"], emb)
+            out.add_batch([(key, entry, emb)])
 
     def collect(done):
         nonlocal encoded, tokens, failed
         for fut in done:
             key, entry = running.pop(fut)
             try:
-                emb = fut.result()
+                launched = fut.result()
             except (ImageError, ValueError) as e:  # the engine's own checks of this video
                 failed += 1
                 submit(out.fail, key, str(e))
                 bar.write(f"skipped {entry['source']}: {e}")
             else:
-                submit(write, key, entry, emb)  # the lane takes the next video meanwhile
+                submit(write, key, entry, launched)  # the lane takes the next video meanwhile
                 encoded, tokens = encoded + 1, tokens + entry["tokens"]
             bar.update(1)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", failed=failed)
