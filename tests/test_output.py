@@ -165,3 +165,31 @@ def test_an_entry_its_shard_does_not_hold_is_not_done(tmp_path):
     assert again.done("/img/a") and not again.done("/img/z")
     with pytest.raises(OutputError, match="'/img/z' names no shard"):
         read_embeddings(folder)
+
+
+def test_the_writer_bounds_what_waits_by_count_and_by_bytes(tmp_path):
+    """Writer: submit waits for the oldest write while more than `pending` writes, or more than `pending_bytes`
+    of their nbytes, are waiting (one write always may, whatever its size); writes run in the order submitted
+    and a failed one raises from check()."""
+    import threading
+
+    from glmvit_cupy.output import Writer
+
+    out = Output(str(tmp_path / "o"), SETTINGS)
+    gate, order = threading.Event(), []
+    writer = Writer(out, pending=4, pending_bytes=10)
+    writer.submit(lambda: (gate.wait(30), order.append(0)), nbytes=100)  # over the bound alone: accepted
+    blocked = threading.Thread(target=writer.submit, args=(order.append, 1), kwargs={"nbytes": 1})
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive() and order == []  # 101 bytes waiting: the second submit waits for the first
+    gate.set()
+    blocked.join(30)
+    assert not blocked.is_alive()
+    for i in range(2, 8):  # small writes: the count bound alone applies
+        writer.submit(order.append, i, nbytes=1)
+    writer.submit(lambda: 1 / 0)
+    writer.close()
+    assert order == list(range(8))
+    with pytest.raises(ZeroDivisionError):
+        writer.check()

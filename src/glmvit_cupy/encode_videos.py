@@ -25,6 +25,9 @@ from .output import Writer, image_key
 VIDEO_WORKERS = 4  # videos decoding at once: each decode already runs on FFmpeg's frame threads
 HASH_CHUNK = 1 << 20
 PENDING_WRITES = 4  # finished videos waiting for the disk (a 10 s 720p clip's embedding is ~107 MB)
+# and the most bytes of their embeddings (a video's stays on its GPU until the writer copies it out; one
+# at the default 240,000-token cap is ~2 GB)
+PENDING_BYTES = 2 << 30
 
 
 def video_settings(args) -> dict:
@@ -81,7 +84,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
     for lane in range(enc.lanes):
         lanes.put(lane)
     gpu = ThreadPoolExecutor(enc.lanes, thread_name_prefix="glmvit-video")
-    writer = Writer(out, PENDING_WRITES)  # it alone touches `out`
+    writer = Writer(out, PENDING_WRITES, PENDING_BYTES)  # it alone touches `out`
     submit = writer.submit
     running: dict = {}  # future of a lane's launch -> (key, entry)
     t0 = time.perf_counter()
@@ -110,7 +113,8 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
                 submit(out.fail, key, str(e))
                 bar.write(f"skipped {entry['source']}: {e}")
             else:
-                submit(write, key, entry, launched)  # the lane takes the next video meanwhile
+                # the lane takes the next video meanwhile
+                submit(write, key, entry, launched, nbytes=entry["tokens"] * enc.geometry.out_hidden_size * 2)
                 encoded, tokens = encoded + 1, tokens + entry["tokens"]
             bar.update(1)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", failed=failed)

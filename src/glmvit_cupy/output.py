@@ -187,22 +187,28 @@ class Output:
 
 class Writer:
     """One thread that alone touches an Output (its shards and manifest, in the order asked), so the GPU and
-    the prepare threads never wait for the disk. submit(fn, *a) queues fn(*a); with `pending`, at most that
-    many wait (each may hold an embedding) before submit waits for the oldest. A write that failed raises
-    from the next submit, or from check() after close()."""
+    the prepare threads never wait for the disk. submit(fn, *a, nbytes=0) queues fn(*a); with `pending`, at
+    most that many wait (each may hold an embedding), and with `pending_bytes` at most that many of their
+    nbytes (one always may), before submit waits for the oldest. A write that failed raises from the next
+    submit, or from check() after close()."""
 
-    def __init__(self, out: Output, pending: int | None = None):
+    def __init__(self, out: Output, pending: int | None = None, pending_bytes: int | None = None):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.out, self.pending = out, pending
+        self.out, self.pending, self.pending_bytes = out, pending, pending_bytes
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="glmvit-write")
-        self._writes: list = []
+        self._writes: list = []  # (future, nbytes), oldest first
 
-    def submit(self, fn, *a) -> None:
-        self._writes.append(self._pool.submit(fn, *a))
-        while self._writes and (self._writes[0].done() or
-                                (self.pending is not None and len(self._writes) > self.pending)):
-            self._writes.pop(0).result()
+    def _over(self) -> bool:
+        if self.pending is not None and len(self._writes) > self.pending:
+            return True
+        return (self.pending_bytes is not None and len(self._writes) > 1
+                and sum(n for _, n in self._writes) > self.pending_bytes)
+
+    def submit(self, fn, *a, nbytes: int = 0) -> None:
+        self._writes.append((self._pool.submit(fn, *a), nbytes))
+        while self._writes and (self._writes[0][0].done() or self._over()):
+            self._writes.pop(0)[0].result()
 
     def close(self) -> None:
         """Wait for what was submitted and flush the manifest (in a `finally`: an interrupted run's finished
@@ -212,7 +218,7 @@ class Writer:
 
     def check(self) -> None:
         writes, self._writes = self._writes, []
-        for w in writes:
+        for w, _ in writes:
             w.result()
 
 
