@@ -317,3 +317,40 @@ def test_a_fifo_or_device_in_a_folder_is_skipped_not_read(images, tmp_path):
     assert f"{images / 'zero.jpg'}: the image is a character device, not a regular file" in said, said
     manifest, tensors = load_all(out)
     assert len(tensors) == 3  # a.png, sub/b.png, c.jpg
+
+
+def test_a_slow_disk_holds_the_encoder_back(tmp_path, monkeypatch):
+    """Each write waiting for glmvit-encode's writer holds its embeddings (on the GPU, until the writer copies
+    them out), so a disk slower than the encoder must make it wait, not let writes pile up: with every shard
+    write slowed down, at most output.PENDING_WRITES writes ever wait, and every image is still written."""
+    import threading
+    import time
+
+    from glmvit_cupy import output
+
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i in range(14):
+        Image.fromarray(cases._smooth(28 + 14 * (i % 3), 42, i)).save(folder / f"{i:02d}.png")
+    real_add, waiting, most, lock = output.Output.add_batch, [0], [0], threading.Lock()
+
+    def slow_add(self, entries):
+        time.sleep(0.05)
+        real_add(self, entries)
+
+    real_submit = output.Writer.submit
+
+    def counting_submit(self, fn, *a, nbytes=0):
+        real_submit(self, fn, *a, nbytes=nbytes)
+        with lock:
+            waiting[0] = sum(not w.done() for w, _ in self._writes)
+            most[0] = max(most[0], waiting[0])
+
+    monkeypatch.setattr(output.Output, "add_batch", slow_add)
+    monkeypatch.setattr(output.Writer, "submit", counting_submit)
+    out = tmp_path / "out"
+    assert run([folder, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--capacity-tokens", 8,
+                "--max-image-tokens", 8]) == 0
+    manifest, tensors = load_all(out)
+    assert len(manifest["images"]) == len(tensors) == 14
+    assert 1 <= most[0] <= output.PENDING_WRITES  # one image a pass: 14 writes, never more than 4 waiting

@@ -194,7 +194,7 @@ def encode_all(args, todo, enc, out) -> int:
     tokens_done, failed = 0, 0
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), unit="img", dynamic_ncols=True)
-    writer = Writer(out)
+    writer = Writer(out)  # a disk slower than the GPUs holds them back (output.PENDING_WRITES)
 
     def write(group, launched):
         nonlocal tokens_done
@@ -244,7 +244,8 @@ def encode_all(args, todo, enc, out) -> int:
         """Wait until a launched group is computed and hand it to the writer."""
         entries, launched = group
         launched.wait()
-        submit(write, entries, launched)
+        tokens = sum(info["tokens"] for b in entries for _, info in b)
+        submit(write, entries, launched, nbytes=tokens * enc.geometry.out_hidden_size * 2)
 
     running = None  # (keys and infos, Launched) of the group on the GPU
     try:

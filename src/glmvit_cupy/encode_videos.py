@@ -24,10 +24,6 @@ from .output import Writer, image_key
 
 VIDEO_WORKERS = 4  # videos decoding at once: each decode already runs on FFmpeg's frame threads
 HASH_CHUNK = 1 << 20
-PENDING_WRITES = 4  # finished videos waiting for the disk (a 10 s 720p clip's embedding is ~107 MB)
-# and the most bytes of their embeddings (a video's stays on its GPU until the writer copies it out; one
-# at the default 240,000-token cap is ~2 GB)
-PENDING_BYTES = 2 << 30
 
 
 def video_settings(args) -> dict:
@@ -84,7 +80,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
     for lane in range(enc.lanes):
         lanes.put(lane)
     gpu = ThreadPoolExecutor(enc.lanes, thread_name_prefix="glmvit-video")
-    writer = Writer(out, PENDING_WRITES, PENDING_BYTES)  # it alone touches `out`
+    writer = Writer(out)  # it alone touches `out`; what waits for it is bounded (output.PENDING_WRITES)
     submit = writer.submit
     running: dict = {}  # future of a lane's launch -> (key, entry)
     t0 = time.perf_counter()

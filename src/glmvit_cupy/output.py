@@ -185,14 +185,22 @@ class Output:
         self._changed()
 
 
+# What may wait for glmvit-encode's writer: each waiting write holds embeddings, on the GPU that made them
+# until the writer copies them out, so a disk slower than the GPUs must hold the GPUs back rather than fill
+# their memory. 4 writes (a 1024-token pass's images are ~60 MB, a 10 s 720p video's ~107 MB) and 2 GiB of
+# embeddings (one video at the 240,000-token cap is ~2 GB: one write always may).
+PENDING_WRITES = 4
+PENDING_BYTES = 2 << 30
+
+
 class Writer:
     """One thread that alone touches an Output (its shards and manifest, in the order asked), so the GPU and
-    the prepare threads never wait for the disk. submit(fn, *a, nbytes=0) queues fn(*a); with `pending`, at
-    most that many wait (each may hold an embedding), and with `pending_bytes` at most that many of their
-    nbytes (one always may), before submit waits for the oldest. A write that failed raises from the next
-    submit, or from check() after close()."""
+    the prepare threads never wait for the disk. submit(fn, *a, nbytes=0) queues fn(*a); at most `pending`
+    writes, and at most `pending_bytes` of their nbytes (one always may), wait before submit waits for the
+    oldest (None: no bound). A write that failed raises from the next submit, or from check() after close()."""
 
-    def __init__(self, out: Output, pending: int | None = None, pending_bytes: int | None = None):
+    def __init__(self, out: Output, pending: int | None = PENDING_WRITES,
+                 pending_bytes: int | None = PENDING_BYTES):
         from concurrent.futures import ThreadPoolExecutor
 
         self.out, self.pending, self.pending_bytes = out, pending, pending_bytes
