@@ -181,6 +181,24 @@ def test_rows_are_frame_groups_of_merge_blocks():
                 assert np.array_equal(got, want), (n, ch, t)
 
 
+def test_several_videos_are_each_videos_rows_in_turn_and_out_is_checked():
+    """preprocess_video of several videos writes each one's rows into its own slice of one array: the same
+    bits as each video alone, in order (no concatenation copy); normalise_patchify's `out` must fit exactly."""
+    rng = np.random.default_rng(5)
+    videos = [rng.integers(0, 256, (t, h, w, 3), dtype=np.uint8)
+              for t, h, w in ((4, 60, 90), (3, 100, 40), (2, 56, 56))]
+    pv, grid, _ = preprocess_video(videos, fps=2.0, sample=False, max_image_tokens=400)
+    alone = [preprocess_video(v, fps=2.0, sample=False, max_image_tokens=400) for v in videos]
+    assert grid.tolist() == [a[1][0].tolist() for a in alone]
+    assert np.array_equal(pv.view(np.uint32), np.concatenate([a[0] for a in alone]).view(np.uint32))
+    frames = rng.integers(0, 256, (2, 28, 56, 3), dtype=np.uint8)
+    into = np.full((8, 1176), np.nan, np.float32)
+    assert normalise_patchify(frames, out=into) is not None and np.array_equal(into, normalise_patchify(frames))
+    for bad in (np.empty((7, 1176), np.float32), np.empty((8, 1176), np.float64), np.empty((1176, 8), np.float32).T):
+        with pytest.raises(ValueError, match="out must be a C-contiguous float32"):
+            normalise_patchify(frames, out=bad)
+
+
 def test_an_odd_frame_count_repeats_the_last_frame():
     rng = np.random.default_rng(4)
     v = rng.integers(0, 256, (3, 56, 56, 3), dtype=np.uint8)

@@ -105,9 +105,11 @@ def sample_frames(total_frames: int, fps: float, *, duration: float | None = Non
     return np.array(unique, dtype=np.int64)
 
 
-def normalise_patchify(frames_u8: np.ndarray, patching: Patching = REFERENCE) -> np.ndarray:
+def normalise_patchify(frames_u8: np.ndarray, patching: Patching = REFERENCE,
+                       out: np.ndarray | None = None) -> np.ndarray:
     """uint8 [T, H, W, 3] canvases (T a multiple of temporal_patch_size) -> [T/tp * H/p * W/p, 3 tp p p] float32,
-    rows in (frame group, merge block, patch) order, each row channel x frame x py x px."""
+    rows in (frame group, merge block, patch) order, each row channel x frame x py x px; into `out` when given
+    (a C-contiguous float32 array of that shape: a slice of several videos' rows, so none is copied again)."""
     P, M, T = check_patching(patching).patch_size, patching.merge_size, patching.temporal_patch_size
     t, hh, ww, c = frames_u8.shape
     if t % T or hh % patching.factor or ww % patching.factor:
@@ -115,7 +117,12 @@ def normalise_patchify(frames_u8: np.ndarray, patching: Patching = REFERENCE) ->
                          f"{patching.factor}-pixel tokens")
     gt, gh, gw = t // T, hh // P, ww // P
     per_group = gh * gw
-    out = np.empty((gt * per_group, c, T * P * P), dtype=np.float32)
+    shape = (gt * per_group, c * T * P * P)
+    if out is None:
+        out = np.empty(shape, dtype=np.float32)
+    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"normalise_patchify: out must be a C-contiguous float32 {shape}, got {out.dtype} {out.shape}")
+    out = out.reshape(gt * per_group, c, T * P * P)
     mean, std = _MEAN_STD
 
     def group(g):
@@ -299,6 +306,9 @@ def preprocess_video(videos, *, fps=None, sample: bool = True, duration=None, ta
 
 def video_pixels(plans: list, patching: Patching = REFERENCE) -> tuple[np.ndarray, np.ndarray]:
     """plan_videos' plans -> (pixel_values_videos float32, video_grid_thw int64), made on the host."""
-    T = patching.temporal_patch_size
-    rows = [normalise_patchify(video_canvases(frames, grid, info, T), patching) for frames, grid, info in plans]
-    return np.concatenate(rows, axis=0), np.array([g for _, g, _ in plans], dtype=np.int64)
+    T, grids = patching.temporal_patch_size, np.array([g for _, g, _ in plans], dtype=np.int64).reshape(-1, 3)
+    ends = np.cumsum(np.prod(grids, axis=1))
+    pixels = np.empty((int(ends[-1]) if len(ends) else 0, 3 * T * patching.patch_size ** 2), dtype=np.float32)  # RGB
+    for (frames, grid, info), end, n in zip(plans, ends, np.prod(grids, axis=1)):  # each video into its rows
+        normalise_patchify(video_canvases(frames, grid, info, T), patching, out=pixels[end - n:end])
+    return pixels, grids
