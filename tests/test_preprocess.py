@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy import ImageError, preprocess
-from glmvit_cupy.preprocess import load_rgb, prepare_canvas, smart_resize
+from glmvit_cupy.preprocess import load_rgb, normalise_patchify, prepare_canvas, smart_resize
 from tests.golden import cases
 
 GOLDEN = json.load(open(cases.PREPROCESS))
@@ -38,9 +38,16 @@ def test_bit_identical_to_hf(zoo, name):
 
 
 def test_batch_concatenates_in_order(zoo):
+    """Each image's rows in turn, the bits it has alone (preprocess writes them into one array's slices)."""
     pv, grid = preprocess([zoo["rgb_28x28"], zoo["gray_L"]])
     assert grid.tolist() == [[1, 8, 8], [1, 10, 8]]
     assert pv.shape == (64 + 80, 1176)
+    alone = np.concatenate([preprocess(zoo["rgb_28x28"])[0], preprocess(zoo["gray_L"])[0]])
+    assert np.array_equal(pv.view(np.uint32), alone.view(np.uint32))
+    canvas = np.random.default_rng(1).integers(0, 256, (28, 56, 3), dtype=np.uint8)
+    for bad in (np.empty((7, 1176), np.float32), np.empty((8, 1176), np.float64), np.empty((1176, 8), np.float32).T):
+        with pytest.raises(ValueError, match="out must be a C-contiguous float32"):
+            normalise_patchify(canvas, out=bad)
 
 
 def test_golden_tower_inputs_match(zoo):

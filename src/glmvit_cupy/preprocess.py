@@ -174,9 +174,11 @@ def value_table() -> np.ndarray:
     return _TABLE.copy()
 
 
-def normalise_patchify(canvas_u8: np.ndarray, patching: Patching = REFERENCE) -> np.ndarray:
+def normalise_patchify(canvas_u8: np.ndarray, patching: Patching = REFERENCE,
+                       out: np.ndarray | None = None) -> np.ndarray:
     """HxWx3 uint8 canvas -> [H/14 * W/14, 1176] float32 in merge-block patch order (14, 2, 1176: the
-    reference patching's; others alike)."""
+    reference patching's; others alike); into `out` when given (a C-contiguous float32 array of that shape:
+    preprocess writes each image's rows into its slice of one array)."""
     P, M, T = check_patching(patching).patch_size, patching.merge_size, patching.temporal_patch_size
     hh, ww, c = canvas_u8.shape
     if hh % patching.factor or ww % patching.factor:
@@ -190,9 +192,13 @@ def normalise_patchify(canvas_u8: np.ndarray, patching: Patching = REFERENCE) ->
     vals = np.multiply(p, 1 / 255, dtype=np.float64).astype(np.float32)  # [N, channel, py*px]
     vals -= _MEAN[:c, None]
     vals /= _STD[:c, None]
-    out = np.empty((gh * gw, c, T, P * P), dtype=np.float32)
-    out[...] = vals[:, :, None, :]  # the still frame repeated along the temporal axis
-    return out.reshape(gh * gw, c * T * P * P)
+    shape = (gh * gw, c * T * P * P)
+    if out is None:
+        out = np.empty(shape, dtype=np.float32)
+    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"normalise_patchify: out must be a C-contiguous float32 {shape}, got {out.dtype} {out.shape}")
+    out.reshape(gh * gw, c, T, P * P)[...] = vals[:, :, None, :]  # the still frame repeated along the temporal axis
+    return out
 
 
 def prepare(image, index: int = 0, *, min_image_tokens: int = 16, max_image_tokens: int = 8000,
@@ -259,10 +265,12 @@ def preprocess(images, *, min_image_tokens: int = 16, max_image_tokens: int = 80
         images = [images]
     if not images:
         raise ImageError("preprocess: no images given")
-    rows, grids = [], []
-    for i, image in enumerate(images):
-        patches, grid, _ = prepare(image, i, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens,
-                                   max_pixels=max_pixels, patching=patching)
-        rows.append(patches)
-        grids.append(grid)
-    return np.concatenate(rows, axis=0), np.array(grids, dtype=np.int64)
+    canvases = [prepare_canvas(image, i, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens,
+                               max_pixels=max_pixels, patching=patching)[:2] for i, image in enumerate(images)]
+    grids = np.array([grid for _, grid in canvases], dtype=np.int64)
+    ends = np.cumsum(np.prod(grids, axis=1))
+    width = canvases[0][0].shape[2] * patching.temporal_patch_size * patching.patch_size ** 2  # RGB: 3 x T x P^2
+    pixels = np.empty((int(ends[-1]), width), np.float32)
+    for (canvas, _), end, n in zip(canvases, ends, np.prod(grids, axis=1)):  # each image into its own rows
+        normalise_patchify(canvas, patching, out=pixels[end - n:end])
+    return pixels, grids
