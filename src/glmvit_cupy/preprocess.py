@@ -174,6 +174,15 @@ def value_table() -> np.ndarray:
     return _TABLE.copy()
 
 
+def rows_out(out: np.ndarray | None, shape: tuple) -> np.ndarray:
+    """normalise_patchify's output: a new float32 array of `shape`, or `out` if it is exactly that."""
+    if out is None:
+        return np.empty(shape, dtype=np.float32)
+    if out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"normalise_patchify: out must be a C-contiguous float32 {shape}, got {out.dtype} {out.shape}")
+    return out
+
+
 def normalise_patchify(canvas_u8: np.ndarray, patching: Patching = REFERENCE,
                        out: np.ndarray | None = None) -> np.ndarray:
     """HxWx3 uint8 canvas -> [H/14 * W/14, 1176] float32 in merge-block patch order (14, 2, 1176: the
@@ -192,11 +201,7 @@ def normalise_patchify(canvas_u8: np.ndarray, patching: Patching = REFERENCE,
     vals = np.multiply(p, 1 / 255, dtype=np.float64).astype(np.float32)  # [N, channel, py*px]
     vals -= _MEAN[:c, None]
     vals /= _STD[:c, None]
-    shape = (gh * gw, c * T * P * P)
-    if out is None:
-        out = np.empty(shape, dtype=np.float32)
-    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
-        raise ValueError(f"normalise_patchify: out must be a C-contiguous float32 {shape}, got {out.dtype} {out.shape}")
+    out = rows_out(out, (gh * gw, c * T * P * P))
     out.reshape(gh * gw, c, T, P * P)[...] = vals[:, :, None, :]  # the still frame repeated along the temporal axis
     return out
 

@@ -25,7 +25,7 @@ import numpy as np
 from . import resample
 from .video_files import FrameFiles, VideoFile, video_frames
 from .batching import check_positive
-from .preprocess import (MEAN, REFERENCE, STD, Patching, check_patching, check_token_limits, content_size,
+from .preprocess import (MEAN, REFERENCE, STD, Patching, check_patching, check_token_limits, content_size, rows_out,
                          smart_resize)
 
 TARGET_FPS = 2  # frames sampled per second of video (the reference processor's fps)
@@ -117,12 +117,7 @@ def normalise_patchify(frames_u8: np.ndarray, patching: Patching = REFERENCE,
                          f"{patching.factor}-pixel tokens")
     gt, gh, gw = t // T, hh // P, ww // P
     per_group = gh * gw
-    shape = (gt * per_group, c * T * P * P)
-    if out is None:
-        out = np.empty(shape, dtype=np.float32)
-    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
-        raise ValueError(f"normalise_patchify: out must be a C-contiguous float32 {shape}, got {out.dtype} {out.shape}")
-    out = out.reshape(gt * per_group, c, T * P * P)
+    out = rows_out(out, (gt * per_group, c * T * P * P)).reshape(gt * per_group, c, T * P * P)
     mean, std = _MEAN_STD
 
     def group(g):
@@ -308,7 +303,7 @@ def video_pixels(plans: list, patching: Patching = REFERENCE) -> tuple[np.ndarra
     """plan_videos' plans -> (pixel_values_videos float32, video_grid_thw int64), made on the host."""
     T, grids = patching.temporal_patch_size, np.array([g for _, g, _ in plans], dtype=np.int64).reshape(-1, 3)
     ends = np.cumsum(np.prod(grids, axis=1))
-    pixels = np.empty((int(ends[-1]) if len(ends) else 0, 3 * T * patching.patch_size ** 2), dtype=np.float32)  # RGB
+    pixels = np.empty((int(ends[-1]) if len(ends) else 0, 3 * T * patching.patch_size ** 2), np.float32)  # RGB
     for (frames, grid, info), end, n in zip(plans, ends, np.prod(grids, axis=1)):  # each video into its rows
         normalise_patchify(video_canvases(frames, grid, info, T), patching, out=pixels[end - n:end])
     return pixels, grids
