@@ -331,7 +331,7 @@ def test_a_slow_disk_holds_the_encoder_back(tmp_path, monkeypatch):
     folder = tmp_path / "many"
     folder.mkdir()
     for i in range(14):
-        Image.fromarray(cases._smooth(28 + 14 * (i % 3), 42, i)).save(folder / f"{i:02d}.png")
+        Image.fromarray(cases._smooth(28, 42, i)).save(folder / f"{i:02d}.png")  # 2 tokens each
     real_add, waiting, most, lock = output.Output.add_batch, [0], [0], threading.Lock()
 
     def slow_add(self, entries):
@@ -349,8 +349,42 @@ def test_a_slow_disk_holds_the_encoder_back(tmp_path, monkeypatch):
     monkeypatch.setattr(output.Output, "add_batch", slow_add)
     monkeypatch.setattr(output.Writer, "submit", counting_submit)
     out = tmp_path / "out"
-    assert run([folder, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--capacity-tokens", 8,
-                "--max-image-tokens", 8]) == 0
+    assert run([folder, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--capacity-tokens", 2,
+                "--max-image-tokens", 2, "--min-image-tokens", 0]) == 0
     manifest, tensors = load_all(out)
     assert len(manifest["images"]) == len(tensors) == 14
     assert 1 <= most[0] <= output.PENDING_WRITES  # one image a pass: 14 writes, never more than 4 waiting
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_the_same_command_resumes(tmp_path, monkeypatch, capsys):
+    """A shard write that fails (here: ENOSPC on the third) stops the run with exit status 1 and one line that
+    says what failed and how to resume, not a traceback; what was written stays, and the same command then
+    encodes what is missing."""
+    import errno
+
+    from glmvit_cupy import output
+
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i in range(6):
+        Image.fromarray(cases._smooth(28, 42, 10 + i)).save(folder / f"{i}.png")
+    real_add, calls = output.Output.add_batch, []
+
+    def full_disk(self, entries):
+        calls.append(1)
+        if len(calls) == 3:  # one image a pass: the third image's write
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "x.tmp"))
+        real_add(self, entries)
+
+    monkeypatch.setattr(output.Output, "add_batch", full_disk)
+    out = tmp_path / "out"
+    args = [folder, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--capacity-tokens", 2,
+            "--max-image-tokens", 2, "--min-image-tokens", 0]
+    assert run(args) == 1
+    err = capsys.readouterr().err
+    assert "a write failed, so the run stopped: [Errno 28] No space left on device" in err
+    assert "re-run the same command to resume" in err and "Traceback" not in err
+    monkeypatch.setattr(output.Output, "add_batch", real_add)
+    assert run(args) == 0
+    manifest, tensors = load_all(out)
+    assert len(manifest["images"]) == len(tensors) == 6

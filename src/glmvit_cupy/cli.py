@@ -183,6 +183,11 @@ def main(argv=None) -> int:
         print(f"\nglmvit-encode: interrupted; {n} file{'' if n == 1 else 's'} saved this run ({len(out)} in "
               f"{args.out}); re-run the same command to resume", file=sys.stderr)
         return 130
+    except OSError as e:  # writing the output: a full disk, lost permissions, a mount gone
+        n = len(out) - saved_before
+        print(f"\nglmvit-encode: a write failed, so the run stopped: {e}; {n} file{'' if n == 1 else 's'} saved this "
+              f"run ({len(out)} in {args.out}); fix it and re-run the same command to resume", file=sys.stderr)
+        return 1
 
 
 def encode_all(args, todo, enc, out) -> int:
