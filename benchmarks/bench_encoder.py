@@ -74,7 +74,7 @@ def main():
         with ClockSampler() as clocks:
             ms = time_ms(lambda: model.encode_pixels(pv_d, grid))
         cool_ms = time_ms(lambda: model.encode_pixels(pv_d, grid), warmup=1, repeat=3, idle_s=IDLE_S)
-        power.append([name, f"{ms:.2f}", str(clocks), f"{cool_ms:.2f}"])
+        power.append([name, f"{ms:.2f}", str(clocks), clocks.joules(ms), f"{cool_ms:.2f}"])
         tflops = flop / ms / 1e9
         row = [name, n, f"{flop / 1e12:.2f}", f"{ms:.2f}", TARGET_MS[name], f"{tflops:.0f}",
                f"{100 * tflops / (GEMM_CEIL / 1e12):.0f}%", f"{pool.total_bytes() / 2**30:.2f}"]
@@ -100,11 +100,11 @@ def main():
                         c_ms = torch_ms(lambda: run(compiled))
                     c_cool = torch_ms(lambda: run(compiled), warmup=1, repeat=3, idle_s=IDLE_S)
                     row += [f"{c_ms:.1f}", f"{c_ms / ms:.2f}x", f"{time.perf_counter() - t:.0f}"]
-                    power[-1] += [f"{c_ms:.1f}", str(c_clocks), f"{c_cool:.1f}", f"{c_ms / ms:.2f}x",
-                                  f"{c_cool / cool_ms:.2f}x"]
+                    power[-1] += [f"{c_ms:.1f}", str(c_clocks), c_clocks.joules(c_ms), f"{c_cool:.1f}",
+                                  f"{c_ms / ms:.2f}x", f"{c_cool / cool_ms:.2f}x"]
                 except Exception as e:  # report, keep benchmarking
                     row += [f"failed: {type(e).__name__}", "", ""]
-                    power[-1] += [f"failed: {type(e).__name__}", "", "", "", ""]
+                    power[-1] += [f"failed: {type(e).__name__}", "", "", "", "", ""]
         rows.append(row)
     header = ["case", "patches", "TFLOP", "ours ms", "target ms", "TFLOP/s", "% of GEMM ceiling", "ours pool GiB"]
     if hf is not None:
@@ -114,11 +114,12 @@ def main():
     table(header, rows)
     print(f"\nClock and power: each case's timed calls back to back (as above) with the median SM clock, the median "
           f"and highest board power (instant) sampled over them, and the clock event reasons the driver reported "
-          f"(share of samples); then the same calls each started after {IDLE_S} s idle (the GPU cool, at full clock)")
-    p_header = ["case", "ours ms", "ours clock, power, reasons", "ours ms from idle"]
+          f"(share of samples), and the energy of a call at that median power; then the same calls each started after "
+          f"{IDLE_S} s idle (the GPU cool, at full clock)")
+    p_header = ["case", "ours ms", "ours clock, power, reasons", "ours J a call", "ours ms from idle"]
     if compiled is not None:
-        p_header += ["HF compiled ms", "compiled clock, power, reasons", "compiled ms from idle", "vs compiled",
-                     "vs compiled from idle"]
+        p_header += ["HF compiled ms", "compiled clock, power, reasons", "compiled J a call", "compiled ms from idle",
+                     "vs compiled", "vs compiled from idle"]
     table(p_header, power)
     lt, shapes = model.executor.blas.lt_usage()
     print(f"\nGEMM shapes these forwards ran on a tuned cublasLt algorithm: {lt} of {shapes}")
