@@ -623,3 +623,25 @@ def test_video_requests_refused_by_name(server, body, status, says, index):
         assert got == 200, err
         return
     assert got == status and says in err["error"] and err["index"] == index, err
+
+
+def test_a_vllm_cache_that_cannot_be_written_fails_the_request_saying_where(tmp_path):
+    """--vllm-ec-dir made unwritable while the server runs (here: a file where the folder was): the request
+    gets a 500 that says the embeddings were computed but could not be written there, and why; the server
+    stays up and serves the next request once the folder is back."""
+    import shutil
+
+    ec = tmp_path / "ec"
+    proc, client = start(tmp_path, "--vllm-ec-dir", ec)
+    try:
+        body = json.dumps({"images": [base64.b64encode(png(60, 80, 31)).decode()]}).encode()
+        shutil.rmtree(ec, ignore_errors=True)
+        ec.write_text("not a folder")
+        status, err = post(client, body)
+        assert status == 500 and f"writing them to the vLLM encoder cache {ec} failed" in err["error"], err
+        ec.unlink()
+        status, _ = post(client, body)
+        assert status == 200 and len(os.listdir(ec)) == 1 and client.health()["status"] == "ok"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

@@ -176,8 +176,12 @@ def create_app(load_backend, settings: Settings) -> Starlette:
 
     async def hand_to_vllm(keys, out):
         if settings.vllm_ec_dir:
-            await asyncio.get_running_loop().run_in_executor(
-                pool, lambda: [vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)]) for i, k in enumerate(keys)])
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    pool, lambda: [vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)]) for i, k in enumerate(keys)])
+            except OSError as e:  # a full disk, the folder gone: the request fails, saying where
+                raise Refused(500, f"the embeddings were computed, but writing them to the vLLM encoder cache "
+                                   f"{settings.vllm_ec_dir} failed: {e}") from None
 
     async def _encode(request):
         images, lo, hi = parse_images(await json_body(request), settings.capacity_tokens)
