@@ -746,6 +746,20 @@ def test_bf16_and_other_device_cupy_inputs(small):
     assert out.device.id == small.device.id and np.array_equal(f32(out), want)
 
 
+def test_a_model_on_another_gpu_joins_its_videos_there(small):
+    """GlmVit(device=1) called where GPU 0 is current: a video of several passes is joined on GPU 1, in that
+    GPU's stream order, with the bits a model on GPU 0 gives (GPU and host resize alike)."""
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("GPU test: one GPU here; a model on another GPU needs two")
+    other = GlmVit.from_checkpoint(cases.TOWER_DIR, device=1, capacity_tokens=600)
+    vids = [np.random.default_rng(9).integers(0, 256, (8, 392, 392, 3), dtype=np.uint8)]  # 4 groups of 196 tokens
+    for resize in ("gpu", "host"):
+        want = f32(small.encode_video(vids, sample=False, resize=resize)[0])
+        with cupy.cuda.Device(0):
+            got = other.encode_video(vids, sample=False, resize=resize)[0]
+        assert got.device.id == 1 and np.array_equal(f32(got), want), resize
+
+
 def test_input_kinds_in_any_order_each_stage_their_own_pixels(small, monkeypatch):
     """float32 pixels are cast by the forward's first kernel (inside the graph) when the arena's flag says
     so; bf16 pixels and encode(images) write bf16 rows and clear it. Any order of kinds, fresh inputs each

@@ -204,7 +204,8 @@ class GlmVit:
             for p in batch:
                 outs[p.video].append(out[row:row + p.tokens])
                 row += p.tokens
-        return [o[0] if len(o) == 1 else cupy.concatenate(o) for o in outs]
+        with self.device:  # on this model's GPU and its stream order, whatever device the caller has current
+            return [o[0] if len(o) == 1 else cupy.concatenate(o) for o in outs]
 
     def encode_video(self, videos, *, fps=None, sample: bool = True, resize: str = "gpu",
                      **settings) -> list[cupy.ndarray]:
@@ -226,9 +227,10 @@ class GlmVit:
         outs = iter(self.encode_prepared([item for frames, grid, info in planned
                                           for item in frame_groups(frames, grid, info, g.temporal_patch_size)]))
         joined = []
-        for _, grid, _ in planned:  # a video's groups are consecutive outputs
-            parts = [next(outs) for _ in range(grid[0])]
-            joined.append(parts[0] if len(parts) == 1 else cupy.concatenate(parts))
+        with self.device:  # as encode_video_pixels: the joins on this model's GPU
+            for _, grid, _ in planned:  # a video's groups are consecutive outputs
+                parts = [next(outs) for _ in range(grid[0])]
+                joined.append(parts[0] if len(parts) == 1 else cupy.concatenate(parts))
         return joined
 
     def encode(self, images, *, min_image_tokens: int = 16, max_image_tokens: int | None = None,
