@@ -75,7 +75,8 @@ def test_a_frame_count_higher_than_the_file_holds_is_sampled_again(tmp_path, mon
     frames = clip(61)
     path = write(tmp_path / "c.avi", frames)
     real = video_files._probe
-    monkeypatch.setattr(video_files, "_probe", lambda c, p, n: (lambda t, f, d: (t + 40, f, (t + 40) / f))(*real(c, p, n)))
+    monkeypatch.setattr(video_files, "_probe",
+                        lambda c, s, p, n: (lambda t, f, d: (t + 40, f, (t + 40) / f))(*real(c, s, p, n)))
     from glmvit_cupy.video import sample_frames
 
     asked = []

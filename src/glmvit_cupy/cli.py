@@ -148,10 +148,10 @@ def main(argv=None) -> int:
     why = None if args.cpu else gpu.problem()
     if why:
         return fail(f"cannot use the GPU: {why}")
+    per_video = video_settings(args)
     settings = {"checkpoint": os.path.abspath(binding.path), "geometry": dict(vars(binding.geometry)),
                 "min_image_tokens": args.min_image_tokens, "max_image_tokens": args.max_image_tokens,
-                "max_pixels": args.max_pixels,
-                "video": dict(video_settings(args), max_video_pixels=args.max_video_pixels)}
+                "max_pixels": args.max_pixels, "video": dict(per_video, max_video_pixels=args.max_video_pixels)}
     try:
         out = Output(args.out, settings)
     except OutputError as e:
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     saved_before = len(out)
     try:
         rc = encode_all(args, todo, enc, out) if todo else 0
-        return max(rc, encode_videos(args, todo_videos, enc, out, video_settings(args)) if todo_videos else 0)
+        return max(rc, encode_videos(args, todo_videos, enc, out, per_video) if todo_videos else 0)
     except KeyboardInterrupt:
         n = len(out) - saved_before
         print(f"\nglmvit-encode: interrupted; {n} file{'' if n == 1 else 's'} saved this run ({len(out)} in "
@@ -220,6 +220,7 @@ def encode_all(args, todo, enc, out) -> int:
         bar.update(1)
 
     submit = writer.submit  # a write that failed stops the run at the next submit
+
     def usable(stream):
         """The prepared images, keyed; a failed one is recorded and skipped."""
         nonlocal failed

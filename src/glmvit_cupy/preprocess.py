@@ -183,6 +183,15 @@ def rows_out(out: np.ndarray | None, shape: tuple) -> np.ndarray:
     return out
 
 
+def rows_in_turn(grids: np.ndarray, width: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """One float32 [patches, width] array for these (t, h, w) grids' rows and each grid's slice of it, in order:
+    what normalise_patchify(..., out=) fills, image by image, with no concatenation after."""
+    sizes = np.prod(grids, axis=1)
+    ends = np.cumsum(sizes)
+    pixels = np.empty((int(ends[-1]) if len(ends) else 0, width), np.float32)
+    return pixels, [pixels[end - n:end] for end, n in zip(ends, sizes)]
+
+
 def normalise_patchify(canvas_u8: np.ndarray, patching: Patching = REFERENCE,
                        out: np.ndarray | None = None) -> np.ndarray:
     """HxWx3 uint8 canvas -> [H/14 * W/14, 1176] float32 in merge-block patch order (14, 2, 1176: the
@@ -273,9 +282,8 @@ def preprocess(images, *, min_image_tokens: int = 16, max_image_tokens: int = 80
     canvases = [prepare_canvas(image, i, min_image_tokens=min_image_tokens, max_image_tokens=max_image_tokens,
                                max_pixels=max_pixels, patching=patching)[:2] for i, image in enumerate(images)]
     grids = np.array([grid for _, grid in canvases], dtype=np.int64)
-    ends = np.cumsum(np.prod(grids, axis=1))
     width = canvases[0][0].shape[2] * patching.temporal_patch_size * patching.patch_size ** 2  # RGB: 3 x T x P^2
-    pixels = np.empty((int(ends[-1]), width), np.float32)
-    for (canvas, _), end, n in zip(canvases, ends, np.prod(grids, axis=1)):  # each image into its own rows
-        normalise_patchify(canvas, patching, out=pixels[end - n:end])
+    pixels, parts = rows_in_turn(grids, width)
+    for (canvas, _), part in zip(canvases, parts):
+        normalise_patchify(canvas, patching, out=part)
     return pixels, grids

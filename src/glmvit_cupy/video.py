@@ -25,8 +25,8 @@ import numpy as np
 from . import resample
 from .video_files import FrameFiles, VideoFile, video_frames
 from .batching import check_positive
-from .preprocess import (MEAN, REFERENCE, STD, Patching, check_patching, check_token_limits, content_size, rows_out,
-                         smart_resize)
+from .preprocess import (MEAN, REFERENCE, STD, Patching, check_patching, check_token_limits, content_size, rows_in_turn,
+                         rows_out, smart_resize)
 
 TARGET_FPS = 2  # frames sampled per second of video (the reference processor's fps)
 MAX_FRAMES = 2048
@@ -302,8 +302,7 @@ def preprocess_video(videos, *, fps=None, sample: bool = True, duration=None, ta
 def video_pixels(plans: list, patching: Patching = REFERENCE) -> tuple[np.ndarray, np.ndarray]:
     """plan_videos' plans -> (pixel_values_videos float32, video_grid_thw int64), made on the host."""
     T, grids = patching.temporal_patch_size, np.array([g for _, g, _ in plans], dtype=np.int64).reshape(-1, 3)
-    ends = np.cumsum(np.prod(grids, axis=1))
-    pixels = np.empty((int(ends[-1]) if len(ends) else 0, 3 * T * patching.patch_size ** 2), np.float32)  # RGB
-    for (frames, grid, info), end, n in zip(plans, ends, np.prod(grids, axis=1)):  # each video into its rows
-        normalise_patchify(video_canvases(frames, grid, info, T), patching, out=pixels[end - n:end])
+    pixels, parts = rows_in_turn(grids, 3 * T * patching.patch_size ** 2)  # RGB
+    for (frames, grid, info), part in zip(plans, parts):
+        normalise_patchify(video_canvases(frames, grid, info, T), patching, out=part)
     return pixels, grids

@@ -76,14 +76,14 @@ def probe(source, name: str = "video") -> tuple[int, float, float]:
     """(frames, fps, duration in seconds) of a video file's video stream (_stream), as the reference processor's
     decoder reads them (torchcodec, seek_mode="exact"): a scan of the stream's packets, nothing decoded."""
     with _open(source, name) as container:
-        return _probe(container, source, name)
+        return _probe(container, _stream(container), source, name)
 
 
-def _probe(container, source, name):
+def _probe(container, stream, source, name):
     """frames = the stream's packets (less those flagged discard), duration = the latest pts + duration less
     the earliest pts, fps = frames / duration. A container's own frame count and rate can differ from these
     (variable frame rate, a count it never wrote): the reference samples by these."""
-    av, stream = _av(), _stream(container)
+    av = _av()
     frames, first, end = 0, None, None
     try:
         for packet in container.demux(stream):
@@ -114,8 +114,8 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
     whose frame count is more than it holds is picked from again over the frames it holds. ImageError
     naming the file for anything that cannot be read; pick's own errors pass through."""
     with _open(source, name) as container:  # one open: probed, then decoded (twice if the count was high)
-        total, file_fps, file_duration = _probe(container, source, name)
         stream = _stream(container)
+        total, file_fps, file_duration = _probe(container, stream, source, name)
         stream.thread_type = "AUTO"  # frame threads: decoding is the cost
         own_duration = duration is None  # the file's, or frames / the caller's fps
         duration = (file_duration if fps is None else total / fps) if own_duration else duration
