@@ -137,13 +137,9 @@ class Backend:
         next video while these are copied out, and nothing is copied into ordinary memory."""
         if self.cpu:
             return Launched(None, [self.encode_video_on(lane, planned, resize)])
-        import cupy
-
         model = self._engine.models[lane]
-        outs = model.encode_planned_videos(planned, resize or self.resize)  # the current stream waits for them
-        with model.device:
-            event = cupy.cuda.get_current_stream().record()
-        return Launched(lambda: [(outs, event)], None)
+        done = _after(model, model.encode_planned_videos(planned, resize or self.resize))
+        return Launched(lambda: [done], None)
 
     def launch(self, batches: list) -> "Launched":
         """Start several batches (batch j on lane j % lanes) and return at once: the GPUs compute them while
@@ -155,11 +151,16 @@ class Backend:
     @staticmethod
     def _start(model, items):
         """Launch one batch on `model` -> (its device outputs, the event after them)."""
-        import cupy
+        return _after(model, model.encode_prepared(items))
 
-        outs = model.encode_prepared(items)  # the current stream waits for them
-        with model.device:
-            return outs, cupy.cuda.get_current_stream().record()
+
+def _after(model, outs: list) -> tuple:
+    """(outs, an event on model's GPU after them): encode_prepared and encode_planned_videos make the current
+    stream wait for their outputs, so an event recorded on it now completes once they are computed."""
+    import cupy
+
+    with model.device:
+        return outs, cupy.cuda.get_current_stream().record()
 
 
 class Launched:
