@@ -42,11 +42,18 @@ def child(case: str) -> None:
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         return child(sys.argv[2])
+    from benchmarks.bench_encoder import CASES
+
     case = sys.argv[1] if len(sys.argv) > 1 else "1 x 448x448"
+    if case not in CASES:
+        sys.exit(f"no bench_encoder case {case!r}; the cases: {', '.join(map(repr, CASES))}")
     cmd = ["ncu", "--profile-from-start", "off", "--graph-profiling", "node", "--cache-control", "none",
            "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--print-units", "base", "--csv",
            sys.executable, os.path.abspath(__file__), "--child", case]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError:
+        sys.exit("ncu (Nsight Compute) is not on PATH: install it with the CUDA toolkit, or add its folder to PATH")
     start = run.stdout.find('"ID"')
     if run.returncode != 0 or start < 0:
         sys.exit(f"ncu failed (rc {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
