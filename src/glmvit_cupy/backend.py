@@ -60,7 +60,7 @@ class Backend:
             self.name = "gpu " + ",".join(map(str, self._engine.devices))
             # The embeddings come back through page-locked blocks (HOST.download); one per lane is locked
             # now, sized for a full pass, rather than while the first batches run (locking stalls the process).
-            out_bytes = capacity_tokens * self.geometry.out_hidden_size * 2 + (1 << 20)
+            out_bytes = self.geometry.embedding_bytes(capacity_tokens) + (1 << 20)
             with contextlib.suppress(MemoryError):
                 blocks = [HOST.take(out_bytes) for _ in range(self.lanes)]
                 for b in blocks:

@@ -251,7 +251,7 @@ def encode_all(args, todo, enc, out) -> int:
         entries, launched = group
         launched.wait()
         tokens = sum(info["tokens"] for b in entries for _, info in b)
-        submit(write, entries, launched, nbytes=tokens * enc.geometry.out_hidden_size * 2)
+        submit(write, entries, launched, nbytes=enc.geometry.embedding_bytes(tokens))
 
     running = None  # (keys and infos, Launched) of the group on the GPU
     try:

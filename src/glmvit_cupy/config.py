@@ -60,6 +60,10 @@ class VisionGeometry:
         """Width of one downsample im2col row: hidden x 2 x 2 = 4096."""
         return self.hidden_size * self.merge_patches
 
+    def embedding_bytes(self, tokens: int) -> int:
+        """Bytes of `tokens` output embeddings (bf16 rows of out_hidden_size): what a pass or a file holds."""
+        return tokens * self.out_hidden_size * 2
+
     @property
     def tensor_count(self) -> int:
         """14 tensors per block + 11 outside: 24 x 14 + 11 = 347."""

@@ -110,7 +110,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
                 bar.write(f"skipped {entry['source']}: {e}")
             else:
                 # the lane takes the next video meanwhile
-                submit(write, key, entry, launched, nbytes=entry["tokens"] * enc.geometry.out_hidden_size * 2)
+                submit(write, key, entry, launched, nbytes=enc.geometry.embedding_bytes(entry["tokens"]))
                 encoded, tokens = encoded + 1, tokens + entry["tokens"]
             bar.update(1)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", failed=failed)
