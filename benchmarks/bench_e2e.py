@@ -99,7 +99,7 @@ def main():
     model = GlmVit.from_checkpoint(ckpt, capacity_tokens=8000)
     gpu_decode = "--no-gpu-decode" not in sys.argv
     try:
-        from glmvit_cupy.gpu_decode import Decoder
+        from glmvit_cupy.preprocessing.gpu_decode import Decoder
         Decoder()
     except Exception as e:
         print("GPU decode rows skipped:", e)
@@ -142,7 +142,7 @@ def main():
             got, failure = [], None
             for _ in range(FRESH):
                 with tempfile.TemporaryDirectory() as out:
-                    cmd = [sys.executable, "-m", "glmvit_cupy.cli", *files, "--checkpoint", ckpt, "--out", out,
+                    cmd = [sys.executable, "-m", "glmvit_cupy.cli.main", *files, "--checkpoint", ckpt, "--out", out,
                            "--max-image-tokens", str(budget)]
                     run = subprocess.run(cmd, capture_output=True, text=True,
                                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
@@ -173,7 +173,7 @@ def main():
             rows.append([budget, "HF transformers (PIL processor + eager bf16)", f"{n / dt:.1f}", f"{busy.mean:.0f}%"])
     table(["token budget", "path", "images/s", "GPU busy"], rows)
     if gpu_decode:
-        from glmvit_cupy.preprocess import load_rgb
+        from glmvit_cupy.preprocessing.image import load_rgb
 
         dec, mx, mean = Decoder(), [], []
         for p in paths:

@@ -37,9 +37,9 @@ def write_mp4(path, frames, fps=30):
 
 
 def main():
-    from glmvit_cupy import cli
+    from glmvit_cupy.cli import main as cli
     from glmvit_cupy.output import read_embeddings
-    from glmvit_cupy.video import plan_video
+    from glmvit_cupy.preprocessing.video import plan_video
 
     n = int(sys.argv[sys.argv.index("--clips") + 1]) if "--clips" in sys.argv else 12
     seconds = float(sys.argv[sys.argv.index("--seconds") + 1]) if "--seconds" in sys.argv else 10

@@ -37,7 +37,8 @@ PHOTO = os.path.join(os.path.dirname(__file__), "..", "examples", "grace_hopper.
 def main():
     import cupy
 
-    from glmvit_cupy import GlmVit, preprocess
+    from glmvit_cupy import GlmVit
+    from glmvit_cupy import preprocess
 
     use_hf, use_compiled = "--no-hf" not in sys.argv, "--no-compiled" not in sys.argv
     path = official_checkpoint()
@@ -121,7 +122,7 @@ def main():
         p_header += ["HF compiled ms", "compiled clock, power, reasons", "compiled J a call", "compiled ms from idle",
                      "vs compiled", "vs compiled from idle"]
     table(p_header, power)
-    lt, shapes = model.executor.blas.lt_usage()
+    lt, shapes = model.runner.blas.lt_usage()
     print(f"\nGEMM shapes these forwards ran on a tuned cublasLt algorithm: {lt} of {shapes}")
     print()
     table(["case (eager, per stage)", "patch embed ms", "blocks ms", "merger ms", "eager total ms"], stages)
@@ -193,8 +194,8 @@ def serving_mix(path, hf, n=40, seed=1):
     if hf is not None:
         header += ["HF eager total ms", "HF median ms", "vs HF eager"]
     table(header, rows)
-    print(f"graphs captured: {sum(p.graph is not None for p in model.plans._plans.values())} "
-          f"(budgets {sorted({p.patches for p in model.plans._plans.values()})})")
+    print(f"graphs captured: {sum(p.graph is not None for p in model.runner.plans._plans.values())} "
+          f"(budgets {sorted({p.patches for p in model.runner.plans._plans.values()})})")
 
 
 if __name__ == "__main__":

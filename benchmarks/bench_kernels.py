@@ -33,8 +33,9 @@ def _generator():
 
 
 def rnd(shape, dtype=np.float32):
-    """Fresh standard normal values: each call draws new ones from one seeded stream (a generator
-    seeded per call made attention's q, k and v one array, every query its own key's best match)."""
+    """Fresh standard normal values: each call draws new ones from one seeded stream, so attention's q, k
+    and v are independent (a generator seeded per call would make them one array, every query its own
+    key's best match)."""
     return _generator().standard_normal(shape, dtype=np.float32).astype(dtype)
 
 
@@ -112,7 +113,7 @@ def bench_gate_up():
     import cupy
     import ml_dtypes
 
-    from glmvit_cupy.engine import fused, ops
+    from glmvit_cupy.engine import gemm_sm90, ops
 
     if cupy.cuda.Device().compute_capability != "90":
         print("gate/up + swiglu: the fused kernel is sm_90a only; skipped on this GPU")
@@ -131,10 +132,10 @@ def bench_gate_up():
 
         ms_u = kernel_ms(unfused)
         # The cooperative kernel in either tile order, the ping-pong one, and what the launcher picks.
-        ms_r, ms_c = (kernel_ms(lambda: fused.gate_up_swiglu(a, w, bg, bu, out, 10.0, columns_fastest=c, pingpong=False))
+        ms_r, ms_c = (kernel_ms(lambda: gemm_sm90.gate_up_swiglu(a, w, bg, bu, out, 10.0, columns_fastest=c, pingpong=False))
                       for c in (0, 1))
-        ms_p = kernel_ms(lambda: fused.gate_up_swiglu(a, w, bg, bu, out, 10.0, pingpong=True))
-        ms_f = kernel_ms(lambda: fused.gate_up_swiglu(a, w, bg, bu, out, 10.0))  # the launcher's own choice
+        ms_p = kernel_ms(lambda: gemm_sm90.gate_up_swiglu(a, w, bg, bu, out, 10.0, pingpong=True))
+        ms_f = kernel_ms(lambda: gemm_sm90.gate_up_swiglu(a, w, bg, bu, out, 10.0))  # the launcher's own choice
         ms_g = kernel_ms(lambda: ops.linear(a, w, gu))
         fl = 2 * m * k * 2 * inter
         rows.append([f"{name} ({m}x{2 * inter}x{k})", f"{ms_u:.3f}", f"{fl / ms_u / 1e9:.0f}", f"{fl / ms_g / 1e9:.0f}",

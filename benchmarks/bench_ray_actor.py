@@ -39,15 +39,15 @@ def main():
     cpu_s = time.perf_counter() - t0
     actor = gvr.Encode(ckpt, False, 8000)
     actor(batches[0].head(2).copy())  # warm: compile
-    executor, busy = actor.backend._engine.models[0].executor, [0.0]
-    run = executor.run
+    runner, busy = actor.backend._engine.models[0].runner, [0.0]
+    run = runner._run
 
     def timed_run(*a, **k):  # GPU busy time: the forward passes' own CUDA-event time
         out = run(*a, **k)
-        busy[0] += sum(executor.last_timing.values()) / 1e3
+        busy[0] += sum(runner.last_timing.values()) / 1e3
         return out
 
-    executor.run = timed_run
+    runner._run = timed_run
     outs = []
     t0 = time.perf_counter()
     for b in batches:

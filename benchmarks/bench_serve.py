@@ -56,9 +56,9 @@ def main():
     ap.add_argument("--cpu", action="store_true", help="the float32 reference (slow)")
     args = ap.parse_args()
     from glmvit_cupy import bind_tower
-    from glmvit_cupy.backend import Backend
+    from glmvit_cupy.scheduling.backend import Backend
     from glmvit_cupy.client import Client
-    from glmvit_cupy.preprocess import prepare_canvas
+    from glmvit_cupy.preprocessing.image import prepare_canvas
 
     ckpt = args.checkpoint or official_checkpoint()
     images = jpegs(args.distinct, SMALL if args.small else SIZES)
@@ -85,7 +85,7 @@ def main():
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
                                                        os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.server.main", "--checkpoint", ckpt, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.serving.main", "--checkpoint", ckpt, "--port", str(port),
                              "--cache-mib", "0", "--max-queue", "4096"] + (["--cpu"] if args.cpu else []), env=env)
     client = Client(f"http://127.0.0.1:{port}", timeout=600)
     try:

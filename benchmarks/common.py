@@ -171,7 +171,7 @@ def forward_flop(geo, grids):
 def official_checkpoint():
     """A random-weight checkpoint of the official geometry, written once per machine."""
     from glmvit_cupy.config import VisionGeometry
-    from glmvit_cupy.synthetic import cached_checkpoint
+    from glmvit_cupy.checkpoint.synthetic import cached_checkpoint
 
     return cached_checkpoint(os.path.join(tempfile.gettempdir(), "glmvit_official_seed11"),
                              VisionGeometry.official(), seed=11)
@@ -186,7 +186,7 @@ def hf_model_or_none(path, what="HF columns"):
     if why:
         print(f"{what} skipped:", why)
         return None
-    from glmvit_cupy.checkpoint import bind_tower
+    from glmvit_cupy.checkpoint.bind import bind_tower
 
     return hf_bar.hf_model(bind_tower(path))
 

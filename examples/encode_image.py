@@ -21,13 +21,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout without installing
 
 from glmvit_cupy import VisionGeometry, bind_tower, gpu, preprocess  # noqa: E402
-from glmvit_cupy.preprocess import Patching, prepare  # noqa: E402
+from glmvit_cupy.preprocessing.image import Patching, prepare  # noqa: E402
 
 PHOTO = os.path.join(HERE, "grace_hopper.jpg")
 
 
 def random_checkpoint():
-    from glmvit_cupy.synthetic import cached_checkpoint
+    from glmvit_cupy.checkpoint.synthetic import cached_checkpoint
 
     path = os.path.join(os.path.expanduser("~"), ".cache", "glmvit_cupy", "random-official-seed0")
     if not os.path.exists(os.path.join(path, "config.json")):

@@ -23,9 +23,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout witho
 sys.path.insert(0, HERE)
 
 from encode_image import PHOTO, checkpoint, guarded, save  # noqa: E402
+
 from glmvit_cupy import bind_tower, gpu, preprocess_video  # noqa: E402
-from glmvit_cupy.images import load_rgb  # noqa: E402
-from glmvit_cupy.preprocess import Patching  # noqa: E402
+from glmvit_cupy.preprocessing.decode import load_rgb  # noqa: E402
+from glmvit_cupy.preprocessing.image import Patching  # noqa: E402
 
 
 def pan(frames: int = 16):

@@ -7,13 +7,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from glmvit_cupy import AbsentTower, CheckpointError, NoVisionConfig, bind_tower, inspect_checkpoint
-from glmvit_cupy.checkpoint import probe_tower
-from glmvit_cupy.weights import WeightStore
-from glmvit_cupy.layout import VISION_PREFIXES as PREFIXES, tower_layout
-from glmvit_cupy.config import VisionGeometry
-from glmvit_cupy.synthetic import random_tower, write_checkpoint
 from tests.golden import cases
+
+from glmvit_cupy import AbsentTower, CheckpointError, NoVisionConfig, bind_tower, inspect_checkpoint
+from glmvit_cupy.checkpoint.bind import probe_tower
+from glmvit_cupy.checkpoint.names import VISION_PREFIXES as PREFIXES, tower_layout
+from glmvit_cupy.checkpoint.shards import WeightStore
+from glmvit_cupy.checkpoint.synthetic import random_tower, write_checkpoint
+from glmvit_cupy.config import VisionGeometry
 
 GEO = cases.GEOMETRY
 
@@ -170,7 +171,7 @@ def test_geometry_disagreeing_with_tensors(tmp_path, tensors):
 
 
 def test_cached_checkpoint_writes_once(tmp_path, tensors, monkeypatch):
-    from glmvit_cupy import synthetic
+    from glmvit_cupy.checkpoint import synthetic
 
     path = synthetic.cached_checkpoint(tmp_path / "c", GEO, seed=5)
     assert bind_tower(path).geometry == GEO and not (tmp_path / "c.tmp").exists()

@@ -10,10 +10,14 @@ import pytest
 from PIL import Image
 from safetensors.numpy import load_file
 
-from glmvit_cupy import batching, cli, preprocess, reference
-from glmvit_cupy.checkpoint import bind_tower
-from glmvit_cupy.errors import ImageError
 from tests.golden import cases
+
+from glmvit_cupy import reference
+from glmvit_cupy.checkpoint.bind import bind_tower
+from glmvit_cupy.cli import main as cli
+from glmvit_cupy.errors import ImageError
+from glmvit_cupy import preprocess
+from glmvit_cupy.scheduling import batching
 
 
 @pytest.fixture
@@ -68,8 +72,8 @@ def test_a_tower_of_other_patches_and_merges_is_encoded_with_its_own_patching(im
     tower's (48-pixel tokens, 768 values a row), and each embedding is the reference's of those pixels."""
     import dataclasses
 
-    from glmvit_cupy.preprocess import Patching
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.checkpoint.synthetic import write_checkpoint
+    from glmvit_cupy.preprocessing.image import Patching
 
     geo = dataclasses.replace(cases.GEOMETRY, spatial_merge_size=3, patch_size=16, temporal_patch_size=1, depth=1)
     ckpt = write_checkpoint(tmp_path / "m3", geo, seed=5)
@@ -89,7 +93,7 @@ def test_a_tower_of_other_patches_and_merges_is_encoded_with_its_own_patching(im
 def test_a_tower_whose_patches_are_not_rgb_is_refused_before_any_output(images, tmp_path, capsys):
     import dataclasses
 
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.checkpoint.synthetic import write_checkpoint
 
     ckpt = write_checkpoint(tmp_path / "grey", dataclasses.replace(cases.GEOMETRY, in_channels=1, depth=1))
     assert run([images / "a.png", "--checkpoint", ckpt, "--out", tmp_path / "out", "--cpu"]) == 2
@@ -196,7 +200,7 @@ def test_gpu_flags_with_cpu_are_refused_not_ignored(images, tmp_path, capsys, fl
 
 
 def test_backend_refuses_devices_with_cpu():
-    from glmvit_cupy.backend import Backend
+    from glmvit_cupy.scheduling.backend import Backend
     with pytest.raises(ValueError, match=r"cpu=True runs the float32 reference on the host, devices=\[0\] chooses"):
         Backend(bind_tower(cases.TOWER_DIR), cpu=True, devices=[0])
 
@@ -204,7 +208,7 @@ def test_backend_refuses_devices_with_cpu():
 def test_backend_checks_its_limits_before_loading():
     """Either path: the CPU one used to take any capacity (0, -5, 1.5, "8000"), the GPU one said a bad
     image_tokens only after loading every replica."""
-    from glmvit_cupy.backend import Backend
+    from glmvit_cupy.scheduling.backend import Backend
     binding = bind_tower(cases.TOWER_DIR)
     for cpu in (True, False):
         for bad in (0, -5, 1.5, True, "8000"):
@@ -308,7 +312,7 @@ def test_a_fifo_or_device_in_a_folder_is_skipped_not_read(images, tmp_path):
         resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
     src = os.path.join(os.path.dirname(__file__), "..", "src")
-    r = subprocess.run([sys.executable, "-m", "glmvit_cupy.cli", str(images), "--checkpoint", cases.TOWER_DIR,
+    r = subprocess.run([sys.executable, "-m", "glmvit_cupy.cli.main", str(images), "--checkpoint", cases.TOWER_DIR,
                         "--out", str(out), "--cpu", "--workers", "2"], capture_output=True, text=True, timeout=120,
                        preexec_fn=cap, env=dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])))
     assert r.returncode == 1, r.stderr[-2000:]  # some images failed

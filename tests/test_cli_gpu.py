@@ -12,8 +12,11 @@ from tests.conftest import gpu_or_skip
 
 cupy = gpu_or_skip()
 
-from glmvit_cupy import GlmVit, cli, preprocess, reference  # noqa: E402
 from tests.golden import cases  # noqa: E402
+
+from glmvit_cupy import GlmVit, reference
+from glmvit_cupy.cli import main as cli
+from glmvit_cupy import preprocess  # noqa: E402
 
 
 def test_gpu_command_matches_reference_and_model(tmp_path, capsys):
@@ -62,9 +65,10 @@ def test_gpu_command_encodes_videos_as_the_model(tmp_path):
     pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
     import shutil
 
-    from glmvit_cupy.output import read_embeddings
-    from glmvit_cupy.video import preprocess_video
     from tests.test_cli_videos import write_clip
+
+    from glmvit_cupy.output import read_embeddings
+    from glmvit_cupy.preprocessing.video import preprocess_video
 
     folder, golden = tmp_path / "media", os.path.join(os.path.dirname(__file__), "golden", "video_files")
     folder.mkdir()
@@ -102,8 +106,8 @@ def test_gpu_command_on_a_tower_of_another_merge_size(tmp_path):
     preprocessed with the tower's own patching."""
     import dataclasses
 
-    from glmvit_cupy.preprocess import Patching
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.checkpoint.synthetic import write_checkpoint
+    from glmvit_cupy.preprocessing.image import Patching
 
     geo = dataclasses.replace(cases.GEOMETRY, spatial_merge_size=3, patch_size=16, temporal_patch_size=1)
     ckpt = write_checkpoint(tmp_path / "m3", geo, seed=5)
@@ -136,8 +140,9 @@ def test_serve_on_the_gpu_encodes_videos_and_images_as_the_model(tmp_path):
     import pytest
 
     pytest.importorskip("uvicorn", reason="the serve extra is not installed")
-    from glmvit_cupy import preprocess_video
     from tests.test_serve import start, videos_beside_images
+
+    from glmvit_cupy import preprocess_video
 
     proc, client = start(tmp_path, "--capacity-tokens", 300, checkpoint=str(cases.TOWER_DIR), cpu=False,
                          wait_s=300)  # a fresh machine compiles the kernels first
@@ -165,9 +170,10 @@ def test_ray_video_stages_on_the_gpu_equal_the_model(tmp_path):
 
     pd = pytest.importorskip("pandas", reason="pandas (Ray Data's batches) is not installed")
     pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
-    from glmvit_cupy.preprocess import Patching
-    from glmvit_cupy.ray import EncodeVideo, PrepareVideo
     from tests.test_cli_videos import write_clip
+
+    from glmvit_cupy.preprocessing.image import Patching
+    from glmvit_cupy.ray import EncodeVideo, PrepareVideo
 
     golden = os.path.join(os.path.dirname(__file__), "golden", "video_files")
     paths = [os.path.join(golden, "h264_10bit_rot90.mp4"), os.path.join(golden, "hevc_hlg_rot270.mp4"),

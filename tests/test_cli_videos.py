@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from glmvit_cupy import cli, reference, vllm_ec
-from glmvit_cupy.output import read_embeddings
-from glmvit_cupy.server.requests import parse_videos
-from glmvit_cupy.video import preprocess_video
 from tests.golden import cases
+
+from glmvit_cupy import reference
+from glmvit_cupy.cli import main as cli
+from glmvit_cupy.output import read_embeddings
+from glmvit_cupy.preprocessing.video import preprocess_video
+from glmvit_cupy.serving import vllm_ec
+from glmvit_cupy.serving.requests import parse_videos
 
 av = pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
 CLIP = Path(__file__).parent / "golden" / "video_files" / "h264_offset.mp4"  # 15 frames, 48 x 32, from 1.3 s
@@ -96,8 +99,8 @@ def test_a_folder_written_before_videos_resumes_with_them(media, tmp_path, capsy
     del old["header"]["video"]
     path.write_text(json.dumps(old))
     for shard in out.glob("*.safetensors"):  # the shard's own header, as that version wrote it
-        from safetensors.numpy import load_file, save_file
         from safetensors import safe_open
+        from safetensors.numpy import load_file, save_file
 
         with safe_open(str(shard), "numpy") as f:
             meta = json.loads(f.metadata()["glmvit"])
@@ -160,7 +163,7 @@ def test_a_frame_group_over_the_capacity_and_the_vllm_files(media, tmp_path, cap
 def test_an_interrupted_run_keeps_the_videos_it_finished(media, tmp_path, capsys, monkeypatch):
     """Ctrl-C while the second video encodes: the first is written (it finished), the run says so and exits
     130, and the same command then encodes only what is missing."""
-    from glmvit_cupy.backend import Backend
+    from glmvit_cupy.scheduling.backend import Backend
 
     real, calls = Backend.launch_video_on, []
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from glmvit_cupy import CheckpointError, NoVisionConfig, VisionGeometry, read_config
-from glmvit_cupy.batching import check_grid
+from glmvit_cupy.checks import check_grid
 from glmvit_cupy.config import geometry_from_dict
 
 

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from glmvit_cupy import bind_tower, preprocess, reference
 from tests.golden import cases
+
+from glmvit_cupy import bind_tower, reference
+from glmvit_cupy import preprocess
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import encode_image  # noqa: E402

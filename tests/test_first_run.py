@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import glmvit_cupy
-from glmvit_cupy import CheckpointError, GpuUnavailable, ImageError, cli, gpu, inspect_checkpoint, preprocess, reference
-from glmvit_cupy.output import read_embeddings
 from tests.golden import cases
+
+import glmvit_cupy
+from glmvit_cupy import CheckpointError, GpuUnavailable, ImageError, gpu, inspect_checkpoint, reference
+from glmvit_cupy.cli import main as cli
+from glmvit_cupy.output import read_embeddings
+from glmvit_cupy import preprocess
 
 TOWER = str(cases.TOWER_DIR)
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")

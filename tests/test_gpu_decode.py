@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from glmvit_cupy.errors import ImageError
-from glmvit_cupy.gpu_decode import components
+from glmvit_cupy.preprocessing.gpu_decode import components
 
 
 @pytest.mark.parametrize("mode,kw", [("RGB", {}), ("RGB", {"progressive": True}), ("RGB", {"subsampling": 0}),
@@ -36,7 +36,7 @@ def test_without_the_extra_the_error_says_what_to_install():
         pass
     else:
         pytest.skip("nvImageCodec is installed here")
-    from glmvit_cupy.gpu_decode import Decoder
+    from glmvit_cupy.preprocessing.gpu_decode import Decoder
 
     with pytest.raises(ImageError, match=r"pip install 'glmvit-cupy\[gpu-decode-cu12\]'"):
         Decoder()
@@ -49,7 +49,7 @@ def test_a_fifo_path_is_left_to_pillows_path_not_read(tmp_path):
     import os
     import threading
 
-    from glmvit_cupy.gpu_decode import Decoder
+    from glmvit_cupy.preprocessing.gpu_decode import Decoder
 
     os.mkfifo(tmp_path / "pipe.jpg")
     decoder = Decoder.__new__(Decoder)  # the file handling only: nvImageCodec is not needed before the read

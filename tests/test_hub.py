@@ -6,10 +6,11 @@ import shutil
 
 import pytest
 
-from glmvit_cupy import CheckpointError, inspect_checkpoint
-from glmvit_cupy.hub import is_hub_id
-from glmvit_cupy.synthetic import random_tower, write_checkpoint
 from tests.golden import cases
+
+from glmvit_cupy import CheckpointError, inspect_checkpoint
+from glmvit_cupy.checkpoint.hub import is_hub_id
+from glmvit_cupy.checkpoint.synthetic import random_tower, write_checkpoint
 
 hub = pytest.importorskip("huggingface_hub", reason="the hub extra (huggingface_hub) is not installed")
 from huggingface_hub.errors import EntryNotFoundError  # noqa: E402
@@ -23,7 +24,7 @@ def fake_hub(tmp_path, monkeypatch):
     index = json.loads((repo / "model.safetensors.index.json").read_text())
     from safetensors.numpy import save_file
 
-    from glmvit_cupy.synthetic import text_tensors
+    from glmvit_cupy.checkpoint.synthetic import text_tensors
 
     text = text_tensors(2)
     names = list(text)

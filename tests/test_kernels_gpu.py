@@ -11,7 +11,7 @@ from tests.conftest import gpu_or_skip
 cupy = gpu_or_skip()
 
 from glmvit_cupy import KernelError  # noqa: E402
-from glmvit_cupy.engine import fused, ops  # noqa: E402
+from glmvit_cupy.engine import gemm_sm90, ops  # noqa: E402
 from glmvit_cupy.engine.attention import FIXED_OFFSET_LIMIT, VARIANTS, default_variants, tiles  # noqa: E402
 from glmvit_cupy.engine.gemm import gemm  # noqa: E402
 from glmvit_cupy.engine.kernels import kernel  # noqa: E402
@@ -239,7 +239,7 @@ def test_gate_up_swiglu_fused(m, k, inter, with_bias, ctas, pingpong):
     out = buf[:m]
     a_dev, w_dev = dev(a_rows)[:, :k], dev(w)
     bg_dev, bu_dev = (None, None) if bg is None else (dev(bg), dev(bu))
-    fused.gate_up_swiglu(a_dev, w_dev, bg_dev, bu_dev, out, limit, ctas=ctas, pingpong=pingpong)
+    gemm_sm90.gate_up_swiglu(a_dev, w_dev, bg_dev, bu_dev, out, limit, ctas=ctas, pingpong=pingpong)
     got = host(buf)
     assert not np.isnan(got[:m]).any() and np.isnan(got[m:]).all()
     assert rel(got[:m], ref) < 4e-3  # the output's bf16 rounding (fp32 accumulation, one rounding)
@@ -248,13 +248,13 @@ def test_gate_up_swiglu_fused(m, k, inter, with_bias, ctas, pingpong):
     # Batch invariance: rows alone, or starting mid-tile, give the bits they had among the others.
     for r0, r1 in ((0, min(m, 50)), (m // 2 + 5, m)):
         part = poison((r1 - r0, inter))
-        fused.gate_up_swiglu(a_dev[r0:r1], w_dev, bg_dev, bu_dev, part, limit, ctas=ctas, pingpong=pingpong)
+        gemm_sm90.gate_up_swiglu(a_dev[r0:r1], w_dev, bg_dev, bu_dev, part, limit, ctas=ctas, pingpong=pingpong)
         assert np.array_equal(cupy.asnumpy(part).view(np.uint16), cupy.asnumpy(out[r0:r1]).view(np.uint16))
     # Either tile order (the launcher picks by operand size), and the other kernel (it picks by K and by
     # the waves its tiles fill, so by the rows launched), give the same bits.
     for order, pp in ((0, pingpong), (1, pingpong), (None, not pingpong)):
         again = poison((m, inter))
-        fused.gate_up_swiglu(a_dev, w_dev, bg_dev, bu_dev, again, limit, ctas=ctas, columns_fastest=order, pingpong=pp)
+        gemm_sm90.gate_up_swiglu(a_dev, w_dev, bg_dev, bu_dev, again, limit, ctas=ctas, columns_fastest=order, pingpong=pp)
         assert np.array_equal(cupy.asnumpy(again).view(np.uint16), cupy.asnumpy(out).view(np.uint16))
 
 
@@ -262,11 +262,11 @@ def test_gate_up_swiglu_fused(m, k, inter, with_bias, ctas, pingpong):
 def test_gate_up_swiglu_refuses_what_it_cannot_tile():
     a, out = cupy.zeros((8, 96), BF), cupy.zeros((8, 128), BF)
     with pytest.raises(ValueError, match="K = 96 must be a multiple of 64"):
-        fused.gate_up_swiglu(a, cupy.zeros((256, 96), BF), None, None, out, 10.0)
+        gemm_sm90.gate_up_swiglu(a, cupy.zeros((256, 96), BF), None, None, out, 10.0)
     with pytest.raises(ValueError, match=r"w must be \[2I, K\]"):
-        fused.gate_up_swiglu(cupy.zeros((8, 128), BF), cupy.zeros((200, 128), BF), None, None, out, 10.0)
+        gemm_sm90.gate_up_swiglu(cupy.zeros((8, 128), BF), cupy.zeros((200, 128), BF), None, None, out, 10.0)
     with pytest.raises(ValueError, match="16-byte boundaries"):
-        fused.gate_up_swiglu(cupy.zeros((8, 132), BF)[:, 4:], cupy.zeros((256, 128), BF), None, None, out, 10.0)
+        gemm_sm90.gate_up_swiglu(cupy.zeros((8, 132), BF)[:, 4:], cupy.zeros((256, 128), BF), None, None, out, 10.0)
 
 
 # (patch, merge, frames): the reference processor's, then other towers' (3 x 3 merges, none, 4 x 4)
@@ -279,7 +279,7 @@ def test_patchify_u8_is_bit_identical_to_the_host(patching, tokens_h, tokens_w):
     """The GPU's normalise + patchify of a uint8 canvas equals bf16 of the host's float32 patches."""
     import importlib
 
-    pre = importlib.import_module("glmvit_cupy.preprocess")
+    pre = importlib.import_module("glmvit_cupy.preprocessing.image")
     pt = pre.Patching(*patching)
     canvas = rng.integers(0, 256, (tokens_h * pt.factor, tokens_w * pt.factor, 3), dtype=np.uint8)
     want = pre.normalise_patchify(canvas, pt).astype(BF)
@@ -636,7 +636,7 @@ def test_resize_on_the_gpu_equals_pillow_bit_for_bit(patching, pairs):
     bf16 bits equal, outputs poisoned first."""
     import importlib
 
-    pre = importlib.import_module("glmvit_cupy.preprocess")
+    pre = importlib.import_module("glmvit_cupy.preprocessing.image")
     staging = importlib.import_module("glmvit_cupy.engine.staging")
     from PIL import Image
 
@@ -666,8 +666,8 @@ def test_resize_on_the_gpu_equals_pillow_bit_for_bit(patching, pairs):
         bad = int((got.view(np.uint16) != want.view(np.uint16)).sum())
         assert bad == 0, f"{h}x{w} -> content {content}, canvas {canvas}: {bad} of {got.size} values differ"
         if content != (h, w):
-            from glmvit_cupy import resample
-            p = resample.plan(h, w, *content)
+            from glmvit_cupy.preprocessing import resample
+            p = resample.pillow_tables(h, w, *content)
             orders.add((p.vertical_first, p.horizontal is not None, p.vertical is not None))
     assert len(orders) >= (3 if pairs >= 300 else 2)  # horizontal only, vertical only and both passes ran
 
@@ -679,10 +679,10 @@ def test_video_frames_on_the_gpu_equal_the_host_bit_for_bit(patching, videos):
     bf16 bits equal, outputs poisoned first; no resize, either pass alone and both ran."""
     import importlib
 
-    video = importlib.import_module("glmvit_cupy.video")
-    pre = importlib.import_module("glmvit_cupy.preprocess")
+    video = importlib.import_module("glmvit_cupy.preprocessing.video")
+    pre = importlib.import_module("glmvit_cupy.preprocessing.image")
     staging = importlib.import_module("glmvit_cupy.engine.staging")
-    from glmvit_cupy import resample
+    from glmvit_cupy.preprocessing import resample
 
     pt = pre.Patching(*patching)
     T, f = pt.temporal_patch_size, pt.factor
@@ -708,7 +708,7 @@ def test_video_frames_on_the_gpu_equal_the_host_bit_for_bit(patching, videos):
         bad = int((got.view(np.uint16) != want.view(np.uint16)).sum())
         content = planned[2]["content"]
         assert bad == 0, f"{n} frames of {h}x{w} -> content {content}, canvas {planned[2]['canvas']}: {bad} differ"
-        p = resample.aten_plan(h, w, *content)
+        p = resample.aten_tables(h, w, *content)
         kinds.add((p.horizontal is not None, p.vertical is not None))
     assert len(kinds) == 4 if videos >= 60 else len(kinds) >= 2, kinds
     with pytest.raises(ValueError, match=r"video 0 frames 0\.\.\d+: a frame group is \d+ uint8 HxWx3 frames"):

@@ -14,13 +14,14 @@ from tests.conftest import gpu_or_skip
 
 cupy = gpu_or_skip()
 
-from glmvit_cupy import GlmVit, GpuOutOfMemory, Replicas, reference  # noqa: E402
-from glmvit_cupy.checkpoint import bind_tower  # noqa: E402
-from glmvit_cupy.config import VisionGeometry  # noqa: E402
-from glmvit_cupy.engine.attention import FIXED_OFFSET_LIMIT  # noqa: E402
-from glmvit_cupy.synthetic import write_checkpoint  # noqa: E402
 from tests import hf_bar  # noqa: E402
 from tests.golden import cases  # noqa: E402
+
+from glmvit_cupy import GlmVit, GpuOutOfMemory, Replicas, reference  # noqa: E402
+from glmvit_cupy.checkpoint.bind import bind_tower  # noqa: E402
+from glmvit_cupy.checkpoint.synthetic import write_checkpoint  # noqa: E402
+from glmvit_cupy.config import VisionGeometry  # noqa: E402
+from glmvit_cupy.engine.attention import FIXED_OFFSET_LIMIT  # noqa: E402
 
 G = np.load(cases.OUTPUTS)
 GOLDEN = sorted({k.split("/")[0] for k in G.files})
@@ -69,9 +70,9 @@ def small_binding():
 
 def test_scratch_is_lazy():
     m = GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=64)
-    assert m._arena is None
+    assert m.runner._arena is None
     m.encode_pixels(G["img_64x64/pixel_values"], G["img_64x64/grid_thw"])
-    assert m._arena is not None and m.arena() is m._arena
+    assert m.runner._arena is not None and m.arena() is m.runner._arena
 
 
 def test_bad_input_leaves_model_usable(small):
@@ -140,7 +141,7 @@ def test_encode_resizes_on_the_gpu_as_preprocess_does(small, tmp_path):
     bit for bit: a photo, a PNG with alpha, a 1-pixel-high strip, a tall strip, an array, a PIL image."""
     from PIL import Image
 
-    from glmvit_cupy.preprocess import preprocess
+    from glmvit_cupy.preprocessing.image import preprocess
 
     rng = np.random.default_rng()
     png = tmp_path / "alpha.png"
@@ -168,7 +169,7 @@ def test_embeddings_download_through_a_page_locked_block_exactly():
     """PinnedBlocks.download (how glmvit-encode, the server and Ray bring embeddings back): arrays of several
     sizes, including slices of one output, equal their own get() bit for bit, though written late on another
     stream that the current stream was made to wait for; the block (poisoned first) is not shared."""
-    from glmvit_cupy.engine.blocks import PinnedBlocks
+    from glmvit_cupy.engine.pools import PinnedBlocks
 
     pool = PinnedBlocks()
     poison = pool.take(64 << 20)
@@ -207,7 +208,7 @@ def test_lent_page_locked_blocks_come_back_only_when_idle():
     the upload that last read it has run; only [H, W, :3] views of lent [H, W, 4] arrays count as lent."""
     import gc
 
-    from glmvit_cupy.engine.blocks import PinnedBlocks
+    from glmvit_cupy.engine.pools import PinnedBlocks
 
     pool = PinnedBlocks()
     a = pool.array((300, 500, 4))
@@ -236,7 +237,7 @@ def test_images_uploaded_by_their_decoding_threads_come_back_only_when_idle(smal
     from PIL import Image
 
     from glmvit_cupy.engine.uploads import Uploaded, Uploader
-    from glmvit_cupy.images import load, rgb_pixels
+    from glmvit_cupy.preprocessing.decode import load, rgb_pixels
 
     rng = np.random.default_rng()
     up = Uploader(cupy.cuda.Device())
@@ -272,16 +273,16 @@ def test_prepared_images_encode_alike_twice(small, tmp_path):
     again, as encode(images) does, and as the same pixels in ordinary memory do."""
     from PIL import Image
 
-    from glmvit_cupy import batching
-    from glmvit_cupy.engine.blocks import HOST
+    from glmvit_cupy.engine.pools import HOST
+    from glmvit_cupy.scheduling import batching, feed
 
     rng = np.random.default_rng()
     paths = []
     for i, (h, w) in enumerate([(333, 500), (120, 900), (64, 64)]):
         paths.append(str(tmp_path / f"{i}.jpg"))
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1], quality=90)
-    prepared = list(batching.prepare_images(small.geometry, small.capacity_tokens, paths, max_image_tokens=300,
-                                            resize="gpu", workers=2, host_buffer=HOST.array))
+    pinned = batching.preparer(small.geometry, small.capacity_tokens, max_image_tokens=300, resize="gpu")
+    prepared = list(feed.in_order(lambda i, im: pinned(i, im, host_buffer=HOST.array), paths, 2))
     assert all(HOST.lent(im) is not None for im, _, _ in prepared)
     runs = [[o.get().view(np.uint16) for o in small.encode_prepared(prepared)] for _ in range(2)]
     runs.append([o.get().view(np.uint16) for o in small.encode(paths, max_image_tokens=300)])
@@ -289,9 +290,9 @@ def test_prepared_images_encode_alike_twice(small, tmp_path):
                                          resize="gpu", workers=2))  # [H, W, :3] views of ordinary memory
     assert all(HOST.lent(im) is None and im.strides[1] == 4 for im, _, _ in plain)
     runs.append([o.get().view(np.uint16) for o in small.encode_prepared(plain)])
-    uploaded = list(batching.prepare_images(small.geometry, small.capacity_tokens, paths, max_image_tokens=300,
-                                            resize="gpu", workers=1, host_buffer=small.uploads.buffer,
-                                            upload=small.uploads))  # one thread: one buffer, reused
+    one = small.runner.uploads.uploading(batching.preparer(small.geometry, small.capacity_tokens,
+                                                           max_image_tokens=300, resize="gpu"))
+    uploaded = list(feed.in_order(one, paths, 1))  # one thread: one buffer, reused
     runs += [[o.get().view(np.uint16) for o in small.encode_prepared(uploaded)] for _ in range(2)]
     for r in runs[1:]:
         assert all(np.array_equal(x, y) for x, y in zip(runs[0], r))
@@ -315,7 +316,7 @@ def test_batching_never_changes_an_embedding(official):
     """An image's embedding has the same bits alone, in a batch, or beside any other image: small
     images (88 and 132 tokens) are where cuBLAS would split K across blocks if the handle allowed it."""
     _, model, _ = official
-    assert model.executor.blas.batch_invariant
+    assert model.runner.blas.batch_invariant
     imgs = [cases._smooth(448, 448, 40), cases._smooth(300, 500, 42), cases._smooth(200, 300, 43),
             cases._smooth(896, 672, 41), cases._smooth(100, 900, 45), cases._smooth(1400, 1000, 46)]
     together = [f32(o) for o in model.encode(imgs)]
@@ -339,7 +340,7 @@ def test_tuned_gemms_change_no_bit_of_any_embedding(official, monkeypatch):
     print("kept:", [(r["gemm"], r["rows"], r["chosen"], round(r["gemm_ex_us"], 1), round(r["best_us"], 1))
                     for r in model.gemm_tuning])
     plain = GlmVit(binding, capacity_tokens=8000, tune_gemms=False)
-    assert plain.gemm_tuning == [] and not plain.executor.blas.algos
+    assert plain.gemm_tuning == [] and not plain.runner.blas.algos
     monkeypatch.setattr(gemm_tune, "MIN_GAIN", -math.inf)
     forced = GlmVit(binding, capacity_tokens=8000)
     assert all(r["chosen"] is not None for r in forced.gemm_tuning), forced.gemm_tuning
@@ -347,8 +348,8 @@ def test_tuned_gemms_change_no_bit_of_any_embedding(official, monkeypatch):
     want = [f32(o) for o in plain.encode(imgs) + plain.encode(imgs[1:])]
     for m in (model, forced):
         assert all(np.array_equal(f32(g), w) for g, w in zip(m.encode(imgs) + m.encode(imgs[1:]), want))
-        print("GEMM shapes on cublasLt / looked up:", m.executor.blas.lt_usage())
-    assert forced.executor.blas.lt_usage()[0] > 0  # the forwards above did run cublasLt
+        print("GEMM shapes on cublasLt / looked up:", m.runner.blas.lt_usage())
+    assert forced.runner.blas.lt_usage()[0] > 0  # the forwards above did run cublasLt
 
 
 def test_forward_runs_exactly_the_tuned_gemm_shapes(official, monkeypatch):
@@ -356,8 +357,7 @@ def test_forward_runs_exactly_the_tuned_gemm_shapes(official, monkeypatch):
     forward runs (the patch embed aside) must be one of its shapes within its most rows a call, and every
     shape it lists must run, with the fused gate/up and without it. A shape the list missed would run on
     cuBLAS's untuned default pick; a stale one would cost load time."""
-    from glmvit_cupy.engine import gemm as gemm_module
-    from glmvit_cupy.engine import layers
+    from glmvit_cupy.engine import gemm as gemm_module, layers
 
     binding, model, _ = official
     g = model.geometry
@@ -371,7 +371,7 @@ def test_forward_runs_exactly_the_tuned_gemm_shapes(official, monkeypatch):
             return real(a, w, out, beta, handle=handle)
 
         monkeypatch.setattr(gemm_module, "gemm", record)
-        monkeypatch.setattr(m.executor, "graphs", False)
+        monkeypatch.setattr(m.runner, "graphs", False)
         imgs = [cases._smooth(448, 448, 40), cases._smooth(1400, 1000, 46)] if m is model else \
             [cases._smooth(448, 448, 40), cases._smooth(700, 500, 46)]
         m.encode(imgs)
@@ -457,7 +457,7 @@ def test_graph_replay_equals_eager_and_reads_fresh_inputs(official):
         model.arena()["embeddings"].view(cupy.uint16).fill(0x7FC0)  # bf16 NaN
         got = f32(model.encode_pixels(pv, grid))
         assert np.isfinite(got).all() and np.array_equal(got, want)
-    plan = model.plans.find(np.array(grid))
+    plan = model.runner.plans.find(np.array(grid))
     assert plan.patches == 1536 and plan.graph is not None and plan.uses == 3 and not plan.capture_failed
     assert set(model.last_timing) == {"forward", "copy_out"}
     assert set(eager.last_timing) == {"patch_embed", "blocks", "merger", "copy_out"}
@@ -508,7 +508,7 @@ def test_load_vision_tower_for_serving(tmp_path, caplog):
     import logging
 
     from glmvit_cupy import load_vision_tower
-    from glmvit_cupy.synthetic import random_tower
+    from glmvit_cupy.checkpoint.synthetic import random_tower
 
     text = tmp_path / "text"
     text.mkdir()
@@ -583,14 +583,14 @@ def test_plan_cache_evicts_the_least_recently_used(official):
     comes back as a new plan and is captured again. Every output equals an eager model's."""
     binding, _, _ = official
     m, eager = GlmVit(binding, capacity_tokens=256), GlmVit(binding, capacity_tokens=256, graphs=False)
-    m.plans.size = 2
+    m.runner.plans.size = 2
     rng = np.random.default_rng(7)
     for grid in ([[1, 16, 16]], [[1, 8, 16]], [[1, 16, 20]], [[1, 16, 24]], [[1, 16, 16]], [[1, 16, 16]]):
         pv = rng.standard_normal((int(np.prod(grid[0])), 1176), dtype=np.float32)
         assert np.array_equal(f32(m.encode_pixels(pv, grid)), f32(eager.encode_pixels(pv, grid)))
-        assert len(m.plans) <= 2
-    assert [p.patches for p in m.plans._plans.values()] == [384, 256]
-    plan = m.plans.find(np.array([[1, 16, 16]]))
+        assert len(m.runner.plans) <= 2
+    assert [p.patches for p in m.runner.plans._plans.values()] == [384, 256]
+    plan = m.runner.plans.find(np.array([[1, 16, 16]]))
     assert plan.uses == 2 and plan.graph is not None  # rebuilt after eviction, captured anew
 
 
@@ -602,8 +602,8 @@ def test_any_mix_of_shapes_replays_its_budgets_graph_bit_for_bit(official):
     binding, model, _ = official
     eager = GlmVit(binding, capacity_tokens=8000, graphs=False)
     captures = []
-    real = model.executor._capture
-    model.executor._capture = lambda plan, forward: (captures.append(plan.patches), real(plan, forward))
+    real = model.runner._capture
+    model.runner._capture = lambda plan: (captures.append(plan.patches), real(plan))
     rng = np.random.default_rng()
     mixes = [[[1, 2 * int(rng.integers(1, 24)), 2 * int(rng.integers(1, 24))] for _ in range(int(rng.integers(1, 6)))]
              for _ in range(12)]
@@ -613,8 +613,8 @@ def test_any_mix_of_shapes_replays_its_budgets_graph_bit_for_bit(official):
         for grid in mixes:
             sizes = [t * h * w for t, h, w in grid]
             pv = rng.standard_normal((sum(sizes), 1176), dtype=np.float32)
-            key = model.plans.key(np.array(grid))
-            seen = np.array(grid) in model.plans
+            key = model.runner.plans.key(np.array(grid))
+            seen = np.array(grid) in model.runner.plans
             n_captures = len(captures)
             model.arena()["pixels"].view(cupy.uint16).fill(0x7FC0)
             got = f32(model.encode_pixels(pv, grid))
@@ -627,8 +627,8 @@ def test_any_mix_of_shapes_replays_its_budgets_graph_bit_for_bit(official):
                 assert np.array_equal(got[row // 4:(row + n) // 4], alone), (grid, (t, h, w))
                 row += n
     finally:
-        model.executor._capture = real
-    assert model.plans.key(np.array(mixes[-1])) == model.plans.key(np.array(mixes[-2]))
+        model.runner._capture = real
+    assert model.runner.plans.key(np.array(mixes[-1])) == model.runner.plans.key(np.array(mixes[-2]))
     assert len(budgets) > 3
 
 
@@ -641,7 +641,7 @@ def test_a_plans_meta_is_uploaded_only_when_the_grid_changes(official, monkeypat
     binding, model, _ = official
     eager = GlmVit(binding, capacity_tokens=8000, graphs=False)
     a, b = [[1, 16, 16], [1, 16, 16]], [[1, 8, 16], [1, 8, 16], [1, 16, 16]]
-    assert model.plans.key(np.array(a)) == model.plans.key(np.array(b))
+    assert model.runner.plans.key(np.array(a)) == model.runner.plans.key(np.array(b))
     uploads = []
     real = plans_module.HOST.upload
     monkeypatch.setattr(plans_module.HOST, "upload", lambda src, dst: (uploads.append(dst), real(src, dst)))
@@ -651,15 +651,15 @@ def test_a_plans_meta_is_uploaded_only_when_the_grid_changes(official, monkeypat
     for grid in (a, a, b, a, b, b):
         pv = rng.standard_normal((512, 1176), dtype=np.float32)
         assert np.array_equal(f32(model.encode_pixels(pv, grid)), f32(eager.encode_pixels(pv, grid))), grid
-    plan = model.plans.find(np.array(a))
+    plan = model.runner.plans.find(np.array(a))
     assert uploads.count(plan.meta.data.ptr) == 4  # a, b, a, b: the repeats reuse what the plan's meta holds
-    assert eager.plans.find(np.array(a)).meta.data.ptr != plan.meta.data.ptr
+    assert eager.runner.plans.find(np.array(a)).meta.data.ptr != plan.meta.data.ptr
 
 
 def test_a_large_budget_runs_eagerly_first_then_captures(official):
-    """From executor.CAPTURE_ON_SECOND_CALL patches a budget's first call runs kernel by kernel, its second
+    """From runner.CAPTURE_ON_SECOND_CALL patches a budget's first call runs kernel by kernel, its second
     captures and replays, and a third call replays: all bit-equal to an eager model's (fresh pixels each time)."""
-    from glmvit_cupy.engine.executor import CAPTURE_ON_SECOND_CALL
+    from glmvit_cupy.engine.runner import CAPTURE_ON_SECOND_CALL
 
     binding, model, _ = official
     eager = GlmVit(binding, capacity_tokens=8000, graphs=False)
@@ -670,8 +670,8 @@ def test_a_large_budget_runs_eagerly_first_then_captures(official):
         pv = rng.standard_normal((sum(h * w for _, h, w in grid), 1176), dtype=np.float32)
         got = f32(model.encode_pixels(pv, grid))
         timing = set(model.last_timing)
-        plan = plan or model.plans.find(np.array(grid))
-        assert model.plans.find(np.array(grid)) is plan and plan.patches >= CAPTURE_ON_SECOND_CALL
+        plan = plan or model.runner.plans.find(np.array(grid))
+        assert model.runner.plans.find(np.array(grid)) is plan and plan.patches >= CAPTURE_ON_SECOND_CALL
         assert (timing == {"forward", "copy_out"}) == (k > 0) and (plan.graph is not None) == (k > 0)
         assert np.array_equal(got, f32(eager.encode_pixels(pv, grid)))
 
@@ -687,17 +687,17 @@ def test_precaptured_graphs_replay_full_passes_on_their_first_call(official):
     for bad in (0, -5, 2.5, True, "1024"):
         with pytest.raises(ValueError, match="precapture: max_image_tokens"):
             model.precapture(bad)
-    assert eager.precapture(1024) == [] and len(eager.plans) == 0
-    assert model.precapture(1024) == [28672, 32000] and len(model.plans) == 2
+    assert eager.precapture(1024) == [] and len(eager.runner.plans) == 0
+    assert model.precapture(1024) == [28672, 32000] and len(model.runner.plans) == 2
     captures = []
-    real = model.executor._capture
-    model.executor._capture = lambda plan, forward: (captures.append(plan.patches), real(plan, forward))
+    real = model.runner._capture
+    model.runner._capture = lambda plan: (captures.append(plan.patches), real(plan))
     rng = np.random.default_rng()
     try:
         for grid in ([[1, 64, 64]] * 6 + [[1, 60, 60]],  # 28,176 patches: budget 28,672
                      [[1, 64, 64]] * 3 + [[1, 62, 66]] + [[1, 64, 64]] * 3 + [[1, 56, 56]]):  # 31,820: 32,000
             n = sum(h * w for _, h, w in grid)
-            plan = model.plans.find(np.array(grid))
+            plan = model.runner.plans.find(np.array(grid))
             assert plan is not None and plan.graph is not None and plan.uses == 0, grid
             pv = rng.standard_normal((n, 1176), dtype=np.float32)
             model.arena()["pixels"].view(cupy.uint16).fill(0x7FC0)
@@ -705,7 +705,7 @@ def test_precaptured_graphs_replay_full_passes_on_their_first_call(official):
             assert set(model.last_timing) == {"forward", "copy_out"} and plan.uses == 1
             assert np.array_equal(got, f32(eager.encode_pixels(pv, grid)))
     finally:
-        model.executor._capture = real
+        model.runner._capture = real
     assert captures == []
 
 
@@ -713,20 +713,20 @@ def test_failed_graph_capture_falls_back_to_eager(official, monkeypatch, caplog)
     binding, _, _ = official
     m = GlmVit(binding, capacity_tokens=256)
     eager = GlmVit(binding, capacity_tokens=256, graphs=False)
-    real = m._forward
+    real = m.runner.forward
 
-    def failing_under_capture(plan, mark):
-        if m.executor.stream.is_capturing():
+    def failing_under_capture(plan, mark=None):
+        if m.runner.stream.is_capturing():
             raise RuntimeError("simulated capture failure")
         return real(plan, mark)
 
-    monkeypatch.setattr(m, "_forward", failing_under_capture)
+    monkeypatch.setattr(m.runner, "forward", failing_under_capture)
     rng = np.random.default_rng(8)
     grid = [[1, 8, 8]]
     for _ in range(3):
         pv = rng.standard_normal((64, 1176), dtype=np.float32)
         assert np.array_equal(f32(m.encode_pixels(pv, grid)), f32(eager.encode_pixels(pv, grid)))
-    plan = m.plans.find(np.array(grid))
+    plan = m.runner.plans.find(np.array(grid))
     assert plan.capture_failed and plan.graph is None and plan.uses == 3
     assert "capture failed" in caplog.text and set(m.last_timing) == {"patch_embed", "blocks", "merger", "copy_out"}
 
@@ -807,7 +807,7 @@ def test_attention_variant_argument(official):
     pv, grid = rng.standard_normal((1024, 1176), dtype=np.float32), [[1, 32, 32]]
     want = f32(model.encode_pixels(pv, grid))
     fallback = GlmVit(binding, capacity_tokens=256, attention_variant="sm80_d64")
-    assert fallback.plans.key(np.array(grid))[1] == "sm80_d64"
+    assert fallback.runner.plans.key(np.array(grid))[1] == "sm80_d64"
     got = f32(fallback.encode_pixels(pv, grid))
     ref = reference.encode_pixels(tower, pv, grid)
     # The fallback runs mma.sync on the same 64-key tiles and the same softmax code as the Hopper
@@ -820,8 +820,8 @@ def test_attention_variant_argument(official):
         # These random weights' q_norm / k_norm bound every score well within the limit, so the defaults
         # are the variants without a running max; the two agree bit for bit.
         assert model.score_bound <= FIXED_OFFSET_LIMIT
-        assert model.plans.variants == ("sm90_4wg_fixed", "sm90_2wg_fixed")
-        for name in model.plans.variants:
+        assert model.runner.plans.variants == ("sm90_4wg_fixed", "sm90_2wg_fixed")
+        for name in model.runner.plans.variants:
             forced = GlmVit(binding, capacity_tokens=256, attention_variant=name)
             assert np.array_equal(f32(forced.encode_pixels(pv, grid)), want), name
         online = [f32(GlmVit(binding, capacity_tokens=256, attention_variant=name).encode_pixels(pv, grid))
@@ -836,7 +836,7 @@ def test_huge_values_keep_the_running_max(tmp_path):
     without a running max can sum in float32: the online ones are the default and forcing a fixed one
     is refused, naming |v|. (No forward: such values overflow the next RMSNorm's float32 sum of squares
     in the reference as well; the bound's arithmetic is tested without a GPU in test_registry.)"""
-    from glmvit_cupy.synthetic import random_tower
+    from glmvit_cupy.checkpoint.synthetic import random_tower
 
     geo = cases.GEOMETRY
     tensors = random_tower(geo, 5)
@@ -849,7 +849,7 @@ def test_huge_values_keep_the_running_max(tmp_path):
     model = GlmVit(binding, capacity_tokens=64)
     assert model.value_bound > 105 and model.score_bound <= FIXED_OFFSET_LIMIT
     if cupy.cuda.Device().compute_capability == "90":
-        assert model.plans.variants == ("sm90_4wg", "sm90_2wg")
+        assert model.runner.plans.variants == ("sm90_4wg", "sm90_2wg")
         with pytest.raises(ValueError, match=r"bound \|v\| by 2\^1\d\d"):
             GlmVit(binding, capacity_tokens=64, attention_variant="sm90_4wg_fixed")
 
@@ -859,7 +859,7 @@ def test_a_large_v_bias_reaches_the_output_past_attention(tmp_path):
     attn.proj.weight @ b_v in norm2_offset. With V biases twice v's size, the Hopper kernel and the sm_80
     one still match the float32 reference, which the same tower with those biases zeroed misses by ~100%
     (so a lost or misplaced fold fails here)."""
-    from glmvit_cupy.synthetic import random_tower
+    from glmvit_cupy.checkpoint.synthetic import random_tower
 
     geo, rng = cases.GEOMETRY, np.random.default_rng(6)
     h, tensors = geo.hidden_size, random_tower(geo, 6)
@@ -984,7 +984,7 @@ def test_other_geometries_vs_reference(name, tmp_path):
         start, out_start = start + n, out_start + n // mm
     assert batch.shape == (sum(rows) // mm, geo.out_hidden_size)
     if geo.in_channels == 3:  # images: preprocessed with the tower's own patching, resized on the GPU or by Pillow
-        from glmvit_cupy.preprocess import Patching, preprocess
+        from glmvit_cupy.preprocessing.image import Patching, preprocess
 
         images = [rng.integers(0, 256, (int(rng.integers(20, 300)), int(rng.integers(20, 300)), 3), dtype=np.uint8)
                   for _ in range(3)]
@@ -1000,7 +1000,7 @@ def test_nan_or_inf_weights_are_refused_by_name_and_leave_the_gpu_working(small,
     folds into its residual offsets instead of uploading) is refused at load, naming each tensor with its
     count; the loaded model is untouched and the GPU keeps working."""
     from glmvit_cupy import CheckpointError
-    from glmvit_cupy.synthetic import random_tower
+    from glmvit_cupy.checkpoint.synthetic import random_tower
 
     geo = cases.GEOMETRY
     tensors = random_tower(geo, 7)

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from glmvit_cupy import ImageError, preprocess
-from glmvit_cupy.preprocess import load_rgb, normalise_patchify, prepare_canvas, smart_resize
 from tests.golden import cases
+
+from glmvit_cupy import ImageError
+from glmvit_cupy import preprocess
+from glmvit_cupy.preprocessing.image import load_rgb, normalise_patchify, prepare_canvas, smart_resize
 
 GOLDEN = json.load(open(cases.PREPROCESS))
 
@@ -160,7 +162,7 @@ def test_bad_max_pixels_is_refused_as_a_setting_before_any_image(bad, tmp_path):
     """max_pixels is the decompression-bomb limit: None or a positive integer. Anything else is a ValueError
     naming the setting, from every entry, before an image is read (it was a per-image 'bomb' refusal of every
     image, or a format error for a string)."""
-    from glmvit_cupy.batching import preparer
+    from glmvit_cupy.scheduling.batching import preparer
 
     png = io.BytesIO()
     Image.new("RGB", (64, 48)).save(png, "PNG")
@@ -201,7 +203,7 @@ def test_one_block_decode_gives_pillows_pixels(fmt, kw):
 def test_rgb_pixels_into_a_given_buffer(h, w):
     """The GIL-free copy: the first three of four bytes a pixel, in the buffer the caller lends (fresh random
     pixels; the buffer poisoned first), equal to Pillow's own packing."""
-    from glmvit_cupy.images import rgb_pixels
+    from glmvit_cupy.preprocessing.decode import rgb_pixels
 
     pil = Image.fromarray(_photo(h, w, h * w))
     lent = []
@@ -283,8 +285,8 @@ def test_the_gpu_paths_input_is_the_reference_image(zoo, name):
     """Every kind of image in the zoo: what resize "gpu" hands the GPU (decoded into lent memory, pasted,
     or the array as given) is the reference's RGB image, and resizing it with the integer twin of the GPU
     kernels and padding gives the host canvas bit for bit."""
-    from glmvit_cupy import resample
-    from glmvit_cupy.images import load_rgb
+    from glmvit_cupy.preprocessing import resample
+    from glmvit_cupy.preprocessing.decode import load_rgb
 
     if "error" in GOLDEN["images"][name]:
         pytest.skip("an image the reference refuses (tested above)")
@@ -307,7 +309,7 @@ def test_four_channels_finds_the_4_byte_buffer_under_an_rgb_view():
     """What the uploads copy in one piece: [H, W, :3] views of contiguous memory starting where the view starts
     (an exact [H, W, 4] buffer, or the front of a larger one, as a decoding thread's reused buffer is), and
     nothing else."""
-    from glmvit_cupy.images import four_channels
+    from glmvit_cupy.preprocessing.decode import four_channels
 
     rng = np.random.default_rng()
     exact = rng.integers(0, 256, (5, 7, 4), dtype=np.uint8)
@@ -356,7 +358,7 @@ def test_other_patchings_put_each_patch_where_its_position_says(patch, merge, fr
     """A tower of another patch size, merge or frame count (Patching) gets rows of 3 x frames x patch^2
     values, patch i of a frame at the (h, w) that merge-block order gives it: written out here from the
     position alone and the rescale + normalise table, on a random canvas-sized image (no resize)."""
-    from glmvit_cupy.preprocess import Patching, value_table
+    from glmvit_cupy.preprocessing.image import Patching, value_table
 
     pt = Patching(patch, merge, frames)
     th, tw = 3, 5  # tokens down and across
@@ -374,8 +376,8 @@ def test_other_patchings_put_each_patch_where_its_position_says(patch, merge, fr
 
 def test_a_tower_whose_patches_are_not_rgb_is_refused_for_images():
     from glmvit_cupy import VisionGeometry
-    from glmvit_cupy.batching import preparer
-    from glmvit_cupy.preprocess import Patching
+    from glmvit_cupy.preprocessing.image import Patching
+    from glmvit_cupy.scheduling.batching import preparer
 
     assert Patching.of(VisionGeometry(patch_size=16, spatial_merge_size=3, temporal_patch_size=1)) == Patching(16, 3, 1)
     with pytest.raises(ValueError, match="in_channels = 1; use encode_pixels"):

@@ -14,9 +14,10 @@ pytest.importorskip("ray.data", reason="the ray extra (ray[data]) is not install
 
 import ml_dtypes  # noqa: E402
 
-from glmvit_cupy import reference  # noqa: E402
-from glmvit_cupy.preprocess import normalise_patchify, prepare_canvas  # noqa: E402
 from tests.golden import cases  # noqa: E402
+
+from glmvit_cupy import reference  # noqa: E402
+from glmvit_cupy.preprocessing.image import normalise_patchify, prepare_canvas  # noqa: E402
 
 TOWER = str(cases.TOWER_DIR)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -72,8 +73,8 @@ def test_a_tower_of_another_merge_size_is_prepared_with_its_own_patching(local_r
     import dataclasses
 
     import glmvit_cupy.ray as gvr
-    from glmvit_cupy.preprocess import Patching
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.checkpoint.synthetic import write_checkpoint
+    from glmvit_cupy.preprocessing.image import Patching
 
     geo = dataclasses.replace(cases.GEOMETRY, spatial_merge_size=3, patch_size=16, temporal_patch_size=1, depth=1)
     ckpt = write_checkpoint(tmp_path / "m3", geo, seed=8)
@@ -106,7 +107,7 @@ def test_encode_dataset_checks_its_arguments(local_ray, tmp_path):
             gvr.encode_dataset(ds, TOWER, num_gpus=bad, bytes_column="data")
     import dataclasses
 
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.checkpoint.synthetic import write_checkpoint
 
     grey = write_checkpoint(tmp_path / "grey", dataclasses.replace(cases.GEOMETRY, in_channels=1, depth=1))
     with pytest.raises(ValueError, match="in_channels = 1; use encode_pixels"):  # on the driver, not in the actors
@@ -164,9 +165,10 @@ def test_encode_video_dataset_matches_reference_and_records_failures(local_ray, 
     pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
     import shutil
 
-    import glmvit_cupy.ray as gvr
-    from glmvit_cupy.video import preprocess_video
     from tests.test_cli_videos import write_clip
+
+    import glmvit_cupy.ray as gvr
+    from glmvit_cupy.preprocessing.video import preprocess_video
 
     golden = os.path.join(os.path.dirname(__file__), "golden", "video_files")
     for name in ("h264_10bit_rot90.mp4", "h264_offset.mp4"):

@@ -5,8 +5,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from glmvit_cupy import reference
 from tests.golden import cases
+
+from glmvit_cupy import reference
 
 G = np.load(cases.OUTPUTS)
 CASES = sorted({k.split("/")[0] for k in G.files})
@@ -69,7 +70,7 @@ def test_reference_matches_live_hf_on_fresh_weights(tmp_path, merge):
     why = hf_bar.available("cpu")
     if why:
         pytest.skip(f"needs HF transformers 5.23.0 and torch: {why}")
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.checkpoint.synthetic import write_checkpoint
 
     seed = int(np.random.default_rng().integers(1 << 30))
     geo = dataclasses.replace(cases.GEOMETRY, spatial_merge_size=merge)
@@ -88,7 +89,7 @@ def test_reference_matches_live_hf_on_fresh_weights(tmp_path, merge):
 def test_downsample_is_the_conv2d_over_each_frame(tmp_path, merge):
     """The merger's downsample equals a Conv2d of kernel and stride m, written out as loops over the
     frame's (h, w) layout (the rows put there by their positions), for every merge size."""
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.checkpoint.synthetic import write_checkpoint
 
     geo = dataclasses.replace(cases.GEOMETRY, spatial_merge_size=merge, depth=1)
     tower = reference.Tower(reference.bind_tower(write_checkpoint(tmp_path / "ckpt", geo, seed=3)))
@@ -133,7 +134,7 @@ def test_row_count_must_match_grid(tower):
 @pytest.mark.parametrize("dtype", [np.complex64, np.bool_, object])
 def test_pixel_values_must_be_real_numbers(tower, dtype):
     """Complex pixels lost their imaginary part without a word (and bools or objects were cast): refused by dtype,
-    before any compute; the GPU model shares the check (batching.check_pixels)."""
+    before any compute; the GPU model shares the check (checks.check_pixels)."""
     pv = np.ones((64, 1176), dtype)
     with pytest.raises(ValueError, match=f"pixel_values has dtype {np.dtype(dtype)}; it must hold real numbers"):
         reference.encode_pixels(tower, pv, [[1, 8, 8]])

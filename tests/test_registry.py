@@ -2,30 +2,43 @@
 engine launches exists, and every variant is derived consistently and refused where it cannot run."""
 
 import math
+import pathlib
 import re
 
 import numpy as np
 import pytest
 
-from glmvit_cupy.engine.attention import (FIXED_OFFSET_LIMIT, FIXED_OUTPUT_LIMIT, VARIANTS, check_variant, default_variants,
-                                          fixed_offset_fits, pick_variant, score_bound_log2, tiles, value_bound_log2)
+from glmvit_cupy.engine.attention import (FIXED_OFFSET_LIMIT, FIXED_OUTPUT_LIMIT, VARIANTS, check_variant,
+                                          default_variants, fixed_offset_fits, pick_variant, score_bound_log2, tiles,
+                                          value_bound_log2)
 from glmvit_cupy.engine.kernels import cuda_dir, kernel_names, modules
 
 
-def test_modules_and_kernels_the_engine_uses_exist():
-    assert modules() == ["activations", "attention_sm80", "attention_sm90", "finite", "gemm_sm90", "norms", "pixels",
-                         "rotary"]
-    assert kernel_names("finite") == ["count_nonfinite_bf16"]
-    assert kernel_names("pixels") == ["patchify_u8", "resample_pass_u8", "resample_patchify_u8"]
+def launched_kernels() -> set:
+    """(module, kernel) of every launch the engine's launchers name: kernel("m", "k") and
+    with_shared_memory("m", "k<...>") in ops.py and gemm_sm90.py, and the attention VARIANTS' entries."""
+    import ast
+
+    import glmvit_cupy.engine as engine
+
+    out = {(v.module, v.entry.split("<")[0]) for v in VARIANTS.values()}
+    for name in ("ops.py", "gemm_sm90.py"):
+        tree = ast.parse((pathlib.Path(engine.__file__).parent / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("kernel", "with_shared_memory"):
+                mod, entry = node.args[:2]
+                if isinstance(mod, ast.Constant):
+                    text = entry.value if isinstance(entry, ast.Constant) else entry.values[0].value  # f"k<...>"
+                    out.add((mod.value, text.split("<")[0]))
+    return out
+
+
+def test_every_kernel_is_launched_and_every_launch_has_its_kernel():
+    declared = {(m, k) for m in modules() for k in kernel_names(m)}
+    launched = launched_kernels()
+    assert launched == declared, (launched - declared, declared - launched)
+    assert {m for m, _ in launched} == set(modules())  # and every .cu file serves the engine
     assert (cuda_dir() / "common.cuh").is_file()
-    assert set(kernel_names("norms")) == {"rmsnorm_residual", "rmsnorm_residual_warp", "rmsnorm_im2col", "layernorm_gelu"}
-    assert set(kernel_names("activations")) == {"swiglu_clamp_bf16", "bias_to_bf16", "pixels_to_bf16"}
-    assert kernel_names("rotary") == ["rope_table", "qk_norm_rope_bf16", "qk_norm_rope_any_bf16"]
-    assert kernel_names("attention_sm90") == ["flash_fwd_sm90"]
-    assert kernel_names("attention_sm80") == ["flash_fwd_sm80"]
-    assert kernel_names("gemm_sm90") == ["gemm_swiglu_sm90", "gemm_swiglu_pingpong_sm90"]
-    for v in VARIANTS.values():
-        assert v.entry.split("<")[0] in kernel_names(v.module)
 
 
 def test_every_kernel_file_opens_with_its_napkin_math():
@@ -227,8 +240,8 @@ def test_batches_of_large_frames_share_their_budgets_standard_tile_count():
 def test_full_pass_budgets_are_those_a_packed_pass_lands_in():
     """Random streams of images of up to M patches, packed to capacity (batching.pack): every closed pass
     (all but the last) of >= `smallest` patches lands in one of full_pass_budgets, and each of those is hit."""
-    from glmvit_cupy.batching import pack
     from glmvit_cupy.engine.budgets import all_budgets, budget, full_pass_budgets
+    from glmvit_cupy.scheduling.batching import pack
 
     assert all_budgets(32000)[:5] == [256, 320, 384, 448, 512] and all_budgets(32000)[-2:] == [28672, 32000]
     assert full_pass_budgets(32000, 4096, 16384) == [28672, 32000]
@@ -257,16 +270,16 @@ def test_full_pass_budgets_are_those_a_packed_pass_lands_in():
 def test_budget_meta_pads_positions_segments_and_tiles():
     """A batch's device data within its budget: real positions then zeros, segment bounds then the total
     repeated, real tiles then idle ones (segment -1), at the offsets the plan's views use."""
-    from glmvit_cupy.engine.budgets import layout, meta, positions
+    from glmvit_cupy.engine.budgets import meta_offsets, meta, positions
 
     grid = [[1, 4, 6], [2, 2, 2], [1, 8, 4]]  # 24 + 2 frames x 4 + 32 = 64 patches, 4 segments
     b, rows = 96, 16
     cu = np.array([0, 24, 28, 32, 64], np.int32)
     seg, q0 = tiles(cu, rows)
     m = meta(grid, b, rows, 12, 2)
-    o = layout(b, 12, 2)
+    o = meta_offsets(b, 12, 2)
     assert o == (0, 192, 192 + 25, 217 + 12, 229 + 12) and m.shape == (o[-1],) and m.dtype == np.int32
-    assert layout(b, 12, 1)[2] == 192 + 97 and layout(b, 12, 3)[2] == 192 + 11  # segments <= b // merge^2
+    assert meta_offsets(b, 12, 1)[2] == 192 + 97 and meta_offsets(b, 12, 3)[2] == 192 + 11  # segments <= b // merge^2
     pos = m[o[0]:o[1]].reshape(b, 2)
     assert np.array_equal(pos[:64], positions(grid, 2)) and not pos[64:].any()
     assert np.array_equal(m[o[1]:o[1] + 5], cu) and (m[o[1] + 5:o[2]] == 64).all()
@@ -302,7 +315,7 @@ def test_budget_tiles_cover_each_real_row_once_and_no_padded_row():
     """For random batches (frames, odd sizes, many small images): within its budget, the non-idle tiles
     cover every real row exactly once, inside the row's own segment, and no padded row; the tile count
     holds the real tiles."""
-    from glmvit_cupy.engine.budgets import budget, layout, meta, tile_count
+    from glmvit_cupy.engine.budgets import budget, meta_offsets, meta, tile_count
 
     rng = np.random.default_rng()
     for _ in range(200):
@@ -316,7 +329,7 @@ def test_budget_tiles_cover_each_real_row_once_and_no_padded_row():
         real = sum(-(-s // rows) for s in seg_lens)
         tiles_n = tile_count(real, b, rows)
         m = meta(grid, b, rows, tiles_n, mg)
-        o = layout(b, tiles_n, mg)
+        o = meta_offsets(b, tiles_n, mg)
         cu, seg, q0 = m[o[1]:o[2]], m[o[2]:o[3]], m[o[3]:o[4]]
         covered = np.zeros(b, np.int32)
         for s, q in zip(seg, q0):

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from glmvit_cupy import feed, resample
-from glmvit_cupy.preprocess import content_size, smart_resize
+from glmvit_cupy.preprocessing import resample
+from glmvit_cupy.preprocessing.image import content_size, smart_resize
+from glmvit_cupy.scheduling import feed
 
 rng = np.random.default_rng()
 PHOTO = os.path.join(os.path.dirname(__file__), "..", "examples", "grace_hopper.jpg")

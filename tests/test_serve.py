@@ -22,10 +22,12 @@ from PIL import Image
 pytest.importorskip("starlette", reason="the serve extra (starlette, uvicorn, prometheus_client) is not installed")
 pytest.importorskip("uvicorn", reason="the serve extra is not installed")
 
-from glmvit_cupy import ServerError, cli, reference  # noqa: E402
-from glmvit_cupy.client import Client  # noqa: E402
-from glmvit_cupy.preprocess import REFERENCE, Patching, normalise_patchify, prepare_canvas  # noqa: E402
 from tests.golden import cases  # noqa: E402
+
+from glmvit_cupy import ServerError, reference
+from glmvit_cupy.cli import main as cli  # noqa: E402
+from glmvit_cupy.client import Client  # noqa: E402
+from glmvit_cupy.preprocessing.image import REFERENCE, Patching, normalise_patchify, prepare_canvas  # noqa: E402
 
 TOWER = str(cases.TOWER_DIR)
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
@@ -46,7 +48,7 @@ def free_port() -> int:
 def start(tmp_path, *flags, checkpoint=TOWER, cpu=True, wait_s=15.0):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.server.main", "--checkpoint", checkpoint,
+    proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.serving.main", "--checkpoint", checkpoint,
                              *(["--cpu"] if cpu else []), "--port", str(port), *map(str, flags)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     client = Client(f"http://127.0.0.1:{port}", timeout=60)
@@ -293,7 +295,7 @@ def test_a_tower_of_another_merge_size_is_served_with_its_own_patching(tmp_path)
     reference's of the image preprocessed with the tower's own patching, bit for bit."""
     import dataclasses
 
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.checkpoint.synthetic import write_checkpoint
 
     geo = dataclasses.replace(cases.GEOMETRY, spatial_merge_size=3, patch_size=16, temporal_patch_size=1, depth=1)
     ckpt = write_checkpoint(tmp_path / "m3", geo, seed=6)
@@ -314,7 +316,7 @@ def test_loading_answers_503(tmp_path):
     """While the model loads, /health and /v1/encode say 503 (in process, with a slow loader)."""
     import uvicorn
 
-    from glmvit_cupy.server.app import Settings, create_app
+    from glmvit_cupy.serving.app import Settings, create_app
 
     release = threading.Event()
 
@@ -365,7 +367,7 @@ def test_batcher_runs_one_lane_per_replica():
     """Several replicas (--devices 0,1): a worker per lane, passes on both at once (a fake engine)."""
     import asyncio
 
-    from glmvit_cupy.server.batcher import Batcher
+    from glmvit_cupy.serving.batcher import Batcher
 
     class TwoReplicas:
         lanes = 2
@@ -408,7 +410,7 @@ def test_glmvit_encode_writes_the_vllm_layout_too(tmp_path):
 
 
 def test_devices_with_cpu_is_refused_before_loading(capsys):
-    from glmvit_cupy.server import main as serve_main
+    from glmvit_cupy.serving import main as serve_main
     assert serve_main.main(["--checkpoint", TOWER, "--cpu", "--devices", "0"]) == 2
     assert "--cpu serves the float32 reference on the host, without a GPU: leave out --devices" in \
         capsys.readouterr().err
@@ -428,7 +430,7 @@ def test_devices_with_cpu_is_refused_before_loading(capsys):
 def test_bad_settings_are_refused_at_start_not_per_request(capsys, flags, says):
     """An operator's bad flag stops the server before it loads (before: --max-pixels -3 served, and every
     request got a 422 as if the client were wrong; --port 70000 a traceback)."""
-    from glmvit_cupy.server import main as serve_main
+    from glmvit_cupy.serving import main as serve_main
     assert serve_main.main(["--checkpoint", TOWER, "--cpu"] + flags) == 2
     assert says in capsys.readouterr().err
 
@@ -437,8 +439,8 @@ def test_a_tower_whose_patches_are_not_rgb_is_refused_at_start(capsys, tmp_path)
     """The server takes images: a tower of one-channel patches stops it before it loads, naming the field."""
     import dataclasses
 
-    from glmvit_cupy.server import main as serve_main
-    from glmvit_cupy.synthetic import write_checkpoint
+    from glmvit_cupy.checkpoint.synthetic import write_checkpoint
+    from glmvit_cupy.serving import main as serve_main
 
     ckpt = write_checkpoint(tmp_path / "grey", dataclasses.replace(cases.GEOMETRY, in_channels=1, depth=1))
     assert serve_main.main(["--checkpoint", ckpt, "--cpu"]) == 2
@@ -551,7 +553,7 @@ def test_a_video_file_is_decoded_by_the_server(server, tower, tmp_path):
 
 
 def test_a_video_key_covers_its_frames_in_order_and_every_setting():
-    from glmvit_cupy import vllm_ec
+    from glmvit_cupy.serving import vllm_ec
 
     frames, settings = [b"a", b"b"], {"sample": True, "target_fps": 2, "max_image_tokens": 200}
     key = vllm_ec.video_key_of(frames, 4.0, None, settings)

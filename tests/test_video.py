@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from glmvit_cupy import ImageError, Patching, preprocess_video
-from glmvit_cupy import batching, resample
-from glmvit_cupy.video import frame_groups, normalise_patchify, plan_videos, sample_frames, video_canvases
 from tests.video_cases import case, digest
+
+from glmvit_cupy import ImageError, Patching, preprocess_video
+from glmvit_cupy.preprocessing import resample
+from glmvit_cupy.preprocessing.video import frame_groups, normalise_patchify, plan_videos, sample_frames, video_canvases
+from glmvit_cupy.scheduling import batching
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "video_hf.json")
 
@@ -244,8 +246,8 @@ def test_frame_files_decode_only_the_sampled_frames():
     """FrameFiles (a video as its frames' image files, as glmvit-serve gets them): the array path's frames,
     indices and canvas; a broken file that is not sampled is never read, one that is names its index; the
     frames' sizes and the pixel cap are checked by index before or while decoding."""
-    from glmvit_cupy.video import plan_video
-    from glmvit_cupy.video_files import FrameFiles
+    from glmvit_cupy.preprocessing.video import plan_video
+    from glmvit_cupy.preprocessing.video_files import FrameFiles
 
     rng = np.random.default_rng(14)
     v = rng.integers(0, 256, (12, 30, 40, 3), dtype=np.uint8)
@@ -276,8 +278,8 @@ def test_frame_files_decode_only_the_sampled_frames():
 def test_frame_files_as_paths_and_a_fifo_that_must_not_block(tmp_path):
     import os
 
-    from glmvit_cupy.video import plan_video
-    from glmvit_cupy.video_files import FrameFiles
+    from glmvit_cupy.preprocessing.video import plan_video
+    from glmvit_cupy.preprocessing.video_files import FrameFiles
 
     v = np.random.default_rng(15).integers(0, 256, (4, 20, 24, 3), dtype=np.uint8)
     paths = []

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from glmvit_cupy import ImageError, preprocess_video
-from glmvit_cupy import video_files
-from glmvit_cupy.video import plan_video
+from glmvit_cupy.preprocessing import video_files
+from glmvit_cupy.preprocessing.video import plan_video
 
 av = pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
 
@@ -77,7 +77,7 @@ def test_a_frame_count_higher_than_the_file_holds_is_sampled_again(tmp_path, mon
     real = video_files._probe
     monkeypatch.setattr(video_files, "_probe",
                         lambda c, s, p, n: (lambda t, f, d: (t + 40, f, (t + 40) / f))(*real(c, s, p, n)))
-    from glmvit_cupy.video import sample_frames
+    from glmvit_cupy.preprocessing.video import sample_frames
 
     asked = []
     got, meta = video_files.load_video(path, lambda *a: asked.append(a) or sample_frames(*a[:2], duration=a[2]))

@@ -10,7 +10,7 @@ import pytest
 from safetensors import safe_open
 
 from glmvit_cupy import CheckpointError, WeightStore
-from glmvit_cupy.weights import read_header
+from glmvit_cupy.checkpoint.shards import read_header
 
 
 def shard(path, header, data=b""):

@@ -7,7 +7,8 @@ import os, sys, tempfile, time
 import numpy as np
 from PIL import Image
 sys.path[:0] = ["src", "."]
-from glmvit_cupy import GlmVit, preprocess
+from glmvit_cupy import GlmVit
+from glmvit_cupy import preprocess
 from tests.golden import cases
 
 m = GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=8000)

@@ -5,7 +5,7 @@ runs without torch) beside this checkout; no GPU.
     python tools/fuzz_preprocess.py [seed] [count] [patch,merge,frames]   e.g. 2 400: ~15 s; 2 200 16,3,1
 
 The third argument sets another tower's patch geometry on both sides (HF's patch_size, merge_size and
-temporal_patch_size; ours preprocess.Patching); default the reference processor's 14,2,2.
+temporal_patch_size; ours glmvit_cupy.Patching); default the reference processor's 14,2,2.
 
 Random sizes (1 to ~4,000 px a side, some 1-3 px strips), modes (RGB, RGBA, L, LA, P with and without a
 transparent index, CMYK, I;16, I, F, 1, ...), alpha, files (PNG, JPEG, WebP, BMP, TIFF, GIF; some with an
@@ -16,7 +16,8 @@ import numpy as np
 from PIL import Image
 sys.path[:0] = ["src", "."]
 from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
-from glmvit_cupy import Patching, preprocess, ImageError
+from glmvit_cupy import Patching, ImageError
+from glmvit_cupy import preprocess
 
 rng = np.random.default_rng(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 150

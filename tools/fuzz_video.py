@@ -13,7 +13,7 @@ import numpy as np
 sys.path[:0] = ["src", "."]
 import torch
 from transformers.models.glm5_next.video_processing_glm5_next import Glm5NextVideoProcessor
-from glmvit_cupy.video import preprocess_video
+from glmvit_cupy.preprocessing.video import preprocess_video
 from tests.video_cases import case, digest
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]

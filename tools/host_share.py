@@ -25,7 +25,7 @@ STEPS = ("into check_pixels", "check_pixels", "to plans.get (lock, device, strea
 def instrumented(model, pv, g, host):
     """One model.encode_pixels call with its host steps timed in place (us into `host`): check_pixels,
     plans.get and stage_pixels wrapped, the glue between them timed as the gaps."""
-    from glmvit_cupy.engine import model as model_mod
+    from glmvit_cupy.engine import model as model_mod, runner as runner_mod
 
     T = time.perf_counter_ns
     ts = {}
@@ -39,20 +39,20 @@ def instrumented(model, pv, g, host):
                 ts[name + "1"] = T()
         return timed
 
-    check, stage, get = model_mod.batching.check_pixels, model_mod.stage_pixels, model.plans.get
-    model_mod.batching.check_pixels, model_mod.stage_pixels = stamp("check", check), stamp("stage", stage)
-    model.plans.get = stamp("plan", get)
+    check, stage, get = model_mod.checks.check_pixels, runner_mod.stage_pixels, model.runner.plans.get
+    model_mod.checks.check_pixels, runner_mod.stage_pixels = stamp("check", check), stamp("stage", stage)
+    model.runner.plans.get = stamp("plan", get)
     try:
         t0 = T()
         out = model.encode_pixels(pv, g)
         t1 = T()
     finally:
-        model_mod.batching.check_pixels, model_mod.stage_pixels = check, stage
-        del model.plans.get
+        model_mod.checks.check_pixels, runner_mod.stage_pixels = check, stage
+        del model.runner.plans.get
     marks = [t0, ts["check0"], ts["check1"], ts["plan0"], ts["plan1"], ts["stage0"], ts["stage1"], t1]
     for k, a, b in zip(STEPS, marks, marks[1:]):
         host.setdefault(k, []).append((b - a) / 1e3)
-    events = dict(model.executor._events)
+    events = dict(model.runner._events)
     return out, events["start"], events["forward"], events["copy_out"]
 
 
@@ -74,8 +74,8 @@ def main():
             model.encode_pixels(pv, g)
         cupy.cuda.Device().synchronize()
         alone = time_ms(lambda: model.encode_pixels(pv, g), warmup=5, repeat=calls)
-        plan = model.plans.find(g)
-        s = model.executor.stream
+        plan = model.runner.plans.find(g)
+        s = model.runner.stream
         a, b = cupy.cuda.Event(), cupy.cuda.Event()
         a.record(s)
         for _ in range(50):

@@ -1,6 +1,6 @@
-"""Video files read by video_files (PyAV) against the reference processor's decoder, torchcodec's
-VideoDecoder(seek_mode="exact") on the CPU, as HF transformers 5.23.0's fetch_videos opens a path: the frame
-count, fps and duration its sampling reads, and every frame's RGB bytes.
+"""Video files read by preprocessing/video_files.py (PyAV) against the reference processor's decoder,
+torchcodec's VideoDecoder(seek_mode="exact") on the CPU, as HF transformers 5.23.0's fetch_videos opens a
+path: the frame count, fps and duration its sampling reads, and every frame's RGB bytes.
 
     python tools/video_decoders.py CLIP [CLIP ...]        # each file compared, a line each
     python tools/video_decoders.py --golden DIR           # DIR/golden.json written for DIR's clips
@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from glmvit_cupy import video_files  # noqa: E402
+from glmvit_cupy.preprocessing import video_files  # noqa: E402
 
 
 def reference(path):

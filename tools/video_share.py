@@ -21,8 +21,9 @@ from benchmarks.common import official_checkpoint, table  # noqa: E402
 def main():
     import cupy
 
-    from glmvit_cupy import GlmVit, batching
-    from glmvit_cupy.video import frame_groups, plan_videos
+    from glmvit_cupy import GlmVit
+    from glmvit_cupy.scheduling import batching
+    from glmvit_cupy.preprocessing.video import frame_groups, plan_videos
 
     model = GlmVit.from_checkpoint(official_checkpoint(), capacity_tokens=8000)
     sync = cupy.cuda.get_current_stream().synchronize
@@ -42,16 +43,16 @@ def main():
                 pixels = model.arena()["pixels"]
                 sync()
                 t = time.perf_counter()
-                with model.device, model.executor.stream:
-                    model.stager.images(batch, pixels)
+                with model.device, model.runner.stream:
+                    model.runner.stager.images(batch, pixels)
                     t1 = time.perf_counter()
-                    model.executor.stream.synchronize()
+                    model.runner.stream.synchronize()
                 t2 = time.perf_counter()
                 host, gpu = host + t1 - t, gpu + t2 - t1
                 t = time.perf_counter()
                 model.encode_prepared(batch)
                 sync()
-                model.executor.stream.synchronize()
+                model.runner.stream.synchronize()
                 fwd += time.perf_counter() - t  # stages again: the forward's share is this minus the staging
             steps["stage (host)"].append(host)
             steps["stage (GPU after host)"].append(gpu)

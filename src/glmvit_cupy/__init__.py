@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from .checkpoint import bind_tower, inspect_checkpoint, probe_tower
+from .checkpoint.bind import bind_tower, inspect_checkpoint, probe_tower
+from .checkpoint.shards import WeightStore
 from .config import VisionGeometry, read_config
 from .errors import (AbsentTower, CheckpointError, GpuOutOfMemory, GpuUnavailable, ImageError, KernelError,
                      NoVisionConfig, OutputError, ServerError)
-from .preprocess import Patching, preprocess
-from .video import preprocess_video
-from .weights import WeightStore
+from .preprocessing.image import Patching, preprocess
+from .preprocessing.video import preprocess_video
 
 __version__ = "0.2.0.dev0"
 
@@ -32,9 +32,15 @@ __all__ = [
 ]
 
 _ENGINE = {"GlmVit": "model", "Replicas": "replicas"}
+# The public modules, named in the docs: attributes of the package, imported on first use (ray needs Ray).
+_MODULES = ("checks", "client", "output", "ray", "reference")
 
 
 def __getattr__(name):
+    if name in _MODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     # The GPU engine imports CuPy: import it on first use, so `import glmvit_cupy` works anywhere.
     if name in _ENGINE:
         from . import gpu
@@ -50,7 +56,7 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | set(_MODULES))
 
 
 def load_vision_tower(path: str | os.PathLike, **kw) -> GlmVit | None:

@@ -31,9 +31,9 @@ import io
 
 import numpy as np
 
-from .batching import DEFAULT_MAX_IMAGE_TOKENS, image_limits
+from .checks import DEFAULT_MAX_IMAGE_TOKENS, image_limits
 from .errors import ImageError
-from .preprocess import REFERENCE, Patching, prepare_canvas
+from .preprocessing.image import REFERENCE, Patching, prepare_canvas
 
 
 class Prepare:
@@ -75,8 +75,8 @@ class Encode:
     embeddings, rows packed into passes of up to capacity_tokens."""
 
     def __init__(self, checkpoint, cpu: bool, capacity_tokens: int, image_tokens: int | None = None):
-        from .backend import Backend
-        from .checkpoint import bind_tower
+        from .checkpoint.bind import bind_tower
+        from .scheduling.backend import Backend
 
         self.backend = Backend(bind_tower(checkpoint), cpu=cpu, capacity_tokens=capacity_tokens,
                                image_tokens=image_tokens)
@@ -122,9 +122,9 @@ class PrepareVideo:
     def __call__(self, batch):
         import pandas as pd
 
-        from .batching import check_frame_group
-        from .video import plan_video
-        from .video_files import VideoFile
+        from .checks import check_frame_group
+        from .preprocessing.video import plan_video
+        from .preprocessing.video_files import VideoFile
 
         data = batch.pop(self.column)
         names = batch["path"] if "path" in batch else [f"row {i}" for i in range(len(data))]
@@ -190,7 +190,7 @@ def _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint):
     """(num_gpus, concurrency, patching) for the encoder actors, every argument checked on the driver."""
     import ray
 
-    from .checkpoint import bind_tower
+    from .checkpoint.bind import bind_tower
 
     if bytes_column not in ds.columns():
         raise ValueError(f"the dataset has no column {bytes_column!r} (it has {ds.columns()}); "
@@ -247,8 +247,7 @@ def encode_video_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bo
     concurrency as for encode_dataset; batch_size videos to an actor call (their frames in memory at once)."""
     import ray
 
-    from .batching import check_capacity, check_positive
-    from .preprocess import check_token_limits
+    from .checks import check_capacity, check_positive, check_token_limits
 
     capacity_tokens = check_capacity(capacity_tokens)
     check_positive("max_frames", max_frames)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .batching import check_pixels
-from .checkpoint import TowerBinding, bind_tower
+from .checkpoint.bind import TowerBinding, bind_tower
+from .checks import check_pixels
 from .config import VisionGeometry
 
 

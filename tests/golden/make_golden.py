@@ -24,8 +24,9 @@ from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from tests.golden import cases  # noqa: E402
+
 from glmvit_cupy import reference  # noqa: E402
-from glmvit_cupy.synthetic import random_tower, write_checkpoint  # noqa: E402
+from glmvit_cupy.checkpoint.synthetic import random_tower, write_checkpoint  # noqa: E402
 
 assert transformers.__version__ == "5.23.0", transformers.__version__
 

@@ -25,7 +25,7 @@ def _slot_bytes(shape, dtype) -> int:
     return _cdiv(int(np.prod(shape)) * np.dtype(dtype).itemsize, 256) * 256
 
 
-def layout(g: VisionGeometry, patches: int, fused_swiglu: bool = False) -> dict:
+def slots(g: VisionGeometry, patches: int, fused_swiglu: bool = False) -> dict:
     """{phase: {slot: (shape, dtype)}} for forwards of up to `patches` patches; phase "keep" is never
     shared, the others overlap. The attention's QKV GEMM runs over all rows at once. fused_swiglu: the
     MLPs' gate/up GEMMs write the activation themselves, so there are no gate/up slots, and an MLP runs

@@ -81,7 +81,7 @@ def positions(grid, merge: int) -> np.ndarray:
     return np.concatenate(out).astype(np.int32)
 
 
-def layout(budget_patches: int, tiles: int, merge: int) -> tuple[int, ...]:
+def meta_offsets(budget_patches: int, tiles: int, merge: int) -> tuple[int, ...]:
     """Offsets (in int32) of positions, cu_seqlens, tile_seg, tile_q0 and the end, in a plan's meta. A
     frame holds at least merge^2 patches, so a budget holds at most budget_patches // merge^2 segments."""
     offs = [0, 2 * budget_patches]
@@ -97,7 +97,7 @@ def meta(grid, budget_patches: int, rows: int, tiles: int, merge: int) -> np.nda
     seg_lens = [h * w for t, h, w in grid for _ in range(t)]  # each frame is its own attention segment
     cu = np.concatenate([[0], np.cumsum(seg_lens)]).astype(np.int32)
     seg, q0 = attention.tiles(cu, rows)
-    o = layout(budget_patches, tiles, merge)
+    o = meta_offsets(budget_patches, tiles, merge)
     out = np.zeros(o[-1], np.int32)
     out[:2 * int(cu[-1])] = positions(grid, merge).reshape(-1)
     out[o[1]:o[2]] = cu[-1]

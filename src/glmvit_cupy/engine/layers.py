@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import VisionGeometry
-from . import fused, ops
+from . import gemm_sm90, ops
 from .arena import MERGER_CHUNK, ROW_CHUNK, Arena
 from .gemm import BF16
 from .params import Block, Merger, Weights
@@ -127,7 +127,7 @@ def gate_up_swiglu(a, weight, gate_bias, up_bias, act, limit, s: Arena, slot, bl
     decided at load that its MLPs fit gemm_sm90.cu), or cuBLAS into the arena's gate/up `slot` and the
     activations pass."""
     if fuse:
-        fused.gate_up_swiglu(a, weight, gate_bias, up_bias, act, limit, name=name)
+        gemm_sm90.gate_up_swiglu(a, weight, gate_bias, up_bias, act, limit, name=name)
     else:
         gate_up = s[slot][:a.shape[0]]
         ops.linear(a, weight, gate_up, handle=blas, name=name)

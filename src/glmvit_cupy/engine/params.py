@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from ..checkpoint import TowerBinding
+from ..checkpoint.bind import TowerBinding
 from . import ops
 from .gemm import BF16
 

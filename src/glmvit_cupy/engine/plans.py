@@ -26,8 +26,8 @@ import numpy as np
 
 from . import attention
 from .attention import Variant
-from .blocks import HOST
-from .budgets import budget, layout, meta, standard_tiles, tile_count
+from .budgets import budget, meta, meta_offsets, standard_tiles, tile_count
+from .pools import HOST
 
 
 @dataclass
@@ -124,7 +124,7 @@ class PlanCache:
         return hit
 
     def _new(self, b: int, name: str, tiles: int) -> Plan:
-        o = layout(b, tiles, self.merge)
+        o = meta_offsets(b, tiles, self.merge)
         dev = cupy.zeros(o[-1], dtype=cupy.int32)
         return Plan(b, dev, dev[o[0]:o[1]].reshape(b, 2), dev[o[1]:o[2]], dev[o[2]:o[3]], dev[o[3]:o[4]],
                     attention.VARIANTS[name])

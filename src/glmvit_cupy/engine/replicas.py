@@ -13,9 +13,10 @@ from typing import Callable
 import cupy
 import numpy as np
 
-from .. import batching, gpu
-from ..checkpoint import TowerBinding, bind_tower
-from ..preprocess import check_resize
+from .. import checks, gpu
+from ..checkpoint.bind import TowerBinding, bind_tower
+from ..checks import check_resize
+from ..scheduling import batching
 from .gemm import BF16
 from .model import GlmVit
 
@@ -27,7 +28,7 @@ class Replicas:
 
     def __init__(self, binding: TowerBinding, devices, **kw):
         gpu.require()
-        self.devices = batching.check_devices(devices, cupy.cuda.runtime.getDeviceCount())
+        self.devices = checks.check_devices(devices, cupy.cuda.runtime.getDeviceCount())
         self.models = [GlmVit(binding, device=d, **kw) for d in self.devices]
         self.geometry = self.models[0].geometry
         self.capacity_tokens = self.models[0].capacity_tokens
@@ -54,7 +55,7 @@ class Replicas:
         def lane(r):
             done = [(j, fn(self.models[r], work[j])) for j in lanes[r]]
             if synchronize:
-                self.models[r].executor.stream.synchronize()  # final whichever stream reads them next
+                self.models[r].runner.stream.synchronize()  # final whichever stream reads them next
             return done
 
         futures = [self._pool.submit(lane, r) for r in range(len(self)) if lanes[r]]
@@ -105,7 +106,7 @@ class Replicas:
     def encode_video_pixels(self, pixel_values_videos, video_grid_thw) -> list:
         """As GlmVit.encode_video_pixels; whole videos spread over the replicas by patches, each embedding on
         the GPU that computed it."""
-        grid, _ = batching.check_pixels(self.geometry, pixel_values_videos, video_grid_thw.get() if isinstance(
+        grid, _ = checks.check_pixels(self.geometry, pixel_values_videos, video_grid_thw.get() if isinstance(
             video_grid_thw, cupy.ndarray) else video_grid_thw)
         _, groups, work = self._spread_rows(pixel_values_videos, grid)
         outs = self.map(lambda m, b: [] if b is None else m.encode_video_pixels(*b), work)
@@ -117,7 +118,7 @@ class Replicas:
         """As GlmVit.encode_planned_videos; whole videos spread over the replicas by tokens, each embedding on
         the GPU that computed it. Every video is checked before any replica starts."""
         check_resize(resize)
-        batching.check_planned_videos(planned, self.geometry.spatial_merge_size, self.capacity_tokens)
+        checks.check_planned_videos(planned, self.geometry.spatial_merge_size, self.capacity_tokens)
         groups = batching.spread([info["tokens"] for _, _, info in planned], len(self))
         outs = self.map(lambda m, g: m.encode_planned_videos([planned[i] for i in g], resize), groups)
         return _in_order(groups, outs, len(planned))
@@ -125,7 +126,7 @@ class Replicas:
     def encode_pixels(self, pixel_values, grid_thw):
         """A batch of images split across the replicas by patches; the output, in order, on devices[0]."""
         mm = self.geometry.merge_patches
-        grid = batching.check_grid(grid_thw.get() if isinstance(grid_thw, cupy.ndarray) else grid_thw,
+        grid = checks.check_grid(grid_thw.get() if isinstance(grid_thw, cupy.ndarray) else grid_thw,
                                    self.geometry.spatial_merge_size)
         sizes = (grid[:, 0] * grid[:, 1] * grid[:, 2]).astype(np.int64)
         if pixel_values.ndim != 2 or pixel_values.shape[0] != sizes.sum():

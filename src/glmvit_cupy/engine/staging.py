@@ -16,11 +16,11 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from .. import resample
-from ..images import four_channels
-from .blocks import HOST
+from ..preprocessing import resample
+from ..preprocessing.decode import four_channels
 from .gemm import BF16
 from .ops import patchify, resample_pass, resample_patchify
+from .pools import HOST
 from .uploads import Uploaded
 
 ALIGN = 256
@@ -152,7 +152,7 @@ class Stager:
         if (h, w) == canvas:
             patchify(src, table, out, *args, slot=slot)
             return
-        p = resample.plan(h, w, *content) if slot < 0 else resample.aten_plan(h, w, *content)
+        p = resample.pillow_tables(h, w, *content) if slot < 0 else resample.aten_tables(h, w, *content)
         views = self._tables(p)
         horizontal = tuple(views[:3]) if p.horizontal is not None else None
         vertical = tuple(views[-3:]) if p.vertical is not None else None

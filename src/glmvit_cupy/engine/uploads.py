@@ -17,8 +17,8 @@ import threading
 import cupy
 import numpy as np
 
-from ..images import four_channels
-from .blocks import Blocks, DeviceBlock
+from ..preprocessing.decode import four_channels
+from .pools import Blocks, DeviceBlock
 
 
 class Uploaded:
@@ -52,6 +52,15 @@ class Uploader:
         if host is None or host.size < n:
             host = self._local.host = np.empty(n, np.uint8)
         return host[:n].reshape(shape)
+
+    def uploading(self, one):
+        """A host preparer's function (scheduling.batching.preparer's one(i, image, name=None, host_buffer=None))
+        made to decode into this thread's buffer and hand on the image uploaded to this GPU."""
+        def prepared(i, image, name=None):
+            out, grid, info = one(i, image, name=name, host_buffer=self.buffer)
+            return self(out), grid, info
+
+        return prepared
 
     def __call__(self, image: np.ndarray):
         """The image on the device (its copy in flight on this thread's stream), or, if the device has no

@@ -18,8 +18,8 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-from .errors import CheckpointError
-from .files import not_regular, open_regular, read_json_file
+from ..errors import CheckpointError
+from ..files import not_regular, open_regular, read_json_file
 
 # The safetensors dtype names this store can map, with their NumPy types.
 DTYPES = {

@@ -14,8 +14,8 @@ import warnings
 import numpy as np
 from PIL import Image, ImageOps
 
-from .errors import ImageError
-from .files import not_regular
+from ..errors import ImageError
+from ..files import not_regular
 
 
 def name_of(image, index) -> str:

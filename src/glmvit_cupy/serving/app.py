@@ -42,11 +42,11 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .. import vllm_ec
 from ..errors import ImageError
-from ..preprocess import prepare_canvas
-from ..video import plan_video
-from ..video_files import FrameFiles, VideoFile
+from ..preprocessing.image import prepare_canvas
+from ..preprocessing.video import plan_video
+from ..preprocessing.video_files import FrameFiles, VideoFile
+from . import vllm_ec
 from .batcher import Batcher, QueueFull
 from .cache import EmbeddingCache
 from .metrics import Metrics

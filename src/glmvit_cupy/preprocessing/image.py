@@ -17,20 +17,15 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from ..checks import check_max_pixels, check_resize, check_token_limits, is_integer
+from ..errors import ImageError
 from . import resample
-from .errors import ImageError
-from .images import load, load_rgb, name_of, rgb_pixels  # noqa: F401  (load_rgb: part of this module's API)
+from .decode import load, load_rgb, name_of, rgb_pixels
 
 PATCH = 14
 MERGE = 2
 TEMPORAL = 2
 FACTOR = PATCH * MERGE  # 28: one merged token is a 28 x 28 pixel square
-
-
-def is_integer(v) -> bool:
-    """An int or a NumPy integer, and not a bool (which Python counts as an int): what every count the
-    library takes must be."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -129,32 +124,6 @@ def content_size(height: int, width: int, canvas: tuple[int, int], *, min_image_
     return (max(1, min(ch_, math.floor(height * scale))), max(1, min(cw_, math.floor(width * scale))))
 
 
-RESIZE = ("host", "gpu")  # who resizes: Pillow here, or the GPU bit for bit alike
-
-
-def check_resize(resize) -> str:
-    if resize not in RESIZE:
-        raise ValueError(f"resize={resize!r}: choose one of {', '.join(map(repr, RESIZE))}")
-    return resize
-
-
-def check_max_pixels(max_pixels):
-    """The decompression-bomb limit as given: None (Pillow's own) or a positive integer of pixels."""
-    if max_pixels is not None and (not is_integer(max_pixels) or max_pixels < 1):
-        raise ValueError(f"max_pixels={max_pixels!r} must be a positive integer (pixels an encoded image may have "
-                         "before it is refused as a decompression bomb) or None for Pillow's own limit")
-    return max_pixels
-
-
-def check_token_limits(min_image_tokens, max_image_tokens) -> tuple[int, int]:
-    """The per-image token limits as given, returned as ints: the minimum an integer >= 0 (0: no
-    minimum, as the reference allows), the maximum a positive integer; a bool is neither."""
-    for name, v, low in (("min_image_tokens", min_image_tokens, 0), ("max_image_tokens", max_image_tokens, 1)):
-        if not is_integer(v) or v < low:
-            raise ValueError(f"{name}={v!r} must be an integer of at least {low}")
-    return int(min_image_tokens), int(max_image_tokens)
-
-
 def _value_table() -> np.ndarray:
     """float32 [3, 256]: what rescale-then-normalise makes of each uint8 value, per channel.
 
@@ -251,7 +220,7 @@ def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_ima
             "grid": grid, "tokens": grid[1] * grid[2] // patching.merge_size**2, "resize": resize}
     if resize == "gpu":
         if (ch, cw) != (height, width):
-            resample.plan(height, width, ch, cw)  # made here, on a decoding thread; the GPU's thread looks it up
+            resample.pillow_tables(height, width, ch, cw)  # made here, on a decoding thread; the GPU's thread looks it up
         return rgb_pixels(img, host_buffer), grid, info
     if (ch, cw) != (height, width):
         pil = img if isinstance(img, Image.Image) else Image.fromarray(img)

@@ -8,9 +8,8 @@ import base64
 import binascii
 import json
 
-from ..batching import DEFAULT_MAX_IMAGE_TOKENS
-from ..preprocess import check_token_limits
-from ..video import MAX_VIDEO_TOKENS
+from ..checks import DEFAULT_MAX_IMAGE_TOKENS, check_token_limits
+from ..preprocessing.video import MAX_VIDEO_TOKENS
 
 
 class Refused(Exception):

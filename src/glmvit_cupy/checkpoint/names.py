@@ -6,7 +6,7 @@ these names, the binder checks every one of them, and the random-checkpoint writ
 
 from __future__ import annotations
 
-from .config import VisionGeometry
+from ..config import VisionGeometry
 
 # The flat layout, the nested one a re-quantisation through AutoModelForImageTextToText leaves,
 # and a bare tower export: tried first, in this order. Any other prefix ending in the module name

@@ -15,8 +15,8 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from .layout import tower_layout
-from .config import VisionGeometry
+from ..config import VisionGeometry
+from .names import tower_layout
 
 BF16 = ml_dtypes.bfloat16
 

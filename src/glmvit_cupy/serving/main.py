@@ -1,4 +1,4 @@
-"""glmvit-serve: the GLM-5.3-Flash vision tower as an HTTP service (see glmvit_cupy.server.app).
+"""glmvit-serve: the GLM-5.3-Flash vision tower as an HTTP service (see glmvit_cupy.serving.app).
 
     glmvit-serve --checkpoint /models/GLM-5.3-Flash --port 8000
     glmvit-serve --checkpoint tests/golden/tower --cpu            # the float32 reference, no GPU
@@ -73,12 +73,11 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     from .. import gpu
-    from ..backend import Backend
-    from ..batching import DEFAULT_MAX_IMAGE_TOKENS
-    from ..checkpoint import bind_tower
-    from ..inputs import device_list
+    from ..checkpoint.bind import bind_tower
+    from ..checks import DEFAULT_MAX_IMAGE_TOKENS, device_list
     from ..errors import CheckpointError
-    from ..preprocess import Patching
+    from ..preprocessing.image import Patching
+    from ..scheduling.backend import Backend
     from .app import Settings, create_app
 
     why = check_settings(args)

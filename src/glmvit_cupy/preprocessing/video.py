@@ -22,11 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ..checks import check_positive, check_token_limits
 from . import resample
+from .image import MEAN, REFERENCE, STD, Patching, check_patching, content_size, rows_in_turn, rows_out, smart_resize
 from .video_files import FrameFiles, VideoFile, video_frames
-from .batching import check_positive
-from .preprocess import (MEAN, REFERENCE, STD, Patching, check_patching, check_token_limits, content_size, rows_in_turn,
-                         rows_out, smart_resize)
 
 TARGET_FPS = 2  # frames sampled per second of video (the reference processor's fps)
 MAX_FRAMES = 2048

@@ -22,7 +22,7 @@ from fractions import Fraction
 import numpy as np
 from PIL import Image
 
-from .errors import ImageError
+from ..errors import ImageError
 
 
 def _av():
@@ -229,7 +229,7 @@ class FrameFiles:
     def read(self, pick, fps, duration, name: str):
         """(the picked frames as HxWx3 uint8 arrays, {"fps", "duration", "total_frames", "frames_indices"}) for
         pick(len, fps, duration)."""
-        from .images import load
+        from .decode import load
 
         indices = [int(i) for i in pick(len(self.files), fps, duration)]
         unique = sorted(set(indices))

@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 
-from glmvit_cupy.engine.blocks import GRAIN, Block, Blocks, PinnedBlocks
+from glmvit_cupy.engine.pools import GRAIN, Block, Blocks, PinnedBlocks
 
 
 class Event:

@@ -11,10 +11,10 @@ import json
 import os
 import re
 
-from .errors import CheckpointError
-from .files import read_json_file
-from .layout import is_vision_name
-from .weights import INDEX_NAME
+from ..errors import CheckpointError
+from ..files import read_json_file
+from .names import is_vision_name
+from .shards import INDEX_NAME
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

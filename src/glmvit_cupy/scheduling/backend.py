@@ -22,7 +22,7 @@ class Backend:
         if cpu and devices:
             raise ValueError(f"Backend: cpu=True runs the float32 reference on the host, devices={devices!r} chooses "
                              "GPUs: give one or the other")
-        from .batching import check_capacity, check_positive
+        from ..checks import check_capacity, check_positive
 
         capacity_tokens = check_capacity(capacity_tokens)  # either path, before any load
         if image_tokens is not None:
@@ -32,30 +32,23 @@ class Backend:
         self.cpu = cpu
         self.resize = "host" if cpu else "gpu"  # who resizes the images this backend is given
         self.graphs_ready: list[int] = []  # budgets (patches) whose CUDA graphs every replica captured at load
-        self.host_buffer = self.upload = None  # for the prepare threads (batching.preparer): where they decode, and
-        # what they hand on: with one GPU they upload each image themselves (engine/uploads.py)
         if cpu:
-            from . import reference
+            from .. import reference
 
             self._tower = reference.Tower(binding)
             self._bf16 = ml_dtypes.bfloat16
             self.lanes = 1
             self.name = "cpu (float32 reference)"
         else:
-            from . import gpu
+            from .. import gpu
 
             gpu.require()
             import cupy
 
-            from .engine.blocks import HOST
-            from .engine.replicas import Replicas
+            from ..engine.pools import HOST
+            from ..engine.replicas import Replicas
 
             self._engine = Replicas(binding, devices or [cupy.cuda.Device().id], capacity_tokens=capacity_tokens)
-            if len(self._engine) == 1:
-                self.upload = self._engine.models[0].uploads
-                self.host_buffer = self.upload.buffer
-            else:  # which GPU an image goes to is known once it is packed: page-locked blocks, uploaded from there
-                self.host_buffer = HOST.array
             self.lanes = len(self._engine)
             self.name = "gpu " + ",".join(map(str, self._engine.devices))
             # The embeddings come back through page-locked blocks (HOST.download); one per lane is locked
@@ -72,6 +65,19 @@ class Backend:
                 for model in self._engine.models:
                     self.graphs_ready = model.precapture(image_tokens)
 
+    def preparing(self, one):
+        """A host preparer's function (batching.preparer's) as the prepare threads should run it for this
+        backend: with one GPU each thread uploads its own images (engine/uploads.py); with several, which
+        GPU an image goes to is known once it is packed, so images are decoded into page-locked blocks and
+        uploaded from there; the CPU reference takes them as they are."""
+        if self.cpu:
+            return one
+        if len(self._engine) == 1:
+            return self._engine.models[0].runner.uploads.uploading(one)
+        from ..engine.pools import HOST
+
+        return lambda i, image, name=None: one(i, image, name=name, host_buffer=HOST.array)
+
     def _warm_up(self) -> None:
         """One small image through each replica, as glmvit-encode and the server send them: CUDA loads each
         kernel on its first launch and cuBLAS sets up on its first calls, which the first real batch would
@@ -87,25 +93,25 @@ class Backend:
             return
         for model in self._engine.models:
             model.encode_prepared([item])
-            model.executor.stream.synchronize()
+            model.runner.stream.synchronize()
 
     def patching(self):
         """How this tower's images become pixel rows (preprocess.Patching.of: ValueError for a tower whose
         patches are not RGB, which images cannot feed)."""
-        from .preprocess import Patching
+        from ..preprocessing.image import Patching
 
         return Patching.of(self.geometry)
 
     def encode_on(self, lane: int, items: list) -> list[np.ndarray]:
         """One batch of prepared images on replica `lane` (from any thread) -> host bf16 arrays."""
         if self.cpu:
-            from . import reference
-            from .preprocess import normalise_patchify
+            from .. import reference
+            from ..preprocessing.image import normalise_patchify
 
             patching = self.patching()
             return [reference.encode_pixels(self._tower, normalise_patchify(canvas, patching),
                                             np.array([grid], np.int64)).astype(self._bf16) for canvas, grid, _ in items]
-        from .engine.blocks import HOST
+        from ..engine.pools import HOST
 
         model = self._engine.models[lane]
         outs = model.encode_prepared(items)
@@ -117,14 +123,14 @@ class Backend:
         video, in passes of whole frame groups; frames resized where `resize` says (None: where this backend
         resizes images; the CPU reference always on the host)."""
         if self.cpu:
-            from . import reference
-            from .video import video_pixels
+            from .. import reference
+            from ..preprocessing.video import video_pixels
 
             pixels, grid = video_pixels(planned, self.patching())
             out = reference.encode_pixels(self._tower, pixels, grid).astype(self._bf16)
             tokens = np.prod(grid, axis=1) // self.geometry.merge_patches
             return np.split(out, np.cumsum(tokens)[:-1])
-        from .engine.blocks import HOST
+        from ..engine.pools import HOST
 
         model = self._engine.models[lane]
         outs = model.encode_planned_videos(planned, resize or self.resize)
@@ -187,7 +193,7 @@ class Launched:
             yield self._host
             return
         self.wait()
-        from .engine.blocks import HOST
+        from ..engine.pools import HOST
 
         done, self._done = self._done, None
         with contextlib.ExitStack() as stack:

@@ -23,16 +23,19 @@ import os
 import sys
 import time
 
-from . import feed, gpu, vllm_ec
-from .backend import Backend
-from .batching import DECODE, pack, preparer
-from .checkpoint import bind_tower
-from .encode_videos import encode_videos, video_settings
-from .errors import CheckpointError, OutputError
-from .inputs import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, device_list, expand_inputs, is_video, prepared
-from .output import Output, Writer, image_key
-from .preprocess import RESIZE, Patching
-from .video import MAX_FRAMES, MAX_VIDEO_TOKENS, MIN_VIDEO_TOKENS, TARGET_FPS
+from .. import gpu
+from ..checkpoint.bind import bind_tower
+from ..checks import DECODE, RESIZE, device_list
+from ..errors import CheckpointError, OutputError
+from ..output import Output, Writer, image_key
+from ..preprocessing.image import Patching
+from ..preprocessing.video import MAX_FRAMES, MAX_VIDEO_TOKENS, MIN_VIDEO_TOKENS, TARGET_FPS
+from ..scheduling import feed
+from ..scheduling.backend import Backend
+from ..scheduling.batching import pack, preparer
+from ..serving import vllm_ec
+from .inputs import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, expand_inputs, is_video, prepared
+from .videos import encode_videos, video_settings
 
 
 def parser() -> argparse.ArgumentParser:
@@ -241,9 +244,8 @@ def encode_all(args, todo, enc, out) -> int:
         while group := list(itertools.islice(batches, enc.lanes)):
             yield group
 
-    one = preparer(enc.geometry, args.capacity_tokens, args.min_image_tokens, args.max_image_tokens,
-                   args.max_pixels, resize=args.resize, decode=args.decode,
-                   host_buffer=enc.host_buffer if args.resize == "gpu" else None, upload=enc.upload)
+    one = enc.preparing(preparer(enc.geometry, args.capacity_tokens, args.min_image_tokens, args.max_image_tokens,
+                                 args.max_pixels, resize=args.resize, decode=args.decode))
     stream = prepared(todo, args.workers, one)
 
     def collect(group):

@@ -15,9 +15,9 @@ import threading
 import numpy as np
 from PIL import Image
 
-from .errors import ImageError
-from .files import open_regular
-from .images import ENCODED_BYTES
+from ..errors import ImageError
+from ..files import open_regular
+from .decode import ENCODED_BYTES
 
 _JPEG = b"\xff\xd8\xff"
 

@@ -18,8 +18,8 @@ The reference video processor resizes uint8 frames with torchvision's resize (BI
 the CPU runs ATen's uint8 path (aten/src/ATen/native/cpu/UpSampleKernel.cpp and its AVX2 twin, both
 integer): the same support, centres and normalisation as Pillow, but the far lobe written as
 ((a x - 5a) x + 8a) x - 4a, the weights rounded to int16 with as many fractional bits as the largest
-weight of the side allows (at most 22), and always the horizontal pass first. `aten_axis`, `aten_plan` and
-`aten_resize` are that path (the GPU runs the same plans: engine/staging.py).
+weight of the side allows (at most 22), and always the horizontal pass first. `aten_axis`, `aten_tables` and
+`aten_resize` are that path (the GPU runs the same tables: engine/staging.py).
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def pass_order() -> str | None:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ResizeTables:
     """Resizing an (height, width) image to (out_h, out_w) as Pillow (or ATen) does, as two passes or fewer.
 
     Horizontal first: the horizontal pass over input rows row0..row0 + rows (those the vertical pass
@@ -177,37 +177,37 @@ class Plan:
 
 
 @lru_cache(maxsize=256)
-def plan(height: int, width: int, out_h: int, out_w: int, vertical_first=None) -> Plan:
+def pillow_tables(height: int, width: int, out_h: int, out_w: int, vertical_first=None) -> ResizeTables:
     """vertical_first: a rule from ORDERS (default: the installed Pillow's, pass_order()). Cached: the
-    decoding threads make the plan, the thread that drives the GPU looks it up."""
+    decoding threads make the tables, the thread that drives the GPU looks them up."""
     if vertical_first is None:
         vertical_first = ORDERS[pass_order() or "horizontal first"]
     horizontal = axis(width, out_w) if out_w != width else None
     vertical = axis(height, out_h) if out_h != height else None
     both = horizontal is not None and vertical is not None
-    return _plan((height, width), (out_h, out_w), horizontal, vertical, both and vertical_first(height, width, out_h,
+    return _tables((height, width), (out_h, out_w), horizontal, vertical, both and vertical_first(height, width, out_h,
                                                                                                out_w))
 
 
 @lru_cache(maxsize=256)
-def aten_plan(height: int, width: int, out_h: int, out_w: int) -> Plan:
-    """ATen's uint8 antialiased BICUBIC as a Plan: its weights, the horizontal pass first. Cached: a video's
+def aten_tables(height: int, width: int, out_h: int, out_w: int) -> ResizeTables:
+    """ATen's uint8 antialiased BICUBIC as ResizeTables: its weights, the horizontal pass first. Cached: a video's
     frames share one."""
     horizontal = aten_axis(width, out_w) if out_w != width else None
     vertical = aten_axis(height, out_h) if out_h != height else None
-    return _plan((height, width), (out_h, out_w), horizontal, vertical, False)
+    return _tables((height, width), (out_h, out_w), horizontal, vertical, False)
 
 
-def _plan(size, out, horizontal, vertical, vertical_first: bool) -> Plan:
-    """The Plan of these passes; horizontal first, the horizontal pass covers only the rows the vertical
+def _tables(size, out, horizontal, vertical, vertical_first: bool) -> ResizeTables:
+    """The ResizeTables of these passes; horizontal first, the horizontal pass covers only the rows the vertical
     pass reads (the others cannot change a byte of the output)."""
     if vertical_first or horizontal is None or vertical is None:
-        return Plan(size, out, horizontal, vertical, vertical_first, 0, size[0])
+        return ResizeTables(size, out, horizontal, vertical, vertical_first, 0, size[0])
     row0 = int(vertical.first[0])
     rows = int(vertical.first[-1] + vertical.count[-1]) - row0
     if row0:
         vertical = replace(vertical, first=vertical.first - np.int32(row0))
-    return Plan(size, out, horizontal, vertical, False, row0, rows)
+    return ResizeTables(size, out, horizontal, vertical, False, row0, rows)
 
 
 def _apply(src: np.ndarray, ax: Axis, along: int) -> np.ndarray:
@@ -226,7 +226,7 @@ def _apply(src: np.ndarray, ax: Axis, along: int) -> np.ndarray:
     return np.clip(acc >> ax.precision, 0, 255).astype(np.uint8)
 
 
-def _run(rgb: np.ndarray, p: Plan) -> np.ndarray:
+def _run(rgb: np.ndarray, p: ResizeTables) -> np.ndarray:
     x = rgb
     if p.vertical_first:
         x = _apply(_apply(rgb, p.vertical, 0), p.horizontal, 1)
@@ -240,12 +240,12 @@ def _run(rgb: np.ndarray, p: Plan) -> np.ndarray:
 
 def resize(rgb: np.ndarray, out_h: int, out_w: int, vertical_first=None) -> np.ndarray:
     """uint8 [H, W, C] -> uint8 [out_h, out_w, C], equal to Pillow's BICUBIC resize, in NumPy integers
-    (vertical_first: as for plan)."""
-    return _run(rgb, plan(rgb.shape[0], rgb.shape[1], out_h, out_w, vertical_first))
+    (vertical_first: as for pillow_tables)."""
+    return _run(rgb, pillow_tables(rgb.shape[0], rgb.shape[1], out_h, out_w, vertical_first))
 
 
 def aten_resize(rgb: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
     """uint8 [H, W, C] -> uint8 [out_h, out_w, C] as ATen's uint8 BICUBIC antialias resize (torchvision's
     resize of a uint8 tensor on the CPU): the horizontal pass first, each pass skipped where its side keeps
     its size, an 8-bit result after each."""
-    return _run(rgb, aten_plan(rgb.shape[0], rgb.shape[1], out_h, out_w))
+    return _run(rgb, aten_tables(rgb.shape[0], rgb.shape[1], out_h, out_w))

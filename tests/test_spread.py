@@ -2,7 +2,8 @@
 
 import pytest
 
-from glmvit_cupy.batching import check_devices, spread
+from glmvit_cupy.checks import check_devices
+from glmvit_cupy.scheduling.batching import spread
 
 
 def test_spread_balances_tokens_and_keeps_every_index_once():

@@ -3,14 +3,14 @@ and prepared on threads ahead of the GPU, and the --devices list parsed."""
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 
-from . import feed, vllm_ec
-from .errors import ImageError
-from .files import open_regular
-from .output import image_key
+from ..errors import ImageError
+from ..files import open_regular
+from ..output import image_key
+from ..scheduling import feed
+from ..serving import vllm_ec
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 # Containers PyAV (FFmpeg) opens; a folder's files with these names are encoded as videos.
@@ -73,11 +73,3 @@ def unreadable(path, e: OSError) -> ImageError:
                                      else f"cannot read ({e})"))
 
 
-def device_list(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        out = []
-    if not out or min(out) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give CUDA device ordinals separated by commas, e.g. 0,1")
-    return out

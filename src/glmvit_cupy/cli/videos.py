@@ -16,11 +16,13 @@ import queue
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-from . import batching, feed, vllm_ec
-from .errors import ImageError
-from .files import open_regular
+from .. import checks
+from ..errors import ImageError
+from ..files import open_regular
+from ..output import Writer, image_key
+from ..scheduling import feed
+from ..serving import vllm_ec
 from .inputs import unreadable
-from .output import Writer, image_key
 
 VIDEO_WORKERS = 4  # videos decoding at once: each decode already runs on FFmpeg's frame threads
 HASH_CHUNK = 1 << 20
@@ -44,15 +46,15 @@ def file_sha256(path) -> str:
 def planned_videos(paths, workers: int, settings: dict, patching, capacity_tokens: int, max_video_pixels):
     """(path, ((frames, grid, info), entry for the manifest) or the ImageError / ValueError it raised), as each
     is ready; at most `workers` videos' frames held at once beyond those the caller holds."""
-    from .video import plan_video
-    from .video_files import VideoFile
+    from ..preprocessing.video import plan_video
+    from ..preprocessing.video_files import VideoFile
 
     def job(i, path):
         try:
             sha = file_sha256(path)
             frames, grid, info = plan_video(VideoFile(path, max_video_pixels), i, name=path, patching=patching,
                                             **settings)
-            batching.check_frame_group(path, grid[1], grid[2], patching.merge_size, capacity_tokens)
+            checks.check_frame_group(path, grid[1], grid[2], patching.merge_size, capacity_tokens)
         except OSError as e:
             return path, unreadable(path, e)
         except (ImageError, ValueError) as e:

@@ -12,12 +12,12 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from .config import VisionGeometry, read_config
-from .errors import AbsentTower, CheckpointError, NoVisionConfig
-from .files import not_regular
+from ..config import VisionGeometry, read_config
+from ..errors import AbsentTower, CheckpointError, NoVisionConfig
+from ..files import not_regular
 from .hub import resolve
-from .layout import VISION_PREFIXES, is_vision_name, tower_layout, tower_prefixes
-from .weights import WeightStore
+from .names import VISION_PREFIXES, is_vision_name, tower_layout, tower_prefixes
+from .shards import WeightStore
 
 log = logging.getLogger("glmvit_cupy")
 
