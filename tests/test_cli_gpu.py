@@ -5,11 +5,13 @@ import json
 import os
 
 import numpy as np
+import pytest
 from PIL import Image
 from safetensors.numpy import load_file
 
 from tests.conftest import gpu_or_skip
 
+pytestmark = pytest.mark.gpu
 cupy = gpu_or_skip()
 
 from tests.golden import cases  # noqa: E402

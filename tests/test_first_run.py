@@ -197,9 +197,9 @@ def test_every_flag_has_help():
 
 # -- clear messages for wrong input ---------------------------------------------------------------
 
-def test_reference_checks_input_like_the_gpu_path():
+def test_reference_checks_input_like_the_gpu_path(rng):
     tower = reference.Tower(reference.bind_tower(TOWER))
-    pv = np.random.default_rng().standard_normal((64, 1176), dtype=np.float32)
+    pv = rng.standard_normal((64, 1176), dtype=np.float32)
     with pytest.raises(ValueError, match="each row must be one patch of 1176 values"):
         reference.encode_pixels(tower, pv[:, :1000], [[1, 8, 8]])
     with pytest.raises(ValueError, match="each row must be one patch"):

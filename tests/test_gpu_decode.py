@@ -13,8 +13,7 @@ from glmvit_cupy.preprocessing.gpu_decode import components
 
 @pytest.mark.parametrize("mode,kw", [("RGB", {}), ("RGB", {"progressive": True}), ("RGB", {"subsampling": 0}),
                                      ("L", {}), ("CMYK", {}), ("RGB", {"exif": b"Exif\x00\x00" + b"\x00" * 64})])
-def test_components_agree_with_pillows_mode(mode, kw):
-    rng = np.random.default_rng()
+def test_components_agree_with_pillows_mode(mode, kw, rng):
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (37, 53, 3), dtype=np.uint8)).convert(mode).save(buf, "JPEG", **kw)
     data = buf.getvalue()

@@ -5,6 +5,7 @@ import pytest
 
 from tests.conftest import gpu_or_skip
 
+pytestmark = pytest.mark.gpu
 cupy = gpu_or_skip()
 
 from glmvit_cupy import GlmVit  # noqa: E402

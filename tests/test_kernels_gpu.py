@@ -6,8 +6,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.conftest import gpu_or_skip
+from tests.conftest import gpu_or_skip, module_rng
 
+pytestmark = pytest.mark.gpu
 cupy = gpu_or_skip()
 
 from glmvit_cupy import KernelError  # noqa: E402
@@ -17,7 +18,7 @@ from glmvit_cupy.engine.gemm import gemm  # noqa: E402
 from glmvit_cupy.engine.kernels import kernel  # noqa: E402
 
 BF = ml_dtypes.bfloat16
-rng = np.random.default_rng()  # fresh inputs every run
+rng = module_rng(__name__)  # fresh inputs every run, seeded per test (conftest)
 SM90 = cupy.cuda.Device().compute_capability == "90"
 
 

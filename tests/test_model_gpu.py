@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import gpu_or_skip
 
+pytestmark = pytest.mark.gpu
 cupy = gpu_or_skip()
 
 from tests import hf_bar  # noqa: E402
@@ -136,14 +137,13 @@ def test_encode_images_equals_pixels(small):
     assert np.array_equal(np.concatenate([f32(o) for o in outs]), whole)
 
 
-def test_encode_resizes_on_the_gpu_as_preprocess_does(small, tmp_path):
+def test_encode_resizes_on_the_gpu_as_preprocess_does(small, tmp_path, rng):
     """encode(images) (GPU resize, the default; and host resize) equals encode_pixels(*preprocess(images))
     bit for bit: a photo, a PNG with alpha, a 1-pixel-high strip, a tall strip, an array, a PIL image."""
     from PIL import Image
 
     from glmvit_cupy.preprocessing.image import preprocess
 
-    rng = np.random.default_rng()
     png = tmp_path / "alpha.png"
     Image.fromarray(rng.integers(0, 256, (90, 130, 4), dtype=np.uint8), "RGBA").save(png)
     exact = tmp_path / "canvas.png"  # 112 x 140: its own canvas at >= 20 tokens (no resize, no pad)
@@ -165,7 +165,7 @@ SPIN = r"""extern "C" __global__ void spin(long long cycles) {
 }"""
 
 
-def test_embeddings_download_through_a_page_locked_block_exactly():
+def test_embeddings_download_through_a_page_locked_block_exactly(rng):
     """PinnedBlocks.download (how glmvit-encode, the server and Ray bring embeddings back): arrays of several
     sizes, including slices of one output, equal their own get() bit for bit, though written late on another
     stream that the current stream was made to wait for; the block (poisoned first) is not shared."""
@@ -175,7 +175,6 @@ def test_embeddings_download_through_a_page_locked_block_exactly():
     poison = pool.take(64 << 20)
     np.frombuffer(poison.mem, np.uint8, poison.size)[:] = 0xFF
     pool.give(poison)
-    rng = np.random.default_rng()
     side = cupy.cuda.Stream(non_blocking=True)
     whole = cupy.asarray(rng.standard_normal((3001, 4096), dtype=np.float32).astype(ml_dtypes.bfloat16))
     scaled = cupy.empty_like(whole)
@@ -227,7 +226,7 @@ def test_lent_page_locked_blocks_come_back_only_when_idle():
     assert pool.take(block.size) is block
 
 
-def test_images_uploaded_by_their_decoding_threads_come_back_only_when_idle(small, tmp_path):
+def test_images_uploaded_by_their_decoding_threads_come_back_only_when_idle(small, tmp_path, rng):
     """The prepare threads' device uploads: every image (JPEG decoded into the thread's buffer, PNG pasted
     there, a caller's array) arrives exactly; the thread's buffer is reused at once (the next image
     overwrites it); a block comes back when its image is garbage and is taken again only once the stream
@@ -239,7 +238,6 @@ def test_images_uploaded_by_their_decoding_threads_come_back_only_when_idle(smal
     from glmvit_cupy.engine.uploads import Uploaded, Uploader
     from glmvit_cupy.preprocessing.decode import load, rgb_pixels
 
-    rng = np.random.default_rng()
     up = Uploader(cupy.cuda.Device())
     want, got = [], []
     for i, (h, w) in enumerate([(333, 500), (120, 900), (64, 64), (700, 9)]):
@@ -268,7 +266,7 @@ def test_images_uploaded_by_their_decoding_threads_come_back_only_when_idle(smal
     assert up.blocks.take(block.size) is block
 
 
-def test_prepared_images_encode_alike_twice(small, tmp_path):
+def test_prepared_images_encode_alike_twice(small, tmp_path, rng):
     """Prepared items that a caller keeps (their pixels in lent page-locked blocks) encode to the same bits
     again, as encode(images) does, and as the same pixels in ordinary memory do."""
     from PIL import Image
@@ -276,7 +274,6 @@ def test_prepared_images_encode_alike_twice(small, tmp_path):
     from glmvit_cupy.engine.pools import HOST
     from glmvit_cupy.scheduling import batching, feed
 
-    rng = np.random.default_rng()
     paths = []
     for i, (h, w) in enumerate([(333, 500), (120, 900), (64, 64)]):
         paths.append(str(tmp_path / f"{i}.jpg"))
@@ -594,7 +591,7 @@ def test_plan_cache_evicts_the_least_recently_used(official):
     assert plan.uses == 2 and plan.graph is not None  # rebuilt after eviction, captured anew
 
 
-def test_any_mix_of_shapes_replays_its_budgets_graph_bit_for_bit(official):
+def test_any_mix_of_shapes_replays_its_budgets_graph_bit_for_bit(official, rng):
     """Random mixes of image shapes, batched: each image's embedding equals its own eager encode (no graph,
     alone, in its own smaller budget) bit for bit, across budgets; the arena's pixel rows are poisoned
     (bf16 NaN) before every call, so a padded row that leaked into a real one would show. A mix whose
@@ -604,7 +601,6 @@ def test_any_mix_of_shapes_replays_its_budgets_graph_bit_for_bit(official):
     captures = []
     real = model.runner._capture
     model.runner._capture = lambda plan: (captures.append(plan.patches), real(plan))
-    rng = np.random.default_rng()
     mixes = [[[1, 2 * int(rng.integers(1, 24)), 2 * int(rng.integers(1, 24))] for _ in range(int(rng.integers(1, 6)))]
              for _ in range(12)]
     mixes += [[[1, 16, 16], [1, 16, 16]], [[1, 8, 16], [1, 8, 16], [1, 16, 16]]]  # one key: 512 patches
@@ -632,7 +628,7 @@ def test_any_mix_of_shapes_replays_its_budgets_graph_bit_for_bit(official):
     assert len(budgets) > 3
 
 
-def test_a_plans_meta_is_uploaded_only_when_the_grid_changes(official, monkeypatch):
+def test_a_plans_meta_is_uploaded_only_when_the_grid_changes(official, monkeypatch, rng):
     """Two grids of one plan (same budget, variant and tiles), called A A B A B B: the meta is uploaded on
     the first call and on each change of grid only, and every output equals the eager model's (a skipped
     upload that left the other grid's segments in place would not)."""
@@ -645,7 +641,6 @@ def test_a_plans_meta_is_uploaded_only_when_the_grid_changes(official, monkeypat
     uploads = []
     real = plans_module.HOST.upload
     monkeypatch.setattr(plans_module.HOST, "upload", lambda src, dst: (uploads.append(dst), real(src, dst)))
-    rng = np.random.default_rng()
     model.encode_pixels(rng.standard_normal((512, 1176), dtype=np.float32), [[1, 32, 16]])  # another plan first
     uploads.clear()
     for grid in (a, a, b, a, b, b):
@@ -656,14 +651,13 @@ def test_a_plans_meta_is_uploaded_only_when_the_grid_changes(official, monkeypat
     assert eager.runner.plans.find(np.array(a)).meta.data.ptr != plan.meta.data.ptr
 
 
-def test_a_large_budget_runs_eagerly_first_then_captures(official):
+def test_a_large_budget_runs_eagerly_first_then_captures(official, rng):
     """From runner.CAPTURE_ON_SECOND_CALL patches a budget's first call runs kernel by kernel, its second
     captures and replays, and a third call replays: all bit-equal to an eager model's (fresh pixels each time)."""
     from glmvit_cupy.engine.runner import CAPTURE_ON_SECOND_CALL
 
     binding, model, _ = official
     eager = GlmVit(binding, capacity_tokens=8000, graphs=False)
-    rng = np.random.default_rng()
     grids = [[[1, 100, 100], [1, 80, 90]], [[1, 80, 90], [1, 100, 100]], [[1, 100, 100], [1, 80, 90]]]  # one key
     plan = None
     for k, grid in enumerate(grids):
@@ -676,7 +670,7 @@ def test_a_large_budget_runs_eagerly_first_then_captures(official):
         assert np.array_equal(got, f32(eager.encode_pixels(pv, grid)))
 
 
-def test_precaptured_graphs_replay_full_passes_on_their_first_call(official):
+def test_precaptured_graphs_replay_full_passes_on_their_first_call(official, rng):
     """GlmVit.precapture(1024) captures the graphs of the budgets that passes packed full of <= 1,024-token
     images land in; such passes then replay on their first call (nothing captured, nothing eager), bit-equal
     to an eager model's, with the arena's pixel rows poisoned first. Bad limits are refused; with graphs off
@@ -692,7 +686,6 @@ def test_precaptured_graphs_replay_full_passes_on_their_first_call(official):
     captures = []
     real = model.runner._capture
     model.runner._capture = lambda plan: (captures.append(plan.patches), real(plan))
-    rng = np.random.default_rng()
     try:
         for grid in ([[1, 64, 64]] * 6 + [[1, 60, 60]],  # 28,176 patches: budget 28,672
                      [[1, 64, 64]] * 3 + [[1, 62, 66]] + [[1, 64, 64]] * 3 + [[1, 56, 56]]):  # 31,820: 32,000
@@ -760,7 +753,7 @@ def test_a_model_on_another_gpu_joins_its_videos_there(small):
         assert got.device.id == 1 and np.array_equal(f32(got), want), resize
 
 
-def test_input_kinds_in_any_order_each_stage_their_own_pixels(small, monkeypatch):
+def test_input_kinds_in_any_order_each_stage_their_own_pixels(small, monkeypatch, rng):
     """float32 pixels are cast by the forward's first kernel (inside the graph) when the arena's flag says
     so; bf16 pixels and encode(images) write bf16 rows and clear it. Any order of kinds, fresh inputs each
     call, replayed graphs: every output equals an eager model's from NumPy float32, and the flag is written
@@ -773,7 +766,6 @@ def test_input_kinds_in_any_order_each_stage_their_own_pixels(small, monkeypatch
     flag = small.arena()["pixels_cast"].data.ptr
     monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync",
                         lambda *a: (writes.append(a[1]) if a[0] == flag else None, real(*a)))
-    rng = np.random.default_rng()
     kinds = ["numpy", "numpy", "image", "image", "cupy", "bf16", "float64", "image", "strided", "cupy"]
     want_writes, held = [], small._pixels_cast
     for kind in kinds:
@@ -956,14 +948,13 @@ ODD_GRIDS = {1: [[1, 5, 7], [2, 3, 4], [1, 11, 9]],    # segments of 35, 12 (x2 
 
 
 @pytest.mark.parametrize("name", ODD_GEOMETRIES)
-def test_other_geometries_vs_reference(name, tmp_path):
+def test_other_geometries_vs_reference(name, tmp_path, rng):
     """Geometries other than the official one (other head dims, widths no kernel's vector width divides, other
     patch shapes, other merge sizes) run every kernel's general path: each as close to the float32 reference
     as the official tower, batched bit-equal to alone, and the replayed graph bit-equal to eager."""
     geo = ODD_GEOMETRIES[name]
     binding = bind_tower(write_checkpoint(tmp_path / name, geo, seed=7))
     tower = reference.Tower(binding)
-    rng = np.random.default_rng()
     grids, mm = ODD_GRIDS[geo.spatial_merge_size], geo.merge_patches
     rows = [t * h * w for t, h, w in grids]
     pv = rng.standard_normal((sum(rows), geo.patch_dim), dtype=np.float32)

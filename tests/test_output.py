@@ -10,9 +10,10 @@ import pytest
 
 from glmvit_cupy.errors import OutputError
 from glmvit_cupy.output import MANIFEST, Output, read_embeddings
+from tests.conftest import module_rng
 
 SETTINGS = {"checkpoint": "/models/x", "min_image_tokens": 16, "max_image_tokens": 1024}
-rng = np.random.default_rng()
+rng = module_rng(__name__)  # fresh inputs every run, seeded per test (conftest)
 
 
 def batch(keys):

@@ -84,7 +84,7 @@ def test_no_page_locked_memory_left_gives_ordinary_memory():
     assert a.shape == (10, 20, 4) and pool.lent(a[..., :3]) is None
 
 
-def test_upload_goes_through_a_block_and_keeps_it_until_the_copy_has_run(monkeypatch):
+def test_upload_goes_through_a_block_and_keeps_it_until_the_copy_has_run(monkeypatch, rng):
     """upload(src, dst): src copied into a pool block (a strided source gathered), one asynchronous copy of
     its bytes to dst on the current stream, and the block back in the pool, busy until that copy's event."""
     import sys
@@ -96,7 +96,7 @@ def test_upload_goes_through_a_block_and_keeps_it_until_the_copy_has_run(monkeyp
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream, runtime=runtime))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     pool = PinnedBlocks(alloc=Fake)
-    src = np.random.default_rng().integers(-2**31, 2**31, (50, 6), dtype=np.int64).astype(np.int32)[:, ::2]
+    src = rng.integers(-2**31, 2**31, (50, 6), dtype=np.int64).astype(np.int32)[:, ::2]
     pool.upload(src, 0xD57)
     assert copies == [(0xD57, Mem.ptr, src.nbytes, 1, 7)]
     (block,) = pool._free
@@ -123,7 +123,7 @@ def test_a_block_lent_with_an_object_comes_back_when_it_is_garbage_and_idle():
     assert pool.take(GRAIN) is block
 
 
-def test_download_copies_through_one_block_and_returns_ordinary_arrays(monkeypatch):
+def test_download_copies_through_one_block_and_returns_ordinary_arrays(monkeypatch, rng):
     """download(arrays): one asynchronous device-to-host copy per array into a pool block (offsets aligned to
     256 bytes), one wait, then copies in ordinary memory (not views of the block, which goes back to the pool
     and is reused); downloaded(arrays): views of the block instead, which comes back when the `with` ends,
@@ -135,7 +135,6 @@ def test_download_copies_through_one_block_and_returns_ordinary_arrays(monkeypat
     import ml_dtypes
     import pytest
 
-    rng = np.random.default_rng()
     device = {0x1000: rng.standard_normal((7, 33)).astype(ml_dtypes.bfloat16),
               0x2000: rng.standard_normal(5).astype(np.float32)}
     made, copies, waits = [], [], []

@@ -97,8 +97,7 @@ def test_undecodable_and_truncated(tmp_path, zoo):
         preprocess([zoo["rgb_28x28"], io.BytesIO(b"not an image")])
 
 
-def test_every_bytes_like_holding_a_file_is_that_file():
-    rng = np.random.default_rng()
+def test_every_bytes_like_holding_a_file_is_that_file(rng):
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (61, 47, 3), dtype=np.uint8)).save(buf, "PNG")
     data = buf.getvalue()
@@ -305,13 +304,12 @@ def test_the_gpu_paths_input_is_the_reference_image(zoo, name):
     assert grid == grid_h and np.array_equal(out, canvas)
 
 
-def test_four_channels_finds_the_4_byte_buffer_under_an_rgb_view():
+def test_four_channels_finds_the_4_byte_buffer_under_an_rgb_view(rng):
     """What the uploads copy in one piece: [H, W, :3] views of contiguous memory starting where the view starts
     (an exact [H, W, 4] buffer, or the front of a larger one, as a decoding thread's reused buffer is), and
     nothing else."""
     from glmvit_cupy.preprocessing.decode import four_channels
 
-    rng = np.random.default_rng()
     exact = rng.integers(0, 256, (5, 7, 4), dtype=np.uint8)
     got = four_channels(exact[..., :3])
     assert got is not None and got.shape == (5, 7, 4) and np.shares_memory(got, exact)
@@ -354,7 +352,7 @@ def test_an_image_path_that_is_a_fifo_or_device_is_refused_by_what_it_is(tmp_pat
 
 
 @pytest.mark.parametrize("patch,merge,frames", [(14, 2, 2), (16, 3, 1), (8, 1, 3), (6, 4, 2)])
-def test_other_patchings_put_each_patch_where_its_position_says(patch, merge, frames):
+def test_other_patchings_put_each_patch_where_its_position_says(patch, merge, frames, rng):
     """A tower of another patch size, merge or frame count (Patching) gets rows of 3 x frames x patch^2
     values, patch i of a frame at the (h, w) that merge-block order gives it: written out here from the
     position alone and the rescale + normalise table, on a random canvas-sized image (no resize)."""
@@ -362,7 +360,7 @@ def test_other_patchings_put_each_patch_where_its_position_says(patch, merge, fr
 
     pt = Patching(patch, merge, frames)
     th, tw = 3, 5  # tokens down and across
-    rgb = np.random.default_rng().integers(0, 256, (th * pt.factor, tw * pt.factor, 3), dtype=np.uint8)
+    rgb = rng.integers(0, 256, (th * pt.factor, tw * pt.factor, 3), dtype=np.uint8)
     pv, grid = preprocess([rgb], min_image_tokens=0, max_image_tokens=th * tw, patching=pt)
     assert grid.tolist() == [[1, th * merge, tw * merge]] and pv.shape == (th * tw * merge**2, 3 * frames * patch**2)
     table = value_table()

@@ -61,7 +61,7 @@ LIVE_GRIDS = {1: [[1, 5, 7], [2, 3, 4]], 2: [[1, 6, 8], [2, 4, 4]], 3: [[1, 6, 9
 
 
 @pytest.mark.parametrize("merge", sorted(LIVE_GRIDS))
-def test_reference_matches_live_hf_on_fresh_weights(tmp_path, merge):
+def test_reference_matches_live_hf_on_fresh_weights(tmp_path, merge, rng):
     """Not the golden file alone: HF transformers 5.23.0's float32 forward, run here on the CPU, on weights
     and pixels drawn afresh (where torch and transformers 5.23.0 are installed: the GPU machine's check),
     for the released 2 x 2 merge and for others the config may declare."""
@@ -72,7 +72,7 @@ def test_reference_matches_live_hf_on_fresh_weights(tmp_path, merge):
         pytest.skip(f"needs HF transformers 5.23.0 and torch: {why}")
     from glmvit_cupy.checkpoint.synthetic import write_checkpoint
 
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = int(rng.integers(1 << 30))
     geo = dataclasses.replace(cases.GEOMETRY, spatial_merge_size=merge)
     binding = reference.bind_tower(write_checkpoint(tmp_path / "ckpt", geo, seed=seed))
     rng = np.random.default_rng(seed)
@@ -86,7 +86,7 @@ def test_reference_matches_live_hf_on_fresh_weights(tmp_path, merge):
 
 
 @pytest.mark.parametrize("merge", [1, 2, 3])
-def test_downsample_is_the_conv2d_over_each_frame(tmp_path, merge):
+def test_downsample_is_the_conv2d_over_each_frame(tmp_path, merge, rng):
     """The merger's downsample equals a Conv2d of kernel and stride m, written out as loops over the
     frame's (h, w) layout (the rows put there by their positions), for every merge size."""
     from glmvit_cupy.checkpoint.synthetic import write_checkpoint
@@ -94,7 +94,6 @@ def test_downsample_is_the_conv2d_over_each_frame(tmp_path, merge):
     geo = dataclasses.replace(cases.GEOMETRY, spatial_merge_size=merge, depth=1)
     tower = reference.Tower(reference.bind_tower(write_checkpoint(tmp_path / "ckpt", geo, seed=3)))
     t, h, w = 1, 3 * merge, 2 * merge
-    rng = np.random.default_rng()
     x = rng.standard_normal((h * w, geo.hidden_size), dtype=np.float32)
     frame = np.zeros((h, w, geo.hidden_size), np.float32)
     for row, (ph, pw) in zip(x, reference.position_ids([(t, h, w)], merge)):
@@ -106,9 +105,8 @@ def test_downsample_is_the_conv2d_over_each_frame(tmp_path, merge):
     assert got.shape == want.shape and rel(got, want) < 1e-5
 
 
-def test_sub_layers_against_closed_forms():
+def test_sub_layers_against_closed_forms(rng):
     """Properties the reference's pieces must have, independent of any recorded output."""
-    rng = np.random.default_rng()
     # Equal keys: attention averages the values of its segment only.
     q = rng.standard_normal((7, 2, 8))
     k = np.repeat(rng.standard_normal((1, 2, 8)), 7, axis=0)

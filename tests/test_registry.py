@@ -121,11 +121,11 @@ def test_fixed_offset_variants_only_where_the_output_stays_a_float():
     assert check_variant("sm90_4wg", 64, "90", score, math.inf, keys).name == "sm90_4wg"  # online: any |v|
 
 
-def test_value_bound_holds_and_is_reached():
+def test_value_bound_holds_and_is_reached(rng):
     """|v| = |norm1(x) @ W_v.T + b_v| stays under value_bound_log2 for random x, and x along the row of
     W_v * w_norm1 that gives the bound (on its bias's side) comes within its 2% margin; a NaN weight
     gives no bound, zero weights -inf."""
-    rng, h = np.random.default_rng(), 96
+    h = 96
     w = rng.uniform(-3.0, 3.0, h)
     wv, bv = rng.standard_normal((40, h)) * 0.1, rng.standard_normal(40)
     bound = value_bound_log2(w, wv, bv)
@@ -144,11 +144,11 @@ def test_value_bound_holds_and_is_reached():
     assert value_bound_log2(w, np.zeros_like(wv), np.zeros_like(bv)) == -math.inf
 
 
-def test_score_bound_holds_and_is_reached():
+def test_score_bound_holds_and_is_reached(rng):
     """The bound from the norm weights alone (RMSNorm, then a rotation of pairs, then q . k / sqrt(D)
     in log2 units): random q and k stay under it, and the extreme case (all of x on the coordinate
     with the largest weight, the same for q and k, the same rotation) comes within its 1% margin."""
-    rng, d, j = np.random.default_rng(), 64, 5
+    d, j = 64, 5
     wq, wk = rng.uniform(-2.0, 2.0, d), rng.uniform(-2.0, 2.0, d)
     wq[j], wk[j] = -2.5, 2.5  # both largest |w| on one coordinate: the extreme case below reaches the bound
     bound = score_bound_log2(np.abs(wq).max(), np.abs(wk).max(), d)
@@ -211,13 +211,12 @@ def test_budgets_hold_their_batch_with_at_most_a_quarter_padding():
             assert n <= tile_count(n, b, rows) <= max(8, 1.25 * n, standard_tiles(b, rows))
 
 
-def test_batches_of_large_frames_share_their_budgets_standard_tile_count():
+def test_batches_of_large_frames_share_their_budgets_standard_tile_count(rng):
     """Random batches whose frames average >= 1,024 patches, in any budget and tile size: their tile count
     is the budget's standard one (so one graph per budget and variant serves them, capturable ahead);
     many small frames go past it; idle tiles stay few for large frames."""
     from glmvit_cupy.engine.budgets import budget, standard_tiles, tile_count
 
-    rng = np.random.default_rng()
     past = 0
     for _ in range(3000):
         rows = int(rng.choice([64, 128, 192]))
@@ -237,7 +236,7 @@ def test_batches_of_large_frames_share_their_budgets_standard_tile_count():
     assert tile_count(7 * 22, budget(7 * 4096, 32000), 192) == standard_tiles(28672, 192) == 192
 
 
-def test_full_pass_budgets_are_those_a_packed_pass_lands_in():
+def test_full_pass_budgets_are_those_a_packed_pass_lands_in(rng):
     """Random streams of images of up to M patches, packed to capacity (batching.pack): every closed pass
     (all but the last) of >= `smallest` patches lands in one of full_pass_budgets, and each of those is hit."""
     from glmvit_cupy.engine.budgets import all_budgets, budget, full_pass_budgets
@@ -249,7 +248,6 @@ def test_full_pass_budgets_are_those_a_packed_pass_lands_in():
     assert full_pass_budgets(32000, 512, 16384) == [32000] and full_pass_budgets(8000, 4000, 16384) == []
     with pytest.raises(ValueError, match="a forward holds 1 to 32000"):
         full_pass_budgets(32000, 32004, 16384)
-    rng = np.random.default_rng()
     for cap, m in ((32000, 4096), (32000, 32000), (31744, 2048), (20000, 6000)):
         want, hit = set(full_pass_budgets(cap, m, 16384)), set()
         # At least 40 streams, then on until each wanted budget was hit: 28,672 at M = 4,096 first shows in
@@ -311,13 +309,12 @@ def test_positions_follow_the_merge_block_order(merge):
     assert np.array_equal(reference.position_ids(grid, merge), want)
 
 
-def test_budget_tiles_cover_each_real_row_once_and_no_padded_row():
+def test_budget_tiles_cover_each_real_row_once_and_no_padded_row(rng):
     """For random batches (frames, odd sizes, many small images): within its budget, the non-idle tiles
     cover every real row exactly once, inside the row's own segment, and no padded row; the tile count
     holds the real tiles."""
     from glmvit_cupy.engine.budgets import budget, meta_offsets, meta, tile_count
 
-    rng = np.random.default_rng()
     for _ in range(200):
         mg = int(rng.integers(1, 4))  # the tower's spatial_merge_size
         grid = [[int(rng.integers(1, 3)), mg * int(rng.integers(1, 30)), mg * int(rng.integers(1, 30))]

@@ -10,8 +10,9 @@ from PIL import Image
 from glmvit_cupy.preprocessing import resample
 from glmvit_cupy.preprocessing.image import content_size, smart_resize
 from glmvit_cupy.scheduling import feed
+from tests.conftest import module_rng
 
-rng = np.random.default_rng()
+rng = module_rng(__name__)  # fresh inputs every run, seeded per test (conftest)
 PHOTO = os.path.join(os.path.dirname(__file__), "..", "examples", "grace_hopper.jpg")
 
 

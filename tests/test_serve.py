@@ -130,13 +130,12 @@ def test_bad_requests(server, body, kind, status, says, index):
     assert got == status and says in err["error"] and err["index"] == index, err
 
 
-def test_base64_as_clients_send_it_and_null_limits(server, tower):
+def test_base64_as_clients_send_it_and_null_limits(server, tower, rng):
     """Wrapped lines (the base64 tool's 76 columns), the URL-safe alphabet and a data URL are the same
     image; a limit given as null is its default."""
     from glmvit_cupy.client import _bf16_tensors as load, _metadata
 
     client, _ = server
-    rng = np.random.default_rng()
     data = png(90, 70, int(rng.integers(1000)))
     while b"+" not in base64.b64encode(data):
         data = png(90, 70, int(rng.integers(1000)))  # one whose base64 has '+' (so URL-safe differs)

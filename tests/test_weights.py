@@ -176,14 +176,13 @@ def test_store_is_a_context_manager_and_counts_its_tensors(tmp_path):
     assert not st._maps and view.tolist() == [7.0, 8.0]  # closing drops the maps; views handed out live on
 
 
-def test_mangled_shards_are_detected_or_harmless(tmp_path):
+def test_mangled_shards_are_detected_or_harmless(tmp_path, rng):
     """300 random corruptions of a good shard (flipped header bytes, truncations). Each one either raises
     CheckpointError or, where the bytes are still a valid shard (a flip inside a name, say), is read
     exactly as the safetensors library reads it: never another exception, never a silent misread.
     Every truncation cuts tensor bytes or the header, so every one must be detected."""
     data = np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16).tobytes() + np.float32([7, 8]).tobytes()
     good = open(shard(tmp_path / "good.safetensors", ok_header(), data), "rb").read()
-    rng = np.random.default_rng()  # fresh corruptions every run
     p = tmp_path / "mangled.safetensors"
     detected = truncations = 0
     for i in range(300):

@@ -23,11 +23,10 @@ python3 -c "import cupy, numpy, ml_dtypes; print('cupy', cupy.__version__, 'nump
 rc=0
 run() { local name=$1; shift; echo "== $name: $*"; "$@" 2>&1 | tee "$OUT/$name.log"; local r=${PIPESTATUS[0]}; echo "== $name rc=$r"; [ $r -eq 0 ] || rc=1; }
 case " $what " in *" all "*|*" tests "*)
-    run test_kernels python3 -m pytest -q -rs -s tests/test_kernels_gpu.py
-    run test_model python3 -m pytest -q -rs -s tests/test_model_gpu.py
+    run test_gpu python3 -m pytest -q -rs -s -m gpu tests
     run example python3 examples/encode_image.py --save "$OUT/example_embeddings.safetensors"
     run example_video python3 examples/encode_video.py
-    run test_cpu python3 -m pytest -q -rs tests --ignore=tests/test_kernels_gpu.py --ignore=tests/test_model_gpu.py
+    run test_cpu python3 -m pytest -q -rs -m "not gpu" tests
 ;; esac
 case " $what " in *" before "*)
     [ -d .old/src ] && run bench_before bash -c "cd .old && python3 benchmarks/bench_encoder.py --no-hf"

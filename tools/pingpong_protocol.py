@@ -4,7 +4,7 @@ consumer wait returns only when its slot holds the slice it wants, that nothing 
 named barriers end balanced, over 1-7 tiles a CTA, 1-16 K slices a tile and 2-6 slots. Without the
 named barriers the model fails (a warpgroup waits on a slot two phases early: parity aliasing).
 
-    python tools/pingpong_protocol.py
+    python tools/pingpong_protocol.py        (the CPU suite runs it too: tests/test_pingpong_protocol.py)
 """
 import random
 
@@ -33,7 +33,7 @@ class Named:
             self.arrived, self.gen = 0, self.gen + 1
 
 
-def run(tiles_cta, ksteps, stages, seed, delay=True):
+def run(tiles_cta, ksteps, stages, seed, delay=True, named_barriers=True):
     rng = random.Random(seed)
     full = [MBar(1) for _ in range(stages)]
     empty = [MBar(1) for _ in range(stages)]  # one arrival stands for the 4 warps of the consumer
@@ -60,7 +60,7 @@ def run(tiles_cta, ksteps, stages, seed, delay=True):
             if (local & 1) != wg:
                 local += 1
                 continue
-            if local > 0:  # named_sync(1 + wg): arrive and wait for the generation to turn
+            if local > 0 and named_barriers:  # named_sync(1 + wg): arrive and wait for the generation to turn
                 b = named[1 + wg]
                 g = b.gen
                 b.arrive()
@@ -77,7 +77,7 @@ def run(tiles_cta, ksteps, stages, seed, delay=True):
                 if ks > 0:
                     empty[(it - 1) % stages].arrive()
                 it += 1
-            if t + 1 < tiles_cta:  # named_arrive(2 - wg): no wait
+            if t + 1 < tiles_cta and named_barriers:  # named_arrive(2 - wg): no wait
                 named[2 - wg].arrive()
             yield
             empty[(it - 1) % stages].arrive()
@@ -112,9 +112,16 @@ def run(tiles_cta, ksteps, stages, seed, delay=True):
     assert named[1].arrived == 0 and named[2].arrived == 0, "a named barrier left half-arrived"
 
 
-for tiles in range(1, 8):
-    for ksteps in (1, 2, 3, 5, 6, 7, 16):
-        for stages in (2, 3, 6):
-            for seed in range(30):
-                run(tiles, ksteps, stages, seed)
-print("ok: no wrong slice, no deadlock, barriers balanced")
+def check_all(seeds=range(30)):
+    """Every (tiles, K slices, slots) case under each seed's interleaving (AssertionError or RuntimeError
+    on the first that goes wrong)."""
+    for tiles in range(1, 8):
+        for ksteps in (1, 2, 3, 5, 6, 7, 16):
+            for stages in (2, 3, 6):
+                for seed in seeds:
+                    run(tiles, ksteps, stages, seed)
+
+
+if __name__ == "__main__":
+    check_all()
+    print("ok: no wrong slice, no deadlock, barriers balanced")
