@@ -1,4 +1,6 @@
-"""Random-weight checkpoints in GLM-5.3's exact on-disk layout, for tests and benchmarks.
+"""Random-weight checkpoints in GLM-5.3's exact on-disk layout, for tests, benchmarks and trying things.
+
+    python -m glmvit_cupy.checkpoint.synthetic DIR [--seed N]   # the official geometry, random weights
 
 The weights are scaled so the tower's activations stay in a realistic range while
 the SwiGLU clamp (swiglu_limit) fires in every block and in the merger: a test run
@@ -7,9 +9,11 @@ on these weights fails if the clamp is missing.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -125,3 +129,33 @@ def cached_checkpoint(path, geo: VisionGeometry, *, seed: int = 0) -> str:
         write_checkpoint(tmp, geo, seed=seed)
         os.replace(tmp, path)
     return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m glmvit_cupy.checkpoint.synthetic",
+        description="Write a checkpoint of GLM-5.3-Flash's vision tower with the official geometry and RANDOM "
+                    "weights (about 1 GiB of BF16, in the real layout and naming), for trying glmvit-encode, "
+                    "glmvit-serve and the Python API without downloading the model. Its embeddings mean nothing.")
+    ap.add_argument("dir", help="the folder to write (must not exist, or be empty)")
+    ap.add_argument("--seed", type=int, default=0, help="the weights' random seed (default 0)")
+    args = ap.parse_args(argv)
+    path = os.path.abspath(args.dir)
+    if os.path.exists(os.path.join(path, "config.json")):
+        print(f"{path} already holds a checkpoint; nothing written", file=sys.stderr)
+        return 0
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        print(f"{path} exists and is not an empty folder; give a new folder", file=sys.stderr)
+        return 2
+    if os.path.isdir(path):
+        os.rmdir(path)  # written under a temporary name, then renamed into place
+    print(f"!! RANDOM WEIGHTS: writing a checkpoint with the official geometry and random weights (seed "
+          f"{args.seed}) to {path}; its embeddings are not GLM-5.3-Flash's !!", file=sys.stderr)
+    cached_checkpoint(path, VisionGeometry.official(), seed=args.seed)
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    print(f"wrote {path} ({size / 2**30:.2f} GiB): use it as --checkpoint {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
