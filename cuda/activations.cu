@@ -1,18 +1,16 @@
 // Clamped SwiGLU (blocks and merger) and the element-wise epilogues: bias + bf16, the pixels' float32 -> bf16.
 //
 // Napkin math (8000 tokens = 32,000 patches; H200 HBM 4.8 TB/s). All memory-bound (a handful of FLOP
-// and one exp an output element against 6 bytes moved):
+// and one exp an output element against 6 bytes moved). Measured: python benchmarks/bench_kernels.py
+// on the H200, kernels timed back to back:
 //   swiglu_clamp_bf16, one 4,096-row chunk of the MLP (I = 4,096): reads gate|up bf16 16 KB a row,
-//     writes 8 KB: 101 MB, 21 us at HBM speed; 8 chunks x 24 blocks a forward. Measured
-//     (bench_kernels, H200): 52 us, 1.9 TB/s (40%) with a row a thread, 8-byte accesses and expf
-//     (66a180c); 43 us, 2.3 TB/s (48%) with four rows a thread, 16-byte accesses and __expf.
+//     writes 8 KB: 101 MB, 21 us at HBM speed; the unfused MLP path runs it 8 chunks x 24 blocks a
+//     forward. Four rows a thread, 16-byte accesses, __expf: 28 us, 3.7 TB/s (76%).
 //   bias_to_bf16, the merger's 8,000 x 4,096 downsample output: 6 B an element, 197 MB, 41 us.
-//     Measured: 117 us, 1.7 TB/s (35%), one element a thread; timed alone (kernel_ms,
-//     1495f37): 100.6 us one a thread, 49.9 (3.9 TB/s) four a thread.
+//     Four elements a thread: 50 us, 3.9 TB/s (81%).
 //   pixels_to_bf16, 32,000 x 1,176 float32 pixel rows (encode_pixels from float32): 226 MB, 47 us.
-//     Measured: 121 us, 1.9 TB/s (39%), one element a thread; timed alone (kernel_ms,
-//     1495f37): 105.5 us one a thread, 55.4 (4.1 TB/s) four a thread.
-//     Both are under 0.1% of a large forward; at 448² each is one of ~200 kernels (5-6 us under ncu).
+//     Four elements a thread: 57 us, 3.9 TB/s (82%).
+//     Both are under 0.1% of a large forward; at 448² each is one of ~200 kernels.
 #include "common.cuh"
 #include "swiglu.cuh"
 
@@ -111,7 +109,7 @@ extern "C" __global__ void bias_to_bf16(const float* __restrict__ y, const bf16*
 
 // The forward's first kernel, inside its CUDA graph: the call's float32 pixel rows -> bf16 (the reference
 // casts pixel_values to the weight dtype), so a float32 call needs no launch of its own between the host's
-// checks and the graph (a CuPy launch there cost ~49 us of host time at 448², the GPU idle; tools/host_share.py).
+// checks and the graph (a CuPy launch there costs ~49 us of host time at 448², the GPU idle: tools/host_share.py).
 // *cast == 0: the staging wrote bf16 rows itself (encode(images), bf16 input); nothing to do. *rows: the
 // call's real rows (the plan's last segment bound), so a budget's padding rows keep what they held. Four
 // elements a thread where x and out are aligned for it, then the last n % 4 one a thread.

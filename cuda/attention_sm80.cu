@@ -15,8 +15,9 @@
 // 4.19 TFLOP at one 32,000-patch segment, 17.2 GFLOP at 1,024 patches. Bytes: q, k, v, o 2 B x
 // 1024 a row (8 MB at 1,024 rows, 262 MB at 32,000), K/V re-read once per 64-row query tile
 // from L2. Compute-bound: mma.sync reaches about half of Hopper's wgmma rate. Measured on the
-// H200 (bench_kernels, 66a180c; one segment of 1,024 / 4,096 / 16,384 / 32,000 keys): 120 / 216 /
-// 236 / 235 TFLOP/s at head dim 64 with 4 warps; cuDNN (torch SDPA) 112 / 396 / 488 / 475.
+// H200 (python benchmarks/bench_kernels.py, kernels back to back; one segment of 1,024 / 4,096 /
+// 16,384 / 32,000 keys): 167 / 222 / 233 / 232 TFLOP/s at head dim 64 with 4 warps (sm80_d64);
+// cuDNN (torch SDPA) in the same run 300 / 466 / 492 / 471.
 #include "attention_epilogue.cuh"
 #include "attention_scheduler.cuh"
 #include "softmax.cuh"

@@ -12,20 +12,20 @@
 // per SM) cost as many clocks as the MMAs, and each SM sub-partition hides the latency of one
 // warp's softmax chain (max, shuffles, exps, sum) only with other warps' MMAs. A TMA producer needs
 // 24 registers, which leaves 112 per consumer thread for 4 warpgroups: enough for a 64 x 64 S, its
-// P fragments and O, not for 128-key tiles (those spilled). 4 warps per sub-partition instead of 3
-// gained 2-20% (docs/PERFORMANCE.md), and the exps all on MUFU then beat sending a share of them to
-// the FMA pipe by another 4-7% (its polynomial takes issue slots that the fourth warp now uses).
+// P fragments and O, not for 128-key tiles (those spill). Four warps per sub-partition hide more of
+// the softmax chain than three, and every exp stays on MUFU: FA4's polynomial on the FMA pipe for a
+// share of them would take issue slots that the fourth warp uses (docs/PERFORMANCE.md).
 //
 // Napkin math (16 heads x 64, per block): FLOP = 4 * sum(n_seg^2) * 1024, 4.19 TFLOP at one
 // 32,000-patch segment (100.7 TFLOP over the 24 blocks: 79% of the 8000-token forward). A score
 // costs 256 MMA FLOP; an SM's tensor cores do 4,096 FLOP a clock (16 scores) and its MUFU 16 ex2
 // a clock: the exp unit caps attention at the tensor rate, ~1,070 TFLOP/s at 1.98 GHz on 132 SMs,
 // and without overlap of softmax and MMA at half that. Bytes are small beside it (q, k, v, o
-// 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on the H200 (benchmarks/
-// bench_kernels.py, kernels back to back; TFLOP/s at one segment of 4,096 / 16,384 / 32,000 keys and
-// 16 segments of 1,024): without the running max (the fixed offset, where the weights bound every
-// score) 556 / 611 / 574 / 439, cuDNN (torch SDPA) in the same run 465 / 496 / 477 / 430; with it
-// (ONLINE, its last tile peeled) 462 / 496 / 476 / 375-384, SDPA beside it 465 / 489-495 / 474-475 / 428.
+// 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on the H200 (python
+// benchmarks/bench_kernels.py, kernels back to back; TFLOP/s at one segment of 4,096 / 16,384 / 32,000
+// keys and 16 segments of 1,024): without the running max (the fixed offset, where the weights bound every
+// score) 563 / 613 / 576 / 442; with it (ONLINE, its last tile peeled) 459 / 491 / 472 / 380; cuDNN
+// (torch SDPA) in the same run 466 / 492 / 471 / 430.
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "attention_sm90.cu needs sm_90a (wgmma, setmaxnreg): compile it for compute capability 9.0 only"
 #endif
@@ -148,12 +148,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
 
     // A turn is one warpgroup issuing its Q K^T; its softmax and P V follow outside the turn, while
     // the next warpgroup's Q K^T runs. (FA3's intra-warpgroup overlap, this warpgroup's previous P V
-    // issued beside its softmax, was slower here each time it was tried: docs/PERFORMANCE.md.)
+    // issued beside its softmax, is slower here: docs/PERFORMANCE.md.)
     // kvalid: the tile's keys inside the segment. Only the last tile can be partial, so with the
     // running max it is a step of its own: in the loop kvalid is the constant BNW and the masking
-    // compiles away (left to a runtime test, nvcc predicated it into 32 FSEL and their compares on
-    // every tile). Measured beside the unpeeled loop in one run: the online kernels 1-2% faster (the
-    // four-warpgroup one 462 / 496 / 476 against 455 / 489 / 471 TFLOP/s at 4k / 16k / 32k keys).
+    // compiles away (left to a runtime test, nvcc predicates it into 32 FSEL and their compares on
+    // every tile, which costs the online kernels 1-2%).
     auto step = [&](int it, int kvalid) __attribute__((always_inline)) {
         const int st = it % STAGES;
         mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
@@ -175,7 +174,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
     if constexpr (ONLINE) {
         for (int it = 0; it < ntiles - 1; ++it) step(it, BNW);
         step(ntiles - 1, s1 - (s0 + (ntiles - 1) * BNW));
-    } else {  // peeled, the fixed-offset kernels lost 1-6% (docs/PERFORMANCE.md, fourteenth session)
+    } else {  // not peeled: peeling costs the fixed-offset kernels 3-7% (docs/PERFORMANCE.md)
         for (int it = 0; it < ntiles; ++it) step(it, s1 - (s0 + it * BNW));
     }
     store_o<64>(o, acc, l0, l1, q0 + wg * 64 + warp * 16 + g, s1, ld, h * D, t);

@@ -3,10 +3,9 @@
 // such a checkpoint by name (engine/params.py) rather than serve NaN rows.
 //
 // Napkin math (the official tower, 1.05 GiB of bf16 in 273 uploaded tensors; H200 HBM 4.8 TB/s): 0.23 ms
-// of reads at HBM speed, once a load, plus a few microseconds a launch. Measured (H200, when it was added):
-// the merger's 160 MiB gate|up 65 us (2.6 TB/s); all 273 back to back 2.4 ms (launch-bound); as the load
-// runs them (launches, then one wait) 4.3 ms, beside 0.29-0.38 s for the whole load (page cache warm, no
-// GEMM tuning).
+// of reads at HBM speed, plus a few microseconds for each of the 273 launches: launch-bound, a few
+// milliseconds once a load. Measured (H200, ops.count_nonfinite timed back to back by
+// benchmarks/common.kernel_ms): the merger's 160 MiB gate|up in 65 us (2.6 TB/s).
 #include "common.cuh"
 
 // count[slot] += the values of x[0..n) whose exponent bits are all ones (inf, NaN). Grid-stride, eight

@@ -15,17 +15,18 @@
 // Two kernels share that skeleton: gemm_swiglu_sm90 (cooperative: both consumer warpgroups on one
 // 128 x 256 tile, so the tensor cores idle during its epilogue) and, further down,
 // gemm_swiglu_pingpong_sm90 (each warpgroup on its own 128 x 128 tile, one's epilogue under the
-// other's MMAs); engine/fused.py picks by K and by the waves the cooperative tiles fill.
+// other's MMAs); engine/gemm_sm90.py picks by K and by the waves the cooperative tiles fill.
 //
-// Napkin math (16 x 448² = 16,384 rows, K = 1,024, I = 4,096, per block): 275 GFLOP, ~390 us at the
-// ~700 TFLOP/s cuBLAS reaches on its gate/up GEMM, which then writes gate|up (268 MB) for a swiglu
-// pass that reads it back and writes 134 MB (~180 us at the 2.3 TB/s it reaches). Fused, the bytes are
+// Napkin math (16 x 448² = 16,384 rows, K = 1,024, I = 4,096, per block): 275 GFLOP, ~380 us at the
+// ~730 TFLOP/s cuBLAS reaches on its gate/up GEMM, which then writes gate|up (268 MB) for a swiglu
+// pass that reads it back and writes 134 MB (~110 us at the 3.7 TB/s it reaches). Fused, the bytes are
 // A 33 MB, W 16 MB (L2-resident), out 134 MB: ~40 us of HBM under the MMA. Each 128 x 256 x 64 step
-// moves 48 KB from L2 for 4.2 MFLOP. Measured (H200, same run, TFLOP/s counting gate and up):
-// 16,384 rows 652 against cuBLAS's gate/up alone 690; a 4,096-row chunk 563 against 567; the merger's
-// 2,048 x 20,480 x 4,096 725 against 712. A cp.async producer warpgroup in place of TMA: 598 / 503 /
-// 655 (docs/PERFORMANCE.md). TileWalk's order (bench_kernels, 32,000 rows): rows fastest 624,
-// columns fastest 675; the merger's shape 763 against 544 the other way round.
+// moves 48 KB from L2 for 4.2 MFLOP. Measured (python benchmarks/bench_kernels.py, H200, TFLOP/s
+// counting gate and up): at 16,384 rows the launcher's pick (ping-pong) 699, against cuBLAS's gate/up
+// GEMM alone 728 and cuBLAS + the swiglu pass 585 (1.20x end to end); the merger's 2,048 x 20,480 x
+// 4,096 (cooperative) 762, against 781 and 734. TileWalk's order (cooperative, 32,000 rows): rows
+// fastest 622, columns fastest 667; the merger's shape 761 against 540 the other way round. (A cp.async
+// producer warpgroup in place of TMA is slower: docs/PERFORMANCE.md.)
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "gemm_sm90.cu needs sm_90a (wgmma, TMA, setmaxnreg): compile it for compute capability 9.0 only"
 #endif
@@ -125,9 +126,9 @@ __device__ __forceinline__ void store_swiglu(const float* acc, const bf16* __res
 
 // Launch: 384 threads (2 consumer warpgroups + the producer's); dynamic shared memory
 // STAGES * (GS_A_TILE + GS_B_TILE) + 1024 bytes; any grid (a CTA takes tiles blockIdx.x, + gridDim.x,
-// ...). ta: A [M, K], tw: W [2I, K], boxes of 64 columns x 128 rows, 128B swizzle (ops.gate_up_swiglu
-// encodes them); K % 64 == 0, I % 128 == 0, out [M, I] contiguous; rows of A past M read as zeros and
-// are not stored. Biases may be null (the merger has none). columns_fastest: TileWalk's order.
+// ...). ta: A [M, K], tw: W [2I, K], boxes of 64 columns x 128 rows, 128B swizzle (engine/gemm_sm90.py's
+// gate_up_swiglu encodes them); K % 64 == 0, I % 128 == 0, out [M, I] contiguous; rows of A past M read
+// as zeros and are not stored. Biases may be null (the merger has none). columns_fastest: TileWalk's order.
 template <int STAGES>
 __global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant__ TmaMap ta, const __grid_constant__ TmaMap tw,
                                  const bf16* __restrict__ bg, const bf16* __restrict__ bu, bf16* __restrict__ out,
@@ -177,9 +178,10 @@ __global__ void __launch_bounds__(384, 1) gemm_swiglu_sm90(const __grid_constant
 // which the slots' phase parity also needs (a slot may not be waited on two phases ahead;
 // tools/pingpong_protocol.py models it). L2 traffic a FLOP is 4/3 of the cooperative kernel's (32 KB a
 // 2.1 MFLOP slice against 48 KB a 4.2 MFLOP one), so it wins where the epilogue is a large share of a
-// short K loop. Measured (H200, bench_kernels, TFLOP/s): K = 1,024 (the block MLP) at 4,096 / 16,384 /
-// 32,000 rows 680 / 708 / 711 against the cooperative kernel's 632 / 667 / 673 (whose mainloop alone,
-// the epilogue skipped, ran 823 / 836 / 854); the merger's K = 4,096 740 against 771. fused.py picks.
+// short K loop. Measured (python benchmarks/bench_kernels.py, H200, TFLOP/s): K = 1,024 (the block
+// MLP) at 4,096 / 16,384 / 32,000 rows 674 / 700 / 702 against the cooperative kernel's 631 / 663 / 667
+// (its better tile order); the merger's K = 4,096 at 2,048 rows 735 against 761. engine/gemm_sm90.py
+// picks.
 // A tile's W rows are two boxes of 64: gate rows 64c.. and up rows I + 64c.. (64 output columns).
 #define PP_B_TILE (128 * 128)  // bytes of a slot's 128 W rows (its A rows: GS_A_TILE, as the cooperative kernel's)
 

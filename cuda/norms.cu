@@ -4,12 +4,12 @@
 // Napkin math (32,000 patches x 1,024; H200 HBM 4.8 TB/s). Memory-bound (~4 FLOP an element):
 //   rmsnorm_residual: reads x (4 B), writes the bf16 output (2 B): 197 MB, 41 us at HBM speed; 48 a
 //     forward. x itself is never written: the biases of the GEMMs that accumulate into it arrive as
-//     one fp32 offset row (their running sum, engine/params.py), added as x is read. Writing x + bias
-//     back instead cost 4 B more an element: 84 us, 3.9 TB/s (81%) at fdfb776.
-//   rmsnorm_im2col: the same bytes, once a forward; strided stores.
-//   layernorm_gelu (8,000 x 4,096 merger rows): reads fp32 (4 B; the 16 KB row again from L1/L2 for
-//     the variance and the output), writes bf16 (2 B): 197 MB, 41 us. Measured: 152 us, 1.3 TB/s
-//     (27%); under 0.1% of a forward.
+//     one fp32 offset row (their running sum, engine/params.py), added as x is read (writing x + bias
+//     back would move 4 B more an element). Measured: 53 us, 3.7 TB/s (77%).
+//   rmsnorm_im2col: the same bytes, once a forward; strided stores. Measured: 122 us, 1.6 TB/s (34%).
+//   layernorm_gelu (8,000 x 4,096 merger rows): reads fp32 (4 B), writes bf16 (2 B): 197 MB, 41 us.
+//     Measured: 72 us, 2.7 TB/s (57%); under 0.1% of a forward.
+//   (Measured: python benchmarks/bench_kernels.py on the H200, kernels timed back to back.)
 #include "common.cuh"
 
 // x[c] + offset[c] (offset may be null: nothing added).
@@ -146,8 +146,7 @@ extern "C" __global__ void layernorm_gelu(const float* __restrict__ y, const bf1
     if ((cols & 3) == 0 && cols <= 16 * (int)blockDim.x &&
         (((size_t)y & 15) | ((size_t)out & 7) | ((size_t)w & 7) | ((size_t)b & 7)) == 0) {
         // The row in registers, up to four float4 a thread: y read once with 16-byte accesses and both
-        // passes over registers (the scalar loop below reads the row three times, 4 bytes at a time:
-        // 12.9 us for the merger's 256 x 4,096 at 448² under ncu).
+        // passes over registers (the scalar loop below reads the row three times, 4 bytes at a time).
         float4 v[4];
         float s = 0.f;
 #pragma unroll

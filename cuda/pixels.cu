@@ -3,13 +3,17 @@
 //
 // Napkin math. patchify_u8 (a 2,240 x 2,800 canvas = 32,000 patches; H200 HBM 4.8 TB/s): reads 18.8 MB
 // of uint8 (the 3 KB table from L1), writes 32,000 x 1,176 bf16 = 75 MB: 94 MB, 20 us at HBM speed;
-// memory-bound. Measured (bench_kernels, 66a180c): 214 us, 0.44 TB/s (9%: a thread per output element
-// with 64-bit index arithmetic and 2-byte stores). Once an image, beside a 2.6-300 ms forward.
-// Resize of a 12 MP photo (4,000 x 3,000) to a 1,024-token canvas (~900 x 1,100): the first pass reads
-// the 36 MB image once from HBM (its taps overlap in L1/L2) and does ~3,000 x 1,100 x 3 x 27 = 270 M
-// integer multiply-adds (~8 us of the SMs' INT32 rate); the fused second pass ~1,000 x 1,100 x 3 x 37 =
-// 120 M plus the patchify's writes. Bound: the 36 MB read, ~10 us; the PCIe upload of the same 36 MB
-// (~2 ms at 20 GB/s) is what the image costs the GPU. Measured: see bench_kernels (resize rows).
+// memory-bound. Measured (python benchmarks/bench_kernels.py, H200): 206 us, 0.46 TB/s (10%: a thread
+// per output element with 64-bit index arithmetic and 2-byte stores). Once an image, beside a 2.6-300 ms
+// forward.
+// Resize of a 12 MP photo (4,000 x 3,000) to a 1,024-token canvas (756 x 1,008, 17 taps a side): the
+// first (horizontal) pass reads the 36 MB image once from HBM (its taps overlap in L1/L2) and does
+// 3,000 x 1,008 x 3 x 17 = 154 M integer multiply-adds (~10 us of the SMs' INT32 rate); the fused
+// second pass 756 x 1,008 x 3 x 17 = 39 M plus the patchify's writes. Bound: the 36 MB read, ~8 us.
+// Measured (H200, ops.resample_pass and ops.resample_patchify timed back to back by
+// benchmarks/common.kernel_ms): 119 us and 44 us, well off both bounds (a thread per output byte, a
+// one-byte load and a weight load a tap); the PCIe upload of the same 36 MB (~2 ms at 20 GB/s) is what
+// the image costs the GPU.
 #include "common.cuh"
 
 // Output element i of the HF pixel_values layout (patches in M x M merge-block order; each row
@@ -51,9 +55,9 @@ __device__ __forceinline__ void store_frames(bf16* out, const PatchPixel& q, int
 }
 
 // canvas: uint8 [H, W, 3]; table: float32 [3, 256], table[c * 256 + v] = what rescale + normalise
-// make of value v in channel c (preprocess._value_table: the reference's own float operations), so
-// out is bit-identical to bf16 of the host's patches. out: bf16 [H/P * W/P, 3 * T * P * P]; M the merge;
-// slot as store_frames'.
+// make of value v in channel c (preprocessing/image.py's _value_table: the reference's own float
+// operations), so out is bit-identical to bf16 of the host's patches. out: bf16 [H/P * W/P,
+// 3 * T * P * P]; M the merge; slot as store_frames'.
 extern "C" __global__ void patchify_u8(const unsigned char* __restrict__ canvas, const float* __restrict__ table,
                                        bf16* __restrict__ out, int H, int W, int T, int P, int M, int slot) {
     const long n = (long)(H / P) * (W / P) * 3 * P * P;  // one frame's worth of output
@@ -65,10 +69,11 @@ extern "C" __global__ void patchify_u8(const unsigned char* __restrict__ canvas,
 
 // -- 8-bit resampling: Pillow's (src/libImaging/Resample.c) and ATen's (UpSampleKernel.cpp) -----------
 // Output position o of a pass reads count[o] source pixels from first[o] on, weighted by the int32
-// fixed-point weights[o * taps + j] with `prec` fractional bits (resample.axis: Pillow's own numbers, 22
-// bits; resample.aten_axis: ATen's uint8 antialias int16 weights, 22 bits or fewer per side). Both add
-// 2^(prec - 1), sum byte x weight in 32-bit int (their bounds keep it from overflowing) and keep bits
-// prec.. clipped to 0..255; integer sums are exact in any order, so this equals their bytes.
+// fixed-point weights[o * taps + j] with `prec` fractional bits (preprocessing/resample.py's axis:
+// Pillow's own numbers, 22 bits; its aten_axis: ATen's uint8 antialias int16 weights, 22 bits or fewer
+// per side). Both add 2^(prec - 1), sum byte x weight in 32-bit int (their bounds keep it from
+// overflowing) and keep bits prec.. clipped to 0..255; integer sums are exact in any order, so this
+// equals their bytes.
 __device__ __forceinline__ unsigned char resample_tap_sum(const unsigned char* s, long stride, int count,
                                                           const int* __restrict__ w, int prec) {
     int acc = 1 << (prec - 1);

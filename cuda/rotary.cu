@@ -4,18 +4,17 @@
 // v) + b, and attn.proj maps that b to the constant attn.proj.weight @ b, which params.py folds into the
 // norms' residual offsets in float64 with the biases.
 //
-// Napkin math (16 x 448² = 16,384 rows, 16 heads x 64; H200 HBM 4.8 TB/s): reads and writes q and k
-// (4 KB a row each way): 134 MB, 28 us at HBM speed; ~30 FLOP an element pair: memory-bound. Before
-// (q, k and v copied out, v with its bias) it moved 201 MB a block: measured 64 us in the forward
-// (3.1 TB/s), 1.54 ms of a 16 x 448² forward; with the angles' sincosf in every block's pass (four a
-// thread, 48 registers) 56 us (2.4 TB/s). Now the angles' cos and sin are computed once a forward
-// (rope_table: 256 B a row, 4 MB at 16,384 rows) and read by the 24 blocks' passes: at 32,000 rows the
-// pass went from 97 to 84 us (2.7 -> 3.1 TB/s), and the table costs 6 us once (bench_kernels, H200).
+// Napkin math (8000 tokens = 32,000 rows, 16 heads x 64; H200 HBM 4.8 TB/s): qk_norm_rope_bf16 reads
+// and writes q and k (4 KB a row each way): 262 MB, 55 us at HBM speed; ~30 FLOP an element pair:
+// memory-bound, 24 passes a forward. The angles' cos and sin are computed once a forward (rope_table:
+// 256 B a row, 8 MB) and read by every block's pass, so no pass spends registers and issue slots on
+// sincosf. Measured (python benchmarks/bench_kernels.py, H200): the pass 85 us, 3.1 TB/s (64%); the
+// table 6 us, once a forward.
 #include "common.cuh"
 
 // out: fp32 [rows, D]: (cos a_d, sin a_d) at columns 2d, 2d + 1 for the rotation pair d < D/2 of patch
 // r at pos[r] = (h, w): pairs d < D/4 turn with h at inv_freq[d], the rest with w at inv_freq[d - D/4].
-// A thread per (row, pair). The same fp32 expressions the pass computed in place before, so the same bits.
+// A thread per (row, pair).
 extern "C" __global__ void rope_table(const int* __restrict__ pos, const float* __restrict__ inv_freq,
                                       float* __restrict__ out, int rows, int D) {
     const int half = D / 2, quarter = D / 4;
@@ -36,11 +35,10 @@ extern "C" __global__ void rope_table(const int* __restrict__ pos, const float* 
 // A thread per (row, head, 4 rotation pairs): thread i of a row (heads * D / 8 threads) owns, for
 // head h = i / (D/8) and j = i % (D/8), the pairs d = 4j..4j+3 with d + D/2 of both q and k (the pair
 // rotate_half mixes: out[d] = x[d] cos a_d - x[d+D/2] sin a_d, out[d+D/2] = x[d+D/2] cos a_d + x[d] sin a_d,
-// a_d = a_{d+D/2}), so each angle is computed once for q and k, and it writes only what it read (in
-// place is safe). All loads are 8 bytes wide (the earlier warp per (row, head, part) moved 2 bytes a
-// lane and reached 0.7 TB/s). A head's D/8 threads are adjacent lanes of one warp: its sum of squares
-// is an xor-shuffle reduction among them, so D/8 must be a power of two up to 32 (D = 8, 16, 32, 64,
-// 128 or 256); other head dims take qk_norm_rope_any_bf16 below.
+// a_d = a_{d+D/2}), so each angle's (cos, sin) is read once for q and k, and it writes only what it
+// read (in place is safe). All loads are 8 bytes wide. A head's D/8 threads are adjacent lanes of one
+// warp: its sum of squares is an xor-shuffle reduction among them, so D/8 must be a power of two up to
+// 32 (D = 8, 16, 32, 64, 128 or 256); other head dims take qk_norm_rope_any_bf16 below.
 __device__ __forceinline__ void load_add4(float* out, const bf16* x, const bf16* b) {
     const float4 u = load4(x), w = load4(b);
     out[0] = u.x + w.x; out[1] = u.y + w.y; out[2] = u.z + w.z; out[3] = u.w + w.w;

@@ -3,7 +3,7 @@
 #pragma once
 
 // silu(min(g, L)) * clamp(u, -L, L). __expf and __fdividef: ex2.approx and one reciprocal instead of
-// expf's range reduction and an IEEE division, which made this memory-bound pass issue-bound (the
+// expf's range reduction and an IEEE division, which would make this memory-bound pass issue-bound (the
 // output is rounded to bf16 right after; the kernel test bounds the error against float64).
 __device__ __forceinline__ float swiglu1(float g, float u, float limit) {
     g = fminf(g, limit);

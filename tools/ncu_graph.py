@@ -1,8 +1,7 @@
 """Per kernel inside a replayed CUDA graph: one encode_pixels call of a bench_encoder case under Nsight Compute
 (`--graph-profiling node`: every node timed alone, caches as the previous node left them, the clock free),
-kernels grouped by name and grid, with their count, median and sum. What the twentieth session's 448² table
-was made with; a small forward's time is the sum of these fixed costs, which no per-launch trace sees inside
-a graph.
+kernels grouped by name and grid, with their count, median and sum. A small forward's time is the sum of
+these fixed costs, which no per-launch trace sees inside a graph.
 
     python tools/ncu_graph.py ["1 x 448x448"]      (needs ncu on PATH and access to the GPU's counters)
 """

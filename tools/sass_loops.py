@@ -3,9 +3,9 @@ module for sm_90a, cuobjdump (with nvdisasm) prints its SASS, and this lists eve
 branch) with its instruction count and the units it uses, and every named-barrier window (bar.sync to
 the next bar.arrive: the attention's turns, which the warpgroups queue on). With --ref COMMIT the same
 instance of that commit's sources is listed beside it, so a change's cost shows before device time is
-spent on it (how the persistent attention's longer turns were found: docs/PERFORMANCE.md).
+spent on it.
 
-    python tools/sass_loops.py attention_sm90 "flash_fwd_sm90<4, 4>" [--ref 3cd2d33]
+    python tools/sass_loops.py attention_sm90 "flash_fwd_sm90<4, 4>" [--ref COMMIT]
 
 Needs nvcc, and cuobjdump + nvdisasm on PATH (or CUDA_BIN): not in every CUDA install; the
 `nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels carry them (pip download, unzip, bin/).
