@@ -427,8 +427,8 @@ def test_devices_with_cpu_is_refused_before_loading(capsys):
     (["--max-video-pixels", "0"], "--max-video-pixels 0 must be at least 1"),
 ])
 def test_bad_settings_are_refused_at_start_not_per_request(capsys, flags, says):
-    """An operator's bad flag stops the server before it loads (before: --max-pixels -3 served, and every
-    request got a 422 as if the client were wrong; --port 70000 a traceback)."""
+    """An operator's bad flag stops the server before it loads, with exit code 2 and the reason (not a 422
+    on every request as if the client were wrong, not a traceback)."""
     from glmvit_cupy.serving import main as serve_main
     assert serve_main.main(["--checkpoint", TOWER, "--cpu"] + flags) == 2
     assert says in capsys.readouterr().err

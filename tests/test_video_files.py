@@ -178,8 +178,8 @@ def test_a_rotation_the_frames_cannot_take_and_a_size_change_are_refused(tmp_pat
 
 def test_damaged_files_are_refused_by_name_never_crash():
     """Truncated and byte-flipped copies of a golden clip (seeded): each decodes or is refused with an
-    ImageError (or the sampling's ValueError) naming the video; none raises anything else (before: AttributeError for a stream whose codec
-    context PyAV could not open, av's own errors from the packet scan)."""
+    ImageError (or the sampling's ValueError) naming the video; none raises anything else (not an
+    AttributeError for a stream whose codec context PyAV cannot open, not av's own errors from the scan)."""
     data = (GOLDEN / "h264_10bit_rot90.mp4").read_bytes()
     rng = np.random.default_rng(7)
     variants = [data[:int(len(data) * f)] for f in (0.9, 0.5, 0.2, 0.05)]

@@ -81,7 +81,7 @@ class Backend:
     def _warm_up(self) -> None:
         """One small image through each replica, as glmvit-encode and the server send them: CUDA loads each
         kernel on its first launch and cuBLAS sets up on its first calls, which the first real batch would
-        otherwise wait for (docs/PERFORMANCE.md, eighth session). Skipped where the geometry or the limits
+        otherwise wait for (docs/PERFORMANCE.md). Skipped where the geometry or the limits
         leave encode(images) nothing to prepare (the real images then say what is wrong)."""
         from .batching import preparer
 
