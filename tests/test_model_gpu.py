@@ -73,7 +73,7 @@ def test_scratch_is_lazy():
     m = GlmVit.from_checkpoint(cases.TOWER_DIR, capacity_tokens=64)
     assert m.runner._arena is None
     m.encode_pixels(G["img_64x64/pixel_values"], G["img_64x64/grid_thw"])
-    assert m.runner._arena is not None and m.arena() is m.runner._arena
+    assert m.runner._arena is not None and m.runner.arena() is m.runner._arena
 
 
 def test_bad_input_leaves_model_usable(small):
@@ -451,7 +451,7 @@ def test_graph_replay_equals_eager_and_reads_fresh_inputs(official):
     for _ in range(3):
         pv = rng.standard_normal((1408, 1176), dtype=np.float32)
         want = f32(eager.encode_pixels(pv, grid))
-        model.arena()["embeddings"].view(cupy.uint16).fill(0x7FC0)  # bf16 NaN
+        model.runner.arena()["embeddings"].view(cupy.uint16).fill(0x7FC0)  # bf16 NaN
         got = f32(model.encode_pixels(pv, grid))
         assert np.isfinite(got).all() and np.array_equal(got, want)
     plan = model.runner.plans.find(np.array(grid))
@@ -612,7 +612,7 @@ def test_any_mix_of_shapes_replays_its_budgets_graph_bit_for_bit(official, rng):
             key = model.runner.plans.key(np.array(grid))
             seen = np.array(grid) in model.runner.plans
             n_captures = len(captures)
-            model.arena()["pixels"].view(cupy.uint16).fill(0x7FC0)
+            model.runner.arena()["pixels"].view(cupy.uint16).fill(0x7FC0)
             got = f32(model.encode_pixels(pv, grid))
             assert len(captures) == n_captures + (0 if seen else 1)
             assert set(model.last_timing) == {"forward", "copy_out"}  # replayed, first call of this mix too
@@ -693,7 +693,7 @@ def test_precaptured_graphs_replay_full_passes_on_their_first_call(official, rng
             plan = model.runner.plans.find(np.array(grid))
             assert plan is not None and plan.graph is not None and plan.uses == 0, grid
             pv = rng.standard_normal((n, 1176), dtype=np.float32)
-            model.arena()["pixels"].view(cupy.uint16).fill(0x7FC0)
+            model.runner.arena()["pixels"].view(cupy.uint16).fill(0x7FC0)
             got = f32(model.encode_pixels(pv, grid))
             assert set(model.last_timing) == {"forward", "copy_out"} and plan.uses == 1
             assert np.array_equal(got, f32(eager.encode_pixels(pv, grid)))
@@ -763,7 +763,7 @@ def test_input_kinds_in_any_order_each_stage_their_own_pixels(small, monkeypatch
     eager = GlmVit(bind_tower(cases.TOWER_DIR), capacity_tokens=600, graphs=False)
     writes = []
     real = cupy.cuda.runtime.memsetAsync
-    flag = small.arena()["pixels_cast"].data.ptr
+    flag = small.runner.arena()["pixels_cast"].data.ptr
     monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync",
                         lambda *a: (writes.append(a[1]) if a[0] == flag else None, real(*a)))
     kinds = ["numpy", "numpy", "image", "image", "cupy", "bf16", "float64", "image", "strided", "cupy"]
@@ -889,12 +889,12 @@ def test_fused_swiglu_and_cublas_mlp_agree_with_the_reference(official, tmp_path
     pv, grid = rng.standard_normal((2 * 1024, 1176), dtype=np.float32), [[2, 32, 32]]
     ref = reference.encode_pixels(tower, pv, grid)
     plain = GlmVit(binding, capacity_tokens=512, fused_swiglu=False)
-    assert plain.fused_swiglu is False and "gate_up" in plain.arena().views
+    assert plain.fused_swiglu is False and "gate_up" in plain.runner.arena().views
     got, want = f32(plain.encode_pixels(pv, grid)), f32(model.encode_pixels(pv, grid))
     print(f"cuBLAS + pass {rel(got, ref):.3e}, default {rel(want, ref):.3e} against the float32 reference")
     assert rel(got, ref) < 2.5e-2 and rel(want, ref) < 2.5e-2
     if sm90:
-        assert not np.array_equal(got, want) and "gate_up" not in model.arena().views
+        assert not np.array_equal(got, want) and "gate_up" not in model.runner.arena().views
     # 64 wide, intermediate 192: not a multiple of the kernel's 128-column tiles
     geo = VisionGeometry(depth=1, hidden_size=64, num_heads=2, intermediate_size=192, out_hidden_size=128,
                          projection_intermediate_size=256)

@@ -40,7 +40,7 @@ def main():
             batches = list(batching.pack(items, model.capacity_tokens, lambda it: it[2]["tokens"]))
             host = gpu = fwd = 0.0
             for batch in batches:
-                pixels = model.arena()["pixels"]
+                pixels = model.runner.arena()["pixels"]
                 sync()
                 t = time.perf_counter()
                 with model.device, model.runner.stream:
