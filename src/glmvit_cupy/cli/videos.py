@@ -4,7 +4,7 @@ groups, the frames resized where --resize says), and written to the same output 
 shard a video, its entry's "kind" "video". Finished videos are written as they finish, so an interrupted
 run loses none of them.
 
-The settings that shape a video's embedding are the server's video settings (server/requests.py), so a
+The settings that shape a video's embedding are the server's video settings (serving/requests.py), so a
 video's "key" (vllm_ec.video_key_of of its file and those settings) is the one glmvit-serve gives the same
 file, and names its --vllm-ec-dir entry.
 """

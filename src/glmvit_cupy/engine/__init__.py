@@ -6,6 +6,7 @@
     gemm_tune   at load: per GEMM shape, the fastest cublasLt algorithm with cuBLAS's default bits
     attention   flash attention's variant table and the heuristics that pick one per input shape
     launch      what the launchers share: grid arithmetic, shared-memory opt-in, the tracing hook
+    tensor_maps TMA tensor maps (cuTensorMapEncodeTiled through ctypes) for the Hopper kernels
     ops         one typed launcher per kernel entry (grid, block and argument order written once)
     gemm_sm90   the launchers of our own Hopper GEMM with the SwiGLU in its epilogue (gemm_sm90.cu)
     params      the weights uploaded to one GPU, named after the checkpoint

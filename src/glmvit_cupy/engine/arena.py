@@ -12,7 +12,7 @@ import numpy as np
 from ..config import VisionGeometry
 from .gemm import BF16
 
-ROW_CHUNK = 4096     # rows per QKV / MLP GEMM chunk: bounds the qkv and gate/up intermediates
+ROW_CHUNK = 4096     # rows per MLP chunk where cuBLAS runs gate/up: bounds the gate|up intermediate
 MERGER_CHUNK = 2048  # merged rows per merger chunk
 
 

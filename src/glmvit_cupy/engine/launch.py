@@ -1,4 +1,4 @@
-"""What every kernel launcher shares (ops.py's, fused.py's): the block size of the element-wise
+"""What every kernel launcher shares (ops.py's, gemm_sm90.py's): the block size of the element-wise
 kernels, grid arithmetic, the shared-memory opt-in of the Hopper kernels, the SM count, and the
 tracing hook a profiler uses to see every launch without touching the engine."""
 

@@ -27,7 +27,7 @@ LAYERNORM_EPS = 1e-5  # the merger's post_projection_norm (nn.LayerNorm's defaul
 def forward(g: VisionGeometry, w: Weights, s: Arena, plan: Plan, blas, mark=None, fused_swiglu=False):
     """The call's pixel rows (bf16 in s["pixels"], or float32 in s["pixels_f32"] where s["pixels_cast"] is
     set) -> s["embeddings"] [patches / merge^2, out_hidden], over the plan's budget of plan.patches rows.
-    mark(stage), when given, is called at each stage's end (the executor times stages with it).
+    mark(stage), when given, is called at each stage's end (the runner times stages with it).
     fused_swiglu: the gate/up GEMMs apply the clamped SwiGLU in their epilogue (gemm_sm90.cu, Hopper)
     instead of cuBLAS writing gate|up for a separate pass."""
     n = plan.patches

@@ -1,4 +1,5 @@
-"""One typed launcher per kernel entry: grid, block and argument order written here and nowhere else.
+"""One typed launcher per kernel entry: grid, block and argument order written once (here; gemm_sm90.cu's
+two kernels in gemm_sm90.py, which also picks between them).
 
 The engine's layers, the GPU tests, the benchmarks and the profiler call these. Every launch runs on
 the current CuPy stream (GEMMs on their handle's stream, which the engine makes current). Shapes are

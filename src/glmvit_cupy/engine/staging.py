@@ -7,7 +7,7 @@ table), each frame of a group into its own slot of the rows.
 An image travels once over PCIe, as uint8 bytes (4 a pixel, as Pillow decodes them; the GPU drops the
 fourth). With one GPU the prepare threads upload their images themselves (uploads.py): this thread only
 orders its stream after their copies. Otherwise the image comes from a page-locked block lent by
-blocks.HOST to the thread that decoded it, or is copied through one; either way the copy is asynchronous
+pools.HOST to the thread that decoded it, or is copied through one; either way the copy is asynchronous
 and the host goes on preparing the next batch while this one uploads and runs.
 """
 

@@ -214,7 +214,7 @@ class _RGB:
 
 class FrameFiles:
     """A video given as its frames' image files (paths or encoded bytes, in order). plan_video decodes only
-    the frames its sampling picks (images.load: the same checks and errors as images, named "video i frame
+    the frames its sampling picks (decode.load: the same checks and errors as images, named "video i frame
     j"); max_pixels: each frame's decompression-bomb guard (None: Pillow's); max_total_pixels: a cap on the
     picked frames' pixels together, read from their headers before any is decoded (None: no cap)."""
 

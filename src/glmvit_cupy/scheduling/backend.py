@@ -96,7 +96,7 @@ class Backend:
             model.runner.stream.synchronize()
 
     def patching(self):
-        """How this tower's images become pixel rows (preprocess.Patching.of: ValueError for a tower whose
+        """How this tower's images become pixel rows (preprocessing.image.Patching.of: ValueError for a tower whose
         patches are not RGB, which images cannot feed)."""
         from ..preprocessing.image import Patching
 
@@ -172,7 +172,7 @@ def _after(model, outs: list) -> tuple:
 class Launched:
     """Batches on their GPUs (or already computed, by the CPU reference): wait() returns once they are
     computed; viewed() (from any thread, once) lends their embeddings, one list per batch, as views of
-    page-locked blocks (blocks.PinnedBlocks.downloaded), and lets the device's copies go."""
+    page-locked blocks (pools.PinnedBlocks.downloaded), and lets the device's copies go."""
 
     def __init__(self, wait, host):
         self._wait, self._host, self._done = wait, host, None
