@@ -767,7 +767,7 @@ def test_input_kinds_in_any_order_each_stage_their_own_pixels(small, monkeypatch
     monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync",
                         lambda *a: (writes.append(a[1]) if a[0] == flag else None, real(*a)))
     kinds = ["numpy", "numpy", "image", "image", "cupy", "bf16", "float64", "image", "strided", "cupy"]
-    want_writes, held = [], small._pixels_cast
+    want_writes, held = [], small.runner._pixels_cast
     for kind in kinds:
         if (kind not in ("image", "bf16")) is not held:
             held = kind not in ("image", "bf16")
