@@ -40,12 +40,17 @@ def check_max_pixels(max_pixels):
     return max_pixels
 
 
-def check_token_limits(min_image_tokens, max_image_tokens) -> tuple[int, int]:
+def check_token_limits(min_image_tokens, max_image_tokens, what: str = "image") -> tuple[int, int]:
     """The per-image token limits as given, returned as ints: the minimum an integer >= 0 (0: no
-    minimum, as the reference allows), the maximum a positive integer; a bool is neither."""
-    for name, v, low in (("min_image_tokens", min_image_tokens, 0), ("max_image_tokens", max_image_tokens, 1)):
+    minimum, as the reference allows), the maximum a positive integer, the minimum not above the
+    maximum; a bool is neither."""
+    lo, hi = f"min_{what}_tokens", f"max_{what}_tokens"
+    for name, v, low in ((lo, min_image_tokens, 0), (hi, max_image_tokens, 1)):
         if not is_integer(v) or v < low:
             raise ValueError(f"{name}={v!r} must be an integer of at least {low}")
+    if min_image_tokens > max_image_tokens:
+        raise ValueError(f"{lo}={min_image_tokens} is above {hi}={max_image_tokens}: {'an' if what[0] in 'aeiou' else 'a'} {what} is resized to "
+                         "between the two, so the minimum must not exceed the maximum")
     return int(min_image_tokens), int(max_image_tokens)
 
 

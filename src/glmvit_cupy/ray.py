@@ -251,7 +251,7 @@ def encode_video_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bo
 
     capacity_tokens = check_capacity(capacity_tokens)
     check_positive("max_frames", max_frames)
-    min_video_tokens, max_video_tokens = check_token_limits(min_video_tokens, max_video_tokens)
+    min_video_tokens, max_video_tokens = check_token_limits(min_video_tokens, max_video_tokens, "video")
     if min_video_tokens > max_video_tokens:
         raise ValueError(f"min_video_tokens={min_video_tokens} is above max_video_tokens={max_video_tokens}")
     if isinstance(target_fps, bool) or not isinstance(target_fps, (int, float)) or not 0 < target_fps < float("inf"):

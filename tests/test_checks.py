@@ -1,0 +1,31 @@
+"""The one module of input checks (glmvit_cupy.checks), and the calls that rely on it refusing what they
+cannot honour, before any image is read."""
+
+import numpy as np
+import pytest
+
+from glmvit_cupy import checks, preprocess, preprocess_video
+
+
+@pytest.mark.parametrize("lo,hi", [(17, 16), (8001, 8000), (1, 0)])
+def test_min_above_max_is_refused_saying_so(lo, hi):
+    with pytest.raises(ValueError, match=f"min_image_tokens={lo} is above max_image_tokens={hi}" if hi else
+                       "max_image_tokens=0 must be an integer of at least 1"):
+        checks.check_token_limits(lo, hi)
+
+
+def test_min_equal_to_max_is_allowed():
+    assert checks.check_token_limits(64, 64) == (64, 64)
+
+
+def test_every_entry_point_refuses_min_above_max(rng):
+    image = rng.integers(0, 256, (1, 1, 3), dtype=np.uint8)  # a 1x1 image: min would win, silently
+    with pytest.raises(ValueError, match="min_image_tokens=100 is above max_image_tokens=10"):
+        preprocess([image], min_image_tokens=100, max_image_tokens=10)
+    with pytest.raises(ValueError, match="min_image_tokens=100 is above max_image_tokens=10"):
+        checks.image_limits(8000, 100, 10)
+    frames = rng.integers(0, 256, (2, 28, 28, 3), dtype=np.uint8)
+    with pytest.raises(ValueError, match="min_image_tokens=100 is above max_image_tokens=10"):
+        preprocess_video(frames, fps=2.0, min_image_tokens=100, max_image_tokens=10)
+    with pytest.raises(ValueError, match="min_video_tokens=9 is above max_video_tokens=8: a video"):
+        checks.check_token_limits(9, 8, "video")
