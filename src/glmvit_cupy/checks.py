@@ -49,8 +49,9 @@ def check_token_limits(min_image_tokens, max_image_tokens, what: str = "image") 
         if not is_integer(v) or v < low:
             raise ValueError(f"{name}={v!r} must be an integer of at least {low}")
     if min_image_tokens > max_image_tokens:
-        raise ValueError(f"{lo}={min_image_tokens} is above {hi}={max_image_tokens}: {'an' if what[0] in 'aeiou' else 'a'} {what} is resized to "
-                         "between the two, so the minimum must not exceed the maximum")
+        article = "an" if what[0] in "aeiou" else "a"
+        raise ValueError(f"{lo}={min_image_tokens} is above {hi}={max_image_tokens}: {article} {what} is resized "
+                         "to between the two, so the minimum must not exceed the maximum")
     return int(min_image_tokens), int(max_image_tokens)
 
 
