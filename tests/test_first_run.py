@@ -57,7 +57,7 @@ for make in (lambda: GlmVit.from_checkpoint('x'), lambda: Replicas.from_checkpoi
     try:
         make()
     except GpuUnavailable as e:
-        assert 'CuPy is not installed' in str(e) and "glmvit-cupy[cuda12]" in str(e), e
+        assert 'CuPy is not installed' in str(e) and "pip install -e '.[cuda12]'" in str(e), e
     else:
         raise SystemExit('no GpuUnavailable')
 print('ok')

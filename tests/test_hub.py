@@ -95,3 +95,22 @@ def test_hub_json_nested_past_the_parsers_depth(fake_hub, tmp_path, name, says):
     (tmp_path / "repo" / name).write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(CheckpointError, match=says):
         inspect_checkpoint("zai-org/GLM-5.3-Flash-test")
+
+
+def test_unreachable_hub_answers_within_seconds(tmp_path):
+    """With the Hub unreachable (here: its endpoint a closed local port) and nothing cached, the answer is
+    the clear offline message within seconds, not after huggingface_hub's retries (~25 s)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    code = ("from glmvit_cupy import CheckpointError, inspect_checkpoint\n"
+            "try:\n    inspect_checkpoint('zai-org/GLM-5.3-Flash')\nexcept CheckpointError as e:\n    print(e)\n")
+    env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
+    env.pop("HF_HUB_OFFLINE", None)
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    took = time.perf_counter() - t0
+    assert "the Hub cannot be reached" in r.stdout and "config.json is not in the local" in r.stdout, r.stdout + r.stderr
+    assert took < 8, f"{took:.1f} s"  # about 2 s: the interpreter's start, the probe, the cache lookup

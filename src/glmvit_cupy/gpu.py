@@ -7,9 +7,12 @@ missing and what to install, instead of a CUDA runtime error deep in a traceback
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 from .errors import GpuUnavailable
 
-INSTALL = "pip install 'glmvit-cupy[cuda12]' (or [cuda13] for a CUDA 13 driver)"
+INSTALL = "pip install -e '.[cuda12]' in the glmvit-cupy checkout (or '.[cuda13]' for a CUDA 13 driver)"
 CPU_HINT = "the float32 reference runs on the CPU without any of it (glmvit_cupy.reference, glmvit-encode --cpu)"
 
 
@@ -37,6 +40,14 @@ def problem() -> str | None:
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # CUDARuntimeError: no driver, a driver too old for this CuPy, no device
+        driver = driver_version()
+        if driver is None:  # CUDA then says "driver version is insufficient", which is not the problem
+            return f"no NVIDIA driver is installed (libcuda could not be loaded), so there is no usable GPU; {CPU_HINT}"
+        if "insufficient" in str(e).lower() or "InsufficientDriver" in str(e):
+            runtime = cupy.cuda.runtime.runtimeGetVersion()
+            return (f"the NVIDIA driver supports CUDA up to {_cuda(driver)}, older than this CuPy's CUDA runtime "
+                    f"{_cuda(runtime)}: upgrade the driver, or install the CuPy that matches it "
+                    f"({'cuda12' if driver >= 12000 else 'an older CuPy'} extra); {CPU_HINT}")
         return f"no usable CUDA GPU found ({type(e).__name__}: {e}); {CPU_HINT}"
     if count == 0:
         return f"no CUDA GPU found; {CPU_HINT}"
@@ -48,6 +59,26 @@ def problem() -> str | None:
         return (f"NVRTC, which compiles the kernels, was not found ({type(e).__name__}: {e}): {INSTALL} brings it, "
                 "or point CUDA_PATH at a CUDA toolkit")
     return None
+
+
+def driver_version() -> int | None:
+    """The CUDA version the installed NVIDIA driver supports (e.g. 12080 for 12.8), or None where no driver
+    library can be loaded (a machine without an NVIDIA driver)."""
+    try:
+        lib = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    try:
+        if lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return None
+    except AttributeError:
+        return None
+    return version.value
+
+
+def _cuda(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
 
 
 def require():

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import threading
+import urllib.parse
 
 from ..errors import CheckpointError
 from ..files import read_json_file
@@ -34,12 +37,17 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
     except ImportError:
-        raise CheckpointError(f"{repo_id}: looks like a Hub id, but huggingface_hub is not installed "
-                              "(pip install 'glmvit-cupy[hub]'), and no local path of that name exists") from None
+        raise CheckpointError(f"{repo_id}: looks like a Hub id, but huggingface_hub is not installed (pip install "
+                              "-e '.[hub]' in the glmvit-cupy checkout), and no local path of that name exists") from None
+    from huggingface_hub import constants
+
+    # Unreachable, huggingface_hub retries each file for ~25 s before it says so; a 1.5 s probe first
+    # sends an offline machine straight to the local cache.
+    offline = constants.HF_HUB_OFFLINE or not reachable(constants.ENDPOINT)
 
     def get(name):
         try:
-            return hf_hub_download(repo_id, name, revision=revision, cache_dir=cache_dir)
+            return hf_hub_download(repo_id, name, revision=revision, cache_dir=cache_dir, local_files_only=offline)
         except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: test it first
             raise CheckpointError(f"{repo_id}: the Hub cannot be reached (offline, or HF_HUB_OFFLINE is set) and "
                                   f"{name} is not in the local Hugging Face cache; connect once, or give a local "
@@ -79,6 +87,32 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
         except EntryNotFoundError:
             raise CheckpointError(f"{repo_id}: the index names shard {shard!r}, which the repository lacks") from None
     return folder
+
+
+def reachable(endpoint: str, timeout: float = 1.5) -> bool:
+    """Whether a TCP connection to the Hub's endpoint opens within `timeout` seconds (name lookup included,
+    which has no timeout of its own: it runs on a thread that is left behind if it hangs). Behind a proxy
+    (HTTPS_PROXY and the like) the proxy decides, so the Hub counts as reachable."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                       "all_proxy")):
+        return True
+    url = urllib.parse.urlparse(endpoint)
+    if not url.hostname:
+        return True
+    port = url.port or (443 if url.scheme == "https" else 80)
+    ok = []
+
+    def probe():
+        try:
+            socket.create_connection((url.hostname, port), timeout=timeout).close()
+            ok.append(True)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=probe, daemon=True, name="glmvit-hub-probe")
+    t.start()
+    t.join(timeout + 0.2)
+    return bool(ok)
 
 
 def resolve(path) -> str:

@@ -27,7 +27,7 @@ class Decoder:
         try:
             from nvidia import nvimgcodec
         except ImportError as e:
-            raise ImageError("decode='gpu' needs NVIDIA nvImageCodec: pip install 'glmvit-cupy[gpu-decode-cu12]' "
+            raise ImageError("decode='gpu' needs NVIDIA nvImageCodec: pip install -e '.[gpu-decode-cu12]' "
                              f"(or -cu13 for CUDA 13) ({e})") from None
         self._nv = nvimgcodec
         self._local = threading.local()  # a decoder per thread: each has its own stream and buffers

@@ -29,7 +29,7 @@ def _av():
     try:
         import av
     except ImportError as e:
-        raise ImageError(f"reading video files needs PyAV: pip install 'glmvit-cupy[video]' ({e}); or decode the "
+        raise ImageError(f"reading video files needs PyAV: pip install -e '.[video]' in the glmvit-cupy checkout ({e}); or decode the "
                          "frames yourself and pass them as a uint8 [T, H, W, 3] array") from None
     return av
 
