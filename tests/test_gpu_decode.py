@@ -37,7 +37,7 @@ def test_without_the_extra_the_error_says_what_to_install():
         pytest.skip("nvImageCodec is installed here")
     from glmvit_cupy.preprocessing.gpu_decode import Decoder
 
-    with pytest.raises(ImageError, match=r"pip install 'glmvit-cupy\[gpu-decode-cu12\]'"):
+    with pytest.raises(ImageError, match=r"pip install -e '\.\[gpu-decode-cu12\]'"):
         Decoder()
 
 

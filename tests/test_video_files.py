@@ -103,7 +103,7 @@ def test_files_that_cannot_be_read_are_refused_by_name(tmp_path, monkeypatch):
     with pytest.raises(ImageError, match=r"video 0: '.*ok.mkv' has 58x42 frames, over the 2,435 pixels"):
         plan_video(tmp_path / "ok.mkv", fps=4.0)
     monkeypatch.setitem(sys.modules, "av", None)  # PyAV not installed
-    with pytest.raises(ImageError, match=r"reading video files needs PyAV: pip install 'glmvit-cupy\[video\]'"):
+    with pytest.raises(ImageError, match=r"reading video files needs PyAV: pip install -e '\.\[video\]'"):
         plan_video(short)
 
 
