@@ -328,3 +328,27 @@ def test_checkpoint_files_that_are_not_regular_files_are_refused_by_what_they_ar
             inspect_checkpoint(folder / name)
         with pytest.raises(CheckpointError, match="is a FIFO \\(named pipe\\), not a shard or checkpoint folder"):
             WeightStore.open(folder / name)
+
+
+def test_random_checkpoint_command(tmp_path, monkeypatch, capsys):
+    """python -m glmvit_cupy.checkpoint.synthetic DIR: says loudly that the weights are random, writes a
+    checkpoint that binds, readable as the umask allows (safetensors alone writes 0600), refuses a folder
+    that holds something else and leaves a finished one as it is. (The small geometry stands in for the
+    official one, which takes ~12 s to write.)"""
+    from glmvit_cupy.checkpoint import synthetic
+
+    monkeypatch.setattr(synthetic.VisionGeometry, "official", staticmethod(lambda: GEO))
+    old = os.umask(0o022)
+    try:
+        assert synthetic.main([str(tmp_path / "rnd")]) == 0
+    finally:
+        os.umask(old)
+    err = capsys.readouterr().err
+    assert "RANDOM WEIGHTS" in err and "--checkpoint" in err
+    assert bind_tower(str(tmp_path / "rnd")).geometry == GEO
+    assert {oct(os.stat(p).st_mode & 0o777) for p in (tmp_path / "rnd").iterdir()} == {oct(0o644)}
+    assert synthetic.main([str(tmp_path / "rnd")]) == 0 and "already holds a checkpoint" in capsys.readouterr().err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert synthetic.main([str(tmp_path / "other")]) == 2 and "not an empty folder" in capsys.readouterr().err
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"

@@ -117,6 +117,10 @@ def write_checkpoint(path, geo: VisionGeometry, *, seed: int = 0, prefix: str = 
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config_dict(geo), f, indent=1)
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(path):  # safetensors creates its files 0600; readable as the umask allows
+        os.chmod(os.path.join(path, name), 0o666 & ~umask)
     return os.fspath(path)
 
 
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
           f"{args.seed}) to {path}; its embeddings are not GLM-5.3-Flash's !!", file=sys.stderr)
     cached_checkpoint(path, VisionGeometry.official(), seed=args.seed)
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-    print(f"wrote {path} ({size / 2**30:.2f} GiB): use it as --checkpoint {path}")
+    print(f"wrote {path} ({size / 2**30:.2f} GiB): use it as --checkpoint {path}", file=sys.stderr)
     return 0
 
 
