@@ -1056,3 +1056,29 @@ def test_videos_encode_in_frame_groups_with_the_bits_of_one_pass(official):
         tiny.encode_video(vids, **settings)
     with pytest.raises(ValueError, match="resize='cuda': choose one of 'host', 'gpu'"):
         model.encode_video(vids, resize="cuda", **settings)
+
+
+def test_a_burst_of_large_images_uploads_within_a_byte_budget(official, rng):
+    """12 images of 5000 x 3000 through encode(): the decoding threads upload ahead only within the
+    uploader's byte budget (uploads.BUDGET), so the memory pool grows by the outputs and little more,
+    not by every decoded image in flight (4 bytes a pixel: 57 MiB each)."""
+    import gc
+
+    from glmvit_cupy.engine.uploads import BUDGET
+
+    _, model, _ = official
+    pool = cupy.get_default_memory_pool()
+    model.encode(rng.integers(0, 256, (300, 400, 3), dtype=np.uint8))  # the arena and the plans exist
+    cupy.cuda.runtime.deviceSynchronize()
+    gc.collect()
+    before = pool.total_bytes()
+    images = [rng.integers(0, 256, (5000, 3000, 3), dtype=np.uint8) for _ in range(12)]
+    outs = model.encode(images, workers=8)
+    cupy.cuda.runtime.deviceSynchronize()
+    out_bytes = sum(o.nbytes for o in outs)
+    growth = pool.total_bytes() - before
+    print(f"pool growth {growth / 2**20:.0f} MiB for {out_bytes / 2**20:.0f} MiB of outputs; uploader owns "
+          f"{model.runner.uploads.blocks.owned / 2**20:.0f} MiB (budget {BUDGET >> 20} MiB)")
+    assert len(outs) == 12 and all(o.shape[1] == 4096 for o in outs)
+    assert model.runner.uploads.blocks.owned <= BUDGET
+    assert growth <= out_bytes + (256 << 20)

@@ -217,3 +217,66 @@ def test_download_copies_through_one_block_and_returns_ordinary_arrays(monkeypat
     with pool.downloaded([Dev(0x2000)]) as (o,):  # the views variant falls back alike
         assert np.array_equal(o, device[0x2000])
 
+
+
+def test_returned_blocks_past_the_cache_limit_are_freed():
+    """Blocks lent out and come back (their owners garbage) are cached only up to `keep`: the device
+    pool of a burst of large images does not keep them all."""
+    pool = Blocks(keep=4 * GRAIN, alloc=Fake)
+
+    class Owner:
+        pass
+
+    owners = [Owner() for _ in range(5)]
+    for o in owners:
+        pool.lend(o, pool.take(2 * GRAIN))
+    assert pool.owned == 10 * GRAIN
+    del o, owners
+    gc.collect()
+    pool.take(1).size  # any call takes the returned blocks in
+    assert sum(b.size for b in pool._free) <= 4 * GRAIN and pool.owned <= 6 * GRAIN
+
+
+def test_a_limit_frees_idle_blocks_to_make_room_or_refuses():
+    pool = Blocks(keep=16 * GRAIN, alloc=Fake)
+    a, b = pool.take(2 * GRAIN), pool.take(2 * GRAIN)
+    pool.give(a)
+    assert pool.owned == 4 * GRAIN
+    c = pool.take(4 * GRAIN, limit=6 * GRAIN)  # a (idle, free) is freed to make room for c
+    assert c is not None and c.size == 4 * GRAIN and pool.owned == 6 * GRAIN and not pool._free
+    assert pool.take(2 * GRAIN, limit=6 * GRAIN) is None  # b and c are in use: no room
+    assert pool.take(2 * GRAIN).size == 2 * GRAIN and pool.owned == 8 * GRAIN  # no limit: made
+
+
+def test_take_within_waits_for_room_unless_exempt_or_past_patience():
+    """Past its limit a take waits for room; one exempt (the image the consumer waits for: uploads.py)
+    goes at once; any goes after `patience`. Blocks that come back make room for a waiting one."""
+    import time
+
+    pool = Blocks(keep=4 * GRAIN, alloc=Fake)
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    pool.lend(owner, pool.take_within(2 * GRAIN, 4 * GRAIN, lambda: False, 30))
+    held = pool.take_within(2 * GRAIN, 4 * GRAIN, lambda: False, 30)  # the limit is reached
+    t0 = time.monotonic()
+    assert pool.take_within(2 * GRAIN, 4 * GRAIN, lambda: True, 30).size == 2 * GRAIN  # exempt: at once
+    assert time.monotonic() - t0 < 1 and pool.owned == 6 * GRAIN
+    got, wanted = [], []
+    waiter = threading.Thread(target=lambda: got.append(pool.take_within(4 * GRAIN, 6 * GRAIN, lambda: bool(wanted), 30)))
+    waiter.start()
+    time.sleep(0.1)
+    assert not got  # no room, not exempt: it waits
+    del owner  # the first block comes back; freed to make room for the waiting 4-grain one
+    gc.collect()
+    waiter.join(0.5)
+    assert not got  # 2 (held) + 2 (exempt one) + 4 > 6: still no room
+    wanted.append(True)
+    waiter.join(5)
+    assert got and got[0].size == 4 * GRAIN
+    t0 = time.monotonic()
+    assert pool.take_within(2 * GRAIN, 2 * GRAIN, lambda: False, 0.2).size == 2 * GRAIN
+    assert 0.15 < time.monotonic() - t0 < 5  # after patience
+    del held

@@ -215,9 +215,11 @@ class GlmVit:
         single = not isinstance(images, (list, tuple))
         one = batching.preparer(self.geometry, self.capacity_tokens, min_image_tokens, max_image_tokens, max_pixels,
                                 resize=resize, decode=decode)
-        one = self.runner.uploads.uploading(one)  # each decoding thread puts its images on this GPU itself
+        uploads = self.runner.uploads
+        one = uploads.uploading(one)  # each decoding thread puts its images on this GPU itself
         images = [images] if single else list(images)
-        return self.encode_prepared(feed.in_order(one, images, feed.default_workers() if workers is None else workers))
+        prepared = feed.in_order(one, images, feed.default_workers() if workers is None else workers)
+        return self.encode_prepared(uploads.feeding(prepared))
 
     def encode_prepared(self, prepared: list) -> list[cupy.ndarray]:
         """(uint8 image, grid, info) triples (batching.preparer's; a list or a lazy iterable) -> one

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from collections import deque
 
@@ -68,10 +69,12 @@ class DeviceBlock(Block):
 class Blocks:
     """Blocks (multiples of 2 MiB), reused once idle (the smallest that fits); at most `keep` bytes of free
     blocks stay cached (more are freed). Thread-safe. `alloc(size)` makes a block (a Block: page-locked
-    memory; a DeviceBlock: the current GPU's)."""
+    memory; a DeviceBlock: the current GPU's). `owned`: the bytes of every block this pool made and has not
+    freed, lent or free."""
 
     def __init__(self, keep: int = 2 << 30, alloc=Block):
         self.keep, self.alloc = keep, alloc
+        self.owned = 0
         self._free: list = []
         self._returned: deque = deque()  # lent blocks whose owners died, for the locked code to take in
         self._lock = threading.Lock()
@@ -79,9 +82,20 @@ class Blocks:
     def _take_in(self) -> None:  # under the lock
         while self._returned:
             self._free.append(self._returned.popleft())
+        self._trim(self.keep)
 
-    def take(self, nbytes: int):
-        """The smallest idle free block that holds nbytes, or a new one."""
+    def _trim(self, keep: int) -> None:  # under the lock: free idle free blocks, smallest first, down to keep
+        total = sum(b.size for b in self._free)
+        for b in sorted((b for b in self._free if b.idle), key=lambda b: b.size):
+            if total <= keep:
+                break
+            self._free.remove(b)
+            total -= b.size
+            self.owned -= b.size
+
+    def take(self, nbytes: int, limit: int | None = None):
+        """The smallest idle free block that holds nbytes, or a new one. With `limit`, a new block is made
+        only while `owned` stays within it (idle free blocks are freed first to make room); else None."""
         with self._lock:
             self._take_in()
             fits = [b for b in self._free if b.size >= nbytes and b.idle]
@@ -89,7 +103,30 @@ class Blocks:
                 block = min(fits, key=lambda b: b.size)
                 self._free.remove(block)
                 return block
-        return self.alloc(block_size(nbytes))
+            size = block_size(nbytes)
+            if limit is not None:
+                self._trim(max(0, limit - size - (self.owned - sum(b.size for b in self._free))))
+                if self.owned + size > limit:
+                    return None
+            self.owned += size  # counted before the allocation, which runs outside the lock
+        try:
+            return self.alloc(size)
+        except BaseException:
+            with self._lock:
+                self.owned -= size
+            raise
+
+    def take_within(self, nbytes: int, limit: int, exempt, patience: float):
+        """take(nbytes, limit), waiting while the pool is full (polling: blocks come back from garbage
+        collection, which cannot signal) until a block fits, exempt() says this one may go past the limit,
+        or `patience` seconds have passed (then it goes past the limit too)."""
+        deadline = time.monotonic() + patience
+        while True:
+            over = exempt() or time.monotonic() >= deadline
+            block = self.take(nbytes, None if over else limit)
+            if block is not None:
+                return block
+            time.sleep(0.002)
 
     def lend(self, owner, block) -> None:
         """`block` comes back to the free list when `owner` is garbage (no lock: see the module's docstring)."""
@@ -99,12 +136,7 @@ class Blocks:
         with self._lock:
             self._take_in()
             self._free.append(block)
-            total = sum(b.size for b in self._free)
-            for b in sorted((b for b in self._free if b.idle), key=lambda b: b.size):
-                if total <= self.keep:
-                    break
-                self._free.remove(b)
-                total -= b.size
+            self._trim(self.keep)
 
 
 class PinnedBlocks(Blocks):

@@ -8,6 +8,11 @@ thread that touches a new page waits (glmvit-encode's first pass decoded ten tim
 blocks were pinned); a stream of photos keeps about a gigabyte of images in flight. A copy from ordinary
 memory is staged by the driver (~7 GiB/s over all threads, without the GIL): ~7 ms of a decoding thread
 for a 12-megapixel photo, and nothing is pinned.
+
+The device bytes of images uploaded ahead are bounded, not their count: an upload that would take the
+uploader's blocks past `budget` waits until the GPU's passes let earlier images go. The image the
+consumer waits for is never held back (feeding() tells which one that is), so nothing deadlocks; where
+no consumer says so (images taken as they finish), a held-back upload goes ahead after `patience`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import numpy as np
 
 from ..preprocessing.decode import four_channels
 from .pools import Blocks, DeviceBlock
+
+BUDGET = 128 << 20  # device bytes of uploaded images, lent or cached: two decoded 5000 x 3000 images
 
 
 class Uploaded:
@@ -37,12 +44,15 @@ class Uploaded:
 
 class Uploader:
     """Called on a prepare thread with a decoded image (uint8 [H, W, 3], in `buffer` memory or any host
-    array): returns it as Uploaded on `device`. At most `keep` bytes of idle device blocks stay cached."""
+    array): returns it as Uploaded on `device`. Its device blocks, lent to images in flight or cached idle,
+    stay within `budget` bytes (one image the consumer is waiting for may go past it)."""
 
-    def __init__(self, device: cupy.cuda.Device, keep: int = 2 << 30):
+    def __init__(self, device: cupy.cuda.Device, budget: int = BUDGET, patience: float = 0.25):
         self.device = device
-        self.blocks = Blocks(keep, alloc=DeviceBlock)
+        self.budget, self.patience = budget, patience
+        self.blocks = Blocks(budget, alloc=DeviceBlock)
         self._local = threading.local()
+        self._wanted = -1  # the index of the image the consumer is waiting for (feeding)
 
     def buffer(self, shape) -> np.ndarray:
         """This thread's host buffer as a uint8 array of `shape` (grown when too small; valid until the
@@ -58,19 +68,34 @@ class Uploader:
         made to decode into this thread's buffer and hand on the image uploaded to this GPU."""
         def prepared(i, image, name=None):
             out, grid, info = one(i, image, name=name, host_buffer=self.buffer)
-            return self(out), grid, info
+            return self(out, index=i), grid, info
 
         return prepared
 
-    def __call__(self, image: np.ndarray):
+    def feeding(self, items):
+        """Items made by uploading(...)'s function in index order (feed.in_order's), passed through while
+        telling the uploads which index the consumer is waiting for: that one never waits for the budget."""
+        it = iter(items)
+        k = 0
+        while True:
+            self._wanted = k
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            yield item
+            k += 1
+
+    def __call__(self, image: np.ndarray, index: int | None = None):
         """The image on the device (its copy in flight on this thread's stream), or, if the device has no
-        memory left for it, a copy in ordinary memory (the GPU's thread then uploads it)."""
+        memory left for it, a copy in ordinary memory (the GPU's thread then uploads it). index: the
+        image's place in its call's order (see feeding)."""
         four = four_channels(image)  # an [H, W, 4] decode (in our buffer): all four bytes travel, one copy
         src = four if four is not None else np.ascontiguousarray(image)
         ptr, shape, nbytes = src.ctypes.data, src.shape, src.nbytes
         with self.device:
             try:
-                block = self.blocks.take(nbytes)
+                block = self._take(nbytes, index)
             except MemoryError:
                 return np.array(image)  # out of our buffer, which this thread reuses next
             stream = getattr(self._local, "stream", None)
@@ -84,3 +109,9 @@ class Uploader:
         out = Uploaded(array, block.event, block, self.device.id)
         self.blocks.lend(out, block)  # back to the pool when the batch holding it is done with it
         return out
+
+    def _take(self, nbytes: int, index: int | None):
+        """A device block for nbytes within the budget, waiting while it is full unless this image is the
+        one the consumer waits for (or has waited `patience` seconds)."""
+        return self.blocks.take_within(nbytes, self.budget, lambda: index is not None and index <= self._wanted,
+                                       self.patience)

@@ -150,7 +150,7 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
     name = f"video {index}" if name is None else name
     check_patching(patching)
     try:
-        min_image_tokens, max_image_tokens = check_token_limits(min_image_tokens, max_image_tokens)
+        min_image_tokens, max_image_tokens = check_token_limits(min_image_tokens, max_image_tokens, ordered=False)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     if fps is not None:
