@@ -280,3 +280,30 @@ def test_take_within_waits_for_room_unless_exempt_or_past_patience():
     assert pool.take_within(2 * GRAIN, 2 * GRAIN, lambda: False, 0.2).size == 2 * GRAIN
     assert 0.15 < time.monotonic() - t0 < 5  # after patience
     del held
+
+
+def test_feeding_tells_the_uploads_what_the_consumer_waits_for():
+    """Ordered: the index being waited for is exempt from the budget. Unordered: each wait of the
+    consumer exempts exactly one upload."""
+    from glmvit_cupy.engine import uploads as up_mod
+
+    up = up_mod.Uploader.__new__(up_mod.Uploader)
+    up._wanted, up._hungry, up._claim = -1, False, threading.Lock()
+    seen = []
+
+    def items():
+        for k in range(3):
+            seen.append((up._wanted, up._exempt(k), up._exempt(k + 1)))
+            yield k
+
+    assert list(up.feeding(items())) == [0, 1, 2]
+    assert seen == [(0, True, False), (1, True, False), (2, True, False)]
+    up._wanted, seen[:] = -1, []
+
+    def any_items():
+        for k in range(2):
+            seen.append((up._exempt(None), up._exempt(None)))  # the first claim wins, the second waits
+            yield k
+
+    assert list(up.feeding(any_items(), ordered=False)) == [0, 1] and seen == [(True, False), (True, False)]
+    assert not up._hungry and not up._exempt(None)  # between waits, nothing is exempt

@@ -12,14 +12,14 @@ for a 12-megapixel photo, and nothing is pinned.
 The device bytes of images uploaded ahead are bounded, not their count: an upload that would take the
 uploader's blocks past `budget` waits until the GPU's passes let earlier images go. The image the
 consumer waits for is never held back (feeding() tells which one that is), so nothing deadlocks; where
-no consumer says so (images taken as they finish), a held-back upload goes ahead after `patience`.
+no consumer says so, a held-back upload goes ahead after `patience`. CuPy is imported only to upload, so
+the bookkeeping is tested without a GPU.
 """
 
 from __future__ import annotations
 
 import threading
 
-import cupy
 import numpy as np
 
 from ..preprocessing.decode import four_channels
@@ -47,12 +47,14 @@ class Uploader:
     array): returns it as Uploaded on `device`. Its device blocks, lent to images in flight or cached idle,
     stay within `budget` bytes (one image the consumer is waiting for may go past it)."""
 
-    def __init__(self, device: cupy.cuda.Device, budget: int = BUDGET, patience: float = 0.25):
+    def __init__(self, device, budget: int = BUDGET, patience: float = 0.25):
         self.device = device
         self.budget, self.patience = budget, patience
         self.blocks = Blocks(budget, alloc=DeviceBlock)
         self._local = threading.local()
         self._wanted = -1  # the index of the image the consumer is waiting for (feeding)
+        self._hungry = False  # an unordered consumer is waiting for any image (feeding)
+        self._claim = threading.Lock()
 
     def buffer(self, shape) -> np.ndarray:
         """This thread's host buffer as a uint8 array of `shape` (grown when too small; valid until the
@@ -72,24 +74,42 @@ class Uploader:
 
         return prepared
 
-    def feeding(self, items):
-        """Items made by uploading(...)'s function in index order (feed.in_order's), passed through while
-        telling the uploads which index the consumer is waiting for: that one never waits for the budget."""
+    def feeding(self, items, ordered: bool = True):
+        """Items made by uploading(...)'s function, passed through while telling the uploads what the
+        consumer waits for: in index order (feed.in_order's), the next index, which never waits for the
+        budget; as they finish (feed.as_done's, ordered=False), any one: each wait of the consumer lets
+        one held-back upload go."""
         it = iter(items)
         k = 0
         while True:
-            self._wanted = k
+            if ordered:
+                self._wanted = k
+            else:
+                self._hungry = True
             try:
                 item = next(it)
             except StopIteration:
                 return
+            finally:
+                self._hungry = False
             yield item
             k += 1
+
+    def _exempt(self, index: int | None) -> bool:
+        if index is not None and index <= self._wanted:
+            return True
+        with self._claim:  # one held-back upload per wait of an unordered consumer
+            if self._hungry:
+                self._hungry = False
+                return True
+        return False
 
     def __call__(self, image: np.ndarray, index: int | None = None):
         """The image on the device (its copy in flight on this thread's stream), or, if the device has no
         memory left for it, a copy in ordinary memory (the GPU's thread then uploads it). index: the
         image's place in its call's order (see feeding)."""
+        import cupy
+
         four = four_channels(image)  # an [H, W, 4] decode (in our buffer): all four bytes travel, one copy
         src = four if four is not None else np.ascontiguousarray(image)
         ptr, shape, nbytes = src.ctypes.data, src.shape, src.nbytes
@@ -113,5 +133,4 @@ class Uploader:
     def _take(self, nbytes: int, index: int | None):
         """A device block for nbytes within the budget, waiting while it is full unless this image is the
         one the consumer waits for (or has waited `patience` seconds)."""
-        return self.blocks.take_within(nbytes, self.budget, lambda: index is not None and index <= self._wanted,
-                                       self.patience)
+        return self.blocks.take_within(nbytes, self.budget, lambda: self._exempt(index), self.patience)

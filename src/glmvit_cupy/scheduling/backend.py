@@ -78,6 +78,14 @@ class Backend:
 
         return lambda i, image, name=None: one(i, image, name=name, host_buffer=HOST.array)
 
+    def feeding(self, prepared):
+        """The stream of prepared images (preparing(...)'s, taken as they finish) as the consumer should
+        take it: with one GPU, each wait for an image lets one upload past the uploader's byte budget
+        (engine/uploads.py), so the budget never stalls a consumer that has nothing to pack."""
+        if self.cpu or len(self._engine) != 1:
+            return prepared
+        return self._engine.models[0].runner.uploads.feeding(prepared, ordered=False)
+
     def _warm_up(self) -> None:
         """One small image through each replica, as glmvit-encode and the server send them: CUDA loads each
         kernel on its first launch and cuBLAS sets up on its first calls, which the first real batch would
