@@ -307,3 +307,24 @@ def test_feeding_tells_the_uploads_what_the_consumer_waits_for():
 
     assert list(up.feeding(any_items(), ordered=False)) == [0, 1] and seen == [(True, False), (True, False)]
     assert not up._hungry and not up._exempt(None)  # between waits, nothing is exempt
+
+
+def test_an_exempt_take_waits_for_the_gpu_but_not_for_lent_blocks():
+    """The image a consumer waits for may go past the limit only once no free block is still being read
+    by the GPU: a consumer that queues passes faster than the GPU runs them is held to the budget."""
+    import time
+
+    pool = Blocks(keep=4 * GRAIN, alloc=Fake)
+    lent = pool.take(2 * GRAIN)
+    busy = pool.take(2 * GRAIN)
+    busy.event = Event(done=False)  # a queued pass still reads it
+    pool.give(busy)
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.take_within(4 * GRAIN, 4 * GRAIN, lambda: True, 0)))
+    t.start()
+    time.sleep(0.1)
+    assert not got and pool.owned == 4 * GRAIN  # waits for the GPU, though exempt
+    busy.event.done = True  # the pass ran: the busy block is freed to make room
+    t.join(5)
+    assert got and got[0].size == 4 * GRAIN and pool.owned == 6 * GRAIN  # past the limit: only `lent` holds it
+    del lent

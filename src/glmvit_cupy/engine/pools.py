@@ -93,9 +93,11 @@ class Blocks:
             total -= b.size
             self.owned -= b.size
 
-    def take(self, nbytes: int, limit: int | None = None):
+    def take(self, nbytes: int, limit: int | None = None, exempt: bool = False):
         """The smallest idle free block that holds nbytes, or a new one. With `limit`, a new block is made
-        only while `owned` stays within it (idle free blocks are freed first to make room); else None."""
+        only while `owned` stays within it (idle free blocks are freed first to make room); else None. An
+        `exempt` take goes past the limit once no free block is still in use by the GPU (then only lent
+        blocks hold the pool, which only their owners can give back)."""
         with self._lock:
             self._take_in()
             fits = [b for b in self._free if b.size >= nbytes and b.idle]
@@ -106,7 +108,7 @@ class Blocks:
             size = block_size(nbytes)
             if limit is not None:
                 self._trim(max(0, limit - size - (self.owned - sum(b.size for b in self._free))))
-                if self.owned + size > limit:
+                if self.owned + size > limit and not (exempt and all(b.idle for b in self._free)):
                     return None
             self.owned += size  # counted before the allocation, which runs outside the lock
         try:
@@ -118,12 +120,12 @@ class Blocks:
 
     def take_within(self, nbytes: int, limit: int, exempt, patience: float):
         """take(nbytes, limit), waiting while the pool is full (polling: blocks come back from garbage
-        collection, which cannot signal) until a block fits, exempt() says this one may go past the limit,
-        or `patience` seconds have passed (then it goes past the limit too)."""
+        collection and from the GPU, neither of which can signal) until a block fits, or until the take
+        is exempt (exempt() says so, or `patience` seconds have passed) and nothing but lent blocks holds
+        the pool: waiting on the GPU is always safe, waiting on a lent block may not be."""
         deadline = time.monotonic() + patience
         while True:
-            over = exempt() or time.monotonic() >= deadline
-            block = self.take(nbytes, None if over else limit)
+            block = self.take(nbytes, limit, exempt() or time.monotonic() >= deadline)
             if block is not None:
                 return block
             time.sleep(0.002)
