@@ -118,14 +118,13 @@ class Blocks:
                 self.owned -= size
             raise
 
-    def take_within(self, nbytes: int, limit: int, exempt, patience: float):
+    def take_within(self, nbytes: int, limit: int, exempt):
         """take(nbytes, limit), waiting while the pool is full (polling: blocks come back from garbage
-        collection and from the GPU, neither of which can signal) until a block fits, or until the take
-        is exempt (exempt() says so, or `patience` seconds have passed) and nothing but lent blocks holds
-        the pool: waiting on the GPU is always safe, waiting on a lent block may not be."""
-        deadline = time.monotonic() + patience
+        collection and from the GPU, neither of which can signal) until a block fits, or until exempt()
+        says this take may go past the limit and nothing but lent blocks holds the pool: waiting on the
+        GPU is always safe, waiting on a lent block may not be."""
         while True:
-            block = self.take(nbytes, limit, exempt() or time.monotonic() >= deadline)
+            block = self.take(nbytes, limit, exempt())
             if block is not None:
                 return block
             time.sleep(0.002)

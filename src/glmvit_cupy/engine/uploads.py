@@ -19,6 +19,7 @@ the bookkeeping is tested without a GPU.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -54,6 +55,7 @@ class Uploader:
         self._local = threading.local()
         self._wanted = -1  # the index of the image the consumer is waiting for (feeding)
         self._hungry = False  # an unordered consumer is waiting for any image (feeding)
+        self._fed = 0  # consumers now telling what they wait for (feeding)
         self._claim = threading.Lock()
 
     def buffer(self, shape) -> np.ndarray:
@@ -80,6 +82,13 @@ class Uploader:
         budget; as they finish (feed.as_done's, ordered=False), any one: each wait of the consumer lets
         one held-back upload go."""
         it = iter(items)
+        self._fed += 1  # a consumer that says what it waits for: no upload needs `patience`
+        try:
+            yield from self._feed(it, ordered)
+        finally:
+            self._fed -= 1
+
+    def _feed(self, it, ordered: bool):
         k = 0
         while True:
             if ordered:
@@ -133,4 +142,9 @@ class Uploader:
     def _take(self, nbytes: int, index: int | None):
         """A device block for nbytes within the budget, waiting while it is full unless this image is the
         one the consumer waits for (or has waited `patience` seconds)."""
-        return self.blocks.take_within(nbytes, self.budget, lambda: self._exempt(index), self.patience)
+        deadline = time.monotonic() + self.patience
+
+        def exempt():
+            return self._exempt(index) or (not self._fed and time.monotonic() >= deadline)
+
+        return self.blocks.take_within(nbytes, self.budget, exempt)
