@@ -40,7 +40,7 @@ class Client:
             body["min_image_tokens"] = min_image_tokens
         if max_image_tokens is not None:
             body["max_image_tokens"] = max_image_tokens
-        _, raw = self._call("POST", "/v1/encode", json.dumps(body).encode(), "application/json")
+        _, raw = self._post("/v1/encode", body, images)
         tensors = _bf16_tensors(raw)
         meta = json.loads(_metadata(raw)["images"])
         return [tensors[str(i)] for i in range(len(blobs))], meta
@@ -63,9 +63,18 @@ class Client:
             return {**sent, "fps": fpss[i], "duration": durations[i]}
 
         body = {"videos": [one(i, v) for i, v in enumerate(videos)], **settings}
-        _, raw = self._call("POST", "/v1/encode_video", json.dumps(body).encode(), "application/json")
+        _, raw = self._post("/v1/encode_video", body, videos)
         tensors = _bf16_tensors(raw)
         return [tensors[str(i)] for i in range(n)], json.loads(_metadata(raw)["videos"])
+
+    def _post(self, path, body: dict, given: list):
+        """POST body as JSON; a ServerError naming an image or video also names what the caller gave for it."""
+        try:
+            return self._call("POST", path, json.dumps(body).encode(), "application/json")
+        except ServerError as e:
+            if e.index is None or not 0 <= e.index < len(given):
+                raise
+            raise ServerError(e.status, e.error, e.index, _source(given[e.index])) from None
 
     def _call(self, method, path, data=None, kind=None):
         req = urllib.request.Request(self.url + path, data=data, method=method,
@@ -114,3 +123,17 @@ def _file_b64(frame) -> str:
         with open(frame, "rb") as f:
             frame = f.read()
     return base64.b64encode(bytes(frame)).decode("ascii")
+
+
+def _source(item) -> str | None:
+    """What a caller gave for one image or video, as an error names it: a path, or its kind."""
+    if isinstance(item, (str, os.PathLike)):
+        return os.fspath(item)
+    if isinstance(item, (bytes, bytearray)):
+        return f"{len(item):,} bytes"
+    if isinstance(item, np.ndarray):
+        return f"array {tuple(item.shape)}"
+    if isinstance(item, (list, tuple)):
+        first = _source(item[0]) if item else None
+        return f"{len(item)} frames" + (f" from {first}" if first and isinstance(item[0], (str, os.PathLike)) else "")
+    return type(item).__name__

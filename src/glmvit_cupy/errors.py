@@ -48,8 +48,9 @@ class KernelError(RuntimeError):
 
 class ServerError(RuntimeError):
     """glmvit-serve refused or failed a request (glmvit_cupy.client): .status (HTTP), .error (the
-    server's reason), .index (the image it names, or None)."""
+    server's reason), .index (the image or video it names, or None), .source (what the caller gave
+    for it: a path, or None)."""
 
-    def __init__(self, status: int, error: str, index: int | None = None):
-        super().__init__(f"HTTP {status}: {error}" + (f" (image {index})" if index is not None else ""))
-        self.status, self.error, self.index = status, error, index
+    def __init__(self, status: int, error: str, index: int | None = None, source: str | None = None):
+        super().__init__(f"HTTP {status}: {error}" + (f" [{source}]" if source is not None else ""))
+        self.status, self.error, self.index, self.source = status, error, index, source
