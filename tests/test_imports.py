@@ -147,3 +147,15 @@ def test_errors_importable_without_cupy():
     for p in PKG.rglob("*.py"):  # defined once, in errors.py
         if p.name != "errors.py":
             assert "Error(" not in "".join(ln for ln in p.read_text().splitlines(True) if ln.startswith("class ")), p
+
+
+def test_engine_facades_spell_out_their_keywords():
+    """help(GlmVit) and help(Replicas) show every argument: no **kw on their constructors or
+    from_checkpoint (read from the source: the engine needs CuPy to import)."""
+    for name, cls in (("model.py", "GlmVit"), ("replicas.py", "Replicas")):
+        tree = ast.parse((PKG / "engine" / name).read_text())
+        (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+        methods = {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
+        for m in ("__init__", "from_checkpoint"):
+            assert methods[m].args.kwarg is None, f"{cls}.{m} takes **{methods[m].args.kwarg.arg}"
+            assert methods[m].args.kwonlyargs, f"{cls}.{m}"

@@ -57,10 +57,13 @@ class GlmVit:
     algorithms for the forward's GEMM shapes at load and keep the fastest that gives cuBLAS's default bits
     (gemm_tune.py; False: cuBLAS's default pick everywhere)."""
 
-    def __init__(self, binding: TowerBinding, *, device=None, capacity_tokens: int | None = None,
-                 attention_variant: str | None = None, graphs: bool = True, max_image_tokens: int | None = None,
-                 fused_swiglu: bool | None = None, tune_gemms: bool = True):
+    def __init__(self, checkpoint, *, device: int | None = None, capacity_tokens: int | None = None,
+                 attention_variant: str | None = None, graphs: bool = True, fused_swiglu: bool | None = None,
+                 tune_gemms: bool = True, max_image_tokens: int | None = None):
+        """checkpoint: a checkpoint folder, shard, index file or Hub id (checked and bound here, as
+        from_checkpoint does), or a TowerBinding already bound (glmvit_cupy.bind_tower)."""
         gpu.require()  # no GPU, driver or CUDA library: GpuUnavailable saying which, not a CUDA error
+        binding = checkpoint if isinstance(checkpoint, TowerBinding) else bind_tower(checkpoint)
         if device is not None:  # before CUDA's bare "invalid device ordinal" from the first call on it
             device = checks.check_device(device, cupy.cuda.runtime.getDeviceCount(), "device=",
                                          "; for several GPUs use glmvit_cupy.Replicas")
@@ -106,13 +109,17 @@ class GlmVit:
                  binding.nbytes / 2**20, self.load_seconds)
 
     @classmethod
-    def from_checkpoint(cls, path, device: int | None = None, *, capacity_tokens: int | None = None, devices=None,
-                        **kw) -> "GlmVit":
-        """Check, bind and upload a checkpoint's tower (CheckpointError on any problem)."""
+    def from_checkpoint(cls, path, device: int | None = None, *, capacity_tokens: int | None = None,
+                        attention_variant: str | None = None, graphs: bool = True, fused_swiglu: bool | None = None,
+                        tune_gemms: bool = True, devices=None, max_image_tokens: int | None = None) -> "GlmVit":
+        """Check, bind and upload a checkpoint's tower (CheckpointError on any problem): path a checkpoint
+        folder, one of its shards, its index file, or a Hub id. The keywords are the class's."""
         if devices is not None:
             raise TypeError("GlmVit.from_checkpoint runs on one GPU; for several use "
                             "glmvit_cupy.Replicas.from_checkpoint(path, devices=[0, 1, ...])")
-        return cls(bind_tower(path), device=device, capacity_tokens=capacity_tokens, **kw)
+        return cls(bind_tower(path), device=device, capacity_tokens=capacity_tokens,
+                   attention_variant=attention_variant, graphs=graphs, fused_swiglu=fused_swiglu,
+                   tune_gemms=tune_gemms, max_image_tokens=max_image_tokens)
 
     # -- settings ---------------------------------------------------------------------------------
     @property

@@ -26,18 +26,27 @@ class Replicas:
     encode(images) returns each image's embedding on the GPU that computed it; encode_pixels
     gathers the batch's output onto the first device."""
 
-    def __init__(self, binding: TowerBinding, devices, **kw):
+    def __init__(self, checkpoint, devices, *, capacity_tokens: int | None = None,
+                 attention_variant: str | None = None, graphs: bool = True, fused_swiglu: bool | None = None,
+                 tune_gemms: bool = True):
+        """checkpoint: a path or Hub id (bound once here), or a TowerBinding; devices: CUDA ordinals, one
+        replica each (the same one twice makes two replicas on it). The keywords are GlmVit's."""
         gpu.require()
+        binding = checkpoint if isinstance(checkpoint, TowerBinding) else bind_tower(checkpoint)
         self.devices = checks.check_devices(devices, cupy.cuda.runtime.getDeviceCount())
-        self.models = [GlmVit(binding, device=d, **kw) for d in self.devices]
+        self.models = [GlmVit(binding, device=d, capacity_tokens=capacity_tokens, attention_variant=attention_variant,
+                              graphs=graphs, fused_swiglu=fused_swiglu, tune_gemms=tune_gemms) for d in self.devices]
         self.geometry = self.models[0].geometry
         self.capacity_tokens = self.models[0].capacity_tokens
         self._pool = ThreadPoolExecutor(len(self.models), thread_name_prefix="glmvit")
 
     @classmethod
-    def from_checkpoint(cls, path, devices, **kw) -> "Replicas":
+    def from_checkpoint(cls, path, devices, *, capacity_tokens: int | None = None,
+                        attention_variant: str | None = None, graphs: bool = True, fused_swiglu: bool | None = None,
+                        tune_gemms: bool = True) -> "Replicas":
         """Check and bind a checkpoint once, then upload one replica per listed device."""
-        return cls(bind_tower(path), devices, **kw)
+        return cls(bind_tower(path), devices, capacity_tokens=capacity_tokens, attention_variant=attention_variant,
+                   graphs=graphs, fused_swiglu=fused_swiglu, tune_gemms=tune_gemms)
 
     def __len__(self):
         return len(self.models)
