@@ -279,31 +279,103 @@ def test_take_within_waits_for_room_unless_exempt_or_past_patience():
     del held
 
 
-def test_feeding_tells_the_uploads_what_the_consumer_waits_for():
+def test_wants_tells_the_uploads_what_the_consumer_waits_for():
     """Ordered: the index being waited for is exempt from the budget. Unordered: each wait of the
-    consumer exempts exactly one upload."""
-    from glmvit_cupy.engine import uploads as up_mod
+    consumer exempts exactly one upload. A consumer that stops exempts all of its remaining uploads."""
+    from glmvit_cupy.engine.uploads import Wants
 
-    up = up_mod.Uploader.__new__(up_mod.Uploader)
-    up._wanted, up._hungry, up._claim, up._fed = -1, False, threading.Lock(), 0
-    seen = []
+    wants, seen = Wants(), []
 
     def items():
         for k in range(3):
-            seen.append((up._wanted, up._exempt(k), up._exempt(k + 1)))
+            seen.append((wants.exempt(k), wants.exempt(k + 1)))
             yield k
 
-    assert list(up.feeding(items())) == [0, 1, 2]
-    assert seen == [(0, True, False), (1, True, False), (2, True, False)]
-    up._wanted, seen[:] = -1, []
+    assert list(wants.feeding(items())) == [0, 1, 2] and seen == [(True, False)] * 3
+    assert wants.exempt(10**9)  # done: nothing of it waits any more
+    wants, seen = Wants(ordered=False), []
 
     def any_items():
         for k in range(2):
-            seen.append((up._exempt(None), up._exempt(None)))  # the first claim wins, the second waits
+            seen.append((wants.exempt(None), wants.exempt(None)))  # the first claim wins, the second waits
             yield k
 
-    assert list(up.feeding(any_items(), ordered=False)) == [0, 1] and seen == [(True, False), (True, False)]
-    assert not up._hungry and not up._exempt(None)  # between waits, nothing is exempt
+    stream = wants.feeding(any_items())
+    assert next(stream) == 0 and seen == [(True, False)]
+    assert not wants.exempt(None)  # between waits, nothing is exempt
+    stream.close()  # the consumer drops the stream
+    assert wants.exempt(5)
+
+
+def test_two_consumers_share_one_budget_without_deadlock():
+    """Two calls on one uploader at once (a stand-in GPU marks each pass's blocks done after a delay):
+    both finish, in order, and the blocks stay near the budget, though each call's consumer waits for
+    images the other call's uploads hold back."""
+    import time
+
+    from glmvit_cupy.engine.uploads import Uploader, Wants
+
+    up = Uploader.__new__(Uploader)
+    up.budget, up.patience = 6 * GRAIN, 0.05
+    up.blocks = Blocks(up.budget, alloc=Fake)
+    gpu, peak, results = [], [0], {}
+
+    class Image:
+        pass
+
+    def one(i, _):
+        block = up._take(2 * GRAIN, i, wants_of[threading.current_thread().name.split("_")[0]])
+        img = Image()
+        up.blocks.lend(img, block)
+        img.block = block
+        peak[0] = max(peak[0], up.blocks.owned)
+        return i, img
+
+    def run_gpu():
+        while not results.get("stop"):
+            if gpu:
+                time.sleep(0.003)
+                gpu.pop(0).done = True
+            else:
+                time.sleep(0.001)
+
+    def consumer(name):
+        wants = wants_of[name]
+        order, batch = [], []
+        for i, img in wants.feeding(_named_in_order(one, range(24), 4, name)):
+            batch.append(img)
+            order.append(i)
+            if len(batch) == 2:  # a pass: the GPU reads its images, then they are let go
+                for im in batch:
+                    im.block.event = Event(done=False)
+                    gpu.append(im.block.event)
+                batch = []
+        results[name] = order
+
+    wants_of = {"a": Wants(), "b": Wants()}
+    g = threading.Thread(target=run_gpu, daemon=True)
+    g.start()
+    threads = [threading.Thread(target=consumer, args=(n,), daemon=True) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    results["stop"] = True
+    assert results.get("a") == list(range(24)) and results.get("b") == list(range(24)), results
+    # Bounded by the budget and what the two consumers hold (a pass being packed, the image in hand, the
+    # one they wait for), not by the 48 images: without the budget every image takes a block of its own.
+    assert peak[0] <= up.budget + 2 * 6 * (2 * GRAIN) < 48 * (2 * GRAIN)
+
+
+def _named_in_order(fn, items, workers, name):
+    """feed.in_order's behaviour with its worker threads named after the consumer (the test's one()
+    finds its consumer by thread name)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers, thread_name_prefix=name) as pool:
+        futures = [pool.submit(fn, i, x) for i, x in enumerate(items)]
+        while futures:  # each result let go once taken, as feed.in_order does
+            yield futures.pop(0).result()
 
 
 def test_an_exempt_take_waits_for_the_gpu_but_not_for_lent_blocks():
@@ -335,19 +407,20 @@ def test_patience_only_where_no_consumer_says_what_it_waits_for():
     from glmvit_cupy.engine import uploads as up_mod
 
     up = up_mod.Uploader.__new__(up_mod.Uploader)
-    up._wanted, up._hungry, up._claim, up._fed = -1, False, threading.Lock(), 0
     up.budget, up.patience = 2 * GRAIN, 0.1
     up.blocks = Blocks(2 * GRAIN, alloc=Fake)
-    held = up._take(2 * GRAIN, 0)  # lent: the budget is full
+    held = up._take(2 * GRAIN, 0, None)  # lent: the budget is full
     t0 = time.monotonic()
-    assert up._take(2 * GRAIN, 7).size == 2 * GRAIN and 0.05 < time.monotonic() - t0 < 5  # no consumer: patience
-    up._fed = 1
+    assert up._take(2 * GRAIN, 7, None).size == 2 * GRAIN and 0.05 < time.monotonic() - t0 < 5  # patience
+    wants = up_mod.Wants()
+    stream = wants.feeding(iter(range(100)))
+    assert next(stream) == 0  # a consumer is feeding and waits for image 1
     got = []
-    t = threading.Thread(target=lambda: got.append(up._take(2 * GRAIN, 9)), daemon=True)
+    t = threading.Thread(target=lambda: got.append(up._take(2 * GRAIN, 9, wants)), daemon=True)
     t.start()
     t.join(0.5)
-    assert not got  # a consumer is feeding and waits for another image: this one keeps waiting
-    up._wanted = 9
+    assert not got  # image 9 is not the one waited for: it waits for room, past any patience
+    stream.close()  # the consumer stops: its remaining uploads go
     t.join(5)
     assert got
     del held

@@ -24,6 +24,7 @@ from ..scheduling import batching, feed
 from . import gemm_sm90, params
 from .attention import check_variant, default_variants, score_bound_log2, value_bound_log2
 from .runner import Runner
+from .uploads import Wants
 
 log = logging.getLogger("glmvit_cupy")
 
@@ -222,11 +223,11 @@ class GlmVit:
         single = not isinstance(images, (list, tuple))
         one = batching.preparer(self.geometry, self.capacity_tokens, min_image_tokens, max_image_tokens, max_pixels,
                                 resize=resize, decode=decode)
-        uploads = self.runner.uploads
-        one = uploads.uploading(one)  # each decoding thread puts its images on this GPU itself
+        wants = Wants()  # this call's consumer takes its images in order
+        one = self.runner.uploads.uploading(one, wants)  # each decoding thread puts its images on this GPU
         images = [images] if single else list(images)
         prepared = feed.in_order(one, images, feed.default_workers() if workers is None else workers)
-        return self.encode_prepared(uploads.feeding(prepared))
+        return self.encode_prepared(wants.feeding(prepared))
 
     def encode_prepared(self, prepared: list) -> list[cupy.ndarray]:
         """(uint8 image, grid, info) triples (batching.preparer's; a list or a lazy iterable) -> one

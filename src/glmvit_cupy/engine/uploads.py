@@ -10,9 +10,10 @@ memory is staged by the driver (~7 GiB/s over all threads, without the GIL): ~7 
 for a 12-megapixel photo, and nothing is pinned.
 
 The device bytes of images uploaded ahead are bounded, not their count: an upload that would take the
-uploader's blocks past `budget` waits until the GPU's passes let earlier images go. The image the
-consumer waits for is never held back (feeding() tells which one that is), so nothing deadlocks; where
-no consumer says so, a held-back upload goes ahead after `patience`. CuPy is imported only to upload, so
+uploader's blocks past `budget` waits until the GPU's passes let earlier images go. The image a consumer
+waits for (Wants.feeding tells which, per call) is held back only by the GPU, never by images it has not
+taken yet, so nothing deadlocks; where no consumer says so, a held-back upload goes ahead after
+`patience`. CuPy is imported only to upload, so
 the bookkeeping is tested without a GPU.
 """
 
@@ -43,20 +44,63 @@ class Uploaded:
         return (*self.array.shape[:2], 3)
 
 
+class Wants:
+    """What one consumer of uploaded images waits for, told to the uploads of its images (feeding): the
+    next index (images taken in order, feed.in_order's) or any one (as they finish, feed.as_done's). The
+    image it waits for never waits for the budget; with `ordered=False` each wait lets one upload go."""
+
+    def __init__(self, ordered: bool = True):
+        self.ordered = ordered
+        self.active = False  # a consumer is taking the images (until then, uploads use `patience`)
+        self._next = -1
+        self._hungry = False
+        self._claim = threading.Lock()
+
+    def feeding(self, items):
+        """The items, passed through while saying what the consumer waits for; once it stops (the end, an
+        error, or it drops the stream), nothing of its images waits any more."""
+        it = iter(items)
+        self.active = True
+        try:
+            k = 0
+            while True:
+                if self.ordered:
+                    self._next = k
+                else:
+                    self._hungry = True
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                finally:
+                    self._hungry = False
+                yield item
+                k += 1
+        finally:
+            self._next = float("inf")  # its remaining uploads go (and are let go with the stream)
+            self.ordered = True
+
+    def exempt(self, index: int | None) -> bool:
+        """Whether the upload of image `index` may go past the budget now."""
+        if self.ordered:
+            return index is not None and index <= self._next
+        with self._claim:  # one held-back upload per wait of an unordered consumer
+            if self._hungry:
+                self._hungry = False
+                return True
+        return False
+
+
 class Uploader:
     """Called on a prepare thread with a decoded image (uint8 [H, W, 3], in `buffer` memory or any host
     array): returns it as Uploaded on `device`. Its device blocks, lent to images in flight or cached idle,
-    stay within `budget` bytes (one image the consumer is waiting for may go past it)."""
+    stay within `budget` bytes (the image a consumer waits for may go past it)."""
 
     def __init__(self, device, budget: int = BUDGET, patience: float = 0.25):
         self.device = device
         self.budget, self.patience = budget, patience
         self.blocks = Blocks(budget, alloc=DeviceBlock)
         self._local = threading.local()
-        self._wanted = -1  # the index of the image the consumer is waiting for (feeding)
-        self._hungry = False  # an unordered consumer is waiting for any image (feeding)
-        self._fed = 0  # consumers now telling what they wait for (feeding)
-        self._claim = threading.Lock()
 
     def buffer(self, shape) -> np.ndarray:
         """This thread's host buffer as a uint8 array of `shape` (grown when too small; valid until the
@@ -67,56 +111,20 @@ class Uploader:
             host = self._local.host = np.empty(n, np.uint8)
         return host[:n].reshape(shape)
 
-    def uploading(self, one):
+    def uploading(self, one, wants: Wants | None = None):
         """A host preparer's function (scheduling.batching.preparer's one(i, image, name=None, host_buffer=None))
-        made to decode into this thread's buffer and hand on the image uploaded to this GPU."""
+        made to decode into this thread's buffer and hand on the image uploaded to this GPU; `wants`: what
+        the consumer of these images waits for (its feeding() passes them on)."""
         def prepared(i, image, name=None):
             out, grid, info = one(i, image, name=name, host_buffer=self.buffer)
-            return self(out, index=i), grid, info
+            return self(out, index=i, wants=wants), grid, info
 
         return prepared
 
-    def feeding(self, items, ordered: bool = True):
-        """Items made by uploading(...)'s function, passed through while telling the uploads what the
-        consumer waits for: in index order (feed.in_order's), the next index, which never waits for the
-        budget; as they finish (feed.as_done's, ordered=False), any one: each wait of the consumer lets
-        one held-back upload go."""
-        it = iter(items)
-        self._fed += 1  # a consumer that says what it waits for: no upload needs `patience`
-        try:
-            yield from self._feed(it, ordered)
-        finally:
-            self._fed -= 1
-
-    def _feed(self, it, ordered: bool):
-        k = 0
-        while True:
-            if ordered:
-                self._wanted = k
-            else:
-                self._hungry = True
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            finally:
-                self._hungry = False
-            yield item
-            k += 1
-
-    def _exempt(self, index: int | None) -> bool:
-        if index is not None and index <= self._wanted:
-            return True
-        with self._claim:  # one held-back upload per wait of an unordered consumer
-            if self._hungry:
-                self._hungry = False
-                return True
-        return False
-
-    def __call__(self, image: np.ndarray, index: int | None = None):
+    def __call__(self, image: np.ndarray, index: int | None = None, wants: Wants | None = None):
         """The image on the device (its copy in flight on this thread's stream), or, if the device has no
         memory left for it, a copy in ordinary memory (the GPU's thread then uploads it). index: the
-        image's place in its call's order (see feeding)."""
+        image's place in its call's order; wants: what that call's consumer waits for."""
         import cupy
 
         four = four_channels(image)  # an [H, W, 4] decode (in our buffer): all four bytes travel, one copy
@@ -124,7 +132,7 @@ class Uploader:
         ptr, shape, nbytes = src.ctypes.data, src.shape, src.nbytes
         with self.device:
             try:
-                block = self._take(nbytes, index)
+                block = self._take(nbytes, index, wants)
             except MemoryError:
                 return np.array(image)  # out of our buffer, which this thread reuses next
             stream = getattr(self._local, "stream", None)
@@ -139,12 +147,14 @@ class Uploader:
         self.blocks.lend(out, block)  # back to the pool when the batch holding it is done with it
         return out
 
-    def _take(self, nbytes: int, index: int | None):
-        """A device block for nbytes within the budget, waiting while it is full unless this image is the
-        one the consumer waits for (or has waited `patience` seconds)."""
+    def _take(self, nbytes: int, index: int | None, wants: Wants | None):
+        """A device block for nbytes within the budget, waiting while it is full unless the consumer waits
+        for this image; where no consumer says what it waits for, until `patience` seconds have passed."""
         deadline = time.monotonic() + self.patience
 
         def exempt():
-            return self._exempt(index) or (not self._fed and time.monotonic() >= deadline)
+            if wants is not None and wants.active:
+                return wants.exempt(index)
+            return time.monotonic() >= deadline
 
         return self.blocks.take_within(nbytes, self.budget, exempt)

@@ -31,6 +31,7 @@ class Backend:
         self.capacity_tokens = capacity_tokens
         self.cpu = cpu
         self.resize = "host" if cpu else "gpu"  # who resizes the images this backend is given
+        self._wants = None  # what the command's consumer waits for (preparing, feeding)
         self.graphs_ready: list[int] = []  # budgets (patches) whose CUDA graphs every replica captured at load
         if cpu:
             from .. import reference
@@ -73,18 +74,19 @@ class Backend:
         if self.cpu:
             return one
         if len(self._engine) == 1:
-            return self._engine.models[0].runner.uploads.uploading(one)
+            from ..engine.uploads import Wants
+
+            self._wants = Wants(ordered=False)  # the command takes images as they finish (feeding)
+            return self._engine.models[0].runner.uploads.uploading(one, self._wants)
         from ..engine.pools import HOST
 
         return lambda i, image, name=None: one(i, image, name=name, host_buffer=HOST.array)
 
     def feeding(self, prepared):
-        """The stream of prepared images (preparing(...)'s, taken as they finish) as the consumer should
-        take it: with one GPU, each wait for an image lets one upload past the uploader's byte budget
-        (engine/uploads.py), so the budget never stalls a consumer that has nothing to pack."""
-        if self.cpu or len(self._engine) != 1:
-            return prepared
-        return self._engine.models[0].runner.uploads.feeding(prepared, ordered=False)
+        """The stream of images prepared by the last preparing(...)'s function, taken as they finish, as the
+        consumer should take it: with one GPU, each wait for an image lets one upload past the uploader's
+        byte budget (engine/uploads.py), so the budget never stalls a consumer that has nothing to pack."""
+        return prepared if self._wants is None else self._wants.feeding(prepared)
 
     def _warm_up(self) -> None:
         """One small image through each replica, as glmvit-encode and the server send them: CUDA loads each
