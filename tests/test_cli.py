@@ -59,7 +59,7 @@ def test_encode_folder_skips_bad_image_and_matches_reference(images, tmp_path, c
         pv, grid = preprocess([key])
         assert entry["grid_thw"] == grid[0].tolist() and entry["tokens"] == grid[0, 1] * grid[0, 2] // 4
         assert tensors[key].dtype == ml_dtypes.bfloat16 and tensors[key].shape == (entry["tokens"], 256)
-        # The CLI ran the three images as one batch; alone, BLAS may round the last bit differently.
+        # bf16 storage of the float32 reference; BLAS may round the last float32 bits differently.
         ref = reference.encode_pixels(tower, pv, grid)
         got = tensors[key].astype(np.float32)
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 4e-3  # bf16 storage: 2^-8 at worst
@@ -185,8 +185,8 @@ def test_inspect_and_usage(capsys, tmp_path):
     assert run(["--inspect", tmp_path]) == 2
     assert "empty directory" in capsys.readouterr().err
     assert run([]) == 2
-    with pytest.raises(SystemExit, match="no such file"):
-        run([tmp_path / "nope.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o", "--cpu"])
+    assert run([tmp_path / "nope.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o", "--cpu"]) == 2
+    assert "no such file, folder or matching glob: " in capsys.readouterr().err and not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("flags,named", [(["--devices", "0"], "--devices"), (["--decode", "gpu"], "--decode gpu"),
@@ -360,35 +360,43 @@ def test_a_slow_disk_holds_the_encoder_back(tmp_path, monkeypatch):
     assert 1 <= most[0] <= output.PENDING_WRITES  # one image a pass: 14 writes, never more than 4 waiting
 
 
-def test_a_full_disk_stops_the_run_in_one_line_and_the_same_command_resumes(tmp_path, monkeypatch, capsys):
-    """A shard write that fails (here: ENOSPC on the third) stops the run with exit status 1 and one line that
-    says what failed and how to resume, not a traceback; what was written stays, and the same command then
-    encodes what is missing."""
+@pytest.mark.parametrize("error", ["safetensors", "os"])
+def test_a_full_disk_stops_the_run_in_one_line_and_the_same_command_resumes(tmp_path, monkeypatch, capsys, error):
+    """A shard write that fails (here: ENOSPC on the third, as safetensors says it, a SafetensorError, and as an
+    OSError) stops the run with exit status 3 and one line that names the shard, says why and how to resume,
+    not a traceback; what was written stays (no .tmp left), and the same command then encodes what is missing."""
     import errno
 
-    from glmvit_cupy import output
+    import safetensors.numpy
+    from safetensors import SafetensorError
 
     folder = tmp_path / "many"
     folder.mkdir()
     for i in range(6):
         Image.fromarray(cases._smooth(28, 42, 10 + i)).save(folder / f"{i}.png")
-    real_add, calls = output.Output.add_batch, []
+    real_save, calls = safetensors.numpy.save_file, []
 
-    def full_disk(self, entries):
-        calls.append(1)
-        if len(calls) == 3:  # one image a pass: the third image's write
-            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "x.tmp"))
-        real_add(self, entries)
+    def full_disk(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 3:  # one image a pass: the third image's shard
+            open(path, "wb").close()  # the part written before the disk filled
+            if error == "os":
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        real_save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(output.Output, "add_batch", full_disk)
+    monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
     out = tmp_path / "out"
     args = [folder, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--capacity-tokens", 2,
             "--max-image-tokens", 2, "--min-image-tokens", 0]
-    assert run(args) == 1
+    assert run(args) == 3
     err = capsys.readouterr().err
-    assert "a write failed, so the run stopped: [Errno 28] No space left on device" in err
-    assert "re-run the same command to resume" in err and "Traceback" not in err
-    monkeypatch.setattr(output.Output, "add_batch", real_add)
+    (line,) = [x for x in err.splitlines() if x.startswith("glmvit-encode: cannot")]
+    assert f"cannot write {out / 'embeddings-00003.safetensors'}: " in line and "No space left on device" in line
+    assert "the run stopped with 2 files saved" in line and "re-run the same command to resume" in line
+    assert "Traceback" not in err
+    assert sorted(os.listdir(out)) == ["embeddings-00001.safetensors", "embeddings-00002.safetensors", "manifest.json"]
+    monkeypatch.setattr(safetensors.numpy, "save_file", real_save)
     assert run(args) == 0
     manifest, tensors = load_all(out)
     assert len(manifest["images"]) == len(tensors) == 6

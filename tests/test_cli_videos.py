@@ -121,7 +121,7 @@ def test_no_videos_and_pyav_missing(media, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else real(name, *a))
     assert run(media, "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o2", "--cpu") == 2
     err = capsys.readouterr().err
-    assert "3 video files among the inputs" in err and "pip install 'glmvit-cupy[video]'" in err
+    assert "3 video files among the inputs" in err and "pip install -e '.[video]' in the glmvit-cupy checkout" in err
     assert "--no-videos" in err and not (tmp_path / "o2").exists()
     assert run(media / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o3", "--cpu") == 0  # no video
 

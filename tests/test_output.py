@@ -194,3 +194,87 @@ def test_the_writer_bounds_what_waits_by_count_and_by_bytes(tmp_path):
     assert order == list(range(8))
     with pytest.raises(ZeroDivisionError):
         writer.check()
+
+
+def test_keys_of_names_that_are_not_utf8_are_storable_unambiguous_and_lead_back(tmp_path):
+    """A file name may hold any bytes but "/" and NUL; safetensors keys and JSON text are UTF-8. A path that
+    is not UTF-8 is keyed by the repr() of its bytes: it never equals a resolved path's key (those start with
+    "/"), not even that of a file whose name spells the escape out, and key_path inverts it."""
+    from glmvit_cupy.output import image_key, key_path
+
+    names = [b"caf\xe9.png", b"it's \"q\" \\ \xff\xfe.png", b"\xe9t\xe9 \xc3\xa9.jpg", b"plain.png",
+             "caf\\xe9.png".encode(), b"b'x'.png"]
+    keys = []
+    for name in names:
+        path = os.fsencode(str(tmp_path)) + b"/" + name
+        open(path, "wb").close()
+        key = image_key(os.fsdecode(path))
+        key.encode("utf-8")  # storable
+        assert os.fsencode(key_path(key)) == os.path.realpath(path)
+        keys.append(key)
+    assert len(set(keys)) == len(names)
+    assert keys[3] == os.path.realpath(str(tmp_path / "plain.png")) and keys[0].startswith("b'")
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=0)
+    out.add_batch(batch(keys))
+    out.fail(image_key(os.fsdecode(os.fsencode(str(tmp_path)) + b"/gone\xff.png")), "gone\udcff.png: missing")
+    manifest, arrays = read_embeddings(folder)
+    assert set(arrays) == set(keys) and Output(folder, SETTINGS).done(keys[1])
+    assert bytes.fromhex(manifest["images"][keys[1]]["path_bytes"]) == os.fsencode(key_path(keys[1]))
+    assert "path_bytes" not in manifest["images"][keys[3]]
+    assert list(manifest["failed"].values()) == ["gone\\xff.png: missing"]
+
+
+@pytest.mark.parametrize("error", ["safetensors", "os"])
+def test_a_shard_that_cannot_be_written_is_an_output_error_naming_it(tmp_path, monkeypatch, error):
+    """safetensors says a full disk as a SafetensorError, not an OSError: either is an OutputError naming the
+    shard; its temporary file is removed, and the shards before it stay."""
+    import errno
+
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=0)
+    out.add_batch(batch(["/img/a"]))
+
+    def full(tensors, path, metadata=None):
+        open(path, "wb").close()
+        if error == "os":
+            raise OSError(errno.EFBIG, "File too large")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    why = "File too large" if error == "os" else "No space left on device"
+    with pytest.raises(OutputError, match=f"cannot write {folder}/embeddings-00002.safetensors: .*{why}"):
+        out.add_batch(batch(["/img/b"]))
+    assert sorted(os.listdir(folder)) == ["embeddings-00001.safetensors", MANIFEST]
+    assert set(read_embeddings(folder)[1]) == {"/img/a"}
+
+
+def test_after_a_failed_write_the_writer_runs_no_more(tmp_path):
+    from glmvit_cupy.output import Writer
+
+    out = Output(str(tmp_path / "o"), SETTINGS)
+    ran = []
+    writer = Writer(out, pending=None)
+    writer.submit(ran.append, 1)
+    writer.submit(lambda: 1 / 0)
+    writer.submit(ran.append, 3)  # queued behind the failure: not run (the run stops; a re-run does it)
+    writer.close()
+    assert ran == [1]
+    with pytest.raises(ZeroDivisionError):
+        writer.check()
+
+
+def test_earlier_failures_stay_in_the_manifest_until_encoded(tmp_path):
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=0)
+    out.add_batch(batch(["/img/a"]))
+    out.fail("/img/bad", "cannot decode")
+    out.fail("/img/later", "cannot read")
+    again = Output(folder, SETTINGS)
+    assert again.manifest["failed"] == {"/img/bad": "cannot decode", "/img/later": "cannot read"}
+    again.add_batch(batch(["/img/later"]))
+    again.flush()
+    assert json.loads((tmp_path / "o" / MANIFEST).read_text())["failed"] == {"/img/bad": "cannot decode"}

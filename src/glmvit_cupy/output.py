@@ -8,12 +8,18 @@
 timestamps, fps); an image's has no "kind".
 
 An image's key is its file's resolved absolute path (os.path.realpath), so the same file reached
-through another relative path, a "." or a symlink is the same image. Every shard is written to a
+through another relative path, a "." or a symlink is the same image. A path that is not valid UTF-8 (a
+name the OS allows but safetensors cannot store) is keyed by the repr() of its bytes, b'/photos/caf\\xe9.jpg':
+no resolved path starts with b' or b", so the two kinds never meet; key_path(key) gives the path back, and
+such an entry also holds "path_bytes", the path's bytes in hex. Every shard is written to a
 temporary name and renamed, so a shard is whole or absent. The manifest is rewritten (atomically) at
 most every few seconds and when the run ends: rewriting it after every batch cost a millions-of-images
 run time quadratic in its length. A run stopped before its manifest caught up loses nothing: its
 shards name their own images, and resuming (or read_embeddings) takes them from there. A re-run with
 the same settings skips what is done. Files get the usual mode for new files (0666 less the umask).
+
+A write that fails (a full disk, lost permissions) raises OutputError naming the file and the reason;
+the shards written before it stay.
 
 Reading the output: `read_embeddings(folder)` (NumPy bf16 arrays, as ml_dtypes.bfloat16), or
 `safetensors.numpy.load_file(shard)` after `import ml_dtypes` (which teaches NumPy bf16), or
@@ -22,6 +28,8 @@ Reading the output: `read_embeddings(folder)` (NumPy bf16 arrays, as ml_dtypes.b
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import json
 import logging
 import os
@@ -36,7 +44,8 @@ from .errors import OutputError
 log = logging.getLogger("glmvit_cupy")
 
 MANIFEST = "manifest.json"
-KEY = "the image file's resolved absolute path (os.path.realpath)"
+KEY = ("the image file's resolved absolute path (os.path.realpath); a path that is not valid UTF-8: the repr() of "
+       "its bytes, b'...' (glmvit_cupy.output.key_path gives the path back)")
 SHARD = re.compile(r"embeddings-(\d{5,})\.safetensors$")  # five digits, more from shard 100,000 on
 FLUSH_SECONDS = 5.0  # the manifest is rewritten at most this often while a run goes on
 # Settings added since the first release: a folder whose header lacks one was written before it existed, when
@@ -45,7 +54,44 @@ ADDED = ("video",)
 
 
 def image_key(path) -> str:
-    return os.path.realpath(path)
+    """The file's resolved absolute path; for a path that is not valid UTF-8 (os.fsdecode's surrogateescape
+    characters: bytes a file name may hold but safetensors and JSON text cannot), the repr() of its bytes."""
+    real = os.path.realpath(path)
+    try:
+        real.encode("utf-8")
+    except UnicodeEncodeError:
+        return repr(os.fsencode(real))
+    return real
+
+
+def key_path(key: str) -> str:
+    """The path of the file a key names, as os functions take it (the inverse of image_key for a resolved path)."""
+    if key.startswith(("b'", 'b"')):
+        try:
+            raw = ast.literal_eval(key)
+        except (ValueError, SyntaxError):
+            raw = None
+        if not isinstance(raw, bytes):
+            raise ValueError(f"{key!r} is not a key glmvit-encode writes: a resolved path, or b'...', the repr() of "
+                             "a path's bytes")
+        return os.fsdecode(raw)
+    return key
+
+
+def shown(text) -> str:
+    """`text` as it can be printed and stored as UTF-8: the undecodable bytes of a file name (os.fsdecode's
+    surrogates) written as \\xNN."""
+    text = str(text)
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # surrogates that stand for no byte
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _reason(e: BaseException) -> str:
+    """The OS's or safetensors' reason for a failed write, in one line."""
+    text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return shown(" ".join(text.split()) or type(e).__name__)
 
 
 def _umask_mode() -> int:
@@ -100,7 +146,10 @@ class Output:
         self._written, self._dirty = time.monotonic(), False
         if os.path.exists(path):
             self._resume(path, settings)
-        os.makedirs(folder, exist_ok=True)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"cannot create the output folder {shown(folder)}: {_reason(e)}") from None
         self._recover(settings)
         self.next_shard = max([0, *map(_shard_number, os.listdir(folder))]) + 1
         self.mode = _umask_mode()
@@ -129,6 +178,11 @@ class Output:
         # Keep only entries whose shard reads whole and holds them: a shard lost or damaged since is encoded again.
         own = _own_shards(self.folder, images)
         self.manifest["images"] = {k: v for k, v in images.items() if k in own}
+        # Earlier failures stay failures until encoded (a run that tries one again replaces its reason).
+        failed = old.get("failed")
+        if isinstance(failed, dict):
+            self.manifest["failed"] = {k: v for k, v in failed.items()
+                                       if isinstance(k, str) and isinstance(v, str) and k not in own}
 
     def _recover(self, settings):
         """Images of shards the manifest does not list yet (the run before stopped before writing it)."""
@@ -137,6 +191,8 @@ class Output:
         for name, (header, images) in found.items():
             self._check(header, settings, name)
             self.manifest["images"].update(images)
+            for key in images:
+                self.manifest["failed"].pop(key, None)
         self._dirty = bool(found)
 
     def done(self, key) -> bool:
@@ -147,12 +203,17 @@ class Output:
 
     def _write_json(self):
         path = os.path.join(self.folder, MANIFEST)
-        with open(path + ".tmp", "w") as f:
-            json.dump(self.manifest, f)  # no indent: json's C encoder
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(path + ".tmp", self.mode)
-        os.replace(path + ".tmp", path)
+        try:
+            with open(path + ".tmp", "w") as f:
+                json.dump(self.manifest, f)  # no indent: json's C encoder
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(path + ".tmp", self.mode)
+            os.replace(path + ".tmp", path)
+        except OSError as e:  # the manifest before it stays whole; the shards name their own images
+            with contextlib.suppress(OSError):
+                os.remove(path + ".tmp")
+            raise OutputError(f"cannot write {shown(path)}: {_reason(e)}") from None
 
     def flush(self):
         """Rewrite the manifest now, if anything changed since it was last written."""
@@ -166,23 +227,38 @@ class Output:
             self.flush()
 
     def add_batch(self, entries: list[tuple[str, dict, np.ndarray]]):
+        from safetensors import SafetensorError
         from safetensors.numpy import save_file
 
         name = f"embeddings-{self.next_shard:05d}.safetensors"
         self.next_shard += 1
         tmp = os.path.join(self.folder, name + ".tmp")
+        entries = [(key, _with_path(key, info), emb) for key, info, emb in entries]
         own = {"header": self.manifest["header"], "images": {key: info for key, info, _ in entries}}
-        save_file({key: np.ascontiguousarray(emb) for key, _, emb in entries}, tmp, metadata={"glmvit": json.dumps(own)})
-        os.chmod(tmp, self.mode)
-        os.replace(tmp, os.path.join(self.folder, name))
+        try:
+            save_file({key: np.ascontiguousarray(emb) for key, _, emb in entries}, tmp,
+                      metadata={"glmvit": json.dumps(own)})
+            os.chmod(tmp, self.mode)
+            os.replace(tmp, os.path.join(self.folder, name))
+        except (OSError, SafetensorError) as e:  # safetensors says ENOSPC / EFBIG as a SafetensorError
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise OutputError(f"cannot write {shown(os.path.join(self.folder, name))}: {_reason(e)}") from None
         for key, info, _ in entries:
             self.manifest["images"][key] = dict(info, shard=name)
             self.manifest["failed"].pop(key, None)
         self._changed()
 
     def fail(self, key, why):
-        self.manifest["failed"][key] = why
+        self.manifest["failed"][key] = shown(why)
         self._changed()
+
+
+def _with_path(key: str, info: dict) -> dict:
+    """An entry as written: one keyed by the repr() of its path's bytes also holds those bytes in hex."""
+    if key.startswith(("b'", 'b"')):
+        return dict(info, path_bytes=os.fsencode(key_path(key)).hex())
+    return info
 
 
 # What may wait for glmvit-encode's writer: each waiting write holds embeddings, on the GPU that made them
@@ -197,7 +273,8 @@ class Writer:
     """One thread that alone touches an Output (its shards and manifest, in the order asked), so the GPU and
     the prepare threads never wait for the disk. submit(fn, *a, nbytes=0) queues fn(*a); at most `pending`
     writes, and at most `pending_bytes` of their nbytes (one always may), wait before submit waits for the
-    oldest (None: no bound). A write that failed raises from the next submit, or from check() after close()."""
+    oldest (None: no bound). A write that failed raises from the next submit, or from check() after close();
+    the writes queued after it are not run (the run stops; a re-run does them)."""
 
     def __init__(self, out: Output, pending: int | None = PENDING_WRITES,
                  pending_bytes: int | None = PENDING_BYTES):
@@ -206,6 +283,7 @@ class Writer:
         self.out, self.pending, self.pending_bytes = out, pending, pending_bytes
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="glmvit-write")
         self._writes: list = []  # (future, nbytes), oldest first
+        self._failed = False
 
     def _over(self) -> bool:
         if self.pending is not None and len(self._writes) > self.pending:
@@ -213,8 +291,17 @@ class Writer:
         return (self.pending_bytes is not None and len(self._writes) > 1
                 and sum(n for _, n in self._writes) > self.pending_bytes)
 
+    def _run(self, fn, a):
+        if self._failed:
+            return
+        try:
+            fn(*a)
+        except BaseException:
+            self._failed = True
+            raise
+
     def submit(self, fn, *a, nbytes: int = 0) -> None:
-        self._writes.append((self._pool.submit(fn, *a), nbytes))
+        self._writes.append((self._pool.submit(self._run, fn, a), nbytes))
         while self._writes and (self._writes[0][0].done() or self._over()):
             self._writes.pop(0)[0].result()
 
@@ -222,7 +309,11 @@ class Writer:
         """Wait for what was submitted and flush the manifest (in a `finally`: an interrupted run's finished
         work is written too); check() then raises the first write that failed."""
         self._pool.shutdown(wait=True)
-        self.out.flush()
+        try:
+            self.out.flush()
+        except OutputError:  # the manifest's write
+            if not self._failed:  # else the write that failed first is the one to report
+                raise
 
     def check(self) -> None:
         writes, self._writes = self._writes, []
@@ -263,7 +354,9 @@ def _own_shards(folder, images: dict) -> set:
 
 def read_embeddings(folder) -> tuple[dict, dict]:
     """(manifest, {key: bf16 NumPy array [tokens, out_hidden]}) of a glmvit-encode output folder,
-    including the shards of a run that stopped before its manifest listed them."""
+    including the shards of a run that stopped before its manifest listed them. A key is the file's
+    resolved path, or for a path that is not valid UTF-8 the repr() of its bytes: key_path(key) gives the
+    path either way."""
     from safetensors.numpy import load_file
 
     path = os.path.join(folder, MANIFEST)

@@ -1,14 +1,16 @@
-"""glmvit-encode's inputs: files, folders and globs expanded into image and video files, images read, hashed
-and prepared on threads ahead of the GPU, and the --devices list parsed."""
+"""glmvit-encode's inputs: files, folders and globs expanded into image and video files (each folder entered
+once, so a symbolic link loop ends), images checked for size, read, hashed and prepared on threads ahead of
+the GPU."""
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 
 from ..errors import ImageError
 from ..files import open_regular
-from ..output import image_key
+from ..output import image_key, shown
 from ..scheduling import feed
 from ..serving import vllm_ec
 
@@ -22,23 +24,26 @@ def is_video(path: str) -> bool:
     return path.lower().endswith(VIDEO_EXTENSIONS)
 
 
+class NoSuchInput(ValueError):
+    """An input that names no file, folder or matching glob."""
+
+
 def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS) -> list[str]:
     """Files as given, folders walked for files with these extensions (sorted), globs expanded, each file once
-    however it was reached; an input that names nothing is an error (SystemExit with the message)."""
+    however it was reached. Folders and `**` follow symbolic links to folders but enter each folder (by device
+    and inode) once, so a link loop ends. An input that names nothing: NoSuchInput naming it."""
     out, missing = [], []
     for item in items:
         if os.path.isdir(item):
-            for root, dirs, files in os.walk(item):
-                dirs.sort()
-                out += [os.path.join(root, f) for f in sorted(files) if f.lower().endswith(extensions)]
+            out += walk(item, extensions)
         elif os.path.isfile(item):
             out.append(item)
         elif glob.has_magic(item):
-            out += sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
+            out += sorted(p for p in expand_glob(item) if os.path.isfile(p))
         else:
             missing.append(item)
     if missing:
-        raise SystemExit(f"glmvit-encode: no such file, folder or matching glob: {', '.join(missing)}")
+        raise NoSuchInput(f"no such file, folder or matching glob: {', '.join(map(shown, missing))}")
     seen, unique = set(), []
     for p in out:
         key = image_key(p)  # the same file by any path is one image
@@ -48,15 +53,103 @@ def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS) -> list
     return unique
 
 
-def prepared(paths, workers: int, one):
+def _identity(path):
+    """(st_dev, st_ino) of the folder `path` leads to (symbolic links followed), or None if it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _scan(folder) -> tuple[list[str], list[str]]:
+    """(names of the folder's entries that are not folders, names of its folders (links to folders included)),
+    each sorted; an unreadable folder has none."""
+    files, dirs = [], []
+    try:
+        with os.scandir(folder) as it:
+            for e in it:
+                try:
+                    is_dir = e.is_dir()  # follows a symbolic link
+                except OSError:
+                    is_dir = False
+                (dirs if is_dir else files).append(e.name)
+    except OSError:
+        pass
+    return sorted(files), sorted(dirs)
+
+
+def _folders_under(top, seen: set, hidden: bool = True) -> list[str]:
+    """`top` and every folder below it, top-down in sorted order, each folder (by device and inode) entered once
+    across calls sharing `seen`: a symbolic link back up the tree is not followed again. hidden=False leaves out
+    names starting with "." (as glob's ** does)."""
+    order, stack = [], [top]
+    while stack:
+        folder = stack.pop()
+        ident = _identity(folder)
+        if ident is None or ident in seen:
+            continue
+        seen.add(ident)
+        order.append(folder)
+        _, dirs = _scan(folder)
+        stack += [os.path.join(folder, d) for d in reversed(dirs) if hidden or not d.startswith(".")]
+    return order
+
+
+def walk(top, extensions) -> list[str]:
+    """The files under folder `top` with these extensions: each folder's files (sorted), then its subfolders'."""
+    out = []
+    for folder in _folders_under(top, set()):
+        files, _ = _scan(folder)
+        out += [os.path.join(folder, f) for f in files if f.lower().endswith(extensions)]
+    return out
+
+
+def expand_glob(pattern: str) -> list[str]:
+    """glob.glob(pattern, recursive=True), except that ** enters each folder (by device and inode) once, so a
+    symbolic link loop ends instead of being followed to the system's depth limit on every branch. As glob:
+    names starting with "." match only a pattern part starting with "."; ** matches no folder or any folders."""
+    parts = [p for p in pattern.split(os.sep) if p]
+    paths = [os.sep] if pattern.startswith(os.sep) else [""]
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if part == "**":
+            seen: set = set()
+            paths = [f for p in paths for f in _folders_under(p or os.curdir, seen, hidden=False)]
+            if last:  # a trailing ** matches the files below too
+                part = "*"
+            else:
+                continue
+        if glob.has_magic(part):
+            found = []
+            for p in paths:
+                files, dirs = _scan(p or os.curdir)
+                names = sorted(dirs if not last else files + dirs)
+                if not part.startswith("."):
+                    names = [n for n in names if not n.startswith(".")]
+                found += [os.path.join(p, n) for n in fnmatch.filter(names, part)]
+            paths = found
+        else:
+            paths = [os.path.join(p, part) for p in paths
+                     if (os.path.lexists if last else os.path.isdir)(os.path.join(p, part))]
+    return [os.path.normpath(p) if p.startswith(os.curdir + os.sep) else p for p in paths]
+
+
+def prepared(paths, workers: int, one, max_bytes: int | None = None):
     """(path, ((uint8 image, grid, info), the file's sha256) or the ImageError / ValueError it raised), as each is
     ready: `workers` threads read, hash and prepare each file with one(index, data, name) ahead of the GPU (as_done:
-    the output is keyed by path, so a pass takes the images that are ready; a 12 MP photo decoding holds up none)."""
+    the output is keyed by path, so a pass takes the images that are ready; a 12 MP photo decoding holds up none).
+    A file over max_bytes is refused from its size before any of it is read."""
 
     def job(i, path):
         try:
             with open_regular(path, "the image", ImageError) as f:  # a FIFO or /dev/zero: refused, not read
-                data = f.read()
+                if max_bytes is not None:
+                    check_size(path, os.fstat(f.fileno()).st_size, max_bytes, "image")
+                    data = f.read(max_bytes + 1)
+                    check_size(path, len(data), max_bytes, "image")  # it grew since
+                else:
+                    data = f.read()
             return path, (one(i, data, name=path), vllm_ec.key_of(data))
         except OSError as e:
             return path, unreadable(path, e)
@@ -64,6 +157,19 @@ def prepared(paths, workers: int, one):
             return path, e
 
     return feed.as_done(job, paths, workers)
+
+
+def check_size(path, size: int, max_bytes: int, what: str) -> None:
+    """ImageError naming the file, its size and the flag that raises the limit, if size is over max_bytes."""
+    if size > max_bytes:
+        flag = f"--max-{what}-mib"
+        raise ImageError(f"{path}: the {what} file is {mib(size)} MiB, over the {flag} limit of {mib(max_bytes)} MiB; "
+                         f"raise {flag} to encode it")
+
+
+def mib(n: int) -> str:
+    """n bytes in MiB, as few digits as say it: 64, 6,144, 0.5."""
+    return f"{n / 2**20:,.1f}".removesuffix(".0")
 
 
 def unreadable(path, e: OSError) -> ImageError:

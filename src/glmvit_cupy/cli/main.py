@@ -4,13 +4,16 @@
     glmvit-encode --inspect /models/GLM-5.3-Flash
 
 The output folder holds embeddings-NNNNN.safetensors shards (one bf16 tensor per image or video, keyed
-by the file's resolved path) and manifest.json (source, size_hw, canvas_hw, grid_thw, tokens, shard per
-file, a video's with kind "video", its frames_indices, timestamps and fps; the files that failed, with
-why; the settings). Each batch is written to a temporary name and renamed, naming its files in its own
-metadata; the manifest is rewritten every few seconds and at the end: an interrupted run loses nothing
-it finished, and a re-run with the same settings skips what is done. A bad file is reported and
-skipped. Video files (the `video` extra, PyAV) are read as the reference processor reads a path and
-encoded after the images. Read the output with glmvit_cupy.output.read_embeddings(folder).
+by the file's resolved path, or for a path that is not valid UTF-8 by the repr() of its bytes) and
+manifest.json (source, size_hw, canvas_hw, grid_thw, tokens, shard per file, a video's with kind "video",
+its frames_indices, timestamps and fps; the files that failed, with why; the settings). Each batch is
+written to a temporary name and renamed, naming its files in its own metadata; the manifest is rewritten
+every few seconds and at the end: an interrupted run loses nothing it finished, and a re-run with the
+same settings skips what is done. A bad file (or one over --max-image-mib / --max-video-mib) is reported
+and skipped; a re-run tries it again. With --cpu each image is a pass of its own, saved as it finishes.
+Folders and ** follow symbolic links but enter each folder once. Video files (the `video` extra, PyAV) are
+read as the reference processor reads a path and encoded after the images. Read the output with
+glmvit_cupy.output.read_embeddings(folder).
 """
 
 from __future__ import annotations
@@ -25,21 +28,26 @@ import time
 
 from .. import gpu
 from ..checkpoint.bind import bind_tower
-from ..checks import DECODE, RESIZE, device_list
+from ..checks import DECODE, DEFAULT_MAX_IMAGE_TOKENS, RESIZE, device_list
 from ..errors import CheckpointError, OutputError
-from ..output import Output, Writer, image_key
+from ..output import Output, Writer, image_key, shown
 from ..preprocessing.image import Patching
 from ..preprocessing.video import MAX_FRAMES, MAX_VIDEO_TOKENS, MIN_VIDEO_TOKENS, TARGET_FPS
 from ..scheduling import feed
 from ..scheduling.backend import Backend
 from ..scheduling.batching import pack, preparer
-from ..serving import vllm_ec
-from .inputs import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, expand_inputs, is_video, prepared
+from .common import DONE, EXIT_STATUS, FAILED, INTERRUPTED, USAGE, WRITE, counted, write_vllm
+from .inputs import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, NoSuchInput, expand_inputs, is_video, prepared
 from .videos import encode_videos, video_settings
+
+MAX_IMAGE_MIB = 64  # as glmvit-serve's --max-image-mib: an image file is read whole, on each of --workers threads
+# A video file is hashed in pieces and decoded as it streams, never held whole: its limit bounds the time spent
+# on a file (hashing runs at about 1 GB/s), not memory, so it is large.
+MAX_VIDEO_MIB = 64 * 1024
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="glmvit-encode", description=__doc__,
+    ap = argparse.ArgumentParser(prog="glmvit-encode", description=__doc__, epilog=EXIT_STATUS,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="*", help="image and video files, folders (walked for both) or globs")
     ap.add_argument("--checkpoint", help="checkpoint folder, shard or index, or Hub id (org/name)")
@@ -48,8 +56,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--capacity-tokens", type=int, default=8000,
                     help="tokens per forward pass; images are packed into passes of this size (default 8000)")
     ap.add_argument("--batch-tokens", type=int, dest="capacity_tokens", help=argparse.SUPPRESS)  # the old name
-    ap.add_argument("--max-image-tokens", type=int, default=8000,
-                    help="per-image resize limit, as the reference processor's (default 8000)")
+    ap.add_argument("--max-image-tokens", type=int, default=None,
+                    help=f"per-image resize limit, as the reference processor's (default {DEFAULT_MAX_IMAGE_TOKENS}, "
+                         "or --capacity-tokens if that is lower); at most --capacity-tokens")
     ap.add_argument("--min-image-tokens", type=int, default=16, help="per-image lower limit (default 16)")
     ap.add_argument("--devices", type=device_list, default=None, metavar="0,1,...",
                     help="CUDA devices, one replica each; batches are spread across them (default: the current one)")
@@ -64,6 +73,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-pixels", type=int, default=None, metavar="N",
                     help="largest image to decode, in pixels (default: Pillow's decompression-bomb guard, "
                          "89,478,485); raise it for large scans or panoramas")
+    ap.add_argument("--max-image-mib", type=float, default=MAX_IMAGE_MIB, metavar="MIB",
+                    help=f"largest image file, in MiB (default {MAX_IMAGE_MIB}, as glmvit-serve's); a larger one is "
+                         "reported as failed from its size, never read")
+    ap.add_argument("--max-video-mib", type=float, default=MAX_VIDEO_MIB, metavar="MIB",
+                    help=f"largest video file, in MiB (default {MAX_VIDEO_MIB:,}; a video is read in pieces, never "
+                         "whole); a larger one is reported as failed from its size")
     ap.add_argument("--vllm-ec-dir", default=None, metavar="DIR",
                     help="also write each embedding as DIR/<sha256 of the file>/encoder_cache.safetensors, the "
                          "layout vLLM's shared-storage encoder-cache connector reads")
@@ -103,12 +118,21 @@ def inspect(path) -> int:
 
 
 def fail(message) -> int:
-    print(f"glmvit-encode: {message}", file=sys.stderr)
-    return 2
+    """Say why the run is refused, in one line; the status for it (nothing was run)."""
+    print(f"glmvit-encode: {shown(message)}", file=sys.stderr)
+    return USAGE
 
 
 def main(argv=None) -> int:
     args = parse(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:  # before the encoding began (walking the inputs, loading the checkpoint)
+        print("\nglmvit-encode: interrupted before anything was encoded", file=sys.stderr)
+        return INTERRUPTED
+
+
+def run(args) -> int:
     if args.inspect:
         return inspect(args.inspect)
     if not args.inputs or not args.checkpoint or not args.out:
@@ -121,6 +145,9 @@ def main(argv=None) -> int:
                              ("--max-video-pixels", args.max_video_pixels, 1)):
         if value is not None and value < low:
             return fail(f"{flag} {value} must be at least {low}")
+    for flag, value in (("--max-image-mib", args.max_image_mib), ("--max-video-mib", args.max_video_mib)):
+        if not 0 < value < float("inf"):
+            return fail(f"{flag} {value:g} must be a positive number of MiB")
     if not args.video_fps > 0 or args.video_fps == float("inf"):
         return fail(f"--video-fps {args.video_fps} must be a positive number of frames a second")
     if args.min_video_tokens > args.max_video_tokens:
@@ -130,19 +157,22 @@ def main(argv=None) -> int:
     if gpu_only:
         return fail(f"--cpu encodes on the host, without a GPU: leave out {' and '.join(gpu_only)}")
     args.resize = args.resize or ("host" if args.cpu else "gpu")
-    if args.capacity_tokens < args.max_image_tokens:
-        return fail(f"--capacity-tokens {args.capacity_tokens} must be at least --max-image-tokens "
-                    f"{args.max_image_tokens}, so that the largest image fits one pass")
+    why = token_limits(args)
+    if why:
+        return fail(why)
     # Everything that can refuse the run is checked before the output folder is made.
     kinds = IMAGE_EXTENSIONS + (() if args.no_videos else VIDEO_EXTENSIONS)
-    paths = [p for p in expand_inputs(args.inputs, kinds) if not (args.no_videos and is_video(p))]
+    try:
+        paths = [p for p in expand_inputs(args.inputs, kinds) if not (args.no_videos and is_video(p))]
+    except NoSuchInput as e:
+        return fail(e)
     if not paths:
         return fail(f"no images or videos found in {', '.join(args.inputs)} (looked for {', '.join(kinds)})")
     videos = [p for p in paths if is_video(p)]
     if videos and importlib.util.find_spec("av") is None:
-        return fail(f"{len(videos)} video file{'s' if len(videos) > 1 else ''} among the inputs ({videos[0]}"
-                    f"{', ...' if len(videos) > 1 else ''}); reading them needs PyAV: pip install "
-                    "'glmvit-cupy[video]', or leave them out with --no-videos")
+        return fail(f"{counted(len(videos), 'video file')} among the inputs ({videos[0]}"
+                    f"{', ...' if len(videos) > 1 else ''}); reading them needs PyAV: pip install -e '.[video]' in "
+                    "the glmvit-cupy checkout, or leave them out with --no-videos")
     try:
         binding = bind_tower(args.checkpoint)
         Patching.of(binding.geometry)  # images need a tower of RGB patches
@@ -157,13 +187,18 @@ def main(argv=None) -> int:
                 "max_pixels": args.max_pixels, "video": dict(per_video, max_video_pixels=args.max_video_pixels)}
     try:
         out = Output(args.out, settings)
-    except OutputError as e:
+    except OutputError as e:  # a file, other settings, a damaged manifest, a folder that cannot be made
         return fail(e)
     todo = [p for p in paths if not out.done(image_key(p))]
     if len(todo) < len(paths):
-        print(f"glmvit-encode: {len(paths) - len(todo)} of {len(paths)} files already in {args.out}; skipping them")
+        print(f"glmvit-encode: {len(paths) - len(todo)} of {counted(len(paths), 'file')} already in "
+              f"{shown(args.out)}; skipping {'it' if len(paths) - len(todo) == 1 else 'them'}")
+    again = sum(image_key(p) in out.manifest["failed"] for p in todo)
+    if again:
+        print(f"glmvit-encode: {counted(again, 'file')} failed in an earlier run; trying "
+              f"{'it' if again == 1 else 'them'} again")
     if not todo:
-        return 0
+        return DONE
     todo_videos = [p for p in todo if is_video(p)]
     todo = [p for p in todo if not is_video(p)]
     if args.cpu:
@@ -179,24 +214,44 @@ def main(argv=None) -> int:
         return fail(e)
     saved_before = len(out)
     try:
-        rc = encode_all(args, todo, enc, out) if todo else 0
-        return max(rc, encode_videos(args, todo_videos, enc, out, per_video) if todo_videos else 0)
+        rc = encode_all(args, todo, enc, out) if todo else DONE
+        return max(rc, encode_videos(args, todo_videos, enc, out, per_video) if todo_videos else DONE)
     except KeyboardInterrupt:
         n = len(out) - saved_before
-        print(f"\nglmvit-encode: interrupted; {n} file{'' if n == 1 else 's'} saved this run ({len(out)} in "
-              f"{args.out}); re-run the same command to resume", file=sys.stderr)
-        return 130
-    except OSError as e:  # writing the output: a full disk, lost permissions, a mount gone
+        print(f"\nglmvit-encode: interrupted; {counted(n, 'file')} saved this run ({len(out)} in {shown(args.out)}); "
+              "re-run the same command to resume", file=sys.stderr)
+        return INTERRUPTED
+    except (OutputError, OSError) as e:  # a write: a full disk, lost permissions, a mount gone (it names the file)
         n = len(out) - saved_before
-        print(f"\nglmvit-encode: a write failed, so the run stopped: {e}; {n} file{'' if n == 1 else 's'} saved this "
-              f"run ({len(out)} in {args.out}); fix it and re-run the same command to resume", file=sys.stderr)
-        return 1
+        what = e if isinstance(e, OutputError) else f"a write failed ({e})"
+        print(f"\nglmvit-encode: {shown(what)}; the run stopped with {counted(n, 'file')} saved ({len(out)} in "
+              f"{shown(args.out)}); fix it (free space, permissions) and re-run the same command to resume",
+              file=sys.stderr)
+        return WRITE
+
+
+def token_limits(args) -> str | None:
+    """Settle --max-image-tokens (its default: 8000, or --capacity-tokens if lower, as the Python API's) and
+    say what is wrong with the image token limits, if anything."""
+    given = args.max_image_tokens is not None
+    if not given:
+        args.max_image_tokens = min(DEFAULT_MAX_IMAGE_TOKENS, args.capacity_tokens)
+    elif args.max_image_tokens > args.capacity_tokens:
+        return (f"--max-image-tokens {args.max_image_tokens} is above --capacity-tokens {args.capacity_tokens}: the "
+                "largest image must fit one pass; lower --max-image-tokens or raise --capacity-tokens")
+    if args.min_image_tokens > args.max_image_tokens:
+        where = "" if given else f" (its default: {DEFAULT_MAX_IMAGE_TOKENS}, or --capacity-tokens if lower)"
+        return (f"--min-image-tokens {args.min_image_tokens} is above --max-image-tokens {args.max_image_tokens}"
+                f"{where}: an image is resized to between the two, so the minimum must not exceed the maximum")
+    return None
 
 
 def encode_all(args, todo, enc, out) -> int:
-    """Encode `todo` into `out`; 1 if any image failed, else 0. Three things run side by side: the prepare
+    """Encode `todo` into `out`; FAILED if any image failed, else DONE. Three things run side by side: the prepare
     threads, the GPU (one group of batches computing while the next is packed and launched) and one
-    writer thread, which alone touches the output folder (shards and manifest, in order)."""
+    writer thread, which alone touches the output folder (shards and manifest, in order). The CPU reference
+    computes each image on its own anyway: there each image is a pass of its own, saved (and counted on the
+    bar) as it finishes, so Ctrl-C loses at most the image being computed."""
     from tqdm import tqdm
 
     tokens_done, failed = 0, 0
@@ -211,16 +266,20 @@ def encode_all(args, todo, enc, out) -> int:
             for b, per_image in zip(group, per_batch):
                 if args.vllm_ec_dir:
                     for (_, info), emb in zip(b, per_image):
-                        vllm_ec.write(args.vllm_ec_dir, info["sha256"], emb)
+                        write_vllm(args.vllm_ec_dir, info["sha256"], emb)
                 out.add_batch([(key, info, emb) for (key, info), emb in zip(b, per_image)])
                 tokens_done += sum(info["tokens"] for _, info in b)
                 bar.update(len(b))
+        postfix()
+
+    def postfix():
         bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}", failed=failed)
 
     def skip(path, why):
         out.fail(image_key(path), str(why))
-        bar.write(f"skipped {path}: {why}")
+        bar.write(shown(f"skipped {path}: {why}"))
         bar.update(1)
+        postfix()
 
     submit = writer.submit  # a write that failed stops the run at the next submit
 
@@ -239,14 +298,18 @@ def encode_all(args, todo, enc, out) -> int:
                                      "grid_thw": list(grid), "tokens": info["tokens"]}
 
     def groups(stream):
-        """Packed batches, one per device at a time (the replicas run a group side by side)."""
-        batches = pack(usable(stream), args.capacity_tokens, lambda item: item[3]["tokens"])
+        """Packed batches, one per device at a time (the replicas run a group side by side); on the CPU, one
+        image a pass."""
+        if enc.cpu:
+            batches = ([item] for item in usable(stream))
+        else:
+            batches = pack(usable(stream), args.capacity_tokens, lambda item: item[3]["tokens"])
         while group := list(itertools.islice(batches, enc.lanes)):
             yield group
 
     one = enc.preparing(preparer(enc.geometry, args.capacity_tokens, args.min_image_tokens, args.max_image_tokens,
                                  args.max_pixels, resize=args.resize, decode=args.decode))
-    stream = prepared(todo, args.workers, one)
+    stream = enc.feeding(prepared(todo, args.workers, one, max_bytes=int(args.max_image_mib * 2**20)))
 
     def collect(group):
         """Wait until a launched group is computed and hand it to the writer."""
@@ -277,10 +340,10 @@ def encode_all(args, todo, enc, out) -> int:
     writer.check()
     bar.close()
     dt = time.perf_counter() - t0
-    print(f"glmvit-encode: {len(todo) - failed} images, {tokens_done} tokens in {dt:.1f} s "
+    print(f"glmvit-encode: {counted(len(todo) - failed, 'image')}, {tokens_done} tokens in {dt:.1f} s "
           f"({(len(todo) - failed) / dt:.1f} images/s, {tokens_done / dt:.0f} tokens/s); {failed} failed; "
-          f"output in {args.out}")
-    return 1 if failed else 0
+          f"output in {shown(args.out)}")
+    return FAILED if failed else DONE
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ file, and names its --vllm-ec-dir entry.
 from __future__ import annotations
 
 import hashlib
+import os
 import queue
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -19,10 +20,11 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from .. import checks
 from ..errors import ImageError
 from ..files import open_regular
-from ..output import Writer, image_key
+from ..output import Writer, image_key, shown
 from ..scheduling import feed
 from ..serving import vllm_ec
-from .inputs import unreadable
+from .common import DONE, FAILED, counted, write_vllm
+from .inputs import check_size, unreadable
 
 VIDEO_WORKERS = 4  # videos decoding at once: each decode already runs on FFmpeg's frame threads
 HASH_CHUNK = 1 << 20
@@ -34,24 +36,29 @@ def video_settings(args) -> dict:
             "min_image_tokens": args.min_video_tokens, "max_image_tokens": args.max_video_tokens}
 
 
-def file_sha256(path) -> str:
-    """The file's sha256 hex, read in pieces (a video can be larger than memory); a FIFO is refused."""
+def file_sha256(path, max_bytes: int | None = None) -> str:
+    """The file's sha256 hex, read in pieces (a video can be larger than memory); a FIFO is refused, and so is a
+    file over max_bytes, from its size, before any of it is read."""
     h = hashlib.sha256()
     with open_regular(path, "the video", ImageError) as f:
+        if max_bytes is not None:
+            check_size(path, os.fstat(f.fileno()).st_size, max_bytes, "video")
         while piece := f.read(HASH_CHUNK):
             h.update(piece)
     return h.hexdigest()
 
 
-def planned_videos(paths, workers: int, settings: dict, patching, capacity_tokens: int, max_video_pixels):
+def planned_videos(paths, workers: int, settings: dict, patching, capacity_tokens: int, max_video_pixels,
+                   max_bytes: int | None = None):
     """(path, ((frames, grid, info), entry for the manifest) or the ImageError / ValueError it raised), as each
-    is ready; at most `workers` videos' frames held at once beyond those the caller holds."""
+    is ready; at most `workers` videos' frames held at once beyond those the caller holds. A file over
+    max_bytes is refused before it is read."""
     from ..preprocessing.video import plan_video
     from ..preprocessing.video_files import VideoFile
 
     def job(i, path):
         try:
-            sha = file_sha256(path)
+            sha = file_sha256(path, max_bytes)
             frames, grid, info = plan_video(VideoFile(path, max_video_pixels), i, name=path, patching=patching,
                                             **settings)
             checks.check_frame_group(path, grid[1], grid[2], patching.merge_size, capacity_tokens)
@@ -71,7 +78,7 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
 
 
 def encode_videos(args, todo, enc, out, settings: dict) -> int:
-    """Encode the video files `todo` into `out` (the image run's Output); 1 if any video failed, else 0.
+    """Encode the video files `todo` into `out` (the image run's Output); FAILED if any video failed, else DONE.
     One video a GPU lane at a time, every lane busy while videos are ready; a lane takes its next video once
     the GPU has the last one's work, and one writer thread copies each out and writes it as it finishes."""
     from tqdm import tqdm
@@ -97,7 +104,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
         with launched.viewed() as views:  # waits for the video's forwards; the views die with the `with`
             emb = views[0][0]
             if args.vllm_ec_dir:
-                vllm_ec.write(args.vllm_ec_dir, entry["key"], emb)
+                write_vllm(args.vllm_ec_dir, entry["key"], emb)
             out.add_batch([(key, entry, emb)])
 
     def collect(done):
@@ -109,7 +116,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
             except (ImageError, ValueError) as e:  # the engine's own checks of this video
                 failed += 1
                 submit(out.fail, key, str(e))
-                bar.write(f"skipped {entry['source']}: {e}")
+                bar.write(shown(f"skipped {entry['source']}: {e}"))
             else:
                 # the lane takes the next video meanwhile
                 submit(write, key, entry, launched, nbytes=enc.geometry.embedding_bytes(entry["tokens"]))
@@ -118,13 +125,13 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", failed=failed)
 
     stream = planned_videos(todo, args.workers, settings, enc.patching(), args.capacity_tokens,
-                            args.max_video_pixels)
+                            args.max_video_pixels, max_bytes=int(args.max_video_mib * 2**20))
     try:
         for path, got in stream:
             if isinstance(got, Exception):
                 failed += 1
                 submit(out.fail, image_key(path), str(got))
-                bar.write(f"skipped {path}: {got}")
+                bar.write(shown(f"skipped {path}: {got}"))
                 bar.update(1)
                 continue
             planned, entry = got
@@ -147,6 +154,6 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
     writer.check()
     bar.close()
     dt = time.perf_counter() - t0
-    print(f"glmvit-encode: {encoded} videos, {tokens} tokens in {dt:.1f} s ({encoded / dt:.2f} videos/s, "
-          f"{tokens / dt:.0f} tokens/s); {failed} failed; output in {args.out}")
-    return 1 if failed else 0
+    print(f"glmvit-encode: {counted(encoded, 'video')}, {tokens} tokens in {dt:.1f} s ({encoded / dt:.2f} videos/s, "
+          f"{tokens / dt:.0f} tokens/s); {failed} failed; output in {shown(args.out)}")
+    return FAILED if failed else DONE

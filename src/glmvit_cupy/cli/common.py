@@ -1,0 +1,45 @@
+"""What glmvit-encode's images and videos share: the exit statuses, counted nouns, and the --vllm-ec-dir writes."""
+
+from __future__ import annotations
+
+from ..errors import OutputError
+from ..output import shown
+from ..serving import vllm_ec
+
+# Exit statuses (docs/CLI.md#exit-status, and --help's epilog).
+DONE = 0         # every input file is in the output folder, encoded by this run or an earlier one
+FAILED = 1       # some input files failed (each named; the manifest's "failed"); the rest are saved
+USAGE = 2        # nothing was run: the arguments, the inputs, the checkpoint, the GPU or --out refused it
+WRITE = 3        # a write to the output folder or --vllm-ec-dir failed mid-run; it stopped, what was written stays
+INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it); what finished is saved
+
+EXIT_STATUS = """exit status:
+  0    every input file is in the output folder (encoded by this run or an earlier one)
+  1    some input files failed, each named (and recorded in manifest.json's "failed"); the rest are
+       saved. A re-run tries the failed files again, so it exits 1 again while any of them still fails
+  2    nothing was run: a usage error or bad argument, an input that names nothing, no image or video
+       found, a checkpoint that fails its checks, no usable GPU, an --out that cannot be created, is a
+       file, was written with other settings, or whose manifest is damaged
+  3    a write failed during the run (a full disk, permissions, a mount gone: the shard, manifest or
+       --vllm-ec-dir file is named); the run stopped, what it wrote stays; fix it and re-run the same
+       command to resume
+  130  interrupted (Ctrl-C); what finished is saved; re-run the same command to resume
+"""
+
+
+def counted(n: int, noun: str) -> str:
+    """'1 image', '2 images', '0 videos'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def write_vllm(folder: str, key: str, embedding) -> None:
+    """vllm_ec.write, its failures (a full disk there too) as OutputError naming the folder."""
+    from safetensors import SafetensorError
+
+    try:
+        vllm_ec.write(folder, key, embedding)
+    except OutputError:
+        raise
+    except (OSError, SafetensorError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+        raise OutputError(f"cannot write {shown(key)} in --vllm-ec-dir {shown(folder)}: {shown(reason)}") from None

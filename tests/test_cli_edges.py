@@ -1,0 +1,394 @@
+"""glmvit-encode at its edges, on the CPU backend (the float32 reference) with the golden tower: a file too
+large to read, a file name that is not UTF-8, symbolic link loops, full disks, Ctrl-C on the CPU, the exit
+statuses, the image token limits and the command's words."""
+
+import errno
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.golden import cases
+
+from glmvit_cupy import reference
+from glmvit_cupy.cli import main as cli
+from glmvit_cupy import output
+from glmvit_cupy.output import image_key, read_embeddings
+
+TOWER = str(cases.TOWER_DIR)
+SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+
+
+def run(*args):
+    return cli.main([str(a) for a in args])
+
+
+def command(*args, limit_bytes=None, timeout=120):
+    """glmvit-encode in a fresh interpreter (strict UTF-8 output), under an address-space limit if given."""
+    def cap():
+        if limit_bytes:
+            resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
+               PYTHONIOENCODING="utf-8:strict")
+    return subprocess.run([sys.executable, "-m", "glmvit_cupy.cli.main", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, preexec_fn=cap, env=env)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    d = tmp_path / "imgs"
+    d.mkdir()
+    Image.fromarray(cases._smooth(60, 80, 1)).save(d / "a.png")
+    Image.fromarray(cases._smooth(64, 64, 2)).save(d / "b.png")
+    return d
+
+
+# -- 1. a file too large to read ---------------------------------------------------------------------------
+
+def test_a_huge_file_named_like_an_image_is_failed_from_its_size_and_the_rest_is_saved(folder, tmp_path):
+    """A 6 GiB file named .tif (sparse: no disk) was read whole: under a memory limit the run died with nothing
+    saved, and so did every re-run. Now it is refused from its size, by name, with the flag that raises the
+    limit, and the images beside it are saved; the process's address space is held to 2 GiB throughout."""
+    huge = folder / "huge.tif"
+    with open(huge, "wb") as f:
+        f.truncate(6 << 30)
+    out = tmp_path / "out"
+    r = command(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--workers", 2, limit_bytes=2 << 30)
+    said = r.stdout + r.stderr
+    assert r.returncode == 1, said[-3000:]
+    assert f"{huge}: the image file is 6,144 MiB, over the --max-image-mib limit of 64 MiB; raise --max-image-mib" \
+        in said, said[-3000:]
+    manifest, embs = read_embeddings(out)
+    assert sorted(os.path.basename(k) for k in embs) == ["a.png", "b.png"]
+    assert list(manifest["failed"]) == [image_key(huge)] and "--max-image-mib" in manifest["failed"][image_key(huge)]
+
+
+def test_the_file_size_limits_are_flags_and_a_resume_with_a_higher_one_encodes_the_file(folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    size = os.path.getsize(folder / "a.png")  # about 14 KiB
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--max-image-mib", size / 2**20 / 2) == 1
+    said = capsys.readouterr().out
+    assert "a.png: the image file is 0" in said and "over the --max-image-mib limit" in said
+    # The limit shapes no embedding: the same folder resumes under another, and the file is encoded.
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 0
+    manifest, embs = read_embeddings(out)
+    assert len(embs) == 2 and not manifest["failed"]
+    for flag in ("--max-image-mib", "--max-video-mib"):
+        for bad in ("0", "-1", "inf", "nan"):
+            assert run(folder, "--checkpoint", TOWER, "--out", tmp_path / "o2", "--cpu", flag, bad) == 2
+            assert f"{flag} {bad} must be a positive number of MiB" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists()
+
+
+def test_a_video_file_over_max_video_mib_is_failed_before_it_is_read(folder, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
+    import shutil
+
+    from glmvit_cupy.cli import videos
+
+    clip = folder / "clip.mp4"
+    shutil.copy(os.path.join(os.path.dirname(__file__), "golden", "video_files", "h264_offset.mp4"), clip)
+    read = []
+    monkeypatch.setattr(videos, "HASH_CHUNK", 1 << 10)
+    real_sha = videos.hashlib.sha256
+    monkeypatch.setattr(videos.hashlib, "sha256", lambda *a: read.append(1) or real_sha(*a))
+    out = tmp_path / "out"
+    assert run(clip, folder / "a.png", "--checkpoint", TOWER, "--out", out, "--cpu", "--max-video-mib", 0.001) == 1
+    assert f"{clip}: the video file is 0" in capsys.readouterr().out
+    manifest, embs = read_embeddings(out)
+    assert list(manifest["failed"]) == [image_key(clip)] and "over the --max-video-mib limit of 0" in \
+        manifest["failed"][image_key(clip)] and len(embs) == 1
+    assert run(clip, "--checkpoint", TOWER, "--out", out, "--cpu") == 0  # the default takes it
+
+
+# -- 2. file names that are not UTF-8 ----------------------------------------------------------------------
+
+def test_a_file_name_that_is_not_utf8_is_encoded_keyed_and_resumed(folder, tmp_path, capsys):
+    """A name with a Latin-1 byte (the OS allows it, safetensors cannot store it as a key) made every run fail
+    at its batch. Its key is now the repr() of its path's bytes; key_path gives the path back, the manifest
+    entry holds the bytes, a re-run skips it, and a broken one is reported without a crash."""
+    odd = os.fsdecode(os.fsencode(str(folder)) + b"/caf\xe9.png")
+    with open(odd, "wb") as f:
+        f.write((folder / "a.png").read_bytes())
+    out = tmp_path / "out"
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 0
+    manifest, embs = read_embeddings(out)
+    key = repr(os.fsencode(os.path.realpath(odd)))
+    assert key.startswith("b'") and len(embs) == 3 and key in embs
+    assert output.key_path(key) == os.path.realpath(odd) and os.path.isfile(output.key_path(key))
+    assert bytes.fromhex(manifest["images"][key]["path_bytes"]) == os.fsencode(os.path.realpath(odd))
+    assert manifest["images"][key]["source"] == key
+    assert np.array_equal(embs[key].view(np.uint16), embs[image_key(folder / "a.png")].view(np.uint16))
+    json.loads((out / "manifest.json").read_text(encoding="utf-8"))  # plain UTF-8 JSON
+    capsys.readouterr()
+    broken = os.fsdecode(os.fsencode(str(folder)) + b"/bad\xff.png")
+    with open(broken, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\nnot really")
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 1  # the broken one; the rest resumed
+    printed = capsys.readouterr().out
+    assert "3 of 4 files already in" in printed and "skipped " in printed and "bad\\xff.png" in printed
+    manifest, _ = read_embeddings(out)
+    (failed,) = manifest["failed"]
+    assert output.key_path(failed) == os.path.realpath(broken) and "bad\\xff.png" in manifest["failed"][failed]
+
+
+def test_not_utf8_names_through_a_strict_utf8_terminal(folder, tmp_path):
+    """Printed names (skipped files, the summary, --out itself) never raise on a strict UTF-8 stdout."""
+    with open(os.fsencode(str(folder)) + b"/bad\xff.png", "wb") as f:
+        f.write(b"not an image")
+    out = os.fsdecode(os.fsencode(str(tmp_path)) + b"/out\xfe")
+    r = command(folder, "--checkpoint", TOWER, "--out", out, "--cpu")
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "bad\\xff.png" in r.stdout and "out\\xfe" in r.stdout and "Traceback" not in r.stderr
+
+
+# -- 3. symbolic link loops --------------------------------------------------------------------------------
+
+@pytest.fixture
+def loops(folder):
+    (folder / "sub").mkdir()
+    Image.fromarray(cases._smooth(40, 40, 3)).save(folder / "sub" / "c.png")
+    os.symlink("..", folder / "sub" / "up")        # two loops: each level of ** doubles the paths
+    os.symlink("../..", folder / "sub" / "top")
+    os.symlink(".", folder / "self")
+    return folder
+
+
+def test_a_glob_and_a_walk_end_in_symbolic_link_loops(loops, tmp_path):
+    """glob 'dir/**/*.png' with two link loops inside ran for minutes (every branch followed to the system's
+    depth limit). Checked in a subprocess with a time limit, so a regression fails instead of hanging."""
+    code = ("from glmvit_cupy.cli.inputs import expand_inputs\n"
+            f"print(expand_inputs([{str(loops / '**' / '*.png')!r}]))\nprint(expand_inputs([{str(loops)!r}]))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("expanding a glob over symbolic link loops did not end in 30 s")
+    assert r.returncode == 0, r.stderr
+    want = [str(loops / "a.png"), str(loops / "b.png"), str(loops / "sub" / "c.png")]
+    assert r.stdout.splitlines() == [repr(want), repr(want)]
+    out = tmp_path / "out"
+    assert run(loops / "**" / "*.png", loops, "--checkpoint", TOWER, "--out", out, "--cpu") == 0
+    assert len(read_embeddings(out)[1]) == 3
+
+
+def test_a_folder_walk_follows_a_link_to_a_folder_elsewhere(folder, tmp_path):
+    """A folder linked in from elsewhere is walked (as ** does), once, however many links lead to it."""
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    Image.fromarray(cases._smooth(40, 60, 4)).save(other / "d.png")
+    os.symlink(other, folder / "linked")
+    os.symlink(other, folder / "again")
+    out = tmp_path / "out"
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 0
+    assert sorted(os.path.basename(k) for k in read_embeddings(out)[1]) == ["a.png", "b.png", "d.png"]
+
+
+# -- 4. write failures -------------------------------------------------------------------------------------
+
+def test_a_manifest_or_folder_that_cannot_be_written_is_one_line(folder, tmp_path, monkeypatch, capsys):
+    """An --out that cannot be made refuses the run before it starts (status 2, nothing written); a manifest that
+    cannot be written stops it (status 3), and the shards written hold their images for the re-run."""
+    (tmp_path / "file").write_text("x")
+    assert run(folder, "--checkpoint", TOWER, "--out", tmp_path / "file" / "out", "--cpu") == 2
+    err = capsys.readouterr().err
+    made = tmp_path / "file" / "out"
+    assert err.strip().splitlines()[-1] == f"glmvit-encode: cannot create the output folder {made}: Not a directory"
+    real_replace = os.replace
+
+    def full(src, dst):
+        if str(dst).endswith("manifest.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(output.os, "replace", full)
+    out = tmp_path / "out"
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 3
+    err = capsys.readouterr().err
+    assert f"glmvit-encode: cannot write {out / 'manifest.json'}: No space left on device; the run stopped" in err
+    assert "Traceback" not in err and not [f for f in os.listdir(out) if f.endswith(".tmp")]
+    monkeypatch.setattr(output.os, "replace", real_replace)
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 0  # the shards held their images
+    assert "2 of 2 files already" in capsys.readouterr().out
+
+
+def test_a_shard_over_the_file_size_limit_is_one_line_and_status_3(folder, tmp_path):
+    """A real write error, not a stand-in: under RLIMIT_FSIZE a shard larger than the limit fails in
+    safetensors' own writer (a SafetensorError saying EFBIG, as it says ENOSPC). One line names the shard,
+    exit status 3, and the shards written before it stay."""
+    Image.fromarray(cases._smooth(500, 500, 7)).save(folder / "big.png")  # a 165 KB shard; a.png's, b.png's 10 KB
+    out = tmp_path / "out"
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "glmvit_cupy.cli.main", str(folder), "--checkpoint", TOWER, "--out",
+                        str(out), "--cpu", "--workers", "1"], capture_output=True, text=True, timeout=120,
+                       preexec_fn=cap, env=env)
+    assert r.returncode == 3, r.stderr[-3000:]
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("glmvit-encode: cannot write")]
+    assert f"cannot write {out / 'embeddings-00003.safetensors'}: Error while serializing: I/O error: File too " \
+           "large (os error 27); the run stopped with 2 files saved (2 in" in line, line
+    assert "Traceback" not in r.stderr
+    manifest, embs = read_embeddings(out)
+    assert sorted(os.path.basename(k) for k in embs) == ["a.png", "b.png"]
+    assert sorted(os.listdir(out)) == ["embeddings-00001.safetensors", "embeddings-00002.safetensors", "manifest.json"]
+
+
+@pytest.mark.parametrize("how", ["oserror", "outputerror", "a file in its place"])
+def test_a_vllm_dir_that_cannot_be_written_is_one_line_and_status_3(folder, tmp_path, monkeypatch, capsys, how):
+    from glmvit_cupy.errors import OutputError
+    from glmvit_cupy.serving import vllm_ec
+
+    def full(folder, key, embedding):
+        if how == "oserror":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise OutputError(f"cannot write {folder}/{key}/encoder_cache.safetensors: No space left on device")
+
+    ec = tmp_path / "ec"
+    if how == "a file in its place":
+        ec.write_text("x")
+    else:
+        monkeypatch.setattr(vllm_ec, "write", full)
+    assert run(folder / "a.png", "--checkpoint", TOWER, "--out", tmp_path / "out", "--cpu", "--vllm-ec-dir", ec) == 3
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if "the run stopped" in x]
+    assert str(ec) in line and "re-run the same command" in line and "Traceback" not in err
+    assert ("No space left on device" if how != "a file in its place" else "directory") in line, line
+
+
+# -- 5. Ctrl-C on the CPU ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def six(tmp_path):
+    d = tmp_path / "six"
+    d.mkdir()
+    for i in range(6):
+        Image.fromarray(cases._smooth(56, 84, 20 + i)).save(d / f"{i}.png")
+    return d
+
+
+def test_ctrl_c_on_the_cpu_keeps_every_image_that_finished(six, tmp_path, monkeypatch, capsys):
+    """Six images fit one 8000-token pass; the CPU reference computed the whole pass before anything was saved,
+    so Ctrl-C on the fourth image lost all six. Now each image is a pass of its own, saved as it finishes."""
+    real, calls = reference.encode_pixels, []
+
+    def fourth_interrupts(*a, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(reference, "encode_pixels", fourth_interrupts)
+    out = tmp_path / "out"
+    assert run(six, "--checkpoint", TOWER, "--out", out, "--cpu") == 130
+    assert "interrupted; 3 files saved this run (3 in" in capsys.readouterr().err
+    assert len(read_embeddings(out)[1]) == 3
+    monkeypatch.setattr(reference, "encode_pixels", real)
+    assert run(six, "--checkpoint", TOWER, "--out", out, "--cpu") == 0
+    assert "3 of 6 files already" in capsys.readouterr().out and len(read_embeddings(out)[1]) == 6
+
+
+def test_the_cpu_progress_bar_counts_each_image_with_an_eta(six, tmp_path, monkeypatch, capsys):
+    import re
+    import time
+
+    real = reference.encode_pixels
+
+    def slow(*a, **kw):
+        time.sleep(0.25)  # past tqdm's 0.1 s between redraws: each update is drawn
+        return real(*a, **kw)
+
+    monkeypatch.setattr(reference, "encode_pixels", slow)
+    assert run(six, "--checkpoint", TOWER, "--out", tmp_path / "out", "--cpu") == 0
+    bar = capsys.readouterr().err
+    # n/6 drawn with the time left (mm:ss, not "?") for images before the last: the bar moves per image
+    drawn = {int(n) for n in re.findall(r"([1-5])/6 \[\d\d:\d\d<\d\d:\d\d", bar)}
+    assert len(drawn) >= 3, bar
+
+
+# -- 6. exit statuses --------------------------------------------------------------------------------------
+
+def test_the_exit_statuses_are_in_help_and_followed(folder, tmp_path, capsys):
+    epilog = cli.parser().format_help()
+    for status in ("0 ", "1 ", "2 ", "3 ", "130 "):
+        assert f"\n  {status}" in epilog.split("exit status:")[1]
+    out = tmp_path / "out"
+    assert run(tmp_path / "nope.png", "--checkpoint", TOWER, "--out", out, "--cpu") == 2  # names nothing
+    assert "no such file, folder or matching glob" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert run(tmp_path / "empty", "--checkpoint", TOWER, "--out", out, "--cpu") == 2  # holds nothing
+    assert not out.exists()
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 1
+    capsys.readouterr()
+    # A resume whose only files left are earlier failures: they are tried again, fail again, and the run says
+    # so: status 1, as long as any input is not in the output folder.
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 1
+    said = capsys.readouterr().out
+    assert "2 of 3 files already" in said and "1 file failed in an earlier run; trying it again" in said
+    Image.fromarray(cases._smooth(30, 30, 9)).save(folder / "broken.png", format="PNG")  # mended
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 0
+    manifest, embs = read_embeddings(out)
+    assert len(embs) == 3 and not manifest["failed"]
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 0  # nothing left to do
+
+
+def test_ctrl_c_before_encoding_is_130_and_one_line(folder, tmp_path, monkeypatch, capsys):
+    def interrupted(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "bind_tower", interrupted)  # Ctrl-C while a large checkpoint loads
+    try:
+        assert run(folder, "--checkpoint", TOWER, "--out", tmp_path / "out", "--cpu") == 130
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C before encoding escaped glmvit-encode as a KeyboardInterrupt (a traceback)")
+    assert capsys.readouterr().err.strip() == "glmvit-encode: interrupted before anything was encoded"
+
+
+# -- 7. the image token limits -----------------------------------------------------------------------------
+
+def test_min_above_max_image_tokens_is_refused_before_the_checkpoint_is_loaded(folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    for ckpt in (tmp_path / "no-such-checkpoint", TOWER):
+        assert run(folder, "--checkpoint", ckpt, "--out", out, "--cpu", "--min-image-tokens", 100,
+                   "--max-image-tokens", 50) == 2
+        err = capsys.readouterr().err
+        assert err.strip() == ("glmvit-encode: --min-image-tokens 100 is above --max-image-tokens 50: an image is "
+                               "resized to between the two, so the minimum must not exceed the maximum")
+        assert not out.exists()
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--capacity-tokens", 10) == 2
+    assert "--min-image-tokens 16 is above --max-image-tokens 10 (its default: 8000, or --capacity-tokens if " \
+        "lower)" in capsys.readouterr().err
+
+
+def test_capacity_tokens_alone_lowers_the_image_limit_as_the_api_does(folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--capacity-tokens", 1000) == 0
+    assert read_embeddings(out)[0]["header"]["max_image_tokens"] == 1000
+    assert run(folder, "--checkpoint", TOWER, "--out", tmp_path / "o2", "--cpu", "--capacity-tokens", 1000,
+               "--max-image-tokens", 2000) == 2
+    assert "--max-image-tokens 2000 is above --capacity-tokens 1000" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists()
+
+
+# -- 8. the command's words --------------------------------------------------------------------------------
+
+def test_one_image_is_one_image(folder, tmp_path, capsys):
+    assert run(folder / "a.png", "--checkpoint", TOWER, "--out", tmp_path / "out", "--cpu") == 0
+    (summary,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("glmvit-encode: 1 ")]
+    assert summary.startswith("glmvit-encode: 1 image, ")
+
+
+def test_no_install_hint_names_a_package_no_index_has():
+    import pathlib
+
+    for path in pathlib.Path(cli.__file__).parent.glob("*.py"):
+        assert "glmvit-cupy[" not in path.read_text(), path
