@@ -52,17 +52,23 @@ def start(tmp_path, *flags, checkpoint=TOWER, cpu=True, wait_s=15.0):
     proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.serving.main", "--checkpoint", checkpoint,
                              *(["--cpu"] if cpu else []), "--port", str(port), *map(str, flags)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    client = Client(f"http://127.0.0.1:{port}", timeout=60)
+    return proc, healthy(proc, Client(f"http://127.0.0.1:{port}", timeout=60), wait_s)
+
+
+def healthy(proc, client, wait_s: float):
+    """The client once the server's /health says ok; AssertionError with the server's output if it exits
+    or does not come up within wait_s (the process is killed then)."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
             if client.health()["status"] == "ok":
-                return proc, client
+                return client
         except (OSError, ServerError):
             time.sleep(0.05)
         if proc.poll() is not None:
             raise AssertionError(proc.stdout.read())
-    raise AssertionError(f"the server did not come up in {wait_s:g} s")
+    proc.kill()
+    raise AssertionError(f"the server did not come up in {wait_s:g} s: {proc.stdout.read()}")
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +260,7 @@ def test_queue_full_is_429(server):
     assert "--max-queue" in refused["error"] and refused["index"] is None
     five = [base64.b64encode(png(80, 64 + 8 * i, 70 + i)).decode() for i in range(5)]  # not cached
     got, err = post(client, json.dumps({"images": five}).encode())  # 5 images: never fit a queue of 4
-    assert got == 429 and "smaller requests" in err["error"]
+    assert got == 413 and "send at most 4 a request" in err["error"] and "--max-queue" in err["error"]
 
 
 def test_a_client_that_goes_away_breaks_nothing(server, tower):
@@ -426,6 +432,14 @@ def test_devices_with_cpu_is_refused_before_loading(capsys):
     (["--max-image-mib", "nan"], "--max-image-mib nan must be a finite number above 0"),
     (["--max-queue", "0"], "--max-queue 0 must be at least 1"),
     (["--max-video-pixels", "0"], "--max-video-pixels 0 must be at least 1"),
+    (["--max-pixels-in-flight", "0"], "--max-pixels-in-flight 0 must be at least 1"),
+    (["--max-pixels", "1000000", "--max-pixels-in-flight", "999999"], "--max-pixels-in-flight 999,999 is below the "
+     "1,000,000 pixels one image may have (--max-pixels): such an image could never be decoded"),
+    (["--max-pixels-in-flight", "1000"], "below the 89,478,485 pixels one image may have"),
+    (["--max-connections", "0"], "--max-connections 0 must be at least 1"),
+    (["--header-timeout", "0"], "--header-timeout 0 must be a finite number above 0"),
+    (["--body-timeout", "inf"], "--body-timeout inf must be a finite number above 0"),
+    (["--drain-timeout", "-1"], "--drain-timeout -1 must be a finite number above 0"),
 ])
 def test_bad_settings_are_refused_at_start_not_per_request(capsys, flags, says):
     """An operator's bad flag stops the server before it loads, with exit code 2 and the reason (not a 422
@@ -513,8 +527,11 @@ def test_videos_bit_equal_to_the_reference_beside_image_requests(server, tower):
     for a, b in zip(again, [embs[1], embs[0], embs[1]]):
         assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
     assert metric(client, "glmvit_cache_hits_total") == hits + 3
+    encoded = metric(client, 'glmvit_videos_total{outcome="encoded"}')
     fresh, fresh_meta = client.encode_video([vids[0], vids[0]], fps=3.0, max_image_tokens=200)  # new key, twice
-    assert [m["cached"] for m in fresh_meta] == [False, False] and fresh_meta[0]["key"] == fresh_meta[1]["key"]
+    # encoded once: the repeat is served from the first one's encode, and says so
+    assert [m["cached"] for m in fresh_meta] == [False, True] and fresh_meta[0]["key"] == fresh_meta[1]["key"]
+    assert metric(client, 'glmvit_videos_total{outcome="encoded"}') == encoded + 1
     assert np.array_equal(fresh[0].view(np.uint16), fresh[1].view(np.uint16))
     from safetensors import safe_open
 

@@ -1,6 +1,6 @@
 """The HTTP contract of glmvit-serve (Starlette).
 
-    GET  /health      200 {"status": "ok", "geometry": {...}, ...}; 503 while loading or stopping
+    GET  /health      200 {"status": "ok", "geometry": {...}, ...}; 503 while loading, failed or draining
     POST /v1/encode   JSON {"images": [base64, ...], "min_image_tokens": 16, "max_image_tokens": 8000}
                       (base64 plain, wrapped, URL-safe or a data URL; a limit absent or null: its default;
                       any other field: 400)
@@ -16,10 +16,17 @@
                       timestamps}, ...]
     GET  /metrics     Prometheus text
 
-Errors are JSON {"error": why, "index": the image's (or video's) position or null}: 400 malformed request, 413
-too large, 415 not JSON, 422 an image that cannot be decoded (nothing of that request is encoded),
-429 queue full, 503 loading or shutting down, 500 the engine failed. Decoding runs on a thread pool
-and the engine on the batcher's threads: the event loop never blocks on either.
+Errors are JSON {"error": why, "index": the image's (or video's) position or null}: 400 malformed request, 408
+the body too slow, 413 too large (a body, an image file, more images than the queue holds, more pixels than
+--max-pixels-in-flight), 415 not JSON, 422 an image that cannot be decoded (nothing of that request is
+encoded), 429 the queue or the pixels in flight full now, 501 a video file on a server without PyAV, 503
+loading or shutting down, 500 the engine failed.
+
+A request is admitted before any image of it is decoded: its images counted against the queue's room, then
+their pixels, read from the files' headers, against the pixels in flight; only then are they decoded, on
+the Decoders' threads (requests in turn), and queued for the batcher's passes. The event loop never blocks
+on either. The same content in flight is encoded once: a request finds an image (or video) another request
+is encoding and waits for that result. Work whose every client went away is dropped before its pass.
 """
 
 from __future__ import annotations
@@ -30,27 +37,32 @@ import dataclasses
 import functools
 import io
 import json
+import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import warnings
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..errors import ImageError
-from ..preprocessing.image import prepare_canvas
-from ..preprocessing.video import plan_video
+from ..errors import ImageError, OutputError
+from ..preprocessing.image import prepare_canvas, smart_resize
+from ..preprocessing.video import plan_video, sample_frames
 from ..preprocessing.video_files import FrameFiles, VideoFile
 from . import vllm_ec
-from .batcher import Batcher, QueueFull
+from .batcher import Batcher, Decoders, PixelBudget, QueueFull
 from .cache import EmbeddingCache
 from .metrics import Metrics
 from .requests import Refused, b64decode, decode_frames, parse_images, parse_videos, read_body
+
+LARGE_IMAGE_PIXELS = 1 << 24  # an image over this (16.8 MP) is decoded on at most all but one decoding thread
 
 
 @dataclass
@@ -62,18 +74,42 @@ class Settings:
     max_queue: int = 256            # images waiting for a forward pass
     max_body_mib: float = 256.0
     max_image_mib: float = 64.0
-    max_pixels: int | None = None
+    max_pixels: int | None = None   # one image's pixels (None: Pillow's MAX_IMAGE_PIXELS)
     max_video_pixels: int = 2**32   # a video's sampled frames' pixels together (decoding stops short of more)
+    max_pixels_in_flight: int = 2**28  # pixels of images and videos admitted and not yet through their passes
+    body_timeout: float = 60.0      # seconds a body may take to arrive after its headers
     decode_workers: int = 8
     vllm_ec_dir: str | None = None
+
+
+class Orphaned(Exception):
+    """The request that was to encode this content stopped before queueing it (refused, or its client went
+    away); a request waiting for it encodes it itself."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+@dataclass(eq=False)
+class Flight:
+    """Content being encoded for one or more requests: `result` is (embedding, about) once its pass is done."""
+    key: tuple
+    result: asyncio.Future
+    refs: int = 1                       # requests waiting for it
+    group: list | None = None           # the flights its queued job settles (an image: itself; a request's videos)
+    job: asyncio.Future | None = None   # the batcher's future, once queued
 
 
 def create_app(load_backend, settings: Settings) -> Starlette:
     """The service; load_backend() builds the Backend, on a thread, while /health answers 503."""
     metrics = Metrics()
     cache = EmbeddingCache(int(settings.cache_mib * 2**20))
-    state = {"status": "loading", "backend": None, "batcher": None, "error": None}
-    pool = ThreadPoolExecutor(settings.decode_workers, thread_name_prefix="glmvit-decode")
+    state = {"status": "loading", "backend": None, "batcher": None, "error": None, "in_flight": 0}
+    decoders = Decoders(settings.decode_workers)
+    budget = PixelBudget(settings.max_pixels_in_flight)
+    limit = settings.max_pixels if settings.max_pixels is not None else Image.MAX_IMAGE_PIXELS
+    flights: dict = {}  # key -> Flight: content being encoded now
 
     def on_pass(images, tokens, seconds):
         metrics.passes.inc()
@@ -82,14 +118,22 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         metrics.pass_fill.observe(tokens / settings.capacity_tokens)
         metrics.pass_seconds.observe(seconds)
 
+    def on_drop(job):
+        if job.task is None:
+            metrics.images.labels("dropped").inc()
+        else:
+            metrics.videos.labels("dropped").inc(getattr(job.task, "videos", 1))
+
     def load():
         try:
             backend = load_backend()
             state["batcher"] = Batcher(backend, capacity_tokens=settings.capacity_tokens,
                                        max_wait_s=settings.max_wait_ms / 1e3, max_queue=settings.max_queue,
-                                       on_pass=on_pass)
-            state["backend"], state["status"] = backend, "ok"
-        except Exception as e:  # reported by /health and every request
+                                       on_pass=on_pass, on_drop=on_drop)
+            state["backend"] = backend
+            if state["status"] == "loading":  # not when a SIGTERM came first: the server is draining
+                state["status"] = "ok"
+        except Exception as e:  # reported by /health and every request; glmvit-serve logs it and exits
             state["status"], state["error"] = "failed", f"{type(e).__name__}: {e}"
 
     @asynccontextmanager
@@ -98,8 +142,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         yield
         state["status"] = "stopping"
         if state["batcher"] is not None:
-            await asyncio.get_running_loop().run_in_executor(None, state["batcher"].stop)
-        pool.shutdown(wait=False, cancel_futures=True)
+            await asyncio.get_running_loop().run_in_executor(None, state["batcher"].stop, 10.0)
+        decoders.shutdown()
 
     def not_ready() -> str:
         why = {"loading": "the model is still loading", "stopping": "the server is shutting down"}
@@ -110,81 +154,218 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             return JSONResponse({"status": state["status"], "error": not_ready()}, status_code=503)
         b = state["backend"]
         return JSONResponse({"status": "ok", "geometry": dataclasses.asdict(b.geometry), "backend": b.name,
-                             "capacity_tokens": settings.capacity_tokens, "queue_depth": state["batcher"].depth})
+                             "capacity_tokens": settings.capacity_tokens, "queue_depth": state["batcher"].depth,
+                             "pixels_in_flight": budget.used})
 
     async def metrics_text(request):
         if state["batcher"] is not None:
             metrics.queue.set(state["batcher"].depth)
         metrics.cache_bytes.set(cache.bytes)
+        metrics.pixels.set(budget.used)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def endpoint(handle):
-        """A POST endpoint: handle(request)'s response, a Refused as its JSON error, anything else a 500 (the
-        engine failed, out of memory say: the server stays up); counted and timed."""
+        """A POST endpoint: handle(request)'s response, a Refused as its JSON error, a client gone before its
+        answer as 499 (nobody reads it; counted), anything else a 500 (the engine failed, out of memory say:
+        the server stays up); counted, timed, and counted in flight while it runs (SIGTERM waits for them)."""
         async def run(request):
             t0 = time.perf_counter()
+            state["in_flight"] += 1
             try:
-                response = await handle(request)
-            except Refused as e:
-                response = JSONResponse({"error": e.error, "index": e.index}, status_code=e.status)
-            except Exception as e:
-                response = JSONResponse({"error": f"encoding failed ({type(e).__name__}: {e})", "index": None},
-                                        status_code=500)
+                try:
+                    response = await handle(request)
+                except Refused as e:  # a body too slow: the rest of it is not read, so the connection closes
+                    response = JSONResponse({"error": e.error, "index": e.index}, status_code=e.status,
+                                            headers={"Connection": "close"} if e.status == 408 else None)
+                except (ClientGone, ClientDisconnect):
+                    response = Response(status_code=499)
+                except Exception as e:
+                    response = JSONResponse({"error": f"encoding failed ({type(e).__name__}: {e})", "index": None},
+                                            status_code=500)
+            finally:
+                state["in_flight"] -= 1
             metrics.requests.labels(str(response.status_code)).inc()
             metrics.latency.observe(time.perf_counter() - t0)
             return response
         return run
 
     async def json_body(request) -> bytes:
-        """The request's body, or Refused: the model not ready (503), not JSON (415), too large (413)."""
+        """The request's body, or Refused: the model not ready (503), not JSON (415), too large (413), too
+        slow (408)."""
         if state["status"] != "ok":
             raise Refused(503, not_ready())
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind != "application/json":
             raise Refused(415, f"Content-Type {kind or 'none'!r}: send application/json")
-        return await read_body(request, int(settings.max_body_mib * 2**20))
+        return await read_body(request, int(settings.max_body_mib * 2**20), settings.body_timeout)
 
-    def split_hits(keys):
-        """({i: the cache's entry for keys[i] or None}, {key: the first index that needs encoding}): a key
-        repeated in one request is encoded once."""
-        hits = {i: cache.get(k) for i, k in enumerate(keys)}
-        todo = {}
-        for i, k in enumerate(keys):
-            if hits[i] is None:
-                todo.setdefault(k, i)
-        return hits, todo
+    async def unless_gone(request, work):
+        """The value of the coroutine `work`, run as a task; ClientGone once the client disconnects first: the
+        task is cancelled, and what it queued that no other request waits for is dropped before its pass."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server gave up on this request (shutdown past its time)
+            gone.cancel()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
+        gone.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone()
 
-    async def on_pool(calls: dict, failed) -> list:
-        """{request index: a call} run on the decoding pool, results in order; the first failure a 422 naming
-        its index (an ImageError or ValueError, counted in `failed`), anything else raised as it is."""
-        loop = asyncio.get_running_loop()
-        got = await asyncio.gather(*[loop.run_in_executor(pool, c) for c in calls.values()], return_exceptions=True)
-        for i, g in zip(calls, got):
+    # -- content in flight ------------------------------------------------------------------------------
+
+    def start_flight(key) -> Flight:
+        f = Flight(key, asyncio.get_running_loop().create_future())
+        f.result.add_done_callback(_retrieved)
+        flights[key] = f
+        return f
+
+    def join(key) -> Flight | None:
+        f = flights.get(key)
+        if f is not None:
+            f.refs += 1
+        return f
+
+    def abandon(f: Flight) -> None:
+        """f's owner stops before queueing it: those waiting for it encode it themselves."""
+        if flights.get(f.key) is f:
+            del flights[f.key]
+        if not f.result.done():
+            f.result.set_exception(Orphaned())
+
+    def leave(f: Flight) -> None:
+        """A request is done with f (answered, refused or gone); queued work nobody waits for is dropped, and
+        its flights are no longer found (a request for the same content starts its own)."""
+        f.refs -= 1
+        if f.job is not None and not f.job.done() and all(g.refs <= 0 for g in f.group):
+            for g in f.group:
+                if flights.get(g.key) is g:
+                    del flights[g.key]
+            f.job.cancel()
+
+    def queued_as(group: list, job: asyncio.Future, unpack, on_encoded) -> None:
+        """group's flights settled by the batcher's `job`: unpack(its value) -> [(embedding, about)] in the
+        group's order, each cached and counted by on_encoded(flight, embedding)."""
+        for f in group:
+            f.group, f.job = group, job
+
+        def settle(job):
+            for f in group:
+                if flights.get(f.key) is f:
+                    del flights[f.key]
+            if job.cancelled():  # dropped, or the server stopped: whoever still waits encodes it again
+                for f in group:
+                    if not f.result.done():
+                        f.result.set_exception(Orphaned())
+                return
+            if job.exception() is not None:
+                for f in group:
+                    if not f.result.done():
+                        f.result.set_exception(job.exception())
+                return
+            for f, (emb, about) in zip(group, unpack(job.result())):
+                cache.put(f.key, emb, about)
+                on_encoded(f, emb)
+                if not f.result.done():
+                    f.result.set_result((emb, about))
+
+        job.add_done_callback(settle)
+
+    async def gather_flights(keys: list, queue_own) -> tuple[dict, dict]:
+        """{key: (embedding, about)} and {key: "cached" | "encoded" | "shared"} for the distinct keys, in
+        rounds: each from the cache, or from the flight already encoding it, or encoded by this request
+        (queue_own(own keys, their flights) decodes and queues them); a flight orphaned by its owner is
+        taken up in the next round."""
+        got, how, held = {}, {}, {}
+        try:
+            pending = list(keys)
+            while pending:
+                own = []
+                for k in pending:
+                    hit = cache.get(k)
+                    if hit is not None:
+                        got[k], how[k] = hit, "cached"
+                        continue
+                    held[k] = join(k)
+                    if held[k] is None:
+                        held[k] = start_flight(k)
+                        own.append(k)
+                if own:
+                    try:
+                        await queue_own(own, held)
+                    except BaseException:
+                        for k in own:
+                            abandon(held[k])
+                        raise
+                retry = []
+                for k in pending:
+                    if k in got:
+                        continue
+                    try:
+                        got[k] = await asyncio.shield(held[k].result)
+                        how[k] = "encoded" if k in own else "shared"
+                    except Orphaned:
+                        retry.append(k)
+                    leave(held.pop(k))
+                pending = retry
+        finally:
+            for f in held.values():
+                leave(f)
+        return got, how
+
+    # -- admission ---------------------------------------------------------------------------------------
+
+    def reserve_queue(n: int, what: str) -> None:
+        """Room for n images (or tasks) in the batcher's queue, or Refused: 413 never, 429 not now, 503
+        shutting down."""
+        try:
+            state["batcher"].reserve(n, what)
+        except QueueFull as e:
+            status = 503 if state["status"] != "ok" or "shutting down" in str(e) else 413 if e.ever else 429
+            raise Refused(status, str(e)) from None
+
+    def take_pixels(total: int, what: str) -> None:
+        if total > budget.total:
+            raise Refused(413, f"this request's {what} need {total:,} pixels decoded at once, over the "
+                               f"{budget.total:,} the server holds in flight (--max-pixels-in-flight): send fewer "
+                               f"or smaller {what} a request")
+        if not budget.take(total):
+            raise Refused(429, f"{budget.used:,} of the {budget.total:,} pixels the server holds in flight "
+                               f"(--max-pixels-in-flight) are taken, and this request's {what} need {total:,}: "
+                               "retry later")
+
+    def decode_failures(indices, results, failed):
+        """The first failure of a request's decoding jobs as a 422 naming its index (an ImageError or
+        ValueError, counted in `failed`), anything else raised as it is."""
+        for i, g in zip(indices, results):
             if isinstance(g, BaseException):
                 failed.inc()
                 if isinstance(g, (ImageError, ValueError)):
                     raise Refused(422, str(g), i)
                 raise g
-        return got
-
-    def queued(submit):
-        """submit()'s futures, or Refused: 429 when the queue is full, 503 once shutting down."""
-        try:
-            return submit()
-        except QueueFull as e:
-            raise Refused(429 if state["status"] == "ok" else 503, str(e)) from None
 
     async def hand_to_vllm(keys, out):
         if settings.vllm_ec_dir:
             try:
                 await asyncio.get_running_loop().run_in_executor(
-                    pool, lambda: [vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)]) for i, k in enumerate(keys)])
-            except OSError as e:  # a full disk, the folder gone: the request fails, saying where
+                    None, lambda: [vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)]) for i, k in enumerate(keys)])
+            except (OSError, OutputError) as e:  # a full disk, the folder gone: the request fails, saying where
                 raise Refused(500, f"the embeddings were computed, but writing them to the vLLM encoder cache "
                                    f"{settings.vllm_ec_dir} failed: {e}") from None
 
+    # -- images ------------------------------------------------------------------------------------------
+
     async def _encode(request):
         images, lo, hi = parse_images(await json_body(request), settings.capacity_tokens)
+        if len(images) > settings.max_queue:  # counted before anything is decoded
+            raise Refused(413, f"this request has {len(images)} images, more than the server's queue ever holds "
+                               f"({settings.max_queue}, --max-queue): send at most {settings.max_queue} a request")
         blobs = []
         for i, text in enumerate(images):
             try:
@@ -193,73 +374,155 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 raise Refused(400, f"images[{i}] is not valid base64 ({e})", i) from None
             if len(data) > settings.max_image_mib * 2**20:
                 raise Refused(413, f"images[{i}] is {len(data)} bytes, over the {settings.max_image_mib:g} MiB limit "
-                                   "per image", i)
+                                   "per image (--max-image-mib)", i)
             blobs.append(data)
+        del images
+        return await unless_gone(request, encode_images(blobs, lo, hi))
+
+    async def encode_images(blobs, lo, hi):
         shas = [vllm_ec.key_of(d) for d in blobs]
         keys = [(sha, lo, hi, settings.checkpoint) for sha in shas]
-        hits, todo = split_hits(keys)
+        first = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
         backend = state["backend"]
         patching = backend.patching()  # once a request (main refused towers whose patches are not RGB)
-        prepared = await on_pool({i: functools.partial(_prepare, blobs[i], i, lo, hi, settings.max_pixels,
-                                                       backend.resize, patching) for i in todo.values()},
-                                 metrics.images.labels("failed"))
-        futures = queued(lambda: state["batcher"].submit(list(prepared)))
-        encoded = dict(zip(todo, await asyncio.gather(*futures)))
-        grids = {k: item[1] for k, item in zip(todo, prepared)}
-        out, meta = {}, []
+
+        def encoded(f, emb):
+            metrics.images.labels("encoded").inc()
+
+        async def queue_own(own, held):
+            """Decode this request's own images and queue them, admitted first: room in the queue, then their
+            pixels (from the files' headers) in flight; each image's pixels are held until its pass ends."""
+            idx = [first[k] for k in own]
+            reserve_queue(len(own), "images")
+            pixels, queued = 0, False
+            try:
+                heads = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: [_header_pixels(blobs[i]) for i in idx])
+                need = []
+                for i, (n, size) in zip(idx, heads):
+                    if n > limit:
+                        metrics.images.labels("failed").inc()
+                        raise Refused(422, f"images[{i}] has {_dims(n, size)} pixels, over the server's limit of "
+                                           f"{limit:,} an image (--max-pixels): refused as a possible decompression "
+                                           "bomb; send a smaller image", i)
+                    need.append(_pixels_held(n, size, lo, hi, patching))
+                take_pixels(sum(need), "images")
+                pixels = sum(need)
+                prepared = await decoders.run(
+                    [(functools.partial(_prepare, blobs[i], i, lo, hi, limit, backend.resize, patching),
+                      n > LARGE_IMAGE_PIXELS) for i, (n, _) in zip(idx, heads)])
+                decode_failures(idx, prepared, metrics.images.labels("failed"))
+                kept = [min(n, item[0].shape[0] * item[0].shape[1]) for n, item in zip(need, prepared)]
+                budget.give(pixels - sum(kept))  # an image holds its prepared pixels until its pass ends
+                pixels = sum(kept)
+                futures = state["batcher"].submit(prepared, reserved=True)
+                queued = True
+            finally:
+                if not queued:
+                    state["batcher"].unreserve(len(own))
+                    budget.give(pixels)
+            for k, fut, item, n in zip(own, futures, prepared, kept):
+                fut.add_done_callback(lambda _, n=n: budget.give(n))
+                queued_as([held[k]], fut, lambda emb, grid=item[1]: [(emb, grid)], encoded)
+
+        got, how = await gather_flights(list(first), queue_own)
+        out, meta, seen = {}, [], set()
         for i, k in enumerate(keys):
-            if hits[i] is not None:
-                emb, grid = hits[i]
+            emb, grid = got[k]
+            outcome = how[k] if k not in seen or how[k] == "cached" else "shared"  # a repeat: its first one's
+            seen.add(k)
+            if outcome == "cached":
                 metrics.cache_hits.inc()
-                metrics.images.labels("cached").inc()
-            else:
-                emb, grid = encoded[k], grids[k]
-                cache.put(k, emb, grid)
-                metrics.images.labels("encoded").inc()
+            if outcome != "encoded":  # an encode is counted once, when its pass ends
+                metrics.images.labels(outcome).inc()
             out[str(i)] = emb
             meta.append({"sha256": shas[i], "grid_thw": list(grid), "tokens": int(emb.shape[0]),
-                         "cached": hits[i] is not None})
+                         "cached": outcome != "encoded"})
         await hand_to_vllm(shas, out)
         from safetensors.numpy import save
 
         return Response(save(out, metadata={"images": json.dumps(meta)}), media_type="application/octet-stream")
 
+    # -- videos ------------------------------------------------------------------------------------------
+
     async def _encode_video(request):
-        """Frames decoded and videos sampled on the pool; their resize (on the GPU where images are) and passes
-        run as one task on a lane's thread, between image passes (the engine is one thread's). A video's key
-        (vllm_ec.video_key_of: its frame files and settings) finds it in the cache and names its vLLM file."""
+        """Frames decoded and videos sampled on the decoding threads; their resize (on the GPU where images
+        are) and passes run as one task on a lane's thread, between image passes (the engine is one thread's).
+        A video's key (vllm_ec.video_key_of: its frame files and settings) finds it in the cache and names its
+        vLLM file."""
         videos, common = parse_videos(await json_body(request))
+        for i, v in enumerate(videos):
+            if v["file"] is not None and not _have_pyav():
+                raise Refused(501, f"videos[{i}] is a video file, and this server cannot decode video files (PyAV, "
+                                   "the video extra, is not installed on it); send the video's frames instead, as "
+                                   "image files: {\"frames\": [base64 image file, ...], \"fps\": frames a second}", i)
         decode_frames(videos, settings.max_image_mib)
+        return await unless_gone(request, encode_videos(videos, common))
+
+    async def encode_videos(videos, common):
         keys = [vllm_ec.video_key_of(v["frames"] or [v["file"]], v["fps"], v["duration"], common) for v in videos]
-        hits, todo = split_hits([(k, settings.checkpoint) for k in keys])
+        first = {}
+        for i, k in enumerate(keys):
+            first.setdefault((k, settings.checkpoint), i)
         backend = state["backend"]
         patching = backend.patching()
-        args = (common, settings.max_pixels, settings.max_video_pixels, patching)
-        done = await on_pool({i: functools.partial(_prepare_video, videos[i], i, *args) for i in todo.values()},
-                             metrics.videos.labels("failed"))
-        for i, got in zip(todo.values(), done):
-            if got[2]["frame_tokens"] > settings.capacity_tokens:
-                metrics.videos.labels("failed").inc()
-                raise Refused(422, f"video {i}: a group of {patching.temporal_patch_size} frames is "
-                                   f"{got[2]['frame_tokens']} tokens, over the server's capacity of "
-                                   f"{settings.capacity_tokens} tokens per pass; lower max_image_tokens", i)
-        embs = []
-        if todo:
-            embs = await queued(lambda: state["batcher"].submit_task(lambda lane: backend.encode_video_on(lane, done)))
-            metrics.tokens.inc(sum(int(e.shape[0]) for e in embs))
-        encoded = {k: (emb, {"grid_thw": list(info["grid"]), "tokens": info["tokens"],
-                             "frame_tokens": info["frame_tokens"], "frames_indices": info["frames_indices"],
-                             "timestamps": info["timestamps"]}) for k, emb, (_, _, info) in zip(todo, embs, done)}
-        out, meta = {}, []
+
+        def encoded(f, emb):
+            metrics.videos.labels("encoded").inc()
+            metrics.tokens.inc(int(emb.shape[0]))
+
+        async def queue_own(own, held):
+            idx = [first[k] for k in own]
+            reserve_queue(1, "tasks")
+            pixels, queued = 0, False
+            try:
+                loop = asyncio.get_running_loop()
+                need = await loop.run_in_executor(None, lambda: [
+                    _video_pixels(videos[i], i, common, limit, settings.max_video_pixels, patching) for i in idx])
+                take_pixels(sum(need), "videos")
+                pixels = sum(need)
+                args = (common, limit, settings.max_video_pixels, patching)
+                done = await decoders.run([(functools.partial(_prepare_video, videos[i], i, *args), True)
+                                           for i in idx])
+                decode_failures(idx, done, metrics.videos.labels("failed"))
+                for i, got in zip(idx, done):
+                    if got[2]["frame_tokens"] > settings.capacity_tokens:
+                        metrics.videos.labels("failed").inc()
+                        raise Refused(422, f"video {i}: a group of {patching.temporal_patch_size} frames is "
+                                           f"{got[2]['frame_tokens']} tokens, over the server's capacity of "
+                                           f"{settings.capacity_tokens} tokens per pass; lower max_image_tokens", i)
+
+                def task(lane):
+                    return backend.encode_video_on(lane, done)
+
+                task.videos = len(done)
+                job = state["batcher"].submit_task(task, reserved=True)
+                queued = True
+            finally:
+                if not queued:
+                    state["batcher"].unreserve(1)
+                    budget.give(pixels)
+            job.add_done_callback(lambda _: budget.give(pixels))
+            about = [{"grid_thw": list(info["grid"]), "tokens": info["tokens"], "frame_tokens": info["frame_tokens"],
+                      "frames_indices": info["frames_indices"], "timestamps": info["timestamps"]}
+                     for _, _, info in done]
+            queued_as([held[k] for k in own], job, lambda embs: list(zip(embs, about)), encoded)
+
+        got, how = await gather_flights(list(first), queue_own)
+        out, meta, seen = {}, [], set()
         for i, k in enumerate(keys):
-            emb, m = hits[i] if hits[i] is not None else encoded[(k, settings.checkpoint)]
-            if hits[i] is None:
-                cache.put((k, settings.checkpoint), emb, m)
-            else:
+            ck = (k, settings.checkpoint)
+            emb, m = got[ck]
+            outcome = how[ck] if ck not in seen or how[ck] == "cached" else "shared"
+            seen.add(ck)
+            if outcome == "cached":
                 metrics.cache_hits.inc()
-            metrics.videos.labels("encoded" if hits[i] is None else "cached").inc()
+            if outcome != "encoded":
+                metrics.videos.labels(outcome).inc()
             out[str(i)] = emb
-            meta.append({"key": k, **m, "cached": hits[i] is not None})
+            meta.append({"key": k, **m, "cached": outcome != "encoded"})
         await hand_to_vllm(keys, out)
         from safetensors.numpy import save
 
@@ -278,12 +541,127 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.glmvit = state
     app.state.metrics = metrics
+    app.state.pixels = budget
     return app
+
+
+async def _disconnected(receive) -> None:
+    """Returns once the client has disconnected (called after the body was read: nothing else comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """A flight's result read even where nobody waits for it any more (no 'exception never retrieved')."""
+    if not future.cancelled():
+        future.exception()
+
+
+@functools.lru_cache(maxsize=None)
+def _have_pyav() -> bool:
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_BOMB_SIZE = re.compile(r"\((\d+) pixels\)")
+
+
+def _header_pixels(data: bytes) -> tuple[int, tuple | None]:
+    """(pixels, (width, height)) of an image file from its header, nothing decoded; (0, None) where Pillow
+    cannot tell (decoding it says why). Pillow's own guard refuses to open images over twice its limit: their
+    pixels come from its message."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as im:
+                w, h = im.size
+                return w * h, (w, h)
+    except Image.DecompressionBombError as e:
+        found = _BOMB_SIZE.search(str(e))
+        return (int(found.group(1)) if found else 0), None
+    except Exception:  # noqa: BLE001 - decoding it reports what is wrong, by index
+        return 0, None
+
+
+def _dims(n: int, size) -> str:
+    return f"{size[0]} x {size[1]} = {n:,}" if size else f"{n:,}"
+
+
+def _pixels_held(n: int, size, lo: int, hi: int, patching, frames: int | None = None) -> int:
+    """What an image (or `frames` frames of one size) holds from admission to its pass: the larger of its
+    decoded pixels (n) and its canvas's (the canvas is made while the decoded image is still there). frames:
+    a video's sampled frames (None: a still image)."""
+    if size is None:
+        return n
+    w, h = size
+    try:
+        ch, cw = smart_resize(h, w, min_image_tokens=lo, max_image_tokens=hi, factor=patching.factor,
+                              temporal_factor=patching.temporal_patch_size, num_frames=frames)
+    except ValueError:  # the decode refuses it, saying why
+        return n
+    return max(n, ch * cw * (frames or 1))
+
+
+def _sampled(total: int, fps, duration, common: dict):
+    """The frame indices plan_video will take of `total` (None where it will refuse them, saying why)."""
+    try:
+        if not common["sample"]:
+            return list(range(total))
+        if fps is None:
+            return None
+        return [int(i) for i in sample_frames(total, fps, duration=duration, target_fps=common["target_fps"],
+                                              max_frames=common["max_frames"], max_duration=common["max_duration"])]
+    except (ValueError, TypeError):
+        return None
+
+
+def _video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pixels: int, patching) -> int:
+    """The pixels a request video holds from admission to its pass, read from its frame files' headers or its
+    container (nothing decoded): its sampled frames', or their canvases' if more; 0 where that cannot be told
+    (decoding refuses it, saying why). A sampled frame file over --max-pixels is refused here (422)."""
+    if video["file"] is not None:
+        try:
+            import av
+
+            from ..preprocessing.video_files import probe
+
+            with av.open(io.BytesIO(video["file"])) as c:
+                stream = c.streams.best("video") or c.streams.video[0]
+                w, h = stream.width, stream.height
+            total, file_fps, file_duration = probe(video["file"], f"video {index}")
+        except Exception:  # noqa: BLE001
+            return 0
+        fps, duration = video["fps"], video["duration"]
+        if duration is None:  # as load_video reads them
+            duration = file_duration if fps is None else total / fps
+        fps = file_fps if fps is None else fps
+        picked = _sampled(total, fps, duration, common)
+        if picked is None:
+            return 0
+        size, decoded = (w, h), len(set(picked)) * w * h
+    else:
+        picked = _sampled(len(video["frames"]), video["fps"], video["duration"], common)
+        if picked is None:
+            return 0
+        size, decoded = None, 0
+        for j in sorted(set(picked)):
+            n, dims = _header_pixels(video["frames"][j])
+            if n > limit:
+                raise Refused(422, f"videos[{index}].frames[{j}] has {_dims(n, dims)} pixels, over the server's "
+                                   f"limit of {limit:,} an image (--max-pixels): refused as a possible "
+                                   "decompression bomb; send smaller frames", index)
+            size, decoded = size or dims, decoded + n
+    if decoded > max_video_pixels:  # refused by the decode before it decodes anything
+        return 0
+    return _pixels_held(decoded, size, common["min_image_tokens"], common["max_image_tokens"], patching, len(picked))
 
 
 def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels, resize: str, patching):
     return prepare_canvas(io.BytesIO(data), index, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels,
-                          resize=resize, patching=patching)
+                          resize=resize, patching=patching, name=f"image {index}")  # as the request numbers it
 
 
 def _prepare_video(video: dict, index: int, common: dict, max_pixels, max_total_pixels, patching):

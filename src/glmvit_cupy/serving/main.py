@@ -3,16 +3,24 @@
     glmvit-serve --checkpoint /models/GLM-5.3-Flash --port 8000
     glmvit-serve --checkpoint tests/golden/tower --cpu            # the float32 reference, no GPU
 
-SIGTERM or Ctrl-C: stop accepting, answer 503 to new requests on open connections, finish what is in
-flight, exit 0.
+SIGTERM or Ctrl-C: drain (/health and new requests get 503 while what is in flight finishes, at most
+--drain-timeout seconds), then stop accepting and exit 0; a second signal stops at once. A model that
+fails to load is logged and the process exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import signal
 import sys
+import time
+
+MAX_CONNECTIONS = 512
+BACKLOG = 2048  # connections the kernel holds for accepting (uvicorn's default)
+FILES_BESIDE_CONNECTIONS = 128  # descriptors the process holds besides its connections (files, pipes, threads)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,14 +37,31 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-mib", type=float, default=1024.0,
                     help="memory for finished embeddings, by content hash (default 1024; 0: no cache)")
     ap.add_argument("--max-queue", type=int, default=256,
-                    help="images waiting for a forward pass before requests get 429 (default 256)")
+                    help="images admitted and waiting for a forward pass (default 256); a request with more gets 413, "
+                         "one that does not fit the room left 429")
     ap.add_argument("--max-body-mib", type=float, default=256.0, help="largest request body (default 256)")
     ap.add_argument("--max-image-mib", type=float, default=64.0, help="largest image file (default 64)")
     ap.add_argument("--max-pixels", type=int, default=None,
-                    help="largest image to decode, in pixels (default: Pillow's guard, 89,478,485)")
+                    help="largest image to decode, in pixels, read from its header (default: Pillow's guard, "
+                         "89,478,485); more: 422")
     ap.add_argument("--max-video-pixels", type=int, default=2**32,
                     help="a video's sampled frames' pixels together (default 2^32); only "
                          "sampled frames are decoded")
+    ap.add_argument("--max-pixels-in-flight", type=int, default=2**28,
+                    help="pixels of images and videos admitted and not yet through their forward passes, server-wide "
+                         "(default 2^28 = 268,435,456, about 1 GiB decoded); a request that needs more gets 413, one "
+                         "that needs more than is free now 429")
+    ap.add_argument("--max-connections", type=int, default=None,
+                    help=f"HTTP connections open at once; more are answered 503 and closed (default {MAX_CONNECTIONS}, "
+                         "fewer where the open-file limit, ulimit -n, is lower)")
+    ap.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a request's headers may take to arrive; then 408 and the connection closes "
+                         "(default 10)")
+    ap.add_argument("--body-timeout", type=float, default=60.0,
+                    help="seconds a request's body may take to arrive after its headers; then 408 (default 60)")
+    ap.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="on SIGTERM, seconds to wait for requests in flight before closing their connections "
+                         "(default 30)")
     ap.add_argument("--decode-workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="threads decoding and resizing images (default: min(8, CPUs))")
     ap.add_argument("--vllm-ec-dir", default=None, metavar="DIR",
@@ -47,21 +72,120 @@ def parser() -> argparse.ArgumentParser:
 def check_settings(args) -> str | None:
     """What is wrong with the numeric flags, or None."""
     for flag, value in (("--capacity-tokens", args.capacity_tokens), ("--max-queue", args.max_queue),
-                        ("--decode-workers", args.decode_workers), ("--max-video-pixels", args.max_video_pixels)):
+                        ("--decode-workers", args.decode_workers), ("--max-video-pixels", args.max_video_pixels),
+                        ("--max-pixels-in-flight", args.max_pixels_in_flight),
+                        ("--max-connections", 1 if args.max_connections is None else args.max_connections)):
         if value < 1:
             return f"{flag} {value} must be at least 1"
     if args.max_pixels is not None and args.max_pixels < 1:
         return (f"--max-pixels {args.max_pixels} must be at least 1 (pixels an image may have before it is refused "
                 "as a decompression bomb); leave it out for Pillow's own limit")
+    from PIL import Image
+
+    one = args.max_pixels if args.max_pixels is not None else Image.MAX_IMAGE_PIXELS
+    if args.max_pixels_in_flight < one:
+        return (f"--max-pixels-in-flight {args.max_pixels_in_flight:,} is below the {one:,} pixels one image may "
+                f"have (--max-pixels): such an image could never be decoded; raise it to at least {one:,}")
     if not 0 <= args.port <= 65535:
         return f"--port {args.port} is not a TCP port: 0..65535 (0: any free port)"
     for flag, value, least in (("--max-wait-ms", args.max_wait_ms, 0.0), ("--cache-mib", args.cache_mib, 0.0)):
         if not (math.isfinite(value) and value >= least):
             return f"{flag} {value:g} must be a finite number of at least {least:g}"
-    for flag, value in (("--max-body-mib", args.max_body_mib), ("--max-image-mib", args.max_image_mib)):
+    for flag, value in (("--max-body-mib", args.max_body_mib), ("--max-image-mib", args.max_image_mib),
+                        ("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
+                        ("--drain-timeout", args.drain_timeout)):
         if not (math.isfinite(value) and value > 0):
             return f"{flag} {value:g} must be a finite number above 0"
     return None
+
+
+def open_files_for(max_connections: int | None) -> tuple[int, int, str | None]:
+    """(the connection cap, the listening backlog, or what is wrong). Each connection is a descriptor, and up to
+    a backlog of them are accepted at once before the cap closes the extra ones: the open-file limit is raised,
+    where it is lower, to the cap + the backlog + FILES_BESIDE_CONNECTIONS; where the hard limit does not allow
+    that, the backlog is shortened (not below 128), then the default cap lowered."""
+    try:
+        import resource
+    except ImportError:  # not a Unix: no limit to read
+        return max_connections or MAX_CONNECTIONS, BACKLOG, None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    room = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    cap = max_connections or MAX_CONNECTIONS
+    spare = room - FILES_BESIDE_CONNECTIONS - 128
+    if cap > spare:
+        if max_connections is not None or spare < 1:
+            return cap, 0, (f"--max-connections {cap} needs about {cap + 128 + FILES_BESIDE_CONNECTIONS} open files, "
+                            f"and this process may open {room} (ulimit -n): lower --max-connections to at most "
+                            f"{max(0, spare)}, or raise the limit")
+        cap = spare
+    backlog = min(BACKLOG, room - FILES_BESIDE_CONNECTIONS - cap)
+    need = cap + backlog + FILES_BESIDE_CONNECTIONS
+    if soft != resource.RLIM_INFINITY and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    return cap, backlog, None
+
+
+def log(message: str) -> None:
+    print(f"glmvit-serve: {message}", file=sys.stderr, flush=True)
+
+
+def protocol(max_connections: int, header_timeout: float, metrics):
+    """uvicorn's h11 protocol with a cap on connections (one over it is answered 503 and closed at once) and a
+    deadline for each request's headers (408 and closed: uvicorn itself waits for them without end)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    def raw(status: str, error: str) -> bytes:
+        body = json.dumps({"error": error, "index": None}).encode()
+        return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+    class Protocol(H11Protocol):
+        refused = False
+        headers_timer = None
+        timed_cycle = None
+
+        def connection_made(self, transport):
+            if len(self.connections) >= max_connections:
+                self.refused, self.transport = True, transport
+                transport.write(raw("503 Service Unavailable", f"the server has {max_connections} connections open, "
+                                    "its limit (--max-connections): retry later"))
+                transport.close()
+                return
+            super().connection_made(transport)
+            metrics.connections.set(len(self.connections))
+            self._arm()
+
+        def connection_lost(self, exc):
+            if self.refused:
+                return
+            self._disarm()
+            super().connection_lost(exc)
+            metrics.connections.set(len(self.connections))
+
+        def data_received(self, data):
+            if self.headers_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm()  # a next request begins: its headers have their deadline too
+            super().data_received(data)
+            if self.headers_timer is not None and self.cycle is not self.timed_cycle:
+                self._disarm()  # its headers are in
+
+        def _arm(self):
+            self.timed_cycle = self.cycle
+            self.headers_timer = self.loop.call_later(header_timeout, self._headers_late)
+
+        def _disarm(self):
+            if self.headers_timer is not None:
+                self.headers_timer.cancel()
+                self.headers_timer = None
+
+        def _headers_late(self):
+            self.headers_timer = None
+            if self.cycle is self.timed_cycle and not self.transport.is_closing():
+                self.transport.write(raw("408 Request Timeout", f"the request's headers did not arrive within "
+                                         f"{header_timeout:g} s (--header-timeout)"))
+                self.transport.close()
+
+    return Protocol
 
 
 def main(argv=None) -> int:
@@ -69,8 +193,8 @@ def main(argv=None) -> int:
     try:
         import uvicorn
     except ImportError as e:
-        print(f"glmvit-serve: the serve extra is not installed ({e}): pip install 'glmvit-cupy[serve]'",
-              file=sys.stderr)
+        print(f"glmvit-serve: the serve extra is not installed ({e}): pip install -e '.[serve]' in the glmvit-cupy "
+              "checkout", file=sys.stderr)
         return 2
     from .. import gpu
     from ..checkpoint.bind import bind_tower
@@ -99,26 +223,65 @@ def main(argv=None) -> int:
     if why:
         print(f"glmvit-serve: cannot use the GPU: {why}", file=sys.stderr)
         return 2
+    max_connections, backlog, why = open_files_for(args.max_connections)
+    if why:
+        print(f"glmvit-serve: {why}", file=sys.stderr)
+        return 2
     settings = Settings(checkpoint=os.path.abspath(binding.path), capacity_tokens=args.capacity_tokens,
                         max_wait_ms=args.max_wait_ms, cache_mib=args.cache_mib, max_queue=args.max_queue,
                         max_body_mib=args.max_body_mib, max_image_mib=args.max_image_mib, max_pixels=args.max_pixels,
-                        max_video_pixels=args.max_video_pixels, decode_workers=args.decode_workers,
+                        max_video_pixels=args.max_video_pixels, max_pixels_in_flight=args.max_pixels_in_flight,
+                        body_timeout=args.body_timeout, decode_workers=args.decode_workers,
                         vllm_ec_dir=args.vllm_ec_dir)
     # Graphs for full passes of images at the default limit are captured at load (GlmVit.precapture
     # clamps it to the capacity).
     app = create_app(lambda: Backend(binding, cpu=args.cpu, devices=devices, capacity_tokens=args.capacity_tokens,
                                      image_tokens=DEFAULT_MAX_IMAGE_TOKENS), settings)
+    state = app.state.glmvit
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # new requests on open connections get 503 from now on
-            app.state.glmvit["status"] = "stopping"
-            super().handle_exit(sig, frame)
-            self._captured_signals.clear()  # a clean stop: exit 0, not re-raise the signal afterwards
+        """Stops in two steps on SIGTERM or SIGINT: draining (readiness and new requests 503, still accepting)
+        until nothing is in flight or --drain-timeout passes, then uvicorn's own shutdown; a second signal
+        stops at once. A model that fails to load stops it too."""
+        draining_since = None
+        failed = False
+
+        def handle_exit(self, sig, frame):
+            name = signal.Signals(sig).name
+            if self.draining_since is None and not self.should_exit:
+                self.draining_since = time.monotonic()
+                if state["status"] != "failed":
+                    state["status"] = "stopping"
+                log(f"{name}: draining, {state['in_flight']} requests in flight; /health and new requests get 503; "
+                    f"exiting once they are answered, within {args.drain_timeout:g} s (a second signal: now)")
+                return
+            log(f"{name} while stopping: stopping now, without waiting for requests in flight")
+            self.should_exit = self.force_exit = True
+
+        async def on_tick(self, counter):
+            if not self.should_exit and state["status"] == "failed":
+                log(f"the model failed to load: {state['error']}")
+                self.failed = self.should_exit = True
+            if self.draining_since is not None and not self.should_exit:
+                if state["in_flight"] == 0:
+                    self.should_exit = True
+                elif time.monotonic() - self.draining_since > args.drain_timeout:
+                    log(f"{state['in_flight']} requests still in flight after {args.drain_timeout:g} s "
+                        "(--drain-timeout): closing their connections")
+                    self.should_exit = True
+            return await super().on_tick(counter)
 
     print(f"glmvit-serve: {binding.path} on http://{args.host}:{args.port} "
           f"({'cpu, float32 reference' if args.cpu else 'gpu'}; /health says when it is loaded)", flush=True)
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on")).run()
-    return 0
+    # timeout_graceful_shutdown: once drained, the connections left have their answers; what has not ended
+    # within it is cancelled.
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on",
+                                   http=protocol(max_connections, args.header_timeout, app.state.metrics),
+                                   backlog=backlog, timeout_graceful_shutdown=2))
+    server.run()
+    code = 1 if server.failed else 0
+    log(f"stopped (exit {code})")
+    return code
 
 
 if __name__ == "__main__":

@@ -9,8 +9,12 @@ class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("glmvit_requests", "Encode requests by outcome (HTTP status)", ["status"], registry=r)
-        self.images = Counter("glmvit_images", "Images by outcome: encoded, cached, failed", ["outcome"], registry=r)
-        self.videos = Counter("glmvit_videos", "Videos by outcome: encoded, failed", ["outcome"], registry=r)
+        self.images = Counter("glmvit_images", "Images by outcome: encoded (a forward pass ran for it), cached (from "
+                              "the cache), shared (from the encode of the same bytes in this or a concurrent "
+                              "request), failed, dropped (every request for it went away before its pass)",
+                              ["outcome"], registry=r)
+        self.videos = Counter("glmvit_videos", "Videos by outcome: encoded, cached, shared, failed, dropped",
+                              ["outcome"], registry=r)
         self.tokens = Counter("glmvit_tokens", "Image and video tokens encoded on the engine", registry=r)
         self.passes = Counter("glmvit_forward_passes", "Forward passes run", registry=r)
         self.pass_images = Histogram("glmvit_forward_pass_images", "Images in a forward pass", registry=r,
@@ -18,8 +22,13 @@ class Metrics:
         self.pass_fill = Histogram("glmvit_forward_pass_fill", "Tokens in a forward pass over the capacity",
                                    registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0))
         self.pass_seconds = Histogram("glmvit_forward_pass_seconds", "Wall time of a forward pass", registry=r)
-        self.queue = Gauge("glmvit_queue_depth", "Images waiting for a forward pass", registry=r)
+        self.queue = Gauge("glmvit_queue_depth", "Images and video tasks admitted and waiting for a forward pass "
+                           "(queued, or being decoded)", registry=r)
+        self.pixels = Gauge("glmvit_pixels_in_flight", "Pixels of images and videos admitted and not yet through "
+                            "their passes", registry=r)
+        self.connections = Gauge("glmvit_connections", "Open HTTP connections", registry=r)
         self.cache_hits = Counter("glmvit_cache_hits", "Images served from the cache", registry=r)
-        self.cache_bytes = Gauge("glmvit_cache_bytes", "Bytes of embeddings in the cache", registry=r)
+        self.cache_bytes = Gauge("glmvit_cache_bytes", "Bytes the cache holds: embeddings, their metadata and keys",
+                                 registry=r)
         self.latency = Histogram("glmvit_request_seconds", "Encode request latency", registry=r,
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))

@@ -4,6 +4,7 @@ wrong (status, reason, the image's or video's position)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -18,15 +19,26 @@ class Refused(Exception):
         self.status, self.error, self.index = status, error, index
 
 
-async def read_body(request, limit: int) -> bytes:
+async def read_body(request, limit: int, timeout: float) -> bytes:
+    """The body, or Refused: over `limit` bytes (413, from Content-Length when it says so), or not all there
+    within `timeout` seconds of its headers (408; the connection is then closed)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise Refused(413, f"the body is {declared} bytes, over the {limit / 2**20:g} MiB limit")
+        raise Refused(413, f"the body is {declared} bytes, over the {limit / 2**20:g} MiB limit (--max-body-mib)")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise Refused(413, f"the body is over the {limit / 2**20:g} MiB limit")
+
+    async def read():
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise Refused(413, f"the body is over the {limit / 2**20:g} MiB limit (--max-body-mib)")
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        of = f" of the {int(declared):,} declared" if declared and declared.isdigit() else ""
+        raise Refused(408, f"the body did not arrive within {timeout:g} s (--body-timeout): {len(body):,} bytes"
+                           f"{of} came; send it at once") from None
     return bytes(body)
 
 

@@ -4,22 +4,50 @@ vLLM (ECExampleConnector, formerly ECSharedStorageConnector) looks for
 `<shared_storage_path>/<mm_hash>/encoder_cache.safetensors` holding one tensor named "ec_cache",
 [tokens, hidden]; a file that exists is ready. We key an image by the sha256 hex of its file's bytes, a
 video by video_key_of (its frame files and the settings that shape its embedding), and write under a
-temporary name, then rename, so vLLM never reads half a file. The language-only vLLM is
-started with --ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
-"ec_connector_extra_config": {"shared_storage_path": DIR}}' and each request passes that key as the
-image's uuid (README: "Handing embeddings to vLLM").
+temporary name of our own, fsync it, then rename it into place, so vLLM never reads half a file. The
+language-only vLLM is started with --ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role":
+"ec_consumer", "ec_connector_extra_config": {"shared_storage_path": DIR}}' and each request passes that key
+as the image's uuid (README: "Handing embeddings to vLLM").
+
+The files are the usual new files: mode 0666 and the key's folder 0777, less the umask (the kernel applies
+it, so a vLLM under another user of the same group reads them as the umask allows). Nothing is written
+outside DIR: a key is a lowercase hex sha256, and a symbolic link at DIR/<key> or at its file is refused,
+never followed (the key's folder is opened without following links and everything in it is done relative
+to that open folder). POSIX only (dir_fd operations).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
+import secrets
+import stat
+import struct
+import sys
 
 import numpy as np
 
+from ..errors import OutputError
+
 FILE = "encoder_cache.safetensors"
 TENSOR = "ec_cache"
+KEY = re.compile(r"[0-9a-f]{64}")  # what key_of and video_key_of give: a sha256's lowercase hex
+
+# NumPy dtype name -> safetensors dtype code (safetensors.numpy writes dtype.name through the same table).
+DTYPES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16", "float16": "F16",
+          "bfloat16": "BF16", "uint32": "U32", "int32": "I32", "float32": "F32", "uint64": "U64", "int64": "I64",
+          "float64": "F64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+CHUNK = 1 << 30  # bytes per os.write (Linux moves at most ~2 GiB per call)
+_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_FIXES = {errno.ENOSPC: "free space there", errno.EDQUOT: "free space under the disk quota",
+          errno.EFBIG: "raise the file-size limit (ulimit -f)", errno.EACCES: "let this user write there",
+          errno.EPERM: "let this user write there", errno.EROFS: "mount it writable",
+          errno.ENOTDIR: "make it a folder"}
 
 
 def key_of(data: bytes) -> str:
@@ -44,16 +72,151 @@ def video_key_of_shas(shas: list[str], fps, duration, settings: dict) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
+def check_key(key) -> None:
+    """ValueError unless `key` is a lowercase hex sha256 (key_of, video_key_of): it names a folder of DIR,
+    so nothing that could name another place ('..', '/', '\\', NUL, '' or an absolute path) gets through."""
+    if not (isinstance(key, str) and KEY.fullmatch(key)):
+        raise ValueError(f"vLLM encoder cache key {key!r} is not a lowercase hex sha256 (64 characters 0-9a-f, "
+                         "as vllm_ec.key_of and video_key_of give); a key names one folder inside the cache folder")
+
+
 def write(folder: str, key: str, embedding: np.ndarray) -> str:
     """DIR/<key>/encoder_cache.safetensors with the bf16 [tokens, hidden] embedding; returns its path.
-    An existing file for the key is left as it is (the same key gives the same embedding)."""
-    from safetensors.numpy import save_file
-
+    An existing file for the key is left as it is (the same key gives the same embedding), and writers of
+    one key at once all succeed, leaving one complete file. ValueError for a key that is not a sha256 hex
+    or a dtype safetensors has no name for; OutputError, one line naming the path, for anything the disk
+    refuses (OSError of any kind) or a link in the way, with no temporary file left behind."""
+    check_key(key)
     target = os.path.join(folder, key, FILE)
-    if os.path.exists(target):
-        return target
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = f"{target}.{os.getpid()}.{id(embedding)}.tmp"
-    save_file({TENSOR: np.ascontiguousarray(embedding)}, tmp)
-    os.replace(tmp, target)
+    array = np.ascontiguousarray(embedding)
+    if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
+        array = array.astype(array.dtype.newbyteorder("<"))  # safetensors files are little-endian
+    header = _header(array, target)
+    top = _open_cache(folder)
+    try:
+        here = _open_key_folder(top, folder, key)
+    finally:
+        os.close(top)
+    try:
+        if not _finished(here, target):
+            _write_file(here, target, header, array)
+    finally:
+        os.close(here)
     return target
+
+
+def _header(array: np.ndarray, target: str) -> bytes:
+    """The safetensors header for one tensor TENSOR holding `array`, byte for byte what safetensors writes:
+    the compact JSON, padded with spaces to a multiple of 8 bytes, after its length as a little-endian u64."""
+    code = DTYPES.get(array.dtype.name)
+    if code is None:
+        raise ValueError(f"cannot write {target}: safetensors has no dtype for {array.dtype.name} (embeddings "
+                         f"are bfloat16; one of {', '.join(DTYPES)} would do)")
+    doc = {TENSOR: {"dtype": code, "shape": list(array.shape), "data_offsets": [0, array.nbytes]}}
+    text = json.dumps(doc, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _failed(what: str, e: BaseException) -> OutputError:
+    """`what` failed because of `e`, as one line: the OS's reason, then what would fix it."""
+    code = getattr(e, "errno", None)
+    reason = (getattr(e, "strerror", None) or str(e) or type(e).__name__)
+    if code in errno.errorcode:
+        reason += f" ({errno.errorcode[code]})"
+    fix = _FIXES.get(code, "make it writable")
+    return OutputError(" ".join(f"{what}: {reason}; {fix}, or give --vllm-ec-dir another folder".splitlines()))
+
+
+def _link_error(path: str, dir_fd: int, name: str) -> OutputError:
+    try:
+        to = f" (to {os.readlink(name, dir_fd=dir_fd)})"
+    except OSError:
+        to = ""
+    return OutputError(" ".join(f"{path} is a symbolic link{to}; the vLLM encoder cache does not follow links "
+                                "out of its folder: remove it and the embedding is written there again".splitlines()))
+
+
+def _open_cache(folder: str) -> int:
+    """DIR opened as a folder (created if absent; DIR itself may be a link the user chose)."""
+    try:
+        try:
+            return os.open(folder, _DIR)
+        except FileNotFoundError:
+            os.makedirs(folder, exist_ok=True)
+            return os.open(folder, _DIR)
+    except OSError as e:
+        raise _failed(f"cannot use the vLLM encoder cache folder {folder}", e) from e
+
+
+def _open_key_folder(top: int, folder: str, key: str) -> int:
+    """DIR/<key> opened as a folder, made if absent (mode 0777 less the umask); a link there is refused."""
+    where = os.path.join(folder, key)
+    try:
+        os.mkdir(key, 0o777, dir_fd=top)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise _failed(f"cannot make {where}", e) from e
+    try:
+        return os.open(key, _DIR | _NOFOLLOW, dir_fd=top)
+    except OSError as e:
+        try:
+            mode = os.stat(key, dir_fd=top, follow_symlinks=False).st_mode
+        except OSError:
+            mode = None
+        if mode is not None and stat.S_ISLNK(mode):
+            raise _link_error(where, top, key) from None
+        if mode is not None and not stat.S_ISDIR(mode):
+            raise OutputError(f"{where} is not a folder; remove it and the embedding is written there "
+                              "again") from None
+        raise _failed(f"cannot open {where}", e) from e
+
+
+def _finished(here: int, target: str) -> bool:
+    """Whether the key's file is there already; a link or anything but a plain file there is refused."""
+    try:
+        st = os.stat(FILE, dir_fd=here, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise _failed(f"cannot look at {target}", e) from e
+    if stat.S_ISREG(st.st_mode):
+        return True
+    if stat.S_ISLNK(st.st_mode):
+        raise _link_error(target, here, FILE)
+    raise OutputError(f"{target} is not a plain file; remove it and the embedding is written there again")
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view[:CHUNK]):]
+
+
+def _write_file(here: int, target: str, header: bytes, array: np.ndarray) -> None:
+    """The file written under a name no other writer uses, fsync'd, then renamed onto FILE (a writer of the
+    same key that renames first leaves the same bytes). On any failure the temporary file is removed."""
+    name = f"{FILE}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(name, flags, 0o666, dir_fd=here)  # the kernel takes the umask off 0666
+    except OSError as e:
+        raise _failed(f"cannot write {target}", e) from e
+    try:
+        try:
+            _write_all(fd, header)
+            _write_all(fd, array.reshape(-1).view(np.uint8))
+            os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        os.close(fd)  # a network file system may report a failed write only here
+        os.replace(name, FILE, src_dir_fd=here, dst_dir_fd=here)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=here)
+        if isinstance(e, OSError):
+            raise _failed(f"cannot write {target}", e) from e
+        raise

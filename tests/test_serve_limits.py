@@ -1,0 +1,510 @@
+"""glmvit-serve under abuse, on loopback with the float32 reference (CPU CI): requests admitted against the
+queue and the pixels in flight before anything is decoded, decoding threads shared fairly, slow and
+numerous connections, content in flight encoded once, work for clients gone dropped, draining on SIGTERM,
+a model that fails to load, what the metrics and the cache count, and the messages a client gets."""
+
+import base64
+import io
+import json
+import os
+import resource
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+pytest.importorskip("starlette", reason="the serve extra (starlette, uvicorn, prometheus_client) is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+
+from tests.golden import cases  # noqa: E402
+from tests.test_serve import SRC, TOWER, free_port, healthy, metric, png, post, post_video  # noqa: E402
+
+from glmvit_cupy import ServerError  # noqa: E402
+from glmvit_cupy.client import Client  # noqa: E402
+
+
+def launch(*flags, checkpoint=TOWER, data_limit=None, prelude="pass", wait_s=20.0):
+    """glmvit-serve --cpu in a subprocess (its memory capped at data_limit bytes of RLIMIT_DATA; `prelude`:
+    Python run before main): (process, client), once /health says ok."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+
+    def cap():
+        if data_limit is not None:
+            resource.setrlimit(resource.RLIMIT_DATA, (data_limit, data_limit))
+
+    code = f"import sys; {prelude}; from glmvit_cupy.serving.main import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", checkpoint, "--cpu", "--port", str(port),
+                             *map(str, flags)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=cap)
+    return proc, healthy(proc, Client(f"http://127.0.0.1:{port}", timeout=60), wait_s)
+
+
+def stop(proc):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """Small limits, to be reached by small requests."""
+    proc, client = launch("--max-queue", 8, "--max-pixels", 16_000_000, "--max-pixels-in-flight", 20_000_000,
+                          "--max-wait-ms", 400,
+                          "--decode-workers", 2, "--header-timeout", 1, "--body-timeout", 1, "--max-connections", 16,
+                          "--cache-mib", 16)
+    yield proc, client
+    stop(proc)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_header(w: int, h: int) -> bytes:
+    """A PNG that says it is w x h (its pixels are not there: only its header is ever read)."""
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) +
+            chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+
+
+def variants(data: bytes, n: int) -> list[bytes]:
+    """n files of one PNG's pixels with distinct bytes (a text chunk after the header): n sha256s, n encodes."""
+    return [data[:33] + chunk(b"tEXt", b"n\x00%d" % i) + data[33:] for i in range(n)]
+
+
+def flat_png(w: int, h: int, colour=(90, 120, 150)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def raw_request(client, head: bytes, wait_s: float) -> bytes:
+    """What the server answers to `head` (sent, then nothing more) within wait_s seconds, up to its close."""
+    s = socket.create_connection(("127.0.0.1", int(client.url.rsplit(":", 1)[1])))
+    s.settimeout(wait_s)
+    s.sendall(head)
+    reply = b""
+    try:
+        while True:
+            got = s.recv(65536)
+            if not got:
+                break
+            reply += got
+    except socket.timeout:
+        pass
+    s.close()
+    return reply
+
+
+# -- 1. admission before decoding; pixels in flight; decoding threads shared -----------------------------------
+
+def test_more_images_than_the_queue_holds_is_413_before_any_is_decoded(server):
+    """9 images against --max-queue 8, one of them not an image: refused from the count, 413, before any is
+    decoded (decoding first would have found the broken one: 422)."""
+    _, client = server
+    images = [b64(png(40, 40 + i, 300 + i)) for i in range(8)] + [b64(b"not an image")]
+    got, err = post(client, json.dumps({"images": images}).encode())
+    assert got == 413 and err["index"] is None, err
+    assert err["error"] == ("this request has 9 images, more than the server's queue ever holds (8, --max-queue): "
+                            "send at most 8 a request")
+
+
+def test_pixels_in_flight_413_never_429_not_now(server):
+    """--max-pixels-in-flight 20,000,000: a request whose images need more is refused from their headers (413,
+    naming the flag); one that needs more than is free while another's are decoded waits for nothing: 429 at
+    once, and is answered once the first is through."""
+    _, client = server
+    two = [b64(png_header(4000, 2500)), b64(png_header(5000, 2001))]
+    got, err = post(client, json.dumps({"images": two}).encode())
+    assert got == 413 and err["index"] is None, err
+    assert "this request's images need 20,005,000 pixels decoded at once, over the 20,000,000 the server holds " \
+           "in flight (--max-pixels-in-flight)" in err["error"]
+    big = variants(flat_png(3900, 3900), 2)  # 15.2 M pixels each: one fits, two do not
+    first = {}
+    t = threading.Thread(target=lambda: first.update(r=post(client, json.dumps(
+        {"images": [b64(big[0])], "max_image_tokens": 64}).encode())))
+    t.start()
+    time.sleep(0.15)  # the first request's image is being decoded
+    t0 = time.monotonic()
+    got, err = post(client, json.dumps({"images": [b64(big[1])], "max_image_tokens": 64}).encode())
+    assert got == 429 and "(--max-pixels-in-flight) are taken" in err["error"] and "retry later" in err["error"], err
+    assert time.monotonic() - t0 < 2.0  # at once: nothing of it was decoded
+    t.join()
+    assert first["r"][0] == 200
+    got, _ = post(client, json.dumps({"images": [b64(big[1])], "max_image_tokens": 64}).encode())
+    assert got == 200
+
+
+@pytest.fixture(scope="module")
+def capped():
+    """Default limits but images of up to 2^27 pixels, two decoding threads, and at most 1.5 GiB of data
+    (RLIMIT_DATA): the server's own ~0.2 GiB, the decode of one such image (0.7 GiB) and room to spare."""
+    proc, client = launch("--decode-workers", 2, "--max-pixels", 2**27, data_limit=3 << 29)
+    yield proc, client
+    stop(proc)
+
+
+def test_a_bomb_of_many_large_images_is_refused_at_once_beside_a_small_request(capped):
+    """150 distinct one-colour 2500 x 2500 PNGs (3.6 MB of JSON, 2.8 GB as canvases): refused from their
+    headers (413, over --max-pixels-in-flight) while a one-image request beside it is answered within 2 s;
+    the server stays within its memory limit and up."""
+    proc, client = capped
+    bomb = json.dumps({"images": [b64(v) for v in variants(flat_png(2500, 2500), 150)]}).encode()
+    got = {}
+    t0 = time.monotonic()
+    t = threading.Thread(target=lambda: got.update(bomb=post(client, bomb)))
+    t.start()
+    time.sleep(0.1)
+    t1 = time.monotonic()
+    embs, _ = client.encode([png(60, 80, 401)])
+    assert time.monotonic() - t1 < 2.0 and embs[0].shape[0] > 0
+    t.join(30)
+    status, err = got["bomb"]
+    assert status == 413 and "--max-pixels-in-flight" in err["error"], err
+    assert time.monotonic() - t0 < 10.0
+    assert proc.poll() is None and client.health()["status"] == "ok"
+
+
+def test_large_images_never_hold_every_decoding_thread(capped):
+    """Two 11500 x 11500 TIFFs (132 M pixels each, 200 kB, a second or so each to decode; within the pixels in
+    flight) on two decoding threads: a one-image request sent meanwhile is decoded on the thread they leave
+    free and answered within a second; the TIFFs are answered too."""
+    buf = io.BytesIO()
+    Image.new("L", (11500, 11500), 77).save(buf, format="TIFF", compression="tiff_deflate")
+    tiffs = variants_tiff(buf.getvalue(), 2)
+    _, client = capped
+    got = {}
+    t = threading.Thread(target=lambda: got.update(bomb=post(client, json.dumps(
+        {"images": [b64(x) for x in tiffs], "max_image_tokens": 64}).encode())))
+    t.start()
+    time.sleep(0.3)  # both TIFFs admitted, decoding
+    t0 = time.monotonic()
+    embs, _ = client.encode([png(64, 90, 402)])
+    took = time.monotonic() - t0
+    t.join(60)
+    assert took < 1.0, f"a one-image request beside the TIFFs took {took:.2f} s"
+    assert got["bomb"][0] == 200
+
+
+def variants_tiff(data: bytes, n: int) -> list[bytes]:
+    """n TIFFs of one's pixels with distinct bytes (bytes appended after its last IFD: never read)."""
+    return [data + b"%d" % i for i in range(n)]
+
+
+# -- 2. slow clients, many connections, SIGTERM with a stalled one --------------------------------------------
+
+def test_headers_that_do_not_arrive_in_time_get_408(server):
+    _, client = server
+    t0 = time.monotonic()
+    reply = raw_request(client, b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Ty", 5.0)
+    assert reply.startswith(b"HTTP/1.1 408") and b"--header-timeout" in reply, reply
+    assert time.monotonic() - t0 < 4.0
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408(server):
+    _, client = server
+    reply = raw_request(client, b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: 1000\r\n\r\n{\"images\": [", 5.0)
+    assert reply.startswith(b"HTTP/1.1 408"), reply
+    err = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+    assert err == {"error": "the body did not arrive within 1 s (--body-timeout): 12 bytes of the 1,000 declared "
+                            "came; send it at once", "index": None}
+
+
+def test_connections_are_capped_and_half_open_ones_closed(server):
+    """60 connections that send half their headers, against --max-connections 16: the server holds at most 16
+    (the others are answered 503 and closed at once), closes those after --header-timeout, and answers a
+    normal request while the 60 sockets are still open on the client's side."""
+    proc, client = server
+    port = int(client.url.rsplit(":", 1)[1])
+    before = len(os.listdir(f"/proc/{proc.pid}/fd"))
+    socks = []
+    try:
+        for _ in range(60):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\n")
+            socks.append(s)
+        time.sleep(0.3)
+        held = len(os.listdir(f"/proc/{proc.pid}/fd")) - before
+        assert held <= 16, f"the server holds {held} more descriptors with 60 half-open connections"
+        refused = 0
+        for s in socks[16:]:
+            s.settimeout(2)
+            reply = s.recv(65536)
+            refused += reply.startswith(b"HTTP/1.1 503") and b"--max-connections" in reply
+        assert refused >= 40
+        time.sleep(1.5)  # past --header-timeout: the held ones are closed
+        embs, _ = client.encode([png(50, 70, 403)])
+        assert embs[0].shape[0] > 0
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_sigterm_ends_the_process_in_bounded_time_beside_a_stalled_body():
+    """A client that sends half a body and stalls (--body-timeout 60): SIGTERM still ends the server within
+    --drain-timeout (1 s) and a few seconds more, saying why."""
+    proc, client = launch("--drain-timeout", 1)
+    s = socket.create_connection(("127.0.0.1", int(client.url.rsplit(":", 1)[1])))
+    try:
+        s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"images\": [")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError("SIGTERM left the server running beside a stalled client")
+        out = proc.stdout.read()
+        assert code == 0 and time.monotonic() - t0 < 10
+        assert "1 requests in flight" in out and "still in flight after 1 s (--drain-timeout)" in out, out
+    finally:
+        s.close()
+        stop(proc)
+
+
+# -- 3. content in flight encoded once; work for clients gone dropped -------------------------------------------
+
+def test_concurrent_requests_for_one_new_image_encode_it_once(server):
+    _, client = server
+    data = png(90, 120, 404)
+    encoded, passes = metric(client, 'glmvit_images_total{outcome="encoded"}'), metric(client,
+                                                                                       "glmvit_forward_passes_total")
+    shared = metric(client, 'glmvit_images_total{outcome="shared"}')
+    got = {}
+    threads = [threading.Thread(target=lambda i=i: got.update({i: client.encode([data])})) for i in range(8)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert metric(client, 'glmvit_images_total{outcome="encoded"}') == encoded + 1
+    assert metric(client, "glmvit_forward_passes_total") == passes + 1
+    first = got[0][0][0]
+    assert all(np.array_equal(g[0][0].view(np.uint16), first.view(np.uint16)) for g in got.values())
+    assert sorted(g[1][0]["cached"] for g in got.values()) == [False] + [True] * 7  # one encode, 7 served from it
+    assert metric(client, 'glmvit_images_total{outcome="shared"}') == shared + 7
+
+
+def test_work_queued_only_for_a_client_gone_is_dropped_before_its_pass(server):
+    """A request whose client disconnects while its image waits for company (--max-wait-ms 400): the image
+    leaves the queue, no pass runs for it, and it is counted as dropped."""
+    _, client = server
+    passes = metric(client, "glmvit_forward_passes_total")
+    dropped = metric(client, 'glmvit_images_total{outcome="dropped"}')
+    body = json.dumps({"images": [b64(png(70, 100, 405))]}).encode()
+    s = socket.create_connection(("127.0.0.1", int(client.url.rsplit(":", 1)[1])))
+    s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    time.sleep(0.2)  # decoded and queued, waiting for company
+    s.close()
+    time.sleep(0.8)
+    assert metric(client, "glmvit_forward_passes_total") == passes
+    assert metric(client, 'glmvit_images_total{outcome="dropped"}') == dropped + 1
+    assert client.health()["queue_depth"] == 0
+
+
+def test_a_shared_encode_outlives_the_request_that_started_it(server):
+    """Two requests for one new image: the first one's client goes away while the image waits for company; the
+    second, waiting on the same encode, still gets it, from the one pass that runs."""
+    _, client = server
+    data = png(80, 110, 412)
+    body = json.dumps({"images": [b64(data)]}).encode()
+    passes = metric(client, "glmvit_forward_passes_total")
+    dropped = metric(client, 'glmvit_images_total{outcome="dropped"}')
+    s = socket.create_connection(("127.0.0.1", int(client.url.rsplit(":", 1)[1])))
+    s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    time.sleep(0.1)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(r=client.encode([data])))
+    t.start()
+    time.sleep(0.1)
+    s.close()
+    t.join(30)
+    embs, meta = got["r"]
+    assert meta[0]["cached"] is True and embs[0].shape[0] > 0  # served from the encode the first one started
+    assert metric(client, "glmvit_forward_passes_total") == passes + 1
+    assert metric(client, 'glmvit_images_total{outcome="dropped"}') == dropped
+
+
+def test_a_request_refused_hands_its_images_to_those_waiting_for_them(server):
+    """A request whose second image is broken is refused (422) after a second request joined the encode of its
+    first image: the second request encodes that image itself and is answered."""
+    _, client = server
+    big = variants(flat_png(3000, 3000, (10, 200, 30)), 1)[0]  # 9 M pixels: a few hundred ms to decode
+    got = {}
+    t = threading.Thread(target=lambda: got.update(a=post(client, json.dumps(
+        {"images": [b64(big), b64(b"GIF89a broken")], "max_image_tokens": 64}).encode())))
+    t.start()
+    time.sleep(0.05)
+    b = post(client, json.dumps({"images": [b64(big)], "max_image_tokens": 64}).encode())
+    t.join(30)
+    assert got["a"][0] == 422 and got["a"][1]["index"] == 1
+    assert b[0] == 200
+
+
+# -- 4. SIGTERM drains; a model that fails to load ends the process -------------------------------------------
+
+def test_sigterm_drains_with_503_then_exits_saying_so():
+    """While a request is in flight after SIGTERM, /health and a new request on a new connection get 503 (not
+    a refused connection); the request in flight is answered; the process logs the drain and its exit."""
+    proc, client = launch("--max-wait-ms", 1500)
+    try:
+        done = {}
+        t = threading.Thread(target=lambda: done.update(r=client.encode([png(64, 64, 406)])))
+        t.start()
+        time.sleep(0.4)  # waiting in the batcher for company
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        with pytest.raises(ServerError) as e:
+            client.health()
+        assert e.value.status == 503 and "shutting down" in e.value.error
+        got, err = post(client, json.dumps({"images": [b64(png(40, 40, 407))]}).encode())
+        assert got == 503 and "shutting down" in err["error"]
+        t.join(30)
+        assert done["r"][0][0].shape[0] == 16
+        assert proc.wait(30) == 0
+        out = proc.stdout.read()
+        assert "SIGTERM: draining, 1 requests in flight" in out and "stopped (exit 0)" in out, out
+    finally:
+        stop(proc)
+
+
+def test_a_model_that_fails_to_load_is_logged_and_the_process_exits_1(tmp_path):
+    import dataclasses
+
+    from glmvit_cupy.checkpoint.synthetic import random_tower, write_checkpoint
+
+    geo = dataclasses.replace(cases.GEOMETRY, depth=1)
+    tensors = random_tower(geo, 7)
+    name = "blocks.0.attn.qkv.weight"
+    tensors[name] = tensors[name].copy()
+    tensors[name][0, 0] = np.nan  # a damaged download
+    ckpt = write_checkpoint(tmp_path / "nan", geo, tensors=tensors)
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.serving.main", "--checkpoint", ckpt, "--cpu",
+                             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        code = proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"a model that cannot load left the server up: {proc.stdout.read()}")
+    out = proc.stdout.read()
+    assert code == 1 and "the model failed to load: CheckpointError" in out and "NaN" in out, out
+
+
+# -- 5. what the metrics, the cache and the messages say ---------------------------------------------------------
+
+def test_an_image_sent_five_times_is_one_encode_and_four_served_from_it(server):
+    from glmvit_cupy.client import _bf16_tensors as load, _metadata
+
+    _, client = server
+    encoded = metric(client, 'glmvit_images_total{outcome="encoded"}')
+    shared = metric(client, 'glmvit_images_total{outcome="shared"}')
+    got, raw = post(client, json.dumps({"images": [b64(png(72, 56, 408))] * 5}).encode())
+    assert got == 200
+    meta = json.loads(_metadata(raw)["images"])
+    assert [m["cached"] for m in meta] == [False, True, True, True, True]
+    assert metric(client, 'glmvit_images_total{outcome="encoded"}') == encoded + 1
+    assert metric(client, 'glmvit_images_total{outcome="shared"}') == shared + 4
+    tensors = load(raw)
+    assert all(np.array_equal(tensors[str(i)].view(np.uint16), tensors["0"].view(np.uint16)) for i in range(5))
+
+
+def test_the_cache_counts_what_its_entries_hold():
+    """Many small embeddings in a 100 kB cache: what the cache holds, measured, stays within its bound (keys,
+    metadata and array headers count, not only the arrays' bytes)."""
+    import tracemalloc
+
+    import ml_dtypes
+
+    from glmvit_cupy.serving.cache import EmbeddingCache
+
+    checkpoint = "/models/some-checkpoint"
+    tracemalloc.start()
+    try:
+        cache = EmbeddingCache(100_000)
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(2000):
+            cache.put(("%064x" % i, 16, 64, checkpoint), np.zeros((2, 16), ml_dtypes.bfloat16), (1, 2, 4))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held <= 100_000 and 0 < cache.bytes <= 100_000, (held, cache.bytes, len(cache))
+    assert cache.bytes >= held * 0.8  # an honest estimate, not a bound far above what is held
+    assert cache.get(("%064x" % 1999, 16, 64, checkpoint)) is not None
+    assert cache.get(("%064x" % 0, 16, 64, checkpoint)) is None  # the oldest went first
+
+
+@pytest.mark.parametrize("w,h,says", [
+    (5000, 4000, "images[1] has 5000 x 4000 = 20,000,000 pixels, over the server's limit of 16,000,000 an "
+                 "image (--max-pixels): refused as a possible decompression bomb; send a smaller image"),
+    (20_000, 20_000, "images[1] has 400,000,000 pixels, over the server's limit of 16,000,000 an image "
+                     "(--max-pixels): refused"),  # over twice Pillow's own limit: Pillow refuses to open it
+])
+def test_a_decompression_bomb_is_refused_naming_the_servers_flag_and_one_limit(server, w, h, says):
+    _, client = server
+    got, err = post(client, json.dumps({"images": [b64(png(30, 30, 409)), b64(png_header(w, h))]}).encode())
+    assert got == 422 and err["index"] == 1, err
+    assert err["error"].startswith(says), err
+    assert "glmvit-encode" not in err["error"] and "178956970" not in err["error"] and "89,478,485" not in err["error"]
+
+
+# -- 6, 7. what an operator and a client are told -------------------------------------------------------------
+
+def test_the_install_hint_names_an_install_that_works(monkeypatch, capsys):
+    from glmvit_cupy.serving import main as serve_main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # the serve extra not installed
+    assert serve_main.main(["--checkpoint", TOWER, "--cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install -e '.[serve]'" in err and "glmvit-cupy[serve]" not in err, err
+
+
+def test_a_video_file_on_a_server_without_pyav_is_501_saying_what_to_send():
+    proc, client = launch(prelude="sys.modules['av'] = None")  # PyAV absent
+    try:
+        frames = [b64(png(20, 20, 410)), b64(png(20, 20, 411))]
+        got, err = post_video(client, {"videos": [{"frames": frames, "fps": 2}, {"file": b64(b"\x00" * 64)}]})
+        assert got == 501 and err["index"] == 1, err
+        assert err["error"].startswith("videos[1] is a video file, and this server cannot decode video files")
+        assert '"frames": [base64 image file, ...]' in err["error"] and "pip" not in err["error"]
+        got, _ = post_video(client, {"videos": [{"frames": frames, "fps": 2}]})  # frames still are
+        assert got == 200
+    finally:
+        stop(proc)
+
+
+def test_the_connection_cap_fits_the_open_file_limit(monkeypatch):
+    """The default cap is lowered where the hard open-file limit is too low for it; an asked-for cap that does
+    not fit is refused, saying what would."""
+    import resource
+
+    from glmvit_cupy.serving import main as serve_main
+
+    raised = []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, 700))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: raised.append(limits))
+    assert serve_main.open_files_for(None) == (444, 128, None) and raised == [(700, 700)]
+    cap, _, why = serve_main.open_files_for(600)
+    assert why == ("--max-connections 600 needs about 856 open files, and this process may open 700 (ulimit -n): "
+                   "lower --max-connections to at most 444, or raise the limit")
+    assert serve_main.open_files_for(100) == (100, 472, None)

@@ -1,0 +1,203 @@
+"""vllm_ec.write: the file vLLM reads is what safetensors writes; writers of one key at once all succeed; the
+files get the umask's mode; a write the disk refuses is one OutputError line with no temporary file left;
+nothing is written outside the cache folder, whatever the key or the links planted in it."""
+
+import errno
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import glmvit_cupy
+from glmvit_cupy.errors import OutputError
+from glmvit_cupy.serving import vllm_ec
+
+FILE = "encoder_cache.safetensors"
+SRC = os.path.dirname(os.path.dirname(glmvit_cupy.__file__))  # subprocesses import the code under test
+KEY = vllm_ec.key_of(b"an image's bytes")
+
+
+def embedding(rng, tokens=64, hidden=256):
+    return rng.standard_normal((tokens, hidden), dtype=np.float32).astype(ml_dtypes.bfloat16)
+
+
+def python(*args, code):
+    """`code` run by a fresh interpreter (its own umask, its own limits) on this checkout; its stdout as JSON."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_file_is_what_safetensors_writes(tmp_path, rng):
+    """One tensor "ec_cache", bf16, the embedding's bits; the bytes are safetensors' own (save_file's) for a
+    bf16 embedding, a transposed view and a big-endian float32 array alike."""
+    emb = embedding(rng)
+    path = vllm_ec.write(str(tmp_path), KEY, emb)
+    assert path == str(tmp_path / KEY / FILE) and os.listdir(tmp_path / KEY) == [FILE]
+    got = load_file(path)
+    assert list(got) == ["ec_cache"] and got["ec_cache"].dtype == ml_dtypes.bfloat16
+    assert got["ec_cache"].shape == emb.shape and np.array_equal(got["ec_cache"].view(np.uint16), emb.view(np.uint16))
+    for i, array in enumerate([emb, emb.T, emb.astype(np.float32).astype(">f4")]):
+        key = vllm_ec.key_of(bytes([i]))
+        save_file({"ec_cache": np.ascontiguousarray(array)}, str(tmp_path / "reference"))
+        written = vllm_ec.write(str(tmp_path), key, array)
+        assert (tmp_path / key / FILE).read_bytes() == (tmp_path / "reference").read_bytes(), array.dtype
+        assert np.array_equal(load_file(written)["ec_cache"], array)
+
+
+def test_an_existing_file_is_left_as_it_is(tmp_path, rng):
+    first = vllm_ec.write(str(tmp_path), KEY, embedding(rng))
+    before = open(first, "rb").read()
+    assert vllm_ec.write(str(tmp_path), KEY, embedding(rng)) == first and open(first, "rb").read() == before
+
+
+def test_writers_of_one_key_at_once_all_succeed(tmp_path, rng):
+    """16 threads write each new key at once (the same array, as a server's retried requests can): every
+    call returns the path, and each key's folder holds one complete file and no temporary one."""
+    emb = embedding(rng, tokens=1024)
+    failures = []
+    for n in range(8):
+        key = vllm_ec.key_of(bytes([n]))
+        start = threading.Barrier(16)
+
+        def one():
+            start.wait()
+            try:
+                assert vllm_ec.write(str(tmp_path), key, emb) == str(tmp_path / key / FILE)
+            except Exception as e:  # noqa: BLE001  (every failure is reported below)
+                failures.append(f"{type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=one) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert os.listdir(tmp_path / key) == [FILE]
+        assert np.array_equal(load_file(str(tmp_path / key / FILE))["ec_cache"].view(np.uint16), emb.view(np.uint16))
+    assert not failures, failures[:3]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_files_and_folders_get_the_umasks_mode(tmp_path, umask):
+    """The file is 0666 less the umask, the folders it makes 0777 less it: a vLLM under another user reads
+    what the umask lets it (set in a subprocess: the umask is the whole process's)."""
+    got = python(tmp_path / "ec", umask, code="""if True:
+        import json, os, sys
+        import numpy as np
+        os.umask(int(sys.argv[2]))
+        from glmvit_cupy.serving import vllm_ec
+        path = vllm_ec.write(sys.argv[1], vllm_ec.key_of(b"x"), np.zeros((4, 8), np.float32))
+        print(json.dumps([os.stat(p).st_mode & 0o777 for p in (path, os.path.dirname(path), sys.argv[1])]))""")
+    assert got == [0o666 & ~umask, 0o777 & ~umask, 0o777 & ~umask], [oct(m) for m in got]
+
+
+def test_a_full_disk_is_one_output_error_line_and_no_temporary_file(tmp_path, monkeypatch, rng):
+    """The disk fills up partway through the file, whichever way its bytes go out (safetensors raises
+    SafetensorError, not OSError; os.write raises OSError ENOSPC): an OutputError of one line naming the
+    key's folder and the OS's reason; no file is left."""
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    def full_file(*a, **k):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    real_write = os.write
+
+    def full_write(fd, data):  # the header goes out, then the disk is full
+        if len(data) > 200:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full_file)
+    monkeypatch.setattr(os, "write", full_write)
+    with pytest.raises(OutputError) as got:
+        vllm_ec.write(str(tmp_path), KEY, embedding(rng))
+    monkeypatch.undo()
+    message = str(got.value)
+    assert "\n" not in message and str(tmp_path / KEY) in message and "No space left on device" in message, message
+    assert os.listdir(tmp_path / KEY) == []
+
+
+def test_a_file_over_the_size_limit_is_one_output_error_line(tmp_path):
+    """A real EFBIG (RLIMIT_FSIZE in a subprocess; safetensors reports it as SafetensorError): an OutputError
+    of one line naming the file and the reason; no temporary file is left."""
+    got = python(tmp_path, code="""if True:
+        import json, os, resource, signal, sys
+        import numpy as np
+        from glmvit_cupy.serving import vllm_ec
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        try:
+            vllm_ec.write(sys.argv[1], vllm_ec.key_of(b"big"), np.zeros((512, 1024), np.float32))
+            print(json.dumps(None))
+        except Exception as e:
+            from glmvit_cupy.errors import OutputError
+            print(json.dumps([type(e).__name__, isinstance(e, OutputError), str(e)]))""")
+    key = vllm_ec.key_of(b"big")
+    assert got is not None and got[1], got
+    assert "\n" not in got[2] and str(tmp_path / key / FILE) in got[2] and "File too large" in got[2], got
+    assert os.listdir(tmp_path / key) == []
+
+
+def test_a_cache_folder_that_is_a_file_is_an_output_error(tmp_path, rng):
+    (tmp_path / "ec").write_text("not a folder")
+    with pytest.raises(OutputError, match=f"vLLM encoder cache folder {tmp_path / 'ec'}: Not a directory") as got:
+        vllm_ec.write(str(tmp_path / "ec"), KEY, embedding(rng))
+    assert "\n" not in str(got.value)
+
+
+@pytest.mark.parametrize("key", ["../x", "ABS", "a/b", "", "..", ".", "a\\b", KEY[:-1] + "\0", KEY.upper(),
+                                 KEY[:-1], KEY + "/", "../" + KEY])
+def test_keys_that_could_name_another_place_are_refused(tmp_path, rng, key):
+    """A key is a lowercase hex sha256; anything else is a ValueError naming it, and nothing is written."""
+    key = str(tmp_path / "abs") if key == "ABS" else key
+    cache = tmp_path / "ec"
+    cache.mkdir()
+    with pytest.raises(ValueError, match="key " + re.escape(repr(key))):
+        vllm_ec.write(str(cache), key, embedding(rng))
+    assert os.listdir(tmp_path) == ["ec"] and os.listdir(cache) == []
+
+
+def test_a_link_planted_at_the_keys_folder_is_not_followed(tmp_path, rng):
+    cache, outside = tmp_path / "ec", tmp_path / "outside"
+    cache.mkdir()
+    outside.mkdir()
+    (cache / KEY).symlink_to(outside)
+    with pytest.raises(OutputError, match="is a symbolic link") as got:
+        vllm_ec.write(str(cache), KEY, embedding(rng))
+    assert str(cache / KEY) in str(got.value) and str(outside) in str(got.value)
+    assert os.listdir(outside) == [] and (cache / KEY).is_symlink()
+
+
+@pytest.mark.parametrize("target_exists", [True, False])
+def test_a_link_planted_at_the_keys_file_is_not_followed(tmp_path, rng, target_exists):
+    """A link at DIR/<key>/encoder_cache.safetensors is refused: vLLM would read whatever it points to,
+    and writing through it would change a file outside the cache."""
+    cache, outside = tmp_path / "ec", tmp_path / "outside.safetensors"
+    (cache / KEY).mkdir(parents=True)
+    if target_exists:
+        outside.write_bytes(b"someone else's file")
+    (cache / KEY / FILE).symlink_to(outside)
+    with pytest.raises(OutputError, match="is a symbolic link") as got:
+        vllm_ec.write(str(cache), KEY, embedding(rng))
+    assert str(cache / KEY / FILE) in str(got.value)
+    assert (outside.read_bytes() == b"someone else's file") if target_exists else not outside.exists()
+    assert os.listdir(cache / KEY) == [FILE]
+
+
+def test_a_cache_folder_that_is_a_link_is_used(tmp_path, rng):
+    """DIR itself may be a link the user chose (a cache on another disk): it is followed."""
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "ec").symlink_to(tmp_path / "disk")
+    vllm_ec.write(str(tmp_path / "ec"), KEY, embedding(rng))
+    assert os.listdir(tmp_path / "disk" / KEY) == [FILE]
