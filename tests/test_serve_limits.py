@@ -276,6 +276,10 @@ def test_sigterm_ends_the_process_in_bounded_time_beside_a_stalled_body():
         out = proc.stdout.read()
         assert code == 0 and time.monotonic() - t0 < 10
         assert "1 requests in flight" in out and "still in flight after 1 s (--drain-timeout)" in out, out
+        assert "Traceback" not in out and "Exception in ASGI application" not in out, out  # one line, no trace
+        s.settimeout(5)
+        answer = s.recv(65536)
+        assert answer == b"" or (b" 503 " in answer and b"--drain-timeout" in answer), answer
     finally:
         s.close()
         stop(proc)

@@ -179,6 +179,10 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                                             headers={"Connection": "close"} if e.status == 408 else None)
                 except (ClientGone, ClientDisconnect):
                     response = Response(status_code=499)
+                except asyncio.CancelledError:  # the drain ran out (--drain-timeout): a short answer, no traceback
+                    response = JSONResponse({"error": "the server stopped before this request was answered "
+                                             "(--drain-timeout ran out); send it again to a running server",
+                                             "index": None}, status_code=503, headers={"Connection": "close"})
                 except Exception as e:
                     response = JSONResponse({"error": f"encoding failed ({type(e).__name__}: {e})", "index": None},
                                             status_code=500)
