@@ -69,6 +69,22 @@ def test_a_huge_file_named_like_an_image_is_failed_from_its_size_and_the_rest_is
     assert list(manifest["failed"]) == [image_key(huge)] and "--max-image-mib" in manifest["failed"][image_key(huge)]
 
 
+def test_a_file_under_the_limit_but_over_the_memory_fails_alone(folder, tmp_path):
+    """Raised past what memory holds (--max-image-mib 7000 under a 2 GiB address space), the 6 GiB file
+    fails by name with the reason, and the images beside it are saved: no MemoryError traceback."""
+    huge = folder / "huge.tif"
+    with open(huge, "wb") as f:
+        f.truncate(6 << 30)
+    out = tmp_path / "out"
+    r = command(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--workers", 2, "--max-image-mib", 7000,
+                limit_bytes=2 << 30)
+    said = r.stdout + r.stderr
+    assert r.returncode == 1 and "Traceback" not in said, said[-3000:]
+    assert f"{huge}: not enough memory to read and decode it" in said, said[-3000:]
+    _, embs = read_embeddings(out)
+    assert sorted(os.path.basename(k) for k in embs) == ["a.png", "b.png"]
+
+
 def test_the_file_size_limits_are_flags_and_a_resume_with_a_higher_one_encodes_the_file(folder, tmp_path, capsys):
     out = tmp_path / "out"
     size = os.path.getsize(folder / "a.png")  # about 14 KiB

@@ -145,8 +145,13 @@ def prepared(paths, workers: int, one, max_bytes: int | None = None):
         try:
             with open_regular(path, "the image", ImageError) as f:  # a FIFO or /dev/zero: refused, not read
                 if max_bytes is not None:
-                    check_size(path, os.fstat(f.fileno()).st_size, max_bytes, "image")
-                    data = f.read(max_bytes + 1)
+                    size = os.fstat(f.fileno()).st_size
+                    check_size(path, size, max_bytes, "image")
+                    # read(n) allocates n bytes at once: ask for what the file holds (and one more, to see
+                    # it grew past the limit since), not for the limit.
+                    data = f.read(min(size, max_bytes) + 1)
+                    if len(data) > size:
+                        data += f.read(max_bytes + 1 - len(data))
                     check_size(path, len(data), max_bytes, "image")  # it grew since
                 else:
                     data = f.read()
@@ -155,6 +160,9 @@ def prepared(paths, workers: int, one, max_bytes: int | None = None):
             return path, unreadable(path, e)
         except (ImageError, ValueError) as e:
             return path, e
+        except MemoryError:  # a large file under a memory limit: this file fails, the run goes on
+            return path, ImageError(f"{path}: not enough memory to read and decode it; lower --workers, or "
+                                    "--max-image-mib to skip files this large")
 
     return feed.as_done(job, paths, workers)
 
