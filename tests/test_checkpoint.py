@@ -352,3 +352,18 @@ def test_random_checkpoint_command(tmp_path, monkeypatch, capsys):
     (tmp_path / "other" / "notes.txt").write_text("mine")
     assert synthetic.main([str(tmp_path / "other")]) == 2 and "not an empty folder" in capsys.readouterr().err
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_inspect_reads_the_values_too(tmp_path, tensors):
+    """inspect_checkpoint (glmvit-encode --inspect) runs every load-time check, NaN and infinite weights
+    included, as the engine and the reference refuse them; the edge of the finite range passes."""
+    from glmvit_cupy import inspect_checkpoint
+
+    where = {"blocks.1.attn.qkv.weight": [(5, v) for v in NONFINITE[:1]] + [(9, NONFINITE[3])],
+             "merger.post_projection_norm.weight": [(2, NONFINITE[1])]}
+    path = write_checkpoint(tmp_path, GEO, tensors=_poisoned(tensors, where))
+    with pytest.raises(CheckpointError, match="NaN or infinite weights in 2 tower tensors.*qkv.weight.*: 2 of"):
+        inspect_checkpoint(path)
+    edge = write_checkpoint(tmp_path / "edge", GEO, tensors=_poisoned(
+        tensors, {"blocks.1.attn.qkv.weight": list(enumerate(EDGE_FINITE))}))
+    assert inspect_checkpoint(edge)["tensors"] == len(tensors)

@@ -12,6 +12,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..config import VisionGeometry, read_config
 from ..errors import AbsentTower, CheckpointError, NoVisionConfig
 from ..files import not_regular
@@ -49,6 +51,18 @@ class TowerBinding:
         return CheckpointError(f"checkpoint {self.path}: NaN or infinite weights in {len(names)} tower tensor"
                                f"{'s' if len(names) > 1 else ''}: {listed}{more}. A trained tower has none and "
                                f"every embedding would come out NaN: the file is damaged; download it again")
+
+    def check_values(self) -> None:
+        """CheckpointError (nonfinite_error) if any tower tensor holds a NaN or an infinity, read on the host
+        from the bf16 bits (exponent all ones), one tensor at a time: the whole tower is read once."""
+        bad = {}
+        for s in self.layout:
+            bits = self.host(s).view(np.uint16)
+            n = int(np.count_nonzero((bits & 0x7F80) == 0x7F80))
+            if n:
+                bad[s] = n
+        if bad:
+            raise self.nonfinite_error(bad)
 
     def summary(self) -> dict:
         g = self.geometry
@@ -142,8 +156,11 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> dict:
-    """Run every load-time check without a GPU and summarise the tower. Raises CheckpointError."""
-    return bind_tower(path).summary()
+    """Run every load-time check without a GPU, the weights' values included (NaN or infinities), and
+    summarise the tower. Raises CheckpointError."""
+    binding = bind_tower(path)
+    binding.check_values()
+    return binding.summary()
 
 
 def probe_tower(path: str | os.PathLike) -> TowerBinding | None:
