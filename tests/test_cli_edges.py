@@ -42,11 +42,7 @@ def command(*args, limit_bytes=None, timeout=120):
 
 @pytest.fixture
 def folder(tmp_path):
-    d = tmp_path / "imgs"
-    d.mkdir()
-    Image.fromarray(cases._smooth(60, 80, 1)).save(d / "a.png")
-    Image.fromarray(cases._smooth(64, 64, 2)).save(d / "b.png")
-    return d
+    return cases.png_folder(tmp_path / "imgs", (60, 80), (64, 64))
 
 
 # -- 1. a file too large to read ---------------------------------------------------------------------------

@@ -37,11 +37,7 @@ def python(code):
 
 @pytest.fixture
 def folder(tmp_path):
-    d = tmp_path / "imgs"
-    d.mkdir()
-    Image.fromarray(cases._smooth(100, 150, 1)).save(d / "a.png")
-    Image.fromarray(cases._smooth(64, 64, 2)).save(d / "b.png")
-    return d
+    return cases.png_folder(tmp_path / "imgs", (100, 150), (64, 64))
 
 
 # -- import and the GPU ---------------------------------------------------------------------------

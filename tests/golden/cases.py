@@ -39,6 +39,19 @@ def _smooth(h, w, seed=0):
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
+def png_folder(folder, *sizes):
+    """`folder` made, holding a.png, b.png, ... of these (h, w) sizes (_smooth pictures, seeds 1, 2, ...)."""
+    import pathlib
+
+    from PIL import Image
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True)
+    for i, (h, w) in enumerate(sizes):
+        Image.fromarray(_smooth(h, w, i + 1)).save(folder / f"{chr(ord('a') + i)}.png")
+    return folder
+
+
 def images(tmpdir):
     """{name: image input} — PIL images, arrays and file paths of every awkward kind."""
     z = {}

@@ -26,8 +26,6 @@ import os
 import re
 import secrets
 import stat
-import struct
-import sys
 
 import numpy as np
 
@@ -37,10 +35,6 @@ FILE = "encoder_cache.safetensors"
 TENSOR = "ec_cache"
 KEY = re.compile(r"[0-9a-f]{64}")  # what key_of and video_key_of give: a sha256's lowercase hex
 
-# NumPy dtype name -> safetensors dtype code (safetensors.numpy writes dtype.name through the same table).
-DTYPES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16", "float16": "F16",
-          "bfloat16": "BF16", "uint32": "U32", "int32": "I32", "float32": "F32", "uint64": "U64", "int64": "I64",
-          "float64": "F64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 CHUNK = 1 << 30  # bytes per os.write (Linux moves at most ~2 GiB per call)
 _DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -83,15 +77,16 @@ def check_key(key) -> None:
 def write(folder: str, key: str, embedding: np.ndarray) -> str:
     """DIR/<key>/encoder_cache.safetensors with the bf16 [tokens, hidden] embedding; returns its path.
     An existing file for the key is left as it is (the same key gives the same embedding), and writers of
-    one key at once all succeed, leaving one complete file. ValueError for a key that is not a sha256 hex
-    or a dtype safetensors has no name for; OutputError, one line naming the path, for anything the disk
+    one key at once all succeed, leaving one complete file. ValueError for a key that is not a sha256 hex;
+    OutputError, one line naming the path, for anything the disk
     refuses (OSError of any kind) or a link in the way, with no temporary file left behind."""
+    from safetensors.numpy import save
+
     check_key(key)
     target = os.path.join(folder, key, FILE)
-    array = np.ascontiguousarray(embedding)
-    if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
-        array = array.astype(array.dtype.newbyteorder("<"))  # safetensors files are little-endian
-    header = _header(array, target)
+    # safetensors makes the bytes (its own serializer, in memory: an embedding is a few MB); we write them,
+    # so that what the disk refuses is an OSError of ours, not a SafetensorError from its writer.
+    data = save({TENSOR: np.ascontiguousarray(embedding)})
     top = _open_cache(folder)
     try:
         here = _open_key_folder(top, folder, key)
@@ -99,23 +94,10 @@ def write(folder: str, key: str, embedding: np.ndarray) -> str:
         os.close(top)
     try:
         if not _finished(here, target):
-            _write_file(here, target, header, array)
+            _write_file(here, target, data)
     finally:
         os.close(here)
     return target
-
-
-def _header(array: np.ndarray, target: str) -> bytes:
-    """The safetensors header for one tensor TENSOR holding `array`, byte for byte what safetensors writes:
-    the compact JSON, padded with spaces to a multiple of 8 bytes, after its length as a little-endian u64."""
-    code = DTYPES.get(array.dtype.name)
-    if code is None:
-        raise ValueError(f"cannot write {target}: safetensors has no dtype for {array.dtype.name} (embeddings "
-                         f"are bfloat16; one of {', '.join(DTYPES)} would do)")
-    doc = {TENSOR: {"dtype": code, "shape": list(array.shape), "data_offsets": [0, array.nbytes]}}
-    text = json.dumps(doc, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
 
 
 def _failed(what: str, e: BaseException) -> OutputError:
@@ -194,7 +176,7 @@ def _write_all(fd: int, data) -> None:
         view = view[os.write(fd, view[:CHUNK]):]
 
 
-def _write_file(here: int, target: str, header: bytes, array: np.ndarray) -> None:
+def _write_file(here: int, target: str, data: bytes) -> None:
     """The file written under a name no other writer uses, fsync'd, then renamed onto FILE (a writer of the
     same key that renames first leaves the same bytes). On any failure the temporary file is removed."""
     name = f"{FILE}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
@@ -205,8 +187,7 @@ def _write_file(here: int, target: str, header: bytes, array: np.ndarray) -> Non
         raise _failed(f"cannot write {target}", e) from e
     try:
         try:
-            _write_all(fd, header)
-            _write_all(fd, array.reshape(-1).view(np.uint8))
+            _write_all(fd, data)
             os.fsync(fd)
         except BaseException:
             with contextlib.suppress(OSError):
