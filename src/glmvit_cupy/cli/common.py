@@ -33,13 +33,10 @@ def counted(n: int, noun: str) -> str:
 
 
 def write_vllm(folder: str, key: str, embedding) -> None:
-    """vllm_ec.write, its failures (a full disk there too) as OutputError naming the folder."""
-    from safetensors import SafetensorError
-
+    """vllm_ec.write (whose own failures are OutputErrors naming the file), any other OSError from it as an
+    OutputError naming --vllm-ec-dir."""
     try:
         vllm_ec.write(folder, key, embedding)
-    except OutputError:
-        raise
-    except (OSError, SafetensorError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+    except OSError as e:
+        reason = e.strerror or " ".join(str(e).split())
         raise OutputError(f"cannot write {shown(key)} in --vllm-ec-dir {shown(folder)}: {shown(reason)}") from None
