@@ -298,27 +298,33 @@ def test_workers_do_not_change_the_output(images, tmp_path):
 @pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"), reason="no FIFOs or /dev/zero here")
 def test_a_fifo_or_device_in_a_folder_is_skipped_not_read(images, tmp_path):
     """A FIFO named like an image made glmvit-encode wait forever for a writer, and a link to /dev/zero read
-    until memory ran out: each is skipped saying what it is, and the rest of the folder is encoded. In a
-    subprocess with a time and address-space limit, so a regression fails instead of hanging or eating RAM."""
+    until memory ran out: each is skipped saying what it is, and the rest of the folder is encoded. Named on
+    the command line, a FIFO and a broken link are reported alike (not as "no such file"). In a subprocess
+    with a time and address-space limit, so a regression fails instead of hanging or eating RAM."""
     import resource
     import subprocess
     import sys
 
     os.mkfifo(images / "pipe.png")
     (images / "zero.jpg").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "named.png")
+    (tmp_path / "moved.png").symlink_to(tmp_path / "nowhere.png")
     out = tmp_path / "out"
 
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
     src = os.path.join(os.path.dirname(__file__), "..", "src")
-    r = subprocess.run([sys.executable, "-m", "glmvit_cupy.cli.main", str(images), "--checkpoint", cases.TOWER_DIR,
+    r = subprocess.run([sys.executable, "-m", "glmvit_cupy.cli.main", str(images), str(tmp_path / "named.png"),
+                        str(tmp_path / "moved.png"), "--checkpoint", cases.TOWER_DIR,
                         "--out", str(out), "--cpu", "--workers", "2"], capture_output=True, text=True, timeout=120,
                        preexec_fn=cap, env=dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])))
     assert r.returncode == 1, r.stderr[-2000:]  # some images failed
     said = r.stdout + r.stderr
     assert f"{images / 'pipe.png'}: the image is a FIFO (named pipe), not a regular file" in said, said
     assert f"{images / 'zero.jpg'}: the image is a character device, not a regular file" in said, said
+    assert f"{tmp_path / 'named.png'}: the image is a FIFO (named pipe), not a regular file" in said, said
+    assert f"{tmp_path / 'moved.png'}: a broken symbolic link (to " in said, said
     manifest, tensors = load_all(out)
     assert len(tensors) == 3  # a.png, sub/b.png, c.jpg
 

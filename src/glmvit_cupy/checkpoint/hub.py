@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import threading
+import urllib.error
 import urllib.parse
+import urllib.request
 
 from ..errors import CheckpointError
 from ..files import read_json_file
@@ -41,15 +42,16 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
                               "-e '.[hub]' in the glmvit-cupy checkout), and no local path of that name exists") from None
     from huggingface_hub import constants
 
-    # Unreachable, huggingface_hub retries each file for ~25 s before it says so; a 1.5 s probe first
-    # sends an offline machine straight to the local cache.
+    # Unreachable or silent, huggingface_hub retries each file for 25 s to minutes before it says so; a
+    # 1.5 s probe first sends an offline machine straight to the local cache.
     offline = constants.HF_HUB_OFFLINE or not reachable(constants.ENDPOINT)
 
     def get(name):
         try:
             return hf_hub_download(repo_id, name, revision=revision, cache_dir=cache_dir, local_files_only=offline)
         except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: test it first
-            raise CheckpointError(f"{repo_id}: the Hub cannot be reached (offline, or HF_HUB_OFFLINE is set) and "
+            raise CheckpointError(f"{repo_id}: the Hub cannot be reached (offline, not answering {constants.ENDPOINT} "
+                                  f"within 1.5 s, or HF_HUB_OFFLINE is set) and "
                                   f"{name} is not in the local Hugging Face cache; connect once, or give a local "
                                   "checkpoint folder") from None
         except EntryNotFoundError:
@@ -90,23 +92,21 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
 
 
 def reachable(endpoint: str, timeout: float = 1.5) -> bool:
-    """Whether a TCP connection to the Hub's endpoint opens within `timeout` seconds (name lookup included,
-    which has no timeout of its own: it runs on a thread that is left behind if it hangs). Behind a proxy
-    (HTTPS_PROXY and the like) the proxy decides, so the Hub counts as reachable."""
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
-                                       "all_proxy")):
+    """Whether the Hub's endpoint answers an HTTP request (any status) within `timeout` seconds. A closed
+    port, a failed name lookup, or a server that accepts and never answers all count as unreachable; the
+    lookup has no timeout of its own, so the request runs on a thread that is left behind if it hangs.
+    urllib goes through HTTPS_PROXY and the like as huggingface_hub does."""
+    if not urllib.parse.urlparse(endpoint).hostname:
         return True
-    url = urllib.parse.urlparse(endpoint)
-    if not url.hostname:
-        return True
-    port = url.port or (443 if url.scheme == "https" else 80)
     ok = []
 
     def probe():
         try:
-            socket.create_connection((url.hostname, port), timeout=timeout).close()
+            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close()
             ok.append(True)
-        except OSError:
+        except urllib.error.HTTPError:  # an answer, whatever its status
+            ok.append(True)
+        except (OSError, ValueError):
             pass
 
     t = threading.Thread(target=probe, daemon=True, name="glmvit-hub-probe")

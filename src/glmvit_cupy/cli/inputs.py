@@ -36,7 +36,7 @@ def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS) -> list
     for item in items:
         if os.path.isdir(item):
             out += walk(item, extensions)
-        elif os.path.isfile(item):
+        elif os.path.lexists(item):  # a file, or a FIFO, device or broken link: reading it says which
             out.append(item)
         elif glob.has_magic(item):
             out += sorted(p for p in expand_glob(item) if os.path.isfile(p))
