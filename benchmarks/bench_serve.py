@@ -1,7 +1,9 @@
 """glmvit-serve under load: N concurrent clients on loopback sending JPEGs of mixed sizes (150-2,500
 tokens, or 64-300 with --small), one image a request; images/s, p50/p99 latency and forward-pass fill (from /metrics), beside
 the same engine called one request at a time in this process (host decoding included in both). Also
-checks that every served embedding equals, bit for bit, GlmVit.encode of the same bytes alone.
+checks that every served embedding equals, bit for bit, GlmVit.encode of the same bytes alone, and
+prints where a pass's time goes (/metrics' glmvit_pass_part_seconds): per pass and per image, the
+engine thread's launch against the completion thread's wait for the GPU and copies back.
 
     python benchmarks/bench_serve.py [--checkpoint PATH] [--clients 16] [--requests 240] [--small] [--cpu]
 """
@@ -42,8 +44,16 @@ def jpegs(n, sizes):
 
 
 def metric(url, name):
+    """The sum of a metric's samples named exactly `name` (labels included, as /metrics writes them)."""
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " "))
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.rsplit(" ", 1)[0] == name)
+
+
+PARTS = ("queued", "launch", "gpu", "fetch", "resolve")
+
+
+def parts(url):
+    return {p: metric(url, f'glmvit_pass_part_seconds_sum{{part="{p}"}}') for p in PARTS}
 
 
 def main():
@@ -99,7 +109,7 @@ def main():
             client.encode([data])
         p0 = metric(client.url, "glmvit_forward_passes_total")
         fill0 = (metric(client.url, "glmvit_forward_pass_fill_sum"), metric(client.url, "glmvit_forward_pass_images_sum"))
-        busy0 = metric(client.url, "glmvit_forward_pass_seconds_sum")
+        busy0, parts0 = metric(client.url, "glmvit_engine_busy_seconds_total"), parts(client.url)
         slat, lock, bad = [], threading.Lock(), []
         todo = list(range(len(work)))
 
@@ -124,9 +134,11 @@ def main():
         passes = metric(client.url, "glmvit_forward_passes_total") - p0
         fill = (metric(client.url, "glmvit_forward_pass_fill_sum") - fill0[0]) / passes
         per_pass = (metric(client.url, "glmvit_forward_pass_images_sum") - fill0[1]) / passes
-        # The engine thread's share of the run (its passes' wall time, staging to embeddings on the host): near
-        # 100% the engine is the bound, well under it the requests' host work (HTTP, base64, decoding) is.
-        busy = (metric(client.url, "glmvit_forward_pass_seconds_sum") - busy0) / srv_s
+        # The engine thread's share of the run (packing, staging and launching; never waiting for the GPU): near
+        # 100% it is the bound; well under it, the GPU or the requests' host work (HTTP, base64, decoding) is.
+        busy = (metric(client.url, "glmvit_engine_busy_seconds_total") - busy0) / srv_s
+        spent = {p: v - parts0[p] for p, v in parts(client.url).items()}
+        images_served = per_pass * passes
     finally:
         proc.terminate()
         proc.wait(60)
@@ -137,6 +149,11 @@ def main():
              int(passes), f"{per_pass:.1f}", f"{100 * fill:.0f}%", f"{100 * busy:.0f}%"]]
     table(["setup", "clients", "images", "images/s", "tokens/s", "p50 ms", "p99 ms", "forward passes",
            "images a pass", "pass fill (of 8000 tokens)", "engine thread busy"], rows)
+    print()
+    table(["part of a pass (glmvit_pass_part_seconds)", "thread", "ms a pass", "ms an image", "share of the run"],
+          [[p, {"queued": "(waiting)", "launch": "engine", "resolve": "completion"}.get(p, "completion"),
+            f"{1e3 * spent[p] / passes:.2f}", f"{1e3 * spent[p] / images_served:.2f}", f"{100 * spent[p] / srv_s:.0f}%"]
+           for p in PARTS])
     print(f"\n{backend.name}; {len(images)} distinct JPEGs of {min(a.shape[0] for a in alone.values())}-"
           f"{max(a.shape[0] for a in alone.values())} tokens; served embeddings bit-equal to encoding alone: "
           f"{len(work) - len(bad)} of {len(work)}")

@@ -58,6 +58,13 @@ def stop(proc):
             proc.wait()
 
 
+def slow(seconds: float) -> str:
+    """A prelude making every pass of the reference take `seconds` longer, on the engine thread: work queued
+    behind a pass then waits in the queue for a known time."""
+    return ("import time; from glmvit_cupy.scheduling.backend import Backend; launch_on = Backend.launch_on; "
+            f"Backend.launch_on = lambda self, lane, items: (time.sleep({seconds}), launch_on(self, lane, items))[1]")
+
+
 @pytest.fixture(scope="module")
 def server():
     """Small limits, to be reached by small requests."""
@@ -305,28 +312,79 @@ def test_concurrent_requests_for_one_new_image_encode_it_once(server):
     assert metric(client, 'glmvit_images_total{outcome="shared"}') == shared + 7
 
 
-def test_work_queued_only_for_a_client_gone_is_dropped_before_its_pass(server):
-    """A request whose client disconnects while its image waits for company (--max-wait-ms 400): the image
-    leaves the queue, no pass runs for it, and it is counted as dropped."""
-    _, client = server
+@pytest.fixture(scope="module")
+def slow_server():
+    """Passes that take 0.5 s (slow()), a queue of 4."""
+    proc, client = launch("--max-queue", 4, "--cache-mib", 0, prelude=slow(0.5))
+    yield proc, client
+    stop(proc)
+
+
+def test_queue_full_is_429(slow_server):
+    """4 + 2 images against --max-queue 4: the first request's first image is in its pass, 3 wait; the second
+    request (3 + 2 > 4) is refused whole with 429 and the first is answered. 5 images never fit: 413."""
+    _, client = slow_server
+    a = [b64(png(64, 64 + 8 * i, 50 + i)) for i in range(4)]
+    b = [b64(png(72, 64, 60 + i)) for i in range(2)]
+    got = {}
+    ta = threading.Thread(target=lambda: got.update(a=post(client, json.dumps({"images": a}).encode())))
+    ta.start()
+    time.sleep(0.25)
+    got["b"] = post(client, json.dumps({"images": b}).encode())
+    ta.join()
+    assert got["a"][0] == 200 and got["b"][0] == 429, got
+    assert "--max-queue" in got["b"][1]["error"] and got["b"][1]["index"] is None
+    five = [b64(png(80, 64 + 8 * i, 70 + i)) for i in range(5)]
+    status, err = post(client, json.dumps({"images": five}).encode())  # 5 images: never fit a queue of 4
+    assert status == 413 and "send at most 4 a request" in err["error"] and "--max-queue" in err["error"]
+
+
+def test_a_one_image_request_waits_for_one_image_of_a_long_request_not_all(slow_server):
+    """Requests take turns: a one-image request sent while a four-image request's first 0.5 s pass runs is
+    answered after that pass and its own, before the long request (which FIFO would finish first)."""
+    _, client = slow_server
+    long = [png(64, 64 + 8 * i, 80 + i) for i in range(4)]
+    done = {}
+
+    def send_long():
+        client.encode(long)
+        done["long"] = time.perf_counter()
+
+    t = threading.Thread(target=send_long)
+    t.start()
+    time.sleep(0.2)
+    client.encode([png(72, 72, 90)])
+    one = time.perf_counter()
+    t.join(30)
+    assert one < done["long"]
+
+
+def test_work_queued_only_for_a_client_gone_is_dropped_before_its_pass(slow_server):
+    """A request whose client disconnects while its image waits in the queue (behind another request's
+    0.5 s pass): the image leaves the queue, no pass runs for it, and it is counted as dropped."""
+    _, client = slow_server
     passes = metric(client, "glmvit_forward_passes_total")
     dropped = metric(client, 'glmvit_images_total{outcome="dropped"}')
+    ahead = threading.Thread(target=lambda: client.encode([png(64, 64, 404)]))
+    ahead.start()
+    time.sleep(0.1)  # its pass has started
     body = json.dumps({"images": [b64(png(70, 100, 405))]}).encode()
     s = socket.create_connection(("127.0.0.1", int(client.url.rsplit(":", 1)[1])))
     s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    time.sleep(0.2)  # decoded and queued, waiting for company
+    time.sleep(0.15)  # decoded and queued behind it
     s.close()
+    ahead.join(30)
     time.sleep(0.8)
-    assert metric(client, "glmvit_forward_passes_total") == passes
+    assert metric(client, "glmvit_forward_passes_total") == passes + 1
     assert metric(client, 'glmvit_images_total{outcome="dropped"}') == dropped + 1
     assert client.health()["queue_depth"] == 0
 
 
-def test_a_shared_encode_outlives_the_request_that_started_it(server):
-    """Two requests for one new image: the first one's client goes away while the image waits for company; the
-    second, waiting on the same encode, still gets it, from the one pass that runs."""
-    _, client = server
+def test_a_shared_encode_outlives_the_request_that_started_it(slow_server):
+    """Two requests for one new image: the first one's client goes away while the image is encoded (a 0.5 s
+    pass); the second, waiting on the same encode, still gets it, from the one pass that runs."""
+    _, client = slow_server
     data = png(80, 110, 412)
     body = json.dumps({"images": [b64(data)]}).encode()
     passes = metric(client, "glmvit_forward_passes_total")
@@ -368,12 +426,12 @@ def test_a_request_refused_hands_its_images_to_those_waiting_for_them(server):
 def test_sigterm_drains_with_503_then_exits_saying_so():
     """While a request is in flight after SIGTERM, /health and a new request on a new connection get 503 (not
     a refused connection); the request in flight is answered; the process logs the drain and its exit."""
-    proc, client = launch("--max-wait-ms", 1500)
+    proc, client = launch(prelude=slow(1.5))
     try:
         done = {}
         t = threading.Thread(target=lambda: done.update(r=client.encode([png(64, 64, 406)])))
         t.start()
-        time.sleep(0.4)  # waiting in the batcher for company
+        time.sleep(0.4)  # in its pass
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         with pytest.raises(ServerError) as e:

@@ -91,6 +91,18 @@ class Wants:
         return False
 
 
+class _Unbounded:
+    """A consumer that never holds its uploads back (the service: its pixels in flight bound them)."""
+    active = True
+
+    @staticmethod
+    def exempt(index) -> bool:
+        return True
+
+
+UNBOUNDED = _Unbounded()
+
+
 class Uploader:
     """Called on a prepare thread with a decoded image (uint8 [H, W, 3], in `buffer` memory or any host
     array): returns it as Uploaded on `device`. Its device blocks, lent to images in flight or cached idle,

@@ -3,11 +3,17 @@ with cpu=True, the float32 NumPy reference. Either takes prepared images (uint8 
 and returns each image's embedding as a host bf16 array; `lanes` batches can run at once, one per
 replica. Both are batch-invariant: an image's embedding has the same bits whatever it is batched
 with (the reference computes each image on its own; the engine's GEMMs never split their sums).
+
+The service splits a pass's host work over three threads (serving/batcher.py): ahead() runs on the thread
+that decoded the image (it uploads it), launch_on() on the lane's engine thread (staging kernels, the
+forward's launch), and the returned pass's wait() and fetch() on the lane's completion thread (the GPU's
+time, the copies back).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 
@@ -31,6 +37,7 @@ class Backend:
         self.capacity_tokens = capacity_tokens
         self.cpu = cpu
         self.resize = "host" if cpu else "gpu"  # who resizes the images this backend is given
+        self.shares_passes = not cpu  # the reference computes each image alone: a pass shares nothing
         self._wants = None  # what the command's consumer waits for (preparing, feeding)
         self.graphs_ready: list[int] = []  # budgets (patches) whose CUDA graphs every replica captured at load
         if cpu:
@@ -112,6 +119,28 @@ class Backend:
 
         return Patching.of(self.geometry)
 
+    def ahead(self, item: tuple) -> tuple:
+        """A prepared image (uint8 image, grid, info) as the engine takes it fastest, on the thread that
+        prepared it: with one GPU, uploaded to it now (engine/uploads.py), so the engine thread only orders
+        its stream after the copy; otherwise as it is. Where an upload cannot get device memory the image
+        stays on the host. The uploader's byte budget does not hold these back: the service bounds its
+        images by pixels in flight (--max-pixels-in-flight) before they are decoded."""
+        if self.cpu or len(self._engine) != 1:
+            return item
+        from ..engine.uploads import UNBOUNDED
+
+        image, grid, info = item
+        return self._engine.models[0].runner.uploads(image, wants=UNBOUNDED), grid, info
+
+    def launch_on(self, lane: int, items: list) -> "Pass":
+        """Launch one batch of prepared images on replica `lane` (from its engine thread) and return at once
+        (the CPU reference computes it here): the Pass's wait() and fetch() give the host bf16 arrays."""
+        if self.cpu:
+            return Pass(None, self.encode_on(0, items), None)
+        model = self._engine.models[lane]
+        outs, event = _after(model, model.encode_prepared(items))
+        return Pass(model, outs, event)
+
     def encode_on(self, lane: int, items: list) -> list[np.ndarray]:
         """One batch of prepared images on replica `lane` (from any thread) -> host bf16 arrays."""
         if self.cpu:
@@ -177,6 +206,39 @@ def _after(model, outs: list) -> tuple:
 
     with model.device:
         return outs, cupy.cuda.get_current_stream().record()
+
+
+class Pass:
+    """One batch launched on a GPU (or computed already, model None): wait() returns once it is computed,
+    fetch() then copies its embeddings into host arrays (through a page-locked block, on a stream of the
+    calling thread's own) and lets the device's outputs go."""
+
+    _streams = threading.local()  # per thread and device: the stream its copies back run on
+
+    def __init__(self, model, outs: list, event):
+        self.model, self.outs, self.event = model, outs, event
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def fetch(self) -> list[np.ndarray]:
+        if self.model is None:
+            return self.outs
+        import cupy
+
+        from ..engine.pools import HOST
+
+        self.wait()
+        outs, self.outs = self.outs, None
+        with self.model.device:
+            if not hasattr(self._streams, "by_device"):
+                self._streams.by_device = {}
+            stream = self._streams.by_device.get(self.model.device.id)
+            if stream is None:
+                stream = self._streams.by_device[self.model.device.id] = cupy.cuda.Stream(non_blocking=True)
+            with stream:
+                return HOST.download(outs)
 
 
 class Launched:

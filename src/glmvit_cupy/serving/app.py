@@ -111,12 +111,16 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     limit = settings.max_pixels if settings.max_pixels is not None else Image.MAX_IMAGE_PIXELS
     flights: dict = {}  # key -> Flight: content being encoded now
 
-    def on_pass(images, tokens, seconds):
+    def on_pass(times):
         metrics.passes.inc()
-        metrics.tokens.inc(tokens)
-        metrics.pass_images.observe(images)
-        metrics.pass_fill.observe(tokens / settings.capacity_tokens)
-        metrics.pass_seconds.observe(seconds)
+        metrics.tokens.inc(times.tokens)
+        metrics.pass_images.observe(times.images)
+        metrics.pass_fill.observe(times.tokens / settings.capacity_tokens)
+        metrics.pass_seconds.observe(times.launch + times.gpu + times.fetch)
+        for part in times.PARTS:
+            seconds = getattr(times, part)
+            metrics.pass_parts.labels(part).observe(seconds)
+            metrics.image_parts.labels(part).observe(seconds / times.images)
 
     def on_drop(job):
         if job.task is None:
@@ -129,7 +133,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             backend = load_backend()
             state["batcher"] = Batcher(backend, capacity_tokens=settings.capacity_tokens,
                                        max_wait_s=settings.max_wait_ms / 1e3, max_queue=settings.max_queue,
-                                       on_pass=on_pass, on_drop=on_drop)
+                                       on_pass=on_pass, on_drop=on_drop,
+                                       on_busy=lambda lane, seconds: metrics.engine_busy.inc(seconds))
             state["backend"] = backend
             if state["status"] == "loading":  # not when a SIGTERM came first: the server is draining
                 state["status"] = "ok"
@@ -415,7 +420,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 take_pixels(sum(need), "images")
                 pixels = sum(need)
                 prepared = await decoders.run(
-                    [(functools.partial(_prepare, blobs[i], i, lo, hi, limit, backend.resize, patching),
+                    [(functools.partial(_prepare, blobs[i], i, lo, hi, limit, backend, patching),
                       n > LARGE_IMAGE_PIXELS) for i, (n, _) in zip(idx, heads)])
                 decode_failures(idx, prepared, metrics.images.labels("failed"))
                 kept = [min(n, item[0].shape[0] * item[0].shape[1]) for n, item in zip(need, prepared)]
@@ -663,9 +668,12 @@ def _video_pixels(video: dict, index: int, common: dict, limit: int, max_video_p
     return _pixels_held(decoded, size, common["min_image_tokens"], common["max_image_tokens"], patching, len(picked))
 
 
-def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels, resize: str, patching):
-    return prepare_canvas(io.BytesIO(data), index, min_image_tokens=lo, max_image_tokens=hi, max_pixels=max_pixels,
-                          resize=resize, patching=patching, name=f"image {index}")  # as the request numbers it
+def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels, backend, patching):
+    """One request image, on a decoding thread: decoded, sized and handed to the backend (its upload, where
+    the GPU resizes: backend.ahead), so the engine thread has only the pass's launch left to do."""
+    return backend.ahead(prepare_canvas(io.BytesIO(data), index, min_image_tokens=lo, max_image_tokens=hi,
+                                        max_pixels=max_pixels, resize=backend.resize, patching=patching,
+                                        name=f"image {index}"))  # as the request numbers it
 
 
 def _prepare_video(video: dict, index: int, common: dict, max_pixels, max_total_pixels, patching):

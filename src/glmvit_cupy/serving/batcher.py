@@ -1,14 +1,24 @@
 """Images from concurrent requests packed into shared forward passes, off the event loop, and what bounds the
 work before them: the queue's room, the pixels in flight, and the decoding threads shared fairly.
 
-Requests put prepared images (uint8 canvas, grid, info) into one bounded queue and await a future per
-image. One worker thread per replica takes the oldest image, waits at most `max_wait` for company,
-packs images in arrival order up to the capacity, runs the pass and resolves the futures on the event
-loop. A task (a request's videos: task(lane) runs their passes) queues alike and runs on its own. A
-future cancelled before its pass starts (nobody waits for it any more: its clients went away) is dropped:
-it leaves the queue at once, or the batch being gathered, and never reaches a pass; the pass and the
-other images in it go on. The queue is bounded: a request reserves its room before its images are decoded
-(reserve), so one that would overflow it is refused whole before any work is done.
+Requests put prepared images (image, grid, info) into one bounded queue and await a future per image. Each
+replica (lane) has two threads. Its engine thread only packs and launches: it takes images from the
+waiting requests in turn (a round takes one image of each request, and a request that arrives joins
+the current round: a request of many large images never holds the lane from a one-image request behind it
+for more than one image), waits at most `max_wait` from the oldest image's
+arrival for company while the pass has room, and hands the launched pass (backend.launch_on) to the
+lane's completion thread, which waits for the GPU, copies the embeddings back (pending.fetch) and
+resolves the futures on the event loop. At most `ahead` passes of a lane are launched and not yet copied
+back: the GPU always has the next pass queued behind the one it runs, and the outputs on it stay bounded.
+A backend whose passes do not share work (`shares_passes` False: the CPU reference computes each image
+alone) gets one image a pass, so a small request waits for at most one image before its own.
+
+A task (a request's videos: task(lane) runs their passes and returns host arrays) queues alike and runs
+on the engine thread on its own. A future cancelled before its pass starts (nobody waits for it any more:
+its clients went away) is dropped: it leaves the queue at once, or the batch being gathered, and never
+reaches a pass; the pass and the other images in it go on. The queue is bounded: a request reserves its
+room before its images are decoded (reserve), so one that would overflow it is refused whole before any
+work is done. Each pass's time by part (PassTimes) goes to on_pass: what an operator reads in /metrics.
 
 PixelBudget counts the pixels of images admitted and not yet through their passes, server-wide. Decoders
 runs decoding jobs on a thread pool, taking requests in turn, and keeps one thread free of large images,
@@ -20,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,9 +49,10 @@ class QueueFull(Exception):
 
 @dataclass(eq=False)
 class Job:
-    item: tuple | None          # (uint8 canvas, grid, info), or None for a task
+    item: tuple | None          # (image, grid, info), or None for a task
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    request: object = None      # the submit() it came with: requests are served in turn
     queued: float = field(default_factory=time.perf_counter)
     task: Callable[[int], object] | None = None  # run alone on a lane: task(lane) is the future's value
     dropped: bool = False       # cancelled after a worker took it, before its pass (set under the lock)
@@ -50,19 +62,64 @@ class Job:
         return self.item[2]["tokens"]
 
 
+@dataclass
+class PassTimes:
+    """One forward pass, in seconds by part: queued (its oldest image's wait before the launch), launch
+    (the engine thread packing, staging and launching it: the only part on that thread), gpu (the
+    completion thread waiting for the GPU after the launch), fetch (copying the embeddings back),
+    resolve (handing them to their requests)."""
+    lane: int
+    images: int
+    tokens: int
+    queued: float = 0.0
+    launch: float = 0.0
+    gpu: float = 0.0
+    fetch: float = 0.0
+    resolve: float = 0.0
+
+    PARTS = ("queued", "launch", "gpu", "fetch", "resolve")
+
+
+@dataclass(eq=False)
+class _Line:
+    """A request's jobs waiting in the queue, and its place in the turns: the round it is in, its arrival."""
+    jobs: collections.deque
+    turn: int
+    seq: int
+
+
+class _Done:
+    """A pass whose values are known at launch (a task's, or a backend that computes while launching)."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def wait(self) -> None:
+        pass
+
+    def fetch(self) -> list:
+        return self.values
+
+
 class Batcher:
     def __init__(self, backend, *, capacity_tokens: int, max_wait_s: float, max_queue: int, on_pass=None,
-                 on_drop=None):
+                 on_drop=None, on_busy=None, ahead: int = 2):
         self.backend, self.capacity, self.max_wait, self.max_queue = backend, capacity_tokens, max_wait_s, max_queue
-        self.on_pass = on_pass or (lambda images, tokens, seconds: None)
-        self.on_drop = on_drop or (lambda job: None)  # a job dropped before its pass (from any thread)
-        self._jobs: collections.deque = collections.deque()
+        self.shares_passes = getattr(backend, "shares_passes", True)
+        self.on_pass = on_pass or (lambda times: None)            # PassTimes of each image pass (completion thread)
+        self.on_drop = on_drop or (lambda job: None)              # a job dropped before its pass (from any thread)
+        self.on_busy = on_busy or (lambda lane, seconds: None)    # an engine thread's work: a launch, a task
+        self._requests: dict = {}  # request -> _Line: its jobs not yet taken
+        self._round = self._seq = 0
         self._cv = threading.Condition()
         self._stopping = False
-        self._waiting = 0   # images queued or collected into a batch that has not started
+        self._waiting = 0   # images queued or collected into a batch that has not launched
         self._reserved = 0  # room held for images being decoded (reserve), not yet queued
-        self._threads = [threading.Thread(target=self._work, args=(lane,), name=f"glmvit-batch-{lane}", daemon=True)
-                         for lane in range(backend.lanes)]
+        self._slots = [threading.Semaphore(ahead) for _ in range(backend.lanes)]
+        self._done = [queue.SimpleQueue() for _ in range(backend.lanes)]
+        self._threads = [threading.Thread(target=fn, args=(lane,), name=f"glmvit-{what}-{lane}", daemon=True)
+                         for lane in range(backend.lanes)
+                         for fn, what in ((self._engine, "engine"), (self._complete, "done"))]
         for t in self._threads:
             t.start()
 
@@ -99,11 +156,12 @@ class Batcher:
         return self._queue([(item, None) for item in items], "images", reserved)
 
     def submit_task(self, task: Callable[[int], object], reserved: bool = False) -> asyncio.Future:
-        """Queue task(lane), to run on a lane's thread between passes (a request's videos); its future."""
+        """Queue task(lane), to run on a lane's engine thread between passes (a request's videos); its future."""
         return self._queue([(None, task)], "tasks", reserved)[0]
 
     def _queue(self, work: list, what: str, reserved: bool) -> list[asyncio.Future]:
         loop = asyncio.get_running_loop()
+        request = object()
         with self._cv:
             if reserved:
                 if self._stopping:
@@ -111,8 +169,9 @@ class Batcher:
                 self._reserved -= len(work)
             else:
                 self._check_room(len(work), what)
-            jobs = [Job(item, loop.create_future(), loop, task=task) for item, task in work]
-            self._jobs.extend(jobs)
+            jobs = [Job(item, loop.create_future(), loop, request, task=task) for item, task in work]
+            self._seq += 1
+            self._requests[request] = _Line(collections.deque(jobs), self._round, self._seq)
             self._waiting += len(jobs)
             self._cv.notify_all()
         for job in jobs:
@@ -121,76 +180,135 @@ class Batcher:
 
     def _cancelled(self, job: Job, future: asyncio.Future) -> None:
         """A job's future is done (on its loop): cancelled, the job leaves the queue, or is marked so that the
-        worker that took it leaves it out of the pass."""
+        engine thread that took it leaves it out of the pass."""
         if not future.cancelled():
             return
         with self._cv:
-            try:
-                self._jobs.remove(job)
-            except ValueError:  # taken by a worker: dropped there unless its pass has started
+            line = self._requests.get(job.request)
+            if line is None or job not in line.jobs:  # taken by an engine thread: dropped there unless launched
                 job.dropped = True
                 return
+            line.jobs.remove(job)
+            if not line.jobs:
+                del self._requests[job.request]
             self._waiting -= 1
         self.on_drop(job)
 
+    def _pop(self, room: float | None) -> Job | None:
+        """The next job in turn (room None), or the next whose head is an image of at most `room` tokens. Turns
+        go in rounds: a request takes one job a round, and one that arrives joins the round being served,
+        after those already in it; so a new request waits for at most one job of each other request, and
+        a long one still moves a job every round. Under the lock."""
+        best = None
+        for request, line in self._requests.items():
+            head = line.jobs[0]
+            if room is not None and (head.task is not None or head.tokens > room):
+                continue
+            if best is None or (line.turn, line.seq) < (best[1].turn, best[1].seq):
+                best = (request, line)
+        if best is None:
+            return None
+        request, line = best
+        job = line.jobs.popleft()
+        self._round = line.turn
+        line.turn += 1
+        if not line.jobs:
+            del self._requests[request]
+        return job
+
     def _take_batch(self) -> list[Job] | None:
         with self._cv:
-            while not self._jobs and not self._stopping:
+            while not self._requests and not self._stopping:
                 self._cv.wait()
-            if not self._jobs:
+            if not self._requests:
                 return None  # stopping, nothing left
-            batch = [self._jobs.popleft()]
-            if batch[0].task is not None:
-                return batch  # a task runs on its own
+            batch = [self._pop(None)]
+            if batch[0].task is not None or not self.shares_passes:
+                return batch  # a task runs on its own; so does an image where passes share nothing
             used = batch[0].tokens
-            deadline = time.perf_counter() + self.max_wait
+            deadline = batch[0].queued + self.max_wait  # the oldest image waits at most max_wait in all
             while used < self.capacity:
-                if self._jobs:
-                    if self._jobs[0].task is not None or used + self._jobs[0].tokens > self.capacity:
-                        break  # the next image (or task) opens the next pass
-                    job = self._jobs.popleft()
+                job = self._pop(self.capacity - used)
+                if job is not None:
                     batch.append(job)
                     used += job.tokens
                     continue
                 left = deadline - time.perf_counter()
-                if left <= 0 or self._stopping:
-                    break
+                if self._requests or left <= 0 or self._stopping:
+                    break  # what waits does not fit: it opens the next pass
                 self._cv.wait(left)
             return batch
 
-    def _work(self, lane: int):
+    def _engine(self, lane: int):
+        """A lane's engine thread: takes a batch once fewer than `ahead` of its passes are out, launches it
+        and hands it to the completion thread; it never waits for the GPU."""
+        slots, done = self._slots[lane], self._done[lane]
         while True:
+            slots.acquire()  # images arriving meanwhile join the next batch
             batch = self._take_batch()
             if batch is None:
+                done.put(None)
                 return
             with self._cv:  # jobs cancelled while the batch gathered never reach the pass
                 gone = [j for j in batch if j.dropped]
                 batch = [j for j in batch if not j.dropped]
-                self._waiting -= len(gone)
+                self._waiting -= len(gone) + len(batch)
             for job in gone:
                 self.on_drop(job)
             if not batch:
+                slots.release()
                 continue
             t0 = time.perf_counter()
             task = batch[0].task
+            times = None if task is not None else PassTimes(lane, len(batch), sum(j.tokens for j in batch),
+                                                            queued=t0 - min(j.queued for j in batch))
             try:
-                outs, error = ([task(lane)] if task is not None else
-                               self.backend.encode_on(lane, [j.item for j in batch])), None
+                pending, error = (_Done([task(lane)]) if task is not None else
+                                  self.backend.launch_on(lane, [j.item for j in batch])), None
             except Exception as e:  # the pass failed: every image in it gets the error
-                outs, error = None, e
-            with self._cv:
-                self._waiting -= len(batch)
-            if task is None:
-                self.on_pass(len(batch), sum(j.tokens for j in batch), time.perf_counter() - t0)
+                pending, error = None, e
+            busy = time.perf_counter() - t0
+            if times is not None:
+                times.launch = busy
+            self.on_busy(lane, busy)
+            done.put((batch, pending, error, times))
+
+    def _complete(self, lane: int):
+        """A lane's completion thread: waits for each launched pass, copies its embeddings back and resolves
+        its futures, in launch order."""
+        slots, done = self._slots[lane], self._done[lane]
+        while True:
+            entry = done.get()
+            if entry is None:
+                return
+            batch, pending, error, times = entry
+            outs = None
+            try:
+                if pending is not None:
+                    t0 = time.perf_counter()
+                    pending.wait()
+                    t1 = time.perf_counter()
+                    outs = pending.fetch()
+                    if times is not None:
+                        times.gpu, times.fetch = t1 - t0, time.perf_counter() - t1
+            except Exception as e:
+                error = e
+            finally:
+                del pending  # the pass's device outputs go before the next pass is taken
+                slots.release()
+            t0 = time.perf_counter()
             for i, job in enumerate(batch):
                 value = error if error is not None else outs[i]
                 try:
                     job.loop.call_soon_threadsafe(_resolve, job.future, value)
                 except RuntimeError:  # the loop is closed: nobody is waiting any more
                     pass
+            if times is not None:
+                times.resolve = time.perf_counter() - t0
+                self.on_pass(times)
 
     def stop(self, timeout: float = 30.0):
-        """Finish what is queued (dropped work is skipped), then stop the workers; each is waited for at
+        """Finish what is queued (dropped work is skipped), then stop the threads; each is waited for at
         most `timeout` seconds."""
         with self._cv:
             self._stopping = True

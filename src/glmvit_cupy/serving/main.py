@@ -33,7 +33,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--devices", default=None, metavar="0,1,...", help="CUDA devices, one replica each")
     ap.add_argument("--capacity-tokens", type=int, default=8000, help="tokens per forward pass (default 8000)")
     ap.add_argument("--max-wait-ms", type=float, default=5.0,
-                    help="how long an image waits for others to share its forward pass (default 5)")
+                    help="the longest an image waits, from its arrival, for others to share its forward pass "
+                    "(default 5)")
     ap.add_argument("--cache-mib", type=float, default=1024.0,
                     help="memory for finished embeddings, by content hash (default 1024; 0: no cache)")
     ap.add_argument("--max-queue", type=int, default=256,

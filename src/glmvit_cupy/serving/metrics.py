@@ -5,6 +5,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
+# Seconds, for parts of a pass: from tens of microseconds (a launch from a CUDA graph) to seconds.
+FINE = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+
+
 class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
@@ -21,7 +25,18 @@ class Metrics:
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128))
         self.pass_fill = Histogram("glmvit_forward_pass_fill", "Tokens in a forward pass over the capacity",
                                    registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0))
-        self.pass_seconds = Histogram("glmvit_forward_pass_seconds", "Wall time of a forward pass", registry=r)
+        self.pass_seconds = Histogram("glmvit_forward_pass_seconds", "Wall time of a forward pass from its launch to "
+                                      "its embeddings on the host", registry=r)
+        parts = ("queued: its oldest image's wait before the launch; launch: the engine thread packing, staging and "
+                 "launching it; gpu: waiting for the GPU after the launch; fetch: copying the embeddings back; "
+                 "resolve: handing them to their requests")
+        self.pass_parts = Histogram("glmvit_pass_part_seconds", "A forward pass's time by part (" + parts + ")",
+                                    ["part"], registry=r, buckets=FINE)
+        self.image_parts = Histogram("glmvit_image_part_seconds", "A forward pass's time by part over its images, "
+                                     "per image", ["part"], registry=r, buckets=FINE)
+        self.engine_busy = Counter("glmvit_engine_busy_seconds", "Seconds the engine threads spent working: packing, "
+                                   "staging and launching passes, running video tasks (never waiting for the GPU)",
+                                   registry=r)
         self.queue = Gauge("glmvit_queue_depth", "Images and video tasks admitted and waiting for a forward pass "
                            "(queued, or being decoded)", registry=r)
         self.pixels = Gauge("glmvit_pixels_in_flight", "Pixels of images and videos admitted and not yet through "

@@ -1,0 +1,223 @@
+"""The service's batcher with fake engines (no GPU, no HTTP): requests served in turn, one image a pass where
+passes share nothing, the engine thread doing only packing and launching (waiting for the GPU, copying back
+and per-image work belong to other threads), at most `ahead` passes out per lane, one lane per replica,
+dropped and failed work, and each pass's time by part."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from glmvit_cupy.serving.batcher import Batcher, PassTimes
+
+
+def item(tokens, tag=None):
+    return (None, (1, 2, 2), {"tokens": tokens, "tag": tag})
+
+
+class Pass:
+    def __init__(self, engine, lane, items):
+        self.engine, self.lane, self.items = engine, lane, items
+
+    def wait(self):
+        self.engine.note("wait")
+        time.sleep(self.engine.gpu_s)
+
+    def fetch(self):
+        self.engine.note("fetch")
+        outs = []
+        for it in self.items:  # per-image host work: copies back, slicing
+            self.engine.note("per-image")
+            time.sleep(self.engine.per_image_s)
+            outs.append(np.full((it[2]["tokens"], 2), self.lane))
+        with self.engine.lock:
+            self.engine.out -= 1
+        return outs
+
+
+class Engine:
+    """A fake backend. launch_on records its batches and what is out; wait() sleeps gpu_s (the GPU); fetch()
+    does per-image work of per_image_s each. note(what) records which thread did what."""
+
+    def __init__(self, lanes=1, gpu_s=0.0, per_image_s=0.0, shares_passes=True, fail_on=None):
+        self.lanes, self.gpu_s, self.per_image_s, self.shares_passes = lanes, gpu_s, per_image_s, shares_passes
+        self.fail_on = fail_on
+        self.lock = threading.Lock()
+        self.batches, self.threads, self.out, self.most_out = [], {}, 0, 0
+
+    def note(self, what):
+        with self.lock:
+            self.threads.setdefault(what, set()).add(threading.current_thread().name)
+
+    def launch_on(self, lane, items):
+        self.note("launch")
+        with self.lock:
+            self.batches.append((lane, [it[2]["tag"] for it in items]))
+            self.out += 1
+            self.most_out = max(self.most_out, self.out)
+        if self.fail_on is not None and any(it[2]["tag"] == self.fail_on for it in items):
+            with self.lock:
+                self.out -= 1
+            raise RuntimeError("this pass failed")
+        return Pass(self, lane, items)
+
+
+def run(batcher, groups, gap_s=0.0):
+    """Submit each group of items as one request (gap_s apart) and gather every value or exception."""
+    async def go():
+        futures = []
+        for g in groups:
+            futures.append(batcher.submit(g))
+            await asyncio.sleep(gap_s)
+        return [await asyncio.gather(*f, return_exceptions=True) for f in futures]
+
+    try:
+        return asyncio.run(go())
+    finally:
+        batcher.stop()
+
+
+def test_the_engine_thread_only_launches():
+    """Waiting for the GPU, the copies back and every per-image step run on the lane's completion thread: a
+    batcher that did them on the engine thread (as it once did: ~3.5 ms of each small image there) fails."""
+    engine = Engine(gpu_s=0.02, per_image_s=0.002)
+    busy = []
+    batcher = Batcher(engine, capacity_tokens=8, max_wait_s=0.001, max_queue=256,
+                      on_busy=lambda lane, s: busy.append(s))
+    out = run(batcher, [[item(2, i)] for i in range(40)], gap_s=0.001)
+    assert all(o[0].shape == (2, 2) for o in out)
+    assert engine.threads["launch"] == {"glmvit-engine-0"}
+    for what in ("wait", "fetch", "per-image"):
+        assert engine.threads[what] == {"glmvit-done-0"}, what
+    assert sum(busy) < 0.1 * 0.002 * 40  # the engine thread's busy time holds none of the per-image work
+
+
+def test_at_most_ahead_passes_are_out_and_the_gpu_always_has_the_next():
+    engine = Engine(gpu_s=0.02)
+    batcher = Batcher(engine, capacity_tokens=2, max_wait_s=0.0, max_queue=256, ahead=2)
+    run(batcher, [[item(2, i) for i in range(12)]])
+    assert engine.most_out == 2  # the next pass is launched while one runs, never a third
+
+
+def test_passes_pack_up_to_capacity_and_close_when_the_next_does_not_fit():
+    engine = Engine(gpu_s=0.05)
+    batcher = Batcher(engine, capacity_tokens=10, max_wait_s=0.0, max_queue=256, ahead=1)
+    run(batcher, [[item(4, "a"), item(4, "b"), item(4, "c"), item(2, "d")]])
+    assert [tags for _, tags in engine.batches] == [["a", "b"], ["c", "d"]]
+
+
+def test_requests_take_turns():
+    """A request of six images queued first, then two one-image requests while its first pass runs: each of
+    those is in the next pass, not after the six (one image a pass where passes share nothing)."""
+    engine = Engine(gpu_s=0.0, shares_passes=False)
+    started = threading.Event()
+    launch = engine.launch_on
+
+    def slow_launch(lane, items):  # the CPU reference computes while launching
+        started.set()
+        time.sleep(0.1)
+        return launch(lane, items)
+
+    engine.launch_on = slow_launch
+    batcher = Batcher(engine, capacity_tokens=100, max_wait_s=0.0, max_queue=256)
+
+    async def go():
+        big = batcher.submit([item(4, f"big{i}") for i in range(6)])
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        small = [batcher.submit([item(1, f"small{i}")]) for i in range(2)]
+        await asyncio.gather(*big, *[f for s in small for f in s])
+
+    asyncio.run(go())
+    batcher.stop()
+    order = [tags[0] for _, tags in engine.batches]
+    assert all(len(tags) == 1 for _, tags in engine.batches)
+    assert order[:4] == ["big0", "small0", "small1", "big1"], order
+
+
+def test_a_long_request_still_moves_every_round():
+    """Requests arriving one after another never hold back a long request for more than a round."""
+    engine = Engine(shares_passes=False)
+    gate = threading.Event()
+    launch = engine.launch_on
+
+    def gated(lane, items):
+        gate.wait()
+        return launch(lane, items)
+
+    engine.launch_on = gated
+    batcher = Batcher(engine, capacity_tokens=100, max_wait_s=0.0, max_queue=256)
+
+    async def go():
+        futures = batcher.submit([item(1, f"long{i}") for i in range(3)])
+        for i in range(6):
+            futures += batcher.submit([item(1, f"one{i}")])
+        gate.set()
+        await asyncio.gather(*futures)
+
+    asyncio.run(go())
+    batcher.stop()
+    order = [tags[0] for _, tags in engine.batches]
+    # long0 is taken before the others arrive; long1 comes after one round of the six, long2 is last
+    assert order.index("long1") == 7 and order[-1] == "long2", order
+
+
+def test_one_lane_per_replica():
+    engine = Engine(lanes=2, gpu_s=0.05)
+    batcher = Batcher(engine, capacity_tokens=4, max_wait_s=0.0, max_queue=64)
+    (outs,) = run(batcher, [[item(4, i) for i in range(8)]])
+    assert {lane for lane, _ in engine.batches} == {0, 1} and len(outs) == 8
+    assert {int(o[0, 0]) for o in outs} == {0, 1}
+    assert engine.threads["fetch"] == {"glmvit-done-0", "glmvit-done-1"}
+
+
+def test_a_failed_pass_fails_its_images_only():
+    engine = Engine(fail_on="bad")
+    batcher = Batcher(engine, capacity_tokens=2, max_wait_s=0.0, max_queue=64)
+    (outs,) = run(batcher, [[item(2, "ok0"), item(2, "bad"), item(2, "ok1")]])
+    assert isinstance(outs[1], RuntimeError) and "this pass failed" in str(outs[1])
+    assert outs[0].shape == outs[2].shape == (2, 2)
+
+
+def test_each_pass_reports_its_time_by_part():
+    engine = Engine(gpu_s=0.03, per_image_s=0.005)
+    seen = []
+    batcher = Batcher(engine, capacity_tokens=8, max_wait_s=0.02, max_queue=64, on_pass=seen.append)
+    run(batcher, [[item(4, "a"), item(4, "b")]])
+    (t,) = seen
+    assert isinstance(t, PassTimes) and (t.images, t.tokens, t.lane) == (2, 8, 0)
+    assert t.gpu >= 0.025 and t.fetch >= 0.009 and t.launch < 0.02 and t.queued >= 0.0
+    assert set(PassTimes.PARTS) <= set(vars(t))
+
+
+def test_a_cancelled_image_never_reaches_a_pass():
+    engine = Engine(gpu_s=0.1)
+    dropped = []
+    batcher = Batcher(engine, capacity_tokens=1, max_wait_s=0.0, max_queue=64, on_drop=dropped.append)
+
+    async def go():
+        futures = batcher.submit([item(1, i) for i in range(4)])
+        await asyncio.sleep(0.02)  # 0 is in its pass, 1 is launched behind it
+        futures[3].cancel()
+        return await asyncio.gather(*futures[:3])
+
+    outs = asyncio.run(go())
+    batcher.stop()
+    assert len(outs) == 3 and [d.item[2]["tag"] for d in dropped] == [3]
+    assert sorted(t for _, tags in engine.batches for t in tags) == [0, 1, 2]
+    assert batcher.depth == 0
+
+
+@pytest.mark.parametrize("shares", [True, False])
+def test_stop_finishes_what_is_queued(shares):
+    engine = Engine(gpu_s=0.01, shares_passes=shares)
+    batcher = Batcher(engine, capacity_tokens=4, max_wait_s=0.0, max_queue=64)
+
+    async def go():
+        futures = batcher.submit([item(2, i) for i in range(10)])
+        threading.Thread(target=batcher.stop).start()
+        return await asyncio.gather(*futures)
+
+    assert len(asyncio.run(go())) == 10
