@@ -702,6 +702,42 @@ def test_precaptured_graphs_replay_full_passes_on_their_first_call(official, rng
     assert captures == []
 
 
+def test_every_budget_precaptured_serves_passes_of_small_images_without_a_capture(official, rng):
+    """precapture(every_budget=True), as the service does: random passes of 64-169-token images (a service's
+    small images, many to a pass) find their graph ready on their first call, nothing captured and nothing
+    eager, bit-equal to an eager model's, with the arena's pixel rows poisoned first."""
+    from glmvit_cupy.engine.budgets import all_budgets
+
+    binding, _, _ = official
+    model = GlmVit(binding, capacity_tokens=8000)
+    eager = GlmVit(binding, capacity_tokens=8000, graphs=False)
+    assert model.precapture(1024, every_budget=True) == all_budgets(32000)
+    captured = len(model.runner.plans)
+    captures = []
+    real = model.runner._capture
+    model.runner._capture = lambda plan: (captures.append(plan.patches), real(plan))
+    try:
+        for _ in range(6):
+            sides = [(2 * int(rng.integers(8, 14)), 2 * int(rng.integers(8, 14))) for _ in range(int(rng.integers(2, 60)))]
+            grid = [[1, h, w] for h, w in sides]  # 256-676 patches: 64-169 tokens
+            while sum(h * w for _, h, w in grid) > 32000:
+                grid.pop()
+            if not grid:
+                continue
+            n = sum(h * w for _, h, w in grid)
+            plan = model.runner.plans.find(np.array(grid))
+            assert plan is not None and plan.graph is not None, grid
+            pv = rng.standard_normal((n, 1176), dtype=np.float32)
+            model.runner.arena()["pixels"].view(cupy.uint16).fill(0x7FC0)
+            got = f32(model.encode_pixels(pv, grid))
+            assert set(model.last_timing) == {"forward", "copy_out"}
+            assert np.array_equal(got, f32(eager.encode_pixels(pv, grid)))
+    finally:
+        model.runner._capture = real
+    assert captures == [] and len(model.runner.plans) == captured
+    print(f"every budget precaptured: {captured} graphs")
+
+
 def test_failed_graph_capture_falls_back_to_eager(official, monkeypatch, caplog):
     binding, _, _ = official
     m = GlmVit(binding, capacity_tokens=256)

@@ -32,21 +32,33 @@ def budget(patches: int, capacity_patches: int) -> int:
 
 # A budget's standard tile count holds every batch whose frames average at least this many patches
 # (256 tokens): one graph per (budget, variant) then serves them all, and can be captured before any
-# batch is seen (full_pass_budgets).
+# batch is seen (full_pass_budgets). Its small-frame count holds every batch whose frames average at
+# least SMALL_FRAME_PATCHES (64 tokens: the small images a service packs many to a pass), so the
+# graphs of such passes can be captured ahead too (tile_counts_ahead). Idle tiles cost a CTA that
+# returns at once: at 4,096 patches the small-frame count adds 8 of them per head.
 STANDARD_FRAME_PATCHES = 1024
+SMALL_FRAME_PATCHES = 256
 
 
-def standard_tiles(budget_patches: int, rows: int) -> int:
-    """The tile count of a budget whose frames average >= STANDARD_FRAME_PATCHES: S frames of P <= B
-    patches have at most ceil(B / rows) + S - 1 tiles of `rows` rows, and S <= B // 1024."""
-    return _ladder(-(-budget_patches // rows) + budget_patches // STANDARD_FRAME_PATCHES, 8)
+def standard_tiles(budget_patches: int, rows: int, frame_patches: int = STANDARD_FRAME_PATCHES) -> int:
+    """The tile count of a budget whose frames average >= frame_patches: S frames of P <= B patches have
+    at most ceil(B / rows) + S - 1 tiles of `rows` rows, and S <= B // frame_patches."""
+    return _ladder(-(-budget_patches // rows) + budget_patches // frame_patches, 8)
+
+
+def tile_counts_ahead(budget_patches: int, rows: int) -> list[int]:
+    """The tile counts of this budget known before any batch: the standard one, then the small-frame one."""
+    return sorted({standard_tiles(budget_patches, rows, f) for f in (STANDARD_FRAME_PATCHES, SMALL_FRAME_PATCHES)})
 
 
 def tile_count(real_tiles: int, budget_patches: int, rows: int) -> int:
     """Query tiles a plan's attention launches for `real_tiles` in this budget (the idle ones exit at
-    once): the budget's standard count, or past it (many small frames) _ladder's of the real tiles, so a
-    few counts serve every batch of a budget, with at most a quarter of them idle beyond the standard."""
-    return max(standard_tiles(budget_patches, rows), _ladder(real_tiles, 8))
+    once): the first of tile_counts_ahead that holds them, or past those (frames of fewer than 64
+    tokens on average) _ladder's of the real tiles, so a few counts serve every batch of a budget."""
+    for n in tile_counts_ahead(budget_patches, rows):
+        if real_tiles <= n:
+            return n
+    return _ladder(real_tiles, 8)
 
 
 def all_budgets(capacity_patches: int) -> list[int]:

@@ -141,18 +141,20 @@ class GlmVit:
         """Per GEMM shape of the forward: the cublasLt algorithm chosen at load, and why (gemm_tune.py)."""
         return self.runner.gemm_tuning
 
-    def precapture(self, max_image_tokens: int) -> list[int]:
+    def precapture(self, max_image_tokens: int, *, every_budget: bool = False) -> list[int]:
         """Capture now the CUDA graphs of the budgets that passes packed full of images of up to
         `max_image_tokens` tokens land in (those of >= runner.CAPTURE_ON_SECOND_CALL patches, which would
         otherwise run kernel by kernel on their first call and capture on their second), so that a
-        stream's first full passes replay. Returns the budgets (patches) whose graph is ready.
+        stream's first full passes replay. every_budget: also those of every smaller budget, for passes
+        of any images of >= 64 tokens on average (a service's: about 100 graphs at 8,000 tokens). Returns the budgets (patches) whose graphs are ready.
 
         Why at load: a forward's ~250 launches take 40 ms on an idle host but 200-430 ms while 16
         threads decode photos (docs/PERFORMANCE.md), and a stream's first passes run exactly then.
-        glmvit-encode, the server and Ray do this for their image limit; encode() does not (a library
-        call's shapes are not known ahead)."""
+        glmvit-encode, the server and Ray do this for their image limit (the server for every budget);
+        encode() does not (a library call's shapes are not known ahead)."""
         max_image_tokens = checks.check_positive("precapture: max_image_tokens", max_image_tokens)
-        return self.runner.precapture(self.geometry.merge_patches * min(max_image_tokens, self.capacity_tokens))
+        return self.runner.precapture(self.geometry.merge_patches * min(max_image_tokens, self.capacity_tokens),
+                                      every_budget=bool(every_budget))
 
     # -- encoding ---------------------------------------------------------------------------------
     def encode_pixels(self, pixel_values, grid_thw) -> cupy.ndarray:

@@ -10,10 +10,11 @@ attention's tiles cover only the P real rows, each within its own segment, so pa
 of any output.
 
 Plans are kept per (budget, attention variant, tile count) in a small LRU cache; evicting one frees
-its graph. The attention's grid is part of the graph, so its tile count is fixed per budget (enough
-for any batch whose frames average >= 1,024 patches; rounded up like the budget past that) and the
-surplus tiles are marked idle (segment -1: the kernels return at once). A budget's usual plan is thus
-known before any batch comes, and its graph can be captured at load (GlmVit.precapture).
+its graph. The attention's grid is part of the graph, so its tile count is fixed per plan: a budget's standard
+count (enough for any batch whose frames average >= 1,024 patches), its small-frame count (>= 256
+patches: small images many to a pass), or rounded up like the budget past those; the surplus tiles are
+marked idle (segment -1: the kernels return at once). A budget's usual plans are thus known before any
+batch comes, and their graphs can be captured at load (GlmVit.precapture).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from . import attention
 from .attention import Variant
-from .budgets import budget, meta, meta_offsets, standard_tiles, tile_count
+from .budgets import budget, meta, meta_offsets, standard_tiles, tile_count, tile_counts_ahead
 from .pools import HOST
 
 
@@ -98,6 +99,12 @@ class PlanCache:
         frame = min(image_patches, budget_patches)
         name = attention.pick_variant(self.variants, [frame] * (budget_patches // frame), self.heads, self.sms)
         return self._plan((budget_patches, name, standard_tiles(budget_patches, attention.VARIANTS[name].rows)))
+
+    def ahead(self, budget_patches: int) -> list[Plan]:
+        """The plans of this budget known before any batch (each variant's tile_counts_ahead), built if need
+        be, nothing uploaded: a service captures their graphs at load."""
+        return [self._plan((budget_patches, name, tiles)) for name in self.variants
+                for tiles in tile_counts_ahead(budget_patches, attention.VARIANTS[name].rows)]
 
     def _plan(self, key) -> Plan:
         """The plan of this key, built on first use; the least recently used dropped past `size`."""

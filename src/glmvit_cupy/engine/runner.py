@@ -20,7 +20,7 @@ from ..errors import GpuOutOfMemory
 from ..preprocessing.image import value_table
 from ..preprocessing.video import value_table as video_value_table
 from . import arena, gemm_tune, layers
-from .budgets import full_pass_budgets
+from .budgets import all_budgets, full_pass_budgets
 from .gemm import Handle
 from .params import Weights
 from .plans import PlanCache
@@ -35,7 +35,8 @@ log = logging.getLogger("glmvit_cupy")
 # host-bound when eager: their first call captures.
 CAPTURE_ON_SECOND_CALL = 16384
 
-MAX_PLANS = 48  # token budgets (by attention variant and tile count) whose CUDA graph stays cached
+MAX_PLANS = 48  # token budgets (by attention variant and tile count) whose CUDA graph stays cached, past
+                # those captured at load for every budget (Runner.precapture(every_budget=True))
 
 
 class Runner:
@@ -144,25 +145,34 @@ class Runner:
     def _may_capture(self, plan) -> bool:
         return self.graphs and self.blas.capturable and plan.graph is None and not plan.capture_failed
 
-    def precapture(self, image_patches: int) -> list[int]:
+    def precapture(self, image_patches: int, every_budget: bool = False) -> list[int]:
         """Capture now the graphs of the budgets that passes packed full of images of `image_patches`
         patches land in (those of >= CAPTURE_ON_SECOND_CALL patches: smaller ones capture on their first
-        call anyway), and load them onto the GPU. Returns the budgets whose graph is ready."""
+        call anyway), and load them onto the GPU. every_budget: also every budget of the capacity, each
+        variant at each tile count known ahead (PlanCache.ahead): the passes a service forms from
+        whatever images come, so that none of them captures while requests wait. Returns the budgets
+        whose graph is ready."""
         if not (self.graphs and self.blas.capturable):
             return []
         ready = []
         with self.lock, self.device, self.stream:
             self.arena()  # allocated outside the capture
-            for b in full_pass_budgets(self.capacity_patches, image_patches, CAPTURE_ON_SECOND_CALL):
-                # The forward reads every per-batch detail from the plan's device data: nothing to stage.
-                plan = self.plans.full_pass(b, image_patches)
-                if self._may_capture(plan):
-                    self._capture(plan)
-                    if plan.graph is not None:
-                        plan.graph.upload(self.stream)  # else its first launch would
-                if plan.graph is not None:
+            plans = [(b, [self.plans.full_pass(b, image_patches)])
+                     for b in full_pass_budgets(self.capacity_patches, image_patches, CAPTURE_ON_SECOND_CALL)]
+            if every_budget:
+                self.plans.size = float("inf")  # none of them is evicted while they are built
+                plans += [(b, self.plans.ahead(b)) for b in all_budgets(self.capacity_patches)]
+                self.plans.size = len(self.plans) + MAX_PLANS
+            # The forward reads every per-batch detail from the plan's device data: nothing to stage.
+            for b, group in plans:
+                for plan in group:
+                    if self._may_capture(plan):
+                        self._capture(plan)
+                        if plan.graph is not None:
+                            plan.graph.upload(self.stream)  # else its first launch would
+                if all(plan.graph is not None for plan in group) and b not in ready:
                     ready.append(b)
-        return ready
+        return sorted(ready)
 
     def _capture(self, plan) -> None:
         """The budget's forward as a CUDA graph; if capture fails, the budget runs eagerly from then on."""

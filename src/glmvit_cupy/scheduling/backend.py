@@ -20,9 +20,10 @@ import numpy as np
 
 class Backend:
     def __init__(self, binding, *, cpu: bool, devices: list[int] | None = None, capacity_tokens: int = 8000,
-                 image_tokens: int | None = None):
+                 image_tokens: int | None = None, every_budget: bool = False):
         """image_tokens: the most tokens an image will have; given, each replica captures at load the CUDA
-        graphs that passes packed full of such images replay (GlmVit.precapture)."""
+        graphs that passes packed full of such images replay (GlmVit.precapture); every_budget: those of
+        every budget too, for passes of whatever images come (the service)."""
         import ml_dtypes
 
         if cpu and devices:
@@ -71,7 +72,7 @@ class Backend:
                 # Replicas of one checkpoint and capacity capture the same budgets: every one captures,
                 # and any one's list names them.
                 for model in self._engine.models:
-                    self.graphs_ready = model.precapture(image_tokens)
+                    self.graphs_ready = model.precapture(image_tokens, every_budget=every_budget)
 
     def preparing(self, one):
         """A host preparer's function (batching.preparer's) as the prepare threads should run it for this

@@ -234,10 +234,10 @@ def main(argv=None) -> int:
                         max_video_pixels=args.max_video_pixels, max_pixels_in_flight=args.max_pixels_in_flight,
                         body_timeout=args.body_timeout, decode_workers=args.decode_workers,
                         vllm_ec_dir=args.vllm_ec_dir)
-    # Graphs for full passes of images at the default limit are captured at load (GlmVit.precapture
-    # clamps it to the capacity).
+    # Graphs for every pass the service can form from images of >= 64 tokens are captured at load
+    # (GlmVit.precapture(every_budget=True)): none is captured while requests wait.
     app = create_app(lambda: Backend(binding, cpu=args.cpu, devices=devices, capacity_tokens=args.capacity_tokens,
-                                     image_tokens=DEFAULT_MAX_IMAGE_TOKENS), settings)
+                                     image_tokens=DEFAULT_MAX_IMAGE_TOKENS, every_budget=True), settings)
     state = app.state.glmvit
 
     class Server(uvicorn.Server):
