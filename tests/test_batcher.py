@@ -94,11 +94,22 @@ def test_the_engine_thread_only_launches():
     assert sum(busy) < 0.1 * 0.002 * 40  # the engine thread's busy time holds none of the per-image work
 
 
-def test_at_most_ahead_passes_are_out_and_the_gpu_always_has_the_next():
+def test_at_most_ahead_passes_are_out():
+    """Full passes launch at once, even while one runs, but never more than `ahead` are out."""
     engine = Engine(gpu_s=0.02)
     batcher = Batcher(engine, capacity_tokens=2, max_wait_s=0.0, max_queue=256, ahead=2)
     run(batcher, [[item(2, i) for i in range(12)]])
-    assert engine.most_out == 2  # the next pass is launched while one runs, never a third
+    assert engine.most_out == 2
+
+
+def test_images_arriving_while_the_gpu_runs_share_the_next_pass():
+    """With the GPU idle an image waits at most max_wait (1 ms here) for company; while a pass runs (0.2 s),
+    the images that arrive gather into the next pass, launched when the running one ends: one pass, not
+    one each launched to queue behind it."""
+    engine = Engine(gpu_s=0.2)
+    batcher = Batcher(engine, capacity_tokens=100, max_wait_s=0.001, max_queue=256)
+    run(batcher, [[item(1, "first")]] + [[item(1, f"during{i}")] for i in range(5)], gap_s=0.02)
+    assert [tags for _, tags in engine.batches] == [["first"], [f"during{i}" for i in range(5)]]
 
 
 def test_passes_pack_up_to_capacity_and_close_when_the_next_does_not_fit():

@@ -116,6 +116,7 @@ class Batcher:
         self._waiting = 0   # images queued or collected into a batch that has not launched
         self._reserved = 0  # room held for images being decoded (reserve), not yet queued
         self._slots = [threading.Semaphore(ahead) for _ in range(backend.lanes)]
+        self._running = [0] * backend.lanes  # passes launched that the GPU has not ended (under the lock)
         self._done = [queue.SimpleQueue() for _ in range(backend.lanes)]
         self._threads = [threading.Thread(target=fn, args=(lane,), name=f"glmvit-{what}-{lane}", daemon=True)
                          for lane in range(backend.lanes)
@@ -216,7 +217,11 @@ class Batcher:
             del self._requests[request]
         return job
 
-    def _take_batch(self) -> list[Job] | None:
+    def _take_batch(self, lane: int) -> list[Job] | None:
+        """The next pass of `lane`: images in turn up to the capacity. With the lane's GPU idle it waits at most
+        max_wait from the oldest image's arrival for more; while the GPU still runs the lane's last pass, it
+        gathers until that pass ends (a pass launched sooner would only queue behind it, with fewer images:
+        large images lost a fifth of their rate so)."""
         with self._cv:
             while not self._requests and not self._stopping:
                 self._cv.wait()
@@ -233,9 +238,14 @@ class Batcher:
                     batch.append(job)
                     used += job.tokens
                     continue
-                left = deadline - time.perf_counter()
-                if self._requests or left <= 0 or self._stopping:
+                if self._requests or self._stopping:
                     break  # what waits does not fit: it opens the next pass
+                if self._running[lane]:
+                    self._cv.wait()  # woken by a new image or the GPU's end of the running pass
+                    continue
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
                 self._cv.wait(left)
             return batch
 
@@ -245,7 +255,7 @@ class Batcher:
         slots, done = self._slots[lane], self._done[lane]
         while True:
             slots.acquire()  # images arriving meanwhile join the next batch
-            batch = self._take_batch()
+            batch = self._take_batch(lane)
             if batch is None:
                 done.put(None)
                 return
@@ -271,6 +281,9 @@ class Batcher:
             if times is not None:
                 times.launch = busy
             self.on_busy(lane, busy)
+            if pending is not None:
+                with self._cv:
+                    self._running[lane] += 1
             done.put((batch, pending, error, times))
 
     def _complete(self, lane: int):
@@ -286,7 +299,12 @@ class Batcher:
             try:
                 if pending is not None:
                     t0 = time.perf_counter()
-                    pending.wait()
+                    try:
+                        pending.wait()
+                    finally:
+                        with self._cv:  # the GPU has ended it: the engine thread launches the next now
+                            self._running[lane] -= 1
+                            self._cv.notify_all()
                     t1 = time.perf_counter()
                     outs = pending.fetch()
                     if times is not None:

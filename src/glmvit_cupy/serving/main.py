@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--capacity-tokens", type=int, default=8000, help="tokens per forward pass (default 8000)")
     ap.add_argument("--max-wait-ms", type=float, default=5.0,
                     help="the longest an image waits, from its arrival, for others to share its forward pass "
-                    "(default 5)")
+                    "while the GPU is idle (default 5)")
     ap.add_argument("--cache-mib", type=float, default=1024.0,
                     help="memory for finished embeddings, by content hash (default 1024; 0: no cache)")
     ap.add_argument("--max-queue", type=int, default=256,
