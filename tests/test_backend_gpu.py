@@ -19,7 +19,7 @@ cupy = gpu_or_skip()
 from tests.golden import cases  # noqa: E402
 
 from glmvit_cupy import GlmVit, bind_tower  # noqa: E402
-from glmvit_cupy.preprocessing.image import REFERENCE, prepare_canvas  # noqa: E402
+from glmvit_cupy.preprocessing.image import prepare_canvas  # noqa: E402
 from glmvit_cupy.scheduling.backend import Backend  # noqa: E402
 from glmvit_cupy.serving.batcher import Batcher  # noqa: E402
 from glmvit_cupy.engine.uploads import Uploaded  # noqa: E402
@@ -46,7 +46,7 @@ def test_served_passes_equal_encoding_each_image_alone(rng, replicas):
 
     def prepare(blob, i):  # as the service's decoding threads do
         item = backend.ahead(prepare_canvas(io.BytesIO(blob), i, max_image_tokens=120, resize=backend.resize,
-                                            patching=REFERENCE))
+                                            patching=backend.patching()))
         decoded_on.add(type(item[0]))
         return item
 
@@ -78,7 +78,8 @@ def test_a_pass_fetched_on_another_thread_while_the_next_runs():
     backend = Backend(bind_tower(cases.TOWER_DIR), cpu=False, capacity_tokens=300)
     rng = np.random.default_rng(5)
     blobs = pngs(rng, 6)
-    items = [backend.ahead(prepare_canvas(io.BytesIO(b), i, max_image_tokens=120, resize=backend.resize))
+    items = [backend.ahead(prepare_canvas(io.BytesIO(b), i, max_image_tokens=120, resize=backend.resize,
+                                          patching=backend.patching()))
              for i, b in enumerate(blobs)]
     first, second = backend.launch_on(0, items[:3]), backend.launch_on(0, items[3:])
     got = {}

@@ -399,13 +399,13 @@ class Decoders:
 
     def _dispatch(self, loop) -> None:
         while self.busy < self.workers and self._waiting:
-            for token, queue in self._waiting.items():  # in turn
-                if not queue[0].large or self.busy_large < self.large_slots:
+            for token, jobs in self._waiting.items():  # in turn
+                if not jobs[0].large or self.busy_large < self.large_slots:
                     break
             else:
                 return  # only large jobs wait, and the threads they may hold are busy
-            job = queue.popleft()
-            if queue:
+            job = jobs.popleft()
+            if jobs:
                 self._waiting.move_to_end(token)
             else:
                 del self._waiting[token]
