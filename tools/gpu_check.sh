@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine proves, in one call: the GPU test suite, the parity check against
 # HF transformers 5.23.0 and the benchmarks. Short table last; full logs under $OUT.
-#   tools/gpu_check.sh [tests|parity|bench|e2e|video|before|all]...   (default: all)
+#   tools/gpu_check.sh [tests|parity|bench|e2e|video|serve|before|all]...   (default: all)
 # before: the encoder benchmark (ours only) of an older tree unpacked in .old/ (git archive COMMIT setup.cfg src
 # cuda benchmarks examples/grace_hopper.jpg | tar -x -C .old), then of this tree, in the same run.
 set -uo pipefail
@@ -35,6 +35,10 @@ case " $what " in *" before "*)
 case " $what " in *" all "*|*" parity "*) run parity python3 benchmarks/parity.py ;; esac
 case " $what " in *" all "*|*" e2e "*) run bench_e2e python3 benchmarks/bench_e2e.py ;; esac
 case " $what " in *" all "*|*" video "*) run bench_video python3 benchmarks/bench_video.py ;; esac
+case " $what " in *" all "*|*" serve "*)  # needs the serve extra's wheels carried in .whl
+    run bench_serve python3 benchmarks/bench_serve.py
+    run bench_serve_small python3 benchmarks/bench_serve.py --small --requests 480
+;; esac
 case " $what " in *" all "*|*" bench "*)
     run bench_kernels python3 benchmarks/bench_kernels.py
     run bench_encoder python3 benchmarks/bench_encoder.py ${BENCH_ARGS:-}  # e.g. BENCH_ARGS=--no-compiled
