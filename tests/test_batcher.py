@@ -119,60 +119,91 @@ def test_passes_pack_up_to_capacity_and_close_when_the_next_does_not_fit():
     assert [tags for _, tags in engine.batches] == [["a", "b"], ["c", "d"]]
 
 
+def gated(engine):
+    """engine.launch_on made to wait for gate.release() once per pass; `entered` counts the launches begun."""
+    gate, entered, launch = threading.Semaphore(0), [], engine.launch_on
+
+    def launch_on(lane, items):
+        entered.append(items[0][2]["tag"])
+        gate.acquire()
+        return launch(lane, items)
+
+    engine.launch_on = launch_on
+    return gate, entered
+
+
+async def until(cond):
+    while not cond():
+        await asyncio.sleep(0.001)
+
+
 def test_requests_take_turns():
-    """A request of six images queued first, then two one-image requests while its first pass runs: each of
-    those is in the next pass, not after the six (one image a pass where passes share nothing)."""
-    engine = Engine(gpu_s=0.0, shares_passes=False)
-    started = threading.Event()
-    launch = engine.launch_on
-
-    def slow_launch(lane, items):  # the CPU reference computes while launching
-        started.set()
-        time.sleep(0.1)
-        return launch(lane, items)
-
-    engine.launch_on = slow_launch
-    batcher = Batcher(engine, capacity_tokens=100, max_wait_s=0.0, max_queue=256)
-
-    async def go():
-        big = batcher.submit([item(4, f"big{i}") for i in range(6)])
-        while not started.is_set():
-            await asyncio.sleep(0.001)
-        small = [batcher.submit([item(1, f"small{i}")]) for i in range(2)]
-        await asyncio.gather(*big, *[f for s in small for f in s])
-
-    asyncio.run(go())
-    batcher.stop()
-    order = [tags[0] for _, tags in engine.batches]
-    assert all(len(tags) == 1 for _, tags in engine.batches)
-    assert order[:4] == ["big0", "small0", "small1", "big1"], order
-
-
-def test_a_long_request_still_moves_every_round():
-    """Requests arriving one after another never hold back a long request for more than a round."""
+    """A request of six images, then two one-image requests while its first pass runs: round robin serves
+    the long request's next image, then each short one, then the long one again (FIFO would serve all six
+    first)."""
     engine = Engine(shares_passes=False)
-    gate = threading.Event()
-    launch = engine.launch_on
-
-    def gated(lane, items):
-        gate.wait()
-        return launch(lane, items)
-
-    engine.launch_on = gated
+    gate, entered = gated(engine)
     batcher = Batcher(engine, capacity_tokens=100, max_wait_s=0.0, max_queue=256)
 
     async def go():
-        futures = batcher.submit([item(1, f"long{i}") for i in range(3)])
-        for i in range(6):
-            futures += batcher.submit([item(1, f"one{i}")])
-        gate.set()
+        futures = batcher.submit([item(4, f"big{i}") for i in range(6)])
+        await until(lambda: entered)
+        futures += [f for i in range(2) for f in batcher.submit([item(1, f"small{i}")])]
+        for _ in range(8):
+            gate.release()
         await asyncio.gather(*futures)
 
     asyncio.run(go())
     batcher.stop()
     order = [tags[0] for _, tags in engine.batches]
-    # long0 is taken before the others arrive; long1 comes after one round of the six, long2 is last
-    assert order.index("long1") == 7 and order[-1] == "long2", order
+    assert all(len(tags) == 1 for _, tags in engine.batches)
+    assert order[:5] == ["big0", "big1", "small0", "small1", "big2"], order
+
+
+def test_a_flood_of_short_requests_never_starves_a_long_one():
+    """A new one-image request before every pass (as many arrive as are served): the long request still
+    gets an image every round, so all six are through while the flood goes on."""
+    engine = Engine(shares_passes=False)
+    gate, entered = gated(engine)
+    batcher = Batcher(engine, capacity_tokens=100, max_wait_s=0.0, max_queue=256)
+
+    async def go():
+        long = batcher.submit([item(4, f"long{i}") for i in range(6)])
+        short = []
+        for i in range(60):
+            await until(lambda: len(entered) > i)  # pass i is being launched
+            short += batcher.submit([item(1, f"short{i}")])
+            gate.release()
+        for _ in range(100):
+            gate.release()
+        await asyncio.gather(*long, *short)
+
+    asyncio.run(go())
+    batcher.stop()
+    order = [tags[0] for _, tags in engine.batches]
+    assert order.index("long5") < 60, order  # launched before the flood's last pass
+
+
+def test_an_image_another_request_joins_leaves_its_long_request():
+    """A one-image request joining (expedite) the queued job of the last image of a long request is served as
+    a request of its own, not after the long request's other images; the head of a request stays."""
+    engine = Engine(shares_passes=False)
+    gate, entered = gated(engine)
+    batcher = Batcher(engine, capacity_tokens=100, max_wait_s=0.0, max_queue=256)
+
+    async def go():
+        long = batcher.submit([item(4, f"long{i}") for i in range(6)])
+        await until(lambda: entered)
+        batcher.expedite(long[5])
+        batcher.expedite(long[1])  # the long request's next: stays where it is
+        for _ in range(8):
+            gate.release()
+        await asyncio.gather(*long)
+
+    asyncio.run(go())
+    batcher.stop()
+    order = [tags[0] for _, tags in engine.batches]
+    assert order[:3] == ["long0", "long1", "long5"], order
 
 
 def test_one_lane_per_replica():

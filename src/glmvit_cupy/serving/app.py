@@ -236,9 +236,13 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         return f
 
     def join(key) -> Flight | None:
+        """The flight encoding this content for another request, now shared with this one: its queued job
+        then waits in the line as a request of its own (Batcher.expedite), not in the other's turns."""
         f = flights.get(key)
         if f is not None:
             f.refs += 1
+            if f.job is not None and not f.job.done():
+                state["batcher"].expedite(f.job)
         return f
 
     def abandon(f: Flight) -> None:
@@ -263,6 +267,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         group's order, each cached and counted by on_encoded(flight, embedding)."""
         for f in group:
             f.group, f.job = group, job
+        if any(f.refs > 1 for f in group):  # joined while it was decoded
+            state["batcher"].expedite(job)
 
         def settle(job):
             for f in group:

@@ -3,9 +3,9 @@ work before them: the queue's room, the pixels in flight, and the decoding threa
 
 Requests put prepared images (image, grid, info) into one bounded queue and await a future per image. Each
 replica (lane) has two threads. Its engine thread only packs and launches: it takes images from the
-waiting requests in turn (a round takes one image of each request, and a request that arrives joins
-the current round: a request of many large images never holds the lane from a one-image request behind it
-for more than one image), waits at most `max_wait` from the oldest image's
+waiting requests in turn (round robin: the request served goes to the back of the line, where new
+requests join it, so a one-image request waits for at most one image of each request ahead of it, and a
+long request still moves an image a round however many short ones arrive), waits at most `max_wait` from the oldest image's
 arrival for company while the pass has room, and hands the launched pass (backend.launch_on) to the
 lane's completion thread, which waits for the GPU, copies the embeddings back (pending.fetch) and
 resolves the futures on the event loop. At most `ahead` passes of a lane are launched and not yet copied
@@ -80,14 +80,6 @@ class PassTimes:
     PARTS = ("queued", "launch", "gpu", "fetch", "resolve")
 
 
-@dataclass(eq=False)
-class _Line:
-    """A request's jobs waiting in the queue, and its place in the turns: the round it is in, its arrival."""
-    jobs: collections.deque
-    turn: int
-    seq: int
-
-
 class _Done:
     """A pass whose values are known at launch (a task's, or a backend that computes while launching)."""
 
@@ -109,8 +101,7 @@ class Batcher:
         self.on_pass = on_pass or (lambda times: None)            # PassTimes of each image pass (completion thread)
         self.on_drop = on_drop or (lambda job: None)              # a job dropped before its pass (from any thread)
         self.on_busy = on_busy or (lambda lane, seconds: None)    # an engine thread's work: a launch, a task
-        self._requests: dict = {}  # request -> _Line: its jobs not yet taken
-        self._round = self._seq = 0
+        self._requests: collections.OrderedDict = collections.OrderedDict()  # request -> its jobs not yet taken, in line
         self._cv = threading.Condition()
         self._stopping = False
         self._waiting = 0   # images queued or collected into a batch that has not launched
@@ -171,8 +162,7 @@ class Batcher:
             else:
                 self._check_room(len(work), what)
             jobs = [Job(item, loop.create_future(), loop, request, task=task) for item, task in work]
-            self._seq += 1
-            self._requests[request] = _Line(collections.deque(jobs), self._round, self._seq)
+            self._requests[request] = collections.deque(jobs)
             self._waiting += len(jobs)
             self._cv.notify_all()
         for job in jobs:
@@ -185,37 +175,50 @@ class Batcher:
         if not future.cancelled():
             return
         with self._cv:
-            line = self._requests.get(job.request)
-            if line is None or job not in line.jobs:  # taken by an engine thread: dropped there unless launched
+            jobs = self._requests.get(job.request)
+            if jobs is None or job not in jobs:  # taken by an engine thread: dropped there unless launched
                 job.dropped = True
                 return
-            line.jobs.remove(job)
-            if not line.jobs:
+            jobs.remove(job)
+            if not jobs:
                 del self._requests[job.request]
             self._waiting -= 1
         self.on_drop(job)
 
     def _pop(self, room: float | None) -> Job | None:
-        """The next job in turn (room None), or the next whose head is an image of at most `room` tokens. Turns
-        go in rounds: a request takes one job a round, and one that arrives joins the round being served,
-        after those already in it; so a new request waits for at most one job of each other request, and
-        a long one still moves a job every round. Under the lock."""
-        best = None
-        for request, line in self._requests.items():
-            head = line.jobs[0]
+        """The head job of the first request in line (room None), or of the first whose head is an image of at
+        most `room` tokens; that request goes to the back of the line, where requests that arrive join it.
+        So every request waiting gets a job before any gets a second: a new request waits for at most one
+        job of each request ahead of it, and a long one moves a job a round however many arrive. Under the
+        lock."""
+        for request, jobs in self._requests.items():
+            head = jobs[0]
             if room is not None and (head.task is not None or head.tokens > room):
                 continue
-            if best is None or (line.turn, line.seq) < (best[1].turn, best[1].seq):
-                best = (request, line)
-        if best is None:
-            return None
-        request, line = best
-        job = line.jobs.popleft()
-        self._round = line.turn
-        line.turn += 1
-        if not line.jobs:
-            del self._requests[request]
-        return job
+            jobs.popleft()
+            if jobs:
+                self._requests.move_to_end(request)
+            else:
+                del self._requests[request]
+            return head
+        return None
+
+    def expedite(self, future: asyncio.Future) -> None:
+        """Another request waits for this queued job's value too (the same image): unless it is next of its
+        request, the job leaves that request and queues at the back of the line as a request of its own, so
+        the newcomer waits for it as for a new request, not for every job ahead of it in a long request.
+        Nothing if it is already taken."""
+        with self._cv:
+            for jobs in self._requests.values():
+                job = next((j for j in jobs if j.future is future), None)
+                if job is None:
+                    continue
+                if job is jobs[0]:
+                    return  # its request's next: no later than a request of its own would be
+                jobs.remove(job)
+                job.request = object()
+                self._requests[job.request] = collections.deque([job])
+                return
 
     def _take_batch(self, lane: int) -> list[Job] | None:
         """The next pass of `lane`: images in turn up to the capacity. With the lane's GPU idle it waits at most
