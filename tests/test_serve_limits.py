@@ -71,7 +71,7 @@ def server():
     proc, client = launch("--max-queue", 8, "--max-pixels", 16_000_000, "--max-pixels-in-flight", 20_000_000,
                           "--max-wait-ms", 400,
                           "--decode-workers", 2, "--header-timeout", 1, "--body-timeout", 1, "--max-connections", 16,
-                          "--cache-mib", 16)
+                          "--cache-mib", 16, "--max-reply-mib", 1)
     yield proc, client
     stop(proc)
 
@@ -493,6 +493,40 @@ def test_an_image_sent_five_times_is_one_encode_and_four_served_from_it(server):
     assert metric(client, 'glmvit_images_total{outcome="shared"}') == shared + 4
     tensors = load(raw)
     assert all(np.array_equal(tensors[str(i)].view(np.uint16), tensors["0"].view(np.uint16)) for i in range(5))
+
+
+def test_a_reply_over_the_limit_is_413_before_it_is_made(server):
+    """A 1x1 PNG sent three times at 1,024 tokens: one encode, but a reply of 1.5 MiB (three 512 KiB
+    embeddings) against --max-reply-mib 1: 413 naming the flag, and nothing of the reply is built."""
+    _, client = server
+    tiny = b64(png(1, 1, 420))
+    encoded = metric(client, 'glmvit_images_total{outcome="encoded"}')
+    status, err = post(client, json.dumps({"images": [tiny] * 3, "min_image_tokens": 1024,
+                                           "max_image_tokens": 1024}).encode())
+    assert status == 413 and "1.5 MiB of embeddings for 3 images" in err["error"] and "--max-reply-mib" in err["error"]
+    assert metric(client, 'glmvit_images_total{outcome="encoded"}') == encoded + 1
+    status, _ = post(client, json.dumps({"images": [tiny], "min_image_tokens": 1024, "max_image_tokens": 1024}).encode())
+    assert status == 200  # one of them fits
+
+
+def test_base64_decoded_piece_by_piece_equals_decoding_at_once(rng):
+    """requests.b64decode works a MiB of text at a time (so the event loop's thread gets the interpreter
+    between pieces): the same bytes as base64's one call for texts across piece boundaries in every form
+    clients send, and an error for a bad character or length wherever it is."""
+    import binascii
+
+    from glmvit_cupy.serving import requests
+
+    piece = requests._PIECE
+    for n in (0, 1, 2, 3, piece * 3 // 4 - 1, piece * 3 // 4, piece * 3 // 4 + 1, 3 * piece // 2 + 7):
+        raw = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        for text in (base64.b64encode(raw).decode(), base64.urlsafe_b64encode(raw).decode(),
+                     base64.encodebytes(raw).decode(), "data:image/png;base64," + base64.b64encode(raw).decode()):
+            assert requests.b64decode(text) == raw
+    text = base64.b64encode(rng.integers(0, 256, 2 * piece, dtype=np.uint8).tobytes()).decode()
+    for bad in (text[:-1], text[:piece + 5] + "*" + text[piece + 6:], "*" + text[1:]):
+        with pytest.raises((binascii.Error, ValueError)):
+            requests.b64decode(bad)
 
 
 def test_the_cache_counts_what_its_entries_hold():

@@ -74,6 +74,7 @@ class Settings:
     max_queue: int = 256            # images waiting for a forward pass
     max_body_mib: float = 256.0
     max_image_mib: float = 64.0
+    max_reply_mib: float = 1024.0   # one request's embeddings, repeats included
     max_pixels: int | None = None   # one image's pixels (None: Pillow's MAX_IMAGE_PIXELS)
     max_video_pixels: int = 2**32   # a video's sampled frames' pixels together (decoding stops short of more)
     max_pixels_in_flight: int = 2**28  # pixels of images and videos admitted and not yet through their passes
@@ -374,10 +375,34 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 raise Refused(500, f"the embeddings were computed, but writing them to the vLLM encoder cache "
                                    f"{settings.vllm_ec_dir} failed: {e}") from None
 
+    async def reply(out: dict, what: str, meta: list) -> Response:
+        """The embeddings as one safetensors file, made on a thread (512 MiB take 2.5 s on a 2-core machine);
+        a reply over --max-reply-mib is refused (413) before it is made: a small request repeating one
+        image at a large token count would otherwise make a reply thousands of times its size."""
+        size = sum(a.nbytes for a in out.values())
+        if size > settings.max_reply_mib * 2**20:
+            raise Refused(413, f"the reply would hold {size / 2**20:,.1f} MiB of embeddings for {len(out)} {what}, over "
+                               f"the server's limit of {settings.max_reply_mib:g} MiB a reply (--max-reply-mib): send "
+                               f"fewer {what} a request, or a lower max_image_tokens")
+        from safetensors.numpy import save
+
+        body = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: save(out, metadata={what: json.dumps(meta)}))
+        return Response(body, media_type="application/octet-stream")
+
     # -- images ------------------------------------------------------------------------------------------
 
     async def _encode(request):
-        images, lo, hi = parse_images(await json_body(request), settings.capacity_tokens)
+        body = await json_body(request)
+        # Parsing and base64 take 2.2 s for a 320 MiB body on a 2-core machine: on a thread, the event loop
+        # keeps answering other requests (and /health) meanwhile.
+        blobs, shas, lo, hi = await asyncio.get_running_loop().run_in_executor(None, read_images, body)
+        del body
+        return await unless_gone(request, encode_images(blobs, shas, lo, hi))
+
+    def read_images(body: bytes):
+        """(image files, their sha256, min and max tokens) of a request body, or Refused; on a thread."""
+        images, lo, hi = parse_images(body, settings.capacity_tokens)
         if len(images) > settings.max_queue:  # counted before anything is decoded
             raise Refused(413, f"this request has {len(images)} images, more than the server's queue ever holds "
                                f"({settings.max_queue}, --max-queue): send at most {settings.max_queue} a request")
@@ -391,11 +416,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 raise Refused(413, f"images[{i}] is {len(data)} bytes, over the {settings.max_image_mib:g} MiB limit "
                                    "per image (--max-image-mib)", i)
             blobs.append(data)
-        del images
-        return await unless_gone(request, encode_images(blobs, lo, hi))
+        return blobs, [vllm_ec.key_of(d) for d in blobs], lo, hi
 
-    async def encode_images(blobs, lo, hi):
-        shas = [vllm_ec.key_of(d) for d in blobs]
+    async def encode_images(blobs, shas, lo, hi):
         keys = [(sha, lo, hi, settings.checkpoint) for sha in shas]
         first = {}
         for i, k in enumerate(keys):
@@ -456,9 +479,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             meta.append({"sha256": shas[i], "grid_thw": list(grid), "tokens": int(emb.shape[0]),
                          "cached": outcome != "encoded"})
         await hand_to_vllm(shas, out)
-        from safetensors.numpy import save
-
-        return Response(save(out, metadata={"images": json.dumps(meta)}), media_type="application/octet-stream")
+        return await reply(out, "images", meta)
 
     # -- videos ------------------------------------------------------------------------------------------
 
@@ -539,9 +560,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             out[str(i)] = emb
             meta.append({"key": k, **m, "cached": outcome != "encoded"})
         await hand_to_vllm(keys, out)
-        from safetensors.numpy import save
-
-        return Response(save(out, metadata={"videos": json.dumps(meta)}), media_type="application/octet-stream")
+        return await reply(out, "videos", meta)
 
     routes = [Route("/health", health), Route("/metrics", metrics_text),
               Route("/v1/encode", endpoint(_encode), methods=["POST"]),

@@ -42,6 +42,8 @@ def parser() -> argparse.ArgumentParser:
                          "one that does not fit the room left 429")
     ap.add_argument("--max-body-mib", type=float, default=256.0, help="largest request body (default 256)")
     ap.add_argument("--max-image-mib", type=float, default=64.0, help="largest image file (default 64)")
+    ap.add_argument("--max-reply-mib", type=float, default=1024.0,
+                    help="largest reply: the embeddings of one request, repeats included (default 1024); more: 413")
     ap.add_argument("--max-pixels", type=int, default=None,
                     help="largest image to decode, in pixels, read from its header (default: Pillow's guard, "
                          "89,478,485); more: 422")
@@ -93,6 +95,7 @@ def check_settings(args) -> str | None:
         if not (math.isfinite(value) and value >= least):
             return f"{flag} {value:g} must be a finite number of at least {least:g}"
     for flag, value in (("--max-body-mib", args.max_body_mib), ("--max-image-mib", args.max_image_mib),
+                        ("--max-reply-mib", args.max_reply_mib),
                         ("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
                         ("--drain-timeout", args.drain_timeout)):
         if not (math.isfinite(value) and value > 0):
@@ -230,7 +233,8 @@ def main(argv=None) -> int:
         return 2
     settings = Settings(checkpoint=os.path.abspath(binding.path), capacity_tokens=args.capacity_tokens,
                         max_wait_ms=args.max_wait_ms, cache_mib=args.cache_mib, max_queue=args.max_queue,
-                        max_body_mib=args.max_body_mib, max_image_mib=args.max_image_mib, max_pixels=args.max_pixels,
+                        max_body_mib=args.max_body_mib, max_image_mib=args.max_image_mib,
+                        max_reply_mib=args.max_reply_mib, max_pixels=args.max_pixels,
                         max_video_pixels=args.max_video_pixels, max_pixels_in_flight=args.max_pixels_in_flight,
                         body_timeout=args.body_timeout, decode_workers=args.decode_workers,
                         vllm_ec_dir=args.vllm_ec_dir)
