@@ -452,6 +452,41 @@ def test_sigterm_drains_with_503_then_exits_saying_so():
         stop(proc)
 
 
+def test_corrupt_exif_in_a_clients_image_never_reaches_the_log():
+    """Pillow warns about a JPEG's corrupt EXIF on every decode of it; a client sending such images would fill
+    the server's log with those lines. The image is encoded and nothing is logged."""
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(buf, format="JPEG",
+                                                          exif=b"Exif\x00\x00II*\x00\x08\x00\x00\x00\x05\x00")
+    proc, client = launch("--cache-mib", 0)
+    try:
+        for _ in range(3):
+            assert post(client, json.dumps({"images": [b64(buf.getvalue())]}).encode())[0] == 200
+    finally:
+        stop(proc)
+    out = proc.stdout.read()
+    assert "Corrupt EXIF" not in out and "Warning" not in out, out
+
+
+def test_a_second_sigterm_stops_at_once_without_a_traceback():
+    """SIGTERM, then SIGTERM again while a request's 1.5 s pass runs: the process stops at once, as
+    documented, logging why, with no traceback (the lifespan's wait for the passes was cancelled)."""
+    proc, client = launch(prelude=slow(1.5))
+    try:
+        t = threading.Thread(target=lambda: post(client, json.dumps({"images": [b64(png(64, 64, 430))]}).encode()),
+                             daemon=True)
+        t.start()
+        time.sleep(0.4)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        out = proc.stdout.read()
+        assert "SIGTERM while stopping: stopping now" in out and "Traceback" not in out, out
+    finally:
+        stop(proc)
+
+
 def test_a_model_that_fails_to_load_is_logged_and_the_process_exits_1(tmp_path):
     import dataclasses
 

@@ -147,9 +147,13 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         threading.Thread(target=load, name="glmvit-load", daemon=True).start()
         yield
         state["status"] = "stopping"
-        if state["batcher"] is not None:
-            await asyncio.get_running_loop().run_in_executor(None, state["batcher"].stop, 10.0)
-        decoders.shutdown()
+        try:
+            if state["batcher"] is not None:
+                await asyncio.get_running_loop().run_in_executor(None, state["batcher"].stop, 10.0)
+        except asyncio.CancelledError:  # a second signal: stop now, without waiting for the passes to end
+            pass
+        finally:
+            decoders.shutdown()
 
     def not_ready() -> str:
         why = {"loading": "the model is still loading", "stopping": "the server is shutting down"}
@@ -576,7 +580,31 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     app.state.glmvit = state
     app.state.metrics = metrics
     app.state.pixels = budget
-    return app
+    return _QuietForcedExit(app)
+
+
+class _QuietForcedExit:
+    """The app, whose lifespan ends quietly when a second signal stops the server at once: uvicorn's forced
+    exit never sends the lifespan's shutdown and cancels it instead, which Starlette reports as a failed
+    shutdown with a CancelledError traceback, though nothing failed."""
+
+    def __init__(self, app):
+        self.app, self.state = app, app.state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def quiet(message):
+            if message["type"] == "lifespan.shutdown.failed" and \
+                    message.get("message", "").rstrip().endswith("CancelledError"):
+                return
+            await send(message)
+
+        try:
+            await self.app(scope, receive, quiet)
+        except asyncio.CancelledError:
+            pass
 
 
 async def _disconnected(receive) -> None:

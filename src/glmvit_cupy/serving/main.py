@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 
 MAX_CONNECTIONS = 512
 BACKLOG = 2048  # connections the kernel holds for accepting (uvicorn's default)
@@ -276,6 +277,9 @@ def main(argv=None) -> int:
                     self.should_exit = True
             return await super().on_tick(counter)
 
+    # Pillow warns about corrupt EXIF or metadata in a client's image (UserWarning, a new line per request):
+    # a client could fill the log with them. The image is decoded or refused (422) either way.
+    warnings.filterwarnings("ignore", module=r"PIL\.")
     print(f"glmvit-serve: {binding.path} on http://{args.host}:{args.port} "
           f"({'cpu, float32 reference' if args.cpu else 'gpu'}; /health says when it is loaded)", flush=True)
     # timeout_graceful_shutdown: once drained, the connections left have their answers; what has not ended
