@@ -377,6 +377,8 @@ def test_devices_with_cpu_is_refused_before_loading(capsys):
     (["--header-timeout", "0"], "--header-timeout 0 must be a finite number above 0"),
     (["--body-timeout", "inf"], "--body-timeout inf must be a finite number above 0"),
     (["--drain-timeout", "-1"], "--drain-timeout -1 must be a finite number above 0"),
+    (["--reply-timeout", "0"], "--reply-timeout 0 must be a finite number above 0"),
+    (["--max-reply-mib", "nan"], "--max-reply-mib nan must be a finite number above 0"),
 ])
 def test_bad_settings_are_refused_at_start_not_per_request(capsys, flags, says):
     """An operator's bad flag stops the server before it loads, with exit code 2 and the reason (not a 422

@@ -468,6 +468,36 @@ def test_corrupt_exif_in_a_clients_image_never_reaches_the_log():
     assert "Corrupt EXIF" not in out and "Warning" not in out, out
 
 
+def test_a_reply_left_unread_is_cut_off_and_let_go():
+    """A client that sends a request for a 16 MiB reply (32 repeats of one image at 1,024 tokens) and never
+    reads it: after --reply-timeout 1 with the server's send buffer full, the server closes the connection
+    (logging it) and lets the reply go; the client gets less than the reply. Its other clients are served."""
+    proc, client = launch("--reply-timeout", 1, "--cache-mib", 0)
+    try:
+        body = json.dumps({"images": [b64(png(1, 1, 431))] * 32, "min_image_tokens": 1024,
+                           "max_image_tokens": 1024}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", int(client.url.rsplit(":", 1)[1])))
+        s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(4)  # the reply is made, fills the buffers and stays unread past the timeout
+        assert client.encode([png(40, 40, 432)])[0][0].shape[0] == 16
+        got = 0
+        s.settimeout(10)
+        try:
+            while chunk := s.recv(1 << 20):
+                got += len(chunk)
+        except ConnectionResetError:
+            pass
+        s.close()
+        assert got < 16 << 20
+    finally:
+        stop(proc)
+    out = proc.stdout.read()
+    assert "left its reply unread for 1 s (--reply-timeout): connection closed" in out, out
+
+
 def test_a_second_sigterm_stops_at_once_without_a_traceback():
     """SIGTERM, then SIGTERM again while a request's 1.5 s pass runs: the process stops at once, as
     documented, logging why, with no traceback (the lifespan's wait for the passes was cancelled)."""

@@ -63,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
                          "(default 10)")
     ap.add_argument("--body-timeout", type=float, default=60.0,
                     help="seconds a request's body may take to arrive after its headers; then 408 (default 60)")
+    ap.add_argument("--reply-timeout", type=float, default=60.0,
+                    help="seconds a client may leave its reply unread (the server's send buffer full); then the "
+                         "connection closes and the reply's memory is let go (default 60)")
     ap.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds to wait for requests in flight before closing their connections "
                          "(default 30)")
@@ -98,6 +101,7 @@ def check_settings(args) -> str | None:
     for flag, value in (("--max-body-mib", args.max_body_mib), ("--max-image-mib", args.max_image_mib),
                         ("--max-reply-mib", args.max_reply_mib),
                         ("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
+                        ("--reply-timeout", args.reply_timeout),
                         ("--drain-timeout", args.drain_timeout)):
         if not (math.isfinite(value) and value > 0):
             return f"{flag} {value:g} must be a finite number above 0"
@@ -134,9 +138,13 @@ def log(message: str) -> None:
     print(f"glmvit-serve: {message}", file=sys.stderr, flush=True)
 
 
-def protocol(max_connections: int, header_timeout: float, metrics):
-    """uvicorn's h11 protocol with a cap on connections (one over it is answered 503 and closed at once) and a
-    deadline for each request's headers (408 and closed: uvicorn itself waits for them without end)."""
+def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout: float = 60.0):
+    """uvicorn's h11 protocol with a cap on connections (one over it is answered 503 and closed at once), a
+    deadline for each request's headers (408 and closed: uvicorn itself waits for them without end), and
+    one for a reply the client does not read: while the transport's buffer stays over its high-water mark
+    (writing paused) for reply_timeout seconds, the connection is aborted, which lets the buffered reply
+    go (a client that never reads would otherwise hold it, up to --max-reply-mib, for as long as it
+    stays connected)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     def raw(status: str, error: str) -> bytes:
@@ -148,6 +156,7 @@ def protocol(max_connections: int, header_timeout: float, metrics):
         refused = False
         headers_timer = None
         timed_cycle = None
+        reply_timer = None
 
         def connection_made(self, transport):
             if len(self.connections) >= max_connections:
@@ -164,6 +173,7 @@ def protocol(max_connections: int, header_timeout: float, metrics):
             if self.refused:
                 return
             self._disarm()
+            self._unarm_reply()
             super().connection_lost(exc)
             metrics.connections.set(len(self.connections))
 
@@ -182,6 +192,26 @@ def protocol(max_connections: int, header_timeout: float, metrics):
             if self.headers_timer is not None:
                 self.headers_timer.cancel()
                 self.headers_timer = None
+
+        def pause_writing(self):
+            super().pause_writing()
+            if self.reply_timer is None:
+                self.reply_timer = self.loop.call_later(reply_timeout, self._reply_unread)
+
+        def resume_writing(self):
+            super().resume_writing()
+            self._unarm_reply()
+
+        def _unarm_reply(self):
+            if self.reply_timer is not None:
+                self.reply_timer.cancel()
+                self.reply_timer = None
+
+        def _reply_unread(self):
+            self.reply_timer = None
+            if not self.transport.is_closing():
+                log(f"a client left its reply unread for {reply_timeout:g} s (--reply-timeout): connection closed")
+                self.transport.abort()
 
         def _headers_late(self):
             self.headers_timer = None
@@ -285,7 +315,8 @@ def main(argv=None) -> int:
     # timeout_graceful_shutdown: once drained, the connections left have their answers; what has not ended
     # within it is cancelled.
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on",
-                                   http=protocol(max_connections, args.header_timeout, app.state.metrics),
+                                   http=protocol(max_connections, args.header_timeout, app.state.metrics,
+                                                 args.reply_timeout),
                                    backlog=backlog, timeout_graceful_shutdown=2))
     server.run()
     code = 1 if server.failed else 0
