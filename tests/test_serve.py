@@ -120,7 +120,9 @@ def test_health_and_bit_equality(server, tower):
 
 @pytest.mark.parametrize("body,kind,status,says,index", [
     (b"{not json", "application/json", 400, "not valid JSON", None),
-    (b"[" * 100_000 + b"]" * 100_000, "application/json", 400, "not valid JSON", None),  # past the parser's depth
+    (b"[" * 100_000 + b"]" * 100_000, "application/json", 400, "the body holds 100,000 JSON strings, arrays",
+     None),  # counted before parsing (past the parser's depth too)
+    (b"[" * 70 + b"]" * 70, "application/json", 400, "must be a JSON object", None),
     (b"[]", "application/json", 400, "JSON object", None),
     (b'{"images": []}', "application/json", 400, "non-empty list", None),
     (b'{"pictures": ["aa"]}', "application/json", 400, "unknown field 'pictures'", None),

@@ -282,7 +282,7 @@ def test_sigterm_ends_the_process_in_bounded_time_beside_a_stalled_body():
             raise AssertionError("SIGTERM left the server running beside a stalled client")
         out = proc.stdout.read()
         assert code == 0 and time.monotonic() - t0 < 10
-        assert "1 requests in flight" in out and "still in flight after 1 s (--drain-timeout)" in out, out
+        assert "1 requests in flight" in out and "still in flight (or replies still being sent) after 1 s (--drain-timeout)" in out, out
         assert "Traceback" not in out and "Exception in ASGI application" not in out, out  # one line, no trace
         s.settimeout(5)
         answer = s.recv(65536)
@@ -468,34 +468,99 @@ def test_corrupt_exif_in_a_clients_image_never_reaches_the_log():
     assert "Corrupt EXIF" not in out and "Warning" not in out, out
 
 
+def reply_reader(client, images: int, rcvbuf: int = 4096):
+    """A socket that has sent a request (Connection: close) for `images` repeats of one image at 1,024 tokens
+    (512 KiB of embeddings each, golden tower), its receive buffer small so the server's fills."""
+    body = json.dumps({"images": [b64(png(1, 1, 431))] * images, "min_image_tokens": 1024,
+                       "max_image_tokens": 1024}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", int(client.url.rsplit(":", 1)[1])))
+    s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return s
+
+
+def read_all(s, pause: float = 0.0, size: int = 64 << 10) -> int:
+    got = 0
+    s.settimeout(10)
+    try:
+        while chunk := s.recv(size):
+            got += len(chunk)
+            time.sleep(pause)
+    except ConnectionResetError:
+        pass
+    s.close()
+    return got
+
+
 def test_a_reply_left_unread_is_cut_off_and_let_go():
-    """A client that sends a request for a 16 MiB reply (32 repeats of one image at 1,024 tokens) and never
-    reads it: after --reply-timeout 1 with the server's send buffer full, the server closes the connection
-    (logging it) and lets the reply go; the client gets less than the reply. Its other clients are served."""
+    """A client that asks for a 16 MiB reply and never reads it: once nothing of it has been sent for
+    --reply-timeout 1, the server aborts the connection (logging it) and lets the reply go, also after its
+    own close (Connection: close), which waits for the buffer to drain. Its other clients are served."""
     proc, client = launch("--reply-timeout", 1, "--cache-mib", 0)
     try:
-        body = json.dumps({"images": [b64(png(1, 1, 431))] * 32, "min_image_tokens": 1024,
-                           "max_image_tokens": 1024}).encode()
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        s.connect(("127.0.0.1", int(client.url.rsplit(":", 1)[1])))
-        s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        s = reply_reader(client, 32)
         time.sleep(4)  # the reply is made, fills the buffers and stays unread past the timeout
         assert client.encode([png(40, 40, 432)])[0][0].shape[0] == 16
-        got = 0
-        s.settimeout(10)
-        try:
-            while chunk := s.recv(1 << 20):
-                got += len(chunk)
-        except ConnectionResetError:
-            pass
-        s.close()
-        assert got < 16 << 20
+        assert read_all(s) < 16 << 20
     finally:
         stop(proc)
     out = proc.stdout.read()
     assert "left its reply unread for 1 s (--reply-timeout): connection closed" in out, out
+
+
+def test_a_slow_steady_reader_keeps_its_connection():
+    """A client reading a 3 MiB reply 16 KiB every 20 ms (about 4 s in all, against --reply-timeout 0.5) is
+    making progress: it gets the whole reply."""
+    proc, client = launch("--reply-timeout", 0.5, "--cache-mib", 0)
+    try:
+        s = reply_reader(client, 6, rcvbuf=16 << 10)
+        time.sleep(1)  # the reply is made and waits in the buffers
+        assert read_all(s, pause=0.02, size=16 << 10) > 3 << 20
+    finally:
+        stop(proc)
+    assert "--reply-timeout" not in proc.stdout.read()
+
+
+def test_sigterm_lets_a_reply_being_read_finish():
+    """SIGTERM while a client reads a 16 MiB reply at ~3 MB/s (64 KiB every 20 ms, ~5 s): the drain waits
+    until the reply has left the server's buffers (more than the kernel's hold), so the client gets all of
+    it, not what was sent before uvicorn's 2 s of graceful shutdown ran out; then the process exits 0."""
+    proc, client = launch("--cache-mib", 0)
+    try:
+        s = reply_reader(client, 32, rcvbuf=64 << 10)
+        time.sleep(1.5)  # the reply is made and waits in the buffers
+        got = {}
+        t = threading.Thread(target=lambda: got.update(n=read_all(s, pause=0.02)))
+        t.start()
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert got["n"] > 16 << 20 and proc.wait(30) == 0
+    finally:
+        stop(proc)
+
+
+def test_a_second_sigterm_after_the_drain_stops_without_waiting_for_the_pass():
+    """The drain gave up (--drain-timeout 0.3) on a request whose pass takes 6 s, uvicorn's 2 s for its task
+    ran out, and the shutdown waits for that pass; a second SIGTERM then stops the process at once, not
+    when the pass ends."""
+    proc, client = launch("--drain-timeout", 0.3, prelude=slow(6.0))
+    try:
+        t = threading.Thread(target=lambda: post(client, json.dumps({"images": [b64(png(64, 64, 433))]}).encode()),
+                             daemon=True)
+        t.start()
+        time.sleep(0.3)  # in its pass
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(3.2)  # the drain and uvicorn's wait have given up; the shutdown waits for the pass
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.perf_counter()
+        proc.wait(30)
+        assert time.perf_counter() - t0 < 1.5  # the pass had ~2.5 s left
+    finally:
+        stop(proc)
 
 
 def test_a_second_sigterm_stops_at_once_without_a_traceback():
@@ -577,7 +642,8 @@ def test_a_reply_over_the_limit_is_413_before_it_is_made(server):
 def test_base64_decoded_piece_by_piece_equals_decoding_at_once(rng):
     """requests.b64decode works a MiB of text at a time (so the event loop's thread gets the interpreter
     between pieces): the same bytes as base64's one call for texts across piece boundaries in every form
-    clients send, and an error for a bad character or length wherever it is."""
+    clients send, and an error for a bad character, length or padding wherever it is (padding that ends a
+    piece too)."""
     import binascii
 
     from glmvit_cupy.serving import requests
@@ -589,7 +655,10 @@ def test_base64_decoded_piece_by_piece_equals_decoding_at_once(rng):
                      base64.encodebytes(raw).decode(), "data:image/png;base64," + base64.b64encode(raw).decode()):
             assert requests.b64decode(text) == raw
     text = base64.b64encode(rng.integers(0, 256, 2 * piece, dtype=np.uint8).tobytes()).decode()
-    for bad in (text[:-1], text[:piece + 5] + "*" + text[piece + 6:], "*" + text[1:]):
+    for bad in (text[:-1], text[:piece + 5] + "*" + text[piece + 6:], "*" + text[1:], "QU\u00e9D",
+                text[:piece - 2] + "==" + text[piece:], text[:piece - 4] + "==" + text[piece - 2:]):  # padding inside
+        with pytest.raises((binascii.Error, ValueError)):
+            base64.b64decode("".join(bad.split()), validate=True)  # refused by one call too
         with pytest.raises((binascii.Error, ValueError)):
             requests.b64decode(bad)
 
@@ -673,3 +742,22 @@ def test_the_connection_cap_fits_the_open_file_limit(monkeypatch):
     assert why == ("--max-connections 600 needs about 856 open files, and this process may open 700 (ulimit -n): "
                    "lower --max-connections to at most 444, or raise the limit")
     assert serve_main.open_files_for(100) == (100, 472, None)
+
+
+@pytest.mark.parametrize("body, says", [
+    (b'{"images": [' + b"[]," * 2000 + b'"QQ=="]}', "JSON strings, arrays, objects and commas; a request of up to 8 images"),
+    (b'{"videos": [' + b'"",' * 600_000 + b'{}]}', "JSON strings, arrays, objects and commas; a video request holds at most"),
+])
+def test_a_body_of_many_json_items_is_refused_before_it_is_parsed(server, body, says):
+    """A body of many tiny JSON items costs json.loads an object each, holding the interpreter (60 MB of "[],"
+    took 1.5 GB and 7 s): refused (400) from a count of their marks, before any parsing."""
+    import urllib.error
+    import urllib.request
+
+    _, client = server
+    path = "/v1/encode" if b"images" in body else "/v1/encode_video"
+    req = urllib.request.Request(client.url + path, data=body, method="POST", headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    err = json.loads(e.value.read())
+    assert e.value.code == 400 and says in err["error"], err

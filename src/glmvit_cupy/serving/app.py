@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import binascii
+import contextlib
 import dataclasses
 import functools
 import io
@@ -144,13 +145,27 @@ def create_app(load_backend, settings: Settings) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app):
+        loop = asyncio.get_running_loop()
+        now = asyncio.Event()
+        state["stop_now"] = lambda: loop.call_soon_threadsafe(now.set)  # a second signal (main.py)
         threading.Thread(target=load, name="glmvit-load", daemon=True).start()
         yield
         state["status"] = "stopping"
         try:
-            if state["batcher"] is not None:
-                await asyncio.get_running_loop().run_in_executor(None, state["batcher"].stop, 10.0)
-        except asyncio.CancelledError:  # a second signal: stop now, without waiting for the passes to end
+            if state["batcher"] is not None:  # the passes finish, unless a second signal stops the wait
+                # On a daemon thread, not the loop's executor, whose threads the loop's close waits for.
+                stopped = loop.create_future()
+
+                def stop_batcher():
+                    state["batcher"].stop(10.0)
+                    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+                        loop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(None))
+
+                threading.Thread(target=stop_batcher, name="glmvit-stop", daemon=True).start()
+                forced = asyncio.ensure_future(now.wait())
+                await asyncio.wait({stopped, forced}, return_when=asyncio.FIRST_COMPLETED)
+                forced.cancel()
+        except asyncio.CancelledError:  # cancelled by uvicorn's forced exit: stop now
             pass
         finally:
             decoders.shutdown()
@@ -406,7 +421,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
 
     def read_images(body: bytes):
         """(image files, their sha256, min and max tokens) of a request body, or Refused; on a thread."""
-        images, lo, hi = parse_images(body, settings.capacity_tokens)
+        images, lo, hi = parse_images(body, settings.capacity_tokens, settings.max_queue)
         if len(images) > settings.max_queue:  # counted before anything is decoded
             raise Refused(413, f"this request has {len(images)} images, more than the server's queue ever holds "
                                f"({settings.max_queue}, --max-queue): send at most {settings.max_queue} a request")
@@ -492,14 +507,22 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         are) and passes run as one task on a lane's thread, between image passes (the engine is one thread's).
         A video's key (vllm_ec.video_key_of: its frame files and settings) finds it in the cache and names its
         vLLM file."""
-        videos, common = parse_videos(await json_body(request))
+        body = await json_body(request)
+        videos, common = await asyncio.get_running_loop().run_in_executor(None, read_videos, body)
+        del body
+        return await unless_gone(request, encode_videos(videos, common))
+
+    def read_videos(body: bytes):
+        """(videos, their settings) of a request body, frames decoded from base64, or Refused; on a thread, as
+        read_images."""
+        videos, common = parse_videos(body)
         for i, v in enumerate(videos):
             if v["file"] is not None and not _have_pyav():
                 raise Refused(501, f"videos[{i}] is a video file, and this server cannot decode video files (PyAV, "
                                    "the video extra, is not installed on it); send the video's frames instead, as "
                                    "image files: {\"frames\": [base64 image file, ...], \"fps\": frames a second}", i)
         decode_frames(videos, settings.max_image_mib)
-        return await unless_gone(request, encode_videos(videos, common))
+        return videos, common
 
     async def encode_videos(videos, common):
         keys = [vllm_ec.video_key_of(v["frames"] or [v["file"]], v["fps"], v["duration"], common) for v in videos]

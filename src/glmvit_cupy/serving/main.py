@@ -11,10 +11,12 @@ fails to load is logged and the process exits 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import signal
+import struct
 import sys
 import time
 import warnings
@@ -138,13 +140,34 @@ def log(message: str) -> None:
     print(f"glmvit-serve: {message}", file=sys.stderr, flush=True)
 
 
+def _unsent(transport) -> int:
+    """Bytes written to a connection that its client has not taken yet: the transport's buffer, and on Linux
+    the socket's send queue (SIOCOUTQ: unsent or unacknowledged), which a slow reader drains a little at a
+    time while the transport's buffer waits for the kernel to report room (half the send buffer, which
+    can take seconds)."""
+    if transport is None:
+        return 0
+    left = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    try:
+        import fcntl
+        import termios
+    except ImportError:  # not a Unix: the transport's buffer alone
+        return left
+    if sock is not None and hasattr(termios, "TIOCOUTQ"):
+        with contextlib.suppress(OSError, ValueError):
+            left += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    return left
+
+
 def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout: float = 60.0):
     """uvicorn's h11 protocol with a cap on connections (one over it is answered 503 and closed at once), a
     deadline for each request's headers (408 and closed: uvicorn itself waits for them without end), and
-    one for a reply the client does not read: while the transport's buffer stays over its high-water mark
-    (writing paused) for reply_timeout seconds, the connection is aborted, which lets the buffered reply
-    go (a client that never reads would otherwise hold it, up to --max-reply-mib, for as long as it
-    stays connected)."""
+    one for a reply the client stops reading: once writing pauses (the transport's buffer over its
+    high-water mark), a reply of which nothing more was sent for reply_timeout seconds (_unsent) is
+    aborted, which lets it go (a client that never reads would otherwise hold it, up to --max-reply-mib, for as long as it
+    stays connected, even past a close, which waits for the buffer to drain). A slow reader makes
+    progress and keeps its connection."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     def raw(status: str, error: str) -> bytes:
@@ -196,22 +219,25 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
         def pause_writing(self):
             super().pause_writing()
             if self.reply_timer is None:
-                self.reply_timer = self.loop.call_later(reply_timeout, self._reply_unread)
+                self._watch_reply(None)
 
-        def resume_writing(self):
-            super().resume_writing()
-            self._unarm_reply()
+        def _watch_reply(self, before):
+            """Every reply_timeout seconds while anything is unsent: abort if nothing was sent since."""
+            self.reply_timer = None
+            left = _unsent(self.transport)
+            if left == 0:
+                return
+            if before is not None and left >= before:
+                log(f"a client left its reply unread for {reply_timeout:g} s (--reply-timeout): connection closed, "
+                    f"{left:,} bytes unsent")
+                self.transport.abort()
+                return
+            self.reply_timer = self.loop.call_later(reply_timeout, self._watch_reply, left)
 
         def _unarm_reply(self):
             if self.reply_timer is not None:
                 self.reply_timer.cancel()
                 self.reply_timer = None
-
-        def _reply_unread(self):
-            self.reply_timer = None
-            if not self.transport.is_closing():
-                log(f"a client left its reply unread for {reply_timeout:g} s (--reply-timeout): connection closed")
-                self.transport.abort()
 
         def _headers_late(self):
             self.headers_timer = None
@@ -293,17 +319,22 @@ def main(argv=None) -> int:
                 return
             log(f"{name} while stopping: stopping now, without waiting for requests in flight")
             self.should_exit = self.force_exit = True
+            state.get("stop_now", lambda: None)()  # nor for the passes, if the shutdown already waits for them
 
         async def on_tick(self, counter):
             if not self.should_exit and state["status"] == "failed":
                 log(f"the model failed to load: {state['error']}")
                 self.failed = self.should_exit = True
             if self.draining_since is not None and not self.should_exit:
-                if state["in_flight"] == 0:
+                # Done once every request is answered and every reply is out of our buffers (a handler returns
+                # with its reply still being sent; the kernel sends what it holds after the process exits).
+                if state["in_flight"] == 0 and not any(c.transport is not None and
+                                                       c.transport.get_write_buffer_size() > 0
+                                                       for c in self.server_state.connections):
                     self.should_exit = True
                 elif time.monotonic() - self.draining_since > args.drain_timeout:
-                    log(f"{state['in_flight']} requests still in flight after {args.drain_timeout:g} s "
-                        "(--drain-timeout): closing their connections")
+                    log(f"{state['in_flight']} requests still in flight (or replies still being sent) after "
+                        f"{args.drain_timeout:g} s (--drain-timeout): closing their connections")
                     self.should_exit = True
             return await super().on_tick(counter)
 
