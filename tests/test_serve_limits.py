@@ -511,9 +511,9 @@ def test_a_reply_left_unread_is_cut_off_and_let_go():
 
 
 def test_a_slow_steady_reader_keeps_its_connection():
-    """A client reading a 3 MiB reply 16 KiB every 20 ms (about 4 s in all, against --reply-timeout 0.5) is
+    """A client reading a 3 MiB reply 16 KiB every 20 ms (about 4 s in all, against --reply-timeout 1) is
     making progress: it gets the whole reply."""
-    proc, client = launch("--reply-timeout", 0.5, "--cache-mib", 0)
+    proc, client = launch("--reply-timeout", 1, "--cache-mib", 0)
     try:
         s = reply_reader(client, 6, rcvbuf=16 << 10)
         time.sleep(1)  # the reply is made and waits in the buffers
