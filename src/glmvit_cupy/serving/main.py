@@ -164,8 +164,8 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
     """uvicorn's h11 protocol with a cap on connections (one over it is answered 503 and closed at once), a
     deadline for each request's headers (408 and closed: uvicorn itself waits for them without end), and
     one for a reply the client stops reading: once writing pauses (the transport's buffer over its
-    high-water mark), a reply of which nothing more was sent for reply_timeout seconds (_unsent) is
-    aborted, which lets it go (a client that never reads would otherwise hold it, up to --max-reply-mib, for as long as it
+    high-water mark), a connection whose client took nothing more for reply_timeout seconds (bytes
+    written less _unsent) is aborted, which lets its reply go (a client that never reads would otherwise hold it, up to --max-reply-mib, for as long as it
     stays connected, even past a close, which waits for the buffer to drain). A slow reader makes
     progress and keeps its connection."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -177,6 +177,7 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
 
     class Protocol(H11Protocol):
         refused = False
+        written = 0
         headers_timer = None
         timed_cycle = None
         reply_timer = None
@@ -191,6 +192,13 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
             super().connection_made(transport)
             metrics.connections.set(len(self.connections))
             self._arm()
+            write = transport.write  # counted: bytes written less those unsent is what the client took
+
+            def counted(data):
+                self.written += len(data)
+                write(data)
+
+            transport.write = counted
 
         def connection_lost(self, exc):
             if self.refused:
@@ -222,17 +230,19 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
                 self._watch_reply(None)
 
         def _watch_reply(self, before):
-            """Every reply_timeout seconds while anything is unsent: abort if nothing was sent since."""
+            """Every reply_timeout seconds while anything is unsent: abort if the client took nothing since
+            (what it took: the bytes written less those unsent, which new writes cannot make look smaller)."""
             self.reply_timer = None
             left = _unsent(self.transport)
             if left == 0:
                 return
-            if before is not None and left >= before:
+            taken = self.written - left
+            if before is not None and taken <= before:
                 log(f"a client left its reply unread for {reply_timeout:g} s (--reply-timeout): connection closed, "
                     f"{left:,} bytes unsent")
                 self.transport.abort()
                 return
-            self.reply_timer = self.loop.call_later(reply_timeout, self._watch_reply, left)
+            self.reply_timer = self.loop.call_later(reply_timeout, self._watch_reply, taken)
 
         def _unarm_reply(self):
             if self.reply_timer is not None:
