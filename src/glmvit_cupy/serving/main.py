@@ -137,7 +137,10 @@ def open_files_for(max_connections: int | None) -> tuple[int, int, str | None]:
 
 
 def log(message: str) -> None:
-    print(f"glmvit-serve: {message}", file=sys.stderr, flush=True)
+    """One line on stderr, written whole: a signal's handler logs too, and print's separate writes of the
+    text and its newline let a second signal's line land between them."""
+    sys.stderr.write(f"glmvit-serve: {message}\n")
+    sys.stderr.flush()
 
 
 def _unsent(transport) -> int:
