@@ -661,6 +661,10 @@ def test_base64_decoded_piece_by_piece_equals_decoding_at_once(rng):
             base64.b64decode("".join(bad.split()), validate=True)  # refused by one call too
         with pytest.raises((binascii.Error, ValueError)):
             requests.b64decode(bad)
+    # what one call accepts, this accepts: extra padding after a whole quad, padding alone past a piece,
+    # whitespace str.split() knows (the ASCII separators, a no-break space)
+    for odd in ("QUJD===", "A" * piece + "==", "\x1cQU\x1fJD\xa0", "QUJD\u2028QUJD"):
+        assert requests.b64decode(odd) == base64.b64decode("".join(odd.split()), validate=True)
 
 
 def test_the_cache_counts_what_its_entries_hold():
