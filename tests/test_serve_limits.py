@@ -294,8 +294,8 @@ def test_sigterm_ends_the_process_in_bounded_time_beside_a_stalled_body():
 
 # -- 3. content in flight encoded once; work for clients gone dropped -------------------------------------------
 
-def test_concurrent_requests_for_one_new_image_encode_it_once(server):
-    _, client = server
+def test_concurrent_requests_for_one_new_image_encode_it_once(slow_server):
+    _, client = slow_server  # a 0.5 s pass: all eight arrive while it runs
     data = png(90, 120, 404)
     encoded, passes = metric(client, 'glmvit_images_total{outcome="encoded"}'), metric(client,
                                                                                        "glmvit_forward_passes_total")
