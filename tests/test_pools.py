@@ -424,3 +424,40 @@ def test_patience_only_where_no_consumer_says_what_it_waits_for():
     t.join(5)
     assert got
     del held
+
+
+def test_past_the_limit_a_block_that_comes_back_is_not_reused_by_a_held_back_take():
+    """Over the limit (an exempt take went past it), an idle free block is left for an exempt take (or freed),
+    not reused by a take the budget holds back: else the exempt take makes yet another block, for good."""
+    pool = Blocks(keep=8 * GRAIN, alloc=Fake)
+    lent = [pool.take(2 * GRAIN, 4 * GRAIN), pool.take(2 * GRAIN, 4 * GRAIN)]
+    back = pool.take(2 * GRAIN, 4 * GRAIN, exempt=True)  # the image being waited for: past the limit
+    pool.give(back)  # its pass ran
+    assert pool.owned == 6 * GRAIN
+    assert pool.take(2 * GRAIN, 4 * GRAIN) is None and pool.owned == 4 * GRAIN  # freed, not reused
+    assert pool.take(2 * GRAIN, 4 * GRAIN, exempt=True).size == 2 * GRAIN
+    del lent
+
+
+def test_an_unordered_claim_is_kept_while_its_take_waits_for_the_gpu():
+    """The one upload an unordered consumer's wait lets go keeps that leave while it waits for a block the
+    GPU still reads; losing it on its next poll would leave every upload held back and the consumer waiting."""
+    from glmvit_cupy.engine.uploads import Uploader, Wants
+
+    up = Uploader.__new__(Uploader)
+    up.budget, up.patience = 4 * GRAIN, 0.25
+    up.blocks = Blocks(up.budget, alloc=Fake)
+    held = [up.blocks.take(2 * GRAIN), up.blocks.take(2 * GRAIN)]  # lent to the consumer's running pass
+    busy = up.blocks.take(1)
+    busy.event = Event(done=False)  # a queued pass still reads it
+    up.blocks.give(busy)
+    wants = Wants(ordered=False)
+    wants.active = wants._hungry = True  # the consumer waits for any image (as feeding says)
+    got = []
+    t = threading.Thread(target=lambda: got.append(up._take(2 * GRAIN, 0, wants)), daemon=True)
+    t.start()
+    t.join(0.1)
+    busy.event.done = True  # the pass ran
+    t.join(5)
+    assert got and got[0].size == 2 * GRAIN
+    del held

@@ -385,6 +385,75 @@ def test_work_queued_only_for_a_client_gone_is_dropped_before_its_pass(slow_serv
     assert client.health()["queue_depth"] == 0
 
 
+def padded(images: list[bytes], size: int) -> bytes:
+    """An image request's body of `size` bytes: JSON whitespace after the images."""
+    body = json.dumps({"images": [b64(d) for d in images]}).encode()
+    return body[:-1] + b" " * (size - len(body)) + b"}"
+
+
+def chunked_post(client, body: bytes, piece: int = 64 << 10) -> tuple[int, dict]:
+    """POST body without a Content-Length (chunked, as a streaming client sends it): (status, JSON answer)."""
+    s = socket.create_connection(("127.0.0.1", int(client.url.rsplit(":", 1)[1])), timeout=30)
+    s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n")
+    for i in range(0, len(body), piece):
+        s.sendall(b"%x\r\n" % len(body[i:i + piece]) + body[i:i + piece] + b"\r\n")
+    s.sendall(b"0\r\n\r\n")
+    s.shutdown(socket.SHUT_WR)
+    reply = b""
+    while chunk := s.recv(65536):
+        reply += chunk
+    s.close()
+    head, _, rest = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(rest)
+
+
+def test_bodies_in_flight_are_bounded_and_a_body_over_the_room_is_read_then_429():
+    """--max-bodies-in-flight-mib 1.5: a 0.9 MiB request in its 1 s pass holds 0.9 MiB; another 0.9 MiB body,
+    sent whole before its client reads (urllib) or chunked without a length, is read and dropped, then
+    answered 429 naming the flag (not a reset connection); once the first is answered, the same body is
+    encoded: every refusal gave its bytes back."""
+    proc, client = launch("--max-body-mib", 1, "--max-bodies-in-flight-mib", 1.5, "--cache-mib", 0,
+                          prelude=slow(1.0))
+    try:
+        first = padded([png(64, 64, 11)], 900 << 10)
+        second = padded([png(72, 64, 12)], 900 << 10)
+        got = {}
+        t = threading.Thread(target=lambda: got.update(first=post(client, first)))
+        t.start()
+        time.sleep(0.4)
+        for status, err in (post(client, second), chunked_post(client, second)):
+            assert status == 429, err
+            assert "of request bodies" in err["error"] and "--max-bodies-in-flight-mib" in err["error"], err
+        t.join()
+        assert got["first"][0] == 200
+        assert post(client, second)[0] == 200
+        assert chunked_post(client, padded([png(80, 64, 13)], 1400 << 10))[0] == 413  # over --max-body-mib
+    finally:
+        stop(proc)
+
+
+def test_many_large_bodies_at_once_are_parsed_in_turn_within_memory():
+    """Eight 30 MiB bodies at once (4 files of 7.5 MiB each, not images) under a 0.75 GiB data limit: each
+    body is parsed on the one parsing thread in turn, so one at a time is expanded into strings and bytes
+    (about 3x its size; eight at once took 4.7 GiB for eight 240 MiB bodies). Every one is answered 422,
+    and the server goes on serving."""
+    proc, client = launch(data_limit=3 << 28)
+    try:
+        files = [os.urandom(15 << 19) for _ in range(4)]
+        body = json.dumps({"images": [b64(f) for f in files]}).encode()
+        got = []
+        threads = [threading.Thread(target=lambda: got.append(post(client, body))) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(g[0] for g in got) == [422] * 8, [(g[0], g[1]) for g in got if g[0] != 422]
+        assert post(client, json.dumps({"images": [b64(png(64, 64, 3))]}).encode())[0] == 200
+    finally:
+        stop(proc)
+
+
 def test_a_shared_encode_outlives_the_request_that_started_it(slow_server):
     """Two requests for one new image: the first one's client goes away while the image is encoded (a 0.5 s
     pass); the second, waiting on the same encode, still gets it, from the one pass that runs."""

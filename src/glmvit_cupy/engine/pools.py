@@ -100,7 +100,10 @@ class Blocks:
         blocks hold the pool, which only their owners can give back)."""
         with self._lock:
             self._take_in()
-            fits = [b for b in self._free if b.size >= nbytes and b.idle]
+            # Past the limit (exempt takes went over it) a block that comes back is for an exempt take, or
+            # freed: were a held-back take to reuse it, the exempt one would make yet another, for good.
+            over = limit is not None and not exempt and self.owned > limit
+            fits = [] if over else [b for b in self._free if b.size >= nbytes and b.idle]
             if fits:
                 block = min(fits, key=lambda b: b.size)
                 self._free.remove(block)

@@ -163,10 +163,12 @@ class Uploader:
         """A device block for nbytes within the budget, waiting while it is full unless the consumer waits
         for this image; where no consumer says what it waits for, until `patience` seconds have passed."""
         deadline = time.monotonic() + self.patience
+        claimed = False  # once exempt, this take stays so: an unordered consumer's claim is used up by asking
 
         def exempt():
-            if wants is not None and wants.active:
-                return wants.exempt(index)
-            return time.monotonic() >= deadline
+            nonlocal claimed
+            if not claimed:
+                claimed = wants.exempt(index) if wants is not None and wants.active else time.monotonic() >= deadline
+            return claimed
 
         return self.blocks.take_within(nbytes, self.budget, exempt)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import binascii
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -58,7 +59,7 @@ from ..preprocessing.image import prepare_canvas, smart_resize
 from ..preprocessing.video import plan_video, sample_frames
 from ..preprocessing.video_files import FrameFiles, VideoFile
 from . import vllm_ec
-from .batcher import Batcher, Decoders, PixelBudget, QueueFull
+from .batcher import Batcher, Budget, Decoders, QueueFull
 from .cache import EmbeddingCache
 from .metrics import Metrics
 from .requests import Refused, b64decode, decode_frames, parse_images, parse_videos, read_body
@@ -74,6 +75,7 @@ class Settings:
     cache_mib: float = 1024.0
     max_queue: int = 256            # images waiting for a forward pass
     max_body_mib: float = 256.0
+    max_bodies_in_flight_mib: float = 1024.0  # bodies of requests in flight, from arrival to answer, together
     max_image_mib: float = 64.0
     max_reply_mib: float = 1024.0   # one request's embeddings, repeats included
     max_pixels: int | None = None   # one image's pixels (None: Pillow's MAX_IMAGE_PIXELS)
@@ -109,7 +111,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     cache = EmbeddingCache(int(settings.cache_mib * 2**20))
     state = {"status": "loading", "backend": None, "batcher": None, "error": None, "in_flight": 0}
     decoders = Decoders(settings.decode_workers)
-    budget = PixelBudget(settings.max_pixels_in_flight)
+    parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="glmvit-parse")
+    budget = Budget(settings.max_pixels_in_flight)
+    bodies = Budget(int(settings.max_bodies_in_flight_mib * 2**20))  # bytes of bodies held by requests
     limit = settings.max_pixels if settings.max_pixels is not None else Image.MAX_IMAGE_PIXELS
     flights: dict = {}  # key -> Flight: content being encoded now
 
@@ -169,6 +173,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             pass
         finally:
             decoders.shutdown()
+            parser.shutdown(wait=False, cancel_futures=True)
 
     def not_ready() -> str:
         why = {"loading": "the model is still loading", "stopping": "the server is shutting down"}
@@ -213,20 +218,30 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                                             status_code=500)
             finally:
                 state["in_flight"] -= 1
+                bodies.give(request.scope.pop("glmvit.body_bytes", 0))
             metrics.requests.labels(str(response.status_code)).inc()
             metrics.latency.observe(time.perf_counter() - t0)
             return response
         return run
 
-    async def json_body(request) -> bytes:
-        """The request's body, or Refused: the model not ready (503), not JSON (415), too large (413), too
-        slow (408)."""
+    async def json_body(request) -> list:
+        """[the request's body], or Refused: the model not ready (503), not JSON (415), too large (413), more
+        than the bodies in flight have room for now (429), too slow (408). Its bytes are held in `bodies`
+        until the request is answered (endpoint gives them back); the list lets the parser drop the body."""
         if state["status"] != "ok":
             raise Refused(503, not_ready())
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind != "application/json":
             raise Refused(415, f"Content-Type {kind or 'none'!r}: send application/json")
-        return await read_body(request, int(settings.max_body_mib * 2**20), settings.body_timeout)
+        body = await read_body(request, int(settings.max_body_mib * 2**20), settings.body_timeout, bodies)
+        request.scope["glmvit.body_bytes"] = len(body)
+        return [body]
+
+    async def parse(read, held: list):
+        """read(held) on the parsing thread: one body at a time, so that only one is expanded into Python
+        strings and decoded bytes at once (about 3x its size); JSON parsing holds the interpreter, so two
+        bodies on two threads would be no faster."""
+        return await asyncio.get_running_loop().run_in_executor(parser, read, held)
 
     async def unless_gone(request, work):
         """The value of the coroutine `work`, run as a task; ClientGone once the client disconnects first: the
@@ -412,21 +427,21 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     # -- images ------------------------------------------------------------------------------------------
 
     async def _encode(request):
-        body = await json_body(request)
         # Parsing and base64 take 2.2 s for a 320 MiB body on a 2-core machine: on a thread, the event loop
         # keeps answering other requests (and /health) meanwhile.
-        blobs, shas, lo, hi = await asyncio.get_running_loop().run_in_executor(None, read_images, body)
-        del body
+        blobs, shas, lo, hi = await parse(read_images, await json_body(request))
         return await unless_gone(request, encode_images(blobs, shas, lo, hi))
 
-    def read_images(body: bytes):
-        """(image files, their sha256, min and max tokens) of a request body, or Refused; on a thread."""
-        images, lo, hi = parse_images(body, settings.capacity_tokens, settings.max_queue)
+    def read_images(held: list):
+        """(image files, their sha256, min and max tokens) of the request body in `held`, or Refused; on the
+        parsing thread. The body, then each image's base64 text, is let go as soon as it is read."""
+        images, lo, hi = parse_images(held.pop(), settings.capacity_tokens, settings.max_queue)
         if len(images) > settings.max_queue:  # counted before anything is decoded
             raise Refused(413, f"this request has {len(images)} images, more than the server's queue ever holds "
                                f"({settings.max_queue}, --max-queue): send at most {settings.max_queue} a request")
         blobs = []
         for i, text in enumerate(images):
+            images[i] = None
             try:
                 data = b64decode(text)
             except (binascii.Error, ValueError) as e:
@@ -507,15 +522,13 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         are) and passes run as one task on a lane's thread, between image passes (the engine is one thread's).
         A video's key (vllm_ec.video_key_of: its frame files and settings) finds it in the cache and names its
         vLLM file."""
-        body = await json_body(request)
-        videos, common = await asyncio.get_running_loop().run_in_executor(None, read_videos, body)
-        del body
+        videos, common = await parse(read_videos, await json_body(request))
         return await unless_gone(request, encode_videos(videos, common))
 
-    def read_videos(body: bytes):
-        """(videos, their settings) of a request body, frames decoded from base64, or Refused; on a thread, as
-        read_images."""
-        videos, common = parse_videos(body)
+    def read_videos(held: list):
+        """(videos, their settings) of the request body in `held`, frames decoded from base64, or Refused; on
+        the parsing thread, as read_images."""
+        videos, common = parse_videos(held.pop())
         for i, v in enumerate(videos):
             if v["file"] is not None and not _have_pyav():
                 raise Refused(501, f"videos[{i}] is a video file, and this server cannot decode video files (PyAV, "

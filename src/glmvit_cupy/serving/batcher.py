@@ -20,7 +20,8 @@ reaches a pass; the pass and the other images in it go on. The queue is bounded:
 room before its images are decoded (reserve), so one that would overflow it is refused whole before any
 work is done. Each pass's time by part (PassTimes) goes to on_pass: what an operator reads in /metrics.
 
-PixelBudget counts the pixels of images admitted and not yet through their passes, server-wide. Decoders
+Budget counts an amount held server-wide (the pixels of images admitted and not yet through their passes,
+the bytes of request bodies held). Decoders
 runs decoding jobs on a thread pool, taking requests in turn, and keeps one thread free of large images,
 so one request never holds every thread while others wait.
 """
@@ -347,8 +348,8 @@ def _resolve(future: asyncio.Future, value):
         future.set_result(value)
 
 
-class PixelBudget:
-    """Pixels of images admitted and not yet through their passes, server-wide, within `total`. Used from the
+class Budget:
+    """An amount held server-wide (pixels in flight, bytes of request bodies) within `total`. Used from the
     event loop only."""
 
     def __init__(self, total: int):

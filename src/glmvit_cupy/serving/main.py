@@ -44,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
                     help="images admitted and waiting for a forward pass (default 256); a request with more gets 413, "
                          "one that does not fit the room left 429")
     ap.add_argument("--max-body-mib", type=float, default=256.0, help="largest request body (default 256)")
+    ap.add_argument("--max-bodies-in-flight-mib", type=float, default=1024.0,
+                    help="request bodies held at once, server-wide, from their arrival until their request is "
+                         "answered (default 1024); a body that does not fit now gets 429. At least --max-body-mib")
     ap.add_argument("--max-image-mib", type=float, default=64.0, help="largest image file (default 64)")
     ap.add_argument("--max-reply-mib", type=float, default=1024.0,
                     help="largest reply: the embeddings of one request, repeats included (default 1024); more: 413")
@@ -101,12 +104,17 @@ def check_settings(args) -> str | None:
         if not (math.isfinite(value) and value >= least):
             return f"{flag} {value:g} must be a finite number of at least {least:g}"
     for flag, value in (("--max-body-mib", args.max_body_mib), ("--max-image-mib", args.max_image_mib),
+                        ("--max-bodies-in-flight-mib", args.max_bodies_in_flight_mib),
                         ("--max-reply-mib", args.max_reply_mib),
                         ("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
                         ("--reply-timeout", args.reply_timeout),
                         ("--drain-timeout", args.drain_timeout)):
         if not (math.isfinite(value) and value > 0):
             return f"{flag} {value:g} must be a finite number above 0"
+    if args.max_bodies_in_flight_mib < args.max_body_mib:
+        return (f"--max-bodies-in-flight-mib {args.max_bodies_in_flight_mib:g} is below the {args.max_body_mib:g} MiB "
+                f"one body may have (--max-body-mib): such a body could never be read; raise it to at least "
+                f"{args.max_body_mib:g}")
     return None
 
 
@@ -304,6 +312,7 @@ def main(argv=None) -> int:
     settings = Settings(checkpoint=os.path.abspath(binding.path), capacity_tokens=args.capacity_tokens,
                         max_wait_ms=args.max_wait_ms, cache_mib=args.cache_mib, max_queue=args.max_queue,
                         max_body_mib=args.max_body_mib, max_image_mib=args.max_image_mib,
+                        max_bodies_in_flight_mib=args.max_bodies_in_flight_mib,
                         max_reply_mib=args.max_reply_mib, max_pixels=args.max_pixels,
                         max_video_pixels=args.max_video_pixels, max_pixels_in_flight=args.max_pixels_in_flight,
                         body_timeout=args.body_timeout, decode_workers=args.decode_workers,
