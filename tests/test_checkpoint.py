@@ -41,6 +41,20 @@ def test_golden_tower_inspects():
     assert len(s["shards"]) == 2
 
 
+def test_any_shard_of_an_indexed_checkpoint_binds_the_whole_tower(tmp_path, tensors):
+    """A shard named where the checkpoint is asked for, its index beside it listing it: the tower spans both
+    shards, and either one binds the whole of it; the same shard without the index is that file alone."""
+    write_checkpoint(tmp_path, GEO, tensors=tensors, shards=2)
+    shards = sorted(p for p in os.listdir(tmp_path) if p.endswith(".safetensors"))
+    whole = inspect_checkpoint(tmp_path)
+    for shard in shards:
+        s = inspect_checkpoint(tmp_path / shard)
+        assert s["tensors"] == whole["tensors"] and s["shards"] == whole["shards"] == shards
+    os.remove(tmp_path / "model.safetensors.index.json")
+    with pytest.raises(CheckpointError, match="depth = 2 blocks"):
+        bind_tower(tmp_path / shards[0])
+
+
 @pytest.mark.parametrize("prefix", PREFIXES)
 def test_every_prefix_binds(tmp_path, tensors, prefix):
     write_checkpoint(tmp_path, GEO, tensors=tensors, prefix=prefix)

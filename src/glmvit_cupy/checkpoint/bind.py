@@ -16,10 +16,10 @@ import numpy as np
 
 from ..config import VisionGeometry, read_config
 from ..errors import AbsentTower, CheckpointError, NoVisionConfig
-from ..files import not_regular
+from ..files import not_regular, read_json_file
 from .hub import resolve
 from .names import VISION_PREFIXES, is_vision_name, tower_layout, tower_prefixes
-from .shards import WeightStore
+from .shards import INDEX_NAME, WeightStore
 
 log = logging.getLogger("glmvit_cupy")
 
@@ -95,6 +95,18 @@ def _check_shape(store: WeightStore, name: str, want: tuple):
             f"read it as {list(want)}; the checkpoint's tower geometry does not match its config")
 
 
+def _index_listing(shard: str) -> str | None:
+    """The index beside `shard` if it lists that shard, else None."""
+    index = os.path.join(os.path.dirname(shard) or ".", INDEX_NAME)
+    if not shard.endswith(".safetensors") or not os.path.isfile(index):
+        return None
+    try:
+        weight_map = read_json_file(index, "the index").get("weight_map")
+        return index if os.path.basename(shard) in set(weight_map.values()) else None
+    except (CheckpointError, AttributeError, TypeError):  # a damaged index: the shard alone, as given
+        return None
+
+
 def bind_tower(path: str | os.PathLike) -> TowerBinding:
     """Validate a checkpoint's vision tower without a GPU.
 
@@ -113,9 +125,10 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
         if not path.endswith((".safetensors", ".json")):
             raise CheckpointError(f"{path} is not a checkpoint: give its folder (config.json and *.safetensors), one "
                                   "of its .safetensors shards, its index .json, or a Hub id")
-        # A bare shard or index: the config sits beside it.
+        # A bare shard or index: the config sits beside it. A shard that the index beside it lists is one part
+        # of that checkpoint, whose tower may span several shards: the index is read.
         geo = read_config(os.path.dirname(path) or ".")
-        source = path
+        source = _index_listing(path) or path
     else:
         what = not_regular(path)
         raise CheckpointError(f"{path}: is {what}, not a checkpoint folder or file" if what else

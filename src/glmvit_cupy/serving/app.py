@@ -160,8 +160,12 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 # On a daemon thread, not the loop's executor, whose threads the loop's close waits for.
                 stopped = loop.create_future()
 
-                def stop_batcher():
-                    state["batcher"].stop(10.0)
+                if state["batcher"].busy:
+                    state.get("log", lambda message: None)(
+                        "finishing the forward passes running and queued (a second signal: stop now)")
+
+                def stop_batcher():  # a pass is never cut short: the process cannot exit under a running one
+                    state["batcher"].stop()
                     with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
                         loop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(None))
 
@@ -209,9 +213,10 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                                             headers={"Connection": "close"} if e.status == 408 else None)
                 except (ClientGone, ClientDisconnect):
                     response = Response(status_code=499)
-                except asyncio.CancelledError:  # the drain ran out (--drain-timeout): a short answer, no traceback
+                except asyncio.CancelledError:  # the drain ran out, or a second signal: a short answer, no traceback
                     response = JSONResponse({"error": "the server stopped before this request was answered "
-                                             "(--drain-timeout ran out); send it again to a running server",
+                                             "(its --drain-timeout ran out, or a second signal stopped it); send it "
+                                             "again to a running server",
                                              "index": None}, status_code=503, headers={"Connection": "close"})
                 except Exception as e:
                     response = JSONResponse({"error": f"encoding failed ({type(e).__name__}: {e})", "index": None},

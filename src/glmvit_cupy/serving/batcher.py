@@ -109,6 +109,7 @@ class Batcher:
         self._reserved = 0  # room held for images being decoded (reserve), not yet queued
         self._slots = [threading.Semaphore(ahead) for _ in range(backend.lanes)]
         self._running = [0] * backend.lanes  # passes launched that the GPU has not ended (under the lock)
+        self._taken = 0  # batches taken from the queue and not yet handed back (under the lock)
         self._done = [queue.SimpleQueue() for _ in range(backend.lanes)]
         self._threads = [threading.Thread(target=fn, args=(lane,), name=f"glmvit-{what}-{lane}", daemon=True)
                          for lane in range(backend.lanes)
@@ -267,6 +268,7 @@ class Batcher:
                 gone = [j for j in batch if j.dropped]
                 batch = [j for j in batch if not j.dropped]
                 self._waiting -= len(gone) + len(batch)
+                self._taken += bool(batch)
             for job in gone:
                 self.on_drop(job)
             if not batch:
@@ -328,10 +330,18 @@ class Batcher:
             if times is not None:
                 times.resolve = time.perf_counter() - t0
                 self.on_pass(times)
+            with self._cv:
+                self._taken -= 1
 
-    def stop(self, timeout: float = 30.0):
+    @property
+    def busy(self) -> bool:
+        """Work queued, or a pass (or task) being launched, run or handed back."""
+        with self._cv:
+            return bool(self._waiting or self._taken)
+
+    def stop(self, timeout: float | None = None):
         """Finish what is queued (dropped work is skipped), then stop the threads; each is waited for at
-        most `timeout` seconds."""
+        most `timeout` seconds (None: until it ends)."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()

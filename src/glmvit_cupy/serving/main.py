@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import signal
 import struct
 import sys
+import threading
 import time
 import warnings
 
@@ -371,8 +373,20 @@ def main(argv=None) -> int:
                                    http=protocol(max_connections, args.header_timeout, app.state.metrics,
                                                  args.reply_timeout),
                                    backlog=backlog, timeout_graceful_shutdown=2))
+    # uvicorn logs "ERROR: Cancel N running task(s), timeout graceful shutdown exceeded" when it cancels the
+    # requests the drain gave up on: the drain's own line has said so already, and nothing failed.
+    logging.getLogger("uvicorn.error").addFilter(lambda record: not record.getMessage().startswith("Cancel "))
+    state["log"] = log
     server.run()
     code = 1 if server.failed else 0
+    # After a second signal, threads may still be running a forward pass or loading the model: the
+    # interpreter's shutdown under them can crash the process (exit 139), so it exits without one.
+    running = sorted(t.name for t in threading.enumerate() if t.daemon and t.is_alive() and
+                     t.name.startswith("glmvit-"))
+    if running:
+        log(f"stopped (exit {code}), not waiting for the work still running (threads {', '.join(running)})")
+        sys.stdout.flush()
+        os._exit(code)
     log(f"stopped (exit {code})")
     return code
 
