@@ -393,6 +393,31 @@ def test_bad_settings_are_refused_at_start_not_per_request(capsys, flags, says):
     assert says in capsys.readouterr().err
 
 
+def test_a_port_in_use_is_refused_at_start_with_exit_3(capsys):
+    """A port another socket holds: exit 3 before the model loads, saying which address and what to do."""
+    from glmvit_cupy.serving import main as serve_main
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        assert serve_main.main(["--checkpoint", TOWER, "--cpu", "--port", str(port)]) == 3
+    assert f"cannot listen on 127.0.0.1:{port} (Address already in use): choose another --port (0: any free one)" \
+        in capsys.readouterr().err
+
+
+def test_port_0_says_the_port_it_took():
+    """--port 0: the start line and the ready line name the port taken, which answers."""
+    proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.serving.main", "--checkpoint", TOWER, "--cpu",
+                             "--port", "0"], env=dict(os.environ, PYTHONPATH=SRC), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        first, ready = proc.stdout.readline(), proc.stdout.readline()
+        port = int(first.split("http://127.0.0.1:")[1].split()[0])
+        assert port != 0 and f"ready: serving on http://127.0.0.1:{port} (loaded in" in ready, (first, ready)
+        assert Client(f"http://127.0.0.1:{port}").health()["status"] == "ok"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_a_tower_whose_patches_are_not_rgb_is_refused_at_start(capsys, tmp_path):
     """The server takes images: a tower of one-channel patches stops it before it loads, naming the field."""
     import dataclasses

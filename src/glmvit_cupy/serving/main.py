@@ -1,11 +1,11 @@
-"""glmvit-serve: the GLM-5.3-Flash vision tower as an HTTP service (see glmvit_cupy.serving.app).
+"""glmvit-serve: the GLM-5.3-Flash vision tower as an HTTP service. The HTTP contract, every status code, the
+metrics and the client: docs/SERVING.md.
 
     glmvit-serve --checkpoint /models/GLM-5.3-Flash --port 8000
     glmvit-serve --checkpoint tests/golden/tower --cpu            # the float32 reference, no GPU
 
 SIGTERM or Ctrl-C: drain (/health and new requests get 503 while what is in flight finishes, at most
---drain-timeout seconds), then stop accepting and exit 0; a second signal stops at once. A model that
-fails to load is logged and the process exits 1.
+--drain-timeout seconds), let the forward pass running end, then exit 0; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import struct
 import sys
 import threading
@@ -28,8 +29,16 @@ BACKLOG = 2048  # connections the kernel holds for accepting (uvicorn's default)
 FILES_BESIDE_CONNECTIONS = 128  # descriptors the process holds besides its connections (files, pipes, threads)
 
 
+EXIT_STATUS = """exit status:
+  0  stopped by SIGTERM or Ctrl-C (after the drain, or at once on a second signal)
+  1  the model failed to load after the start (NaN weights, say): logged with the reason
+  2  a flag out of range, a checkpoint that fails its checks, no usable GPU without --cpu, --cpu with
+     --devices, an open-file limit too low for --max-connections, or the serve extra not installed
+  3  the address cannot be listened on (the port in use, say)"""
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="glmvit-serve", description=__doc__,
+    ap = argparse.ArgumentParser(prog="glmvit-serve", description=__doc__, epilog=EXIT_STATUS,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="checkpoint folder, shard or index, or Hub id (org/name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -118,6 +127,20 @@ def check_settings(args) -> str | None:
                 f"one body may have (--max-body-mib): such a body could never be read; raise it to at least "
                 f"{args.max_body_mib:g}")
     return None
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: a free one), or OSError; uvicorn listens on it."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def open_files_for(max_connections: int | None) -> tuple[int, int, str | None]:
@@ -311,6 +334,13 @@ def main(argv=None) -> int:
     if why:
         print(f"glmvit-serve: {why}", file=sys.stderr)
         return 2
+    try:
+        sock = listen(args.host, args.port)
+    except OSError as e:  # before the model loads: nothing to undo
+        print(f"glmvit-serve: cannot listen on {args.host}:{args.port} ({e.strerror or e}): choose another --port "
+              "(0: any free one) or --host", file=sys.stderr)
+        return 3
+    port = sock.getsockname()[1]
     settings = Settings(checkpoint=os.path.abspath(binding.path), capacity_tokens=args.capacity_tokens,
                         max_wait_ms=args.max_wait_ms, cache_mib=args.cache_mib, max_queue=args.max_queue,
                         max_body_mib=args.max_body_mib, max_image_mib=args.max_image_mib,
@@ -331,6 +361,7 @@ def main(argv=None) -> int:
         stops at once. A model that fails to load stops it too."""
         draining_since = None
         failed = False
+        ready = False
 
         def handle_exit(self, sig, frame):
             name = signal.Signals(sig).name
@@ -346,6 +377,9 @@ def main(argv=None) -> int:
             state.get("stop_now", lambda: None)()  # nor for the passes, if the shutdown already waits for them
 
         async def on_tick(self, counter):
+            if not self.ready and state["status"] == "ok":
+                self.ready = True
+                log(f"ready: serving on http://{args.host}:{port} (loaded in {time.monotonic() - started:.1f} s)")
             if not self.should_exit and state["status"] == "failed":
                 log(f"the model failed to load: {state['error']}")
                 self.failed = self.should_exit = True
@@ -365,7 +399,7 @@ def main(argv=None) -> int:
     # Pillow warns about corrupt EXIF or metadata in a client's image (UserWarning, a new line per request):
     # a client could fill the log with them. The image is decoded or refused (422) either way.
     warnings.filterwarnings("ignore", module=r"PIL\.")
-    print(f"glmvit-serve: {binding.path} on http://{args.host}:{args.port} "
+    print(f"glmvit-serve: {binding.path} on http://{args.host}:{port} "
           f"({'cpu, float32 reference' if args.cpu else 'gpu'}; /health says when it is loaded)", flush=True)
     # timeout_graceful_shutdown: once drained, the connections left have their answers; what has not ended
     # within it is cancelled.
@@ -377,7 +411,8 @@ def main(argv=None) -> int:
     # requests the drain gave up on: the drain's own line has said so already, and nothing failed.
     logging.getLogger("uvicorn.error").addFilter(lambda record: not record.getMessage().startswith("Cancel "))
     state["log"] = log
-    server.run()
+    started = time.monotonic()
+    server.run(sockets=[sock])
     code = 1 if server.failed else 0
     # After a second signal, threads may still be running a forward pass or loading the model: the
     # interpreter's shutdown under them can crash the process (exit 139), so it exits without one.
