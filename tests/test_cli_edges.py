@@ -308,6 +308,31 @@ def test_ctrl_c_on_the_cpu_keeps_every_image_that_finished(six, tmp_path, monkey
     assert "3 of 6 files already" in capsys.readouterr().out and len(read_embeddings(out)[1]) == 6
 
 
+def test_sigterm_stops_a_run_as_ctrl_c_does_and_exits_143(six, tmp_path, monkeypatch, capsys):
+    """A scheduler's SIGTERM during the fourth image: the three finished are saved and said, status 143
+    (128 + 15, as shells report it), no traceback; a re-run resumes. The signal is delivered for real, to
+    this (the main) thread, while glmvit-encode's handler is installed; the test's own is back after."""
+    import os
+    import signal
+
+    real, calls = reference.encode_pixels, []
+
+    def fourth_is_terminated(*a, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **kw)
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(reference, "encode_pixels", fourth_is_terminated)
+    out = tmp_path / "out"
+    assert run(six, "--checkpoint", TOWER, "--out", out, "--cpu") == 143
+    assert "terminated (SIGTERM); 3 files saved this run (3 in" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before and len(read_embeddings(out)[1]) == 3
+    monkeypatch.setattr(reference, "encode_pixels", real)
+    assert run(six, "--checkpoint", TOWER, "--out", out, "--cpu") == 0
+
+
 def test_the_cpu_progress_bar_counts_each_image_with_an_eta(six, tmp_path, monkeypatch, capsys):
     import re
     import time
@@ -330,7 +355,7 @@ def test_the_cpu_progress_bar_counts_each_image_with_an_eta(six, tmp_path, monke
 
 def test_the_exit_statuses_are_in_help_and_followed(folder, tmp_path, capsys):
     epilog = cli.parser().format_help()
-    for status in ("0 ", "1 ", "2 ", "3 ", "130 "):
+    for status in ("0 ", "1 ", "2 ", "3 ", "130 ", "143 "):
         assert f"\n  {status}" in epilog.split("exit status:")[1]
     out = tmp_path / "out"
     assert run(tmp_path / "nope.png", "--checkpoint", TOWER, "--out", out, "--cpu") == 2  # names nothing

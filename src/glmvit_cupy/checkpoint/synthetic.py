@@ -141,7 +141,8 @@ def main(argv=None) -> int:
         description="Write a checkpoint of GLM-5.3-Flash's vision tower with the official geometry and RANDOM "
                     "weights (about 1 GiB of BF16, in the real layout and naming), for trying glmvit-encode, "
                     "glmvit-serve and the Python API without downloading the model. Its embeddings mean nothing.")
-    ap.add_argument("dir", help="the folder to write (must not exist, or be empty)")
+    ap.add_argument("dir", help="the folder to write: new or empty (one that already holds a checkpoint is left as "
+                                "it is)")
     ap.add_argument("--seed", type=int, default=0, help="the weights' random seed (default 0)")
     args = ap.parse_args(argv)
     path = os.path.abspath(args.dir)

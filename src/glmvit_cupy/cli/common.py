@@ -12,6 +12,20 @@ FAILED = 1       # some input files failed (each named; the manifest's "failed")
 USAGE = 2        # nothing was run: the arguments, the inputs, the checkpoint, the GPU or --out refused it
 WRITE = 3        # a write to the output folder or --vllm-ec-dir failed mid-run; it stopped, what was written stays
 INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it); what finished is saved
+TERMINATED = 143   # SIGTERM (128 + 15), handled as Ctrl-C is
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread (stopped_by_sigterm) so that it stops a run as Ctrl-C does."""
+
+
+def stopped_by_sigterm(signum, frame):
+    raise Terminated()
+
+
+def interruption(e: KeyboardInterrupt) -> tuple[str, int]:
+    """What stopped the run, in a word, and the exit status for it."""
+    return ("terminated (SIGTERM)", TERMINATED) if isinstance(e, Terminated) else ("interrupted", INTERRUPTED)
 
 EXIT_STATUS = """exit status:
   0    every input file is in the output folder (encoded by this run or an earlier one)
@@ -24,6 +38,7 @@ EXIT_STATUS = """exit status:
        --vllm-ec-dir file is named); the run stopped, what it wrote stays; fix it and re-run the same
        command to resume
   130  interrupted (Ctrl-C); what finished is saved; re-run the same command to resume
+  143  terminated (SIGTERM): as 130
 """
 
 

@@ -176,8 +176,9 @@ def check_size(path, size: int, max_bytes: int, what: str) -> None:
 
 
 def mib(n: int) -> str:
-    """n bytes in MiB, as few digits as say it: 64, 6,144, 0.5."""
-    return f"{n / 2**20:,.1f}".removesuffix(".0")
+    """n bytes in MiB, as few digits as say it: 64, 6,144, 0.5, 0.01."""
+    x = n / 2**20
+    return f"{x:,.1f}".removesuffix(".0") if x >= 1 or x == 0 else f"{x:.2g}"
 
 
 def unreadable(path, e: OSError) -> ImageError:

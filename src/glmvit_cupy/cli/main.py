@@ -23,7 +23,9 @@ import contextlib
 import importlib.util
 import itertools
 import os
+import signal
 import sys
+import threading
 import time
 
 from .. import gpu
@@ -36,7 +38,8 @@ from ..preprocessing.video import MAX_FRAMES, MAX_VIDEO_TOKENS, MIN_VIDEO_TOKENS
 from ..scheduling import feed
 from ..scheduling.backend import Backend
 from ..scheduling.batching import pack, preparer
-from .common import DONE, EXIT_STATUS, FAILED, INTERRUPTED, USAGE, WRITE, counted, write_vllm
+from .common import (DONE, EXIT_STATUS, FAILED, USAGE, WRITE, counted, interruption, stopped_by_sigterm,
+                     write_vllm)
 from .inputs import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, NoSuchInput, expand_inputs, is_video, prepared
 from .videos import encode_videos, video_settings
 
@@ -125,11 +128,18 @@ def fail(message) -> int:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    # SIGTERM (a scheduler stopping the job) stops the run as Ctrl-C does: what finished is saved, and said.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stopped_by_sigterm) if main_thread else None
     try:
         return run(args)
-    except KeyboardInterrupt:  # before the encoding began (walking the inputs, loading the checkpoint)
-        print("\nglmvit-encode: interrupted before anything was encoded", file=sys.stderr)
-        return INTERRUPTED
+    except KeyboardInterrupt as e:  # before the encoding began (walking the inputs, loading the checkpoint)
+        word, status = interruption(e)
+        print(f"\nglmvit-encode: {word} before anything was encoded", file=sys.stderr)
+        return status
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def run(args) -> int:
@@ -216,11 +226,12 @@ def run(args) -> int:
     try:
         rc = encode_all(args, todo, enc, out) if todo else DONE
         return max(rc, encode_videos(args, todo_videos, enc, out, per_video) if todo_videos else DONE)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         n = len(out) - saved_before
-        print(f"\nglmvit-encode: interrupted; {counted(n, 'file')} saved this run ({len(out)} in {shown(args.out)}); "
+        word, status = interruption(e)
+        print(f"\nglmvit-encode: {word}; {counted(n, 'file')} saved this run ({len(out)} in {shown(args.out)}); "
               "re-run the same command to resume", file=sys.stderr)
-        return INTERRUPTED
+        return status
     except (OutputError, OSError) as e:  # a write: a full disk, lost permissions, a mount gone (it names the file)
         n = len(out) - saved_before
         what = e if isinstance(e, OutputError) else f"a write failed ({e})"
@@ -277,7 +288,7 @@ def encode_all(args, todo, enc, out) -> int:
 
     def skip(path, why):
         out.fail(image_key(path), str(why))
-        bar.write(shown(f"skipped {path}: {why}"))
+        bar.write(shown(f"skipped {path}: {str(why).removeprefix(f'{path}: ')}"))  # the error may name it too
         bar.update(1)
         postfix()
 

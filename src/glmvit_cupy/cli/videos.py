@@ -116,7 +116,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
             except (ImageError, ValueError) as e:  # the engine's own checks of this video
                 failed += 1
                 submit(out.fail, key, str(e))
-                bar.write(shown(f"skipped {entry['source']}: {e}"))
+                bar.write(shown(f"skipped {entry['source']}: {str(e).removeprefix(entry['source'] + ': ')}"))
             else:
                 # the lane takes the next video meanwhile
                 submit(write, key, entry, launched, nbytes=enc.geometry.embedding_bytes(entry["tokens"]))
@@ -131,7 +131,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
             if isinstance(got, Exception):
                 failed += 1
                 submit(out.fail, image_key(path), str(got))
-                bar.write(shown(f"skipped {path}: {got}"))
+                bar.write(shown(f"skipped {path}: {str(got).removeprefix(f'{path}: ')}"))
                 bar.update(1)
                 continue
             planned, entry = got

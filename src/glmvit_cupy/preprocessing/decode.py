@@ -99,7 +99,11 @@ def _decode(image, name, max_pixels=None, host_buffer=None):
         raise ImageError(f"{name}: cannot decode image (UnidentifiedImageError: not in an image format Pillow "
                          "reads, e.g. JPEG, PNG, WebP, GIF, BMP, TIFF)") from None
     except (OSError, ValueError, SyntaxError, EOFError, TypeError, MemoryError) as e:
-        raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e})") from None
+        # Pillow says "image file is truncated (N bytes not processed)" for a file cut short, N counting only
+        # its decoder's last buffer: the file is what a user needs to hear about.
+        cut = "; the file ends early: it is incomplete (cut short in a copy or download?)" if \
+            "truncated" in str(e) or isinstance(e, EOFError) else ""
+        raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e}){cut}") from None
 
 
 def _onto_white(img: Image.Image) -> Image.Image:
