@@ -137,15 +137,23 @@ async def until(cond):
         await asyncio.sleep(0.001)
 
 
+def one_image_passes(scenario) -> list:
+    """scenario(batcher, gate, entered), a coroutine function, run against a Batcher of one-image passes (an
+    engine whose passes share nothing) whose launches each wait for gate.release(); the tags in launch order."""
+    engine = Engine(shares_passes=False)
+    gate, entered = gated(engine)
+    batcher = Batcher(engine, capacity_tokens=100, max_wait_s=0.0, max_queue=256)
+    asyncio.run(scenario(batcher, gate, entered))
+    batcher.stop()
+    assert all(len(tags) == 1 for _, tags in engine.batches)
+    return [tags[0] for _, tags in engine.batches]
+
+
 def test_requests_take_turns():
     """A request of six images, then two one-image requests while its first pass runs: round robin serves
     the long request's next image, then each short one, then the long one again (FIFO would serve all six
     first)."""
-    engine = Engine(shares_passes=False)
-    gate, entered = gated(engine)
-    batcher = Batcher(engine, capacity_tokens=100, max_wait_s=0.0, max_queue=256)
-
-    async def go():
+    async def go(batcher, gate, entered):
         futures = batcher.submit([item(4, f"big{i}") for i in range(6)])
         await until(lambda: entered)
         futures += [f for i in range(2) for f in batcher.submit([item(1, f"small{i}")])]
@@ -153,21 +161,14 @@ def test_requests_take_turns():
             gate.release()
         await asyncio.gather(*futures)
 
-    asyncio.run(go())
-    batcher.stop()
-    order = [tags[0] for _, tags in engine.batches]
-    assert all(len(tags) == 1 for _, tags in engine.batches)
+    order = one_image_passes(go)
     assert order[:5] == ["big0", "big1", "small0", "small1", "big2"], order
 
 
 def test_a_flood_of_short_requests_never_starves_a_long_one():
     """A new one-image request before every pass (as many arrive as are served): the long request still
     gets an image every round, so all six are through while the flood goes on."""
-    engine = Engine(shares_passes=False)
-    gate, entered = gated(engine)
-    batcher = Batcher(engine, capacity_tokens=100, max_wait_s=0.0, max_queue=256)
-
-    async def go():
+    async def go(batcher, gate, entered):
         long = batcher.submit([item(4, f"long{i}") for i in range(6)])
         short = []
         for i in range(60):
@@ -178,20 +179,14 @@ def test_a_flood_of_short_requests_never_starves_a_long_one():
             gate.release()
         await asyncio.gather(*long, *short)
 
-    asyncio.run(go())
-    batcher.stop()
-    order = [tags[0] for _, tags in engine.batches]
+    order = one_image_passes(go)
     assert order.index("long5") < 60, order  # launched before the flood's last pass
 
 
 def test_an_image_another_request_joins_leaves_its_long_request():
     """A one-image request joining (expedite) the queued job of the last image of a long request is served as
     a request of its own, not after the long request's other images; the head of a request stays."""
-    engine = Engine(shares_passes=False)
-    gate, entered = gated(engine)
-    batcher = Batcher(engine, capacity_tokens=100, max_wait_s=0.0, max_queue=256)
-
-    async def go():
+    async def go(batcher, gate, entered):
         long = batcher.submit([item(4, f"long{i}") for i in range(6)])
         await until(lambda: entered)
         batcher.expedite(long[5])
@@ -200,9 +195,7 @@ def test_an_image_another_request_joins_leaves_its_long_request():
             gate.release()
         await asyncio.gather(*long)
 
-    asyncio.run(go())
-    batcher.stop()
-    order = [tags[0] for _, tags in engine.batches]
+    order = one_image_passes(go)
     assert order[:3] == ["long0", "long1", "long5"], order
 
 
