@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine proves, in one call: the GPU test suite, the parity check against
 # HF transformers 5.23.0 and the benchmarks. Short table last; full logs under $OUT.
-#   tools/gpu_check.sh [tests|parity|bench|e2e|video|serve|before|all]...   (default: all)
+#   tools/gpu_check.sh [tests|cpu|parity|bench|e2e|video|serve|before|all]...   (default: all)
+# tests: the GPU tests and the examples; cpu: the CPU suite (CI runs it too).
 # before: the encoder benchmark (ours only) of an older tree unpacked in .old/ (git archive COMMIT setup.cfg src
 # cuda benchmarks examples/grace_hopper.jpg | tar -x -C .old), then of this tree, in the same run.
 set -uo pipefail
@@ -26,8 +27,8 @@ case " $what " in *" all "*|*" tests "*)
     run test_gpu python3 -m pytest -q -rs -s -m gpu tests
     run example python3 examples/encode_image.py --save "$OUT/example_embeddings.safetensors"
     run example_video python3 examples/encode_video.py
-    run test_cpu python3 -m pytest -q -rs -m "not gpu" tests
 ;; esac
+case " $what " in *" all "*|*" cpu "*) run test_cpu python3 -m pytest -q -rs -m "not gpu" tests ;; esac
 case " $what " in *" before "*)
     [ -d .old/src ] && run bench_before bash -c "cd .old && python3 benchmarks/bench_encoder.py --no-hf"
     run bench_after python3 benchmarks/bench_encoder.py --no-hf
