@@ -160,8 +160,12 @@ class Runner:
             plans = [(b, [self.plans.full_pass(b, image_patches)])
                      for b in full_pass_budgets(self.capacity_patches, image_patches, CAPTURE_ON_SECOND_CALL)]
             if every_budget:
-                self.plans.size = float("inf")  # none of them is evicted while they are built
-                plans += [(b, self.plans.ahead(b)) for b in all_budgets(self.capacity_patches)]
+                size, self.plans.size = self.plans.size, float("inf")  # none is evicted while they are built
+                try:
+                    plans += [(b, self.plans.ahead(b)) for b in all_budgets(self.capacity_patches)]
+                except BaseException:  # out of memory, say: the cache keeps its bound
+                    self.plans.size = size
+                    raise
                 self.plans.size = len(self.plans) + MAX_PLANS
             # The forward reads every per-batch detail from the plan's device data: nothing to stage.
             for b, group in plans:
