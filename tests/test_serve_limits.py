@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -422,7 +423,8 @@ def test_bodies_in_flight_are_bounded_and_a_body_over_the_room_is_read_then_429(
     """--max-bodies-in-flight-mib 1.5: a 0.9 MiB request in its 1 s pass holds 0.9 MiB; another 0.9 MiB body,
     sent whole before its client reads (urllib) or chunked without a length, is read and dropped, then
     answered 429 naming the flag (not a reset connection); once the first is answered, the same body is
-    encoded: every refusal gave its bytes back."""
+    encoded (every refusal gave its bytes back), and so it is beside four connections whose headers
+    declared 1 MiB bodies that never came."""
     proc, client = launch("--max-body-mib", 1, "--max-bodies-in-flight-mib", 1.5, "--cache-mib", 0,
                           prelude=slow(1.0))
     try:
@@ -434,11 +436,24 @@ def test_bodies_in_flight_are_bounded_and_a_body_over_the_room_is_read_then_429(
         time.sleep(0.4)
         for status, err in (post(client, second), chunked_post(client, second)):
             assert status == 429, err
-            assert "of request bodies" in err["error"] and "--max-bodies-in-flight-mib" in err["error"], err
+            assert "the request bodies the server holds" in err["error"], err
+            assert "--max-bodies-in-flight-mib" in err["error"], err
         t.join()
         assert got["first"][0] == 200
+        # Headers that declare a body hold nothing until its bytes come: four idle ones, each declaring the
+        # most a body may be, leave a whole body's room.
+        idle = [socket.create_connection(("127.0.0.1", int(client.url.rsplit(":", 1)[1]))) for _ in range(4)]
+        for s in idle:
+            s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1048576\r\n\r\n")
+        time.sleep(0.2)
         assert post(client, second)[0] == 200
-        assert chunked_post(client, padded([png(80, 64, 13)], 1400 << 10))[0] == 413  # over --max-body-mib
+        for s in idle:
+            s.close()
+        # Over --max-body-mib by its Content-Length: 413 at once, and the connection closes (the body unread)
+        reply = raw_request(client, b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                    b"Content-Length: 1433600\r\n\r\n", 5.0)
+        assert reply.startswith(b"HTTP/1.1 413") and b"connection: close" in reply.lower(), reply
     finally:
         stop(proc)
 
@@ -748,9 +763,13 @@ def test_base64_decoded_piece_by_piece_equals_decoding_at_once(rng):
         with pytest.raises((binascii.Error, ValueError)):
             requests.b64decode(bad)
     # what one call accepts, this accepts: extra padding after a whole quad, padding alone past a piece,
-    # whitespace str.split() knows (the ASCII separators, a no-break space)
-    for odd in ("QUJD===", "A" * piece + "==", "\x1cQU\x1fJD\xa0", "QUJD\u2028QUJD"):
+    # the ASCII whitespace str.split() knows (its separators too)
+    for odd in ("QUJD===", "A" * piece + "==", "\x1cQU\x1fJD\x0b"):
         assert requests.b64decode(odd) == base64.b64decode("".join(odd.split()), validate=True)
+    # Unicode whitespace is refused, where it is (splitting a long text on it took 5.5 GB)
+    for odd, at in (("QUJD\u2028QUJD", "U+2028, outside ASCII, at character 4"), ("QU\xa0JD", "U+00A0")):
+        with pytest.raises(binascii.Error, match=re.escape(at)):
+            requests.b64decode(odd)
 
 
 def test_the_cache_counts_what_its_entries_hold():
@@ -841,6 +860,31 @@ def test_the_connection_cap_fits_the_open_file_limit(monkeypatch):
 def test_a_body_of_many_json_items_is_refused_before_it_is_parsed(server, body, says):
     """A body of many tiny JSON items costs json.loads an object each, holding the interpreter (60 MB of "[],"
     took 1.5 GB and 7 s): refused (400) from a count of their marks, before any parsing."""
+    import urllib.error
+    import urllib.request
+
+    _, client = server
+    path = "/v1/encode" if b"images" in body else "/v1/encode_video"
+    req = urllib.request.Request(client.url + path, data=body, method="POST", headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    err = json.loads(e.value.read())
+    assert e.value.code == 400 and says in err["error"], err
+
+
+@pytest.mark.parametrize("body, says", [
+    ('{"images": ["QUJD\u00a0"]}'.encode(), "a byte outside ASCII at offset 17"),
+    (b'{"images": ["QUJD\\u00a0"]}', "escapes a character outside ASCII at offset 17 (\\u00a0)"),
+    (b'{"images": ["QUJD\\ud83d\\ude00"]}', "escapes a character outside ASCII at offset 17 (\\ud83d)"),
+    (b'{"videos": [{"frames": ["QQ=="], "fps": 2}], "min_image_tokens": "16"}', "'min_image_tokens' must be an integer"),
+    (b'{"videos": [{"frames": ["QQ=="], "fps": 2}], "max_frames": [3]}', "'max_frames' must be an integer, got [3]"),
+    (b'{"videos": [{"frames": ["QQ=="], "fps": 2}], "target_fps": true}', "'target_fps' must be a number, got True"),
+    (b'{"videos": [{"frames": ["QQ=="], "fps": "2"}]}', "videos[0].fps must be a number or null, got '2'"),
+])
+def test_a_body_outside_the_requests_form_is_400_before_any_work(server, body, says):
+    """A request is ASCII JSON: one non-ASCII character (or an escape of one) would make every string of the
+    parse 2 or 4 bytes a character (a 240 MiB body took 2-6 GB), so it is refused before parsing. A video
+    setting of the wrong type is the client's mistake (400), not the engine's (it was a 500)."""
     import urllib.error
     import urllib.request
 

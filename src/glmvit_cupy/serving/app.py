@@ -208,9 +208,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             try:
                 try:
                     response = await handle(request)
-                except Refused as e:  # a body too slow: the rest of it is not read, so the connection closes
+                except Refused as e:  # a body too slow or too large: the rest is not read, and the connection closes
                     response = JSONResponse({"error": e.error, "index": e.index}, status_code=e.status,
-                                            headers={"Connection": "close"} if e.status == 408 else None)
+                                            headers={"Connection": "close"} if e.close else None)
                 except (ClientGone, ClientDisconnect):
                     response = Response(status_code=499)
                 except asyncio.CancelledError:  # the drain ran out, or a second signal: a short answer, no traceback

@@ -334,10 +334,15 @@ def main(argv=None) -> int:
     if why:
         print(f"glmvit-serve: {why}", file=sys.stderr)
         return 2
+    host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address, as a URL writes it
     try:
         sock = listen(args.host, args.port)
+    except socket.gaierror as e:
+        print(f"glmvit-serve: cannot listen on --host {args.host} ({e.strerror or e}): give an address or a name "
+              "this machine resolves (127.0.0.1, 0.0.0.0, ::)", file=sys.stderr)
+        return 3
     except OSError as e:  # before the model loads: nothing to undo
-        print(f"glmvit-serve: cannot listen on {args.host}:{args.port} ({e.strerror or e}): choose another --port "
+        print(f"glmvit-serve: cannot listen on {host}:{args.port} ({e.strerror or e}): choose another --port "
               "(0: any free one) or --host", file=sys.stderr)
         return 3
     port = sock.getsockname()[1]
@@ -379,7 +384,7 @@ def main(argv=None) -> int:
         async def on_tick(self, counter):
             if not self.ready and state["status"] == "ok":
                 self.ready = True
-                log(f"ready: serving on http://{args.host}:{port} (loaded in {time.monotonic() - started:.1f} s)")
+                log(f"ready: serving on http://{host}:{port} (loaded in {time.monotonic() - started:.1f} s)")
             if not self.should_exit and state["status"] == "failed":
                 log(f"the model failed to load: {state['error']}")
                 self.failed = self.should_exit = True
@@ -399,7 +404,7 @@ def main(argv=None) -> int:
     # Pillow warns about corrupt EXIF or metadata in a client's image (UserWarning, a new line per request):
     # a client could fill the log with them. The image is decoded or refused (422) either way.
     warnings.filterwarnings("ignore", module=r"PIL\.")
-    print(f"glmvit-serve: {binding.path} on http://{args.host}:{port} "
+    print(f"glmvit-serve: {binding.path} on http://{host}:{port} "
           f"({'cpu, float32 reference' if args.cpu else 'gpu'}; /health says when it is loaded)", flush=True)
     # timeout_graceful_shutdown: once drained, the connections left have their answers; what has not ended
     # within it is cancelled.
@@ -414,6 +419,10 @@ def main(argv=None) -> int:
     started = time.monotonic()
     server.run(sockets=[sock])
     code = 1 if server.failed else 0
+    # The interpreter may still wait for a parsing or decoding thread's job; a signal meanwhile ends the
+    # process at once with this status (uvicorn has put back the default handlers: 143, or a traceback).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: os._exit(code))
     # After a second signal, threads may still be running a forward pass or loading the model: the
     # interpreter's shutdown under them can crash the process (exit 139), so it exits without one.
     running = sorted(t.name for t in threading.enumerate() if t.daemon and t.is_alive() and

@@ -8,27 +8,33 @@ import asyncio
 import base64
 import binascii
 import json
+import re
 
 from ..checks import DEFAULT_MAX_IMAGE_TOKENS, check_token_limits
 from ..preprocessing.video import MAX_VIDEO_TOKENS
 
 
 class Refused(Exception):
-    def __init__(self, status: int, error: str, index: int | None = None):
+    """A request refused: its status, why, the image's (or video's) position; `close`: the connection closes
+    after the answer (the rest of the body is not read)."""
+
+    def __init__(self, status: int, error: str, index: int | None = None, close: bool = False):
         super().__init__(error)
-        self.status, self.error, self.index = status, error, index
+        self.status, self.error, self.index, self.close = status, error, index, close
 
 
 async def read_body(request, limit: int, timeout: float, room=None) -> bytearray:
     """The body, or Refused: over `limit` bytes (413, from Content-Length when it says so: the rest is left
-    unread and the connection closes), more than `room` (a batcher.Budget of bytes, server-wide) has free now
+    unread and the connection closes), more than `room` (a batcher.Budget of bytes, server-wide) has free
     (429, once the body has arrived: it is read and dropped as it comes, so the client, which may send before
-    it reads, gets the answer), or not all there within `timeout` seconds of its headers (408). A body read
-    holds len(body) of `room`, for the caller to give back; a refusal gives back what it took."""
+    it reads, gets the answer), or not all there within `timeout` seconds of its headers (408). A body holds
+    `room` for the bytes that have arrived, as they arrive (headers that declare a size hold nothing). A body
+    read holds len(body) of it, for the caller to give back; a refusal gives back what it took."""
     declared = request.headers.get("content-length")
     declared = int(declared) if declared and declared.isdigit() else None
     if declared is not None and declared > limit:
-        raise Refused(413, f"the body is {declared} bytes, over the {limit / 2**20:g} MiB limit (--max-body-mib)")
+        raise Refused(413, f"the body is {declared:,} bytes, over the {limit / 2**20:g} MiB limit (--max-body-mib)",
+                      close=True)
     body = bytearray()
     held = 0
     full = None  # the 429 once `room` has no room for the body
@@ -40,9 +46,9 @@ async def read_body(request, limit: int, timeout: float, room=None) -> bytearray
         if room.take(n):
             held += n
             return
-        full = Refused(429, f"the server holds {room.used / 2**20:,.1f} MiB of request bodies, and "
-                            f"{(held + n) / 2**20:,.1f} MiB more for this one would pass its limit of "
-                            f"{room.total / 2**20:g} MiB (--max-bodies-in-flight-mib): retry shortly")
+        full = Refused(429, f"the request bodies the server holds ({room.used / 2**20:,.1f} MiB, this one's "
+                            f"{held / 2**20:,.1f} MiB so far among them) leave no room for the rest of this one, within "
+                            f"the limit of {room.total / 2**20:g} MiB (--max-bodies-in-flight-mib): retry shortly")
         room.give(held)
         held = 0
         body.clear()
@@ -54,14 +60,13 @@ async def read_body(request, limit: int, timeout: float, room=None) -> bytearray
         async for chunk in request.stream():
             got += len(chunk)
             if got > limit:
-                raise Refused(413, f"the body is over the {limit / 2**20:g} MiB limit (--max-body-mib)")
+                raise Refused(413, f"the body is over the {limit / 2**20:g} MiB limit (--max-body-mib)", close=True)
             if full is None:
                 body.extend(chunk)
-                if len(body) > held:  # a body without Content-Length (chunked) is held as it comes
+                if len(body) > held:  # what has arrived, as it comes
                     hold(len(body) - held)
 
     try:
-        hold(declared or 0)
         await asyncio.wait_for(read(), timeout)
     except BaseException as e:
         if room is not None:
@@ -69,7 +74,7 @@ async def read_body(request, limit: int, timeout: float, room=None) -> bytearray
         if isinstance(e, asyncio.TimeoutError):
             of = f" of the {declared:,} declared" if declared is not None else ""
             raise Refused(408, f"the body did not arrive within {timeout:g} s (--body-timeout): {got:,} bytes"
-                               f"{of} came; send it at once") from None
+                               f"{of} came; send it at once", close=True) from None
         raise
     if full is not None:  # what it held is given back already
         raise full
@@ -98,12 +103,10 @@ def b64decode(text: str) -> bytes:
         head, comma, text = text.partition(",")
         if not comma or not head.endswith(";base64"):
             raise ValueError("a data URL must carry base64: data:<media type>;base64,<data>")
-    if not text.isascii():
-        text = "".join(text.split())  # other whitespace, as str.split() knows it
-    try:
-        data = text.encode("ascii")
-    except UnicodeEncodeError:
-        raise binascii.Error("Only base64 data is allowed (a character outside ASCII)") from None
+    if not text.isascii():  # base64 is ASCII; Unicode spaces are refused too (splitting on them cost 5.5 GB)
+        at = re.search(r"[^\x00-\x7f]", text).start()
+        raise binascii.Error(f"Only base64 data is allowed (U+{ord(text[at]):04X}, outside ASCII, at character {at:,})")
+    data = text.encode("ascii")
     data = data.translate(_URL_SAFE_BYTES, _WHITESPACE)
     end = data.find(b"=")
     end = len(data) if end == -1 else end  # where the data characters end
@@ -129,14 +132,26 @@ def _check_items(body: bytes, most: int, what: str) -> None:
                            f"{most:,}")
 
 
+_NON_ASCII_ESCAPE = re.compile(rb"\\u(?!00[0-7][0-9a-fA-F])")
+
+
 def _text(body) -> str:
-    """The body as text: UTF-8, as JSON over HTTP is, a byte-order mark skipped. json.loads of the bytes
-    would decode them itself with a slower error handler (1.25 s for a 240 MiB body against 0.13 s here,
-    holding the interpreter, and with it the event loop, all the while)."""
-    try:
-        return str(body, "utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise Refused(400, f"the body is not valid JSON (not UTF-8: {e})") from None
+    """The body as text, or Refused (400) if it holds anything but ASCII: a request holds base64, numbers
+    and ASCII names, and one non-ASCII character (or a \\u escape of one) would make every string of the
+    parse take 2 or 4 bytes a character (a 240 MiB body: 2 GB). json.loads of the bytes would decode them
+    itself with a slower error handler (1.25 s for a 240 MiB body against 0.13 s here, holding the
+    interpreter, and with it the event loop, all the while)."""
+    if not body.isascii():
+        at = re.search(rb"[\x80-\xff]", body).start()
+        raise Refused(400, f"the body holds a byte outside ASCII at offset {at:,}: a request is ASCII JSON (base64 "
+                           "text, numbers and field names)")
+    if b"\\u" in body:
+        found = _NON_ASCII_ESCAPE.search(body)
+        if found:
+            raise Refused(400, f"the body escapes a character outside ASCII at offset {found.start():,} "
+                               f"({bytes(body[found.start():found.start() + 6]).decode()}): a request is ASCII JSON "
+                               "(base64 text, numbers and field names)")
+    return str(body, "ascii")
 
 
 def _load(text: str):
@@ -216,6 +231,9 @@ def parse_videos(body: bytes) -> tuple[list[dict], dict]:
             raise Refused(400, f"videos[{i}].frames must be a non-empty list of base64 strings (image files)", i)
         if file is not None and not isinstance(file, str):
             raise Refused(400, f"videos[{i}].file must be a base64 string (a video file)", i)
+        for k in ("fps", "duration"):
+            if v.get(k) is not None and not _number(v[k]):
+                raise Refused(400, f"videos[{i}].{k} must be a number or null, got {v[k]!r}", i)
         out.append({"frames": None if frames is None else list(frames), "file": file, "fps": v.get("fps"),
                     "duration": v.get("duration")})
     defaults = {"sample": True, "target_fps": 2, "max_frames": 2048, "max_duration": 0, "min_image_tokens": 16,
@@ -223,7 +241,17 @@ def parse_videos(body: bytes) -> tuple[list[dict], dict]:
     common = {k: (defaults[k] if req.get(k) is None else req[k]) for k in defaults}
     if not isinstance(common["sample"], bool):
         raise Refused(400, f"'sample' must be true or false, got {common['sample']!r}")
+    for k in ("target_fps", "max_duration"):  # the values themselves: preprocess_video's checks (422)
+        if not _number(common[k]):
+            raise Refused(400, f"'{k}' must be a number, got {common[k]!r}")
+    for k in ("max_frames", "min_image_tokens", "max_image_tokens"):
+        if not _number(common[k]) or not isinstance(common[k], int):
+            raise Refused(400, f"'{k}' must be an integer, got {common[k]!r}")
     return out, common
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def decode_frames(videos: list[dict], max_image_mib: float) -> None:
