@@ -853,6 +853,18 @@ def test_the_connection_cap_fits_the_open_file_limit(monkeypatch):
     assert serve_main.open_files_for(100) == (100, 472, None)
 
 
+def post_raw(client, body: bytes) -> tuple[int, dict]:
+    """(status, JSON answer) of a body POSTed as it is, to /v1/encode or, for a video request, /v1/encode_video."""
+    import urllib.error
+    import urllib.request
+
+    path = "/v1/encode" if b"images" in body else "/v1/encode_video"
+    req = urllib.request.Request(client.url + path, data=body, method="POST", headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    return e.value.code, json.loads(e.value.read())
+
+
 @pytest.mark.parametrize("body, says", [
     (b'{"images": [' + b"[]," * 2000 + b'"QQ=="]}', "JSON strings, arrays, objects and commas; a request of up to 8 images"),
     (b'{"videos": [' + b'"",' * 600_000 + b'{}]}', "JSON strings, arrays, objects and commas; a video request holds at most"),
@@ -860,16 +872,8 @@ def test_the_connection_cap_fits_the_open_file_limit(monkeypatch):
 def test_a_body_of_many_json_items_is_refused_before_it_is_parsed(server, body, says):
     """A body of many tiny JSON items costs json.loads an object each, holding the interpreter (60 MB of "[],"
     took 1.5 GB and 7 s): refused (400) from a count of their marks, before any parsing."""
-    import urllib.error
-    import urllib.request
-
-    _, client = server
-    path = "/v1/encode" if b"images" in body else "/v1/encode_video"
-    req = urllib.request.Request(client.url + path, data=body, method="POST", headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=60)
-    err = json.loads(e.value.read())
-    assert e.value.code == 400 and says in err["error"], err
+    status, err = post_raw(server[1], body)
+    assert status == 400 and says in err["error"], err
 
 
 @pytest.mark.parametrize("body, says", [
@@ -885,13 +889,5 @@ def test_a_body_outside_the_requests_form_is_400_before_any_work(server, body, s
     """A request is ASCII JSON: one non-ASCII character (or an escape of one) would make every string of the
     parse 2 or 4 bytes a character (a 240 MiB body took 2-6 GB), so it is refused before parsing. A video
     setting of the wrong type is the client's mistake (400), not the engine's (it was a 500)."""
-    import urllib.error
-    import urllib.request
-
-    _, client = server
-    path = "/v1/encode" if b"images" in body else "/v1/encode_video"
-    req = urllib.request.Request(client.url + path, data=body, method="POST", headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=60)
-    err = json.loads(e.value.read())
-    assert e.value.code == 400 and says in err["error"], err
+    status, err = post_raw(server[1], body)
+    assert status == 400 and says in err["error"], err
