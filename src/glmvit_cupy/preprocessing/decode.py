@@ -32,6 +32,29 @@ ENCODED_BYTES = (bytes, bytearray, memoryview)  # an encoded file's bytes, as a 
 DECODE_BLOCK = 1 << 26  # bytes of the file handed to Pillow's decoder at once
 
 
+# Pillow decodes JPEG 2000 through Python calls that read the file, so it holds the GIL for the whole
+# decode (an 81 MP file: 10 s in which no other thread of the process runs). A process that must keep
+# answering meanwhile (glmvit-serve) sets `offload` to decode these formats in another process; None
+# decodes them here.
+HOLDS_THE_GIL = frozenset({"JPEG2000"})
+offload = None  # offload(file bytes, name, max_pixels) -> HxWx3 uint8 array, or raises ImageError
+
+
+def decode_rgb(data: bytes, name: str, max_pixels: int | None = None) -> np.ndarray:
+    """An image file's bytes -> HxWx3 uint8, as load decodes them (what offload runs in the other process)."""
+    return np.ascontiguousarray(rgb_pixels(load(data, name, max_pixels)))
+
+
+def _file_bytes(image) -> bytes:
+    if isinstance(image, (str, os.PathLike)):
+        with open(image, "rb") as f:
+            return f.read()
+    if isinstance(image, io.BytesIO):
+        return image.getvalue()
+    image.seek(0)
+    return image.read()
+
+
 # Pillow's decompression-bomb guard (Image.MAX_IMAGE_PIXELS, 89.5 MP unless changed) refuses larger
 # images; max_pixels raises (or lowers) the limit for one call, as one would for scans or panoramas.
 _pillow_limit = threading.Lock()
@@ -74,6 +97,10 @@ def _decode(image, name, max_pixels=None, host_buffer=None):
             w, h = img.size
             if limit is not None and w * h > limit:
                 raise ImageError(f"{bomb} (it is {w} x {h} = {w * h:,})")
+            if offload is not None and img.format in HOLDS_THE_GIL:
+                data = _file_bytes(image)
+                img.close()
+                return offload(data, name, max_pixels)
             # One decoder call for the whole file (Pillow feeds 64 KiB at a time by default and takes the GIL
             # back after each): the decode then runs without the GIL, and threads decode side by side.
             img.decodermaxblock = max(img.decodermaxblock, DECODE_BLOCK)

@@ -35,6 +35,7 @@ import asyncio
 import binascii
 import concurrent.futures
 import contextlib
+import multiprocessing
 import dataclasses
 import functools
 import io
@@ -55,6 +56,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import ImageError, OutputError
+from ..preprocessing import decode
 from ..preprocessing.image import prepare_canvas, smart_resize
 from ..preprocessing.video import plan_video, sample_frames
 from ..preprocessing.video_files import FrameFiles, VideoFile
@@ -86,6 +88,37 @@ class Settings:
     vllm_ec_dir: str | None = None
 
 
+class OffProcess:
+    """decode.offload for the service: the formats whose decoder holds the GIL (decode.HOLDS_THE_GIL, JPEG
+    2000) decoded in a process of their own, started on first use, so that the event loop and the other
+    threads run meanwhile (one 81 MP JPEG 2000 froze the server for 12 s). The decoding thread that asked
+    waits for it without the GIL."""
+
+    def __init__(self, workers: int):
+        self.workers, self._pool, self._lock = workers, None, threading.Lock()
+
+    def __call__(self, data: bytes, name: str, max_pixels):
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ProcessPoolExecutor(self.workers,
+                                                                    mp_context=multiprocessing.get_context("spawn"))
+            pool = self._pool
+        try:
+            return pool.submit(decode.decode_rgb, data, name, max_pixels).result()
+        except concurrent.futures.process.BrokenProcessPool:  # killed (out of memory, say): a new one next time
+            with self._lock:
+                if self._pool is pool:
+                    self._pool = None
+            raise ImageError(f"{name}: its decoder's process ended before the image was decoded (out of memory?)") \
+                from None
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+
+
 class Orphaned(Exception):
     """The request that was to encode this content stopped before queueing it (refused, or its client went
     away); a request waiting for it encodes it itself."""
@@ -112,6 +145,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     state = {"status": "loading", "backend": None, "batcher": None, "error": None, "in_flight": 0}
     decoders = Decoders(settings.decode_workers)
     parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="glmvit-parse")
+    off_process = OffProcess(max(1, settings.decode_workers - 1))  # as large images, one thread left free
     budget = Budget(settings.max_pixels_in_flight)
     bodies = Budget(int(settings.max_bodies_in_flight_mib * 2**20))  # bytes of bodies held by requests
     limit = settings.max_pixels if settings.max_pixels is not None else Image.MAX_IMAGE_PIXELS
@@ -153,6 +187,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         now = asyncio.Event()
         state["stop_now"] = lambda: loop.call_soon_threadsafe(now.set)  # a second signal (main.py)
         threading.Thread(target=load, name="glmvit-load", daemon=True).start()
+        offload, decode.offload = decode.offload, off_process
         yield
         state["status"] = "stopping"
         try:
@@ -178,6 +213,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         finally:
             decoders.shutdown()
             parser.shutdown(wait=False, cancel_futures=True)
+            decode.offload = offload
+            off_process.shutdown()
 
     def not_ready() -> str:
         why = {"loading": "the model is still loading", "stopping": "the server is shutting down"}
