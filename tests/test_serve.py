@@ -383,7 +383,9 @@ def test_devices_with_cpu_is_refused_before_loading(capsys):
     (["--max-reply-mib", "nan"], "--max-reply-mib nan must be a finite number above 0"),
     (["--max-bodies-in-flight-mib", "0"], "--max-bodies-in-flight-mib 0 must be a finite number above 0"),
     (["--max-bodies-in-flight-mib", "100"], "--max-bodies-in-flight-mib 100 is below the 256 MiB one body may have "
-     "(--max-body-mib): such a body could never be read; raise it to at least 256"),
+     "(--max-body-mib): such a body could never be held; raise it to at least 256"),
+    (["--max-bodies-in-flight-mib", "300"], "--max-bodies-in-flight-mib 300 is below the 1024 MiB one reply may have "
+     "(--max-reply-mib)"),
 ])
 def test_bad_settings_are_refused_at_start_not_per_request(capsys, flags, says):
     """An operator's bad flag stops the server before it loads, with exit code 2 and the reason (not a 422

@@ -425,7 +425,7 @@ def test_bodies_in_flight_are_bounded_and_a_body_over_the_room_is_read_then_429(
     answered 429 naming the flag (not a reset connection); once the first is answered, the same body is
     encoded (every refusal gave its bytes back), and so it is beside four connections whose headers
     declared 1 MiB bodies that never came."""
-    proc, client = launch("--max-body-mib", 1, "--max-bodies-in-flight-mib", 1.5, "--cache-mib", 0,
+    proc, client = launch("--max-body-mib", 1, "--max-reply-mib", 1, "--max-bodies-in-flight-mib", 1.5, "--cache-mib", 0,
                           prelude=slow(1.0))
     try:
         first = padded([png(64, 64, 11)], 900 << 10)
@@ -642,6 +642,28 @@ def test_a_reply_left_unread_is_cut_off_and_let_go():
         stop(proc)
     out = proc.stdout.read()
     assert "left its reply unread for 1 s (--reply-timeout): connection closed" in out, out
+
+
+def test_replies_being_sent_are_held_within_the_bodies_in_flight():
+    """A small request makes a large reply (an image repeated: 8 MiB from 40 KB); replies left to slow
+    readers held 2 GB server-wide. --max-bodies-in-flight-mib 12: a reply being sent holds its 8 MiB until
+    the client has it, a second such reply meanwhile is 429 naming the flag, and once the first is read
+    the second is answered."""
+    proc, client = launch("--max-bodies-in-flight-mib", 12, "--max-reply-mib", 10, "--max-body-mib", 1,
+                          "--cache-mib", 64)
+    try:
+        first = reply_reader(client, 16)
+        time.sleep(1.0)  # its reply made and stuck in the buffers
+        body = json.dumps({"images": [b64(png(1, 1, 431))] * 16, "min_image_tokens": 1024,
+                           "max_image_tokens": 1024}).encode()
+        status, err = post(client, body)
+        assert status == 429 and "request and reply bodies" in err["error"], err
+        assert "--max-bodies-in-flight-mib" in err["error"], err
+        assert read_all(first) > 8 << 20
+        time.sleep(0.2)
+        assert post(client, body)[0] == 200
+    finally:
+        stop(proc)
 
 
 def test_a_slow_steady_reader_keeps_its_connection():

@@ -35,6 +35,7 @@ import asyncio
 import binascii
 import concurrent.futures
 import contextlib
+import contextvars
 import multiprocessing
 import dataclasses
 import functools
@@ -117,6 +118,24 @@ class OffProcess:
             if self._pool is not None:
                 self._pool.shutdown(wait=False, cancel_futures=True)
                 self._pool = None
+
+
+# The scope of the request an endpoint is answering (its tasks inherit it): where its hold on the bodies in
+# flight is kept.
+REQUEST_SCOPE: contextvars.ContextVar = contextvars.ContextVar("glmvit_request_scope")
+
+
+class Releasing:
+    """A response that calls release() once it has been sent, or has failed to be."""
+
+    def __init__(self, response: Response, release):
+        self.response, self.release = response, release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.response(scope, receive, send)  # returns once the kernel has taken nearly all of it
+        finally:
+            self.release()
 
 
 class Orphaned(Exception):
@@ -242,6 +261,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         async def run(request):
             t0 = time.perf_counter()
             state["in_flight"] += 1
+            REQUEST_SCOPE.set(request.scope)
             try:
                 try:
                     response = await handle(request)
@@ -263,6 +283,10 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 bodies.give(request.scope.pop("glmvit.body_bytes", 0))
             metrics.requests.labels(str(response.status_code)).inc()
             metrics.latency.observe(time.perf_counter() - t0)
+            held = request.scope.pop("glmvit.reply_bytes", 0)
+            if held and response.status_code == 200:
+                return Releasing(response, lambda: bodies.give(held))
+            bodies.give(held)
             return response
         return run
 
@@ -460,6 +484,15 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             raise Refused(413, f"the reply would hold {size / 2**20:,.1f} MiB of embeddings for {len(out)} {what}, over "
                                f"the server's limit of {settings.max_reply_mib:g} MiB a reply (--max-reply-mib): send "
                                f"fewer {what} a request, or a lower max_image_tokens")
+        # The reply takes the request body's place in the bodies in flight until it is sent (endpoint).
+        scope = REQUEST_SCOPE.get()
+        bodies.give(scope.pop("glmvit.body_bytes", 0))
+        if not bodies.take(size):
+            raise Refused(429, f"the request and reply bodies the server holds ({bodies.used / 2**20:,.1f} MiB) leave no "
+                               f"room for this reply's {size / 2**20:,.1f} MiB within the limit of "
+                               f"{bodies.total / 2**20:g} MiB (--max-bodies-in-flight-mib): retry shortly (with the "
+                               "cache on, what was encoded is not encoded again)")
+        scope["glmvit.reply_bytes"] = size
         from safetensors.numpy import save
 
         body = await asyncio.get_running_loop().run_in_executor(

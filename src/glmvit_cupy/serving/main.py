@@ -56,8 +56,9 @@ def parser() -> argparse.ArgumentParser:
                          "one that does not fit the room left 429")
     ap.add_argument("--max-body-mib", type=float, default=256.0, help="largest request body (default 256)")
     ap.add_argument("--max-bodies-in-flight-mib", type=float, default=1024.0,
-                    help="request bodies held at once, server-wide, from their arrival until their request is "
-                         "answered (default 1024); a body that does not fit now gets 429. At least --max-body-mib")
+                    help="request and reply bodies held at once, server-wide: a request's from its arrival until it "
+                         "is answered, a reply's until it is sent (default 1024); one that does not fit now gets "
+                         "429. At least --max-body-mib and --max-reply-mib")
     ap.add_argument("--max-image-mib", type=float, default=64.0, help="largest image file (default 64)")
     ap.add_argument("--max-reply-mib", type=float, default=1024.0,
                     help="largest reply: the embeddings of one request, repeats included (default 1024); more: 413")
@@ -122,10 +123,11 @@ def check_settings(args) -> str | None:
                         ("--drain-timeout", args.drain_timeout)):
         if not (math.isfinite(value) and value > 0):
             return f"{flag} {value:g} must be a finite number above 0"
-    if args.max_bodies_in_flight_mib < args.max_body_mib:
-        return (f"--max-bodies-in-flight-mib {args.max_bodies_in_flight_mib:g} is below the {args.max_body_mib:g} MiB "
-                f"one body may have (--max-body-mib): such a body could never be read; raise it to at least "
-                f"{args.max_body_mib:g}")
+    for flag, most, what in (("--max-body-mib", args.max_body_mib, "body"), ("--max-reply-mib", args.max_reply_mib,
+                                                                                "reply")):
+        if args.max_bodies_in_flight_mib < most:
+            return (f"--max-bodies-in-flight-mib {args.max_bodies_in_flight_mib:g} is below the {most:g} MiB one {what} "
+                    f"may have ({flag}): such a {what} could never be held; raise it to at least {most:g}")
     return None
 
 
