@@ -385,3 +385,52 @@ def test_a_tower_whose_patches_are_not_rgb_is_refused_for_images():
             Patching(**bad)
     with pytest.raises(TypeError, match=r"give a glmvit_cupy.Patching, e.g. Patching.of\(model.geometry\)"):
         preprocess([np.zeros((28, 28, 3), np.uint8)], patching=VisionGeometry())
+
+
+def test_formats_outside_the_in_process_set_go_to_offload_when_it_is_set(monkeypatch, rng):
+    """decode.offload (glmvit-serve's other process) receives the file of every format whose decoder may hold
+    the GIL or outgrow its header (JPEG 2000, ICNS, TGA, ...), and only those: JPEG and PNG decode here. Its
+    array comes back as the image."""
+    from glmvit_cupy.preprocessing import decode
+
+    pixels = rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    files = {}
+    for kind in ("PNG", "JPEG", "TGA", "JPEG2000"):
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, kind)
+        files[kind] = buf.getvalue()
+    calls = []
+
+    def offload(data, name, max_pixels):
+        calls.append(data)
+        decode.offload = None  # as in the other process
+        try:
+            return decode.decode_rgb(data, name, max_pixels)
+        finally:
+            decode.offload = offload
+
+    monkeypatch.setattr(decode, "offload", offload)
+    for kind, data in files.items():
+        got = decode.rgb_pixels(decode.load(data, kind))
+        assert got.shape == (20, 30, 3)
+    assert calls == [files["TGA"], files["JPEG2000"]]
+
+
+def test_an_image_larger_decoded_than_its_header_said_is_refused(monkeypatch):
+    """The pixel limit holds for the decoded size too: an ICNS icon's header may name a small size while
+    what it holds decodes larger (a 3 KB icon held an 88 MP image). Here Pillow's size grows at load."""
+    from glmvit_cupy.preprocessing import decode
+
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((40, 40, 3), np.uint8)).save(buf, "PNG")
+    real_load = Image.Image.load
+
+    def grows(self):
+        out = real_load(self)
+        if self.format == "PNG" and self.size == (40, 40):
+            self._size = (4000, 4000)  # what an icon's embedded image does to it
+        return out
+
+    monkeypatch.setattr(Image.Image, "load", grows)
+    with pytest.raises(ImageError, match="decoded, it is 4000 x 4000 = 16,000,000; its header said less"):
+        decode.load(buf.getvalue(), "icon", max_pixels=1_000_000)

@@ -33,10 +33,11 @@ DECODE_BLOCK = 1 << 26  # bytes of the file handed to Pillow's decoder at once
 
 
 # Pillow decodes JPEG 2000 through Python calls that read the file, so it holds the GIL for the whole
-# decode (an 81 MP file: 10 s in which no other thread of the process runs). A process that must keep
-# answering meanwhile (glmvit-serve) sets `offload` to decode these formats in another process; None
-# decodes them here.
-HOLDS_THE_GIL = frozenset({"JPEG2000"})
+# decode (an 81 MP file: 10 s in which no other thread of the process runs); an ICNS icon may hold one,
+# and its header's size need not be the decoded image's. A process that must keep answering meanwhile
+# (glmvit-serve) sets `offload` to decode every format but these, whose C decoders run without the GIL
+# on the size their header says, in another process; None decodes everything here.
+DECODED_IN_PROCESS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"})
 offload = None  # offload(file bytes, name, max_pixels) -> HxWx3 uint8 array, or raises ImageError
 
 
@@ -97,7 +98,7 @@ def _decode(image, name, max_pixels=None, host_buffer=None):
             w, h = img.size
             if limit is not None and w * h > limit:
                 raise ImageError(f"{bomb} (it is {w} x {h} = {w * h:,})")
-            if offload is not None and img.format in HOLDS_THE_GIL:
+            if offload is not None and img.format not in DECODED_IN_PROCESS:
                 data = _file_bytes(image)
                 img.close()
                 return offload(data, name, max_pixels)
@@ -106,6 +107,9 @@ def _decode(image, name, max_pixels=None, host_buffer=None):
             img.decodermaxblock = max(img.decodermaxblock, DECODE_BLOCK)
             into = _target(img, host_buffer)
             img.load()
+            if limit is not None and img.size[0] * img.size[1] > limit:  # a header that understated it (ICNS)
+                w, h = img.size
+                raise ImageError(f"{bomb} (decoded, it is {w} x {h} = {w * h:,}; its header said less)")
             if into is not None:
                 return into[..., :3]
             ImageOps.exif_transpose(img, in_place=True)  # in place: no copy when nothing is to be turned

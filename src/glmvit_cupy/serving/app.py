@@ -36,12 +36,13 @@ import binascii
 import concurrent.futures
 import contextlib
 import contextvars
-import multiprocessing
 import dataclasses
 import functools
 import io
 import json
+import multiprocessing
 import re
+import signal
 import threading
 import time
 import warnings
@@ -89,11 +90,18 @@ class Settings:
     vllm_ec_dir: str | None = None
 
 
+def _child_ignores_signals():
+    """A decoding process leaves SIGINT and SIGTERM to the server (a terminal's Ctrl-C reaches the whole
+    process group): the server ends it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class OffProcess:
-    """decode.offload for the service: the formats whose decoder holds the GIL (decode.HOLDS_THE_GIL, JPEG
-    2000) decoded in a process of their own, started on first use, so that the event loop and the other
-    threads run meanwhile (one 81 MP JPEG 2000 froze the server for 12 s). The decoding thread that asked
-    waits for it without the GIL."""
+    """decode.offload for the service: the formats not in decode.DECODED_IN_PROCESS (JPEG 2000, whose
+    decoder holds the GIL; ICNS, ...) decoded in processes of their own, started on first use, so that the
+    event loop and the other threads run meanwhile (one 81 MP JPEG 2000 froze the server for 12 s). The
+    decoding thread that asked waits for it without the GIL."""
 
     def __init__(self, workers: int):
         self.workers, self._pool, self._lock = workers, None, threading.Lock()
@@ -102,7 +110,8 @@ class OffProcess:
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ProcessPoolExecutor(self.workers,
-                                                                    mp_context=multiprocessing.get_context("spawn"))
+                                                                    mp_context=multiprocessing.get_context("spawn"),
+                                                                    initializer=_child_ignores_signals)
             pool = self._pool
         try:
             return pool.submit(decode.decode_rgb, data, name, max_pixels).result()
@@ -114,10 +123,14 @@ class OffProcess:
                 from None
 
     def shutdown(self) -> None:
+        """The decoding processes ended now (what they decode has no one to answer any more), none left."""
         with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            for process in list(getattr(pool, "_processes", {}).values()):  # no public way to end a busy one
+                with contextlib.suppress(Exception):
+                    process.kill()
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 # The scope of the request an endpoint is answering (its tasks inherit it): where its hold on the bodies in
@@ -133,7 +146,13 @@ class Releasing:
 
     async def __call__(self, scope, receive, send):
         try:
-            await self.response(scope, receive, send)  # returns once the kernel has taken nearly all of it
+            await self.response(scope, receive, send)  # returns once it is in the transport's buffer
+            self.response = None  # the buffer holds a copy: the body goes now
+            # Held until the kernel has taken it all (or the connection was aborted, which empties the buffer:
+            # --reply-timeout); serving/main.py's protocol puts the transport in the scope.
+            transport = scope.get("glmvit.transport")
+            while transport is not None and transport.get_write_buffer_size() > 0:
+                await asyncio.sleep(0.05)
         finally:
             self.release()
 
@@ -165,6 +184,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     decoders = Decoders(settings.decode_workers)
     parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="glmvit-parse")
     off_process = OffProcess(max(1, settings.decode_workers - 1))  # as large images, one thread left free
+    state["off_process"] = off_process  # main ends its processes on a second signal
     budget = Budget(settings.max_pixels_in_flight)
     bodies = Budget(int(settings.max_bodies_in_flight_mib * 2**20))  # bytes of bodies held by requests
     limit = settings.max_pixels if settings.max_pixels is not None else Image.MAX_IMAGE_PIXELS

@@ -250,6 +250,8 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
             if self.headers_timer is None and (self.cycle is None or self.cycle.response_complete):
                 self._arm()  # a next request begins: its headers have their deadline too
             super().data_received(data)
+            if self.cycle is not None:  # what the app's replies wait on (app.Releasing)
+                self.cycle.scope["glmvit.transport"] = self.transport
             if self.headers_timer is not None and self.cycle is not self.timed_cycle:
                 self._disarm()  # its headers are in
 
@@ -382,6 +384,7 @@ def main(argv=None) -> int:
             log(f"{name} while stopping: stopping now, without waiting for requests in flight")
             self.should_exit = self.force_exit = True
             state.get("stop_now", lambda: None)()  # nor for the passes, if the shutdown already waits for them
+            state["off_process"].shutdown()  # nor for a decode in another process
 
         async def on_tick(self, counter):
             if not self.ready and state["status"] == "ok":
@@ -429,6 +432,7 @@ def main(argv=None) -> int:
     # interpreter's shutdown under them can crash the process (exit 139), so it exits without one.
     running = sorted(t.name for t in threading.enumerate() if t.daemon and t.is_alive() and
                      t.name.startswith("glmvit-"))
+    state["off_process"].shutdown()  # its decoding processes, if any, end with the server
     if running:
         log(f"stopped (exit {code}), not waiting for the work still running (threads {', '.join(running)})")
         sys.stdout.flush()
