@@ -183,7 +183,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     state = {"status": "loading", "backend": None, "batcher": None, "error": None, "in_flight": 0}
     decoders = Decoders(settings.decode_workers)
     parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="glmvit-parse")
-    off_process = OffProcess(max(1, settings.decode_workers - 1))  # as large images, one thread left free
+    # One process a decoding thread: a thread waiting on a busy process would hold up the small images that
+    # the large-image rule keeps a thread free for.
+    off_process = OffProcess(settings.decode_workers)
     state["off_process"] = off_process  # main ends its processes on a second signal
     budget = Budget(settings.max_pixels_in_flight)
     bodies = Budget(int(settings.max_bodies_in_flight_mib * 2**20))  # bytes of bodies held by requests
