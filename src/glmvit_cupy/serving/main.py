@@ -178,6 +178,24 @@ def log(message: str) -> None:
     sys.stderr.flush()
 
 
+class _Counted:
+    """A connection's transport whose write() counts the bytes written: those written less those unsent are what
+    the client took. A wrapper, since uvloop's transports (uvicorn's loop where uvloop is installed) do not let
+    write be replaced; every other attribute is the transport's own."""
+
+    __slots__ = ("transport", "written")
+
+    def __init__(self, transport):
+        self.transport, self.written = transport, 0
+
+    def write(self, data) -> None:
+        self.written += len(data)
+        self.transport.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.transport, name)
+
+
 def _unsent(transport) -> int:
     """Bytes written to a connection that its client has not taken yet: the transport's buffer, and on Linux
     the socket's send queue (SIOCOUTQ: unsent or unacknowledged), which a slow reader drains a little at a
@@ -215,7 +233,6 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
 
     class Protocol(H11Protocol):
         refused = False
-        written = 0
         headers_timer = None
         timed_cycle = None
         reply_timer = None
@@ -230,13 +247,7 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
             super().connection_made(transport)
             metrics.connections.set(len(self.connections))
             self._arm()
-            write = transport.write  # counted: bytes written less those unsent is what the client took
-
-            def counted(data):
-                self.written += len(data)
-                write(data)
-
-            transport.write = counted
+            self.transport = _Counted(transport)  # what the request cycles and the app's replies write through
 
         def connection_lost(self, exc):
             if self.refused:
@@ -276,7 +287,7 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
             left = _unsent(self.transport)
             if left == 0:
                 return
-            taken = self.written - left
+            taken = self.transport.written - left
             if before is not None and taken <= before:
                 log(f"a client left its reply unread for {reply_timeout:g} s (--reply-timeout): connection closed, "
                     f"{left:,} bytes unsent")
