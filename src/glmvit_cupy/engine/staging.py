@@ -40,6 +40,11 @@ class Stager:
         self._buffers: dict = {}
         self._last_tables = (None, [])  # (plan, its device tables in the "tables" scratch)
 
+    @property
+    def scratch_bytes(self) -> int:
+        """Device bytes the scratch buffers hold."""
+        return sum(b.nbytes for b in self._buffers.values())
+
     def _scratch(self, name: str, shape) -> cupy.ndarray:
         """A uint8 device array of this shape in the scratch `name` (grown when too small)."""
         nbytes = int(np.prod(shape))
