@@ -3,7 +3,8 @@ tokens, or 64-300 with --small), one image a request; images/s, p50/p99 latency 
 the same engine called one request at a time in this process (host decoding included in both). Also
 checks that every served embedding equals, bit for bit, GlmVit.encode of the same bytes alone, and
 prints where a pass's time goes (/metrics' glmvit_pass_part_seconds): per pass and per image, the
-engine thread's launch against the completion thread's wait for the GPU and copies back.
+engine thread's launch against the completion thread's wait for the GPU and copies back, and how much of
+the launch and the copies back their thread spent on the CPU (glmvit_pass_thread_cpu_seconds).
 
     python benchmarks/bench_serve.py [--checkpoint PATH] [--clients 16] [--requests 240] [--small] [--cpu]
 """
@@ -52,8 +53,12 @@ def metric(url, name):
 PARTS = ("queued", "launch", "gpu", "fetch", "resolve")
 
 
+CPU_PARTS = ("launch", "fetch")  # also timed in their thread's CPU time (glmvit_pass_thread_cpu_seconds)
+
+
 def parts(url):
-    return {p: metric(url, f'glmvit_pass_part_seconds_sum{{part="{p}"}}') for p in PARTS}
+    return {**{p: metric(url, f'glmvit_pass_part_seconds_sum{{part="{p}"}}') for p in PARTS},
+            **{p + "_cpu": metric(url, f'glmvit_pass_thread_cpu_seconds_sum{{part="{p}"}}') for p in CPU_PARTS}}
 
 
 def main():
@@ -150,10 +155,13 @@ def main():
     table(["setup", "clients", "images", "images/s", "tokens/s", "p50 ms", "p99 ms", "forward passes",
            "images a pass", "pass fill (of 8000 tokens)", "engine thread busy"], rows)
     print()
-    table(["part of a pass (glmvit_pass_part_seconds)", "thread", "ms a pass", "ms an image", "share of the run"],
+    # The thread's CPU time beside a part's wall time: the difference is the thread waiting (for the GIL held by
+    # the event loop or the decoding threads, or in the driver), not working.
+    table(["part of a pass (glmvit_pass_part_seconds)", "thread", "ms a pass", "of which the thread's CPU ms",
+           "ms an image", "share of the run"],
           [[p, {"queued": "(waiting)", "launch": "engine", "resolve": "completion"}.get(p, "completion"),
-            f"{1e3 * spent[p] / passes:.2f}", f"{1e3 * spent[p] / images_served:.2f}", f"{100 * spent[p] / srv_s:.0f}%"]
-           for p in PARTS])
+            f"{1e3 * spent[p] / passes:.2f}", f"{1e3 * spent[p + '_cpu'] / passes:.2f}" if p in CPU_PARTS else "",
+            f"{1e3 * spent[p] / images_served:.2f}", f"{100 * spent[p] / srv_s:.0f}%"] for p in PARTS])
     print(f"\n{backend.name}; {len(images)} distinct JPEGs of {min(a.shape[0] for a in alone.values())}-"
           f"{max(a.shape[0] for a in alone.values())} tokens; served embeddings bit-equal to encoding alone: "
           f"{len(work) - len(bad)} of {len(work)}")

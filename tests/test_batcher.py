@@ -216,15 +216,33 @@ def test_a_failed_pass_fails_its_images_only():
     assert outs[0].shape == outs[2].shape == (2, 2)
 
 
+def spin(seconds):
+    """Work on the CPU for `seconds` of this thread's CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 def test_each_pass_reports_its_time_by_part():
+    """Each part's wall time, and for launch and fetch their thread's CPU time apart from its waiting: the
+    fake launch works 20 ms and sleeps 30, the fetch sleeps only (per_image_s a copy)."""
     engine = Engine(gpu_s=0.03, per_image_s=0.005)
+    launch = engine.launch_on
+
+    def working_launch(lane, items):
+        spin(0.02)
+        time.sleep(0.03)
+        return launch(lane, items)
+
+    engine.launch_on = working_launch
     seen = []
     batcher = Batcher(engine, capacity_tokens=8, max_wait_s=0.02, max_queue=64, on_pass=seen.append)
     run(batcher, [[item(4, "a"), item(4, "b")]])
     (t,) = seen
     assert isinstance(t, PassTimes) and (t.images, t.tokens, t.lane) == (2, 8, 0)
-    assert t.gpu >= 0.025 and t.fetch >= 0.009 and t.launch < 0.02 and t.queued >= 0.0
-    assert set(PassTimes.PARTS) <= set(vars(t))
+    assert t.gpu >= 0.025 and t.fetch >= 0.009 and 0.05 <= t.launch < 0.2 and t.queued >= 0.0
+    assert 0.02 <= t.launch_cpu < 0.045 and t.fetch_cpu < 0.005
+    assert set(PassTimes.PARTS) <= set(vars(t)) and {p + "_cpu" for p in PassTimes.CPU_PARTS} <= set(vars(t))
 
 
 def test_a_cancelled_image_never_reaches_a_pass():

@@ -221,6 +221,7 @@ def test_concurrent_requests_and_the_cache(server, tower):
     client, ec = server
     images = [png(80 + 8 * i, 90, 30 + i) for i in range(4)]
     passes, results = metric(client, "glmvit_forward_passes_total"), {}
+    timed = metric(client, "glmvit_pass_thread_cpu_seconds_count")
 
     def one(i):
         results[i] = client.encode([images[i]])
@@ -231,6 +232,7 @@ def test_concurrent_requests_and_the_cache(server, tower):
     # The reference computes each image alone, so its passes hold one image each (requests take turns);
     # passes shared on the GPU are test_batcher's.
     assert metric(client, "glmvit_forward_passes_total") - passes == 4
+    assert metric(client, "glmvit_pass_thread_cpu_seconds_count") - timed == 4 * 2  # launch and fetch of each
     for i, data in enumerate(images):
         assert np.array_equal(results[i][0][0].view(np.uint16), reference_bf16(tower, data).view(np.uint16))
     hits = metric(client, "glmvit_cache_hits_total")

@@ -202,6 +202,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             seconds = getattr(times, part)
             metrics.pass_parts.labels(part).observe(seconds)
             metrics.image_parts.labels(part).observe(seconds / times.images)
+        for part in times.CPU_PARTS:
+            metrics.pass_cpu.labels(part).observe(getattr(times, part + "_cpu"))
 
     def on_drop(job):
         if job.task is None:

@@ -68,7 +68,9 @@ class PassTimes:
     """One forward pass, in seconds by part: queued (its oldest image's wait before the launch), launch
     (the engine thread packing, staging and launching it: the only part on that thread), gpu (the
     completion thread waiting for the GPU after the launch), fetch (copying the embeddings back),
-    resolve (handing them to their requests)."""
+    resolve (handing them to their requests). launch_cpu and fetch_cpu: the CPU time its thread spent in
+    launch and fetch; the rest of those parts' wall time the thread waited (for the GIL, the driver).
+    """
     lane: int
     images: int
     tokens: int
@@ -77,8 +79,11 @@ class PassTimes:
     gpu: float = 0.0
     fetch: float = 0.0
     resolve: float = 0.0
+    launch_cpu: float = 0.0
+    fetch_cpu: float = 0.0
 
     PARTS = ("queued", "launch", "gpu", "fetch", "resolve")
+    CPU_PARTS = ("launch", "fetch")  # the parts whose thread CPU time is measured too (`<part>_cpu`)
 
 
 class _Done:
@@ -274,7 +279,7 @@ class Batcher:
             if not batch:
                 slots.release()
                 continue
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             task = batch[0].task
             times = None if task is not None else PassTimes(lane, len(batch), sum(j.tokens for j in batch),
                                                             queued=t0 - min(j.queued for j in batch))
@@ -285,7 +290,7 @@ class Batcher:
                 pending, error = None, e
             busy = time.perf_counter() - t0
             if times is not None:
-                times.launch = busy
+                times.launch, times.launch_cpu = busy, time.thread_time() - c0
             self.on_busy(lane, busy)
             if pending is not None:
                 with self._cv:
@@ -311,10 +316,11 @@ class Batcher:
                         with self._cv:  # the GPU has ended it: the engine thread launches the next now
                             self._running[lane] -= 1
                             self._cv.notify_all()
-                    t1 = time.perf_counter()
+                    t1, c1 = time.perf_counter(), time.thread_time()
                     outs = pending.fetch()
                     if times is not None:
                         times.gpu, times.fetch = t1 - t0, time.perf_counter() - t1
+                        times.fetch_cpu = time.thread_time() - c1
             except Exception as e:
                 error = e
             finally:

@@ -32,6 +32,10 @@ class Metrics:
                  "resolve: handing them to their requests")
         self.pass_parts = Histogram("glmvit_pass_part_seconds", "A forward pass's time by part (" + parts + ")",
                                     ["part"], registry=r, buckets=FINE)
+        self.pass_cpu = Histogram("glmvit_pass_thread_cpu_seconds", "CPU time the thread of a forward pass's part spent "
+                                  "in it (launch: the engine thread; fetch: the completion thread); that part's "
+                                  "glmvit_pass_part_seconds less this is the thread waiting (for the GIL, the driver)",
+                                  ["part"], registry=r, buckets=FINE)
         self.image_parts = Histogram("glmvit_image_part_seconds", "A forward pass's time by part over its images, "
                                      "per image", ["part"], registry=r, buckets=FINE)
         self.engine_busy = Counter("glmvit_engine_busy_seconds", "Seconds the engine threads spent working: packing, "
