@@ -10,7 +10,7 @@ from glmvit_cupy import checks, preprocess, preprocess_video
 @pytest.mark.parametrize("lo,hi", [(17, 16), (8001, 8000), (1, 0)])
 def test_min_above_max_is_refused_saying_so(lo, hi):
     with pytest.raises(ValueError, match=f"min_image_tokens={lo} is above max_image_tokens={hi}" if hi else
-                       "max_image_tokens=0 must be an integer of at least 1"):
+                       "max_image_tokens=0 must be an integer from 1 to 2,147,483,647"):
         checks.check_token_limits(lo, hi)
 
 

@@ -52,7 +52,7 @@ def test_cpu_run_saves_what_the_reference_computes(images, tmp_path, capsys):
 @pytest.mark.parametrize("argv, says", [
     (["/nonexistent.jpg"], "/nonexistent.jpg: no such file"),
     (["README.md"], "README.md: cannot decode image"),
-    (["{img}", "--max-image-tokens", "0"], "max_image_tokens=0 is too small"),
+    (["{img}", "--max-image-tokens", "0"], "max_image_tokens=0 must be an integer from 1"),
     (["{img}", "--checkpoint", "/nonexistent"], "/nonexistent: no such file or directory"),
     (["{img}", "--save", "/nonexistent-dir/e.npy"], "No such file or directory"),
 ])

@@ -143,12 +143,14 @@ def test_bad_token_limits():
     # One token is the smallest budget: a 28 x 28 canvas, 2 x 2 patches.
     assert preprocess([np.zeros((500, 500, 3), np.uint8)], max_image_tokens=1, min_image_tokens=1)[1].tolist() \
         == [[1, 2, 2]]
-    with pytest.raises(ValueError, match="max_image_tokens=0 must be an integer of at least 1"):
+    with pytest.raises(ValueError, match="max_image_tokens=0 must be an integer from 1 to 2,147,483,647"):
         preprocess([np.zeros((5, 5, 3), np.uint8)], max_image_tokens=0)
-    with pytest.raises(ValueError, match="min_image_tokens=True must be an integer of at least 0"):
+    with pytest.raises(ValueError, match="min_image_tokens=True must be an integer from 0 to 2,147,483,647"):
         preprocess([np.zeros((5, 5, 3), np.uint8)], min_image_tokens=True)  # a bool is not a token count
-    with pytest.raises(ValueError, match="min_image_tokens=-1 must be an integer of at least 0"):
+    with pytest.raises(ValueError, match="min_image_tokens=-1 must be an integer from 0 to 2,147,483,647"):
         preprocess([np.zeros((5, 5, 3), np.uint8)], min_image_tokens=-1)
+    with pytest.raises(ValueError, match="max_image_tokens=2147483648 must be an integer from 1 to 2,147,483,647"):
+        preprocess([np.zeros((5, 5, 3), np.uint8)], max_image_tokens=2**31)  # past it the resize's float math overflows
     # 0 is no minimum, as the reference allows: a 20 x 30 image stays 1 x 2 tokens (16 would scale it up)
     assert preprocess([np.zeros((20, 30, 3), np.uint8)], min_image_tokens=0)[1].tolist() == [[1, 2, 4]]
     # numpy integers are token counts, as encode() takes them

@@ -78,6 +78,7 @@ def smart_resize(height: int, width: int, *, min_image_tokens: int = 16, max_ima
     the token minimum; when over the maximum, binary-search the largest content
     height (1..height) whose aligned canvas fits, keeping the width proportional.
     """
+    check_token_limits(min_image_tokens, max_image_tokens, ordered=False)  # past 2**31 the float math overflows
     if num_frames is None:
         num_frames = temporal_factor  # a still image is treated as `temporal_factor` frames
     per_token = temporal_factor * factor * factor
