@@ -129,8 +129,8 @@ def test_health_and_bit_equality(server, tower):
     (b'{"min_image_tokens": 16}', "application/json", 400, "non-empty list", None),
     (b'{"images": [5]}', "application/json", 400, "not a base64 string", 0),
     (b'{"images": ["aGVsbG8=", "!!!"]}', "application/json", 400, "images[1] is not valid base64", 1),
-    (b'{"images": ["aGVsbG8="], "max_image_tokens": 0}', "application/json", 400, "integer of at least 1", None),
-    (b'{"images": ["aGVsbG8="], "min_image_tokens": "16"}', "application/json", 400, "integer of at least 0", None),
+    (b'{"images": ["aGVsbG8="], "max_image_tokens": 0}', "application/json", 400, "integer from 1 to 2,147,483,647", None),
+    (b'{"images": ["aGVsbG8="], "min_image_tokens": "16"}', "application/json", 400, "integer from 0 to 2,147,483,647", None),
     (b'{"images": ["aGVsbG8="], "max_image_tokens": 9000}', "application/json", 400, "capacity of 8000", None),
     (b'{"images": ["aGVsbG8="]}', "text/plain", 415, "send application/json", None),
 ])
@@ -242,10 +242,30 @@ def test_concurrent_requests_and_the_cache(server, tower):
     # The vLLM hand-off: DIR/<sha256>/encoder_cache.safetensors, one tensor "ec_cache", finished files only.
     from safetensors import safe_open
 
-    path = ec / meta[0]["sha256"] / "encoder_cache.safetensors"
+    assert meta[0]["key"] == meta[0]["sha256"]  # the default token limits: the file's sha256, as vLLM's uuid
+    path = ec / meta[0]["key"] / "encoder_cache.safetensors"
     with safe_open(str(path), "numpy") as f:
         assert list(f.keys()) == ["ec_cache"] and np.array_equal(f.get_tensor("ec_cache"), embs[0])
     assert not [p for p in ec.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_other_token_limits_hand_vllm_another_key(server):
+    """The same image under other token limits is another embedding, so another vLLM key and file: a file
+    written under one set of limits is never handed over for another."""
+    from safetensors import safe_open
+
+    from glmvit_cupy.serving.vllm_ec import key_for_image
+
+    client, ec = server
+    data = png(200, 300, 33)
+    got = {}
+    for hi in (64, 1000):
+        embs, meta = client.encode([data], max_image_tokens=hi)
+        got[hi] = meta[0]["key"]
+        assert meta[0]["key"] == key_for_image(meta[0]["sha256"], 16, hi) != meta[0]["sha256"]
+        with safe_open(str(ec / meta[0]["key"] / "encoder_cache.safetensors"), "numpy") as f:
+            assert np.array_equal(f.get_tensor("ec_cache").view(np.uint16), embs[0].view(np.uint16))
+    assert got[64] != got[1000]
 
 
 def test_a_client_that_goes_away_breaks_nothing(server, tower):
@@ -354,6 +374,13 @@ def test_glmvit_encode_writes_the_vllm_layout_too(tmp_path):
         assert f.get_tensor("ec_cache").dtype == ml_dtypes.bfloat16
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert next(iter(manifest["images"].values()))["sha256"] == sha
+    # Other token limits: another embedding, under vllm_ec.key_for_image's key, not the sha256's.
+    from glmvit_cupy.serving.vllm_ec import key_for_image
+
+    assert cli.main([str(img), "--checkpoint", TOWER, "--out", str(tmp_path / "out64"), "--cpu",
+                     "--max-image-tokens", "64", "--vllm-ec-dir", str(tmp_path / "ec")]) == 0
+    with safe_open(str(tmp_path / "ec" / key_for_image(sha, 16, 64) / "encoder_cache.safetensors"), "numpy") as f:
+        assert f.get_tensor("ec_cache").shape[0] <= 64
 
 
 def test_devices_with_cpu_is_refused_before_loading(capsys):
@@ -448,6 +475,27 @@ def post_video(client, body):
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("video, settings, says", [
+    ({"fps": 4}, {"target_fps": 1e308}, "give a frame count past any float"),
+    ({"fps": 5e-324}, {}, "give a frame count past any float"),
+    ({"fps": 4, "duration": 1e308}, {}, "give a frame count past any float"),
+    ({"fps": 2}, {"min_image_tokens": 10**400}, "min_image_tokens=1000000000000000000000000000000000000000... "
+                                                 "(401 characters) must be an integer from 0 to 2,147,483,647"),
+])
+def test_video_settings_past_any_float_are_a_422_naming_the_video(server, video, settings, says):
+    client, _ = server
+    frame = base64.b64encode(png(24, 32, 5)).decode()
+    status, err = post_video(client, {"videos": [{"frames": [frame] * 8, **video}], **settings})
+    assert status == 422 and err["index"] == 0 and err["error"].startswith("video 0") and says in err["error"], err
+
+
+def test_a_huge_value_is_quoted_short_in_the_error(server):
+    """A bad value a request sends is quoted in at most ~40 characters, not echoed whole into the reply."""
+    client, _ = server
+    status, err = post(client, json.dumps({"images": ["x"], "max_image_tokens": "A" * 1_000_000}).encode())
+    assert status in (400, 422) and len(err["error"]) < 300 and "(1,000,002 characters)" in err["error"], err
 
 
 def videos_beside_images(client):

@@ -3,7 +3,7 @@
     from glmvit_cupy.client import Client
     embs, meta = Client("http://127.0.0.1:8000").encode(["cat.jpg", open("dog.png", "rb").read()])
     # embs: one ml_dtypes.bfloat16 NumPy array [tokens, out_hidden] per image
-    # meta: per image {"sha256", "grid_thw", "tokens", "cached"}
+    # meta: per image {"sha256", "key", "grid_thw", "tokens", "cached"}
     embs, meta = Client().encode_video([["f0.png", "f1.png", ...]], fps=30.0)  # one list of frames a video
     embs, meta = Client().encode_video(["clip.mp4"])  # or video files (paths or bytes): the server decodes them
     # meta: per video {"key", "grid_thw", "tokens", "frame_tokens", "frames_indices", "timestamps", "cached"}

@@ -38,6 +38,7 @@ from ..preprocessing.video import MAX_FRAMES, MAX_VIDEO_TOKENS, MIN_VIDEO_TOKENS
 from ..scheduling import feed
 from ..scheduling.backend import Backend
 from ..scheduling.batching import pack, preparer
+from ..serving import vllm_ec
 from .common import (DONE, EXIT_STATUS, FAILED, USAGE, WRITE, counted, interruption, stopped_by_sigterm,
                      write_vllm)
 from .inputs import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, NoSuchInput, expand_inputs, is_video, prepared
@@ -83,8 +84,9 @@ def parser() -> argparse.ArgumentParser:
                     help=f"largest video file, in MiB (default {MAX_VIDEO_MIB:,}; a video is read in pieces, never "
                          "whole); a larger one is reported as failed from its size")
     ap.add_argument("--vllm-ec-dir", default=None, metavar="DIR",
-                    help="also write each embedding as DIR/<sha256 of the file>/encoder_cache.safetensors, the "
-                         "layout vLLM's shared-storage encoder-cache connector reads")
+                    help="also write each embedding as DIR/<key>/encoder_cache.safetensors, the layout vLLM's "
+                         "shared-storage encoder-cache connector reads; the key is the file's sha256 under the "
+                         "default token limits (16, 8000), else vllm_ec.key_for_image of it and the limits")
     ap.add_argument("--no-videos", action="store_true", help="leave video files out (folders and globs included)")
     ap.add_argument("--max-video-tokens", type=int, default=MAX_VIDEO_TOKENS,
                     help=f"a video's resize limit, all its frames together (default {MAX_VIDEO_TOKENS:,}, the "
@@ -277,7 +279,8 @@ def encode_all(args, todo, enc, out) -> int:
             for b, per_image in zip(group, per_batch):
                 if args.vllm_ec_dir:
                     for (_, info), emb in zip(b, per_image):
-                        write_vllm(args.vllm_ec_dir, info["sha256"], emb)
+                        write_vllm(args.vllm_ec_dir, vllm_ec.key_for_image(info["sha256"], args.min_image_tokens,
+                                                                       args.max_image_tokens), emb)
                 out.add_batch([(key, info, emb) for (key, info), emb in zip(b, per_image)])
                 tokens_done += sum(info["tokens"] for _, info in b)
                 bar.update(len(b))

@@ -609,9 +609,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             if outcome != "encoded":  # an encode is counted once, when its pass ends
                 metrics.images.labels(outcome).inc()
             out[str(i)] = emb
-            meta.append({"sha256": shas[i], "grid_thw": list(grid), "tokens": int(emb.shape[0]),
-                         "cached": outcome != "encoded"})
-        await hand_to_vllm(shas, out)
+            meta.append({"sha256": shas[i], "key": vllm_ec.key_for_image(shas[i], lo, hi), "grid_thw": list(grid),
+                         "tokens": int(emb.shape[0]), "cached": outcome != "encoded"})
+        await hand_to_vllm([m["key"] for m in meta], out)
         return await reply(out, "images", meta)
 
     # -- videos ------------------------------------------------------------------------------------------

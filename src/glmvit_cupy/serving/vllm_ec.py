@@ -2,8 +2,9 @@
 
 vLLM (ECExampleConnector, formerly ECSharedStorageConnector) looks for
 `<shared_storage_path>/<mm_hash>/encoder_cache.safetensors` holding one tensor named "ec_cache",
-[tokens, hidden]; a file that exists is ready. We key an image by the sha256 hex of its file's bytes, a
-video by video_key_of (its frame files and the settings that shape its embedding), and write under a
+[tokens, hidden]; a file that exists is ready. We key an image by key_for_image (the sha256 hex of its file's
+bytes under the reference processor's default token limits, else of that and its limits), a video by
+video_key_of (its frame files and the settings that shape its embedding), and write under a
 temporary name of our own, fsync it, then rename it into place, so vLLM never reads half a file. The
 language-only vLLM is started with --ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role":
 "ec_consumer", "ec_connector_extra_config": {"shared_storage_path": DIR}}' and each request passes that key
@@ -46,6 +47,19 @@ _FIXES = {errno.ENOSPC: "free space there", errno.EDQUOT: "free space under the 
 
 def key_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+DEFAULT_LIMITS = (16, 8000)  # the reference image processor's min and max tokens an image: what vLLM's uses
+
+
+def key_for_image(sha: str, min_image_tokens: int, max_image_tokens: int) -> str:
+    """An image's key from its file's sha256 hex and the token limits it was resized under: the sha256 itself
+    under the reference processor's defaults (16, 8000), the embedding vLLM's own processor would make;
+    else the sha256 hex of a canonical JSON of the two, since other limits give another embedding."""
+    if (min_image_tokens, max_image_tokens) == DEFAULT_LIMITS:
+        return sha
+    doc = {"image": sha, "min_image_tokens": int(min_image_tokens), "max_image_tokens": int(max_image_tokens)}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
 def video_key_of(frames: list[bytes], fps, duration, settings: dict) -> str:
