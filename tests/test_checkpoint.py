@@ -381,3 +381,40 @@ def test_inspect_reads_the_values_too(tmp_path, tensors):
     edge = write_checkpoint(tmp_path / "edge", GEO, tensors=_poisoned(
         tensors, {"blocks.1.attn.qkv.weight": list(enumerate(EDGE_FINITE))}))
     assert inspect_checkpoint(edge)["tensors"] == len(tensors)
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda c: c["vision_config"].update(rms_norm_eps=10**400), "rms_norm_eps = 1000000000000000000000000000000000000000"
+                                                                "... (401 characters) is past any float"),
+    (lambda c: c["vision_config"]["rope_parameters"].update(rope_theta=10**400),
+     "rope_theta = 1000000000000000000000000000000000000000... (401 characters) is past any float"),
+    (lambda c: c["vision_config"].update(depth="DEPTH"), "config.json is not valid JSON (Exceeds the limit"),
+])
+def test_numbers_past_what_python_holds_are_a_checkpoint_error(tmp_path, edit, says):
+    """An integer past any float, or past the digits Python parses (4,300): a CheckpointError naming the file or
+    the field, not an OverflowError or ValueError traceback."""
+    import json
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(cases.TOWER_DIR, folder)
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config).replace('"DEPTH"', "9" * 5000))  # json.dumps cannot
+    with pytest.raises(CheckpointError) as e:
+        inspect_checkpoint(folder)
+    assert says in str(e.value), str(e.value)
+
+
+def test_a_folder_that_cannot_be_listed_is_a_checkpoint_error(tmp_path, monkeypatch):
+    """No permission to list the folder (root reads every folder, so the refusal is simulated)."""
+    real = os.listdir
+
+    def refused(path):
+        if os.fspath(path) == str(tmp_path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", refused)
+    with pytest.raises(CheckpointError, match="the checkpoint folder cannot be read .*Permission denied"):
+        bind_tower(tmp_path)

@@ -184,6 +184,28 @@ def test_inspect_and_usage(capsys, tmp_path):
     assert "model.visual." in text and "39 (" in text
     assert run(["--inspect", tmp_path]) == 2
     assert "empty directory" in capsys.readouterr().err
+    # --inspect runs every load-time check, the weights' values too: a NaN in a norm weight is refused.
+    import shutil
+    import struct
+
+    bad = tmp_path / "nan"
+    shutil.copytree(cases.TOWER_DIR, bad)
+    for shard in sorted(bad.glob("*.safetensors")):  # the first value of blocks.0.norm1.weight made a bf16 NaN
+        raw = bytearray(shard.read_bytes())
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8:8 + n])
+        name = next((k for k in header if k.endswith("blocks.0.norm1.weight")), None)
+        if name:
+            at = 8 + n + header[name]["data_offsets"][0]
+            raw[at:at + 2] = struct.pack("<H", 0x7FC0)
+            shard.write_bytes(bytes(raw))
+            break
+    assert run(["--inspect", bad]) == 2
+    assert "blocks.0.norm1.weight" in capsys.readouterr().err
+    for flag in ("--max-image-mib", "--max-video-mib"):  # past any file: refused before anything is read
+        assert run([tmp_path / "nope.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o", "--cpu",
+                    flag, "1e308"]) == 2
+        assert f"{flag} 1e+308 must be a positive number of MiB, at most 1,099,511,627,776" in capsys.readouterr().err
     assert run([]) == 2
     assert run([tmp_path / "nope.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o", "--cpu"]) == 2
     assert "no such file, folder or matching glob: " in capsys.readouterr().err and not (tmp_path / "o").exists()

@@ -134,6 +134,36 @@ def test_a_hostile_manifest_is_refused_by_the_reader_and_dropped_by_a_resume(tmp
         assert resumed.done("/img/b") and not resumed.done("/img/a")
 
 
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_a_manifest_that_is_not_a_file_is_refused_not_read(tmp_path, kind):
+    """A FIFO named manifest.json made a resume wait forever, a link to /dev/zero read without end: refused at
+    once, saying what it is. In a daemon thread so that a regression fails, not hangs."""
+    import threading
+
+    folder = tmp_path / "o"
+    out = Output(str(folder), SETTINGS)
+    out.add_batch(batch(["/img/b"]))
+    out.flush()
+    (folder / MANIFEST).unlink()
+    if kind == "fifo":
+        os.mkfifo(folder / MANIFEST)
+    else:
+        os.symlink("/dev/zero", folder / MANIFEST)
+    said = []
+
+    def read():
+        try:
+            read_embeddings(str(folder))
+        except OutputError as e:
+            said.append(str(e))
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "the read blocked"
+    assert said and "the manifest is a" in said[0] and "not a regular file" in said[0], said
+
+
 @pytest.mark.parametrize("cut", [10, -10])  # the header cut, or the last bytes of the data
 def test_a_damaged_shard_the_manifest_lists_is_encoded_again(tmp_path, cut, caplog):
     """The manifest lists a shard that was damaged after the run (copied in part, a disk error): a resume took

@@ -15,22 +15,13 @@ import argparse
 import numpy as np
 
 from .config import VisionGeometry
+from .errors import quoted
 
 
 def is_integer(v) -> bool:
     """An int or a NumPy integer, and not a bool (which Python counts as an int): what every count the
     library takes must be."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
-def shown(v, width: int = 40) -> str:
-    """repr(v) as an error message quotes it: at most `width` characters and a count of the rest (a value
-    a request sent can be megabytes long), and an integer too long for repr as its size in bits."""
-    try:
-        r = repr(v)
-    except ValueError:  # an int past Python's digit limit for str()
-        return f"an integer of {v.bit_length():,} bits"
-    return r if len(r) <= width else f"{r[:width]}... ({len(r):,} characters)"
 
 
 TOKEN_LIMIT = 2**31 - 1  # past any image or video: a larger limit would only overflow the resize's float math
@@ -61,7 +52,7 @@ def check_token_limits(min_image_tokens, max_image_tokens, what: str = "image", 
     lo, hi = f"min_{what}_tokens", f"max_{what}_tokens"
     for name, v, low in ((lo, min_image_tokens, 0), (hi, max_image_tokens, 1)):
         if not is_integer(v) or not low <= v <= TOKEN_LIMIT:
-            raise ValueError(f"{name}={shown(v)} must be an integer from {low} to {TOKEN_LIMIT:,}")
+            raise ValueError(f"{name}={quoted(v)} must be an integer from {low} to {TOKEN_LIMIT:,}")
     if ordered and min_image_tokens > max_image_tokens:
         article = "an" if what[0] in "aeiou" else "a"
         raise ValueError(f"{lo}={min_image_tokens} is above {hi}={max_image_tokens}: {article} {what} is resized "
@@ -78,7 +69,7 @@ DECODE = ("cpu", "gpu")  # who decodes JPEGs: Pillow, or nvImageCodec (the gpu-d
 def check_positive(name: str, value, why: str = "") -> int:
     """value as an int, or ValueError: "{name}={value} must be a positive integer{why}"."""
     if not is_integer(value) or value < 1:
-        raise ValueError(f"{name}={shown(value)} must be a positive integer{why}")
+        raise ValueError(f"{name}={quoted(value)} must be a positive integer{why}")
     return int(value)
 
 

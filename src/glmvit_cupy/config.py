@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from .errors import CheckpointError, NoVisionConfig
+from .errors import CheckpointError, NoVisionConfig, quoted
 from .files import read_json_file
 
 VISION_MODEL_TYPES = ("glm5_next_vision", "glm_ocr_vision")
@@ -118,6 +118,13 @@ def _as_int_size(field, value, where):
     return value
 
 
+def _as_float(key: str, value, where: str) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        raise CheckpointError(f"{where}: {key} = {quoted(value)} is past any float") from None
+
+
 def geometry_from_dict(vision: dict, *, text_hidden_size=None, where: str = "vision_config") -> VisionGeometry:
     """Build and validate a geometry from a vision_config dictionary."""
     if not isinstance(vision, dict):
@@ -146,10 +153,10 @@ def geometry_from_dict(vision: dict, *, text_hidden_size=None, where: str = "vis
     theta = rope.get("rope_theta", vision.get("rope_theta", 10000.0))
     for key in ("rms_norm_eps", "swiglu_limit"):
         if key in kw and isinstance(kw[key], int) and not isinstance(kw[key], bool):
-            kw[key] = float(kw[key])
+            kw[key] = _as_float(key, kw[key], where)
     if not isinstance(theta, (int, float)) or isinstance(theta, bool):
-        raise CheckpointError(f"{where}: rope_theta = {theta!r} must be a number")
-    kw["rope_theta"] = float(theta)
+        raise CheckpointError(f"{where}: rope_theta = {quoted(theta)} must be a number")
+    kw["rope_theta"] = _as_float("rope_theta", theta, where)
     for key in ("rms_norm_eps", "swiglu_limit"):
         if key in kw and (not isinstance(kw[key], float)):
             raise CheckpointError(f"{where}: {key} = {kw[key]!r} must be a number")

@@ -54,3 +54,13 @@ class ServerError(RuntimeError):
     def __init__(self, status: int, error: str, index: int | None = None, source: str | None = None):
         super().__init__(f"HTTP {status}: {error}" + (f" [{source}]" if source is not None else ""))
         self.status, self.error, self.index, self.source = status, error, index, source
+
+
+def quoted(v, width: int = 40) -> str:
+    """repr(v) as an error message quotes it: at most `width` characters and a count of the rest (a value
+    a request sent can be megabytes long), and an integer too long for repr as its size in bits."""
+    try:
+        r = repr(v)
+    except ValueError:  # an int past Python's digit limit for str()
+        return f"an integer of {v.bit_length():,} bits"
+    return r if len(r) <= width else f"{r[:width]}... ({len(r):,} characters)"

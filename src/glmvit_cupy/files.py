@@ -57,5 +57,5 @@ def read_json_file(path, what: str, limit: int = 64 << 20, missing: str | None =
             from None
     except OSError as e:  # no permission, an I/O error, a symbolic link loop
         raise CheckpointError(f"{path}: {what} cannot be read ({e}); it must be a readable JSON file") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # nested too deep; an int past str()'s digits
         raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None

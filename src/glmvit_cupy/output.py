@@ -40,6 +40,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: safetensors.nump
 import numpy as np
 
 from .errors import OutputError
+from .files import open_regular
 
 log = logging.getLogger("glmvit_cupy")
 
@@ -363,8 +364,8 @@ def read_embeddings(folder) -> tuple[dict, dict]:
     manifest = {"header": None, "images": {}, "failed": {}}
     if os.path.exists(path):
         try:
-            with open(path) as f:
-                manifest = json.load(f)
+            with open_regular(path, "the manifest", OutputError) as f:  # a FIFO or /dev/zero: refused, not read
+                manifest = json.loads(f.read())
             if not (isinstance(manifest, dict) and isinstance(manifest.get("images"), dict)):
                 raise TypeError("it is not an object with an 'images' object")
             own = _own_shards(folder, manifest["images"])

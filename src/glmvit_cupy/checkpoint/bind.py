@@ -117,7 +117,12 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
     """
     path = resolve(path)
     if os.path.isdir(path):
-        if not os.listdir(path):
+        try:
+            listing = os.listdir(path)
+        except OSError as e:  # no permission to list it, an I/O error
+            raise CheckpointError(f"{path}: the checkpoint folder cannot be read ({e}); it must be a readable "
+                                  "folder holding config.json and *.safetensors shards") from None
+        if not listing:
             raise CheckpointError(f"{path}: empty directory; expected config.json and *.safetensors shards")
         geo = read_config(path)
         source = path

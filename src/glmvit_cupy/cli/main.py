@@ -29,7 +29,7 @@ import threading
 import time
 
 from .. import gpu
-from ..checkpoint.bind import bind_tower
+from ..checkpoint.bind import bind_tower, inspect_checkpoint
 from ..checks import DECODE, DEFAULT_MAX_IMAGE_TOKENS, RESIZE, device_list
 from ..errors import CheckpointError, OutputError
 from ..output import Output, Writer, image_key, shown
@@ -110,7 +110,7 @@ def parse(argv):
 
 def inspect(path) -> int:
     try:
-        s = bind_tower(path).summary()
+        s = inspect_checkpoint(path)  # every load-time check, the weights' values included
     except CheckpointError as e:
         return fail(e)
     g = s["geometry"]
@@ -158,8 +158,8 @@ def run(args) -> int:
         if value is not None and value < low:
             return fail(f"{flag} {value} must be at least {low}")
     for flag, value in (("--max-image-mib", args.max_image_mib), ("--max-video-mib", args.max_video_mib)):
-        if not 0 < value < float("inf"):
-            return fail(f"{flag} {value:g} must be a positive number of MiB")
+        if not 0 < value <= 2**40:  # 1 EiB: past any file
+            return fail(f"{flag} {value:g} must be a positive number of MiB, at most {2**40:,}")
     if not args.video_fps > 0 or args.video_fps == float("inf"):
         return fail(f"--video-fps {args.video_fps} must be a positive number of frames a second")
     if args.min_video_tokens > args.max_video_tokens:

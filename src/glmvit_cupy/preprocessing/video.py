@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..checks import check_positive, check_token_limits, shown
+from ..checks import check_positive, check_token_limits
+from ..errors import quoted
 from . import resample
 from .image import MEAN, REFERENCE, STD, Patching, check_patching, content_size, rows_in_turn, rows_out, smart_resize
 from .video_files import FrameFiles, VideoFile, video_frames
@@ -56,7 +57,7 @@ def value_table() -> np.ndarray:
 def _positive_number(name: str, v, where: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v) \
             or v <= 0:
-        raise ValueError(f"{where}: {name}={shown(v)} must be a positive finite number")
+        raise ValueError(f"{where}: {name}={quoted(v)} must be a positive finite number")
     return float(v) if isinstance(v, (float, np.floating)) else int(v)
 
 
@@ -81,8 +82,8 @@ def sample_frames(total_frames: int, fps: float, *, duration: float | None = Non
         duration = duration if max_duration <= 0 else min(duration, max_duration)
         want = min(int(duration * target_fps), max_frames)
     except OverflowError:  # a duration or frame count past any float: no video lasts that long
-        raise ValueError(f"sample_frames: fps={shown(fps)}, duration={shown(duration)} and target_fps="
-                         f"{shown(target_fps)} give a frame count past any float; pass the video's real fps and "
+        raise ValueError(f"sample_frames: fps={quoted(fps)}, duration={quoted(duration)} and target_fps="
+                         f"{quoted(target_fps)} give a frame count past any float; pass the video's real fps and "
                          "duration") from None
     if total_frames < want:
         picked = np.linspace(0, max_idx, want, dtype=int).tolist()

@@ -10,7 +10,8 @@ import binascii
 import json
 import re
 
-from ..checks import DEFAULT_MAX_IMAGE_TOKENS, check_token_limits, shown
+from ..checks import DEFAULT_MAX_IMAGE_TOKENS, check_token_limits
+from ..errors import quoted
 from ..preprocessing.video import MAX_VIDEO_TOKENS
 
 
@@ -233,20 +234,20 @@ def parse_videos(body: bytes) -> tuple[list[dict], dict]:
             raise Refused(400, f"videos[{i}].file must be a base64 string (a video file)", i)
         for k in ("fps", "duration"):
             if v.get(k) is not None and not _number(v[k]):
-                raise Refused(400, f"videos[{i}].{k} must be a number or null, got {shown(v[k])}", i)
+                raise Refused(400, f"videos[{i}].{k} must be a number or null, got {quoted(v[k])}", i)
         out.append({"frames": None if frames is None else list(frames), "file": file, "fps": v.get("fps"),
                     "duration": v.get("duration")})
     defaults = {"sample": True, "target_fps": 2, "max_frames": 2048, "max_duration": 0, "min_image_tokens": 16,
                 "max_image_tokens": MAX_VIDEO_TOKENS}
     common = {k: (defaults[k] if req.get(k) is None else req[k]) for k in defaults}
     if not isinstance(common["sample"], bool):
-        raise Refused(400, f"'sample' must be true or false, got {shown(common['sample'])}")
+        raise Refused(400, f"'sample' must be true or false, got {quoted(common['sample'])}")
     for k in ("target_fps", "max_duration"):  # the values themselves: preprocess_video's checks (422)
         if not _number(common[k]):
-            raise Refused(400, f"'{k}' must be a number, got {shown(common[k])}")
+            raise Refused(400, f"'{k}' must be a number, got {quoted(common[k])}")
     for k in ("max_frames", "min_image_tokens", "max_image_tokens"):
         if not _number(common[k]) or not isinstance(common[k], int):
-            raise Refused(400, f"'{k}' must be an integer, got {shown(common[k])}")
+            raise Refused(400, f"'{k}' must be an integer, got {quoted(common[k])}")
     return out, common
 
 
