@@ -72,3 +72,24 @@ def gpu_or_skip():
     if n == 0:
         pytest.skip("GPU test: no CUDA device", allow_module_level=True)
     return cupy
+
+
+def said_within(call, error, seconds: float = 20.0) -> str:
+    """call() in a daemon thread: the message of the `error` it raises, "returned" if it returns; fails (not
+    hangs) if it is still running after `seconds` (a read of a FIFO or /dev/zero that was not refused)."""
+    import threading
+
+    said = []
+
+    def run():
+        try:
+            call()
+            said.append("returned")
+        except error as e:
+            said.append(str(e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds:g} s: it blocked"
+    return said[0]
