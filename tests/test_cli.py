@@ -16,6 +16,7 @@ from glmvit_cupy import reference
 from glmvit_cupy.checkpoint.bind import bind_tower
 from glmvit_cupy.cli import main as cli
 from glmvit_cupy.errors import ImageError
+from glmvit_cupy.output import LOCK
 from glmvit_cupy import preprocess
 from glmvit_cupy.scheduling import batching
 
@@ -423,7 +424,8 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_same_command_resumes(tmp_
     assert f"cannot write {out / 'embeddings-00003.safetensors'}: " in line and "No space left on device" in line
     assert "the run stopped with 2 files saved" in line and "re-run the same command to resume" in line
     assert "Traceback" not in err
-    assert sorted(os.listdir(out)) == ["embeddings-00001.safetensors", "embeddings-00002.safetensors", "manifest.json"]
+    assert sorted(os.listdir(out)) == [LOCK, "embeddings-00001.safetensors", "embeddings-00002.safetensors",
+                                       "manifest.json"]
     monkeypatch.setattr(safetensors.numpy, "save_file", real_save)
     assert run(args) == 0
     manifest, tensors = load_all(out)

@@ -18,7 +18,7 @@ from tests.golden import cases
 from glmvit_cupy import reference
 from glmvit_cupy.cli import main as cli
 from glmvit_cupy import output
-from glmvit_cupy.output import image_key, read_embeddings
+from glmvit_cupy.output import LOCK, image_key, read_embeddings
 
 TOWER = str(cases.TOWER_DIR)
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
@@ -251,7 +251,8 @@ def test_a_shard_over_the_file_size_limit_is_one_line_and_status_3(folder, tmp_p
     assert "Traceback" not in r.stderr
     manifest, embs = read_embeddings(out)
     assert sorted(os.path.basename(k) for k in embs) == ["a.png", "b.png"]
-    assert sorted(os.listdir(out)) == ["embeddings-00001.safetensors", "embeddings-00002.safetensors", "manifest.json"]
+    assert sorted(os.listdir(out)) == [LOCK, "embeddings-00001.safetensors", "embeddings-00002.safetensors",
+                                       "manifest.json"]
 
 
 @pytest.mark.parametrize("how", ["oserror", "outputerror", "a file in its place"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from glmvit_cupy.errors import OutputError
-from glmvit_cupy.output import MANIFEST, Output, read_embeddings
+from glmvit_cupy.output import LOCK, MANIFEST, Output, read_embeddings
 from tests.conftest import module_rng, said_within
 
 SETTINGS = {"checkpoint": "/models/x", "min_image_tokens": 16, "max_image_tokens": 1024}
@@ -75,7 +75,7 @@ def test_shard_numbers_past_99999_are_read_and_never_reused(tmp_path):
     for b in batches:
         out.add_batch(b)  # 99999, 100000, 100001; the manifest never written: the run "died"
     names = sorted(os.listdir(folder))
-    assert names == ["embeddings-100000.safetensors", "embeddings-100001.safetensors", "embeddings-99999.safetensors"]
+    assert names == [LOCK, "embeddings-100000.safetensors", "embeddings-100001.safetensors", "embeddings-99999.safetensors"]
     open(os.path.join(folder, "embeddings-100002.safetensors.tmp"), "wb").close()  # a write cut short
     again = Output(folder, SETTINGS)
     assert len(again) == 3 and again.next_shard == 100_003
@@ -265,7 +265,7 @@ def test_a_shard_that_cannot_be_written_is_an_output_error_naming_it(tmp_path, m
     why = "File too large" if error == "os" else "No space left on device"
     with pytest.raises(OutputError, match=f"cannot write {folder}/embeddings-00002.safetensors: .*{why}"):
         out.add_batch(batch(["/img/b"]))
-    assert sorted(os.listdir(folder)) == ["embeddings-00001.safetensors", MANIFEST]
+    assert sorted(os.listdir(folder)) == [LOCK, "embeddings-00001.safetensors", MANIFEST]
     assert set(read_embeddings(folder)[1]) == {"/img/a"}
 
 
@@ -295,3 +295,27 @@ def test_earlier_failures_stay_in_the_manifest_until_encoded(tmp_path):
     again.add_batch(batch(["/img/later"]))
     again.flush()
     assert json.loads((tmp_path / "o" / MANIFEST).read_text())["failed"] == {"/img/bad": "cannot decode"}
+
+
+def test_two_processes_never_write_one_folder(tmp_path):
+    """Two glmvit-encode runs into one --out overwrote each other's shards (both numbered from the same
+    folder), each exiting 0: the second is refused while the first holds the folder, and the folder is free
+    again once it ends, however it ends."""
+    import subprocess
+    import sys
+
+    folder = str(tmp_path / "o")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import json, sys, time; from glmvit_cupy.output import Output; "
+         "o = Output(sys.argv[1], json.loads(sys.argv[2])); print('held', flush=True); time.sleep(60)",
+         folder, json.dumps(SETTINGS)], stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(OutputError, match="another process is writing to this output folder"):
+            Output(folder, SETTINGS)
+    finally:
+        holder.kill()
+        holder.wait()
+    Output(folder, SETTINGS).add_batch(batch(["/img/a"]))  # the kill let it go

@@ -130,6 +130,27 @@ def shard_entries(folder: str, skip=()) -> dict[str, tuple[dict, dict]]:
     return out
 
 
+LOCK = ".glmvit-encode.lock"  # held by the process writing a folder: two runs into one --out would overwrite shards
+
+
+def _lock_folder(folder: str):
+    """The open lock file of `folder`, locked for this process (a POSIX record lock: the kernel drops it when the
+    process ends, however it ends), or OutputError when another process holds it."""
+    import fcntl
+
+    try:
+        f = open(os.path.join(folder, LOCK), "a+b")
+    except OSError as e:
+        raise OutputError(f"cannot create {shown(os.path.join(folder, LOCK))}: {_reason(e)}") from None
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise OutputError(f"{shown(folder)}: another process is writing to this output folder (it holds {LOCK}); "
+                          "wait for that run to end, or give another --out") from None
+    return f
+
+
 class Output:
     """The output folder: shards written atomically, each naming its images; the manifest rewritten
     atomically at most every `flush_seconds` and on flush().
@@ -151,6 +172,7 @@ class Output:
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
             raise OutputError(f"cannot create the output folder {shown(folder)}: {_reason(e)}") from None
+        self._lock = _lock_folder(folder)
         self._recover(settings)
         self.next_shard = max([0, *map(_shard_number, os.listdir(folder))]) + 1
         self.mode = _umask_mode()
