@@ -173,12 +173,27 @@ def test_unknown_fields_are_refused_by_name(server):
                             "'max_image_tokens'")
 
 
+def test_a_compressed_body_is_refused_by_its_encoding(server):
+    import gzip
+
+    client, _ = server
+    body = gzip.compress(json.dumps({"images": [base64.b64encode(png(20, 20, 1)).decode()]}).encode())
+    req = urllib.request.Request(client.url + "/v1/encode", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 415 and json.loads(e.value.read())["error"] == (
+        "Content-Encoding 'gzip': send the body uncompressed (identity)")
+
+
 @pytest.mark.parametrize("method,path,status,says", [
     ("GET", "/v1/encode", 405, "GET /v1/encode: method not allowed; this server has GET /health, GET /metrics, "
                                "POST /v1/encode, POST /v1/encode_video"),
     ("GET", "/v1/encode_video", 405, "GET /v1/encode_video: method not allowed"),
     ("POST", "/health", 405, "POST /health: method not allowed"),
     ("GET", "/v1/encoder", 404, "GET /v1/encoder: not found; this server has"),
+    ("POST", "/v1/encode/", 404, "POST /v1/encode/: not found; this server has"),  # no redirect built from Host
+    ("GET", "/health/", 404, "GET /health/: not found"),
 ])
 def test_wrong_path_or_method_is_json(server, method, path, status, says):
     req = urllib.request.Request(server[0].url + path, method=method, data=b"{}" if method == "POST" else None)

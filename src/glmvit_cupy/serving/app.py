@@ -57,7 +57,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..errors import ImageError, OutputError
+from ..errors import ImageError, OutputError, quoted
 from ..preprocessing import decode
 from ..preprocessing.image import prepare_canvas, smart_resize
 from ..preprocessing.video import plan_video, sample_frames
@@ -323,6 +323,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind != "application/json":
             raise Refused(415, f"Content-Type {kind or 'none'!r}: send application/json")
+        coding = request.headers.get("content-encoding", "identity").strip().lower()
+        if coding not in ("", "identity"):  # read as it came, a gzip body would be refused as non-ASCII
+            raise Refused(415, f"Content-Encoding {quoted(coding)}: send the body uncompressed (identity)")
         body = await read_body(request, int(settings.max_body_mib * 2**20), settings.body_timeout, bodies)
         request.scope["glmvit.body_bytes"] = len(body)
         return [body]
@@ -712,6 +715,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                              "index": None}, status_code=exc.status_code, headers=exc.headers)
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app.router.redirect_slashes = False  # /v1/encode/ is a 404 naming the paths, not a redirect built from Host
     app.state.glmvit = state
     app.state.metrics = metrics
     app.state.pixels = budget
