@@ -203,6 +203,12 @@ def test_inspect_and_usage(capsys, tmp_path):
             break
     assert run(["--inspect", bad]) == 2
     assert "blocks.0.norm1.weight" in capsys.readouterr().err
+    # Found only as the engine loads the weights: still exit 2, and the --out folder the run made is gone again.
+    from PIL import Image
+
+    Image.new("RGB", (40, 30), (9, 80, 200)).save(tmp_path / "one.png")
+    assert run([tmp_path / "one.png", "--checkpoint", bad, "--out", tmp_path / "new", "--cpu"]) == 2
+    assert "blocks.0.norm1.weight" in capsys.readouterr().err and not (tmp_path / "new").exists()
     for flag in ("--max-image-mib", "--max-video-mib"):  # past any file: refused before anything is read
         assert run([tmp_path / "nope.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o", "--cpu",
                     flag, "1e308"]) == 2

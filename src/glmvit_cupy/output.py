@@ -177,6 +177,12 @@ class Output:
         self.next_shard = max([0, *map(_shard_number, os.listdir(folder))]) + 1
         self.mode = _umask_mode()
 
+    def discard(self) -> None:
+        """Remove the folder this Output made, before anything was written to it (its lock file alone)."""
+        self._lock.close()
+        os.unlink(os.path.join(self.folder, LOCK))
+        os.rmdir(self.folder)
+
     def _check(self, header: dict, settings: dict, where: str):
         for name, value in settings.items():
             if name in ADDED and name not in header:  # written before the setting was: it held none of its files

@@ -197,6 +197,7 @@ def run(args) -> int:
     settings = {"checkpoint": os.path.abspath(binding.path), "geometry": dict(vars(binding.geometry)),
                 "min_image_tokens": args.min_image_tokens, "max_image_tokens": args.max_image_tokens,
                 "max_pixels": args.max_pixels, "video": dict(per_video, max_video_pixels=args.max_video_pixels)}
+    created = not os.path.lexists(args.out)
     try:
         out = Output(args.out, settings)
     except OutputError as e:  # a file, other settings, a damaged manifest, a folder that cannot be made
@@ -222,7 +223,9 @@ def run(args) -> int:
         print(f"glmvit-encode: {enc.name} ready in {time.perf_counter() - t_load:.1f} s"
               + (f" (CUDA graphs of {len(enc.graphs_ready)} full-pass budgets captured)" if enc.graphs_ready else ""),
               file=sys.stderr)
-    except ValueError as e:
+    except ValueError as e:  # the weights' values (NaN, infinities), found as the engine loads them
+        if created:  # exit 2 creates nothing: the folder this run made goes again
+            out.discard()
         return fail(e)
     saved_before = len(out)
     try:
