@@ -361,6 +361,9 @@ def test_the_exit_statuses_are_in_help_and_followed(folder, tmp_path, capsys):
     out = tmp_path / "out"
     assert run(tmp_path / "nope.png", "--checkpoint", TOWER, "--out", out, "--cpu") == 2  # names nothing
     assert "no such file, folder or matching glob" in capsys.readouterr().err
+    typo = str(tmp_path / "typo" / "*.png")  # a glob matching nothing, beside inputs that exist: as wrong
+    assert run(folder, typo, "--checkpoint", TOWER, "--out", out, "--cpu") == 2 and not out.exists()
+    assert f"no such file, folder or matching glob: {typo}" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert run(tmp_path / "empty", "--checkpoint", TOWER, "--out", out, "--cpu") == 2  # holds nothing
     assert not out.exists()

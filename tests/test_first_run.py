@@ -132,7 +132,7 @@ def test_empty_inputs_are_an_error_and_create_nothing(tmp_path, capsys):
     assert run(tmp_path / "empty", "--checkpoint", TOWER, "--out", out, "--cpu") == 2
     assert "no images or videos found in" in capsys.readouterr().err and not out.exists()
     assert run(str(tmp_path / "*.png"), "--checkpoint", TOWER, "--out", out, "--cpu") == 2
-    assert "no images or videos found" in capsys.readouterr().err and not out.exists()
+    assert "no such file, folder or matching glob" in capsys.readouterr().err and not out.exists()
 
 
 def test_output_is_readable_and_modes_are_consistent(folder, tmp_path):

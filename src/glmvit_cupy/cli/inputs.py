@@ -39,7 +39,10 @@ def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS) -> list
         elif os.path.lexists(item):  # a file, or a FIFO, device or broken link: reading it says which
             out.append(item)
         elif glob.has_magic(item):
-            out += sorted(p for p in expand_glob(item) if os.path.isfile(p))
+            files = sorted(p for p in expand_glob(item) if os.path.isfile(p))
+            if not files:  # a mistyped glob among other inputs is as wrong as a mistyped path
+                missing.append(item)
+            out += files
         else:
             missing.append(item)
     if missing:
