@@ -433,3 +433,26 @@ def test_no_install_hint_names_a_package_no_index_has():
 
     for path in pathlib.Path(cli.__file__).parent.glob("*.py"):
         assert "glmvit-cupy[" not in path.read_text(), path
+
+
+def test_a_folder_that_cannot_be_listed_is_reported_not_passed_over(folder, tmp_path, monkeypatch, capsys):
+    """An unreadable subfolder was skipped without a word and the run exited 0: it is a failed input now,
+    named with the OS's reason (root lists every folder, so the refusal is simulated), and the rest is saved."""
+    import shutil
+
+    locked = folder / "locked"
+    locked.mkdir()
+    shutil.copy(next(folder.glob("*.png")), locked / "inside.png")
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.path.normpath(os.fspath(path)) == str(locked):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    out = tmp_path / "out"
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert list(manifest["failed"]) == [image_key(str(locked))] and len(manifest["images"]) == 2
+    assert f"skipped {locked}: a folder that cannot be listed ([Errno 13] Permission denied" in capsys.readouterr().out

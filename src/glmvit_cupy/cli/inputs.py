@@ -100,9 +100,16 @@ def _folders_under(top, seen: set, hidden: bool = True) -> list[str]:
 
 
 def walk(top, extensions) -> list[str]:
-    """The files under folder `top` with these extensions: each folder's files (sorted), then its subfolders'."""
+    """The files under folder `top` with these extensions: each folder's files (sorted), then its subfolders'.
+    A folder that cannot be listed is itself in the list: reading it fails, and the run reports it with the
+    OS's reason instead of passing over what it holds."""
     out = []
     for folder in _folders_under(top, set()):
+        try:
+            os.scandir(folder).close()
+        except OSError:
+            out.append(folder)
+            continue
         files, _ = _scan(folder)
         out += [os.path.join(folder, f) for f in files if f.lower().endswith(extensions)]
     return out
@@ -145,6 +152,13 @@ def prepared(paths, workers: int, one, max_bytes: int | None = None):
     A file over max_bytes is refused from its size before any of it is read."""
 
     def job(i, path):
+        if os.path.isdir(path):  # a folder walk() could not list
+            try:
+                os.scandir(path).close()
+                why = "it could not be listed when the inputs were read"
+            except OSError as e:
+                why = str(e)
+            return path, ImageError(f"{path}: a folder that cannot be listed ({why}); the files in it are not encoded")
         try:
             with open_regular(path, "the image", ImageError) as f:  # a FIFO or /dev/zero: refused, not read
                 if max_bytes is not None:
