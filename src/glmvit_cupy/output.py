@@ -180,8 +180,9 @@ class Output:
     def discard(self) -> None:
         """Remove the folder this Output made, before anything was written to it (its lock file alone)."""
         self._lock.close()
-        os.unlink(os.path.join(self.folder, LOCK))
-        os.rmdir(self.folder)
+        with contextlib.suppress(OSError):  # something else put there meanwhile stays, and so does the folder
+            os.unlink(os.path.join(self.folder, LOCK))
+            os.rmdir(self.folder)
 
     def _check(self, header: dict, settings: dict, where: str):
         for name, value in settings.items():
