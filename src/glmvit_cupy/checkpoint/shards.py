@@ -94,7 +94,7 @@ def read_header(path: str) -> dict:
 
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: also an int past str()'s digits  # nested past the parser's depth
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # nested too deep; an int past str()'s digits
         raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header must be a JSON object, got {type(header).__name__}")

@@ -23,6 +23,11 @@ def stopped_by_sigterm(signum, frame):
     raise Terminated()
 
 
+def skipped(path, why) -> str:
+    """The line that reports an input skipped, naming it once (the error may begin with its name too)."""
+    return shown(f"skipped {path}: {str(why).removeprefix(f'{path}: ')}")
+
+
 def interruption(e: KeyboardInterrupt) -> tuple[str, int]:
     """What stopped the run, in a word, and the exit status for it."""
     return ("terminated (SIGTERM)", TERMINATED) if isinstance(e, Terminated) else ("interrupted", INTERRUPTED)

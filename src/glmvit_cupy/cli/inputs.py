@@ -65,21 +65,26 @@ def _identity(path):
     return st.st_dev, st.st_ino
 
 
-def _scan(folder) -> tuple[list[str], list[str]]:
+def _listing(folder) -> tuple[list[str], list[str]]:
     """(names of the folder's entries that are not folders, names of its folders (links to folders included)),
-    each sorted; an unreadable folder has none."""
+    each sorted; OSError if the folder cannot be listed."""
     files, dirs = [], []
-    try:
-        with os.scandir(folder) as it:
-            for e in it:
-                try:
-                    is_dir = e.is_dir()  # follows a symbolic link
-                except OSError:
-                    is_dir = False
-                (dirs if is_dir else files).append(e.name)
-    except OSError:
-        pass
+    with os.scandir(folder) as it:
+        for e in it:
+            try:
+                is_dir = e.is_dir()  # follows a symbolic link
+            except OSError:
+                is_dir = False
+            (dirs if is_dir else files).append(e.name)
     return sorted(files), sorted(dirs)
+
+
+def _scan(folder) -> tuple[list[str], list[str]]:
+    """_listing, where an unreadable folder has no entries."""
+    try:
+        return _listing(folder)
+    except OSError:
+        return [], []
 
 
 def _folders_under(top, seen: set, hidden: bool = True) -> list[str]:
@@ -106,11 +111,10 @@ def walk(top, extensions) -> list[str]:
     out = []
     for folder in _folders_under(top, set()):
         try:
-            os.scandir(folder).close()
+            files, _ = _listing(folder)
         except OSError:
             out.append(folder)
             continue
-        files, _ = _scan(folder)
         out += [os.path.join(folder, f) for f in files if f.lower().endswith(extensions)]
     return out
 

@@ -39,8 +39,8 @@ from ..scheduling import feed
 from ..scheduling.backend import Backend
 from ..scheduling.batching import pack, preparer
 from ..serving import vllm_ec
-from .common import (DONE, EXIT_STATUS, FAILED, USAGE, WRITE, counted, interruption, stopped_by_sigterm,
-                     write_vllm)
+from .common import (DONE, EXIT_STATUS, FAILED, USAGE, WRITE, counted, interruption, skipped,
+                     stopped_by_sigterm, write_vllm)
 from .inputs import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, NoSuchInput, expand_inputs, is_video, prepared
 from .videos import encode_videos, video_settings
 
@@ -294,7 +294,7 @@ def encode_all(args, todo, enc, out) -> int:
 
     def skip(path, why):
         out.fail(image_key(path), str(why))
-        bar.write(shown(f"skipped {path}: {str(why).removeprefix(f'{path}: ')}"))  # the error may name it too
+        bar.write(skipped(path, why))
         bar.update(1)
         postfix()
 

@@ -23,7 +23,7 @@ from ..files import open_regular
 from ..output import Writer, image_key, shown
 from ..scheduling import feed
 from ..serving import vllm_ec
-from .common import DONE, FAILED, counted, write_vllm
+from .common import DONE, FAILED, counted, skipped, write_vllm
 from .inputs import check_size, unreadable
 
 VIDEO_WORKERS = 4  # videos decoding at once: each decode already runs on FFmpeg's frame threads
@@ -116,7 +116,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
             except (ImageError, ValueError) as e:  # the engine's own checks of this video
                 failed += 1
                 submit(out.fail, key, str(e))
-                bar.write(shown(f"skipped {entry['source']}: {str(e).removeprefix(entry['source'] + ': ')}"))
+                bar.write(skipped(entry["source"], e))
             else:
                 # the lane takes the next video meanwhile
                 submit(write, key, entry, launched, nbytes=enc.geometry.embedding_bytes(entry["tokens"]))
@@ -131,7 +131,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
             if isinstance(got, Exception):
                 failed += 1
                 submit(out.fail, image_key(path), str(got))
-                bar.write(shown(f"skipped {path}: {str(got).removeprefix(f'{path}: ')}"))
+                bar.write(skipped(path, got))
                 bar.update(1)
                 continue
             planned, entry = got

@@ -30,6 +30,7 @@ import stat
 
 import numpy as np
 
+from ..checks import DEFAULT_MAX_IMAGE_TOKENS
 from ..errors import OutputError
 
 FILE = "encoder_cache.safetensors"
@@ -49,7 +50,7 @@ def key_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-DEFAULT_LIMITS = (16, 8000)  # the reference image processor's min and max tokens an image: what vLLM's uses
+DEFAULT_LIMITS = (16, DEFAULT_MAX_IMAGE_TOKENS)  # the reference processor's min and max tokens an image, as vLLM's
 
 
 def key_for_image(sha: str, min_image_tokens: int, max_image_tokens: int) -> str:
