@@ -30,3 +30,26 @@ def test_every_entry_point_refuses_min_above_max(rng):
     assert grid[0].prod() // 4 <= 8
     with pytest.raises(ValueError, match="min_video_tokens=9 is above max_video_tokens=8: a video"):
         checks.check_token_limits(9, 8, "video")
+
+
+def test_nonfinite_counts_nan_and_infinities_of_bf16_by_bits_and_of_float32_by_value(rng):
+    """Fresh random embeddings with NaN, +inf and -inf planted at random places (and bf16's largest finite
+    value, which must not count): the bit test agrees with NumPy's isfinite on the float32 widening."""
+    import ml_dtypes
+
+    for _ in range(5):
+        emb = (rng.standard_normal((int(rng.integers(1, 300)), 64)) * 1e3).astype(np.float32)
+        flat = emb.reshape(-1)
+        places = rng.choice(flat.size, size=min(flat.size, int(rng.integers(0, 20))), replace=False)
+        flat[places] = rng.choice([np.nan, np.inf, -np.inf], size=len(places))
+        flat[rng.integers(0, flat.size)] = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+        bf16 = emb.astype(ml_dtypes.bfloat16)
+        want = int((~np.isfinite(bf16.astype(np.float32))).sum())
+        assert checks.nonfinite(bf16) == want == checks.nonfinite(bf16.astype(np.float32))
+        problem = checks.embedding_problem(bf16, "images[2]")
+        if want:
+            assert problem.startswith(f"images[2]: the tower's output holds {want:,} NaN or infinite values of "
+                                      f"{bf16.size:,}") and "check the checkpoint" in problem
+        else:
+            assert problem is None
+    assert checks.embedding_problem(np.ones((3, 4), ml_dtypes.bfloat16), "x") is None

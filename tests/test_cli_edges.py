@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 
@@ -456,3 +457,25 @@ def test_a_folder_that_cannot_be_listed_is_reported_not_passed_over(folder, tmp_
     manifest = json.loads((out / "manifest.json").read_text())
     assert list(manifest["failed"]) == [image_key(str(locked))] and len(manifest["images"]) == 2
     assert f"skipped {locked}: a folder that cannot be listed ([Errno 13] Permission denied" in capsys.readouterr().out
+
+
+# -- weights that overflow the forward -----------------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_embeddings_of_weights_that_overflow_are_failed_not_saved(folder, tmp_path, capsys):
+    """Finite weights large enough to overflow the forward (tests/golden/cases.overflowing_tower): each image
+    is failed saying so, nothing of it is saved (nor written for vLLM), the run exits 1; the good tower then
+    encodes the same folder into the same output on a resume."""
+    bad = cases.overflowing_tower(tmp_path / "bad")
+    out, ec = tmp_path / "out", tmp_path / "ec"
+    assert run(folder, "--checkpoint", bad, "--out", out, "--cpu", "--vllm-ec-dir", ec) == cli.FAILED
+    said = capsys.readouterr()
+    assert "0 images, 0 tokens" in said.out and "2 failed" in said.out, said.out
+    manifest, embs = read_embeddings(out)
+    assert not embs and not manifest["images"] and not (ec.exists() and os.listdir(ec))
+    for key, why in manifest["failed"].items():
+        assert why.startswith(f"{key}: the tower's output holds ") and "NaN or infinite values" in why
+        assert f"skipped {key}: the tower's output holds" in said.out
+    shutil.rmtree(out)
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.DONE
+    assert len(read_embeddings(out)[1]) == 2

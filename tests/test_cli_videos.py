@@ -182,3 +182,18 @@ def test_an_interrupted_run_keeps_the_videos_it_finished(media, tmp_path, capsys
     monkeypatch.setattr(Backend, "launch_video_on", real)
     assert run(*videos, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", *LIMITS) == 0
     assert "1 of 2 files already" in capsys.readouterr().out and len(read_embeddings(out)[1]) == 2
+
+
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_videos_whose_embedding_overflows_are_failed_not_saved(media, tmp_path, capsys):
+    """Weights that overflow the forward (cases.overflowing_tower): every video (and the image) is failed
+    saying so and nothing is saved; the summary counts none encoded."""
+    bad = cases.overflowing_tower(tmp_path / "bad")
+    out = tmp_path / "out"
+    assert run(media, "--checkpoint", bad, "--out", out, "--cpu", *LIMITS) == cli.FAILED
+    said = capsys.readouterr().out
+    assert "0 videos, 0 tokens" in said and "3 failed" in said, said  # two videos and broken.mp4
+    manifest, embs = read_embeddings(out)
+    assert not embs and not manifest["images"] and not manifest.get("videos")
+    overflowed = [k for k, why in manifest["failed"].items() if "NaN or infinite values" in why]
+    assert sorted(os.path.basename(k) for k in overflowed) == ["a.png", "offset.mp4", "pan.mkv"], manifest["failed"]

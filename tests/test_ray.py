@@ -207,3 +207,19 @@ def test_encode_video_dataset_checks_its_arguments(local_ray):
                          ({"capacity_tokens": 0}, "capacity_tokens=0"), ({}, "has 0 GPUs.*cpu=True")):
         with pytest.raises(ValueError, match=says):
             gvr.encode_video_dataset(ds, TOWER, cpu="GPUs" not in says, **kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_an_embedding_that_overflows_is_a_failed_row(folder, tmp_path):
+    """Weights that overflow the forward (cases.overflowing_tower): the actor's rows get an error naming the
+    file and no embedding; a row that failed before keeps its own error."""
+    import pandas as pd
+
+    from glmvit_cupy.ray import Encode, Prepare
+
+    paths = sorted(str(p) for p in folder.glob("img*.png"))[:2] + [str(folder / "broken.png")]
+    batch = Prepare("bytes", 16, 64)(pd.DataFrame({"bytes": [open(p, "rb").read() for p in paths], "path": paths}))
+    out = Encode(cases.overflowing_tower(tmp_path / "bad"), cpu=True, capacity_tokens=8000)(batch)
+    for p, emb, error in zip(paths[:2], out["embedding"], out["error"]):
+        assert emb.shape == (0, cases.GEOMETRY.out_hidden_size) and error.startswith(f"{p}: the tower's output holds ")
+    assert "NaN or infinite" not in out["error"].iloc[2]

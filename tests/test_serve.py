@@ -702,3 +702,32 @@ def test_a_vllm_cache_that_cannot_be_written_fails_the_request_saying_where(tmp_
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_embeddings_of_weights_that_overflow_are_a_500_naming_the_image_never_sent(tmp_path):
+    """A checkpoint whose finite weights overflow the forward (cases.overflowing_tower): a request gets a 500
+    naming the image and saying why, nothing reaches the vLLM folder, the same image asked again (now in
+    the cache) fails alike, and a video request too; the server stays up."""
+    ec = tmp_path / "ec"
+    proc, client = start(tmp_path, "--vllm-ec-dir", ec, "--max-wait-ms", 5,
+                         checkpoint=cases.overflowing_tower(tmp_path / "bad"))
+    try:
+        body = json.dumps({"images": [base64.b64encode(png(60, 80, 41)).decode(),
+                                      base64.b64encode(png(50, 70, 42)).decode()]}).encode()
+        for _ in range(2):
+            status, err = post(client, body)
+            assert status == 500 and err["index"] == 0, err
+            assert err["error"].startswith("images[0]: the tower's output holds ") and "NaN or infinite" in err["error"]
+        assert not (ec.exists() and os.listdir(ec))
+        with pytest.raises(ServerError) as e:
+            client.encode_video([clip(3, 40, 44, 80)], fps=[2.0])
+        assert e.value.status == 500 and e.value.index == 0, e.value
+        assert e.value.error.startswith("videos[0]: the tower's output holds "), e.value
+        assert client.health()["status"] == "ok"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    logged = proc.stdout.read()  # the operator is told of each 500
+    assert logged.count("glmvit-serve: /v1/encode: 500: images[0]: the tower's output holds ") == 2, logged
+    assert "glmvit-serve: /v1/encode_video: 500: videos[0]: the tower's output holds " in logged, logged

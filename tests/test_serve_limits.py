@@ -963,3 +963,23 @@ def test_a_body_with_a_utf8_byte_order_mark_is_read(server):
     _, client = server
     body = b"\xef\xbb\xbf" + json.dumps({"images": [b64(png(40, 40, 77))]}).encode()
     assert post(client, body)[0] == 200
+
+
+def test_an_unexpected_failure_is_a_500_and_its_traceback_is_logged():
+    """A pass that raises something no check foresaw (here: a ZeroDivisionError from the engine): the request
+    gets a 500 saying so, the operator's log holds the traceback, and the next request is served."""
+    prelude = ("from glmvit_cupy.scheduling.backend import Backend; launch_on = Backend.launch_on; calls = []; "
+               "Backend.launch_on = lambda self, lane, items: (calls.append(1), "
+               "1 / 0 if len(calls) == 1 else launch_on(self, lane, items))[1]")
+    proc, client = launch(prelude=prelude)
+    try:
+        body = json.dumps({"images": [b64(png(60, 80, 51))]}).encode()
+        status, err = post(client, body)
+        assert status == 500 and err == {"error": "encoding failed (ZeroDivisionError: division by zero)",
+                                         "index": None}, err
+        assert post(client, body)[0] == 200
+    finally:
+        stop(proc)
+    logged = proc.stdout.read()
+    assert "glmvit-serve: /v1/encode: 500: encoding failed:\nTraceback (most recent call last):" in logged, logged
+    assert "ZeroDivisionError: division by zero" in logged, logged

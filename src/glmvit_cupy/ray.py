@@ -31,7 +31,7 @@ import io
 
 import numpy as np
 
-from .checks import DEFAULT_MAX_IMAGE_TOKENS, image_limits
+from .checks import DEFAULT_MAX_IMAGE_TOKENS, embedding_problem, image_limits
 from .errors import ImageError
 from .preprocessing.image import REFERENCE, Patching, prepare_canvas
 
@@ -102,6 +102,10 @@ class Encode:
         embeddings = [np.zeros((0, width), np.float32) for _ in errors]
         try:
             for i, emb in zip(rows, encode() if rows else []):
+                problem = embedding_problem(emb, str(batch["path"].iloc[i]) if "path" in batch else f"row {i}")
+                if problem is not None:  # an unusable embedding is a failed row
+                    errors[i] = problem
+                    continue
                 embeddings[i] = emb.astype(np.float32)  # exact: every bf16 value is a float32 value
         except Exception as e:  # the engine failed on this batch: its rows say so, the pipeline goes on
             for i in rows:

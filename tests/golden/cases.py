@@ -121,3 +121,17 @@ def tower_cases():
     b = Image.fromarray(_smooth(140, 90, seed=31))
     c = Image.fromarray(_smooth(64, 64, seed=32))
     return {"img_100x150": [a], "img_140x90": [b], "img_64x64": [c], "batch_abc": [a, b, c]}
+
+
+def overflowing_tower(folder, seed: int = 5) -> str:
+    """A checkpoint of GEOMETRY whose weights are finite but overflow the forward: its merger's down_proj is
+    scaled to near bf16's largest value, so every embedding holds infinities (and NaN)."""
+    import ml_dtypes
+
+    from glmvit_cupy.checkpoint.synthetic import random_tower, write_checkpoint
+
+    tensors = random_tower(GEOMETRY, seed)
+    w = tensors["merger.down_proj.weight"].astype(np.float32)
+    tensors["merger.down_proj.weight"] = (w * np.float32(1e38)).astype(ml_dtypes.bfloat16)
+    assert np.isfinite(tensors["merger.down_proj.weight"].astype(np.float32)).all()
+    return write_checkpoint(folder, GEOMETRY, seed=seed, tensors=tensors)

@@ -30,7 +30,7 @@ import time
 
 from .. import gpu
 from ..checkpoint.bind import bind_tower, inspect_checkpoint
-from ..checks import DECODE, DEFAULT_MAX_IMAGE_TOKENS, RESIZE, device_list
+from ..checks import DECODE, DEFAULT_MAX_IMAGE_TOKENS, RESIZE, device_list, embedding_problem
 from ..errors import CheckpointError, OutputError
 from ..output import Output, Writer, image_key, shown
 from ..preprocessing.image import Patching
@@ -271,6 +271,7 @@ def encode_all(args, todo, enc, out) -> int:
     from tqdm import tqdm
 
     tokens_done, failed = 0, 0
+    unusable = []  # images whose embedding came back unusable (the writer's thread appends them)
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), unit="img", dynamic_ncols=True)
     writer = Writer(out)  # a disk slower than the GPUs holds them back (output.PENDING_WRITES)
@@ -280,17 +281,26 @@ def encode_all(args, todo, enc, out) -> int:
         # Copied to the host here, off the GPU's thread, and written straight from page-locked memory.
         with launched.viewed() as per_batch:
             for b, per_image in zip(group, per_batch):
+                kept = []
+                for (key, info), emb in zip(b, per_image):
+                    problem = embedding_problem(emb, key)
+                    if problem is None:
+                        kept.append((key, info, emb))
+                    else:  # never saved: the image is failed, saying why
+                        unusable.append(key)
+                        out.fail(key, problem)
+                        bar.write(skipped(key, problem))
                 if args.vllm_ec_dir:
-                    for (_, info), emb in zip(b, per_image):
+                    for _, info, emb in kept:
                         write_vllm(args.vllm_ec_dir, vllm_ec.key_for_image(info["sha256"], args.min_image_tokens,
                                                                        args.max_image_tokens), emb)
-                out.add_batch([(key, info, emb) for (key, info), emb in zip(b, per_image)])
-                tokens_done += sum(info["tokens"] for _, info in b)
+                out.add_batch(kept)
+                tokens_done += sum(info["tokens"] for _, info, _ in kept)
                 bar.update(len(b))
         postfix()
 
     def postfix():
-        bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}", failed=failed)
+        bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}", failed=failed + len(unusable))
 
     def skip(path, why):
         out.fail(image_key(path), str(why))
@@ -357,6 +367,7 @@ def encode_all(args, todo, enc, out) -> int:
     writer.check()
     bar.close()
     dt = time.perf_counter() - t0
+    failed += len(unusable)
     print(f"glmvit-encode: {counted(len(todo) - failed, 'image')}, {tokens_done} tokens in {dt:.1f} s "
           f"({(len(todo) - failed) / dt:.1f} images/s, {tokens_done / dt:.0f} tokens/s); {failed} failed; "
           f"output in {shown(args.out)}")

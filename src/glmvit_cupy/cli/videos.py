@@ -92,6 +92,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
     writer = Writer(out)  # it alone touches `out`; what waits for it is bounded (output.PENDING_WRITES)
     submit = writer.submit
     running: dict = {}  # future of a lane's launch -> (key, entry)
+    unusable = []  # videos whose embedding came back unusable (the writer's thread appends them)
     t0 = time.perf_counter()
 
     def on_lane(lane, planned):
@@ -103,6 +104,12 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
     def write(key, entry, launched):
         with launched.viewed() as views:  # waits for the video's forwards; the views die with the `with`
             emb = views[0][0]
+            problem = checks.embedding_problem(emb, entry["source"])
+            if problem is not None:  # never saved: the video is failed, saying why
+                unusable.append(entry["tokens"])
+                out.fail(key, problem)
+                bar.write(skipped(entry["source"], problem))
+                return
             if args.vllm_ec_dir:
                 write_vllm(args.vllm_ec_dir, entry["key"], emb)
             out.add_batch([(key, entry, emb)])
@@ -154,6 +161,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
     writer.check()
     bar.close()
     dt = time.perf_counter() - t0
+    encoded, failed, tokens = encoded - len(unusable), failed + len(unusable), tokens - sum(unusable)
     print(f"glmvit-encode: {counted(encoded, 'video')}, {tokens} tokens in {dt:.1f} s ({encoded / dt:.2f} videos/s, "
           f"{tokens / dt:.0f} tokens/s); {failed} failed; output in {shown(args.out)}")
     return FAILED if failed else DONE

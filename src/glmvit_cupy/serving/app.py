@@ -45,6 +45,7 @@ import re
 import signal
 import threading
 import time
+import traceback
 import warnings
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..checks import embedding_problem
 from ..errors import ImageError, OutputError, quoted
 from ..preprocessing import decode
 from ..preprocessing.image import prepare_canvas, smart_resize
@@ -292,6 +294,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 except Refused as e:  # a body too slow or too large: the rest is not read, and the connection closes
                     response = JSONResponse({"error": e.error, "index": e.index}, status_code=e.status,
                                             headers={"Connection": "close"} if e.close else None)
+                    if e.status == 500:  # the server's own failure (a write, the model): the operator is told
+                        state.get("log", lambda message: None)(f"{request.url.path}: 500: {e.error}")
                 except (ClientGone, ClientDisconnect):
                     response = Response(status_code=499)
                 except asyncio.CancelledError:  # the drain ran out, or a second signal: a short answer, no traceback
@@ -302,6 +306,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 except Exception as e:
                     response = JSONResponse({"error": f"encoding failed ({type(e).__name__}: {e})", "index": None},
                                             status_code=500)
+                    state.get("log", lambda message: None)(
+                        f"{request.url.path}: 500: encoding failed:\n{traceback.format_exc().rstrip()}")
             finally:
                 state["in_flight"] -= 1
                 bodies.give(request.scope.pop("glmvit.body_bytes", 0))
@@ -493,11 +499,15 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                     raise Refused(422, str(g), i)
                 raise g
 
-    async def hand_to_vllm(keys, out):
+    async def hand_to_vllm(keys, out, what: str):
         if settings.vllm_ec_dir:
+            def write():
+                _check_finite(out, what)  # nothing unusable reaches vLLM
+                for i, k in enumerate(keys):
+                    vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)])
+
             try:
-                await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: [vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)]) for i, k in enumerate(keys)])
+                await asyncio.get_running_loop().run_in_executor(None, write)
             except (OSError, OutputError) as e:  # a full disk, the folder gone: the request fails, saying where
                 raise Refused(500, f"the embeddings were computed, but writing them to the vLLM encoder cache "
                                    f"{settings.vllm_ec_dir} failed: {e}") from None
@@ -522,8 +532,11 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         scope["glmvit.reply_bytes"] = size
         from safetensors.numpy import save
 
-        body = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: save(out, metadata={what: json.dumps(meta)}))
+        def made():
+            _check_finite(out, what)  # also for an embedding the cache kept: it fails every request that asks
+            return save(out, metadata={what: json.dumps(meta)})
+
+        body = await asyncio.get_running_loop().run_in_executor(None, made)
         return Response(body, media_type="application/octet-stream")
 
     # -- images ------------------------------------------------------------------------------------------
@@ -614,7 +627,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             out[str(i)] = emb
             meta.append({"sha256": shas[i], "key": vllm_ec.key_for_image(shas[i], lo, hi), "grid_thw": list(grid),
                          "tokens": int(emb.shape[0]), "cached": outcome != "encoded"})
-        await hand_to_vllm([m["key"] for m in meta], out)
+        await hand_to_vllm([m["key"] for m in meta], out, "images")
         return await reply(out, "images", meta)
 
     # -- videos ------------------------------------------------------------------------------------------
@@ -701,7 +714,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 metrics.videos.labels(outcome).inc()
             out[str(i)] = emb
             meta.append({"key": k, **m, "cached": outcome != "encoded"})
-        await hand_to_vllm(keys, out)
+        await hand_to_vllm(keys, out, "videos")
         return await reply(out, "videos", meta)
 
     routes = [Route("/health", health), Route("/metrics", metrics_text),
@@ -756,6 +769,15 @@ def _retrieved(future: asyncio.Future) -> None:
     """A flight's result read even where nobody waits for it any more (no 'exception never retrieved')."""
     if not future.cancelled():
         future.exception()
+
+
+def _check_finite(out: dict, what: str) -> None:
+    """Refused (500, naming the image or video) when an embedding holds NaN or infinity: the checkpoint's
+    weights overflow the forward for it (checks.embedding_problem)."""
+    for i, emb in out.items():
+        problem = embedding_problem(emb, f"{what}[{i}]")
+        if problem is not None:
+            raise Refused(500, problem, int(i))
 
 
 @functools.lru_cache(maxsize=None)
