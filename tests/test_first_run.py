@@ -220,3 +220,16 @@ def test_version_and_typing_marker():
     assert glmvit_cupy.__version__ and (os.path.isfile(os.path.join(os.path.dirname(glmvit_cupy.__file__),
                                                                     "py.typed")))
 
+
+
+def test_serve_without_a_gpu_points_at_its_own_cpu_flag(monkeypatch, capsys):
+    """glmvit-serve without --cpu on a machine without a GPU: exit 2, and the hint names glmvit-serve --cpu,
+    not another command."""
+    pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+    from glmvit_cupy.serving import main as serve
+
+    monkeypatch.setattr(gpu, "problem", lambda: f"no CUDA GPU found; {gpu.CPU_HINT}")
+    assert serve.main(["--checkpoint", TOWER, "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot use the GPU: no CUDA GPU found; glmvit-serve --cpu serves the float32 reference" in err, err
+    assert "glmvit-encode" not in err

@@ -342,7 +342,8 @@ def main(argv=None) -> int:
         print(f"glmvit-serve: {e}", file=sys.stderr)
         return 2
     why = None if args.cpu else gpu.problem()
-    if why:
+    if why:  # the hint names this command's own way to run without a GPU
+        why = why.replace(gpu.CPU_HINT, "glmvit-serve --cpu serves the float32 reference on the CPU without any of it")
         print(f"glmvit-serve: cannot use the GPU: {why}", file=sys.stderr)
         return 2
     max_connections, backlog, why = open_files_for(args.max_connections)
