@@ -71,7 +71,7 @@ def main():
     ap.add_argument("--cpu", action="store_true", help="the float32 reference (slow)")
     args = ap.parse_args()
     from glmvit_cupy import bind_tower
-    from glmvit_cupy.scheduling.backend import Backend
+    from glmvit_cupy.backend import Backend
     from glmvit_cupy.client import Client
     from glmvit_cupy.preprocessing.image import prepare_canvas
 

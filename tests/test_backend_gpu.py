@@ -20,7 +20,7 @@ from tests.golden import cases  # noqa: E402
 
 from glmvit_cupy import GlmVit, bind_tower  # noqa: E402
 from glmvit_cupy.preprocessing.image import prepare_canvas  # noqa: E402
-from glmvit_cupy.scheduling.backend import Backend  # noqa: E402
+from glmvit_cupy.backend import Backend  # noqa: E402
 from glmvit_cupy.serving.batcher import Batcher  # noqa: E402
 from glmvit_cupy.engine.uploads import Uploaded  # noqa: E402
 

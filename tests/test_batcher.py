@@ -81,7 +81,7 @@ def run(batcher, groups, gap_s=0.0):
 
 def test_the_engine_thread_only_launches():
     """Waiting for the GPU, the copies back and every per-image step run on the lane's completion thread: a
-    batcher that did them on the engine thread (as it once did: ~3.5 ms of each small image there) fails."""
+    batcher that does them on the engine thread (~3.5 ms of each small image there) fails."""
     engine = Engine(gpu_s=0.02, per_image_s=0.002)
     busy = []
     batcher = Batcher(engine, capacity_tokens=8, max_wait_s=0.001, max_queue=256,

@@ -229,15 +229,14 @@ def test_gpu_flags_with_cpu_are_refused_not_ignored(images, tmp_path, capsys, fl
 
 
 def test_backend_refuses_devices_with_cpu():
-    from glmvit_cupy.scheduling.backend import Backend
+    from glmvit_cupy.backend import Backend
     with pytest.raises(ValueError, match=r"cpu=True runs the float32 reference on the host, devices=\[0\] chooses"):
         Backend(bind_tower(cases.TOWER_DIR), cpu=True, devices=[0])
 
 
 def test_backend_checks_its_limits_before_loading():
-    """Either path: the CPU one used to take any capacity (0, -5, 1.5, "8000"), the GPU one said a bad
-    image_tokens only after loading every replica."""
-    from glmvit_cupy.scheduling.backend import Backend
+    """Either path refuses a bad capacity (0, -5, 1.5, "8000") or image_tokens before anything is loaded."""
+    from glmvit_cupy.backend import Backend
     binding = bind_tower(cases.TOWER_DIR)
     for cpu in (True, False):
         for bad in (0, -5, 1.5, True, "8000"):

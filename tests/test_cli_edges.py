@@ -49,9 +49,9 @@ def folder(tmp_path):
 # -- 1. a file too large to read ---------------------------------------------------------------------------
 
 def test_a_huge_file_named_like_an_image_is_failed_from_its_size_and_the_rest_is_saved(folder, tmp_path):
-    """A 6 GiB file named .tif (sparse: no disk) was read whole: under a memory limit the run died with nothing
-    saved, and so did every re-run. Now it is refused from its size, by name, with the flag that raises the
-    limit, and the images beside it are saved; the process's address space is held to 2 GiB throughout."""
+    """A 6 GiB file named .tif (sparse: no disk) is refused from its size, by name, with the flag that raises
+    the limit, never read; the images beside it are saved. The process's address space is held to 2 GiB
+    throughout: reading the file whole would end the run with nothing saved."""
     huge = folder / "huge.tif"
     with open(huge, "wb") as f:
         f.truncate(6 << 30)
@@ -123,9 +123,9 @@ def test_a_video_file_over_max_video_mib_is_failed_before_it_is_read(folder, tmp
 # -- 2. file names that are not UTF-8 ----------------------------------------------------------------------
 
 def test_a_file_name_that_is_not_utf8_is_encoded_keyed_and_resumed(folder, tmp_path, capsys):
-    """A name with a Latin-1 byte (the OS allows it, safetensors cannot store it as a key) made every run fail
-    at its batch. Its key is now the repr() of its path's bytes; key_path gives the path back, the manifest
-    entry holds the bytes, a re-run skips it, and a broken one is reported without a crash."""
+    """A name with a Latin-1 byte (the OS allows it, safetensors cannot store it as a key): its key is the
+    repr() of its path's bytes; key_path gives the path back, the manifest entry holds the bytes, a re-run
+    skips it, and a broken one is reported without a crash."""
     odd = os.fsdecode(os.fsencode(str(folder)) + b"/caf\xe9.png")
     with open(odd, "wb") as f:
         f.write((folder / "a.png").read_bytes())
@@ -259,7 +259,7 @@ def test_a_shard_over_the_file_size_limit_is_one_line_and_status_3(folder, tmp_p
 @pytest.mark.parametrize("how", ["oserror", "outputerror", "a file in its place"])
 def test_a_vllm_dir_that_cannot_be_written_is_one_line_and_status_3(folder, tmp_path, monkeypatch, capsys, how):
     from glmvit_cupy.errors import OutputError
-    from glmvit_cupy.serving import vllm_ec
+    from glmvit_cupy import vllm_ec
 
     def full(folder, key, embedding):
         if how == "oserror":
@@ -290,8 +290,8 @@ def six(tmp_path):
 
 
 def test_ctrl_c_on_the_cpu_keeps_every_image_that_finished(six, tmp_path, monkeypatch, capsys):
-    """Six images fit one 8000-token pass; the CPU reference computed the whole pass before anything was saved,
-    so Ctrl-C on the fourth image lost all six. Now each image is a pass of its own, saved as it finishes."""
+    """Six images fit one 8000-token pass, but on the CPU each image is a pass of its own, saved as it
+    finishes: Ctrl-C on the fourth image keeps the three before it."""
     real, calls = reference.encode_pixels, []
 
     def fourth_interrupts(*a, **kw):
@@ -437,8 +437,8 @@ def test_no_install_hint_names_a_package_no_index_has():
 
 
 def test_a_folder_that_cannot_be_listed_is_reported_not_passed_over(folder, tmp_path, monkeypatch, capsys):
-    """An unreadable subfolder was skipped without a word and the run exited 0: it is a failed input now,
-    named with the OS's reason (root lists every folder, so the refusal is simulated), and the rest is saved."""
+    """An unreadable subfolder is a failed input, named with the OS's reason (root lists every folder, so the
+    refusal is simulated); the rest is saved and the run exits 1."""
     import shutil
 
     locked = folder / "locked"

@@ -20,7 +20,7 @@ from glmvit_cupy import reference
 from glmvit_cupy.cli import main as cli
 from glmvit_cupy.output import read_embeddings
 from glmvit_cupy.preprocessing.video import preprocess_video
-from glmvit_cupy.serving import vllm_ec
+from glmvit_cupy import vllm_ec
 from glmvit_cupy.serving.requests import parse_videos
 
 av = pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
@@ -163,7 +163,7 @@ def test_a_frame_group_over_the_capacity_and_the_vllm_files(media, tmp_path, cap
 def test_an_interrupted_run_keeps_the_videos_it_finished(media, tmp_path, capsys, monkeypatch):
     """Ctrl-C while the second video encodes: the first is written (it finished), the run says so and exits
     130, and the same command then encodes only what is missing."""
-    from glmvit_cupy.scheduling.backend import Backend
+    from glmvit_cupy.backend import Backend
 
     real, calls = Backend.launch_video_on, []
 

@@ -43,8 +43,8 @@ def test_without_the_extra_the_error_says_what_to_install():
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no FIFOs on this OS")
 def test_a_fifo_path_is_left_to_pillows_path_not_read(tmp_path):
-    """decode() read a path whole before looking at it: a FIFO blocked it. Now such a path is declined at once
-    (None: the Pillow path then refuses it by what it is). In a daemon thread: a regression fails, not hangs."""
+    """A FIFO path is declined at once, never read (None: the Pillow path then refuses it by what it is). In a
+    daemon thread: a decode that reads the path whole would block on it, and the test fails, not hangs."""
     import os
     import threading
 

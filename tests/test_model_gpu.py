@@ -166,12 +166,12 @@ SPIN = r"""extern "C" __global__ void spin(long long cycles) {
 
 
 def test_embeddings_download_through_a_page_locked_block_exactly(rng):
-    """PinnedBlocks.download (how glmvit-encode, the server and Ray bring embeddings back): arrays of several
+    """PinnedPool.download (how glmvit-encode, the server and Ray bring embeddings back): arrays of several
     sizes, including slices of one output, equal their own get() bit for bit, though written late on another
     stream that the current stream was made to wait for; the block (poisoned first) is not shared."""
-    from glmvit_cupy.engine.pools import PinnedBlocks
+    from glmvit_cupy.engine.pools import PinnedPool
 
-    pool = PinnedBlocks()
+    pool = PinnedPool()
     poison = pool.take(64 << 20)
     np.frombuffer(poison.mem, np.uint8, poison.size)[:] = 0xFF
     pool.give(poison)
@@ -207,9 +207,9 @@ def test_lent_page_locked_blocks_come_back_only_when_idle():
     the upload that last read it has run; only [H, W, :3] views of lent [H, W, 4] arrays count as lent."""
     import gc
 
-    from glmvit_cupy.engine.pools import PinnedBlocks
+    from glmvit_cupy.engine.pools import PinnedPool
 
-    pool = PinnedBlocks()
+    pool = PinnedPool()
     a = pool.array((300, 500, 4))
     view = a[..., :3]
     block = pool.lent(view)
@@ -261,9 +261,9 @@ def test_images_uploaded_by_their_decoding_threads_come_back_only_when_idle(smal
     block.event = stream.record()  # as the stager does: reused once its reads have run
     del got[0]
     gc.collect()
-    assert up.blocks.take(block.size) is not block
+    assert up.pool.take(block.size) is not block
     stream.synchronize()
-    assert up.blocks.take(block.size) is block
+    assert up.pool.take(block.size) is block
 
 
 def test_prepared_images_encode_alike_twice(small, tmp_path, rng):
@@ -1096,12 +1096,12 @@ def test_videos_encode_in_frame_groups_with_the_bits_of_one_pass(official):
 
 def test_a_burst_of_large_images_uploads_within_a_byte_budget(official, rng):
     """12 images of 5000 x 3000 through encode(): the decoding threads upload ahead only within the
-    uploader's byte budget (uploads.BUDGET), so the memory pool grows by the outputs and a fixed amount
+    uploader's byte limit (uploads.MAX_BYTES), so the memory pool grows by the outputs and a fixed amount
     (that budget, the staging scratch), not by every decoded image in flight (4 bytes a pixel: 57 MiB
     each); the same burst again grows it by its outputs alone."""
     import gc
 
-    from glmvit_cupy.engine.uploads import BUDGET
+    from glmvit_cupy.engine.uploads import MAX_BYTES
 
     _, model, _ = official
     pool = cupy.get_default_memory_pool()
@@ -1120,6 +1120,6 @@ def test_a_burst_of_large_images_uploads_within_a_byte_budget(official, rng):
         before = pool.total_bytes()
         assert len(outs) == 12 and all(o.shape[1] == 4096 for o in outs)
     print(f"pool growth over the outputs ({out_bytes / 2**20:.0f} MiB a burst): {growth[0] / 2**20:.0f} MiB, then "
-          f"{growth[1] / 2**20:.0f} MiB; uploader owns {model.runner.uploads.blocks.owned / 2**20:.0f} MiB (budget "
-          f"{BUDGET >> 20} MiB), staging scratch {model.runner.stager.scratch_bytes / 2**20:.0f} MiB")
+          f"{growth[1] / 2**20:.0f} MiB; uploader owns {model.runner.uploads.pool.owned / 2**20:.0f} MiB (budget "
+          f"{MAX_BYTES >> 20} MiB), staging scratch {model.runner.stager.scratch_bytes / 2**20:.0f} MiB")
     assert growth[0] <= 256 << 20 and growth[1] <= 16 << 20

@@ -153,9 +153,9 @@ def test_a_manifest_that_is_not_a_file_is_refused_not_read(tmp_path, kind):
 
 @pytest.mark.parametrize("cut", [10, -10])  # the header cut, or the last bytes of the data
 def test_a_damaged_shard_the_manifest_lists_is_encoded_again(tmp_path, cut, caplog):
-    """The manifest lists a shard that was damaged after the run (copied in part, a disk error): a resume took
-    its images as done because the file existed, and read_embeddings failed inside safetensors. Now the
-    resume counts them as not done (saying which shard) and the reader refuses the manifest by name."""
+    """The manifest lists a shard that was damaged after the run (copied in part, a disk error): a resume
+    counts its images as not done (saying which shard), though the file exists, and read_embeddings refuses
+    the manifest by name instead of failing inside safetensors."""
     folder = str(tmp_path / "o")
     out = Output(folder, SETTINGS, flush_seconds=0)
     out.add_batch(batch(["/img/a"]))

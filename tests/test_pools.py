@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 
-from glmvit_cupy.engine.pools import GRAIN, Block, Blocks, PinnedBlocks
+from glmvit_cupy.engine.pools import GRAIN, BlockPool, PinnedBlock, PinnedPool
 
 
 class Event:
@@ -18,7 +18,7 @@ class Mem(bytearray):
     ptr = 0xB10C
 
 
-class Fake(Block):
+class Fake(PinnedBlock):
     __slots__ = ()
 
     def __init__(self, size):
@@ -26,7 +26,7 @@ class Fake(Block):
 
 
 def test_a_lent_block_comes_back_when_its_views_are_garbage_and_is_reused_once_idle():
-    pool = PinnedBlocks(alloc=Fake)
+    pool = PinnedPool(alloc=Fake)
     a = pool.array((300, 500, 4))
     view = a[..., :3]
     block = pool.lent(view)
@@ -44,12 +44,12 @@ def test_a_lent_block_comes_back_when_its_views_are_garbage_and_is_reused_once_i
 
 
 def test_smallest_idle_fit_and_the_cache_limit():
-    pool = PinnedBlocks(keep=3 * GRAIN, alloc=Fake)
+    pool = PinnedPool(keep=3 * GRAIN, alloc=Fake)
     blocks = [Fake(n * GRAIN) for n in (1, 2, 3)]
     for b in blocks:
         pool.give(b)
     assert sum(b.size for b in pool._free) <= 3 * GRAIN  # the smallest idle ones were freed first
-    pool = PinnedBlocks(alloc=Fake)
+    pool = PinnedPool(alloc=Fake)
     for b in blocks:
         pool.give(b)
     assert pool.take(GRAIN + 1) is blocks[1] and pool.take(1) is blocks[0] and pool.take(GRAIN) is blocks[2]
@@ -59,7 +59,7 @@ def test_smallest_idle_fit_and_the_cache_limit():
 def test_a_finalizer_inside_the_pools_own_lock_does_not_deadlock():
     """An array can die in a garbage collection that starts while a thread holds the pool's lock (say a
     failed decode's traceback cycle): the finalizer must not wait for that lock."""
-    pool = PinnedBlocks(alloc=Fake)
+    pool = PinnedPool(alloc=Fake)
     held = [pool.array((64, 64, 4))]
     block = pool.lent(held[0][..., :3])
 
@@ -79,7 +79,7 @@ def test_no_page_locked_memory_left_gives_ordinary_memory():
     def refuse(size):
         raise MemoryError("cannot page-lock")
 
-    pool = PinnedBlocks(alloc=refuse)
+    pool = PinnedPool(alloc=refuse)
     a = pool.array((10, 20, 4))
     assert a.shape == (10, 20, 4) and pool.lent(a[..., :3]) is None
 
@@ -95,7 +95,7 @@ def test_upload_goes_through_a_block_and_keeps_it_until_the_copy_has_run(monkeyp
     runtime = types.SimpleNamespace(memcpyHostToDevice=1, memcpyAsync=lambda *a: copies.append(a))
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream, runtime=runtime))
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    pool = PinnedBlocks(alloc=Fake)
+    pool = PinnedPool(alloc=Fake)
     src = rng.integers(-2**31, 2**31, (50, 6), dtype=np.int64).astype(np.int32)[:, ::2]
     pool.upload(src, 0xD57)
     assert copies == [(0xD57, Mem.ptr, src.nbytes, 1, 7)]
@@ -106,12 +106,12 @@ def test_upload_goes_through_a_block_and_keeps_it_until_the_copy_has_run(monkeyp
 
 
 def test_a_block_lent_with_an_object_comes_back_when_it_is_garbage_and_idle():
-    """Blocks.lend (the device uploads' pool): the block returns when its owner dies, busy until its event."""
+    """BlockPool.lend (the device uploads' pool): the block returns when its owner dies, busy until its event."""
 
     class Owner:
         pass
 
-    pool = Blocks(alloc=Fake)
+    pool = BlockPool(alloc=Fake)
     block, owner = pool.take(GRAIN), Owner()
     pool.lend(owner, block)
     assert pool.take(GRAIN) is not block  # still lent
@@ -173,7 +173,7 @@ def test_download_copies_through_one_block_and_returns_ordinary_arrays(monkeypat
     runtime = types.SimpleNamespace(memcpyDeviceToHost=2, memcpyAsync=memcpy)
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
         cuda=types.SimpleNamespace(get_current_stream=lambda: stream, runtime=runtime)))
-    pool = PinnedBlocks(alloc=Blk)
+    pool = PinnedPool(alloc=Blk)
     out = pool.download([Dev(0x1000), Dev(0x2000)])
     assert copies == [(0, 7 * 33 * 2, 2, 9), (512, 20, 2, 9)] and waits == [2]
     for o, ptr in zip(out, (0x1000, 0x2000)):
@@ -211,7 +211,7 @@ def test_download_copies_through_one_block_and_returns_ordinary_arrays(monkeypat
     def refuse(size):
         raise MemoryError("cannot page-lock")
 
-    pool = PinnedBlocks(alloc=refuse)
+    pool = PinnedPool(alloc=refuse)
     (o,) = pool.download([Dev(0x2000)])
     assert np.array_equal(o, device[0x2000])
     with pool.downloaded([Dev(0x2000)]) as (o,):  # the views variant falls back alike
@@ -222,7 +222,7 @@ def test_download_copies_through_one_block_and_returns_ordinary_arrays(monkeypat
 def test_returned_blocks_past_the_cache_limit_are_freed():
     """Blocks lent out and come back (their owners garbage) are cached only up to `keep`: the device
     pool of a burst of large images does not keep them all."""
-    pool = Blocks(keep=4 * GRAIN, alloc=Fake)
+    pool = BlockPool(keep=4 * GRAIN, alloc=Fake)
 
     class Owner:
         pass
@@ -238,7 +238,7 @@ def test_returned_blocks_past_the_cache_limit_are_freed():
 
 
 def test_a_limit_frees_idle_blocks_to_make_room_or_refuses():
-    pool = Blocks(keep=16 * GRAIN, alloc=Fake)
+    pool = BlockPool(keep=16 * GRAIN, alloc=Fake)
     a, b = pool.take(2 * GRAIN), pool.take(2 * GRAIN)
     pool.give(a)
     assert pool.owned == 4 * GRAIN
@@ -253,7 +253,7 @@ def test_take_within_waits_for_room_unless_exempt_or_past_patience():
     goes at once. Blocks that come back make room for a waiting one."""
     import time
 
-    pool = Blocks(keep=4 * GRAIN, alloc=Fake)
+    pool = BlockPool(keep=4 * GRAIN, alloc=Fake)
 
     class Owner:
         pass
@@ -316,8 +316,8 @@ def test_two_consumers_share_one_budget_without_deadlock():
     from glmvit_cupy.engine.uploads import Uploader, Wants
 
     up = Uploader.__new__(Uploader)
-    up.budget, up.patience = 6 * GRAIN, 0.05
-    up.blocks = Blocks(up.budget, alloc=Fake)
+    up.max_bytes, up.patience = 6 * GRAIN, 0.05
+    up.pool = BlockPool(up.max_bytes, alloc=Fake)
     gpu, peak, results = [], [0], {}
 
     class Image:
@@ -326,9 +326,9 @@ def test_two_consumers_share_one_budget_without_deadlock():
     def one(i, _):
         block = up._take(2 * GRAIN, i, wants_of[threading.current_thread().name.split("_")[0]])
         img = Image()
-        up.blocks.lend(img, block)
+        up.pool.lend(img, block)
         img.block = block
-        peak[0] = max(peak[0], up.blocks.owned)
+        peak[0] = max(peak[0], up.pool.owned)
         return i, img
 
     def run_gpu():
@@ -364,7 +364,7 @@ def test_two_consumers_share_one_budget_without_deadlock():
     assert results.get("a") == list(range(24)) and results.get("b") == list(range(24)), results
     # Bounded by the budget and what the two consumers hold (a pass being packed, the image in hand, the
     # one they wait for), not by the 48 images: without the budget every image takes a block of its own.
-    assert peak[0] <= up.budget + 2 * 6 * (2 * GRAIN) < 48 * (2 * GRAIN)
+    assert peak[0] <= up.max_bytes + 2 * 6 * (2 * GRAIN) < 48 * (2 * GRAIN)
 
 
 def _named_in_order(fn, items, workers, name):
@@ -383,7 +383,7 @@ def test_an_exempt_take_waits_for_the_gpu_but_not_for_lent_blocks():
     by the GPU: a consumer that queues passes faster than the GPU runs them is held to the budget."""
     import time
 
-    pool = Blocks(keep=4 * GRAIN, alloc=Fake)
+    pool = BlockPool(keep=4 * GRAIN, alloc=Fake)
     lent = pool.take(2 * GRAIN)
     busy = pool.take(2 * GRAIN)
     busy.event = Event(done=False)  # a queued pass still reads it
@@ -407,8 +407,8 @@ def test_patience_only_where_no_consumer_says_what_it_waits_for():
     from glmvit_cupy.engine import uploads as up_mod
 
     up = up_mod.Uploader.__new__(up_mod.Uploader)
-    up.budget, up.patience = 2 * GRAIN, 0.1
-    up.blocks = Blocks(2 * GRAIN, alloc=Fake)
+    up.max_bytes, up.patience = 2 * GRAIN, 0.1
+    up.pool = BlockPool(2 * GRAIN, alloc=Fake)
     held = up._take(2 * GRAIN, 0, None)  # lent: the budget is full
     t0 = time.monotonic()
     assert up._take(2 * GRAIN, 7, None).size == 2 * GRAIN and 0.05 < time.monotonic() - t0 < 5  # patience
@@ -429,7 +429,7 @@ def test_patience_only_where_no_consumer_says_what_it_waits_for():
 def test_past_the_limit_a_block_that_comes_back_is_not_reused_by_a_held_back_take():
     """Over the limit (an exempt take went past it), an idle free block is left for an exempt take (or freed),
     not reused by a take the budget holds back: else the exempt take makes yet another block, for good."""
-    pool = Blocks(keep=8 * GRAIN, alloc=Fake)
+    pool = BlockPool(keep=8 * GRAIN, alloc=Fake)
     lent = [pool.take(2 * GRAIN, 4 * GRAIN), pool.take(2 * GRAIN, 4 * GRAIN)]
     back = pool.take(2 * GRAIN, 4 * GRAIN, exempt=True)  # the image being waited for: past the limit
     pool.give(back)  # its pass ran
@@ -445,12 +445,12 @@ def test_an_unordered_claim_is_kept_while_its_take_waits_for_the_gpu():
     from glmvit_cupy.engine.uploads import Uploader, Wants
 
     up = Uploader.__new__(Uploader)
-    up.budget, up.patience = 4 * GRAIN, 0.25
-    up.blocks = Blocks(up.budget, alloc=Fake)
-    held = [up.blocks.take(2 * GRAIN), up.blocks.take(2 * GRAIN)]  # lent to the consumer's running pass
-    busy = up.blocks.take(1)
+    up.max_bytes, up.patience = 4 * GRAIN, 0.25
+    up.pool = BlockPool(up.max_bytes, alloc=Fake)
+    held = [up.pool.take(2 * GRAIN), up.pool.take(2 * GRAIN)]  # lent to the consumer's running pass
+    busy = up.pool.take(1)
     busy.event = Event(done=False)  # a queued pass still reads it
-    up.blocks.give(busy)
+    up.pool.give(busy)
     wants = Wants(ordered=False)
     wants.active = wants._hungry = True  # the consumer waits for any image (as feeding says)
     got = []

@@ -161,8 +161,7 @@ def test_bad_token_limits():
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "5"])
 def test_bad_max_pixels_is_refused_as_a_setting_before_any_image(bad, tmp_path):
     """max_pixels is the decompression-bomb limit: None or a positive integer. Anything else is a ValueError
-    naming the setting, from every entry, before an image is read (it was a per-image 'bomb' refusal of every
-    image, or a format error for a string)."""
+    naming the setting, from every entry, before an image is read (not a per-image refusal of every image)."""
     from glmvit_cupy.scheduling.batching import preparer
 
     png = io.BytesIO()

@@ -131,8 +131,8 @@ def test_row_count_must_match_grid(tower):
 
 @pytest.mark.parametrize("dtype", [np.complex64, np.bool_, object])
 def test_pixel_values_must_be_real_numbers(tower, dtype):
-    """Complex pixels lost their imaginary part without a word (and bools or objects were cast): refused by dtype,
-    before any compute; the GPU model shares the check (checks.check_pixels)."""
+    """Complex, bool or object pixels are refused by dtype before any compute (a cast would drop an imaginary
+    part without a word); the GPU model shares the check (checks.check_pixels)."""
     pv = np.ones((64, 1176), dtype)
     with pytest.raises(ValueError, match=f"pixel_values has dtype {np.dtype(dtype)}; it must hold real numbers"):
         reference.encode_pixels(tower, pv, [[1, 8, 8]])

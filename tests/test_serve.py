@@ -269,7 +269,7 @@ def test_other_token_limits_hand_vllm_another_key(server):
     written under one set of limits is never handed over for another."""
     from safetensors import safe_open
 
-    from glmvit_cupy.serving.vllm_ec import key_for_image
+    from glmvit_cupy.vllm_ec import key_for_image
 
     client, ec = server
     data = png(200, 300, 33)
@@ -390,7 +390,7 @@ def test_glmvit_encode_writes_the_vllm_layout_too(tmp_path):
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert next(iter(manifest["images"].values()))["sha256"] == sha
     # Other token limits: another embedding, under vllm_ec.key_for_image's key, not the sha256's.
-    from glmvit_cupy.serving.vllm_ec import key_for_image
+    from glmvit_cupy.vllm_ec import key_for_image
 
     assert cli.main([str(img), "--checkpoint", TOWER, "--out", str(tmp_path / "out64"), "--cpu",
                      "--max-image-tokens", "64", "--vllm-ec-dir", str(tmp_path / "ec")]) == 0
@@ -606,7 +606,7 @@ def test_a_video_file_is_decoded_by_the_server(server, tower, tmp_path):
 
 
 def test_a_video_key_covers_its_frames_in_order_and_every_setting():
-    from glmvit_cupy.serving import vllm_ec
+    from glmvit_cupy import vllm_ec
 
     frames, settings = [b"a", b"b"], {"sample": True, "target_fps": 2, "max_image_tokens": 200}
     key = vllm_ec.video_key_of(frames, 4.0, None, settings)

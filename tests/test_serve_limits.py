@@ -62,14 +62,14 @@ def stop(proc):
 def slow(seconds: float) -> str:
     """A prelude making every pass of the reference take `seconds` longer, on the engine thread: work queued
     behind a pass then waits in the queue for a known time."""
-    return ("import time; from glmvit_cupy.scheduling.backend import Backend; launch_on = Backend.launch_on; "
+    return ("import time; from glmvit_cupy.backend import Backend; launch_on = Backend.launch_on; "
             f"Backend.launch_on = lambda self, lane, items: (time.sleep({seconds}), launch_on(self, lane, items))[1]")
 
 
 def busy(seconds: float) -> str:
     """As slow(), but the engine thread computes (NumPy matrix products) for `seconds`, as a CPU pass does:
     a process that exits under it can crash."""
-    return ("import time; import numpy as np; from glmvit_cupy.scheduling.backend import Backend; "
+    return ("import time; import numpy as np; from glmvit_cupy.backend import Backend; "
             "launch_on = Backend.launch_on; a = np.ones((384, 384), np.float32); "
             "work = lambda end: [a @ a for _ in iter(lambda: time.perf_counter() < end, False)]; "
             f"Backend.launch_on = lambda self, lane, items: (work(time.perf_counter() + {seconds}), "
@@ -719,8 +719,8 @@ def test_a_second_sigterm_after_the_drain_stops_without_waiting_for_the_pass():
         proc.wait(30)
         assert time.perf_counter() - t0 < 1.5  # the pass had ~2.5 s left
         out = proc.stdout.read()
-        # The pass still computes: the process exits without the interpreter's shutdown under it (which
-        # crashed it, exit 139, now and then), saying so.
+        # The pass still computes: the process exits without the interpreter's shutdown under it (which can
+        # crash it, exit 139), saying so.
         assert proc.returncode == 0, out
         assert "finishing the forward passes running and queued" in out, out
         assert "stopped (exit 0), not waiting for the work still running" in out and "glmvit-engine-0" in out, out
@@ -953,7 +953,7 @@ def test_a_body_of_many_json_items_is_refused_before_it_is_parsed(server, body, 
 def test_a_body_outside_the_requests_form_is_400_before_any_work(server, body, says):
     """A request is ASCII JSON: one non-ASCII character (or an escape of one) would make every string of the
     parse 2 or 4 bytes a character (a 240 MiB body took 2-6 GB), so it is refused before parsing. A video
-    setting of the wrong type is the client's mistake (400), not the engine's (it was a 500)."""
+    setting of the wrong type is the client's mistake (400), not the engine's (500)."""
     status, err = post_raw(server[1], body)
     assert status == 400 and says in err["error"], err
 
@@ -968,7 +968,7 @@ def test_a_body_with_a_utf8_byte_order_mark_is_read(server):
 def test_an_unexpected_failure_is_a_500_and_its_traceback_is_logged():
     """A pass that raises something no check foresaw (here: a ZeroDivisionError from the engine): the request
     gets a 500 saying so, the operator's log holds the traceback, and the next request is served."""
-    prelude = ("from glmvit_cupy.scheduling.backend import Backend; launch_on = Backend.launch_on; calls = []; "
+    prelude = ("from glmvit_cupy.backend import Backend; launch_on = Backend.launch_on; calls = []; "
                "Backend.launch_on = lambda self, lane, items: (calls.append(1), "
                "1 / 0 if len(calls) == 1 else launch_on(self, lane, items))[1]")
     proc, client = launch(prelude=prelude)

@@ -132,11 +132,11 @@ def test_clips_read_as_the_reference_processor_reads_them(name):
     stream is a one-frame cover picture, the clip second), against what torchcodec 0.17 (the
     decoder HF's processor opens a path with) made of them (tools/video_decoders.py --golden): the frame
     count, fps and duration to the last bit, every frame's RGB bytes, and the processor's grid, sampled
-    frames and pixels given the path. Before (PyAV's to_ndarray, the container's rate) all six failed: 10-bit
+    frames and pixels given the path. PyAV's plain to_ndarray and the container's rate fail all six: 10-bit
     frames up to ~150 levels off, rotated videos sideways, the offset clip's frames (1.4999999999999998 s, as
     2.8 - 1.3, gives 2 frames at 2 fps, not 3), the 29.97 fps clip's fps in its last bits (30000 / 1001 against
-    torchcodec's 15 / 0.5005); and the cover picture was read as a 1-frame video (FFmpeg's best stream is
-    the clip)."""
+    torchcodec's 15 / 0.5005), and the cover picture read as a 1-frame video (FFmpeg's best stream is the
+    clip)."""
     want, path = CLIPS[name], GOLDEN / name
     assert video_files.probe(path) == (want["frames"], want["fps"], want["duration"])
     frames, meta = video_files.load_video(path, lambda total, fps, duration: np.arange(total))

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 import glmvit_cupy
 from glmvit_cupy.errors import OutputError
-from glmvit_cupy.serving import vllm_ec
+from glmvit_cupy import vllm_ec
 
 FILE = "encoder_cache.safetensors"
 SRC = os.path.dirname(os.path.dirname(glmvit_cupy.__file__))  # subprocesses import the code under test
@@ -94,7 +94,7 @@ def test_files_and_folders_get_the_umasks_mode(tmp_path, umask):
         import json, os, sys
         import numpy as np
         os.umask(int(sys.argv[2]))
-        from glmvit_cupy.serving import vllm_ec
+        from glmvit_cupy import vllm_ec
         path = vllm_ec.write(sys.argv[1], vllm_ec.key_of(b"x"), np.zeros((4, 8), np.float32))
         print(json.dumps([os.stat(p).st_mode & 0o777 for p in (path, os.path.dirname(path), sys.argv[1])]))""")
     assert got == [0o666 & ~umask, 0o777 & ~umask, 0o777 & ~umask], [oct(m) for m in got]
@@ -134,7 +134,7 @@ def test_a_file_over_the_size_limit_is_one_output_error_line(tmp_path):
     got = python(tmp_path, code="""if True:
         import json, os, resource, signal, sys
         import numpy as np
-        from glmvit_cupy.serving import vllm_ec
+        from glmvit_cupy import vllm_ec
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         try:

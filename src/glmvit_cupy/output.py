@@ -49,8 +49,8 @@ KEY = ("the image file's resolved absolute path (os.path.realpath); a path that 
        "its bytes, b'...' (glmvit_cupy.output.key_path gives the path back)")
 SHARD = re.compile(r"embeddings-(\d{5,})\.safetensors$")  # five digits, more from shard 100,000 on
 FLUSH_SECONDS = 5.0  # the manifest is rewritten at most this often while a run goes on
-# Settings added since the first release: a folder whose header lacks one was written before it existed, when
-# it could hold none of the files it governs (videos), so it resumes under this run's value.
+# Settings a folder's header may lack (a folder written by version 0.1.0, which encoded no videos): such a
+# folder holds none of the files the setting governs, so it resumes under this run's value.
 ADDED = ("video",)
 
 

@@ -76,7 +76,7 @@ class Encode:
 
     def __init__(self, checkpoint, cpu: bool, capacity_tokens: int, image_tokens: int | None = None):
         from .checkpoint.bind import bind_tower
-        from .scheduling.backend import Backend
+        from .backend import Backend
 
         self.backend = Backend(bind_tower(checkpoint), cpu=cpu, capacity_tokens=capacity_tokens,
                                image_tokens=image_tokens)

@@ -12,7 +12,7 @@ from ..errors import ImageError
 from ..files import open_regular
 from ..output import image_key, shown
 from ..scheduling import feed
-from ..serving import vllm_ec
+from .. import vllm_ec
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 # Containers PyAV (FFmpeg) opens; a folder's files with these names are encoded as videos.

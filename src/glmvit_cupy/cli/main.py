@@ -36,9 +36,9 @@ from ..output import Output, Writer, image_key, shown
 from ..preprocessing.image import Patching
 from ..preprocessing.video import MAX_FRAMES, MAX_VIDEO_TOKENS, MIN_VIDEO_TOKENS, TARGET_FPS
 from ..scheduling import feed
-from ..scheduling.backend import Backend
+from ..backend import Backend
 from ..scheduling.batching import pack, preparer
-from ..serving import vllm_ec
+from .. import vllm_ec
 from .common import (DONE, EXIT_STATUS, FAILED, USAGE, WRITE, counted, interruption, skipped,
                      stopped_by_sigterm, write_vllm)
 from .inputs import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, NoSuchInput, expand_inputs, is_video, prepared
@@ -59,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--inspect", metavar="CHECKPOINT", help="print what the load-time checks find, then exit")
     ap.add_argument("--capacity-tokens", type=int, default=8000,
                     help="tokens per forward pass; images are packed into passes of this size (default 8000)")
-    ap.add_argument("--batch-tokens", type=int, dest="capacity_tokens", help=argparse.SUPPRESS)  # the old name
+    ap.add_argument("--batch-tokens", type=int, dest="capacity_tokens", help=argparse.SUPPRESS)  # deprecated alias
     ap.add_argument("--max-image-tokens", type=int, default=None,
                     help=f"per-image resize limit, as the reference processor's (default {DEFAULT_MAX_IMAGE_TOKENS}, "
                          "or --capacity-tokens if that is lower); at most --capacity-tokens")

@@ -22,7 +22,7 @@ from ..errors import ImageError
 from ..files import open_regular
 from ..output import Writer, image_key, shown
 from ..scheduling import feed
-from ..serving import vllm_ec
+from .. import vllm_ec
 from .common import DONE, FAILED, counted, skipped, write_vllm
 from .inputs import check_size, unreadable
 

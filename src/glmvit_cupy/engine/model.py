@@ -36,9 +36,9 @@ def _abs_max(binding: TowerBinding, suffix: str) -> float:
 
 
 def _capacity(capacity_tokens, max_image_tokens) -> int:
-    """capacity_tokens, or the deprecated keyword that once meant it."""
+    """capacity_tokens, or its deprecated alias max_image_tokens."""
     if max_image_tokens is not None:
-        warnings.warn("GlmVit(max_image_tokens=...) is deprecated: the per-call capacity is now capacity_tokens "
+        warnings.warn("GlmVit(max_image_tokens=...) is deprecated: the per-call capacity is capacity_tokens "
                       "(max_image_tokens is the per-image resize limit of encode)", DeprecationWarning, stacklevel=3)
         if capacity_tokens is not None and capacity_tokens != max_image_tokens:
             raise ValueError(f"capacity_tokens={capacity_tokens} and the deprecated max_image_tokens="

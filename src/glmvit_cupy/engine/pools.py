@@ -32,7 +32,7 @@ def block_size(nbytes: int) -> int:
     return (p if p >= grains else p + p // 2) * GRAIN
 
 
-class Block:
+class PinnedBlock:
     """A page-locked block and the event of the last upload that read it (None: not uploaded)."""
 
     __slots__ = ("mem", "size", "event")
@@ -51,7 +51,7 @@ class Block:
         return self.event is None or self.event.done
 
 
-class DeviceBlock(Block):
+class DeviceBlock(PinnedBlock):
     """A block of the current device's memory (CuPy's pool) and the event of the last work that used it."""
 
     __slots__ = ()
@@ -66,13 +66,13 @@ class DeviceBlock(Block):
         self.size, self.event = size, None
 
 
-class Blocks:
+class BlockPool:
     """Blocks (multiples of 2 MiB), reused once idle (the smallest that fits); at most `keep` bytes of free
-    blocks stay cached (more are freed). Thread-safe. `alloc(size)` makes a block (a Block: page-locked
+    blocks stay cached (more are freed). Thread-safe. `alloc(size)` makes a block (a PinnedBlock: page-locked
     memory; a DeviceBlock: the current GPU's). `owned`: the bytes of every block this pool made and has not
     freed, lent or free."""
 
-    def __init__(self, keep: int = 2 << 30, alloc=Block):
+    def __init__(self, keep: int = 2 << 30, alloc=PinnedBlock):
         self.keep, self.alloc = keep, alloc
         self.owned = 0
         self._free: list = []
@@ -143,11 +143,11 @@ class Blocks:
             self._trim(self.keep)
 
 
-class PinnedBlocks(Blocks):
+class PinnedPool(BlockPool):
     """Page-locked host blocks: the GPU's thread copies small host arrays through them (upload), and prepare
     threads may decode images straight into them (array)."""
 
-    def __init__(self, keep: int = 2 << 30, alloc=Block):
+    def __init__(self, keep: int = 2 << 30, alloc=PinnedBlock):
         super().__init__(keep, alloc)
         self._lent: dict = {}  # data address of a lent array -> its block
 
@@ -234,4 +234,4 @@ class PinnedBlocks(Blocks):
         return block if block is not None and block.size >= image.shape[0] * image.shape[1] * 4 else None
 
 
-HOST = PinnedBlocks()  # shared by every model of the process: prepare threads do not know the device
+HOST = PinnedPool()  # shared by every model of the process: prepare threads do not know the device

@@ -10,7 +10,7 @@ memory is staged by the driver (~7 GiB/s over all threads, without the GIL): ~7 
 for a 12-megapixel photo, and nothing is pinned.
 
 The device bytes of images uploaded ahead are bounded, not their count: an upload that would take the
-uploader's blocks past `budget` waits until the GPU's passes let earlier images go. The image a consumer
+uploader's blocks past `max_bytes` waits until the GPU's passes let earlier images go. The image a consumer
 waits for (Wants.feeding tells which, per call) is held back only by the GPU, never by images it has not
 taken yet, so nothing deadlocks; where no consumer says so, a held-back upload goes ahead after
 `patience`. CuPy is imported only to upload, so
@@ -25,9 +25,9 @@ import time
 import numpy as np
 
 from ..preprocessing.decode import four_channels
-from .pools import Blocks, DeviceBlock
+from .pools import BlockPool, DeviceBlock
 
-BUDGET = 128 << 20  # device bytes of uploaded images, lent or cached: two decoded 5000 x 3000 images
+MAX_BYTES = 128 << 20  # device bytes of uploaded images, lent or cached: two decoded 5000 x 3000 images
 
 
 class Uploaded:
@@ -47,7 +47,7 @@ class Uploaded:
 class Wants:
     """What one consumer of uploaded images waits for, told to the uploads of its images (feeding): the
     next index (images taken in order, feed.in_order's) or any one (as they finish, feed.as_done's). The
-    image it waits for never waits for the budget; with `ordered=False` each wait lets one upload go."""
+    image it waits for never waits for the byte limit; with `ordered=False` each wait lets one upload go."""
 
     def __init__(self, ordered: bool = True):
         self.ordered = ordered
@@ -81,7 +81,7 @@ class Wants:
             self.ordered = True
 
     def exempt(self, index: int | None) -> bool:
-        """Whether the upload of image `index` may go past the budget now."""
+        """Whether the upload of image `index` may go past the byte limit now."""
         if self.ordered:
             return index is not None and index <= self._next
         with self._claim:  # one held-back upload per wait of an unordered consumer
@@ -106,12 +106,12 @@ UNBOUNDED = _Unbounded()
 class Uploader:
     """Called on a prepare thread with a decoded image (uint8 [H, W, 3], in `buffer` memory or any host
     array): returns it as Uploaded on `device`. Its device blocks, lent to images in flight or cached idle,
-    stay within `budget` bytes (the image a consumer waits for may go past it)."""
+    stay within `max_bytes` bytes (the image a consumer waits for may go past it)."""
 
-    def __init__(self, device, budget: int = BUDGET, patience: float = 0.25):
+    def __init__(self, device, max_bytes: int = MAX_BYTES, patience: float = 0.25):
         self.device = device
-        self.budget, self.patience = budget, patience
-        self.blocks = Blocks(budget, alloc=DeviceBlock)
+        self.max_bytes, self.patience = max_bytes, patience
+        self.pool = BlockPool(max_bytes, alloc=DeviceBlock)
         self._local = threading.local()
 
     def buffer(self, shape) -> np.ndarray:
@@ -156,11 +156,11 @@ class Uploader:
             block.event = stream.record()
             array = cupy.ndarray(shape, cupy.uint8, memptr=block.mem)
         out = Uploaded(array, block.event, block, self.device.id)
-        self.blocks.lend(out, block)  # back to the pool when the batch holding it is done with it
+        self.pool.lend(out, block)  # back to the pool when the batch holding it is done with it
         return out
 
     def _take(self, nbytes: int, index: int | None, wants: Wants | None):
-        """A device block for nbytes within the budget, waiting while it is full unless the consumer waits
+        """A device block for nbytes within max_bytes, waiting while it is full unless the consumer waits
         for this image; where no consumer says what it waits for, until `patience` seconds have passed."""
         deadline = time.monotonic() + self.patience
         claimed = False  # once exempt, this take stays so: an unordered consumer's claim is used up by asking
@@ -171,4 +171,4 @@ class Uploader:
                 claimed = wants.exempt(index) if wants is not None and wants.active else time.monotonic() >= deadline
             return claimed
 
-        return self.blocks.take_within(nbytes, self.budget, exempt)
+        return self.pool.take_within(nbytes, self.max_bytes, exempt)

@@ -64,7 +64,7 @@ from ..preprocessing import decode
 from ..preprocessing.image import prepare_canvas, smart_resize
 from ..preprocessing.video import plan_video, sample_frames
 from ..preprocessing.video_files import FrameFiles, VideoFile
-from . import vllm_ec
+from .. import vllm_ec
 from .batcher import Batcher, Budget, Decoders, QueueFull
 from .cache import EmbeddingCache
 from .metrics import Metrics

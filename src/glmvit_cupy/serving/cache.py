@@ -1,4 +1,4 @@
-"""Finished embeddings by content: an LRU within a byte budget. A hit skips decoding and the GPU."""
+"""Finished embeddings by content: an LRU within a byte limit. A hit skips decoding and the GPU."""
 
 from __future__ import annotations
 

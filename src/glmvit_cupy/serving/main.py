@@ -89,7 +89,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="threads decoding and resizing images (default: min(8, CPUs))")
     ap.add_argument("--vllm-ec-dir", default=None, metavar="DIR",
-                    help="also write each embedding as DIR/<sha256>/encoder_cache.safetensors for vLLM")
+                    help="also write each embedding as DIR/<key>/encoder_cache.safetensors for vLLM (the key: the "
+                         "image's sha256, with its token limits where they are not the defaults; docs/SERVING.md)")
     return ap
 
 
@@ -323,7 +324,7 @@ def main(argv=None) -> int:
     from ..checks import DEFAULT_MAX_IMAGE_TOKENS, device_list
     from ..errors import CheckpointError
     from ..preprocessing.image import Patching
-    from ..scheduling.backend import Backend
+    from ..backend import Backend
     from .app import Settings, create_app
 
     why = check_settings(args)

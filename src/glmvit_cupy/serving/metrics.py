@@ -46,7 +46,7 @@ class Metrics:
         self.pixels = Gauge("glmvit_pixels_in_flight", "Pixels of images and videos admitted and not yet through "
                             "their passes", registry=r)
         self.connections = Gauge("glmvit_connections", "Open HTTP connections", registry=r)
-        self.cache_hits = Counter("glmvit_cache_hits", "Images served from the cache", registry=r)
+        self.cache_hits = Counter("glmvit_cache_hits", "Images and videos served from the cache", registry=r)
         self.cache_bytes = Gauge("glmvit_cache_bytes", "Bytes the cache holds: embeddings, their metadata and keys",
                                  registry=r)
         self.latency = Histogram("glmvit_request_seconds", "Encode request latency", registry=r,

@@ -29,7 +29,7 @@ class Backend:
         if cpu and devices:
             raise ValueError(f"Backend: cpu=True runs the float32 reference on the host, devices={devices!r} chooses "
                              "GPUs: give one or the other")
-        from ..checks import check_capacity, check_positive
+        from .checks import check_capacity, check_positive
 
         capacity_tokens = check_capacity(capacity_tokens)  # either path, before any load
         if image_tokens is not None:
@@ -42,20 +42,20 @@ class Backend:
         self._wants = None  # what the command's consumer waits for (preparing, feeding)
         self.graphs_ready: list[int] = []  # budgets (patches) whose CUDA graphs every replica captured at load
         if cpu:
-            from .. import reference
+            from . import reference
 
             self._tower = reference.Tower(binding)
             self._bf16 = ml_dtypes.bfloat16
             self.lanes = 1
             self.name = "cpu (float32 reference)"
         else:
-            from .. import gpu
+            from . import gpu
 
             gpu.require()
             import cupy
 
-            from ..engine.pools import HOST
-            from ..engine.replicas import Replicas
+            from .engine.pools import HOST
+            from .engine.replicas import Replicas
 
             self._engine = Replicas(binding, devices or [cupy.cuda.Device().id], capacity_tokens=capacity_tokens)
             self.lanes = len(self._engine)
@@ -82,18 +82,18 @@ class Backend:
         if self.cpu:
             return one
         if len(self._engine) == 1:
-            from ..engine.uploads import Wants
+            from .engine.uploads import Wants
 
             self._wants = Wants(ordered=False)  # the command takes images as they finish (feeding)
             return self._engine.models[0].runner.uploads.uploading(one, self._wants)
-        from ..engine.pools import HOST
+        from .engine.pools import HOST
 
         return lambda i, image, name=None: one(i, image, name=name, host_buffer=HOST.array)
 
     def feeding(self, prepared):
         """The stream of images prepared by the last preparing(...)'s function, taken as they finish, as the
         consumer should take it: with one GPU, each wait for an image lets one upload past the uploader's
-        byte budget (engine/uploads.py), so the budget never stalls a consumer that has nothing to pack."""
+        byte limit (engine/uploads.py), so the limit never stalls a consumer that has nothing to pack."""
         return prepared if self._wants is None else self._wants.feeding(prepared)
 
     def _warm_up(self) -> None:
@@ -101,7 +101,7 @@ class Backend:
         kernel on its first launch and cuBLAS sets up on its first calls, which the first real batch would
         otherwise wait for (docs/PERFORMANCE.md). Skipped where the geometry or the limits
         leave encode(images) nothing to prepare (the real images then say what is wrong)."""
-        from .batching import preparer
+        from .scheduling.batching import preparer
 
         try:
             one = preparer(self.geometry, self.capacity_tokens, min_image_tokens=1,
@@ -116,7 +116,7 @@ class Backend:
     def patching(self):
         """How this tower's images become pixel rows (preprocessing.image.Patching.of: ValueError for a tower whose
         patches are not RGB, which images cannot feed)."""
-        from ..preprocessing.image import Patching
+        from .preprocessing.image import Patching
 
         return Patching.of(self.geometry)
 
@@ -124,11 +124,11 @@ class Backend:
         """A prepared image (uint8 image, grid, info) as the engine takes it fastest, on the thread that
         prepared it: with one GPU, uploaded to it now (engine/uploads.py), so the engine thread only orders
         its stream after the copy; otherwise as it is. Where an upload cannot get device memory the image
-        stays on the host. The uploader's byte budget does not hold these back: the service bounds its
+        stays on the host. The uploader's byte limit does not hold these back: the service bounds its
         images by pixels in flight (--max-pixels-in-flight) before they are decoded."""
         if self.cpu or len(self._engine) != 1:
             return item
-        from ..engine.uploads import UNBOUNDED
+        from .engine.uploads import UNBOUNDED
 
         image, grid, info = item
         return self._engine.models[0].runner.uploads(image, wants=UNBOUNDED), grid, info
@@ -145,13 +145,13 @@ class Backend:
     def encode_on(self, lane: int, items: list) -> list[np.ndarray]:
         """One batch of prepared images on replica `lane` (from any thread) -> host bf16 arrays."""
         if self.cpu:
-            from .. import reference
-            from ..preprocessing.image import normalise_patchify
+            from . import reference
+            from .preprocessing.image import normalise_patchify
 
             patching = self.patching()
             return [reference.encode_pixels(self._tower, normalise_patchify(canvas, patching),
                                             np.array([grid], np.int64)).astype(self._bf16) for canvas, grid, _ in items]
-        from ..engine.pools import HOST
+        from .engine.pools import HOST
 
         model = self._engine.models[lane]
         outs = model.encode_prepared(items)
@@ -163,14 +163,14 @@ class Backend:
         video, in passes of whole frame groups; frames resized where `resize` says (None: where this backend
         resizes images; the CPU reference always on the host)."""
         if self.cpu:
-            from .. import reference
-            from ..preprocessing.video import video_pixels
+            from . import reference
+            from .preprocessing.video import video_pixels
 
             pixels, grid = video_pixels(planned, self.patching())
             out = reference.encode_pixels(self._tower, pixels, grid).astype(self._bf16)
             tokens = np.prod(grid, axis=1) // self.geometry.merge_patches
             return np.split(out, np.cumsum(tokens)[:-1])
-        from ..engine.pools import HOST
+        from .engine.pools import HOST
 
         model = self._engine.models[lane]
         outs = model.encode_planned_videos(planned, resize or self.resize)
@@ -228,7 +228,7 @@ class Pass:
             return self.outs
         import cupy
 
-        from ..engine.pools import HOST
+        from .engine.pools import HOST
 
         self.wait()
         outs, self.outs = self.outs, None
@@ -245,7 +245,7 @@ class Pass:
 class Launched:
     """Batches on their GPUs (or already computed, by the CPU reference): wait() returns once they are
     computed; viewed() (from any thread, once) lends their embeddings, one list per batch, as views of
-    page-locked blocks (pools.PinnedBlocks.downloaded), and lets the device's copies go."""
+    page-locked blocks (pools.PinnedPool.downloaded), and lets the device's copies go."""
 
     def __init__(self, wait, host):
         self._wait, self._host, self._done = wait, host, None
@@ -266,7 +266,7 @@ class Launched:
             yield self._host
             return
         self.wait()
-        from ..engine.pools import HOST
+        from .engine.pools import HOST
 
         done, self._done = self._done, None
         with contextlib.ExitStack() as stack:

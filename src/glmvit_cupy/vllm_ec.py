@@ -30,8 +30,8 @@ import stat
 
 import numpy as np
 
-from ..checks import DEFAULT_MAX_IMAGE_TOKENS
-from ..errors import OutputError
+from .checks import DEFAULT_MAX_IMAGE_TOKENS
+from .errors import OutputError
 
 FILE = "encoder_cache.safetensors"
 TENSOR = "ec_cache"
