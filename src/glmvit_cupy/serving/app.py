@@ -24,9 +24,10 @@ loading or shutting down, 500 the engine failed.
 
 A request is admitted before any image of it is decoded: its images counted against the queue's room, then
 their pixels, read from the files' headers, against the pixels in flight; only then are they decoded, on
-the Decoders' threads (requests in turn), and queued for the batcher's passes. The event loop never blocks
-on either. The same content in flight is encoded once: a request finds an image (or video) another request
-is encoding and waits for that result. Work whose every client went away is dropped before its pass.
+the Decoders' threads (requests in turn; decoding.py), and queued for the batcher's passes. The event loop
+never blocks on either. The same content in flight is encoded once (flights.py): a request finds an image
+(or video) another request is encoding and waits for that result. Work whose every client went away is
+dropped before its pass.
 """
 
 from __future__ import annotations
@@ -38,15 +39,10 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import io
 import json
-import multiprocessing
-import re
-import signal
 import threading
 import time
 import traceback
-import warnings
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -58,20 +54,17 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .. import vllm_ec
 from ..checks import embedding_problem
 from ..errors import ImageError, OutputError, quoted
 from ..preprocessing import decode
-from ..preprocessing.image import prepare_canvas, smart_resize
-from ..preprocessing.video import plan_video, sample_frames
-from ..preprocessing.video_files import FrameFiles, VideoFile
-from .. import vllm_ec
 from .batcher import Batcher, Budget, Decoders, QueueFull
 from .cache import EmbeddingCache
+from .decoding import (LARGE_IMAGE_PIXELS, OffProcess, dims, have_pyav, header_pixels, pixels_held, prepare_image,
+                       prepare_video, video_pixels)
+from .flights import Flights
 from .metrics import Metrics
 from .requests import Refused, b64decode, decode_frames, parse_images, parse_videos, read_body
-
-LARGE_IMAGE_PIXELS = 1 << 24  # an image over this (16.8 MP) is decoded on at most all but one decoding thread
-
 
 @dataclass
 class Settings:
@@ -90,49 +83,6 @@ class Settings:
     body_timeout: float = 60.0      # seconds a body may take to arrive after its headers
     decode_workers: int = 8
     vllm_ec_dir: str | None = None
-
-
-def _child_ignores_signals():
-    """A decoding process leaves SIGINT and SIGTERM to the server (a terminal's Ctrl-C reaches the whole
-    process group): the server ends it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-class OffProcess:
-    """decode.offload for the service: the formats not in decode.DECODED_IN_PROCESS (JPEG 2000, whose
-    decoder holds the GIL; ICNS, ...) decoded in processes of their own, started on first use, so that the
-    event loop and the other threads run meanwhile (one 81 MP JPEG 2000 froze the server for 12 s). The
-    decoding thread that asked waits for it without the GIL."""
-
-    def __init__(self, workers: int):
-        self.workers, self._pool, self._lock = workers, None, threading.Lock()
-
-    def __call__(self, data: bytes, name: str, max_pixels):
-        with self._lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ProcessPoolExecutor(self.workers,
-                                                                    mp_context=multiprocessing.get_context("spawn"),
-                                                                    initializer=_child_ignores_signals)
-            pool = self._pool
-        try:
-            return pool.submit(decode.decode_rgb, data, name, max_pixels).result()
-        except concurrent.futures.process.BrokenProcessPool:  # killed (out of memory, say): a new one next time
-            with self._lock:
-                if self._pool is pool:
-                    self._pool = None
-            raise ImageError(f"{name}: its decoder's process ended before the image was decoded (out of memory?)") \
-                from None
-
-    def shutdown(self) -> None:
-        """The decoding processes ended now (what they decode has no one to answer any more), none left."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            for process in list(getattr(pool, "_processes", {}).values()):  # no public way to end a busy one
-                with contextlib.suppress(Exception):
-                    process.kill()
-            pool.shutdown(wait=False, cancel_futures=True)
 
 
 # The scope of the request an endpoint is answering (its tasks inherit it): where its hold on the bodies in
@@ -159,23 +109,8 @@ class Releasing:
             self.release()
 
 
-class Orphaned(Exception):
-    """The request that was to encode this content stopped before queueing it (refused, or its client went
-    away); a request waiting for it encodes it itself."""
-
-
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
-
-
-@dataclass(eq=False)
-class Flight:
-    """Content being encoded for one or more requests: `result` is (embedding, about) once its pass is done."""
-    key: tuple
-    result: asyncio.Future
-    refs: int = 1                       # requests waiting for it
-    group: list | None = None           # the flights its queued job settles (an image: itself; a request's videos)
-    job: asyncio.Future | None = None   # the batcher's future, once queued
 
 
 def create_app(load_backend, settings: Settings) -> Starlette:
@@ -192,7 +127,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     budget = Budget(settings.max_pixels_in_flight)
     bodies = Budget(int(settings.max_bodies_in_flight_mib * 2**20))  # bytes of bodies held by requests
     limit = settings.max_pixels if settings.max_pixels is not None else Image.MAX_IMAGE_PIXELS
-    flights: dict = {}  # key -> Flight: content being encoded now
+    flights = Flights(cache, lambda: state["batcher"])  # content being encoded now, by key
 
     def on_pass(times):
         metrics.passes.inc()
@@ -361,113 +296,6 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         await asyncio.gather(task, return_exceptions=True)
         raise ClientGone()
 
-    # -- content in flight ------------------------------------------------------------------------------
-
-    def start_flight(key) -> Flight:
-        f = Flight(key, asyncio.get_running_loop().create_future())
-        f.result.add_done_callback(_retrieved)
-        flights[key] = f
-        return f
-
-    def join(key) -> Flight | None:
-        """The flight encoding this content for another request, now shared with this one: its queued job
-        then waits in the line as a request of its own (Batcher.expedite), not in the other's turns."""
-        f = flights.get(key)
-        if f is not None:
-            f.refs += 1
-            if f.job is not None and not f.job.done():
-                state["batcher"].expedite(f.job)
-        return f
-
-    def abandon(f: Flight) -> None:
-        """f's owner stops before queueing it: those waiting for it encode it themselves."""
-        if flights.get(f.key) is f:
-            del flights[f.key]
-        if not f.result.done():
-            f.result.set_exception(Orphaned())
-
-    def leave(f: Flight) -> None:
-        """A request is done with f (answered, refused or gone); queued work nobody waits for is dropped, and
-        its flights are no longer found (a request for the same content starts its own)."""
-        f.refs -= 1
-        if f.job is not None and not f.job.done() and all(g.refs <= 0 for g in f.group):
-            for g in f.group:
-                if flights.get(g.key) is g:
-                    del flights[g.key]
-            f.job.cancel()
-
-    def queued_as(group: list, job: asyncio.Future, unpack, on_encoded) -> None:
-        """group's flights settled by the batcher's `job`: unpack(its value) -> [(embedding, about)] in the
-        group's order, each cached and counted by on_encoded(flight, embedding)."""
-        for f in group:
-            f.group, f.job = group, job
-        if any(f.refs > 1 for f in group):  # joined while it was decoded
-            state["batcher"].expedite(job)
-
-        def settle(job):
-            for f in group:
-                if flights.get(f.key) is f:
-                    del flights[f.key]
-            if job.cancelled():  # dropped, or the server stopped: whoever still waits encodes it again
-                for f in group:
-                    if not f.result.done():
-                        f.result.set_exception(Orphaned())
-                return
-            if job.exception() is not None:
-                for f in group:
-                    if not f.result.done():
-                        f.result.set_exception(job.exception())
-                return
-            for f, (emb, about) in zip(group, unpack(job.result())):
-                cache.put(f.key, emb, about)
-                on_encoded(f, emb)
-                if not f.result.done():
-                    f.result.set_result((emb, about))
-
-        job.add_done_callback(settle)
-
-    async def gather_flights(keys: list, queue_own) -> tuple[dict, dict]:
-        """{key: (embedding, about)} and {key: "cached" | "encoded" | "shared"} for the distinct keys, in
-        rounds: each from the cache, or from the flight already encoding it, or encoded by this request
-        (queue_own(own keys, their flights) decodes and queues them); a flight orphaned by its owner is
-        taken up in the next round."""
-        got, how, held = {}, {}, {}
-        try:
-            pending = list(keys)
-            while pending:
-                own = []
-                for k in pending:
-                    hit = cache.get(k)
-                    if hit is not None:
-                        got[k], how[k] = hit, "cached"
-                        continue
-                    held[k] = join(k)
-                    if held[k] is None:
-                        held[k] = start_flight(k)
-                        own.append(k)
-                if own:
-                    try:
-                        await queue_own(own, held)
-                    except BaseException:
-                        for k in own:
-                            abandon(held[k])
-                        raise
-                retry = []
-                for k in pending:
-                    if k in got:
-                        continue
-                    try:
-                        got[k] = await asyncio.shield(held[k].result)
-                        how[k] = "encoded" if k in own else "shared"
-                    except Orphaned:
-                        retry.append(k)
-                    leave(held.pop(k))
-                pending = retry
-        finally:
-            for f in held.values():
-                leave(f)
-        return got, how
-
     # -- admission ---------------------------------------------------------------------------------------
 
     def reserve_queue(n: int, what: str) -> None:
@@ -586,19 +414,19 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             pixels, queued = 0, False
             try:
                 heads = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: [_header_pixels(blobs[i]) for i in idx])
+                    None, lambda: [header_pixels(blobs[i]) for i in idx])
                 need = []
                 for i, (n, size) in zip(idx, heads):
                     if n > limit:
                         metrics.images.labels("failed").inc()
-                        raise Refused(422, f"images[{i}] has {_dims(n, size)} pixels, over the server's limit of "
+                        raise Refused(422, f"images[{i}] has {dims(n, size)} pixels, over the server's limit of "
                                            f"{limit:,} an image (--max-pixels): refused as a possible decompression "
                                            "bomb; send a smaller image", i)
-                    need.append(_pixels_held(n, size, lo, hi, patching))
+                    need.append(pixels_held(n, size, lo, hi, patching))
                 take_pixels(sum(need), "images")
                 pixels = sum(need)
                 prepared = await decoders.run(
-                    [(functools.partial(_prepare, blobs[i], i, lo, hi, limit, backend, patching),
+                    [(functools.partial(prepare_image, blobs[i], i, lo, hi, limit, backend, patching),
                       n > LARGE_IMAGE_PIXELS) for i, (n, _) in zip(idx, heads)])
                 decode_failures(idx, prepared, metrics.images.labels("failed"))
                 kept = [min(n, item[0].shape[0] * item[0].shape[1]) for n, item in zip(need, prepared)]
@@ -612,9 +440,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                     budget.give(pixels)
             for k, fut, item, n in zip(own, futures, prepared, kept):
                 fut.add_done_callback(lambda _, n=n: budget.give(n))
-                queued_as([held[k]], fut, lambda emb, grid=item[1]: [(emb, grid)], encoded)
+                flights.queued_as([held[k]], fut, lambda emb, grid=item[1]: [(emb, grid)], encoded)
 
-        got, how = await gather_flights(list(first), queue_own)
+        got, how = await flights.gather(list(first), queue_own)
         out, meta, seen = {}, [], set()
         for i, k in enumerate(keys):
             emb, grid = got[k]
@@ -645,7 +473,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         the parsing thread, as read_images."""
         videos, common = parse_videos(held.pop())
         for i, v in enumerate(videos):
-            if v["file"] is not None and not _have_pyav():
+            if v["file"] is not None and not have_pyav():
                 raise Refused(501, f"videos[{i}] is a video file, and this server cannot decode video files (PyAV, "
                                    "the video extra, is not installed on it); send the video's frames instead, as "
                                    "image files: {\"frames\": [base64 image file, ...], \"fps\": frames a second}", i)
@@ -671,11 +499,11 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             try:
                 loop = asyncio.get_running_loop()
                 need = await loop.run_in_executor(None, lambda: [
-                    _video_pixels(videos[i], i, common, limit, settings.max_video_pixels, patching) for i in idx])
+                    video_pixels(videos[i], i, common, limit, settings.max_video_pixels, patching) for i in idx])
                 take_pixels(sum(need), "videos")
                 pixels = sum(need)
                 args = (common, limit, settings.max_video_pixels, patching)
-                done = await decoders.run([(functools.partial(_prepare_video, videos[i], i, *args), True)
+                done = await decoders.run([(functools.partial(prepare_video, videos[i], i, *args), True)
                                            for i in idx])
                 decode_failures(idx, done, metrics.videos.labels("failed"))
                 for i, got in zip(idx, done):
@@ -699,9 +527,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             about = [{"grid_thw": list(info["grid"]), "tokens": info["tokens"], "frame_tokens": info["frame_tokens"],
                       "frames_indices": info["frames_indices"], "timestamps": info["timestamps"]}
                      for _, _, info in done]
-            queued_as([held[k] for k in own], job, lambda embs: list(zip(embs, about)), encoded)
+            flights.queued_as([held[k] for k in own], job, lambda embs: list(zip(embs, about)), encoded)
 
-        got, how = await gather_flights(list(first), queue_own)
+        got, how = await flights.gather(list(first), queue_own)
         out, meta, seen = {}, [], set()
         for i, k in enumerate(keys):
             ck = (k, settings.checkpoint)
@@ -765,12 +593,6 @@ async def _disconnected(receive) -> None:
         pass
 
 
-def _retrieved(future: asyncio.Future) -> None:
-    """A flight's result read even where nobody waits for it any more (no 'exception never retrieved')."""
-    if not future.cancelled():
-        future.exception()
-
-
 def _check_finite(out: dict, what: str) -> None:
     """Refused (500, naming the image or video) when an embedding holds NaN or infinity: the checkpoint's
     weights overflow the forward for it (checks.embedding_problem)."""
@@ -778,122 +600,3 @@ def _check_finite(out: dict, what: str) -> None:
         problem = embedding_problem(emb, f"{what}[{i}]")
         if problem is not None:
             raise Refused(500, problem, int(i))
-
-
-@functools.lru_cache(maxsize=None)
-def _have_pyav() -> bool:
-    try:
-        import av  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-_BOMB_SIZE = re.compile(r"\((\d+) pixels\)")
-
-
-def _header_pixels(data: bytes) -> tuple[int, tuple | None]:
-    """(pixels, (width, height)) of an image file from its header, nothing decoded; (0, None) where Pillow
-    cannot tell (decoding it says why). Pillow's own guard refuses to open images over twice its limit: their
-    pixels come from its message."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as im:
-                w, h = im.size
-                return w * h, (w, h)
-    except Image.DecompressionBombError as e:
-        found = _BOMB_SIZE.search(str(e))
-        return (int(found.group(1)) if found else 0), None
-    except Exception:  # noqa: BLE001 - decoding it reports what is wrong, by index
-        return 0, None
-
-
-def _dims(n: int, size) -> str:
-    return f"{size[0]} x {size[1]} = {n:,}" if size else f"{n:,}"
-
-
-def _pixels_held(n: int, size, lo: int, hi: int, patching, frames: int | None = None) -> int:
-    """What an image (or `frames` frames of one size) holds from admission to its pass: the larger of its
-    decoded pixels (n) and its canvas's (the canvas is made while the decoded image is still there). frames:
-    a video's sampled frames (None: a still image)."""
-    if size is None:
-        return n
-    w, h = size
-    try:
-        ch, cw = smart_resize(h, w, min_image_tokens=lo, max_image_tokens=hi, factor=patching.factor,
-                              temporal_factor=patching.temporal_patch_size, num_frames=frames)
-    except ValueError:  # the decode refuses it, saying why
-        return n
-    return max(n, ch * cw * (frames or 1))
-
-
-def _sampled(total: int, fps, duration, common: dict):
-    """The frame indices plan_video will take of `total` (None where it will refuse them, saying why)."""
-    try:
-        if not common["sample"]:
-            return list(range(total))
-        if fps is None:
-            return None
-        return [int(i) for i in sample_frames(total, fps, duration=duration, target_fps=common["target_fps"],
-                                              max_frames=common["max_frames"], max_duration=common["max_duration"])]
-    except (ValueError, TypeError):
-        return None
-
-
-def _video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pixels: int, patching) -> int:
-    """The pixels a request video holds from admission to its pass, read from its frame files' headers or its
-    container (nothing decoded): its sampled frames', or their canvases' if more; 0 where that cannot be told
-    (decoding refuses it, saying why). A sampled frame file over --max-pixels is refused here (422)."""
-    if video["file"] is not None:
-        try:
-            import av
-
-            from ..preprocessing.video_files import probe
-
-            with av.open(io.BytesIO(video["file"])) as c:
-                stream = c.streams.best("video") or c.streams.video[0]
-                w, h = stream.width, stream.height
-            total, file_fps, file_duration = probe(video["file"], f"video {index}")
-        except Exception:  # noqa: BLE001
-            return 0
-        fps, duration = video["fps"], video["duration"]
-        if duration is None:  # as load_video reads them
-            duration = file_duration if fps is None else total / fps
-        fps = file_fps if fps is None else fps
-        picked = _sampled(total, fps, duration, common)
-        if picked is None:
-            return 0
-        size, decoded = (w, h), len(set(picked)) * w * h
-    else:
-        picked = _sampled(len(video["frames"]), video["fps"], video["duration"], common)
-        if picked is None:
-            return 0
-        size, decoded = None, 0
-        for j in sorted(set(picked)):
-            n, dims = _header_pixels(video["frames"][j])
-            if n > limit:
-                raise Refused(422, f"videos[{index}].frames[{j}] has {_dims(n, dims)} pixels, over the server's "
-                                   f"limit of {limit:,} an image (--max-pixels): refused as a possible "
-                                   "decompression bomb; send smaller frames", index)
-            size, decoded = size or dims, decoded + n
-    if decoded > max_video_pixels:  # refused by the decode before it decodes anything
-        return 0
-    return _pixels_held(decoded, size, common["min_image_tokens"], common["max_image_tokens"], patching, len(picked))
-
-
-def _prepare(data: bytes, index: int, lo: int, hi: int, max_pixels, backend, patching):
-    """One request image, on a decoding thread: decoded, sized and handed to the backend (its upload, where
-    the GPU resizes: backend.ahead), so the engine thread has only the pass's launch left to do."""
-    return backend.ahead(prepare_canvas(io.BytesIO(data), index, min_image_tokens=lo, max_image_tokens=hi,
-                                        max_pixels=max_pixels, resize=backend.resize, patching=patching,
-                                        name=f"image {index}"))  # as the request numbers it
-
-
-def _prepare_video(video: dict, index: int, common: dict, max_pixels, max_total_pixels, patching):
-    """One request video -> video.plan_video's (frames, grid, info): sampled first, then only the sampled
-    frames decoded (frame files as images are, a video file by PyAV; what cannot be is an ImageError naming
-    it); the backend makes their pixels."""
-    source = (VideoFile(video["file"], max_total_pixels) if video["file"] is not None else
-              FrameFiles(video["frames"], max_pixels, max_total_pixels))
-    return plan_video(source, index, fps=video["fps"], duration=video["duration"], patching=patching, **common)

@@ -1,0 +1,190 @@
+"""A request's images and videos on the host, for glmvit-serve: what each holds from admission to its pass
+(read from file headers and containers, nothing decoded: the server admits a request against its pixels in
+flight before decoding it), and their decoding on the decoding threads, or in processes of their own for
+the formats whose decoder holds the GIL (OffProcess)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import io
+import multiprocessing
+import re
+import signal
+import threading
+import warnings
+
+from PIL import Image
+
+from ..errors import ImageError
+from ..preprocessing import decode
+from ..preprocessing.image import prepare_canvas, smart_resize
+from ..preprocessing.video import plan_video, sample_frames
+from ..preprocessing.video_files import FrameFiles, VideoFile
+from .requests import Refused
+
+
+LARGE_IMAGE_PIXELS = 1 << 24  # an image over this (16.8 MP) is decoded on at most all but one decoding thread
+
+
+def _child_ignores_signals():
+    """A decoding process leaves SIGINT and SIGTERM to the server (a terminal's Ctrl-C reaches the whole
+    process group): the server ends it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class OffProcess:
+    """decode.offload for the service: the formats not in decode.DECODED_IN_PROCESS (JPEG 2000, whose
+    decoder holds the GIL; ICNS, ...) decoded in processes of their own, started on first use, so that the
+    event loop and the other threads run meanwhile (one 81 MP JPEG 2000 froze the server for 12 s). The
+    decoding thread that asked waits for it without the GIL."""
+
+    def __init__(self, workers: int):
+        self.workers, self._pool, self._lock = workers, None, threading.Lock()
+
+    def __call__(self, data: bytes, name: str, max_pixels):
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ProcessPoolExecutor(self.workers,
+                                                                    mp_context=multiprocessing.get_context("spawn"),
+                                                                    initializer=_child_ignores_signals)
+            pool = self._pool
+        try:
+            return pool.submit(decode.decode_rgb, data, name, max_pixels).result()
+        except concurrent.futures.process.BrokenProcessPool:  # killed (out of memory, say): a new one next time
+            with self._lock:
+                if self._pool is pool:
+                    self._pool = None
+            raise ImageError(f"{name}: its decoder's process ended before the image was decoded (out of memory?)") \
+                from None
+
+    def shutdown(self) -> None:
+        """The decoding processes ended now (what they decode has no one to answer any more), none left."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            for process in list(getattr(pool, "_processes", {}).values()):  # no public way to end a busy one
+                with contextlib.suppress(Exception):
+                    process.kill()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+@functools.lru_cache(maxsize=None)
+def have_pyav() -> bool:
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_BOMB_SIZE = re.compile(r"\((\d+) pixels\)")
+
+
+def header_pixels(data: bytes) -> tuple[int, tuple | None]:
+    """(pixels, (width, height)) of an image file from its header, nothing decoded; (0, None) where Pillow
+    cannot tell (decoding it says why). Pillow's own guard refuses to open images over twice its limit: their
+    pixels come from its message."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as im:
+                w, h = im.size
+                return w * h, (w, h)
+    except Image.DecompressionBombError as e:
+        found = _BOMB_SIZE.search(str(e))
+        return (int(found.group(1)) if found else 0), None
+    except Exception:  # noqa: BLE001 - decoding it reports what is wrong, by index
+        return 0, None
+
+
+def dims(n: int, size) -> str:
+    return f"{size[0]} x {size[1]} = {n:,}" if size else f"{n:,}"
+
+
+def pixels_held(n: int, size, lo: int, hi: int, patching, frames: int | None = None) -> int:
+    """What an image (or `frames` frames of one size) holds from admission to its pass: the larger of its
+    decoded pixels (n) and its canvas's (the canvas is made while the decoded image is still there). frames:
+    a video's sampled frames (None: a still image)."""
+    if size is None:
+        return n
+    w, h = size
+    try:
+        ch, cw = smart_resize(h, w, min_image_tokens=lo, max_image_tokens=hi, factor=patching.factor,
+                              temporal_factor=patching.temporal_patch_size, num_frames=frames)
+    except ValueError:  # the decode refuses it, saying why
+        return n
+    return max(n, ch * cw * (frames or 1))
+
+
+def sampled_frames(total: int, fps, duration, common: dict):
+    """The frame indices plan_video will take of `total` (None where it will refuse them, saying why)."""
+    try:
+        if not common["sample"]:
+            return list(range(total))
+        if fps is None:
+            return None
+        return [int(i) for i in sample_frames(total, fps, duration=duration, target_fps=common["target_fps"],
+                                              max_frames=common["max_frames"], max_duration=common["max_duration"])]
+    except (ValueError, TypeError):
+        return None
+
+
+def video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pixels: int, patching) -> int:
+    """The pixels a request video holds from admission to its pass, read from its frame files' headers or its
+    container (nothing decoded): its sampled frames', or their canvases' if more; 0 where that cannot be told
+    (decoding refuses it, saying why). A sampled frame file over --max-pixels is refused here (422)."""
+    if video["file"] is not None:
+        try:
+            import av
+
+            from ..preprocessing.video_files import probe
+
+            with av.open(io.BytesIO(video["file"])) as c:
+                stream = c.streams.best("video") or c.streams.video[0]
+                w, h = stream.width, stream.height
+            total, file_fps, file_duration = probe(video["file"], f"video {index}")
+        except Exception:  # noqa: BLE001
+            return 0
+        fps, duration = video["fps"], video["duration"]
+        if duration is None:  # as load_video reads them
+            duration = file_duration if fps is None else total / fps
+        fps = file_fps if fps is None else fps
+        picked = sampled_frames(total, fps, duration, common)
+        if picked is None:
+            return 0
+        size, decoded = (w, h), len(set(picked)) * w * h
+    else:
+        picked = sampled_frames(len(video["frames"]), video["fps"], video["duration"], common)
+        if picked is None:
+            return 0
+        size, decoded = None, 0
+        for j in sorted(set(picked)):
+            n, dims = header_pixels(video["frames"][j])
+            if n > limit:
+                raise Refused(422, f"videos[{index}].frames[{j}] has {dims(n, dims)} pixels, over the server's "
+                                   f"limit of {limit:,} an image (--max-pixels): refused as a possible "
+                                   "decompression bomb; send smaller frames", index)
+            size, decoded = size or dims, decoded + n
+    if decoded > max_video_pixels:  # refused by the decode before it decodes anything
+        return 0
+    return pixels_held(decoded, size, common["min_image_tokens"], common["max_image_tokens"], patching, len(picked))
+
+
+def prepare_image(data: bytes, index: int, lo: int, hi: int, max_pixels, backend, patching):
+    """One request image, on a decoding thread: decoded, sized and handed to the backend (its upload, where
+    the GPU resizes: backend.ahead), so the engine thread has only the pass's launch left to do."""
+    return backend.ahead(prepare_canvas(io.BytesIO(data), index, min_image_tokens=lo, max_image_tokens=hi,
+                                        max_pixels=max_pixels, resize=backend.resize, patching=patching,
+                                        name=f"image {index}"))  # as the request numbers it
+
+
+def prepare_video(video: dict, index: int, common: dict, max_pixels, max_total_pixels, patching):
+    """One request video -> video.plan_video's (frames, grid, info): sampled first, then only the sampled
+    frames decoded (frame files as images are, a video file by PyAV; what cannot be is an ImageError naming
+    it); the backend makes their pixels."""
+    source = (VideoFile(video["file"], max_total_pixels) if video["file"] is not None else
+              FrameFiles(video["frames"], max_pixels, max_total_pixels))
+    return plan_video(source, index, fps=video["fps"], duration=video["duration"], patching=patching, **common)
