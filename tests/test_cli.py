@@ -248,12 +248,12 @@ def test_backend_checks_its_limits_before_loading():
     assert Backend(binding, cpu=True, capacity_tokens=np.int64(64), image_tokens=16).capacity_tokens == 64
 
 
-def test_min_image_tokens_zero_is_no_minimum(images, tmp_path, capsys):
+def test_min_image_tokens_zero_is_no_minimum(images, tmp_path, capsys, rng):
     assert run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o", "--cpu",
                 "--min-image-tokens", -1]) == 2
     assert "--min-image-tokens -1 must be at least 0" in capsys.readouterr().err
     small = tmp_path / "small.png"
-    Image.fromarray(np.random.default_rng(5).integers(0, 256, (20, 30, 3), np.uint8)).save(small)
+    Image.fromarray(rng.integers(0, 256, (20, 30, 3), np.uint8)).save(small)
     for lo, tokens in ((0, 2), (16, 20)):  # 16 scales a 20 x 30 image up to the minimum
         out = tmp_path / f"o{lo}"
         assert run([small, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--min-image-tokens", lo]) == 0

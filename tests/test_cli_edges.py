@@ -479,3 +479,16 @@ def test_embeddings_of_weights_that_overflow_are_failed_not_saved(folder, tmp_pa
     shutil.rmtree(out)
     assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.DONE
     assert len(read_embeddings(out)[1]) == 2
+
+
+def test_control_characters_in_a_file_name_never_reach_the_terminal_raw(folder, tmp_path, capsys):
+    """A file name holding a newline and an escape sequence (the OS allows both): reported on one line with
+    them written as \\xNN, so it can neither forge a line of output nor drive the terminal."""
+    bad = folder / "a\nskipped FAKE: fake\x1b[2J.jpg"
+    bad.write_bytes(b"not an image")
+    assert run(folder, "--checkpoint", TOWER, "--out", tmp_path / "out", "--cpu") == cli.FAILED
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\nskipped FAKE" not in out, out
+    assert f"skipped {folder}/a\\x0askipped FAKE: fake\\x1b[2J.jpg: " in out, out
+    why = read_embeddings(tmp_path / "out")[0]["failed"][image_key(bad)]
+    assert "\n" not in why and "\x1b" not in why

@@ -53,6 +53,8 @@ def test_text_only_is_its_own_error(tmp_path):
     ({"temporal_patch_size": [2, True]}, "temporal_patch_size = [2, True]"),
     ({"hidden_size": -8}, "hidden_size = -8"),
     ({"rms_norm_eps": 0.0}, "rms_norm_eps = 0.0"),
+    ({"rms_norm_eps": 1e-320}, "rms_norm_eps = 1e-320 cannot work: the norms add it in float32"),  # rounds to 0
+    ({"rms_norm_eps": 1e-39}, "below the least normal value (1.175e-38)"),                    # a float32 subnormal
     ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
     ({"attention_bias": False}, "attention_bias = False"),
     ({"model_type": "siglip_vision_model"}, "not a GLM vision tower"),
@@ -68,6 +70,9 @@ def test_out_hidden_must_match_text_hidden(tmp_path):
     with pytest.raises(CheckpointError, match="text_config.hidden_size = 2048"):
         read_config(write(tmp_path, {"model_type": "glm5_next", "vision_config": {"out_hidden_size": 4096},
                                      "text_config": {"hidden_size": 2048}}))
+    with pytest.raises(CheckpointError, match="text_config.hidden_size = '4096' must be an integer"):
+        read_config(write(tmp_path, {"model_type": "glm5_next", "vision_config": {"out_hidden_size": 4096},
+                                     "text_config": {"hidden_size": "4096"}}))
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", ""])

@@ -149,6 +149,39 @@ def test_a_manifest_that_is_not_a_file_is_refused_not_read(tmp_path, kind):
         os.symlink("/dev/zero", folder / MANIFEST)
     said = said_within(lambda: read_embeddings(str(folder)), OutputError)
     assert "the manifest is a" in said and "not a regular file" in said, said
+    said = said_within(lambda: Output(str(folder), SETTINGS), OutputError)  # a resume alike
+    assert said.startswith(f"{folder / MANIFEST} is unreadable") and "not a regular file" in said, said
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "odd_metadata"])
+def test_a_shard_name_on_something_else_is_never_opened_nor_taken_as_done(tmp_path, kind):
+    """A FIFO, a link to /dev/zero, or a safetensors file whose glmvit metadata is not ours, under a shard's
+    name in the folder: a resume and the reader pass it over (never blocking on it), and the run's own
+    shards take other numbers."""
+    from safetensors.numpy import save_file
+
+    folder = tmp_path / "o"
+    folder.mkdir()
+    odd = folder / "embeddings-00001.safetensors"
+    if kind == "fifo":
+        os.mkfifo(odd)
+    elif kind == "dev_zero":
+        os.symlink("/dev/zero", odd)
+    else:
+        save_file({"k": np.zeros(2, np.float32)}, str(odd),
+                  metadata={"glmvit": json.dumps({"header": {}, "images": {"k": 5}})})
+
+    def run():
+        out = Output(str(folder), SETTINGS)
+        out.add_batch(batch(["/img/a"]))
+        out.flush()
+        return out
+
+    assert said_within(run, Exception) == "returned"
+    got = []
+    assert said_within(lambda: got.append(read_embeddings(str(folder))), Exception) == "returned"
+    manifest, embs = got[0]
+    assert list(embs) == ["/img/a"] and manifest["images"]["/img/a"]["shard"] == "embeddings-00002.safetensors"
 
 
 @pytest.mark.parametrize("cut", [10, -10])  # the header cut, or the last bytes of the data

@@ -326,11 +326,11 @@ def test_four_channels_finds_the_4_byte_buffer_under_an_rgb_view(rng):
 
 
 @pytest.mark.parametrize("shape", [(1, 40, 3), (3, 50, 3), (4, 31, 3), (4, 7, 4), (1, 300, 1)])
-def test_arrays_are_height_width_channels_whatever_their_height(shape):
+def test_arrays_are_height_width_channels_whatever_their_height(shape, rng):
     """An array is always read as H x W x C. (HF's processor guesses the channel axis and reads an array whose
     first dimension is 1, 3 or 4 as channels-first: a 1 x 40 RGB strip becomes a 40 x 3 grey image there. We
     keep the one rule, so an array encodes as the same picture given as a PIL image.)"""
-    a = np.random.default_rng(sum(shape)).integers(0, 256, shape, dtype=np.uint8)
+    a = rng.integers(0, 256, shape, dtype=np.uint8)
     pil = Image.fromarray(a[..., 0] if shape[2] == 1 else a, {1: "L", 3: "RGB", 4: "RGBA"}[shape[2]])
     pv, grid = preprocess([a])
     pv2, grid2 = preprocess([pil])

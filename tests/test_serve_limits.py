@@ -949,6 +949,13 @@ def test_a_body_of_many_json_items_is_refused_before_it_is_parsed(server, body, 
     (b'{"videos": [{"frames": ["QQ=="], "fps": 2}], "max_frames": [3]}', "'max_frames' must be an integer, got [3]"),
     (b'{"videos": [{"frames": ["QQ=="], "fps": 2}], "target_fps": true}', "'target_fps' must be a number, got True"),
     (b'{"videos": [{"frames": ["QQ=="], "fps": "2"}]}', "videos[0].fps must be a number or null, got '2'"),
+    (b'{"images": [], "images": ["QQ=="]}', "the field 'images' is given twice in one object"),
+    (b'{"videos": [{"frames": ["QQ=="], "fps": 2, "fps": 30}]}', "the field 'fps' is given twice"),
+    (b'{"videos": [{"frames": ["QQ=="], "fps": 1%s}]}' % (b"0" * 400), "videos[0].fps = 1000000"),
+    (b'{"videos": [{"frames": ["QQ=="], "fps": 2, "duration": %d}]}' % 2**1024, "videos[0].duration = 1797"),
+    (b'{"videos": [{"frames": ["QQ=="], "fps": 2}], "target_fps": 9%s}' % (b"9" * 400), "'target_fps' = 999999"),
+    (b'{"videos": [{"frames": ["QQ=="], "fps": 2}], "max_duration": %d}' % 2**1100, "'max_duration' = "),
+    (b'{"videos": [{"frames": ["QQ=="], "fps": 2}], "max_frames": %d}' % 2**1100, "'max_frames' = "),
 ])
 def test_a_body_outside_the_requests_form_is_400_before_any_work(server, body, says):
     """A request is ASCII JSON: one non-ASCII character (or an escape of one) would make every string of the

@@ -70,9 +70,8 @@ def _hf_or_skip():
     return Glm5NextVideoProcessor()
 
 
-def test_live_against_hf_with_several_videos_in_one_call():
+def test_live_against_hf_with_several_videos_in_one_call(rng):
     proc = _hf_or_skip()
-    rng = np.random.default_rng(5)
     vids = [rng.integers(0, 256, (t, h, w, 3), dtype=np.uint8) for t, h, w in ((9, 70, 130), (4, 300, 41), (30, 64, 64))]
     meta = [{"total_num_frames": len(v), "fps": f, "duration": None} for v, f in zip(vids, (10.0, 2.0, 29.97))]
     hf = proc(videos=vids, video_metadata=meta, fps=4, max_image_tokens=3000, return_metadata=True,
@@ -160,10 +159,9 @@ def test_aten_weights_differ_from_pillows_where_they_should():
 
 # -- frames, layout, sampling --------------------------------------------------------------------------------
 
-def test_rows_are_frame_groups_of_merge_blocks():
+def test_rows_are_frame_groups_of_merge_blocks(rng):
     """Row (g, bh, bw, r, c) holds channel x frame x py x px of patch (bh*M + r, bw*M + c) in frames
     g*T..g*T+T-1, each value (v - 255 mean) / (255 std) in float32, indexed here independently."""
-    rng = np.random.default_rng(3)
     pat = Patching(4, 2, 2)
     frames = rng.integers(0, 256, (4, 16, 24, 3), dtype=np.uint8)
     rows = normalise_patchify(frames, pat)
@@ -183,10 +181,9 @@ def test_rows_are_frame_groups_of_merge_blocks():
                 assert np.array_equal(got, want), (n, ch, t)
 
 
-def test_several_videos_are_each_videos_rows_in_turn_and_out_is_checked():
+def test_several_videos_are_each_videos_rows_in_turn_and_out_is_checked(rng):
     """preprocess_video of several videos writes each one's rows into its own slice of one array: the same
     bits as each video alone, in order (no concatenation copy); normalise_patchify's `out` must fit exactly."""
-    rng = np.random.default_rng(5)
     videos = [rng.integers(0, 256, (t, h, w, 3), dtype=np.uint8)
               for t, h, w in ((4, 60, 90), (3, 100, 40), (2, 56, 56))]
     pv, grid, _ = preprocess_video(videos, fps=2.0, sample=False, max_image_tokens=400)
@@ -201,8 +198,7 @@ def test_several_videos_are_each_videos_rows_in_turn_and_out_is_checked():
             normalise_patchify(frames, out=bad)
 
 
-def test_an_odd_frame_count_repeats_the_last_frame():
-    rng = np.random.default_rng(4)
+def test_an_odd_frame_count_repeats_the_last_frame(rng):
     v = rng.integers(0, 256, (3, 56, 56, 3), dtype=np.uint8)
     pv, grid, info = preprocess_video(v, sample=False, min_image_tokens=0)
     pv4, grid4, _ = preprocess_video(np.concatenate([v, v[-1:]]), sample=False, min_image_tokens=0)
@@ -211,11 +207,10 @@ def test_an_odd_frame_count_repeats_the_last_frame():
     assert info[0]["tokens"] == 8 and info[0]["frame_tokens"] == 4
 
 
-def test_frame_groups_are_the_sampled_frames_unresized_in_whole_groups():
+def test_frame_groups_are_the_sampled_frames_unresized_in_whole_groups(rng):
     """What the GPU stages (frame_groups) holds the frames the host resizes (video_canvases) in the same
     groups: the sampled frames themselves, the last repeated, one (1, h, w) item a group, with the content
     size and the group's tokens."""
-    rng = np.random.default_rng(12)
     vids = [rng.integers(0, 256, (9, 61, 83, 3), dtype=np.uint8), rng.integers(0, 256, (4, 40, 30, 3), np.uint8)]
     for (frames, grid, info), given in zip(plan_videos(vids, fps=[4.0, 2.0], target_fps=4), vids):
         assert np.array_equal(frames, given[info["frames_indices"]])
@@ -242,14 +237,13 @@ def _png(a) -> bytes:
     return buf.getvalue()
 
 
-def test_frame_files_decode_only_the_sampled_frames():
+def test_frame_files_decode_only_the_sampled_frames(rng):
     """FrameFiles (a video as its frames' image files, as glmvit-serve gets them): the array path's frames,
     indices and canvas; a broken file that is not sampled is never read, one that is names its index; the
     frames' sizes and the pixel cap are checked by index before or while decoding."""
     from glmvit_cupy.preprocessing.video import plan_video
     from glmvit_cupy.preprocessing.video_files import FrameFiles
 
-    rng = np.random.default_rng(14)
     v = rng.integers(0, 256, (12, 30, 40, 3), dtype=np.uint8)
     files = [_png(f) for f in v]
     want = plan_video(v, fps=6.0)
@@ -275,13 +269,13 @@ def test_frame_files_decode_only_the_sampled_frames():
         FrameFiles([])
 
 
-def test_frame_files_as_paths_and_a_fifo_that_must_not_block(tmp_path):
+def test_frame_files_as_paths_and_a_fifo_that_must_not_block(tmp_path, rng):
     import os
 
     from glmvit_cupy.preprocessing.video import plan_video
     from glmvit_cupy.preprocessing.video_files import FrameFiles
 
-    v = np.random.default_rng(15).integers(0, 256, (4, 20, 24, 3), dtype=np.uint8)
+    v = rng.integers(0, 256, (4, 20, 24, 3), dtype=np.uint8)
     paths = []
     for j, f in enumerate(v):
         paths.append(tmp_path / f"f{j}.png")
@@ -294,8 +288,7 @@ def test_frame_files_as_paths_and_a_fifo_that_must_not_block(tmp_path):
         plan_video(FrameFiles(paths[:2] + [tmp_path / "fifo"], max_total_pixels=10**6), sample=False)
 
 
-def test_frames_as_a_list_of_arrays_or_rgb_pil_images_equal_the_array():
-    rng = np.random.default_rng(6)
+def test_frames_as_a_list_of_arrays_or_rgb_pil_images_equal_the_array(rng):
     v = rng.integers(0, 256, (4, 50, 70, 3), dtype=np.uint8)
     a = preprocess_video(v, fps=8.0)
     b = preprocess_video(list(v), fps=8.0)

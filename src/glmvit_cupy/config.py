@@ -15,6 +15,7 @@ from .errors import CheckpointError, NoVisionConfig, quoted
 from .files import read_json_file
 
 VISION_MODEL_TYPES = ("glm5_next_vision", "glm_ocr_vision")
+FLOAT32_TINY = 2.0**-126  # float32's least normal value: an rms_norm_eps below it is lost in the norms' float32 sum
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,9 @@ class VisionGeometry:
                 "the axial RoPE splits a head into an h half and a w half, and rotates each half by halves")
         if not (isinstance(self.rms_norm_eps, float) and math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
             bad("rms_norm_eps", self.rms_norm_eps, "it must be a positive finite float (it sits under a square root)")
+        if self.rms_norm_eps < FLOAT32_TINY:
+            bad("rms_norm_eps", self.rms_norm_eps, f"the norms add it in float32, where it is below the least normal "
+                f"value ({FLOAT32_TINY:.4g}) and rounds to 0 or loses its precision; give at least that")
         if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
             bad("swiglu_limit", self.swiglu_limit, "the SwiGLU clamp needs a positive finite limit")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 1):
@@ -167,6 +171,9 @@ def geometry_from_dict(vision: dict, *, text_hidden_size=None, where: str = "vis
         raise CheckpointError(f"{where}: attention_bias = {vision['attention_bias']!r} is not supported: "
                               "GLM-5.3-Flash's qkv, proj and MLP projections all carry biases")
     geo = VisionGeometry(**kw).validate(where)
+    if text_hidden_size is not None and (not isinstance(text_hidden_size, int) or isinstance(text_hidden_size, bool)):
+        raise CheckpointError(f"{where}: text_config.hidden_size = {quoted(text_hidden_size)} must be an integer (the "
+                              "width of a text embedding row, which out_hidden_size must equal)")
     if text_hidden_size is not None and text_hidden_size != geo.out_hidden_size:
         raise CheckpointError(
             f"{where}: out_hidden_size = {geo.out_hidden_size} but text_config.hidden_size = {text_hidden_size}; "

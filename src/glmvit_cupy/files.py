@@ -27,6 +27,8 @@ def not_regular(path) -> str | None:
         return "a broken symbolic link" if os.path.islink(path) else None
     except OSError as e:  # a symbolic link loop, a path through a file
         return f"unreadable ({e.strerror})"
+    except ValueError:  # a NUL byte: no file can have such a name
+        return "not a valid path (it holds a NUL byte)"
     return None if stat.S_ISREG(mode) else kind(mode)
 
 

@@ -40,7 +40,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: safetensors.nump
 import numpy as np
 
 from .errors import OutputError
-from .files import open_regular
+from .files import not_regular, open_regular
 
 log = logging.getLogger("glmvit_cupy")
 
@@ -79,14 +79,19 @@ def key_path(key: str) -> str:
     return key
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
 def shown(text) -> str:
-    """`text` as it can be printed and stored as UTF-8: the undecodable bytes of a file name (os.fsdecode's
-    surrogates) written as \\xNN."""
+    """`text` as it can be printed and stored as UTF-8, on one line: the undecodable bytes of a file name
+    (os.fsdecode's surrogates) and every control character (a newline or an escape sequence in a file
+    name would forge a line of output or drive the terminal) written as \\xNN."""
     text = str(text)
     try:
-        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:  # surrogates that stand for no byte
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def _reason(e: BaseException) -> str:
@@ -115,18 +120,20 @@ def shard_entries(folder: str, skip=()) -> dict[str, tuple[dict, dict]]:
 
     out = {}
     for name in sorted(os.listdir(folder), key=_shard_number):
-        if not SHARD.match(name) or name in skip:
+        path = os.path.join(folder, name)
+        if not SHARD.match(name) or name in skip or not_regular(path):  # a FIFO named like one is never opened
             continue
         try:
-            with safe_open(os.path.join(folder, name), framework="numpy") as f:
+            with safe_open(path, framework="numpy") as f:
                 meta = json.loads((f.metadata() or {}).get("glmvit", "null"))
                 keys = set(f.keys())
             header, images = meta["header"], meta["images"]
             if not (isinstance(header, dict) and isinstance(images, dict)):
                 raise TypeError("its header and images are not objects")
-        except Exception:  # no metadata (an older run's shard, listed in its manifest) or unreadable
+            entries = {k: dict(v, shard=name) for k, v in images.items() if k in keys}
+        except Exception:  # no metadata (an older run's shard, listed in its manifest), unreadable, or not ours
             continue
-        out[name] = (header, {k: dict(v, shard=name) for k, v in images.items() if k in keys})
+        out[name] = (header, entries)
     return out
 
 
@@ -195,12 +202,12 @@ class Output:
 
     def _resume(self, path, settings):
         try:
-            with open(path) as f:
-                old = json.load(f)
+            with open_regular(path, "the manifest", OutputError) as f:  # a FIFO or /dev/zero: refused, not read
+                old = json.loads(f.read())
             header, images = old["header"], old["images"]
             if not (isinstance(header, dict) and isinstance(images, dict)):  # not assert: kept under python -O
                 raise TypeError("its header and images are not objects")
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError, OutputError) as e:
             raise OutputError(f"{path} is unreadable or truncated ({type(e).__name__}: {e}); it cannot say what is "
                               "done. Move it away to encode everything again into this folder, or use another "
                               "--out") from None
@@ -356,6 +363,8 @@ def _shard_keys(path) -> set | None:
     safetensors checks that its header covers the file exactly)."""
     from safetensors import safe_open
 
+    if not_regular(path):  # a FIFO or a device named like a shard: never opened (a FIFO would block)
+        return None
     try:
         with safe_open(path, framework="numpy") as f:
             return set(f.keys())

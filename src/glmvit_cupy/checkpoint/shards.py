@@ -182,7 +182,7 @@ def _from_index(index_path):
         raise CheckpointError(f"{index_path}: index needs a 'weight_map' object of tensor name -> shard file name")
     folder = os.path.dirname(index_path)
     for name, shard in wm.items():
-        if os.path.basename(shard) != shard or shard in ("", ".", ".."):
+        if os.path.basename(shard) != shard or shard in ("", ".", "..") or "\0" in shard:
             raise CheckpointError(f"{index_path}: tensor {name!r} maps to {shard!r}, which is not a file name "
                                   "inside the checkpoint directory")
     return None, {k: os.path.join(folder, v) for k, v in wm.items()}, index_path

@@ -157,9 +157,20 @@ def _text(body) -> str:
 
 def _load(text: str):
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique)
     except (ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
         raise Refused(400, f"the body is not valid JSON ({e})") from None
+
+
+def _unique(pairs: list) -> dict:
+    """A JSON object whose every field is named once: a field given twice is refused, not the last one kept
+    without a word."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise Refused(400, f"the field {quoted(twice)} is given twice in one object; give each field once")
+    return out
 
 
 def parse_images(body: bytes, capacity: int, max_images: int = 256):
@@ -235,6 +246,7 @@ def parse_videos(body: bytes) -> tuple[list[dict], dict]:
         for k in ("fps", "duration"):
             if v.get(k) is not None and not _number(v[k]):
                 raise Refused(400, f"videos[{i}].{k} must be a number or null, got {quoted(v[k])}", i)
+            _within_float(f"videos[{i}].{k}", v.get(k), i)
         out.append({"frames": None if frames is None else list(frames), "file": file, "fps": v.get("fps"),
                     "duration": v.get("duration")})
     defaults = {"sample": True, "target_fps": 2, "max_frames": 2048, "max_duration": 0, "min_image_tokens": 16,
@@ -248,7 +260,20 @@ def parse_videos(body: bytes) -> tuple[list[dict], dict]:
     for k in ("max_frames", "min_image_tokens", "max_image_tokens"):
         if not _number(common[k]) or not isinstance(common[k], int):
             raise Refused(400, f"'{k}' must be an integer, got {quoted(common[k])}")
+    for k in ("target_fps", "max_duration", "max_frames"):
+        _within_float(f"'{k}'", common[k])
     return out, common
+
+
+def _within_float(name: str, x, index: int | None = None) -> None:
+    """Refused (400) for an integer no float can hold (past 2**1024): the frame sampling's float math cannot
+    take it."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        try:
+            float(x)
+        except OverflowError:
+            raise Refused(400, f"{name} = {quoted(x)} is past any float: give a number below 1.8e308", index) \
+                from None
 
 
 def _number(x) -> bool:
