@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import threading
 import warnings
 
@@ -44,6 +45,29 @@ offload = None  # offload(file bytes, name, max_pixels) -> HxWx3 uint8 array, or
 def decode_rgb(data: bytes, name: str, max_pixels: int | None = None) -> np.ndarray:
     """An image file's bytes -> HxWx3 uint8, as load decodes them (what offload runs in the other process)."""
     return np.ascontiguousarray(rgb_pixels(load(data, name, max_pixels)))
+
+
+_BOMB_SIZE = re.compile(r"\((\d+) pixels\)")
+
+
+def header_size(file) -> tuple[int, tuple | None]:
+    """(pixels, (width, height)) of an image file (its bytes, or a path) from its header, nothing decoded;
+    (0, None) where Pillow cannot tell or the path is not a regular file, which could block a read (decoding
+    it says why). Pillow refuses to open an image over twice its pixel limit: the pixels then come from its
+    message."""
+    if not isinstance(file, ENCODED_BYTES) and not (isinstance(file, (str, os.PathLike)) and os.path.isfile(file)):
+        return 0, None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(file) if isinstance(file, ENCODED_BYTES) else file) as im:
+                w, h = im.size
+                return w * h, (w, h)
+    except Image.DecompressionBombError as e:
+        found = _BOMB_SIZE.search(str(e))
+        return (int(found.group(1)) if found else 0), None
+    except Exception:  # noqa: BLE001 - decoding it reports what is wrong, by name
+        return 0, None
 
 
 def _file_bytes(image) -> bytes:

@@ -23,6 +23,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import ImageError
+from .decode import header_size
 
 
 def _av():
@@ -234,7 +235,7 @@ class FrameFiles:
         indices = [int(i) for i in pick(len(self.files), fps, duration)]
         unique = sorted(set(indices))
         if self.max_total_pixels is not None:
-            total = sum(_header_pixels(self.files[j]) for j in unique)
+            total = sum(header_size(self.files[j])[0] for j in unique)
             if total > self.max_total_pixels:
                 raise ImageError(f"{name}: its {len(unique)} sampled frames have {total:,} pixels, over the limit "
                                  f"of {self.max_total_pixels:,}; send fewer or smaller frames")
@@ -248,19 +249,6 @@ class FrameFiles:
             decoded[j] = f
         return [decoded[j] for j in indices], {"fps": fps, "duration": duration, "total_frames": len(self.files),
                                                "frames_indices": indices}
-
-
-def _header_pixels(file) -> int:
-    """An image file's width x height from its header (0 where Pillow cannot tell, or the path is not a
-    regular file, which could block a read: load reports it)."""
-    is_bytes = isinstance(file, (bytes, bytearray, memoryview))
-    if not is_bytes and not (isinstance(file, (str, os.PathLike)) and os.path.isfile(file)):
-        return 0
-    try:
-        with Image.open(io.BytesIO(file) if is_bytes else file) as im:
-            return im.size[0] * im.size[1]
-    except Exception:  # noqa: BLE001 - decoding it reports what is wrong, by name
-        return 0
 
 
 def video_frames(video, name: str) -> np.ndarray:

@@ -60,7 +60,7 @@ from ..errors import ImageError, OutputError, quoted
 from ..preprocessing import decode
 from .batcher import Batcher, Budget, Decoders, QueueFull
 from .cache import EmbeddingCache
-from .decoding import (LARGE_IMAGE_PIXELS, OffProcess, dims, have_pyav, header_pixels, pixels_held, prepare_image,
+from .decoding import (LARGE_IMAGE_PIXELS, OffProcess, dims, have_pyav, header_size, pixels_held, prepare_image,
                        prepare_video, video_pixels)
 from .flights import Flights
 from .metrics import Metrics
@@ -414,7 +414,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             pixels, queued = 0, False
             try:
                 heads = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: [header_pixels(blobs[i]) for i in idx])
+                    None, lambda: [header_size(blobs[i]) for i in idx])
                 need = []
                 for i, (n, size) in zip(idx, heads):
                     if n > limit:

@@ -10,15 +10,12 @@ import contextlib
 import functools
 import io
 import multiprocessing
-import re
 import signal
 import threading
-import warnings
-
-from PIL import Image
 
 from ..errors import ImageError
 from ..preprocessing import decode
+from ..preprocessing.decode import header_size
 from ..preprocessing.image import prepare_canvas, smart_resize
 from ..preprocessing.video import plan_video, sample_frames
 from ..preprocessing.video_files import FrameFiles, VideoFile
@@ -78,26 +75,6 @@ def have_pyav() -> bool:
     except ImportError:
         return False
     return True
-
-
-_BOMB_SIZE = re.compile(r"\((\d+) pixels\)")
-
-
-def header_pixels(data: bytes) -> tuple[int, tuple | None]:
-    """(pixels, (width, height)) of an image file from its header, nothing decoded; (0, None) where Pillow
-    cannot tell (decoding it says why). Pillow's own guard refuses to open images over twice its limit: their
-    pixels come from its message."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as im:
-                w, h = im.size
-                return w * h, (w, h)
-    except Image.DecompressionBombError as e:
-        found = _BOMB_SIZE.search(str(e))
-        return (int(found.group(1)) if found else 0), None
-    except Exception:  # noqa: BLE001 - decoding it reports what is wrong, by index
-        return 0, None
 
 
 def dims(n: int, size) -> str:
@@ -162,7 +139,7 @@ def video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pi
             return 0
         size, decoded = None, 0
         for j in sorted(set(picked)):
-            n, dims = header_pixels(video["frames"][j])
+            n, dims = header_size(video["frames"][j])
             if n > limit:
                 raise Refused(422, f"videos[{index}].frames[{j}] has {dims(n, dims)} pixels, over the server's "
                                    f"limit of {limit:,} an image (--max-pixels): refused as a possible "
