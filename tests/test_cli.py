@@ -243,9 +243,9 @@ def test_backend_checks_its_limits_before_loading():
             with pytest.raises(ValueError, match=rf"capacity_tokens={bad!r} must be a positive integer"):
                 Backend(binding, cpu=cpu, capacity_tokens=bad)
         for bad in (0, 2.0, False, "64"):
-            with pytest.raises(ValueError, match=rf"image_tokens={bad!r} must be a positive integer"):
-                Backend(binding, cpu=cpu, image_tokens=bad)
-    assert Backend(binding, cpu=True, capacity_tokens=np.int64(64), image_tokens=16).capacity_tokens == 64
+            with pytest.raises(ValueError, match=rf"max_image_tokens={bad!r} must be a positive integer"):
+                Backend(binding, cpu=cpu, max_image_tokens=bad)
+    assert Backend(binding, cpu=True, capacity_tokens=np.int64(64), max_image_tokens=16).capacity_tokens == 64
 
 
 def test_min_image_tokens_zero_is_no_minimum(images, tmp_path, capsys, rng):

@@ -20,8 +20,8 @@ import numpy as np
 
 class Backend:
     def __init__(self, binding, *, cpu: bool, devices: list[int] | None = None, capacity_tokens: int = 8000,
-                 image_tokens: int | None = None, every_budget: bool = False):
-        """image_tokens: the most tokens an image will have; given, each replica captures at load the CUDA
+                 max_image_tokens: int | None = None, every_budget: bool = False):
+        """max_image_tokens: the most tokens an image will have; given, each replica captures at load the CUDA
         graphs that passes packed full of such images replay (GlmVit.precapture); every_budget: those of
         every budget too, for passes of whatever images come (the service)."""
         import ml_dtypes
@@ -32,8 +32,8 @@ class Backend:
         from .checks import check_capacity, check_positive
 
         capacity_tokens = check_capacity(capacity_tokens)  # either path, before any load
-        if image_tokens is not None:
-            check_positive("Backend: image_tokens", image_tokens, " (the most tokens an image will have) or None")
+        if max_image_tokens is not None:
+            check_positive("Backend: max_image_tokens", max_image_tokens, " (the most tokens an image will have) or None")
         self.geometry = binding.geometry
         self.capacity_tokens = capacity_tokens
         self.cpu = cpu
@@ -68,11 +68,11 @@ class Backend:
                 for b in blocks:
                     HOST.give(b)
             self._warm_up()
-            if image_tokens is not None:
+            if max_image_tokens is not None:
                 # Replicas of one checkpoint and capacity capture the same budgets: every one captures,
                 # and any one's list names them.
                 for model in self._engine.models:
-                    self.graphs_ready = model.precapture(image_tokens, every_budget=every_budget)
+                    self.graphs_ready = model.precapture(max_image_tokens, every_budget=every_budget)
 
     def preparing(self, one):
         """A host preparer's function (batching.preparer's) as the prepare threads should run it for this

@@ -74,12 +74,12 @@ class Encode:
     """The tower, loaded once per actor (a GPU replica, or the reference with cpu=True): canvases ->
     embeddings, rows packed into passes of up to capacity_tokens."""
 
-    def __init__(self, checkpoint, cpu: bool, capacity_tokens: int, image_tokens: int | None = None):
+    def __init__(self, checkpoint, cpu: bool, capacity_tokens: int, max_image_tokens: int | None = None):
         from .checkpoint.bind import bind_tower
         from .backend import Backend
 
         self.backend = Backend(bind_tower(checkpoint), cpu=cpu, capacity_tokens=capacity_tokens,
-                               image_tokens=image_tokens)
+                               max_image_tokens=max_image_tokens)
 
     def __call__(self, batch):
         import pandas as pd

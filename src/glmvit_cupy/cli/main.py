@@ -219,7 +219,7 @@ def run(args) -> int:
     try:
         t_load = time.perf_counter()
         enc = Backend(binding, cpu=args.cpu, devices=args.devices, capacity_tokens=args.capacity_tokens,
-                      image_tokens=args.max_image_tokens)
+                      max_image_tokens=args.max_image_tokens)
         print(f"glmvit-encode: {enc.name} ready in {time.perf_counter() - t_load:.1f} s"
               + (f" (CUDA graphs of {len(enc.graphs_ready)} full-pass budgets captured)" if enc.graphs_ready else ""),
               file=sys.stderr)

@@ -374,7 +374,7 @@ def main(argv=None) -> int:
     # Graphs for every pass the service can form from images of >= 64 tokens are captured at load
     # (GlmVit.precapture(every_budget=True)): none is captured while requests wait.
     app = create_app(lambda: Backend(binding, cpu=args.cpu, devices=devices, capacity_tokens=args.capacity_tokens,
-                                     image_tokens=DEFAULT_MAX_IMAGE_TOKENS, every_budget=True), settings)
+                                     max_image_tokens=DEFAULT_MAX_IMAGE_TOKENS, every_budget=True), settings)
     state = app.state.glmvit
 
     class Server(uvicorn.Server):
