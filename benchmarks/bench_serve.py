@@ -4,7 +4,8 @@ the same engine called one request at a time in this process (host decoding incl
 checks that every served embedding equals, bit for bit, GlmVit.encode of the same bytes alone, and
 prints where a pass's time goes (/metrics' glmvit_pass_part_seconds): per pass and per image, the
 engine thread's launch against the completion thread's wait for the GPU and copies back, and how much of
-the launch and the copies back their thread spent on the CPU (glmvit_pass_thread_cpu_seconds).
+the launch and the copies back their thread spent on the CPU (glmvit_pass_thread_cpu_seconds); and the
+server process's CPU time an image, all threads together (near one core busy: the interpreter's lock bounds it).
 
     python benchmarks/bench_serve.py [--checkpoint PATH] [--clients 16] [--requests 240] [--small] [--cpu]
 """
@@ -54,6 +55,16 @@ PARTS = ("queued", "launch", "gpu", "fetch", "resolve")
 
 
 CPU_PARTS = ("launch", "fetch")  # also timed in their thread's CPU time (glmvit_pass_thread_cpu_seconds)
+
+
+def process_cpu_s(pid) -> float | None:
+    """A process's CPU seconds so far, every thread's user and system time (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def parts(url):
@@ -132,10 +143,12 @@ def main():
                         bad.append(j)
 
         threads = [threading.Thread(target=run) for _ in range(args.clients)]
-        t0 = time.perf_counter()
+        cpu0, t0 = process_cpu_s(proc.pid), time.perf_counter()
         [t.start() for t in threads]
         [t.join() for t in threads]
         srv_s = time.perf_counter() - t0
+        cpu1 = process_cpu_s(proc.pid)
+        srv_cpu = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
         passes = metric(client.url, "glmvit_forward_passes_total") - p0
         fill = (metric(client.url, "glmvit_forward_pass_fill_sum") - fill0[0]) / passes
         per_pass = (metric(client.url, "glmvit_forward_pass_images_sum") - fill0[1]) / passes
@@ -162,6 +175,11 @@ def main():
           [[p, {"queued": "(waiting)", "launch": "engine", "resolve": "completion"}.get(p, "completion"),
             f"{1e3 * spent[p] / passes:.2f}", f"{1e3 * spent[p + '_cpu'] / passes:.2f}" if p in CPU_PARTS else "",
             f"{1e3 * spent[p] / images_served:.2f}", f"{100 * spent[p] / srv_s:.0f}%"] for p in PARTS])
+    if srv_cpu is not None:
+        # CPU time of all the server's threads: near one core busy, whatever the threads, the interpreter's lock
+        # (one thread runs Python at a time) is the bound, and the CPU ms an image is what to cut.
+        print(f"\nserver process: {1e3 * srv_cpu / len(work):.2f} CPU ms an image (all threads, user + system), "
+              f"{srv_cpu / srv_s:.2f} cores busy on average")
     print(f"\n{backend.name}; {len(images)} distinct JPEGs of {min(a.shape[0] for a in alone.values())}-"
           f"{max(a.shape[0] for a in alone.values())} tokens; served embeddings bit-equal to encoding alone: "
           f"{len(work) - len(bad)} of {len(work)}")
