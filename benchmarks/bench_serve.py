@@ -8,6 +8,11 @@ the launch and the copies back their thread spent on the CPU (glmvit_pass_thread
 server process's CPU time an image, all threads together (near one core busy: the interpreter's lock bounds it).
 
     python benchmarks/bench_serve.py [--checkpoint PATH] [--clients 16] [--requests 240] [--small] [--cpu]
+    python benchmarks/bench_serve.py --host-only --small     # the service's own host cost, any machine
+
+--host-only replaces the tower with zeros of its output's shape (on the CPU backend, so images are resized
+by Pillow on the decoding threads): what is left is the service's host work an image (HTTP, base64,
+hashing, decoding, the reply), the ceiling it puts on images/s whatever the GPU.
 """
 
 import argparse
@@ -57,6 +62,12 @@ PARTS = ("queued", "launch", "gpu", "fetch", "resolve")
 CPU_PARTS = ("launch", "fetch")  # also timed in their thread's CPU time (glmvit_pass_thread_cpu_seconds)
 
 
+# --host-only: the CPU backend's encode gives zeros of the tower's output shape, computing nothing.
+NO_TOWER = ("import numpy as np, ml_dtypes\n"
+            "Backend.encode_on = lambda self, lane, items: [np.zeros((it[2]['tokens'], self.geometry.out_hidden_size), "
+            "ml_dtypes.bfloat16) for it in items]")
+
+
 def process_cpu_s(pid) -> float | None:
     """A process's CPU seconds so far, every thread's user and system time (Linux /proc; None elsewhere)."""
     try:
@@ -80,7 +91,11 @@ def main():
     ap.add_argument("--distinct", type=int, default=40, help="distinct images (default 40)")
     ap.add_argument("--small", action="store_true", help="small images (64-300 tokens) instead of 150-2,500")
     ap.add_argument("--cpu", action="store_true", help="the float32 reference (slow)")
+    ap.add_argument("--host-only", action="store_true",
+                    help="the tower replaced by zeros (CPU backend): the service's host cost alone")
     args = ap.parse_args()
+    if args.host_only:
+        args.cpu = True
     from glmvit_cupy import bind_tower
     from glmvit_cupy.backend import Backend
     from glmvit_cupy.client import Client
@@ -92,6 +107,8 @@ def main():
 
     # One request at a time, in process: decode + resize, one forward pass, embedding to the host.
     backend = Backend(bind_tower(ckpt), cpu=args.cpu)
+    if args.host_only:
+        exec(NO_TOWER, {"Backend": Backend})
     alone = {}
     for data in images[:3]:  # warm: compile, plans
         backend.encode_on(0, [prepare_canvas(io.BytesIO(data))])
@@ -111,7 +128,9 @@ def main():
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
                                                        os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.serving.main", "--checkpoint", ckpt, "--port", str(port),
+    prelude = f"from glmvit_cupy.backend import Backend; exec({NO_TOWER!r}); " if args.host_only else ""
+    proc = subprocess.Popen([sys.executable, "-c", f"import sys; {prelude}from glmvit_cupy.serving.main import main; "
+                             "sys.exit(main())", "--checkpoint", ckpt, "--port", str(port),
                              "--cache-mib", "0", "--max-queue", "4096"] + (["--cpu"] if args.cpu else []), env=env)
     client = Client(f"http://127.0.0.1:{port}", timeout=600)
     try:
@@ -180,7 +199,8 @@ def main():
         # (one thread runs Python at a time) is the bound, and the CPU ms an image is what to cut.
         print(f"\nserver process: {1e3 * srv_cpu / len(work):.2f} CPU ms an image (all threads, user + system), "
               f"{srv_cpu / srv_s:.2f} cores busy on average")
-    print(f"\n{backend.name}; {len(images)} distinct JPEGs of {min(a.shape[0] for a in alone.values())}-"
+    name = "the tower replaced by zeros (--host-only)" if args.host_only else backend.name
+    print(f"\n{name}; {len(images)} distinct JPEGs of {min(a.shape[0] for a in alone.values())}-"
           f"{max(a.shape[0] for a in alone.values())} tokens; served embeddings bit-equal to encoding alone: "
           f"{len(work) - len(bad)} of {len(work)}")
     return 1 if bad else 0

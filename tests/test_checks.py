@@ -42,7 +42,8 @@ def test_nonfinite_counts_nan_and_infinities_of_bf16_by_bits_and_of_float32_by_v
         flat = emb.reshape(-1)
         places = rng.choice(flat.size, size=min(flat.size, int(rng.integers(0, 20))), replace=False)
         flat[places] = rng.choice([np.nan, np.inf, -np.inf], size=len(places))
-        flat[rng.integers(0, flat.size)] = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+        big = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)  # bits 0x7F7F and 0xFF7F: finite, not counted
+        flat[rng.integers(0, flat.size, 2)] = [big, -big]
         bf16 = emb.astype(ml_dtypes.bfloat16)
         want = int((~np.isfinite(bf16.astype(np.float32))).sum())
         assert checks.nonfinite(bf16) == want == checks.nonfinite(bf16.astype(np.float32))
@@ -53,3 +54,7 @@ def test_nonfinite_counts_nan_and_infinities_of_bf16_by_bits_and_of_float32_by_v
         else:
             assert problem is None
     assert checks.embedding_problem(np.ones((3, 4), ml_dtypes.bfloat16), "x") is None
+    for one in (np.inf, -np.inf, np.nan, -np.nan):  # each kind alone: either half of the bit test finds it
+        emb = rng.standard_normal((5, 7)).astype(ml_dtypes.bfloat16)
+        emb[int(rng.integers(5)), int(rng.integers(7))] = one
+        assert checks.nonfinite(emb) == 1, one

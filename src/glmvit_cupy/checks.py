@@ -182,9 +182,14 @@ def device_list(text: str) -> list[int]:
 
 def nonfinite(embedding: np.ndarray) -> int:
     """How many of an embedding's values are NaN or infinite: a bf16 one (ml_dtypes) by its exponent bits,
-    a view and one pass over it (2 ms a 2,000-token embedding on one core); any other float array by value."""
+    two reductions over a view when there are none (0.04 ms a 192-token embedding on one core); any other float
+    array by value."""
     if embedding.dtype.name == "bfloat16":
         bits = np.ascontiguousarray(embedding).view(np.uint16)
+        # NaN and infinity are the bit patterns 0x7F80-0x7FFF and 0xFF80-0xFFFF: the largest of the bits read
+        # as int16 and as uint16 tell whether there are any, with no temporary array.
+        if bits.size == 0 or (bits.view(np.int16).max() < 0x7F80 and bits.max() < 0xFF80):
+            return 0
         return int(np.count_nonzero((bits & 0x7F80) == 0x7F80))
     return int(embedding.size - np.count_nonzero(np.isfinite(embedding)))
 
