@@ -188,3 +188,16 @@ def test_ray_video_stages_on_the_gpu_equal_the_model(tmp_path):
     for path, emb, err in zip(paths, rows["embedding"], rows["error"]):
         alone = cupy.asnumpy(model.encode_video(path, max_image_tokens=300)[0]).astype(np.float32)
         assert pd.isna(err) and np.array_equal(emb, alone), (path, err)
+
+
+def test_gpu_embeddings_of_weights_that_overflow_are_failed_not_saved(tmp_path, capsys):
+    """The GPU engine on weights that overflow the forward (cases.overflowing_tower): each image is failed
+    saying so, nothing of it saved, exit 1, as on the CPU backend."""
+    folder = cases.png_folder(tmp_path / "imgs", (60, 80), (64, 64))
+    out = tmp_path / "out"
+    rc = cli.main([str(folder), "--checkpoint", cases.overflowing_tower(tmp_path / "bad"), "--out", str(out)])
+    assert rc == cli.FAILED, capsys.readouterr()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert not manifest["images"] and len(manifest["failed"]) == 2
+    assert all("NaN or infinite values" in why for why in manifest["failed"].values()), manifest["failed"]
+    assert not [f for f in os.listdir(out) if f.endswith(".safetensors")]
