@@ -293,11 +293,12 @@ def test_preparing_threads_give_every_image_and_error_once(images, tmp_path):
         if isinstance(a, Exception):
             assert type(b) is type(a) and str(b) == str(a)
         else:
-            (ia, ga, fa), sha_a = a
-            (ib, gb, fb), sha_b = b
-            assert np.array_equal(ia, ib) and ga == gb and fa == fb and sha_a == sha_b
+            (ia, ga, fa), sha_a, stamp_a = a
+            (ib, gb, fb), sha_b, stamp_b = b
+            assert np.array_equal(ia, ib) and ga == gb and fa == fb and sha_a == sha_b and stamp_a == stamp_b
+            assert stamp_a == [os.stat(p).st_size, os.stat(p).st_mtime_ns]
     for resize in ("host", "gpu"):  # the GPU's input is the decoded image, the host's the canvas
-        (_, ((img, grid, info), _)), = cli.prepared(paths[:1], 2, _preparer(resize))
+        (_, ((img, grid, info), _, _)), = cli.prepared(paths[:1], 2, _preparer(resize))
         assert info["resize"] == resize and img.shape[:2] == (tuple(info["canvas"]) if resize == "host"
                                                               else tuple(info["size"]))
         assert info["source"] == paths[0]  # the file is read once, as bytes, and still named by its path

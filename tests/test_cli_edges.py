@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 from PIL import Image
@@ -492,3 +493,30 @@ def test_control_characters_in_a_file_name_never_reach_the_terminal_raw(folder, 
     assert f"skipped {folder}/a\\x0askipped FAKE: fake\\x1b[2J.jpg: " in out, out
     why = read_embeddings(tmp_path / "out")[0]["failed"][image_key(bad)]
     assert "\n" not in why and "\x1b" not in why
+
+
+def test_a_file_changed_since_it_was_encoded_is_encoded_again(folder, tmp_path, capsys):
+    """A resume compares each encoded file's size and modification time with its entry's: a file replaced by
+    other content under the same name is encoded again (saying so) and read back as the new content's
+    embedding, the unchanged one is skipped."""
+    out = tmp_path / "out"
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.DONE
+    old = read_embeddings(out)[1][image_key(folder / "a.png")]
+    Image.fromarray(cases._smooth(140, 90, 77)).save(folder / "a.png")  # other pixels, other size
+    os.utime(folder / "a.png", ns=(1, 1_000_000_000_123))  # another time, whatever the clock's resolution
+    capsys.readouterr()
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.DONE
+    said = capsys.readouterr().out
+    assert "1 file in" in said and "changed since it was encoded" in said and "1 of 2 files already" in said, said
+    manifest, embs = read_embeddings(out)
+    new = embs[image_key(folder / "a.png")]
+    tower = reference.Tower(reference.bind_tower(TOWER))
+    from glmvit_cupy import preprocess
+
+    want = reference.encode_pixels(tower, *preprocess([str(folder / "a.png")])).astype(ml_dtypes.bfloat16)
+    assert not np.array_equal(new.view(np.uint16), old.view(np.uint16))
+    assert np.array_equal(new.view(np.uint16), want.view(np.uint16))
+    assert manifest["images"][image_key(folder / "a.png")]["file"][1] == 1_000_000_000_123
+    capsys.readouterr()
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.DONE  # nothing changed now
+    assert "2 of 2 files already" in capsys.readouterr().out

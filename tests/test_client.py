@@ -40,3 +40,89 @@ def test_bytes_arrays_and_frames_are_named_by_kind(monkeypatch, rng):
     with pytest.raises(ServerError) as e:
         Client().encode([b"abcd"])
     assert e.value.source is None and str(e.value) == "HTTP 422: the queue is full"
+
+
+class Answer:
+    """A stand-in for the server: keeps each request's JSON body and answers with one bf16 tensor per image
+    (or video) it holds."""
+
+    def __init__(self):
+        self.sent = []
+
+    def __call__(self, req, timeout=None):
+        import ml_dtypes
+        from safetensors.numpy import save
+
+        body = json.loads(req.data)
+        self.sent.append(body)
+        items = body.get("images") or body.get("videos")
+        what = "images" if "images" in body else "videos"
+        out = {str(i): np.full((2, 4), i, ml_dtypes.bfloat16) for i in range(len(items))}
+        raw = save(out, metadata={what: json.dumps([{"tokens": 2}] * len(items))})
+
+        class Reply(io.BytesIO):
+            status = 200
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+        return Reply(raw)
+
+
+def png(a) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_one_image_or_video_not_in_a_list_is_one_not_a_sequence(tmp_path, monkeypatch, rng):
+    """A path, bytes or an HxWx3 array alone is one image; a [T, H, W, 3] array or a video file alone is one
+    video: each sent as the list of one would send it, and answered as a list of one."""
+    answer = Answer()
+    monkeypatch.setattr("urllib.request.urlopen", answer)
+    a = rng.integers(0, 256, (7, 9, 3), dtype=np.uint8)
+    path = tmp_path / "a.png"
+    path.write_bytes(png(a))
+    for one in (str(path), path, png(a), a):
+        embs, meta = Client().encode(one)
+        Client().encode([one])
+        assert len(embs) == len(meta) == 1 and answer.sent[-1] == answer.sent[-2]
+        assert len(answer.sent[-1]["images"]) == 1
+    clip = rng.integers(0, 256, (4, 6, 8, 3), dtype=np.uint8)
+    for one in (clip, png(a), str(path)):
+        embs, _ = Client().encode_video(one, fps=np.float32(2))
+        Client().encode_video([one], fps=[2.0])
+        assert len(embs) == 1 and answer.sent[-1] == answer.sent[-2] and len(answer.sent[-1]["videos"]) == 1
+    assert len(answer.sent[-6]["videos"][0]["frames"]) == 4  # the array video: its four frames
+    Client().encode([a], max_image_tokens=np.int64(100), min_image_tokens=np.int32(4))  # NumPy numbers go as JSON
+    assert answer.sent[-1]["max_image_tokens"] == 100 and answer.sent[-1]["min_image_tokens"] == 4
+
+
+@pytest.mark.parametrize("bad, says", [
+    (np.zeros((5, 6, 4), np.uint8), "image 0: an array is sent as an HxWx3 uint8 RGB image, got uint8 [5, 6, 4]"),
+    (np.zeros((5, 6), np.uint8), "image 0: an array is sent as an HxWx3 uint8 RGB image, got uint8 [5, 6]"),
+    (np.zeros((5, 6, 3), np.float32), "got float32 [5, 6, 3]"),
+    (None, "image 0: NoneType is not an image file's path or bytes"),
+    (3.5, "image 0: float is not"),
+])
+def test_what_the_client_cannot_send_as_an_image_is_refused_by_name(bad, says, monkeypatch):
+    monkeypatch.setattr("urllib.request.urlopen", Answer())
+    with pytest.raises(ValueError) as e:
+        Client().encode([bad])
+    assert says in str(e.value), e.value
+
+
+def test_video_settings_a_value_a_video_must_match_the_videos(monkeypatch, rng):
+    monkeypatch.setattr("urllib.request.urlopen", Answer())
+    clip = rng.integers(0, 256, (2, 6, 8, 3), dtype=np.uint8)
+    with pytest.raises(ValueError, match="fps has 1 values for 2 videos: give one value, or one per video"):
+        Client().encode_video([clip, clip], fps=[2.0])
+    with pytest.raises(ValueError, match=r"video 0: an array video is uint8 \[T, H, W, 3\], got uint8 \[6, 8, 3\]"):
+        Client().encode_video([clip[0]], fps=2.0)
+    with pytest.raises(TypeError, match="a setting of set"):
+        Client().encode_video([clip], fps=2.0, target_fps={1})

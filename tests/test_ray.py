@@ -105,6 +105,10 @@ def test_encode_dataset_checks_its_arguments(local_ray, tmp_path):
     for bad in (0, -1, float("nan"), float("inf"), "1", True):  # 0 divided the cluster's GPUs by zero
         with pytest.raises(ValueError, match="must be a number above 0"):
             gvr.encode_dataset(ds, TOWER, num_gpus=bad, bytes_column="data")
+    with pytest.raises(ValueError, match=r"max_pixels=-1 must be a positive integer"):  # on the driver
+        gvr.encode_dataset(ds, TOWER, cpu=True, bytes_column="data", max_pixels=-1)
+    with pytest.raises(ValueError, match="capacity_tokens"):
+        gvr.encode_dataset(ds, TOWER, cpu=True, bytes_column="data", capacity_tokens=None)
     import dataclasses
 
     from glmvit_cupy.checkpoint.synthetic import write_checkpoint
@@ -223,3 +227,20 @@ def test_an_embedding_that_overflows_is_a_failed_row(folder, tmp_path):
     for p, emb, error in zip(paths[:2], out["embedding"], out["error"]):
         assert emb.shape == (0, cases.GEOMETRY.out_hidden_size) and error.startswith(f"{p}: the tower's output holds ")
     assert "NaN or infinite" not in out["error"].iloc[2]
+
+
+def test_a_row_without_file_bytes_fails_alone(folder):
+    """A null, a string or a number where a row's file bytes belong: that row fails naming what it holds, the
+    others are prepared (not a failed job)."""
+    import pandas as pd
+
+    from glmvit_cupy.ray import Prepare
+
+    good = str(sorted(folder.glob("img*.png"))[0])
+    batch = pd.DataFrame({"bytes": [open(good, "rb").read(), None, "a string", float("nan")],
+                          "path": [good, "b", "c", "d"]})
+    out = Prepare("bytes", 16, 64)(batch)
+    assert pd.isna(out["error"].iloc[0]) and out["tokens"].iloc[0] > 0
+    for i, held in ((1, "NoneType None"), (2, "str 'a string'"), (3, "float nan")):
+        assert out["error"].iloc[i] == f"{'bcd'[i - 1]}: the bytes column holds {held}, not a file's bytes", \
+            out["error"].iloc[i]

@@ -32,9 +32,12 @@ class Client:
 
     def encode(self, images, *, min_image_tokens: int | None = None,
                max_image_tokens: int | None = None) -> tuple[list[np.ndarray], list[dict]]:
-        """Image files (paths or bytes; HxWx3 uint8 arrays go as PNG) -> (one bf16 array per image, per-image
-        metadata)."""
-        blobs = [_file_b64(im) for im in images]
+        """Image files (paths or bytes; HxWx3 uint8 arrays go as PNG), or one of them -> (one bf16 array per
+        image, per-image metadata), lists either way. ValueError for anything else, naming it."""
+        if _one_file(images) or (isinstance(images, np.ndarray) and images.ndim == 3):
+            images = [images]  # one image, not a sequence of them
+        images = list(images)
+        blobs = [_file_b64(im, f"image {i}") for i, im in enumerate(images)]
         body = {"images": blobs}
         if min_image_tokens is not None:
             body["min_image_tokens"] = min_image_tokens
@@ -51,15 +54,28 @@ class Client:
         with PyAV, its fps and duration the container's unless given) -> (one bf16 array per video,
         per-video metadata). fps and duration: one value for all or one per video; settings:
         preprocess_video's (sample, target_fps, max_frames, max_duration, min_image_tokens, max_image_tokens)."""
+        if _one_file(videos) or (isinstance(videos, np.ndarray) and videos.ndim == 4):
+            videos = [videos]  # one video (a file, or a [T, H, W, 3] array), not a sequence of them
+        videos = list(videos)
         n = len(videos)
-        per = lambda v: list(v) if isinstance(v, (list, tuple)) else [v] * n  # noqa: E731
-        fpss, durations = per(fps), per(duration)
+
+        def per(v, name):
+            if not isinstance(v, (list, tuple)):
+                return [v] * n
+            if len(v) != n:
+                raise ValueError(f"{name} has {len(v)} values for {n} videos: give one value, or one per video")
+            return list(v)
+
+        fpss, durations = per(fps, "fps"), per(duration, "duration")
 
         def one(i, video):
-            if isinstance(video, (str, os.PathLike, bytes, bytearray)):
-                sent = {"file": _file_b64(video)}
+            if _one_file(video):
+                sent = {"file": _file_b64(video, f"video {i}")}
             else:
-                sent = {"frames": [_file_b64(f) for f in video]}
+                if isinstance(video, np.ndarray) and video.ndim != 4:
+                    raise ValueError(f"video {i}: an array video is uint8 [T, H, W, 3], got {video.dtype} "
+                                     f"{list(video.shape)}")
+                sent = {"frames": [_file_b64(f, f"video {i} frame {j}") for j, f in enumerate(video)]}
             return {**sent, "fps": fpss[i], "duration": durations[i]}
 
         body = {"videos": [one(i, v) for i, v in enumerate(videos)], **settings}
@@ -70,7 +86,7 @@ class Client:
     def _post(self, path, body: dict, given: list):
         """POST body as JSON; a ServerError naming an image or video also names what the caller gave for it."""
         try:
-            return self._call("POST", path, json.dumps(body).encode(), "application/json")
+            return self._call("POST", path, json.dumps(body, default=_plain).encode(), "application/json")
         except ServerError as e:
             if e.index is None or not 0 <= e.index < len(given):
                 raise
@@ -109,9 +125,26 @@ def _metadata(raw: bytes) -> dict:
     return json.loads(raw[8:8 + n]).get("__metadata__", {})
 
 
-def _file_b64(frame) -> str:
-    """An image, frame or video file as base64: a path's or bytes as they are, an array as a PNG (lossless)."""
+def _one_file(item) -> bool:
+    """A path or a file's bytes: one image or video, not a sequence of them."""
+    return isinstance(item, (str, os.PathLike, bytes, bytearray, memoryview))
+
+
+def _plain(v):
+    """A NumPy number in a request's settings as the JSON number it is (json knows only Python's)."""
+    if isinstance(v, np.generic) and v.ndim == 0 and v.dtype.kind in "iuf":
+        return v.item()
+    raise TypeError(f"a setting of {type(v).__name__} {v!r} cannot go in a request: give a number")
+
+
+def _file_b64(frame, what: str) -> str:
+    """An image, frame or video file as base64: a path's or bytes as they are, an HxWx3 uint8 array as a PNG
+    (lossless). ValueError naming `what` for anything else (an array of another shape or type would be read
+    differently than preprocess reads it: an alpha channel dropped, not composited)."""
     if isinstance(frame, np.ndarray):
+        if frame.dtype != np.uint8 or frame.ndim != 3 or frame.shape[2] != 3:
+            raise ValueError(f"{what}: an array is sent as an HxWx3 uint8 RGB image, got {frame.dtype} "
+                             f"{list(frame.shape)}; send other images as their files (paths or bytes)")
         import io
 
         from PIL import Image
@@ -122,6 +155,9 @@ def _file_b64(frame) -> str:
     elif isinstance(frame, (str, os.PathLike)):
         with open(frame, "rb") as f:
             frame = f.read()
+    elif not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ValueError(f"{what}: {type(frame).__name__} is not an image file's path or bytes, nor an HxWx3 uint8 "
+                         "array")
     return base64.b64encode(bytes(frame)).decode("ascii")
 
 

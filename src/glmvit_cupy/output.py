@@ -82,6 +82,19 @@ def key_path(key: str) -> str:
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
+def file_stamp(st: os.stat_result) -> list[int]:
+    """A file's size and modification time (ns), as each entry records them ("file"): a resume encodes a file
+    again when they differ, as make and rsync tell a changed file."""
+    return [st.st_size, st.st_mtime_ns]
+
+
+def stamp_of(path) -> list[int] | None:
+    try:
+        return file_stamp(os.stat(path))
+    except OSError:
+        return None
+
+
 def shown(text) -> str:
     """`text` as it can be printed and stored as UTF-8, on one line: the undecodable bytes of a file name
     (os.fsdecode's surrogates) and every control character (a newline or an escape sequence in a file
@@ -104,6 +117,19 @@ def _umask_mode() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return 0o666 & ~mask
+
+
+def _newer(entries: dict, found: dict) -> list:
+    """found's entries (keys of one shard) put into `entries` where that shard is later than the one the key's
+    entry names (a file encoded again is in a later shard, and an older shard still holds its old
+    embedding); the keys put in."""
+    put = []
+    for key, entry in found.items():
+        old = entries.get(key)
+        if old is None or _shard_number(str(old.get("shard", ""))) < _shard_number(entry["shard"]):
+            entries[key] = entry
+            put.append(key)
+    return put
 
 
 def _shard_number(name: str) -> int:
@@ -225,15 +251,21 @@ class Output:
         """Images of shards the manifest does not list yet (the run before stopped before writing it)."""
         listed = {v.get("shard") for v in self.manifest["images"].values()}
         found = shard_entries(self.folder, skip=listed)
+        changed = False
         for name, (header, images) in found.items():
             self._check(header, settings, name)
-            self.manifest["images"].update(images)
-            for key in images:
+            for key in _newer(self.manifest["images"], images):
                 self.manifest["failed"].pop(key, None)
-        self._dirty = bool(found)
+                changed = True
+        self._dirty = changed
 
-    def done(self, key) -> bool:
-        return key in self.manifest["images"]
+    def done(self, key, stamp: list | None = None) -> bool:
+        """Whether the file keyed `key` is encoded here; with its stamp now (file_stamp), not if the entry's
+        stamp differs: the file changed since (an entry written without one is taken as it is)."""
+        entry = self.manifest["images"].get(key)
+        if entry is None:
+            return False
+        return stamp is None or not isinstance(entry, dict) or entry.get("file", stamp) == stamp
 
     def __len__(self):
         return len(self.manifest["images"])
@@ -418,8 +450,8 @@ def read_embeddings(folder) -> tuple[dict, dict]:
         listed = set()
     for header, images in shard_entries(folder, skip=listed).values():
         manifest["header"] = manifest.get("header") or header
-        manifest["images"].update(images)
-    arrays = {}
-    for shard in sorted({e["shard"] for e in manifest["images"].values()}):
-        arrays.update(load_file(os.path.join(folder, shard)))
-    return manifest, {k: arrays[k] for k in manifest["images"]}
+        _newer(manifest["images"], images)
+    by_shard = {shard: load_file(os.path.join(folder, shard))
+                for shard in sorted({e["shard"] for e in manifest["images"].values()})}
+    # Each key from the shard its entry names: an older shard may still hold the key of a file encoded again.
+    return manifest, {k: by_shard[e["shard"]][k] for k, e in manifest["images"].items()}

@@ -32,8 +32,16 @@ import io
 import numpy as np
 
 from .checks import DEFAULT_MAX_IMAGE_TOKENS, embedding_problem, image_limits
-from .errors import ImageError
+from .errors import ImageError, quoted
 from .preprocessing.image import REFERENCE, Patching, prepare_canvas
+
+
+def _file_bytes(blob, name) -> bytes:
+    """A row's file bytes; ImageError naming the row for a value that holds none (null, a string, a number),
+    which fails that row, not the job."""
+    if not isinstance(blob, (bytes, bytearray, memoryview, np.ndarray)):
+        raise ImageError(f"{name}: the bytes column holds {type(blob).__name__} {quoted(blob)}, not a file's bytes")
+    return bytes(blob)
 
 
 class Prepare:
@@ -54,9 +62,9 @@ class Prepare:
         names = batch["path"] if "path" in batch else [f"row {i}" for i in range(len(data))]
         canvases, grids, tokens, contents, errors = [], [], [], [], []
         for i, (blob, name) in enumerate(zip(data, names)):
-            stream = io.BytesIO(bytes(blob))
-            stream.name = str(name)  # errors name the file
             try:
+                stream = io.BytesIO(_file_bytes(blob, name))
+                stream.name = str(name)  # errors name the file
                 canvas, grid, info = prepare_canvas(stream, i, **self.limits)
                 canvas = np.ascontiguousarray(canvas)  # GPU resize: 3 of 4 bytes a pixel; rows travel as Arrow
                 canvases.append(canvas), grids.append(np.array(grid, np.int64)), tokens.append(info["tokens"])
@@ -136,7 +144,7 @@ class PrepareVideo:
                                 *_VIDEO_INFO)}
         for blob, name in zip(data, names):
             try:
-                frames, grid, info = plan_video(VideoFile(bytes(blob), self.max_pixels), name=str(name),
+                frames, grid, info = plan_video(VideoFile(_file_bytes(blob, name), self.max_pixels), name=str(name),
                                                 patching=self.patching, **self.settings)
                 check_frame_group(str(name), grid[1], grid[2], self.patching.merge_size, self.capacity)
                 got = {"frames": np.stack(frames), "grid_thw": np.array(grid, np.int64), "tokens": info["tokens"],
@@ -227,7 +235,11 @@ def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = F
     actors (default: as many as the cluster's GPUs allow at `num_gpus` each; 1 with cpu=True)."""
     import ray
 
+    from .checks import check_capacity, check_max_pixels
+
+    capacity_tokens = check_capacity(capacity_tokens)  # on the driver, before any row is read
     min_image_tokens, max_image_tokens = image_limits(capacity_tokens, min_image_tokens, max_image_tokens)
+    check_max_pixels(max_pixels)
     num_gpus, concurrency, patching = _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint)
     # On GPUs the decoded image travels and the actor's GPU resizes it (bit for bit as Pillow); the float32
     # reference takes Pillow's canvas.
@@ -258,8 +270,10 @@ def encode_video_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bo
     min_video_tokens, max_video_tokens = check_token_limits(min_video_tokens, max_video_tokens, "video")
     if min_video_tokens > max_video_tokens:
         raise ValueError(f"min_video_tokens={min_video_tokens} is above max_video_tokens={max_video_tokens}")
-    if isinstance(target_fps, bool) or not isinstance(target_fps, (int, float)) or not 0 < target_fps < float("inf"):
+    if isinstance(target_fps, (bool, np.bool_)) or not isinstance(target_fps, (int, float, np.integer, np.floating)) \
+            or not 0 < target_fps < float("inf"):
         raise ValueError(f"target_fps={target_fps!r} must be a positive number of frames a second")
+    target_fps = float(target_fps)
     num_gpus, concurrency, patching = _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint)
     settings = {"target_fps": target_fps, "max_frames": max_frames, "min_image_tokens": min_video_tokens,
                 "max_image_tokens": max_video_tokens}

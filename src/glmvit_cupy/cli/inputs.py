@@ -8,11 +8,11 @@ import fnmatch
 import glob
 import os
 
+from .. import vllm_ec
 from ..errors import ImageError
 from ..files import open_regular
-from ..output import image_key, shown
+from ..output import file_stamp, image_key, shown
 from ..scheduling import feed
-from .. import vllm_ec
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 # Containers PyAV (FFmpeg) opens; a folder's files with these names are encoded as videos.
@@ -150,7 +150,8 @@ def expand_glob(pattern: str) -> list[str]:
 
 
 def prepared(paths, workers: int, one, max_bytes: int | None = None):
-    """(path, ((uint8 image, grid, info), the file's sha256) or the ImageError / ValueError it raised), as each is
+    """(path, ((uint8 image, grid, info), the file's sha256, its stamp as read (output.file_stamp)) or the
+    ImageError / ValueError it raised), as each is
     ready: `workers` threads read, hash and prepare each file with one(index, data, name) ahead of the GPU (as_done:
     the output is keyed by path, so a pass takes the images that are ready; a 12 MP photo decoding holds up none).
     A file over max_bytes is refused from its size before any of it is read."""
@@ -165,8 +166,9 @@ def prepared(paths, workers: int, one, max_bytes: int | None = None):
             return path, ImageError(f"{path}: a folder that cannot be listed ({why}); the files in it are not encoded")
         try:
             with open_regular(path, "the image", ImageError) as f:  # a FIFO or /dev/zero: refused, not read
+                st = os.fstat(f.fileno())
                 if max_bytes is not None:
-                    size = os.fstat(f.fileno()).st_size
+                    size = st.st_size
                     check_size(path, size, max_bytes, "image")
                     # read(n) allocates n bytes at once: ask for what the file holds (and one more, to see
                     # it grew past the limit since), not for the limit.
@@ -176,7 +178,7 @@ def prepared(paths, workers: int, one, max_bytes: int | None = None):
                     check_size(path, len(data), max_bytes, "image")  # it grew since
                 else:
                     data = f.read()
-            return path, (one(i, data, name=path), vllm_ec.key_of(data))
+            return path, (one(i, data, name=path), vllm_ec.key_of(data), file_stamp(st))
         except OSError as e:
             return path, unreadable(path, e)
         except (ImageError, ValueError) as e:

@@ -32,7 +32,7 @@ from .. import gpu
 from ..checkpoint.bind import bind_tower, inspect_checkpoint
 from ..checks import DECODE, DEFAULT_MAX_IMAGE_TOKENS, RESIZE, device_list, embedding_problem
 from ..errors import CheckpointError, OutputError
-from ..output import Output, Writer, image_key, shown
+from ..output import Output, Writer, image_key, shown, stamp_of
 from ..preprocessing.image import Patching
 from ..preprocessing.video import MAX_FRAMES, MAX_VIDEO_TOKENS, MIN_VIDEO_TOKENS, TARGET_FPS
 from ..scheduling import feed
@@ -202,7 +202,12 @@ def run(args) -> int:
         out = Output(args.out, settings)
     except OutputError as e:  # a file, other settings, a damaged manifest, a folder that cannot be made
         return fail(e)
-    todo = [p for p in paths if not out.done(image_key(p))]
+    todo = [p for p in paths if not out.done(image_key(p), stamp_of(p))]
+    changed = sum(out.done(image_key(p)) for p in todo)  # encoded before, changed since
+    if changed:
+        print(f"glmvit-encode: {counted(changed, 'file')} in {shown(args.out)} changed since "
+              f"{'it was' if changed == 1 else 'they were'} encoded (size or modification time); encoding "
+              f"{'it' if changed == 1 else 'them'} again")
     if len(todo) < len(paths):
         print(f"glmvit-encode: {len(paths) - len(todo)} of {counted(len(paths), 'file')} already in "
               f"{shown(args.out)}; skipping {'it' if len(paths) - len(todo) == 1 else 'them'}")
@@ -318,9 +323,9 @@ def encode_all(args, todo, enc, out) -> int:
                 failed += 1
                 submit(skip, path, got)
                 continue
-            (image, grid, info), sha = got  # sha: the content's key, as vLLM's encoder cache and glmvit-serve use
+            (image, grid, info), sha, stamp = got  # sha: the content's key, as vLLM's encoder cache and glmvit-serve use
             key = image_key(path)
-            yield key, image, grid, {"source": key, "sha256": sha, "size_hw": list(info["size"]),
+            yield key, image, grid, {"source": key, "sha256": sha, "file": stamp, "size_hw": list(info["size"]),
                                      "canvas_hw": list(info["canvas"]), "content": list(info["content"]),
                                      "grid_thw": list(grid), "tokens": info["tokens"]}
 

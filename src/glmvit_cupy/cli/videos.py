@@ -20,7 +20,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from .. import checks
 from ..errors import ImageError
 from ..files import open_regular
-from ..output import Writer, image_key, shown
+from ..output import Writer, file_stamp, image_key, shown
 from ..scheduling import feed
 from .. import vllm_ec
 from .common import DONE, FAILED, counted, skipped, write_vllm
@@ -36,16 +36,18 @@ def video_settings(args) -> dict:
             "min_image_tokens": args.min_video_tokens, "max_image_tokens": args.max_video_tokens}
 
 
-def file_sha256(path, max_bytes: int | None = None) -> str:
-    """The file's sha256 hex, read in pieces (a video can be larger than memory); a FIFO is refused, and so is a
-    file over max_bytes, from its size, before any of it is read."""
+def file_sha256(path, max_bytes: int | None = None) -> tuple[str, list]:
+    """The file's sha256 hex, read in pieces (a video can be larger than memory), and its stamp as read
+    (output.file_stamp); a FIFO is refused, and so is a file over max_bytes, from its size, before any of it
+    is read."""
     h = hashlib.sha256()
     with open_regular(path, "the video", ImageError) as f:
+        st = os.fstat(f.fileno())
         if max_bytes is not None:
-            check_size(path, os.fstat(f.fileno()).st_size, max_bytes, "video")
+            check_size(path, st.st_size, max_bytes, "video")
         while piece := f.read(HASH_CHUNK):
             h.update(piece)
-    return h.hexdigest()
+    return h.hexdigest(), file_stamp(st)
 
 
 def planned_videos(paths, workers: int, settings: dict, patching, capacity_tokens: int, max_video_pixels,
@@ -58,7 +60,7 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
 
     def job(i, path):
         try:
-            sha = file_sha256(path, max_bytes)
+            sha, stamp = file_sha256(path, max_bytes)
             frames, grid, info = plan_video(VideoFile(path, max_video_pixels), i, name=path, patching=patching,
                                             **settings)
             checks.check_frame_group(path, grid[1], grid[2], patching.merge_size, capacity_tokens)
@@ -66,7 +68,7 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
             return path, unreadable(path, e)
         except (ImageError, ValueError) as e:
             return path, e
-        entry = {"kind": "video", "source": image_key(path), "sha256": sha,
+        entry = {"kind": "video", "source": image_key(path), "sha256": sha, "file": stamp,
                  "key": vllm_ec.video_key_of_shas([sha], None, None, settings), "size_hw": list(info["size"]),
                  "canvas_hw": list(info["canvas"]), "content": list(info["content"]), "grid_thw": list(grid),
                  "tokens": info["tokens"], "frame_tokens": info["frame_tokens"],
