@@ -259,6 +259,8 @@ def test_a_shard_over_the_file_size_limit_is_one_line_and_status_3(folder, tmp_p
 
 @pytest.mark.parametrize("how", ["oserror", "outputerror", "a file in its place"])
 def test_a_vllm_dir_that_cannot_be_written_is_one_line_and_status_3(folder, tmp_path, monkeypatch, capsys, how):
+    """A --vllm-ec-dir write that fails mid-run (a full disk): status 3, the run stopped, one line. One that was
+    already unusable (a file where the folder goes) never starts the run: status 2, --out not made."""
     from glmvit_cupy.errors import OutputError
     from glmvit_cupy import vllm_ec
 
@@ -270,13 +272,19 @@ def test_a_vllm_dir_that_cannot_be_written_is_one_line_and_status_3(folder, tmp_
     ec = tmp_path / "ec"
     if how == "a file in its place":
         ec.write_text("x")
-    else:
-        monkeypatch.setattr(vllm_ec, "write", full)
+        assert run(folder / "a.png", "--checkpoint", TOWER, "--out", tmp_path / "out", "--cpu",
+                   "--vllm-ec-dir", ec) == 2
+        err = capsys.readouterr().err
+        assert f"glmvit-encode: cannot use the vLLM encoder cache folder {ec}: Not a directory (ENOTDIR); make it " \
+            "a folder, or give --vllm-ec-dir another folder" in err, err
+        assert not (tmp_path / "out").exists()
+        return
+    monkeypatch.setattr(vllm_ec, "write", full)
     assert run(folder / "a.png", "--checkpoint", TOWER, "--out", tmp_path / "out", "--cpu", "--vllm-ec-dir", ec) == 3
     err = capsys.readouterr().err
     (line,) = [x for x in err.splitlines() if "the run stopped" in x]
     assert str(ec) in line and "re-run the same command" in line and "Traceback" not in err
-    assert ("No space left on device" if how != "a file in its place" else "directory") in line, line
+    assert "No space left on device" in line, line
 
 
 # -- 5. Ctrl-C on the CPU ----------------------------------------------------------------------------------

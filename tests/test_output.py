@@ -352,3 +352,29 @@ def test_two_processes_never_write_one_folder(tmp_path):
         holder.kill()
         holder.wait()
     Output(folder, SETTINGS).add_batch(batch(["/img/a"]))  # the kill let it go
+
+
+@pytest.mark.parametrize("bad", ["relative/a.png", "", "b'a' b'c'", "b'/x' # c", "b'rel'", None, b"/x",
+                                 "b''+" + "-" * 200_000 + "1"])
+def test_key_path_refuses_what_image_key_never_gives(bad):
+    from glmvit_cupy.output import key_path
+
+    with pytest.raises(ValueError, match="is not a key glmvit-encode writes"):
+        key_path(bad)
+
+
+def test_image_key_of_a_bytes_path_and_back(tmp_path):
+    from glmvit_cupy.output import image_key, key_path
+
+    raw = os.fsencode(str(tmp_path)) + b"/caf\xe9.png"
+    key = image_key(raw)
+    assert key == repr(os.path.realpath(raw)) and os.fsencode(key_path(key)) == os.path.realpath(raw)
+    assert key_path(image_key(str(tmp_path / "a.png"))) == str(tmp_path / "a.png")
+
+
+def test_read_embeddings_of_no_folder_is_an_output_error(tmp_path):
+    with pytest.raises(OutputError, match="no such folder; give the folder glmvit-encode wrote"):
+        read_embeddings(str(tmp_path / "none"))
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputError, match="is not a folder"):
+        read_embeddings(str(tmp_path / "f"))

@@ -136,3 +136,14 @@ def test_pixel_values_must_be_real_numbers(tower, dtype):
     pv = np.ones((64, 1176), dtype)
     with pytest.raises(ValueError, match=f"pixel_values has dtype {np.dtype(dtype)}; it must hold real numbers"):
         reference.encode_pixels(tower, pv, [[1, 8, 8]])
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.uint8, np.float16, "bfloat16"])
+def test_the_reference_computes_in_float32_or_float64_only(dtype):
+    """An integer or half dtype would cast the weights and compute another tower without a word: refused."""
+    import ml_dtypes  # noqa: F401  (NumPy learns "bfloat16")
+
+    with pytest.raises(ValueError, match="the reference computes in float32 or float64"):
+        reference.Tower(reference.bind_tower(cases.TOWER_DIR), dtype)
+    with pytest.raises(ValueError, match="the reference computes in float32 or float64"):
+        reference.encode_pixels(cases.TOWER_DIR, np.ones((4, 1176), np.float32), [[1, 2, 2]], dtype=dtype)

@@ -439,6 +439,19 @@ def test_bad_settings_are_refused_at_start_not_per_request(capsys, flags, says):
     assert says in capsys.readouterr().err
 
 
+def test_a_vllm_folder_that_cannot_be_written_is_refused_at_start(capsys, tmp_path):
+    """--vllm-ec-dir naming a file (or a folder that cannot be made): exit 2 at start, saying why, not a 500
+    on every request after a "ready"."""
+    from glmvit_cupy.serving import main as serve_main
+
+    (tmp_path / "f").write_text("x")
+    for ec, says in ((tmp_path / "f", "Not a directory (ENOTDIR); make it a folder"),
+                     (tmp_path / "f" / "sub", "Not a directory (ENOTDIR)")):
+        assert serve_main.main(["--checkpoint", TOWER, "--cpu", "--vllm-ec-dir", str(ec)]) == 2
+        err = capsys.readouterr().err
+        assert f"glmvit-serve: cannot use the vLLM encoder cache folder {ec}: " in err and says in err, err
+
+
 def test_a_port_in_use_is_refused_at_start_with_exit_3(capsys):
     """A port another socket holds: exit 3 before the model loads, saying which address and what to do."""
     from glmvit_cupy.serving import main as serve_main

@@ -521,16 +521,18 @@ def test_a_request_refused_hands_its_images_to_those_waiting_for_them(server):
 
 # -- 4. SIGTERM drains; a model that fails to load ends the process -------------------------------------------
 
-def test_sigterm_drains_with_503_then_exits_saying_so():
-    """While a request is in flight after SIGTERM, /health and a new request on a new connection get 503 (not
-    a refused connection); the request in flight is answered; the process logs the drain and its exit."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_sigterm_drains_with_503_then_exits_saying_so(sig):
+    """While a request is in flight after SIGTERM (or SIGHUP: a closed terminal, a supervisor's hang-up),
+    /health and a new request on a new connection get 503 (not a refused connection); the request in flight is
+    answered; the process logs the drain and its exit."""
     proc, client = launch(prelude=slow(1.5))
     try:
         done = {}
         t = threading.Thread(target=lambda: done.update(r=client.encode([png(64, 64, 406)])))
         t.start()
         time.sleep(0.4)  # in its pass
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, sig))
         time.sleep(0.2)
         with pytest.raises(ServerError) as e:
             client.health()
@@ -541,7 +543,7 @@ def test_sigterm_drains_with_503_then_exits_saying_so():
         assert done["r"][0][0].shape[0] == 16
         assert proc.wait(30) == 0
         out = proc.stdout.read()
-        assert "SIGTERM: draining, 1 requests in flight" in out and "stopped (exit 0)" in out, out
+        assert f"{sig}: draining, 1 requests in flight" in out and "stopped (exit 0)" in out, out
     finally:
         stop(proc)
 

@@ -39,7 +39,7 @@ import time
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: safetensors.numpy needs it to read the shards)
 import numpy as np
 
-from .errors import OutputError
+from .errors import OutputError, quoted
 from .files import not_regular, open_regular
 
 log = logging.getLogger("glmvit_cupy")
@@ -57,7 +57,7 @@ ADDED = ("video",)
 def image_key(path) -> str:
     """The file's resolved absolute path; for a path that is not valid UTF-8 (os.fsdecode's surrogateescape
     characters: bytes a file name may hold but safetensors and JSON text cannot), the repr() of its bytes."""
-    real = os.path.realpath(path)
+    real = os.path.realpath(os.fsdecode(path))  # a str, for a bytes path too
     try:
         real.encode("utf-8")
     except UnicodeEncodeError:
@@ -66,17 +66,20 @@ def image_key(path) -> str:
 
 
 def key_path(key: str) -> str:
-    """The path of the file a key names, as os functions take it (the inverse of image_key for a resolved path)."""
-    if key.startswith(("b'", 'b"')):
+    """The path of the file a key names, as os functions take it (the inverse of image_key for a resolved path).
+    ValueError for anything image_key does not give: a key is an absolute path, or b'...', the repr() of an
+    absolute path's bytes."""
+    path = key
+    if isinstance(key, str) and key.startswith(("b'", 'b"')) and len(key) < 1 << 16:  # no path is longer
         try:
             raw = ast.literal_eval(key)
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
             raw = None
-        if not isinstance(raw, bytes):
-            raise ValueError(f"{key!r} is not a key glmvit-encode writes: a resolved path, or b'...', the repr() of "
-                             "a path's bytes")
-        return os.fsdecode(raw)
-    return key
+        path = os.fsdecode(raw) if isinstance(raw, bytes) and repr(raw) == key else None
+    if not isinstance(path, str) or not os.path.isabs(path):
+        raise ValueError(f"{quoted(key)} is not a key glmvit-encode writes: a resolved absolute path, or b'...', the "
+                         "repr() of one's bytes")
+    return path
 
 
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
@@ -430,6 +433,9 @@ def read_embeddings(folder) -> tuple[dict, dict]:
     path either way."""
     from safetensors.numpy import load_file
 
+    if not os.path.isdir(folder):
+        raise OutputError(f"{shown(folder)}: " + ("is not a folder" if os.path.lexists(folder) else "no such folder") +
+                          "; give the folder glmvit-encode wrote (its --out)")
     path = os.path.join(folder, MANIFEST)
     manifest = {"header": None, "images": {}, "failed": {}}
     if os.path.exists(path):

@@ -101,6 +101,16 @@ class Tower:
     """The tower's weights as float arrays, keyed by checkpoint name (without prefix)."""
 
     def __init__(self, binding: TowerBinding, dtype=np.float32):
+        """binding: bind_tower's (or a checkpoint path, bound here); dtype: float32 (the oracle) or float64."""
+        if not isinstance(binding, TowerBinding):
+            binding = bind_tower(binding)
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError:
+            dtype = None
+        if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise ValueError(f"the reference computes in float32 or float64, not {dtype}: an integer or a half "
+                             "type would compute another tower; give dtype=np.float32 (or np.float64)")
         self.geo: VisionGeometry = binding.geometry
         self.w = {s: binding.host(s).astype(dtype) for s in binding.layout}
         self.dtype = dtype

@@ -146,6 +146,19 @@ def _open_cache(folder: str) -> int:
         raise _failed(f"cannot use the vLLM encoder cache folder {folder}", e) from e
 
 
+def check_folder(folder: str) -> None:
+    """OutputError, one line saying why and what would fix it, unless `folder` is (or can be made) a folder this
+    process can write into: checked when a command starts, so that a wrong --vllm-ec-dir fails the start, not
+    every request or batch after it."""
+    fd = _open_cache(folder)
+    try:
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise _failed(f"cannot use the vLLM encoder cache folder {folder}",
+                          PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
+    finally:
+        os.close(fd)
+
+
 def _open_key_folder(top: int, folder: str, key: str) -> int:
     """DIR/<key> opened as a folder, made if absent (mode 0777 less the umask); a link there is refused."""
     where = os.path.join(folder, key)

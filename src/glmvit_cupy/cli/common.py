@@ -37,9 +37,9 @@ EXIT_STATUS = """exit status:
   1    some input files failed, each named (and recorded in manifest.json's "failed"); the rest are
        saved. A re-run tries the failed files again, so it exits 1 again while any of them still fails
   2    nothing was run: a usage error or bad argument, an input that names nothing, no image or video
-       found, videos without PyAV, a checkpoint that fails its checks, no usable GPU, an --out that
-       cannot be created, is a file, was written with other settings, whose manifest is damaged, or
-       that another run is writing
+       found, videos without PyAV, a checkpoint that fails its checks, no usable GPU, a --vllm-ec-dir
+       that cannot be written, an --out that cannot be created, is a file, was written with other
+       settings, whose manifest is damaged, or that another run is writing
   3    a write failed during the run (a full disk, permissions, a mount gone: the shard, manifest or
        --vllm-ec-dir file is named); the run stopped, what it wrote stays; fix it and re-run the same
        command to resume

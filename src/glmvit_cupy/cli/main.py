@@ -193,6 +193,11 @@ def run(args) -> int:
     why = None if args.cpu else gpu.problem()
     if why:
         return fail(f"cannot use the GPU: {why}")
+    if args.vllm_ec_dir:
+        try:
+            vllm_ec.check_folder(args.vllm_ec_dir)  # a wrong folder stops the start, not a run at its first batch
+        except OutputError as e:
+            return fail(e)
     per_video = video_settings(args)
     settings = {"checkpoint": os.path.abspath(binding.path), "geometry": dict(vars(binding.geometry)),
                 "min_image_tokens": args.min_image_tokens, "max_image_tokens": args.max_image_tokens,

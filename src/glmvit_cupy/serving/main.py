@@ -4,7 +4,7 @@ metrics and the client: docs/SERVING.md.
     glmvit-serve --checkpoint /models/GLM-5.3-Flash --port 8000
     glmvit-serve --checkpoint tests/golden/tower --cpu            # the float32 reference, no GPU
 
-SIGTERM or Ctrl-C: drain (/health and new requests get 503 while what is in flight finishes, at most
+SIGTERM, SIGHUP or Ctrl-C: drain (/health and new requests get 503 while what is in flight finishes, at most
 --drain-timeout seconds), let the forward pass running end, then exit 0; a second signal stops at once.
 """
 
@@ -33,7 +33,8 @@ EXIT_STATUS = """exit status:
   0  stopped by SIGTERM or Ctrl-C (after the drain, or at once on a second signal)
   1  the model failed to load after the start (NaN weights, say): logged with the reason
   2  a flag out of range, a checkpoint that fails its checks, no usable GPU without --cpu, --cpu with
-     --devices, an open-file limit too low for --max-connections, or the serve extra not installed
+     --devices, a --vllm-ec-dir that cannot be written, an open-file limit too low for --max-connections,
+     or the serve extra not installed
   3  the address cannot be listened on (the port in use, say)"""
 
 
@@ -319,12 +320,12 @@ def main(argv=None) -> int:
         print(f"glmvit-serve: the serve extra is not installed ({e}): pip install -e '.[serve]' in the glmvit-cupy "
               "checkout", file=sys.stderr)
         return 2
-    from .. import gpu
+    from .. import gpu, vllm_ec
+    from ..backend import Backend
     from ..checkpoint.bind import bind_tower
     from ..checks import DEFAULT_MAX_IMAGE_TOKENS, device_list
-    from ..errors import CheckpointError
+    from ..errors import CheckpointError, OutputError
     from ..preprocessing.image import Patching
-    from ..backend import Backend
     from .app import Settings, create_app
 
     why = check_settings(args)
@@ -347,6 +348,12 @@ def main(argv=None) -> int:
         why = why.replace(gpu.CPU_HINT, "glmvit-serve --cpu serves the float32 reference on the CPU without any of it")
         print(f"glmvit-serve: cannot use the GPU: {why}", file=sys.stderr)
         return 2
+    if args.vllm_ec_dir:
+        try:
+            vllm_ec.check_folder(args.vllm_ec_dir)  # a wrong folder stops the start, not every request after it
+        except OutputError as e:
+            print(f"glmvit-serve: {e}", file=sys.stderr)
+            return 2
     max_connections, backlog, why = open_files_for(args.max_connections)
     if why:
         print(f"glmvit-serve: {why}", file=sys.stderr)
@@ -384,6 +391,22 @@ def main(argv=None) -> int:
         draining_since = None
         failed = False
         ready = False
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn's SIGINT and SIGTERM, and SIGHUP alike (a closed terminal or a supervisor's hang-up drains
+            the server as SIGTERM does, instead of killing it mid-request)."""
+            hup = getattr(signal, "SIGHUP", None)
+            if hup is None or threading.current_thread() is not threading.main_thread():
+                with super().capture_signals():
+                    yield
+                return
+            old = signal.signal(hup, self.handle_exit)
+            try:
+                with super().capture_signals():
+                    yield
+            finally:
+                signal.signal(hup, old)
 
         def handle_exit(self, sig, frame):
             name = signal.Signals(sig).name
@@ -439,7 +462,7 @@ def main(argv=None) -> int:
     code = 1 if server.failed else 0
     # The interpreter may still wait for a parsing or decoding thread's job; a signal meanwhile ends the
     # process at once with this status (uvicorn has put back the default handlers: 143, or a traceback).
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])):
         signal.signal(sig, lambda *_: os._exit(code))
     # After a second signal, threads may still be running a forward pass or loading the model: the
     # interpreter's shutdown under them can crash the process (exit 139), so it exits without one.
