@@ -26,12 +26,15 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".
 
 
 def local_files(spec):
-    """The image files of a folder or glob, or None for a cloud prefix (Ray lists those itself)."""
+    """The image files of a folder or glob as resolved absolute paths (a resume finds them however the input
+    is spelled), or None for a cloud prefix (Ray lists those itself)."""
     if "://" in spec:
         return None
     if os.path.isdir(spec):
-        return sorted(os.path.join(r, f) for r, _, fs in os.walk(spec) for f in fs if f.lower().endswith(IMAGE_EXTENSIONS))
-    return sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+        found = (os.path.join(r, f) for r, _, fs in os.walk(spec) for f in fs if f.lower().endswith(IMAGE_EXTENSIONS))
+    else:
+        found = (p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+    return sorted({os.path.realpath(p) for p in found})
 
 
 def done_paths(out) -> set:

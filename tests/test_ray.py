@@ -144,6 +144,9 @@ def test_example_writes_parquet_and_resumes(local_ray, folder, tmp_path, capsys)
     assert np.array_equal(emb.view(np.uint16), reference_bf16(folder / "img1.png").view(np.uint16))
     assert ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
     assert "already in" in capsys.readouterr().out
+    spelled = os.path.join(os.path.relpath(folder.parent), ".", folder.name)  # the same files, spelled otherwise
+    assert ray_encode.main([spelled, "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
+    assert "already in" in capsys.readouterr().out
 
 
 def test_prepare_hands_contiguous_decoded_images_for_the_gpu(folder):
