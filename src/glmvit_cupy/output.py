@@ -82,9 +82,6 @@ def key_path(key: str) -> str:
     return path
 
 
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
-
-
 def file_stamp(st: os.stat_result) -> list[int]:
     """A file's size and modification time (ns), as each entry records them ("file"): a resume encodes a file
     again when they differ, as make and rsync tell a changed file."""
@@ -96,6 +93,9 @@ def stamp_of(path) -> list[int] | None:
         return file_stamp(os.stat(path))
     except OSError:
         return None
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1: what a terminal acts on
 
 
 def shown(text) -> str:
