@@ -42,7 +42,8 @@ def done_paths(out) -> set:
     import pyarrow.parquet as pq
 
     files = glob.glob(os.path.join(out, "*.parquet")) if os.path.isdir(out) else []
-    return {p for f in files for p in pq.read_table(f, columns=["path"]).column("path").to_pylist()}
+    paths = {p for f in files for p in pq.read_table(f, columns=["path"]).column("path").to_pylist()}
+    return paths | {os.path.realpath(p) for p in paths if "://" not in p}  # rows written with other spellings too
 
 
 def main(argv=None) -> int:

@@ -528,3 +528,19 @@ def test_a_file_changed_since_it_was_encoded_is_encoded_again(folder, tmp_path, 
     capsys.readouterr()
     assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.DONE  # nothing changed now
     assert "2 of 2 files already" in capsys.readouterr().out
+
+
+def test_a_file_changed_into_one_that_fails_has_no_embedding_left(folder, tmp_path, capsys):
+    """A file encoded, then replaced by one that cannot be decoded: the resume fails it, and neither the
+    manifest, nor a later resume, nor read_embeddings gives its old embedding (the older shard still holds it)."""
+    out = tmp_path / "out"
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.DONE
+    (folder / "a.png").write_bytes(b"not an image any more")
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.FAILED
+    for _ in range(2):
+        manifest, embs = read_embeddings(out)
+        key = image_key(folder / "a.png")
+        assert key not in embs and key not in manifest["images"] and key in manifest["failed"], manifest
+        assert image_key(folder / "b.png") in embs
+        assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.FAILED  # tried again, fails again
+    capsys.readouterr()

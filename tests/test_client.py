@@ -101,6 +101,8 @@ def test_one_image_or_video_not_in_a_list_is_one_not_a_sequence(tmp_path, monkey
     assert len(answer.sent[-6]["videos"][0]["frames"]) == 4  # the array video: its four frames
     Client().encode([a], max_image_tokens=np.int64(100), min_image_tokens=np.int32(4))  # NumPy numbers go as JSON
     assert answer.sent[-1]["max_image_tokens"] == 100 and answer.sent[-1]["min_image_tokens"] == 4
+    Client().encode_video([clip], fps=2.0, sample=np.bool_(False))
+    assert answer.sent[-1]["sample"] is False
 
 
 @pytest.mark.parametrize("bad, says", [
@@ -124,5 +126,5 @@ def test_video_settings_a_value_a_video_must_match_the_videos(monkeypatch, rng):
         Client().encode_video([clip, clip], fps=[2.0])
     with pytest.raises(ValueError, match=r"video 0: an array video is uint8 \[T, H, W, 3\], got uint8 \[6, 8, 3\]"):
         Client().encode_video([clip[0]], fps=2.0)
-    with pytest.raises(TypeError, match="a setting of set"):
+    with pytest.raises(ValueError, match="a setting of set"):
         Client().encode_video([clip], fps=2.0, target_fps={1})

@@ -138,7 +138,7 @@ def test_pixel_values_must_be_real_numbers(tower, dtype):
         reference.encode_pixels(tower, pv, [[1, 8, 8]])
 
 
-@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.uint8, np.float16, "bfloat16"])
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.uint8, np.float16, "bfloat16", "nonsense", None])
 def test_the_reference_computes_in_float32_or_float64_only(dtype):
     """An integer or half dtype would cast the weights and compute another tower without a word: refused."""
     import ml_dtypes  # noqa: F401  (NumPy learns "bfloat16")

@@ -992,3 +992,27 @@ def test_an_unexpected_failure_is_a_500_and_its_traceback_is_logged():
     logged = proc.stdout.read()
     assert "glmvit-serve: /v1/encode: 500: encoding failed:\nTraceback (most recent call last):" in logged, logged
     assert "ZeroDivisionError: division by zero" in logged, logged
+
+
+def test_a_video_frame_over_max_pixels_is_a_422_naming_it(server):
+    """A video's frame file whose header says more pixels than --max-pixels (16,000,000 here): 422 naming the
+    video, the frame and its size, from the header alone (nothing decoded)."""
+    frame = b64(png_header(5000, 4000))
+    status, err = post_video(server[1], {"videos": [{"frames": [b64(png(40, 40, 501)), frame], "fps": 1.0}],
+                                         "sample": False})
+    assert status == 422 and err["index"] == 0, err
+    assert err["error"].startswith("videos[0].frames[1] has 5000 x 4000 = 20,000,000 pixels, over the server's "
+                                   "limit of 16,000,000 an image (--max-pixels)"), err
+
+
+def test_a_hang_up_is_ignored_under_nohup():
+    """With SIGHUP ignored when it starts (nohup), a hang-up leaves the server serving; SIGTERM still drains."""
+    proc, client = launch(prelude="import signal; signal.signal(signal.SIGHUP, signal.SIG_IGN)")
+    try:
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.3)
+        assert proc.poll() is None and client.health()["status"] == "ok"
+        assert client.encode([png(40, 40, 502)])[0][0].shape[0] > 0
+    finally:
+        stop(proc)
+    assert proc.returncode == 0 and "SIGHUP" not in proc.stdout.read()

@@ -131,10 +131,10 @@ def _one_file(item) -> bool:
 
 
 def _plain(v):
-    """A NumPy number in a request's settings as the JSON number it is (json knows only Python's)."""
-    if isinstance(v, np.generic) and v.ndim == 0 and v.dtype.kind in "iuf":
+    """A NumPy number or bool in a request's settings as the JSON value it is (json knows only Python's)."""
+    if isinstance(v, np.generic) and v.ndim == 0 and v.dtype.kind in "biuf":
         return v.item()
-    raise TypeError(f"a setting of {type(v).__name__} {v!r} cannot go in a request: give a number")
+    raise ValueError(f"a setting of {type(v).__name__} {v!r} cannot go in a request: give a number or a bool")
 
 
 def _file_b64(frame, what: str) -> str:

@@ -21,9 +21,13 @@ the same settings skips what is done. Files get the usual mode for new files (06
 A write that fails (a full disk, lost permissions) raises OutputError naming the file and the reason;
 the shards written before it stay.
 
-Reading the output: `read_embeddings(folder)` (NumPy bf16 arrays, as ml_dtypes.bfloat16), or
-`safetensors.numpy.load_file(shard)` after `import ml_dtypes` (which teaches NumPy bf16), or
-`safetensors.torch.load_file(shard)` for torch.bfloat16 tensors.
+Each entry records its file's size and modification time ("file"): a resume encodes a file whose stamp
+differs again, into a later shard, and the older shard keeps its old embedding; a key's entry names the
+shard of its current one (the latest, where a stopped run left shards the manifest does not list).
+
+Reading the output: `read_embeddings(folder)` (NumPy bf16 arrays, as ml_dtypes.bfloat16), or, from the shard
+each entry names, `safetensors.numpy.load_file(shard)` after `import ml_dtypes` (which teaches NumPy bf16),
+or `safetensors.torch.load_file(shard)` for torch.bfloat16 tensors.
 """
 
 from __future__ import annotations
@@ -120,6 +124,16 @@ def _umask_mode() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return 0o666 & ~mask
+
+
+def _still(key: str, entry: dict) -> bool:
+    """Whether an entry found in a shard is of the file as it is now: its stamp equals the file's (an entry
+    without one, or a file that cannot be reached, is taken as it is)."""
+    try:
+        now = stamp_of(key_path(key))
+    except ValueError:
+        return True
+    return now is None or entry.get("file", now) == now
 
 
 def _newer(entries: dict, found: dict) -> list:
@@ -257,7 +271,8 @@ class Output:
         changed = False
         for name, (header, images) in found.items():
             self._check(header, settings, name)
-            for key in _newer(self.manifest["images"], images):
+            current = {k: e for k, e in images.items() if _still(k, e)}  # not a file's embedding from before it changed
+            for key in _newer(self.manifest["images"], current):
                 self.manifest["failed"].pop(key, None)
                 changed = True
         self._dirty = changed
@@ -322,7 +337,10 @@ class Output:
         self._changed()
 
     def fail(self, key, why):
+        """The file keyed `key` failed (this run): recorded with why; an embedding of it from an earlier run (the
+        file has changed since, or it would not be tried) is no longer its entry."""
         self.manifest["failed"][key] = shown(why)
+        self.manifest["images"].pop(key, None)
         self._changed()
 
 
@@ -456,7 +474,8 @@ def read_embeddings(folder) -> tuple[dict, dict]:
         listed = set()
     for header, images in shard_entries(folder, skip=listed).values():
         manifest["header"] = manifest.get("header") or header
-        _newer(manifest["images"], images)
+        # A key the manifest records as failed is not taken from an unlisted shard: that is its older embedding.
+        _newer(manifest["images"], {k: e for k, e in images.items() if k not in manifest.get("failed", {})})
     by_shard = {shard: load_file(os.path.join(folder, shard))
                 for shard in sorted({e["shard"] for e in manifest["images"].values()})}
     # Each key from the shard its entry names: an older shard may still hold the key of a file encoded again.

@@ -105,12 +105,13 @@ class Tower:
         if not isinstance(binding, TowerBinding):
             binding = bind_tower(binding)
         try:
-            dtype = np.dtype(dtype)
-        except TypeError:
-            dtype = None
-        if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-            raise ValueError(f"the reference computes in float32 or float64, not {dtype}: an integer or a half "
+            ok = dtype is not None and np.dtype(dtype) in (np.dtype(np.float32), np.dtype(np.float64))
+        except TypeError:  # not a dtype at all
+            ok = False
+        if not ok:
+            raise ValueError(f"the reference computes in float32 or float64, not {dtype!r}: an integer or a half "
                              "type would compute another tower; give dtype=np.float32 (or np.float64)")
+        dtype = np.dtype(dtype)
         self.geo: VisionGeometry = binding.geometry
         self.w = {s: binding.host(s).astype(dtype) for s in binding.layout}
         self.dtype = dtype

@@ -147,16 +147,29 @@ def _open_cache(folder: str) -> int:
 
 
 def check_folder(folder: str) -> None:
-    """OutputError, one line saying why and what would fix it, unless `folder` is (or can be made) a folder this
-    process can write into: checked when a command starts, so that a wrong --vllm-ec-dir fails the start, not
-    every request or batch after it."""
-    fd = _open_cache(folder)
-    try:
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise _failed(f"cannot use the vLLM encoder cache folder {folder}",
-                          PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
-    finally:
-        os.close(fd)
+    """OutputError, one line saying why and what would fix it, unless `folder` is a folder this process can write
+    into, or can be made as one (its nearest existing parent a writable folder; nothing is made here): checked
+    when a command starts, so that a wrong --vllm-ec-dir fails the start, not every request or batch after it."""
+    what = f"cannot use the vLLM encoder cache folder {folder}"
+    here = os.path.abspath(folder)
+    while True:
+        try:
+            st = os.stat(here)
+        except FileNotFoundError:
+            if os.path.islink(here):
+                raise _failed(what, OSError(errno.ENOENT, f"{here} is a broken symbolic link")) from None
+            parent = os.path.dirname(here)
+            if parent == here:
+                raise _failed(what, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))) from None
+            here = parent
+            continue
+        except OSError as e:  # a symbolic link loop, a path through a file
+            raise _failed(what, e) from e
+        break
+    if not stat.S_ISDIR(st.st_mode):
+        raise _failed(what, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)))
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise _failed(what, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
 
 
 def _open_key_folder(top: int, folder: str, key: str) -> int:

@@ -207,8 +207,9 @@ def run(args) -> int:
         out = Output(args.out, settings)
     except OutputError as e:  # a file, other settings, a damaged manifest, a folder that cannot be made
         return fail(e)
-    todo = [p for p in paths if not out.done(image_key(p), stamp_of(p))]
-    changed = sum(out.done(image_key(p)) for p in todo)  # encoded before, changed since
+    keys = {p: image_key(p) for p in paths}  # a realpath each: once
+    todo = [p for p in paths if not out.done(keys[p], stamp_of(p))]
+    changed = sum(out.done(keys[p]) for p in todo)  # encoded before, changed since
     if changed:
         print(f"glmvit-encode: {counted(changed, 'file')} in {shown(args.out)} changed since "
               f"{'it was' if changed == 1 else 'they were'} encoded (size or modification time); encoding "
@@ -216,7 +217,7 @@ def run(args) -> int:
     if len(todo) < len(paths):
         print(f"glmvit-encode: {len(paths) - len(todo)} of {counted(len(paths), 'file')} already in "
               f"{shown(args.out)}; skipping {'it' if len(paths) - len(todo) == 1 else 'them'}")
-    again = sum(image_key(p) in out.manifest["failed"] for p in todo)
+    again = sum(keys[p] in out.manifest["failed"] for p in todo)
     if again:
         print(f"glmvit-encode: {counted(again, 'file')} failed in an earlier run; trying "
               f"{'it' if again == 1 else 'them'} again")

@@ -327,21 +327,26 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                     raise Refused(422, str(g), i)
                 raise g
 
-    async def hand_to_vllm(keys, out, what: str):
-        if settings.vllm_ec_dir:
-            def write():
-                _check_finite(out, what)  # nothing unusable reaches vLLM
-                for i, k in enumerate(keys):
-                    vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)])
+    async def hand_to_vllm(keys, out, what: str) -> bool:
+        """The embeddings written for vLLM (with --vllm-ec-dir), checked first; True if they were (checked)."""
+        if not settings.vllm_ec_dir:
+            return False
 
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, write)
-            except (OSError, OutputError) as e:  # a full disk, the folder gone: the request fails, saying where
-                raise Refused(500, f"the embeddings were computed, but writing them to the vLLM encoder cache "
-                                   f"{settings.vllm_ec_dir} failed: {e}") from None
+        def write():
+            _check_finite(out, what)  # nothing unusable reaches vLLM
+            for i, k in enumerate(keys):
+                vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)])
 
-    async def reply(out: dict, what: str, meta: list) -> Response:
-        """The embeddings as one safetensors file, made on a thread (512 MiB take 2.5 s on a 2-core machine);
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, write)
+        except (OSError, OutputError) as e:  # a full disk, the folder gone: the request fails, saying where
+            raise Refused(500, f"the embeddings were computed, but writing them to the vLLM encoder cache "
+                               f"{settings.vllm_ec_dir} failed: {e}") from None
+        return True
+
+    async def reply(out: dict, what: str, meta: list, checked: bool = False) -> Response:
+        """The embeddings as one safetensors file, made on a thread (512 MiB take 2.5 s on a 2-core machine), after
+        checking them for NaN and infinity unless hand_to_vllm did (`checked`);
         a reply over --max-reply-mib is refused (413) before it is made: a small request repeating one
         image at a large token count would otherwise make a reply thousands of times its size."""
         size = sum(a.nbytes for a in out.values())
@@ -361,7 +366,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         from safetensors.numpy import save
 
         def made():
-            _check_finite(out, what)  # also for an embedding the cache kept: it fails every request that asks
+            if not checked:  # also for an embedding the cache kept: it fails every request that asks
+                _check_finite(out, what)
             return save(out, metadata={what: json.dumps(meta)})
 
         body = await asyncio.get_running_loop().run_in_executor(None, made)
@@ -455,8 +461,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             out[str(i)] = emb
             meta.append({"sha256": shas[i], "key": vllm_ec.key_for_image(shas[i], lo, hi), "grid_thw": list(grid),
                          "tokens": int(emb.shape[0]), "cached": outcome != "encoded"})
-        await hand_to_vllm([m["key"] for m in meta], out, "images")
-        return await reply(out, "images", meta)
+        checked = await hand_to_vllm([m["key"] for m in meta], out, "images")
+        return await reply(out, "images", meta, checked)
 
     # -- videos ------------------------------------------------------------------------------------------
 
@@ -542,8 +548,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 metrics.videos.labels(outcome).inc()
             out[str(i)] = emb
             meta.append({"key": k, **m, "cached": outcome != "encoded"})
-        await hand_to_vllm(keys, out, "videos")
-        return await reply(out, "videos", meta)
+        checked = await hand_to_vllm(keys, out, "videos")
+        return await reply(out, "videos", meta, checked)
 
     routes = [Route("/health", health), Route("/metrics", metrics_text),
               Route("/v1/encode", endpoint(_encode), methods=["POST"]),

@@ -139,12 +139,12 @@ def video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pi
             return 0
         size, decoded = None, 0
         for j in sorted(set(picked)):
-            n, dims = header_size(video["frames"][j])
+            n, frame_size = header_size(video["frames"][j])
             if n > limit:
-                raise Refused(422, f"videos[{index}].frames[{j}] has {dims(n, dims)} pixels, over the server's "
+                raise Refused(422, f"videos[{index}].frames[{j}] has {dims(n, frame_size)} pixels, over the server's "
                                    f"limit of {limit:,} an image (--max-pixels): refused as a possible "
                                    "decompression bomb; send smaller frames", index)
-            size, decoded = size or dims, decoded + n
+            size, decoded = size or frame_size, decoded + n
     if decoded > max_video_pixels:  # refused by the decode before it decodes anything
         return 0
     return pixels_held(decoded, size, common["min_image_tokens"], common["max_image_tokens"], patching, len(picked))

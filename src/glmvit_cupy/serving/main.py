@@ -30,7 +30,7 @@ FILES_BESIDE_CONNECTIONS = 128  # descriptors the process holds besides its conn
 
 
 EXIT_STATUS = """exit status:
-  0  stopped by SIGTERM or Ctrl-C (after the drain, or at once on a second signal)
+  0  stopped by SIGTERM, SIGHUP or Ctrl-C (after the drain, or at once on a second signal)
   1  the model failed to load after the start (NaN weights, say): logged with the reason
   2  a flag out of range, a checkpoint that fails its checks, no usable GPU without --cpu, --cpu with
      --devices, a --vllm-ec-dir that cannot be written, an open-file limit too low for --max-connections,
@@ -385,7 +385,7 @@ def main(argv=None) -> int:
     state = app.state.glmvit
 
     class Server(uvicorn.Server):
-        """Stops in two steps on SIGTERM or SIGINT: draining (readiness and new requests 503, still accepting)
+        """Stops in two steps on SIGTERM, SIGHUP or SIGINT: draining (readiness and new requests 503, still accepting)
         until nothing is in flight or --drain-timeout passes, then uvicorn's own shutdown; a second signal
         stops at once. A model that fails to load stops it too."""
         draining_since = None
@@ -395,9 +395,10 @@ def main(argv=None) -> int:
         @contextlib.contextmanager
         def capture_signals(self):
             """uvicorn's SIGINT and SIGTERM, and SIGHUP alike (a closed terminal or a supervisor's hang-up drains
-            the server as SIGTERM does, instead of killing it mid-request)."""
+            the server as SIGTERM does, instead of killing it mid-request), unless SIGHUP is ignored (nohup)."""
             hup = getattr(signal, "SIGHUP", None)
-            if hup is None or threading.current_thread() is not threading.main_thread():
+            if hup is None or threading.current_thread() is not threading.main_thread() \
+                    or signal.getsignal(hup) is signal.SIG_IGN:  # nohup: a hang-up is to be ignored, and is
                 with super().capture_signals():
                     yield
                 return
@@ -462,8 +463,9 @@ def main(argv=None) -> int:
     code = 1 if server.failed else 0
     # The interpreter may still wait for a parsing or decoding thread's job; a signal meanwhile ends the
     # process at once with this status (uvicorn has put back the default handlers: 143, or a traceback).
-    for sig in (signal.SIGTERM, signal.SIGINT, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])):
-        signal.signal(sig, lambda *_: os._exit(code))
+    for sig in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, lambda *_: os._exit(code))
     # After a second signal, threads may still be running a forward pass or loading the model: the
     # interpreter's shutdown under them can crash the process (exit 139), so it exits without one.
     running = sorted(t.name for t in threading.enumerate() if t.daemon and t.is_alive() and
