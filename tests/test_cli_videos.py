@@ -197,3 +197,19 @@ def test_videos_whose_embedding_overflows_are_failed_not_saved(media, tmp_path, 
     assert not embs and not manifest["images"] and not manifest.get("videos")
     overflowed = [k for k, why in manifest["failed"].items() if "NaN or infinite values" in why]
     assert sorted(os.path.basename(k) for k in overflowed) == ["a.png", "offset.mp4", "pan.mkv"], manifest["failed"]
+
+
+def test_max_pixels_guards_video_frames_as_images(media, tmp_path, capsys):
+    """--max-pixels is one frame's limit too: a video of larger frames fails naming it (and the flag), as an
+    image does; raised past them, the same run encodes it."""
+    out = tmp_path / "out"
+    assert run(media / "sub", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--max-pixels", 1000,
+               *LIMITS) == cli.FAILED
+    (why,) = read_embeddings_manifest_failed(out)
+    assert "has 44x30 frames, over the 1,000 pixels" in why and "--max-pixels raises it" in why, why
+    assert run(media / "sub", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "out2", "--cpu",
+               "--max-pixels", 44 * 30, *LIMITS) == cli.DONE
+
+
+def read_embeddings_manifest_failed(out) -> list:
+    return list(json.loads((out / "manifest.json").read_text())["failed"].values())

@@ -100,8 +100,12 @@ def test_files_that_cannot_be_read_are_refused_by_name(tmp_path, monkeypatch):
     from PIL import Image
 
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 42 * 58 - 1)  # the decompression-bomb guard, as for images
-    with pytest.raises(ImageError, match=r"video 0: '.*ok.mkv' has 58x42 frames, over the 2,435 pixels"):
+    with pytest.raises(ImageError, match=r"video 0: '.*ok.mkv' has 58x42 frames, over the 2,435 pixels .*"
+                                         r"the commands' --max-pixels raises it"):
         plan_video(tmp_path / "ok.mkv", fps=4.0)
+    assert plan_video(video_files.VideoFile(tmp_path / "ok.mkv", max_pixels=42 * 58), fps=4.0)[1][0] >= 1  # it reads
+    with pytest.raises(ImageError, match=r"has 58x42 frames, over the 1,000 pixels"):  # and lowered alike
+        plan_video(video_files.VideoFile(tmp_path / "ok.mkv", max_pixels=1000), fps=4.0)
     monkeypatch.setitem(sys.modules, "av", None)  # PyAV not installed
     with pytest.raises(ImageError, match=r"reading video files needs PyAV: pip install -e '\.\[video\]'"):
         plan_video(short)

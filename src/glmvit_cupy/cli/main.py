@@ -75,8 +75,8 @@ def parser() -> argparse.ArgumentParser:
                     help="who decodes JPEGs: Pillow (default) or nvImageCodec on the GPU (the gpu-decode extra; "
                          "its pixels differ slightly from Pillow's, see docs/PERFORMANCE.md)")
     ap.add_argument("--max-pixels", type=int, default=None, metavar="N",
-                    help="largest image to decode, in pixels (default: Pillow's decompression-bomb guard, "
-                         "89,478,485); raise it for large scans or panoramas")
+                    help="largest image (or video frame) to decode, in pixels (default: Pillow's "
+                         "decompression-bomb guard, 89,478,485); raise it for large scans or panoramas")
     ap.add_argument("--max-image-mib", type=float, default=MAX_IMAGE_MIB, metavar="MIB",
                     help=f"largest image file, in MiB (default {MAX_IMAGE_MIB}, as glmvit-serve's); a larger one is "
                          "reported as failed from its size, never read")

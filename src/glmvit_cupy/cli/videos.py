@@ -51,7 +51,7 @@ def file_sha256(path, max_bytes: int | None = None) -> tuple[str, list]:
 
 
 def planned_videos(paths, workers: int, settings: dict, patching, capacity_tokens: int, max_video_pixels,
-                   max_bytes: int | None = None):
+                   max_bytes: int | None = None, max_pixels: int | None = None):
     """(path, ((frames, grid, info), entry for the manifest) or the ImageError / ValueError it raised), as each
     is ready; at most `workers` videos' frames held at once beyond those the caller holds. A file over
     max_bytes is refused before it is read."""
@@ -61,8 +61,8 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
     def job(i, path):
         try:
             sha, stamp = file_sha256(path, max_bytes)
-            frames, grid, info = plan_video(VideoFile(path, max_video_pixels), i, name=path, patching=patching,
-                                            **settings)
+            frames, grid, info = plan_video(VideoFile(path, max_video_pixels, max_pixels), i, name=path,
+                                            patching=patching, **settings)
             checks.check_frame_group(path, grid[1], grid[2], patching.merge_size, capacity_tokens)
         except OSError as e:
             return path, unreadable(path, e)
@@ -134,7 +134,8 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", failed=failed)
 
     stream = planned_videos(todo, args.workers, settings, enc.patching(), args.capacity_tokens,
-                            args.max_video_pixels, max_bytes=int(args.max_video_mib * 2**20))
+                            args.max_video_pixels, max_bytes=int(args.max_video_mib * 2**20),
+                            max_pixels=args.max_pixels)
     try:
         for path, got in stream:
             if isinstance(got, Exception):

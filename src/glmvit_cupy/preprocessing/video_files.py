@@ -41,8 +41,9 @@ def _label(source) -> str:
     return repr(os.fspath(source))
 
 
-def _open(source, name: str):
-    """source (a path, or a video file's bytes) opened by PyAV, its video stream (_stream) checked."""
+def _open(source, name: str, max_pixels: int | None = None):
+    """source (a path, or a video file's bytes) opened by PyAV, its video stream (_stream) checked: frames of
+    at most max_pixels pixels (None: Pillow's MAX_IMAGE_PIXELS, the images' decompression-bomb guard)."""
     av, label = _av(), _label(source)
     is_bytes = isinstance(source, (bytes, bytearray, memoryview))
     if not is_bytes and not os.path.isfile(source):
@@ -59,11 +60,12 @@ def _open(source, name: str):
         container.close()
         raise ImageError(f"{name}: {label}'s video stream cannot be decoded (no decoder for its codec, or a "
                          "damaged header)")
-    if stream.width * stream.height > Image.MAX_IMAGE_PIXELS:  # each kept frame is 3 bytes a pixel
+    limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+    if stream.width * stream.height > limit:  # each kept frame is 3 bytes a pixel
         container.close()
-        raise ImageError(f"{name}: {label} has {stream.width}x{stream.height} frames, over the "
-                         f"{Image.MAX_IMAGE_PIXELS:,} pixels a decoded image may have (Pillow's MAX_IMAGE_PIXELS, "
-                         "the same guard as for images)")
+        raise ImageError(f"{name}: {label} has {stream.width}x{stream.height} frames, over the {limit:,} pixels a "
+                         "decoded image may have (max_pixels, the images' decompression-bomb guard: the "
+                         "commands' --max-pixels raises it)")
     return container
 
 
@@ -106,15 +108,17 @@ def _probe(container, stream, source, name):
     return frames, frames / duration, duration
 
 
-def load_video(source, pick, *, fps=None, duration=None, name: str = "video", max_total_pixels: int | None = None):
+def load_video(source, pick, *, fps=None, duration=None, name: str = "video", max_total_pixels: int | None = None,
+               max_pixels: int | None = None):
     """A video file (path or bytes) -> (frames: HxWx3 uint8 arrays, those at pick(total, fps, duration)'s
     indices, in its order; meta: {"fps", "duration", "total_frames", "frames_indices"}). fps / duration: the
     caller's where the file's are wrong (None: the file's, as _probe reads them; a caller's fps alone gives
     duration = frames / fps).
-    max_total_pixels: a cap on the picked frames' pixels together, checked before decoding. A container
+    max_total_pixels: a cap on the picked frames' pixels together, checked before decoding; max_pixels: one
+    frame's (None: Pillow's MAX_IMAGE_PIXELS). A container
     whose frame count is more than it holds is picked from again over the frames it holds. ImageError
     naming the file for anything that cannot be read; pick's own errors pass through."""
-    with _open(source, name) as container:  # one open: probed, then decoded (twice if the count was high)
+    with _open(source, name, max_pixels) as container:  # one open: probed, then decoded (twice if the count was high)
         stream = _stream(container)
         total, file_fps, file_duration = _probe(container, stream, source, name)
         stream.thread_type = "AUTO"  # frame threads: decoding is the cost
@@ -141,17 +145,17 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
 
 
 class VideoFile:
-    """A video file (a path, or its bytes) with a cap on its sampled frames' pixels, for plan_video (a plain
-    path is one with no cap)."""
+    """A video file (a path, or its bytes) with a cap on its sampled frames' pixels together and on one frame's
+    (max_pixels), for plan_video (a plain path is one with no cap together and Pillow's for a frame)."""
 
-    def __init__(self, source, max_total_pixels: int | None = None):
+    def __init__(self, source, max_total_pixels: int | None = None, max_pixels: int | None = None):
         if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
             raise ImageError(f"VideoFile: a path or a video file's bytes expected, got {type(source).__name__}")
-        self.source, self.max_total_pixels = source, max_total_pixels
+        self.source, self.max_total_pixels, self.max_pixels = source, max_total_pixels, max_pixels
 
     def read(self, pick, fps, duration, name: str):
         return load_video(self.source, pick, fps=fps, duration=duration, name=name,
-                          max_total_pixels=self.max_total_pixels)
+                          max_total_pixels=self.max_total_pixels, max_pixels=self.max_pixels)
 
 
 def _decode(container, stream, source, name, indices) -> tuple[dict, int]:

@@ -162,6 +162,6 @@ def prepare_video(video: dict, index: int, common: dict, max_pixels, max_total_p
     """One request video -> video.plan_video's (frames, grid, info): sampled first, then only the sampled
     frames decoded (frame files as images are, a video file by PyAV; what cannot be is an ImageError naming
     it); the backend makes their pixels."""
-    source = (VideoFile(video["file"], max_total_pixels) if video["file"] is not None else
+    source = (VideoFile(video["file"], max_total_pixels, max_pixels) if video["file"] is not None else
               FrameFiles(video["frames"], max_pixels, max_total_pixels))
     return plan_video(source, index, fps=video["fps"], duration=video["duration"], patching=patching, **common)

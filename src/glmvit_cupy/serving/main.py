@@ -64,8 +64,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-reply-mib", type=float, default=1024.0,
                     help="largest reply: the embeddings of one request, repeats included (default 1024); more: 413")
     ap.add_argument("--max-pixels", type=int, default=None,
-                    help="largest image to decode, in pixels, read from its header (default: Pillow's guard, "
-                         "89,478,485); more: 422")
+                    help="largest image (or video frame) to decode, in pixels, read from its header (default: "
+                         "Pillow's guard, 89,478,485); more: 422")
     ap.add_argument("--max-video-pixels", type=int, default=2**32,
                     help="a video's sampled frames' pixels together (default 2^32); only "
                          "sampled frames are decoded")
