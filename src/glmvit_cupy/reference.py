@@ -183,9 +183,5 @@ def encode_pixels(checkpoint_path, pixel_values, grid_thw, *, dtype=np.float32, 
     `checkpoint_path` may also be a TowerBinding or a Tower (to reuse loaded weights).
     `stats`, a dict, receives per-layer counts of values the SwiGLU clamp cut.
     """
-    if isinstance(checkpoint_path, Tower):
-        tower = checkpoint_path
-    else:
-        binding = checkpoint_path if isinstance(checkpoint_path, TowerBinding) else bind_tower(checkpoint_path)
-        tower = Tower(binding, dtype)
+    tower = checkpoint_path if isinstance(checkpoint_path, Tower) else Tower(checkpoint_path, dtype)
     return tower.forward(pixel_values, grid_thw, stats)
