@@ -31,7 +31,8 @@ def random_checkpoint():
 
     path = os.path.join(os.path.expanduser("~"), ".cache", "glmvit_cupy", "random-official-seed0")
     if not os.path.exists(os.path.join(path, "config.json")):
-        print(f"writing a random-weight checkpoint of the official geometry to {path} (1.05 GiB, once)")
+        print(f"writing a random-weight checkpoint of the official geometry to {path} (1.05 GiB, once; "
+              "delete the folder to free the space)")
     return cached_checkpoint(path, VisionGeometry.official(), seed=0)
 
 
@@ -113,8 +114,8 @@ def run(argv) -> int:
         from glmvit_cupy import reference
 
         print(f"!! the GPU engine cannot run here: {why} !!")
-        print("!! so the float32 NumPy reference runs on the CPU instead: slow (half a minute or so for one photo "
-              "at the official geometry) !!")
+        print("!! so the float32 NumPy reference runs on the CPU instead: slow (30-70 s for one photo at the "
+              "official geometry on 2 cores) !!")
         pv, grid = preprocess(images, max_image_tokens=args.max_image_tokens, patching=patching)
         t = time.perf_counter()
         ref = reference.encode_pixels(binding, pv, grid)

@@ -56,7 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=None, help="encoder actors (default: one per GPU)")
     ap.add_argument("--num-gpus", type=float, default=None, help="GPUs per encoder actor (default 1; not with --cpu)")
     ap.add_argument("--capacity-tokens", type=int, default=8000, help="tokens per forward pass (default 8000)")
-    ap.add_argument("--max-image-tokens", type=int, default=8000, help="per-image token limit (default 8000)")
+    ap.add_argument("--max-image-tokens", type=int, default=None,
+                    help="per-image token limit (default 8000, lowered to --capacity-tokens)")
     args = ap.parse_args(argv)
     if args.cpu and args.num_gpus is not None:
         ap.error("--num-gpus with --cpu: the float32 reference runs in CPU actors that use no GPU; drop one of them")

@@ -214,6 +214,9 @@ def test_inspect_and_usage(capsys, tmp_path):
                     flag, "1e308"]) == 2
         assert f"{flag} 1e+308 must be a positive number of MiB, at most 1,099,511,627,776" in capsys.readouterr().err
     assert run([]) == 2
+    assert "missing images or videos and --checkpoint and --out" in capsys.readouterr().err
+    assert run([tmp_path / "nope.png", "--checkpoint", cases.TOWER_DIR]) == 2
+    assert "missing --out: an encode needs" in capsys.readouterr().err
     assert run([tmp_path / "nope.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o", "--cpu"]) == 2
     assert "no such file, folder or matching glob: " in capsys.readouterr().err and not (tmp_path / "o").exists()
 

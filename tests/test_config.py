@@ -89,7 +89,7 @@ def test_unreadable_config_says_so_not_bad_json(tmp_path):
 
 
 def test_missing_config(tmp_path):
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match="config.json: no such file; a checkpoint directory needs a config.json"):
         read_config(tmp_path)
 
 

@@ -109,6 +109,10 @@ def test_encode_dataset_checks_its_arguments(local_ray, tmp_path):
         gvr.encode_dataset(ds, TOWER, cpu=True, bytes_column="data", max_pixels=-1)
     with pytest.raises(ValueError, match="capacity_tokens"):
         gvr.encode_dataset(ds, TOWER, cpu=True, bytes_column="data", capacity_tokens=None)
+    # max_image_tokens left out is 8000 lowered to the capacity; given above it, refused on the driver
+    gvr.encode_dataset(ds, TOWER, cpu=True, bytes_column="data", capacity_tokens=4000)
+    with pytest.raises(ValueError, match="max_image_tokens=8000 exceeds this model's capacity of 4000"):
+        gvr.encode_dataset(ds, TOWER, cpu=True, bytes_column="data", capacity_tokens=4000, max_image_tokens=8000)
     import dataclasses
 
     from glmvit_cupy.checkpoint.synthetic import write_checkpoint

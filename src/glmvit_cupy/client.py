@@ -1,4 +1,4 @@
-"""A small client for glmvit-serve (standard library only).
+"""A small client for glmvit-serve (urllib; the base install, no serve extra).
 
     from glmvit_cupy.client import Client
     embs, meta = Client("http://127.0.0.1:8000").encode(["cat.jpg", open("dog.png", "rb").read()])

@@ -191,7 +191,7 @@ def read_config(path: str | os.PathLike) -> VisionGeometry:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     cfg = read_json_file(path, "config.json", 16 << 20,
-                         missing=f"{path}: no config.json; a checkpoint directory needs one to know its geometry")
+                         missing=f"{path}: no such file; a checkpoint directory needs a config.json to know its geometry")
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path}: config.json must hold a JSON object, not {type(cfg).__name__}")
     if cfg.get("model_type") in VISION_MODEL_TYPES:

@@ -6,9 +6,9 @@
     clips = gvr.encode_video_dataset(ray.data.read_binary_files("s3://bucket/clips/", include_paths=True),
                                      "/models/GLM-5.3-Flash")
 
-Two stages: `Prepare` decodes and resizes on CPU workers (Ray tasks); `Encode` runs in actors that
-load the tower once (`num_gpus` each, `concurrency` of them) and pack rows into forward passes of up to
-`capacity_tokens`. Output rows keep every input column but the bytes and add:
+Two stages: `Prepare` decodes on CPU workers (Ray tasks) and plans each canvas (with cpu=True it also
+resizes, with Pillow); `Encode` runs in actors that load the tower once (`num_gpus` each, `concurrency`
+of them), resize on their GPU and pack rows into forward passes of up to `capacity_tokens`. Output rows keep every input column but the bytes and add:
 
 - `tokens` (int), `grid_thw` (three ints);
 - `embedding`: float32 [tokens, out_hidden] holding the exact bf16 values (widening bf16 to float32
@@ -31,7 +31,7 @@ import io
 
 import numpy as np
 
-from .checks import DEFAULT_MAX_IMAGE_TOKENS, embedding_problem, image_limits
+from .checks import embedding_problem, image_limits
 from .errors import ImageError, quoted
 from .preprocessing.image import REFERENCE, Patching, prepare_canvas
 
@@ -227,10 +227,11 @@ def _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint):
 
 def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = False, num_gpus: float | None = None,
                    concurrency: int | None = None, capacity_tokens: int = 8000, min_image_tokens: int = 16,
-                   max_image_tokens: int = DEFAULT_MAX_IMAGE_TOKENS, max_pixels: int | None = None,
+                   max_image_tokens: int | None = None, max_pixels: int | None = None,
                    batch_size: int = 16):
     """A Ray Dataset with one image file per row (its bytes in `bytes_column`) -> the same rows with
-    tokens, grid_thw, embedding and error (see the module's docstring). `num_gpus`: GPUs per encoder actor
+    tokens, grid_thw, embedding and error (see the module's docstring). `max_image_tokens`: default 8000,
+    lowered to `capacity_tokens` (as GlmVit.encode's). `num_gpus`: GPUs per encoder actor
     (default 1; a fraction shares a GPU; not with cpu=True, whose actors use none). `concurrency`: encoder
     actors (default: as many as the cluster's GPUs allow at `num_gpus` each; 1 with cpu=True)."""
     import ray

@@ -1,6 +1,6 @@
 """Hand-off to vLLM: embeddings written where vLLM's shared-storage encoder-cache connector reads them.
 
-vLLM (ECExampleConnector, formerly ECSharedStorageConnector) looks for
+vLLM's ECExampleConnector (ECSharedStorageConnector in earlier vLLM releases) looks for
 `<shared_storage_path>/<mm_hash>/encoder_cache.safetensors` holding one tensor named "ec_cache",
 [tokens, hidden]; a file that exists is ready. We key an image by key_for_image (the sha256 hex of its file's
 bytes under the reference processor's default token limits, else of that and its limits), a video by
@@ -8,7 +8,7 @@ video_key_of (its frame files and the settings that shape its embedding), and wr
 temporary name of our own, fsync it, then rename it into place, so vLLM never reads half a file. The
 language-only vLLM is started with --ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role":
 "ec_consumer", "ec_connector_extra_config": {"shared_storage_path": DIR}}' and each request passes that key
-as the image's uuid (README: "Handing embeddings to vLLM").
+as the image's uuid (docs/SERVING.md, "Handing embeddings to vLLM").
 
 The files are the usual new files: mode 0666 and the key's folder 0777, less the umask (the kernel applies
 it, so a vLLM under another user of the same group reads them as the umask allows). Nothing is written

@@ -63,16 +63,18 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-image-tokens", type=int, default=None,
                     help=f"per-image resize limit, as the reference processor's (default {DEFAULT_MAX_IMAGE_TOKENS}, "
                          "or --capacity-tokens if that is lower); at most --capacity-tokens")
-    ap.add_argument("--min-image-tokens", type=int, default=16, help="per-image lower limit (default 16)")
+    ap.add_argument("--min-image-tokens", type=int, default=16, help="per-image lower limit (default 16; 0: none)")
     ap.add_argument("--devices", type=device_list, default=None, metavar="0,1,...",
                     help="CUDA devices, one replica each; batches are spread across them (default: the current one)")
     ap.add_argument("--workers", type=int, default=feed.default_workers(),
                     help="threads reading and decoding images ahead of the GPU (default: the CPUs, at most 16); "
                          "each holds one decoded image (36 MB for a 12-megapixel photo)")
     ap.add_argument("--resize", choices=RESIZE, default=None,
-                    help="who resizes: the GPU, bit for bit as Pillow (default), or Pillow on the host (--cpu's)")
+                    help="who resizes images and video frames: the GPU, bit for bit as the host (default), or the "
+                         "host (--cpu's)")
     ap.add_argument("--decode", choices=DECODE, default="cpu",
-                    help="who decodes JPEGs: Pillow (default) or nvImageCodec on the GPU (the gpu-decode extra; "
+                    help="who decodes JPEGs: Pillow (default) or nvImageCodec on the GPU (the gpu-decode-cu12 or "
+                         "gpu-decode-cu13 extra; "
                          "its pixels differ slightly from Pillow's, see docs/PERFORMANCE.md)")
     ap.add_argument("--max-pixels", type=int, default=None, metavar="N",
                     help="largest image (or video frame) to decode, in pixels (default: Pillow's "
@@ -147,8 +149,11 @@ def main(argv=None) -> int:
 def run(args) -> int:
     if args.inspect:
         return inspect(args.inspect)
-    if not args.inputs or not args.checkpoint or not args.out:
-        return fail("give images or videos, --checkpoint and --out (or --inspect CHECKPOINT); see --help")
+    missing = [what for what, given in (("images or videos", args.inputs), ("--checkpoint", args.checkpoint),
+                                        ("--out", args.out)) if not given]
+    if missing:
+        return fail(f"missing {' and '.join(missing)}: an encode needs images or videos, --checkpoint and --out "
+                    "(or --inspect CHECKPOINT alone); see --help")
     for flag, value, low in (("--workers", args.workers, 1), ("--capacity-tokens", args.capacity_tokens, 1),
                              ("--max-image-tokens", args.max_image_tokens, 1),
                              ("--min-image-tokens", args.min_image_tokens, 0), ("--max-pixels", args.max_pixels, 1),

@@ -1,6 +1,6 @@
 """The tower's forward on the GPU, top-down, one function per sub-layer as in reference.py.
 
-Numerics: the residual stream x is float32 (the reference keeps it in bf16), and every sub-layer's
+Numerics: the residual stream x is float32 (HF's bf16 forward keeps it in bf16), and every sub-layer's
 output GEMM accumulates straight into it (cuBLAS beta = 1). Those GEMMs cannot add their biases, so x
 is kept without them: each norm adds the running sum of the biases so far (params: `norm1_offset`,
 `norm2_offset`, `post_layernorm_offset`) as it reads x, and nothing writes x + bias back. GEMMs that

@@ -4,8 +4,8 @@ Each prepare thread decodes into a host buffer of its own (ordinary memory, reus
 copies the image to a device block on a stream of its own; the thread that drives the GPU receives the
 block and the event of its copy, and only waits for that event on its stream. Why not page-locked
 memory: page-locking costs ~1 ms per MiB (50 ms for 48 MiB on the H200 machine) and, while it runs, every
-thread that touches a new page waits (glmvit-encode's first pass decoded ten times slower while its
-blocks were pinned); a stream of photos keeps about a gigabyte of images in flight. A copy from ordinary
+thread that touches a new page waits (pinning glmvit-encode's blocks makes its first pass decode ten
+times slower); a stream of photos keeps about a gigabyte of images in flight. A copy from ordinary
 memory is staged by the driver (~7 GiB/s over all threads, without the GIL): ~7 ms of a decoding thread
 for a 12-megapixel photo, and nothing is pinned.
 

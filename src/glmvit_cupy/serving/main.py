@@ -4,7 +4,7 @@ metrics and the client: docs/SERVING.md.
     glmvit-serve --checkpoint /models/GLM-5.3-Flash --port 8000
     glmvit-serve --checkpoint tests/golden/tower --cpu            # the float32 reference, no GPU
 
-SIGTERM, SIGHUP or Ctrl-C: drain (/health and new requests get 503 while what is in flight finishes, at most
+SIGTERM, SIGHUP (unless ignored: nohup) or Ctrl-C: drain (/health and new requests get 503 while what is in flight finishes, at most
 --drain-timeout seconds), let the forward pass running end, then exit 0; a second signal stops at once.
 """
 
@@ -43,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="checkpoint folder, shard or index, or Hub id (org/name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    ap.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference (slow; no GPU needed)")
     ap.add_argument("--devices", default=None, metavar="0,1,...", help="CUDA devices, one replica each")
     ap.add_argument("--capacity-tokens", type=int, default=8000, help="tokens per forward pass (default 8000)")

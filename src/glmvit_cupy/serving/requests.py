@@ -96,13 +96,13 @@ def b64decode(text: str) -> bytes:
     The same bytes, or the same refusal (binascii.Error), as base64.b64decode(validate=True) of the text
     without its whitespace, but the whole quads before any padding are decoded a MiB of text at a time
     (one call on 64 MiB would hold the GIL for ~0.2 s, and with it the event loop) and the rest, padding
-    included, in one last call. ASCII whitespace goes in one pass over the bytes (splitting the text made
-    an object per piece: 5.5 GB for 250 MB of "QU QU ...")."""
+    included, in one last call. ASCII whitespace goes in one pass over the bytes (str.split would make an
+    object per piece: 5.5 GB for 250 MB of "QU QU ...")."""
     if text.startswith("data:"):
         head, comma, text = text.partition(",")
         if not comma or not head.endswith(";base64"):
             raise ValueError("a data URL must carry base64: data:<media type>;base64,<data>")
-    if not text.isascii():  # base64 is ASCII; Unicode spaces are refused too (splitting on them cost 5.5 GB)
+    if not text.isascii():  # base64 is ASCII; Unicode spaces are refused too (splitting on them would cost 5.5 GB)
         at = re.search(r"[^\x00-\x7f]", text).start()
         raise binascii.Error(f"Only base64 data is allowed (U+{ord(text[at]):04X}, outside ASCII, at character {at:,})")
     data = text.encode("ascii")
