@@ -309,6 +309,28 @@ def test_sampling_follows_the_reference_rules():
     assert sample_frames(100, 24, duration=0).tolist() == sample_frames(100, 24).tolist()  # 0: unknown  # fewer frames than wanted: all
 
 
+def test_a_frame_count_past_the_video_spreads_over_its_frames_without_making_the_count(rng, monkeypatch):
+    from glmvit_cupy.preprocessing import video
+
+    for _ in range(2000):  # the spread equals the reference's linspace, then unique, whatever the count
+        start = int(rng.integers(0, 50))
+        end, want = start + int(rng.integers(0, 60)), int(rng.integers(1, 200))
+        assert video._spread(start, end, want) == list(dict.fromkeys(
+            np.linspace(start, end, want, dtype=int).tolist())), (start, end, want)
+    # A tenth of a second of video asked for a billion frames a second: every one of its frames, at once
+    # (a billion-value linspace would take minutes and ~30 GB).
+    linspace = np.linspace
+
+    def counted(start, stop, num, **kw):
+        assert num <= 10**6, f"np.linspace of {num:,} values"
+        return linspace(start, stop, num, **kw)
+
+    monkeypatch.setattr(video.np, "linspace", counted)
+    assert sample_frames(3, 30.0, duration=10**9, target_fps=1, max_frames=10**9).tolist() == [0, 1, 2, 2]
+    assert sample_frames(40, 1.0, target_fps=1e9, max_frames=10**9).tolist() == list(range(40))
+    assert sample_frames(10**5, 30.0, duration=10**9, target_fps=1, max_frames=10**9)[-1] == 10**5 - 1
+
+
 @pytest.mark.parametrize("video,kw,match", [
     (np.zeros((3, 20, 20, 3), np.float32), {}, "frames are float32; give uint8"),
     (np.zeros((3, 20, 20), np.uint8), {}, r"shape \(3, 20, 20\); a video is \[frames, height, width, 3\]"),

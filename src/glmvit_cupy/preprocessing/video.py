@@ -61,6 +61,16 @@ def _positive_number(name: str, v, where: str) -> float:
     return float(v) if isinstance(v, (float, np.floating)) else int(v)
 
 
+def _spread(start: int, end: int, want: int) -> list[int]:
+    """np.linspace(start, end, want, dtype=int) as a list, the reference's spread of `want` frames, without
+    making `want` values when that is more than the frames between start and end: spaced by at most one,
+    the truncated values then hit every frame from start to end, which is all the caller keeps (unique).
+    A max_frames of 10**9 would otherwise hold the interpreter for minutes and many GB."""
+    if want > end - start:
+        return list(range(start, end + 1))
+    return np.linspace(start, end, want, dtype=int).tolist()
+
+
 def sample_frames(total_frames: int, fps: float, *, duration: float | None = None, target_fps: float = TARGET_FPS,
                   max_frames: int = MAX_FRAMES, max_duration: float = 0) -> np.ndarray:
     """Indices of the frames the reference samples from a video of total_frames frames at fps frames a second
@@ -86,7 +96,7 @@ def sample_frames(total_frames: int, fps: float, *, duration: float | None = Non
                          f"{quoted(target_fps)} give a frame count past any float; pass the video's real fps and "
                          "duration") from None
     if total_frames < want:
-        picked = np.linspace(0, max_idx, want, dtype=int).tolist()
+        picked = _spread(0, max_idx, want)
     else:
         picked, second, step = [], 0, 1 / target_fps
         for i in range(total_frames):
@@ -97,9 +107,9 @@ def sample_frames(total_frames: int, fps: float, *, duration: float | None = Non
                     break
     if len(picked) < want:
         start, end = (picked[0], picked[-1]) if picked else (0, max(max_idx, 0))
-        picked = np.linspace(start, end, want, dtype=int).tolist()
+        picked = _spread(start, end, want)
     elif len(picked) > want:
-        picked = np.linspace(0, max_idx, want, dtype=int).tolist()
+        picked = _spread(0, max_idx, want)
     unique = list(dict.fromkeys(picked))
     if not unique:
         raise ValueError(f"sample_frames: a {total_frames}-frame video at {fps} fps lasts {duration} s, which "
