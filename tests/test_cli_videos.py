@@ -150,9 +150,9 @@ def test_a_frame_group_over_the_capacity_and_the_vllm_files(media, tmp_path, cap
     entry = manifest["images"][os.path.realpath(files[1])]
     assert entry["frame_tokens"] <= 24
     _, common = parse_videos(json.dumps({"videos": [{"file": "AA=="}], "max_image_tokens": 400}).encode())
-    assert entry["key"] == vllm_ec.video_key_of([files[1].read_bytes()], None, None, common)
-    assert vllm_ec.video_key_of([b"x"], 30.0, None, dict(common, target_fps=2.0)) == \
-        vllm_ec.video_key_of([b"x"], 30, None, dict(common, target_fps=2))  # --video-fps 2 is the server's 2
+    assert entry["key"] == vllm_ec.video_key_of([files[1].read_bytes()], None, None, common, kind="file")
+    assert vllm_ec.video_key_of([b"x"], 30.0, None, dict(common, target_fps=2.0), kind="file") == \
+        vllm_ec.video_key_of([b"x"], 30, None, dict(common, target_fps=2), kind="file")  # --video-fps 2: the server's 2
     assert entry["sha256"] == vllm_ec.key_of(files[1].read_bytes())
     from safetensors.numpy import load_file
 

@@ -3,6 +3,7 @@ bit equality with the reference, batching across concurrent requests, the cache,
 away, SIGTERM, the vLLM encoder-cache layout, and the client."""
 
 import base64
+import functools
 import io
 import importlib.util
 import json
@@ -618,16 +619,38 @@ def test_a_video_file_is_decoded_by_the_server(server, tower, tmp_path):
     assert again_meta[0]["cached"] and np.array_equal(again[0].view(np.uint16), want.view(np.uint16))
 
 
+def test_the_same_bytes_as_a_video_file_and_as_a_frame_are_two_videos(server):
+    """An animated GIF is a video file of six frames, or one frame (its first) of a video: two embeddings,
+    two keys, and neither answered from the other's cache entry, in either order."""
+    pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
+    client, _ = server
+    frames = [Image.fromarray(np.full((40, 56, 3), 40 * i, np.uint8)) for i in range(6)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=250, loop=0)
+    gif = buf.getvalue()
+    as_file = client.encode_video([gif], fps=4.0, max_image_tokens=200)
+    as_frame = client.encode_video([[gif]], fps=4.0, max_image_tokens=200)
+    assert not as_frame[1][0]["cached"] and as_frame[1][0]["key"] != as_file[1][0]["key"]
+    assert as_frame[1][0]["grid_thw"][0] == 1 and as_file[1][0]["grid_thw"][0] > 1
+    again = client.encode_video([[gif]], fps=4.0, max_image_tokens=200)
+    assert again[1][0]["cached"] and np.array_equal(again[0][0].view(np.uint16), as_frame[0][0].view(np.uint16))
+
+
 def test_a_video_key_covers_its_frames_in_order_and_every_setting():
     from glmvit_cupy import vllm_ec
 
     frames, settings = [b"a", b"b"], {"sample": True, "target_fps": 2, "max_image_tokens": 200}
-    key = vllm_ec.video_key_of(frames, 4.0, None, settings)
-    assert key == vllm_ec.video_key_of(list(frames), 4.0, None, dict(reversed(list(settings.items()))))
-    others = [vllm_ec.video_key_of(frames[::-1], 4.0, None, settings), vllm_ec.video_key_of(frames, 2.0, None, settings),
-              vllm_ec.video_key_of(frames, 4.0, 1.0, settings), vllm_ec.video_key_of(frames[:1], 4.0, None, settings),
-              vllm_ec.video_key_of(frames, 4.0, None, {**settings, "max_image_tokens": 100})]
-    assert len({key, *others}) == 6 and all(len(k) == 64 for k in others)
+    key = functools.partial(vllm_ec.video_key_of, kind="frames")
+    mine = key(frames, 4.0, None, settings)
+    assert mine == key(list(frames), 4.0, None, dict(reversed(list(settings.items()))))
+    others = [key(frames[::-1], 4.0, None, settings), key(frames, 2.0, None, settings),
+              key(frames, 4.0, 1.0, settings), key(frames[:1], 4.0, None, settings),
+              key(frames, 4.0, None, {**settings, "max_image_tokens": 100}),
+              vllm_ec.video_key_of(frames[:1], 4.0, None, settings, kind="file")]  # the bytes as a video file
+    assert len({mine, *others}) == 7 and all(len(k) == 64 for k in others)
+    for kind, files in (("file", frames), ("clip", frames[:1])):
+        with pytest.raises(ValueError, match="kind is 'frames' .image files. or 'file' .one video file."):
+            vllm_ec.video_key_of(files, 4.0, None, settings, kind=kind)
 
 
 def _b64png(a) -> str:

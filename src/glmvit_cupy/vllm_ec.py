@@ -63,20 +63,26 @@ def key_for_image(sha: str, min_image_tokens: int, max_image_tokens: int) -> str
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def video_key_of(frames: list[bytes], fps, duration, settings: dict) -> str:
-    """A video's key: the sha256 hex of a canonical JSON of its frame files' sha256s (or its video file's),
-    its fps and duration and the preprocess_video settings (sampling, token limits) that decide which frames
-    count and their size. The same frames with other settings give another embedding, so another key."""
-    return video_key_of_shas([key_of(f) for f in frames], fps, duration, settings)
+def video_key_of(files: list[bytes], fps, duration, settings: dict, *, kind: str) -> str:
+    """A video's key: the sha256 hex of a canonical JSON of its kind ("frames": `files` are its frames' image
+    files; "file": `files` is its one video file), those files' sha256s, its fps and duration and the
+    preprocess_video settings (sampling, token limits) that decide which frames count and their size. The
+    same bytes as a video file or as a frame give other frames, and other settings another embedding: so
+    another key."""
+    return video_key_of_shas([key_of(f) for f in files], fps, duration, settings, kind=kind)
 
 
-def video_key_of_shas(shas: list[str], fps, duration, settings: dict) -> str:
+def video_key_of_shas(shas: list[str], fps, duration, settings: dict, *, kind: str) -> str:
     """video_key_of from the files' sha256 hex digests (a video file hashed in pieces, not held in memory).
     Whole-number floats count as ints (target_fps 2.0 is 2): one setting, one key, however it was typed."""
+    if kind not in ("frames", "file") or (kind == "file" and len(shas) != 1):
+        raise ValueError(f"video_key_of: kind={kind!r} with {len(shas)} files; kind is 'frames' (image files) or "
+                         "'file' (one video file)")
+
     def number(v):
         return int(v) if isinstance(v, float) and v.is_integer() else v
 
-    doc = {"frames": list(shas), "fps": number(fps), "duration": number(duration),
+    doc = {"kind": kind, "files": list(shas), "fps": number(fps), "duration": number(duration),
            "settings": {k: number(settings[k]) for k in sorted(settings)}}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 

@@ -69,7 +69,7 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
         except (ImageError, ValueError) as e:
             return path, e
         entry = {"kind": "video", "source": image_key(path), "sha256": sha, "file": stamp,
-                 "key": vllm_ec.video_key_of_shas([sha], None, None, settings), "size_hw": list(info["size"]),
+                 "key": vllm_ec.video_key_of_shas([sha], None, None, settings, kind="file"), "size_hw": list(info["size"]),
                  "canvas_hw": list(info["canvas"]), "content": list(info["content"]), "grid_thw": list(grid),
                  "tokens": info["tokens"], "frame_tokens": info["frame_tokens"],
                  "frames_indices": info["frames_indices"], "timestamps": info["timestamps"], "fps": info["fps"],

@@ -469,7 +469,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     async def _encode_video(request):
         """Frames decoded and videos sampled on the decoding threads; their resize (on the GPU where images
         are) and passes run as one task on a lane's thread, between image passes (the engine is one thread's).
-        A video's key (vllm_ec.video_key_of: its frame files and settings) finds it in the cache and names its
+        A video's key (vllm_ec.video_key_of: its frame files or video file, and settings) finds it in the cache and names its
         vLLM file."""
         videos, common = await parse(read_videos, await json_body(request))
         return await unless_gone(request, encode_videos(videos, common))
@@ -487,7 +487,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         return videos, common
 
     async def encode_videos(videos, common):
-        keys = [vllm_ec.video_key_of(v["frames"] or [v["file"]], v["fps"], v["duration"], common) for v in videos]
+        keys = [vllm_ec.video_key_of(v["frames"] or [v["file"]], v["fps"], v["duration"], common,
+                                     kind="frames" if v["frames"] else "file") for v in videos]
         first = {}
         for i, k in enumerate(keys):
             first.setdefault((k, settings.checkpoint), i)
