@@ -42,6 +42,23 @@ def test_bytes_arrays_and_frames_are_named_by_kind(monkeypatch, rng):
     assert e.value.source is None and str(e.value) == "HTTP 422: the queue is full"
 
 
+def test_a_path_that_is_not_a_regular_file_is_refused_unread(tmp_path, monkeypatch):
+    """A FIFO would block the client forever, /dev/zero read without end: both refused by what they are,
+    before anything is sent; an empty array names the image too."""
+    import os
+
+    monkeypatch.setattr("urllib.request.urlopen", Answer())
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "pipe.png")
+        with pytest.raises(OSError, match=r"pipe.png: image 0 is a FIFO \(named pipe\), not a regular file"):
+            Client().encode([tmp_path / "pipe.png"])
+    if os.path.exists("/dev/zero"):
+        with pytest.raises(OSError, match="/dev/zero: video 0 is a character device, not a regular file"):
+            Client().encode_video(["/dev/zero"])
+    with pytest.raises(ValueError, match=r"image 1: the array \[0, 4, 3\] holds no pixels"):
+        Client().encode([png(np.zeros((2, 2, 3), np.uint8)), np.zeros((0, 4, 3), np.uint8)])
+
+
 class Answer:
     """A stand-in for the server: keeps each request's JSON body and answers with one bf16 tensor per image
     (or video) it holds."""

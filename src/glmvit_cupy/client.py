@@ -139,12 +139,14 @@ def _plain(v):
 
 def _file_b64(frame, what: str) -> str:
     """An image, frame or video file as base64: a path's or bytes as they are, an HxWx3 uint8 array as a PNG
-    (lossless). ValueError naming `what` for anything else (an array of another shape or type would be read
+    (lossless). OSError for a path that is not a readable regular file; ValueError naming `what` for anything else (an array of another shape or type would be read
     differently than preprocess reads it: an alpha channel dropped, not composited)."""
     if isinstance(frame, np.ndarray):
         if frame.dtype != np.uint8 or frame.ndim != 3 or frame.shape[2] != 3:
             raise ValueError(f"{what}: an array is sent as an HxWx3 uint8 RGB image, got {frame.dtype} "
                              f"{list(frame.shape)}; send other images as their files (paths or bytes)")
+        if frame.shape[0] == 0 or frame.shape[1] == 0:
+            raise ValueError(f"{what}: the array {list(frame.shape)} holds no pixels; an image is at least 1x1")
         import io
 
         from PIL import Image
@@ -153,7 +155,10 @@ def _file_b64(frame, what: str) -> str:
         Image.fromarray(frame).save(buf, format="PNG", compress_level=1)
         frame = buf.getvalue()
     elif isinstance(frame, (str, os.PathLike)):
-        with open(frame, "rb") as f:
+        from .files import open_regular
+
+        # A regular file only: a FIFO would wait for a writer forever, a device such as /dev/zero read without end.
+        with open_regular(frame, what, error=OSError) as f:
             frame = f.read()
     elif not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ValueError(f"{what}: {type(frame).__name__} is not an image file's path or bytes, nor an HxWx3 uint8 "
