@@ -53,6 +53,7 @@ def test_good_shard_is_zero_copy_and_typed(tmp_path):
     (lambda h: h["a"].update(shape=[2, -3]), "non-negative"),
     (lambda h: h["a"].update(data_offsets="0-12"), "two integers"),
     (lambda h: h.update(c=5), "must be an object"),
+    (lambda h: h.update(__metadata__={"format": 1}), "__metadata__ must be an object of strings"),
 ])
 def test_bad_headers(tmp_path, mutate, needle):
     h = ok_header()
@@ -61,6 +62,20 @@ def test_bad_headers(tmp_path, mutate, needle):
     with pytest.raises(CheckpointError) as e:
         WeightStore.open(p)
     assert needle in str(e.value) and "bad.safetensors" in str(e.value)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda h: h["a"].update(shape=[-1] * 100_000), lambda h: h["a"].update(dtype="B" * 1_000_000),
+    lambda h: h["a"].update(data_offsets=[0] * 100_000), lambda h: h.update({"x" * 1_000_000: dict(h.pop("a"), dtype="Q9")}),
+    lambda h: h["a"].update(shape=[0] * 100_000, data_offsets=[0, 0]),
+])
+def test_a_huge_field_is_quoted_short(tmp_path, mutate):
+    """A header field of megabytes is named in the one-line error, not repeated whole into the log."""
+    h = ok_header()
+    mutate(h)
+    with pytest.raises(CheckpointError) as e:
+        WeightStore.open(shard(tmp_path / "huge.safetensors", h, bytes(20)))
+    assert "huge.safetensors" in str(e.value) and len(str(e.value)) < 600, str(e.value)[:300]
 
 
 def test_data_section_must_be_indexed_whole(tmp_path):

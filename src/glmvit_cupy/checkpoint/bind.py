@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import VisionGeometry, read_config
-from ..errors import AbsentTower, CheckpointError, NoVisionConfig
+from ..errors import AbsentTower, CheckpointError, NoVisionConfig, quoted
 from ..files import not_regular, read_json_file
 from .hub import resolve
 from .names import VISION_PREFIXES, is_vision_name, tower_layout, tower_prefixes
@@ -91,7 +91,7 @@ def _check_shape(store: WeightStore, name: str, want: tuple):
     if not ok:
         flat = f" (flattens to [{shape[0] if shape else 0}, {cols}])" if len(want) == 2 and shape else ""
         raise CheckpointError(
-            f"{info.file}: tensor {name!r} has shape {tuple(shape)}{flat}, but vision_config makes the encoder "
+            f"{info.file}: tensor {name!r} has shape {quoted(tuple(shape), 80)}{flat}, but vision_config makes the encoder "
             f"read it as {list(want)}; the checkpoint's tower geometry does not match its config")
 
 

@@ -18,7 +18,7 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, quoted
 from ..files import not_regular, open_regular, read_json_file
 
 # The safetensors dtype names this store can map, with their NumPy types.
@@ -88,7 +88,7 @@ def read_header(path: str) -> dict:
         seen = set()
         for k, _ in pairs:
             if k in seen:
-                raise CheckpointError(f"{path}: the header names tensor {k!r} twice; each name must be unique")
+                raise CheckpointError(f"{path}: the header names tensor {quoted(k, 120)} twice; each name must be unique")
             seen.add(k)
         return dict(pairs)
 
@@ -103,23 +103,24 @@ def read_header(path: str) -> dict:
     infos = {}
     for name, entry in header.items():
         if name == "__metadata__":
-            if not isinstance(entry, dict):
-                raise CheckpointError(f"{path}: __metadata__ must be an object of strings")
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise CheckpointError(f"{path}: __metadata__ must be an object of strings (the safetensors format), "
+                                      f"got {quoted(entry, 80)}")
             continue
-        where = f"{path}: tensor {name!r}"
+        where = f"{path}: tensor {quoted(name, 120)}"
         if not isinstance(entry, dict):
             raise CheckpointError(f"{where}: header entry must be an object, got {entry!r:.80}")
         dtype = entry.get("dtype")
         if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise CheckpointError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+            raise CheckpointError(f"{where}: unknown dtype {quoted(dtype, 40)} (known: {', '.join(DTYPES)})")
         shape = entry.get("shape")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
-            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+            raise CheckpointError(f"{where}: shape {quoted(shape, 80)} is not a list of non-negative integers")
         offs = entry.get("data_offsets")
         if (not isinstance(offs, list) or len(offs) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
-            raise CheckpointError(f"{where}: data_offsets {offs!r} must be two integers [begin, end]")
+            raise CheckpointError(f"{where}: data_offsets {quoted(offs, 80)} must be two integers [begin, end]")
         begin, end = offs
         if begin < 0 or end < begin:
             raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] are negative or reversed")
@@ -130,18 +131,18 @@ def read_header(path: str) -> dict:
         want = DTYPES[dtype].itemsize * _prod(shape)
         if end - begin != want:
             raise CheckpointError(
-                f"{where}: {end - begin} bytes on disk, but dtype {dtype} x shape {tuple(shape)} needs {want}")
+                f"{where}: {end - begin} bytes on disk, but dtype {dtype} x shape {quoted(tuple(shape), 80)} needs {want}")
         infos[name] = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, end - begin)
     # The format indexes the data section whole, without holes or overlaps (so no bytes hide in it):
     # sorted by offset, each tensor starts where the one before ends, and the last ends at the file's end.
     end, prev = data_start, None
     for info in sorted(infos.values(), key=lambda i: (i.offset, i.nbytes)):
         if info.offset < end:
-            raise CheckpointError(f"{path}: tensors {prev!r} and {info.name!r} overlap in the data section "
+            raise CheckpointError(f"{path}: tensors {quoted(prev, 120)} and {quoted(info.name, 120)} overlap in the data section "
                                   f"(bytes {info.offset - data_start}-{info.offset - data_start + info.nbytes} "
                                   f"start before {end - data_start})")
         if info.offset > end:
-            raise CheckpointError(f"{path}: {info.offset - end} bytes before tensor {info.name!r} belong to no "
+            raise CheckpointError(f"{path}: {info.offset - end} bytes before tensor {quoted(info.name, 120)} belong to no "
                                   "tensor; the data section must be indexed whole (the header or file is corrupt)")
         end, prev = info.offset + info.nbytes, info.name
     if end != size:
@@ -183,7 +184,7 @@ def _from_index(index_path):
     folder = os.path.dirname(index_path)
     for name, shard in wm.items():
         if os.path.basename(shard) != shard or shard in ("", ".", "..") or "\0" in shard:
-            raise CheckpointError(f"{index_path}: tensor {name!r} maps to {shard!r}, which is not a file name "
+            raise CheckpointError(f"{index_path}: tensor {quoted(name, 120)} maps to {quoted(shard, 120)}, which is not a file name "
                                   "inside the checkpoint directory")
     return None, {k: os.path.join(folder, v) for k, v in wm.items()}, index_path
 
@@ -211,12 +212,12 @@ class WeightStore:
                 if shard not in headers:
                     if not os.path.isfile(shard):
                         what = not_regular(shard)
-                        raise CheckpointError(f"{display}: tensor {name!r} is indexed in shard "
-                                              f"{os.path.basename(shard)!r}, which " +
+                        raise CheckpointError(f"{display}: tensor {quoted(name, 120)} is indexed in shard "
+                                              f"{quoted(os.path.basename(shard), 120)}, which " +
                                               (f"is {what}" if what else "does not exist"))
                     headers[shard] = read_header(shard)
                 if name not in headers[shard]:
-                    raise CheckpointError(f"{display}: the index puts tensor {name!r} in {shard}, "
+                    raise CheckpointError(f"{display}: the index puts tensor {quoted(name, 120)} in {shard}, "
                                           "but that shard's header does not hold it")
                 infos[name] = headers[shard][name]
         else:
@@ -225,7 +226,7 @@ class WeightStore:
                     if only is not None and not only(name):
                         continue
                     if name in infos:
-                        raise CheckpointError(f"tensor {name!r} appears in both {infos[name].file} and {shard}")
+                        raise CheckpointError(f"tensor {quoted(name, 120)} appears in both {infos[name].file} and {shard}")
                     infos[name] = info
         return cls(infos, display)
 
@@ -243,7 +244,7 @@ class WeightStore:
         try:
             return self._infos[name]
         except KeyError:
-            raise CheckpointError(f"{self.display}: missing tensor {name!r}") from None
+            raise CheckpointError(f"{self.display}: missing tensor {quoted(name, 120)}") from None
 
     def get(self, name: str) -> np.ndarray:
         """A zero-copy, read-only NumPy view of one tensor (bf16 as ml_dtypes.bfloat16)."""
@@ -258,7 +259,7 @@ class WeightStore:
         info = self.info(name)
         if info.dtype != "BF16":
             raise CheckpointError(
-                f"{info.file}: tensor {name!r} is {info.dtype}, but the GLM vision tower is BF16 throughout "
+                f"{info.file}: tensor {quoted(name, 120)} is {info.dtype}, but the GLM vision tower is BF16 throughout "
                 f"(347/347 tensors even in FP8/NVFP4 exports). Reading these {info.nbytes} bytes as BF16 would "
                 "be a dtype pun that walks the wrong number of bytes; a quantised tower needs a dequant path, "
                 "not a cast.")
