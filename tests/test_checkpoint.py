@@ -172,6 +172,13 @@ def test_empty_directory_and_missing_path(tmp_path):
         inspect_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="no such file"):
         inspect_checkpoint(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="the checkpoint path is empty: give a checkpoint folder"):
+        bind_tower("")
+    import os
+
+    from tests.golden import cases
+
+    assert bind_tower(os.fsencode(cases.TOWER_DIR)).geometry == bind_tower(cases.TOWER_DIR).geometry  # a bytes path
 
 
 def test_geometry_disagreeing_with_tensors(tmp_path, tensors):

@@ -109,6 +109,13 @@ def test_a_broken_link_is_reported_as_one(images, tmp_path, capsys):
     assert sorted(os.path.basename(k) for k in manifest["images"]) == ["a.png", "b.png", "c.jpg"]
     (why,) = [w for w in manifest["failed"].values() if "gone.png" in w]
     assert "gone.png: a broken symbolic link (to " in why and "moved-away.png" in why
+    (images / "gone.png").unlink()
+    (images / "loop1.png").symlink_to(images / "loop2.png")
+    (images / "loop2.png").symlink_to(images / "loop1.png")
+    assert run([images / "loop1.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "out2", "--cpu"]) == 1
+    manifest, _ = load_all(tmp_path / "out2")
+    (why,) = manifest["failed"].values()
+    assert "loop1.png: a symbolic link loop (to " in why, why
 
 
 def test_resume_skips_finished_images(images, tmp_path, capsys):

@@ -138,6 +138,17 @@ def test_pixel_values_must_be_real_numbers(tower, dtype):
         reference.encode_pixels(tower, pv, [[1, 8, 8]])
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 1e300])
+def test_pixel_values_must_be_finite(tower, bad, rng):
+    """NaN or infinity (1e300 is infinite in float32) would spread through attention to every row of the image:
+    refused, naming how many rows and the first."""
+    pv = rng.standard_normal((64, 1176))
+    pv[37, 5] = bad
+    with pytest.raises(ValueError, match=r"pixel_values: 1 of 64 rows hold NaN or infinity \(in float32; the first "
+                                         r"is row 37\)"):
+        reference.encode_pixels(tower, pv, [[1, 8, 8]])
+
+
 @pytest.mark.parametrize("dtype", [np.int32, np.int8, np.uint8, np.float16, "bfloat16", "nonsense", None])
 def test_the_reference_computes_in_float32_or_float64_only(dtype):
     """An integer or half dtype would cast the weights and compute another tower without a word: refused."""

@@ -367,6 +367,10 @@ def test_bad_settings_are_refused_by_name():
         preprocess_video(v, sample=False, max_image_tokens=1)
     with pytest.raises(ValueError, match="min_image_tokens=-1 must be an integer from 0 to 2,147,483,647"):
         preprocess_video(v, sample=False, min_image_tokens=-1)
+    for bad in ("no", 0, None):  # "no" is truthy: read as True, it would sample what the caller meant to keep
+        with pytest.raises(ValueError, match=r"video 0: sample=.* must be True .* or False"):
+            preprocess_video(v, fps=10.0, sample=bad)
+    assert preprocess_video(v, fps=10.0, sample=np.bool_(False))[1].tolist() == [[2, 6, 6]]  # 4 frames: 2 groups
 
 
 def test_frame_pieces_cut_videos_into_whole_groups_that_fit():

@@ -100,13 +100,15 @@ def check_grid(grid_thw, merge: int) -> np.ndarray:
     grid = np.asarray(grid_thw)
     if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or not np.issubdtype(grid.dtype, np.integer):
         raise ValueError(f"grid_thw must be an integer array of shape [images, 3], got {grid.dtype} {grid.shape}")
-    grid = grid.astype(np.int64)
-    for i, (t, h, w) in enumerate(grid.tolist()):
+    for i, (t, h, w) in enumerate(grid.tolist()):  # Python ints as given: a uint64 past int64 stays positive
+        if max(abs(t), abs(h), abs(w)) >= 2**31:
+            raise ValueError(f"grid_thw[{i}] = ({t}, {h}, {w}): a size of 2**31 patches or more; no image or video "
+                             "is that large")
         if t < 1 or h < merge or w < merge or h % merge or w % merge:
             what = "even" if merge == 2 else f"multiples of {merge}"
             raise ValueError(f"grid_thw[{i}] = ({t}, {h}, {w}): t must be >= 1 and h, w positive and {what} "
                              f"(patches merge in {merge}x{merge} blocks)")
-    return grid
+    return grid.astype(np.int64)
 
 
 def check_pixels(geo: VisionGeometry, pixel_values, grid_thw, capacity_tokens: int | None = None

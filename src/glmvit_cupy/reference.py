@@ -168,6 +168,11 @@ class Tower:
         pixel_values = np.asarray(pixel_values)
         grid_thw, _ = check_pixels(g, pixel_values, grid_thw)  # the GPU path's checks and messages
         x = pixel_values.astype(self.dtype)
+        finite = np.isfinite(x).all(axis=1)
+        if not finite.all():  # NaN or infinity would spread through attention to every row of its image
+            bad = np.flatnonzero(~finite)
+            raise ValueError(f"pixel_values: {len(bad):,} of {len(x):,} rows hold NaN or infinity (in {self.dtype}"
+                             f"; the first is row {bad[0]}); pixels must be finite, as preprocess gives them")
         x = x @ self.w["patch_embed.proj.weight"].T + self.w["patch_embed.proj.bias"]
         cos, sin = rotary(position_ids(grid_thw, g.spatial_merge_size).astype(self.dtype), g.head_dim,
                           g.rope_theta, self.dtype)

@@ -116,7 +116,12 @@ def reachable(endpoint: str, timeout: float = 1.5) -> bool:
 
 
 def resolve(path) -> str:
-    """A local path as it is; a Hub id fetched (vision shards only) to the local cache."""
+    """A local path as a str (bytes decoded as the OS does); a Hub id fetched (vision shards only) to the local
+    cache. CheckpointError for an empty path."""
     if is_hub_id(path):
         return fetch_vision_checkpoint(path)
-    return os.fspath(path)
+    path = os.fsdecode(path)
+    if not path:
+        raise CheckpointError("the checkpoint path is empty: give a checkpoint folder, one of its .safetensors "
+                              "shards, its index .json, or a Hub id 'org/name'")
+    return path

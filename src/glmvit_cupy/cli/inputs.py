@@ -205,9 +205,12 @@ def mib(n: int) -> str:
 
 
 def unreadable(path, e: OSError) -> ImageError:
-    """An input file that cannot be read, and why (a broken symbolic link named as one)."""
-    broken = os.path.islink(path) and not os.path.exists(path)
-    return ImageError(f"{path}: " + (f"a broken symbolic link (to {os.readlink(path)!r})" if broken
-                                     else f"cannot read ({e})"))
+    """An input file that cannot be read, and why (a broken or looping symbolic link named as one)."""
+    if os.path.islink(path) and not os.path.exists(path):
+        import errno
+
+        what = "a symbolic link loop" if e.errno == errno.ELOOP else "a broken symbolic link"
+        return ImageError(f"{path}: {what} (to {os.readlink(path)!r})")
+    return ImageError(f"{path}: cannot read ({e})")
 
 

@@ -165,6 +165,9 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
     files) decodes only those too."""
     name = f"video {index}" if name is None else name
     check_patching(patching)
+    if not isinstance(sample, (bool, np.bool_)):
+        raise ValueError(f"{name}: sample={quoted(sample)} must be True (sample about target_fps frames a second) "
+                         "or False (encode the frames as given)")
     try:
         min_image_tokens, max_image_tokens = check_token_limits(min_image_tokens, max_image_tokens, ordered=False)
     except ValueError as e:
