@@ -354,6 +354,17 @@ def test_two_processes_never_write_one_folder(tmp_path):
     Output(folder, SETTINGS).add_batch(batch(["/img/a"]))  # the kill let it go
 
 
+def test_a_lock_file_that_is_not_a_file_is_named_never_waited_on(tmp_path):
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this OS")
+    folder = tmp_path / "o"
+    folder.mkdir()
+    os.mkfifo(folder / ".glmvit-encode.lock")
+    with pytest.raises(OutputError, match=r"\.glmvit-encode\.lock is a FIFO \(named pipe\), not the lock file "
+                                          "glmvit-encode makes: remove it"):
+        Output(str(folder), SETTINGS)
+
+
 @pytest.mark.parametrize("bad", ["relative/a.png", "", "b'a' b'c'", "b'/x' # c", "b'rel'", None, b"/x",
                                  "b''+" + "-" * 200_000 + "1"])
 def test_key_path_refuses_what_image_key_never_gives(bad):

@@ -38,13 +38,14 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: safetensors.numpy needs it to read the shards)
 import numpy as np
 
 from .errors import OutputError, quoted
-from .files import not_regular, open_regular
+from .files import kind, not_regular, open_regular
 
 log = logging.getLogger("glmvit_cupy")
 
@@ -188,10 +189,18 @@ def _lock_folder(folder: str):
     process ends, however it ends), or OutputError when another process holds it."""
     import fcntl
 
-    try:
-        f = open(os.path.join(folder, LOCK), "a+b")
+    path = os.path.join(folder, LOCK)
+    try:  # without blocking: a FIFO planted under the name would wait for a writer
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0), 0o666)
     except OSError as e:
-        raise OutputError(f"cannot create {shown(os.path.join(folder, LOCK))}: {_reason(e)}") from None
+        raise OutputError(f"cannot create {shown(path)}: {_reason(e)}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise OutputError(f"{shown(path)} is {kind(mode)}, not the lock file glmvit-encode makes: remove it, or give "
+                          "another --out")
+    os.set_blocking(fd, True)
+    f = os.fdopen(fd, "r+b")
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
