@@ -167,7 +167,8 @@ class Tower:
         g = self.geo
         pixel_values = np.asarray(pixel_values)
         grid_thw, _ = check_pixels(g, pixel_values, grid_thw)  # the GPU path's checks and messages
-        x = pixel_values.astype(self.dtype)
+        with np.errstate(over="ignore"):  # a float64 past float32's range: infinity, refused just below
+            x = pixel_values.astype(self.dtype)
         finite = np.isfinite(x).all(axis=1)
         if not finite.all():  # NaN or infinity would spread through attention to every row of its image
             bad = np.flatnonzero(~finite)
