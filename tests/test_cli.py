@@ -164,6 +164,28 @@ def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch, c
     assert len(manifest["images"]) == 2 and len(tensors) == 2
 
 
+def test_a_fixed_file_a_stopped_run_encoded_is_taken_by_the_next_and_by_the_reader(tmp_path, capsys):
+    """A file failed, was replaced by a good one, and a run encoded it but stopped before its manifest caught
+    up: the next run, with nothing left to encode, still writes the manifest, so the file is listed, no longer
+    failed, and read_embeddings gives it."""
+    from glmvit_cupy.output import read_embeddings
+
+    img, out = tmp_path / "a.png", tmp_path / "out"
+    img.write_bytes(b"not an image")
+    args = [img, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu"]
+    assert run(args) == 1
+    stale = (out / "manifest.json").read_bytes()  # what the manifest said before the run that encoded it
+    Image.new("RGB", (60, 40), (10, 200, 30)).save(img)
+    assert run(args) == 0
+    (out / "manifest.json").write_bytes(stale)  # that run stopped before its manifest was written
+    capsys.readouterr()
+    assert run(args) == 0 and "1 of 1 file already in" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    key = os.path.realpath(img)
+    assert key in manifest["images"] and key not in manifest["failed"]
+    assert key in read_embeddings(str(out))[1]
+
+
 def test_batches_respect_the_token_budget(images, tmp_path):
     out = tmp_path / "out"
     run([images / "a.png", images / "c.jpg", images / "sub", "--checkpoint", cases.TOWER_DIR, "--out", out,

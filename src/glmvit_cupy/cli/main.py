@@ -227,6 +227,12 @@ def run(args) -> int:
         print(f"glmvit-encode: {counted(again, 'file')} failed in an earlier run; trying "
               f"{'it' if again == 1 else 'them'} again")
     if not todo:
+        try:  # shards the last run wrote before its manifest caught up are in it now, their files no longer failed
+            out.flush()
+        except OutputError as e:
+            print(f"glmvit-encode: {shown(e)}; fix it (free space, permissions) and re-run the same command",
+                  file=sys.stderr)
+            return WRITE
         return DONE
     todo_videos = [p for p in todo if is_video(p)]
     todo = [p for p in todo if not is_video(p)]
