@@ -197,15 +197,37 @@ def test_batches_respect_the_token_budget(images, tmp_path):
     assert len(per_shard) >= 2 and max(per_shard.values()) <= 40
 
 
-def test_other_checkpoint_in_same_folder_is_refused(images, tmp_path, capsys):
-    out = tmp_path / "out"
-    run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu"])
-    manifest = json.loads((out / "manifest.json").read_text())
-    manifest["header"]["checkpoint"] = "/elsewhere"
-    (out / "manifest.json").write_text(json.dumps(manifest))
+def test_a_folder_holds_one_towers_embeddings_wherever_the_checkpoint_lies(images, tmp_path, capsys):
+    """The weights' fingerprint says which tower wrote a folder: the same checkpoint moved, or named through
+    a link, resumes; the checkpoint rewritten in place with other weights is refused, as is another path
+    for a folder that recorded no fingerprint (written by 0.1.0)."""
+    import shutil
+
+    tower, out = tmp_path / "tower", tmp_path / "out"
+    shutil.copytree(cases.TOWER_DIR, tower)
+    assert run([images / "a.png", "--checkpoint", tower, "--out", out, "--cpu"]) == 0
+    (tmp_path / "link").symlink_to(tower)
+    assert run([images / "sub" / "b.png", "--checkpoint", tmp_path / "link", "--out", out, "--cpu"]) == 0
+    shutil.move(tower, tmp_path / "moved")
+    assert run([images / "c.jpg", "--checkpoint", tmp_path / "moved", "--out", out, "--cpu"]) == 0
+    assert len(load_all(out)[0]["images"]) == 3
+    import struct
+
+    for shard in (tmp_path / "moved").glob("*.safetensors"):  # one tower weight's last bit flipped in place
+        raw = bytearray(shard.read_bytes())
+        n = struct.unpack("<Q", raw[:8])[0]
+        name = next((k for k in json.loads(raw[8:8 + n]) if k.endswith("blocks.0.norm1.weight")), None)
+        if name:
+            raw[8 + n + json.loads(raw[8:8 + n])[name]["data_offsets"][0]] ^= 1
+            shard.write_bytes(bytes(raw))
     capsys.readouterr()
+    assert run([images / "a.png", "--checkpoint", tmp_path / "moved", "--out", out, "--cpu"]) == 2
+    assert "was written by a tower of other weights (fingerprint " in capsys.readouterr().err
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["header"]["weights"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
     assert run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu"]) == 2
-    assert "written with checkpoint = '/elsewhere'" in capsys.readouterr().err
+    assert "written with checkpoint = '" in capsys.readouterr().err
 
 
 def test_inspect_and_usage(capsys, tmp_path):

@@ -262,6 +262,7 @@ def test_concurrent_requests_and_the_cache(server, tower):
     path = ec / meta[0]["key"] / "encoder_cache.safetensors"
     with safe_open(str(path), "numpy") as f:
         assert list(f.keys()) == ["ec_cache"] and np.array_equal(f.get_tensor("ec_cache"), embs[0])
+        assert f.metadata() == {"glmvit_weights": reference.bind_tower(TOWER).fingerprint}  # the tower that made it
     assert not [p for p in ec.rglob("*") if p.name.endswith(".tmp")]
 
 

@@ -60,6 +60,28 @@ def test_an_existing_file_is_left_as_it_is(tmp_path, rng):
     assert vllm_ec.write(str(tmp_path), KEY, embedding(rng)) == first and open(first, "rb").read() == before
 
 
+def test_a_file_of_other_weights_is_replaced_one_of_the_same_is_kept(tmp_path, rng, caplog):
+    """The tower's fingerprint rides in the file's metadata: the same key written by a tower of other weights
+    (a checkpoint replaced under one cache folder) replaces the file, with a warning; the same tower, or a
+    file that names no tower (another program's), keeps it."""
+    from safetensors import safe_open
+
+    a, b = embedding(rng), embedding(rng)
+    path = vllm_ec.write(str(tmp_path), KEY, a, weights="1" * 64)
+    with safe_open(path, "np") as f:
+        assert f.metadata() == {"glmvit_weights": "1" * 64}
+    vllm_ec.write(str(tmp_path), KEY, b, weights="1" * 64)
+    assert np.array_equal(load_file(path)["ec_cache"].view(np.uint16), a.view(np.uint16))
+    vllm_ec.write(str(tmp_path), KEY, b, weights="2" * 64)
+    assert np.array_equal(load_file(path)["ec_cache"].view(np.uint16), b.view(np.uint16))
+    assert "holds an embedding of other weights (fingerprint 111111111111..., this tower's 222222222222...)" in \
+        caplog.text and os.listdir(tmp_path / KEY) == [FILE]
+    other = vllm_ec.key_of(b"other")
+    theirs = vllm_ec.write(str(tmp_path), other, a)  # no fingerprint recorded: kept whatever the tower
+    vllm_ec.write(str(tmp_path), other, b, weights="2" * 64)
+    assert np.array_equal(load_file(theirs)["ec_cache"].view(np.uint16), a.view(np.uint16))
+
+
 def test_writers_of_one_key_at_once_all_succeed(tmp_path, rng):
     """16 threads write each new key at once (the same array, as a server's retried requests can): every
     call returns the path, and each key's folder holds one complete file and no temporary one."""

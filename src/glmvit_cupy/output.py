@@ -54,9 +54,9 @@ KEY = ("the image file's resolved absolute path (os.path.realpath); a path that 
        "its bytes, b'...' (glmvit_cupy.output.key_path gives the path back)")
 SHARD = re.compile(r"embeddings-(\d{5,})\.safetensors$")  # five digits, more from shard 100,000 on
 FLUSH_SECONDS = 5.0  # the manifest is rewritten at most this often while a run goes on
-# Settings a folder's header may lack (a folder written by version 0.1.0, which encoded no videos): such a
-# folder holds none of the files the setting governs, so it resumes under this run's value.
-ADDED = ("video",)
+# Settings a folder's header may lack (a folder written by version 0.1.0): "video" (it encoded no videos, so it
+# resumes under this run's settings) and "weights" (its tower is then told by the checkpoint's path alone).
+ADDED = ("video", "weights")
 
 
 def image_key(path) -> str:
@@ -247,6 +247,13 @@ class Output:
         for name, value in settings.items():
             if name in ADDED and name not in header:  # written before the setting was: it held none of its files
                 continue
+            if name == "checkpoint" and "weights" in header and "weights" in settings:
+                continue  # the weights' fingerprint says which tower wrote the folder, wherever it lies now
+            if name == "weights" and header.get(name) != value:
+                raise OutputError(f"{self.folder} was written by a tower of other weights (fingerprint "
+                                  f"{str(header.get(name))[:12]}..., recorded in {where}) than {settings['checkpoint']} "
+                                  f"holds now ({value[:12]}...): one folder holds one tower's embeddings (use another "
+                                  "--out, or the checkpoint that wrote it)")
             if header.get(name) != value:
                 raise OutputError(f"{self.folder} was written with {name} = {header.get(name)!r}, this run asks for "
                                   f"{value!r} (the setting is recorded in {where}); one folder holds one setting (use "

@@ -23,18 +23,23 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
 import stat
+import struct
 
 import numpy as np
 
 from .checks import DEFAULT_MAX_IMAGE_TOKENS
 from .errors import OutputError
 
+log = logging.getLogger("glmvit_cupy")
+
 FILE = "encoder_cache.safetensors"
 TENSOR = "ec_cache"
+WEIGHTS = "glmvit_weights"  # the file's metadata key for the fingerprint of the tower that made it
 KEY = re.compile(r"[0-9a-f]{64}")  # what key_of and video_key_of give: a sha256's lowercase hex
 
 CHUNK = 1 << 30  # bytes per os.write (Linux moves at most ~2 GiB per call)
@@ -95,10 +100,12 @@ def check_key(key) -> None:
                          "as vllm_ec.key_of and video_key_of give); a key names one folder inside the cache folder")
 
 
-def write(folder: str, key: str, embedding: np.ndarray) -> str:
+def write(folder: str, key: str, embedding: np.ndarray, weights: str | None = None) -> str:
     """DIR/<key>/encoder_cache.safetensors with the bf16 [tokens, hidden] embedding; returns its path.
-    An existing file for the key is left as it is (the same key gives the same embedding), and writers of
-    one key at once all succeed, leaving one complete file. ValueError for a key that is not a sha256 hex;
+    `weights`: the tower's fingerprint (TowerBinding.fingerprint), kept in the file's metadata. An existing
+    file for the key is left as it is (the same key and tower give the same embedding), unless its metadata
+    names other weights: the folder then holds another tower's embedding (a checkpoint replaced under the
+    same folder), and it is replaced. Writers of one key at once all succeed, leaving one complete file. ValueError for a key that is not a sha256 hex;
     OutputError, one line naming the path, for anything the disk
     refuses (OSError of any kind) or a link in the way, with no temporary file left behind."""
     from safetensors.numpy import save
@@ -107,14 +114,14 @@ def write(folder: str, key: str, embedding: np.ndarray) -> str:
     target = os.path.join(folder, key, FILE)
     # safetensors makes the bytes (its own serializer, in memory: an embedding is a few MB); we write them,
     # so that what the disk refuses is an OSError of ours, not a SafetensorError from its writer.
-    data = save({TENSOR: np.ascontiguousarray(embedding)})
+    data = save({TENSOR: np.ascontiguousarray(embedding)}, metadata={WEIGHTS: weights} if weights else None)
     top = _open_cache(folder)
     try:
         here = _open_key_folder(top, folder, key)
     finally:
         os.close(top)
     try:
-        if not _finished(here, target):
+        if not _finished(here, target, weights):
             _write_file(here, target, data)
     finally:
         os.close(here)
@@ -202,8 +209,9 @@ def _open_key_folder(top: int, folder: str, key: str) -> int:
         raise _failed(f"cannot open {where}", e) from e
 
 
-def _finished(here: int, target: str) -> bool:
-    """Whether the key's file is there already; a link or anything but a plain file there is refused."""
+def _finished(here: int, target: str, weights: str | None = None) -> bool:
+    """Whether the key's file is there already, of these weights (a file whose metadata names other weights is
+    not); a link or anything but a plain file there is refused."""
     try:
         st = os.stat(FILE, dir_fd=here, follow_symlinks=False)
     except FileNotFoundError:
@@ -211,10 +219,35 @@ def _finished(here: int, target: str) -> bool:
     except OSError as e:
         raise _failed(f"cannot look at {target}", e) from e
     if stat.S_ISREG(st.st_mode):
+        made_by = _weights_of(here) if weights else None
+        if made_by is not None and made_by != weights:
+            log.warning("%s holds an embedding of other weights (fingerprint %s..., this tower's %s...): "
+                        "replaced", target, made_by[:12], weights[:12])
+            return False
         return True
     if stat.S_ISLNK(st.st_mode):
         raise _link_error(target, here, FILE)
     raise OutputError(f"{target} is not a plain file; remove it and the embedding is written there again")
+
+
+def _weights_of(here: int) -> str | None:
+    """The fingerprint in the key's file's metadata (write's `weights`), or None: none recorded, or a header
+    that does not read (written by another program, or damaged)."""
+    try:
+        fd = os.open(FILE, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), dir_fd=here)
+    except OSError:
+        return None
+    try:
+        n = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
+        if n > 1 << 20:
+            return None
+        header = json.loads(os.pread(fd, n, 8))
+        made_by = header.get("__metadata__", {}).get(WEIGHTS)
+        return made_by if isinstance(made_by, str) else None
+    except (OSError, ValueError, struct.error, AttributeError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, data) -> None:

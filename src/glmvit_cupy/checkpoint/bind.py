@@ -7,6 +7,9 @@ names. It never uploads, and never imports the model: the loader only binds.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
 import math
 import os
@@ -63,6 +66,19 @@ class TowerBinding:
                 bad[s] = n
         if bad:
             raise self.nonfinite_error(bad)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The tower's identity: the sha256 hex of its tensors' names (without the prefix), dtypes, shapes and
+        bytes, in the layout's order. The same weights give the same fingerprint wherever they lie (a copy,
+        a symbolic link, named by a shard or the index); weights rewritten in place give another. Reads the
+        whole tower once (1.05 GiB at the official geometry: ~0.7 s at 1.5 GiB/s of sha256)."""
+        h = hashlib.sha256()
+        for s in self.layout:
+            info = self.store.info(self.prefix + s)
+            h.update(json.dumps([s, info.dtype, list(info.shape)]).encode())
+            h.update(self.store.get(self.prefix + s).view(np.uint8).data)
+        return h.hexdigest()
 
     def summary(self) -> dict:
         g = self.geometry

@@ -53,11 +53,11 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def write_vllm(folder: str, key: str, embedding) -> None:
+def write_vllm(folder: str, key: str, embedding, weights: str | None = None) -> None:
     """vllm_ec.write (whose own failures are OutputErrors naming the file), any other OSError from it as an
     OutputError naming --vllm-ec-dir."""
     try:
-        vllm_ec.write(folder, key, embedding)
+        vllm_ec.write(folder, key, embedding, weights)
     except OSError as e:
         reason = e.strerror or " ".join(str(e).split())
         raise OutputError(f"cannot write {shown(key)} in --vllm-ec-dir {shown(folder)}: {shown(reason)}") from None

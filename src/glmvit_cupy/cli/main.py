@@ -204,7 +204,8 @@ def run(args) -> int:
         except OutputError as e:
             return fail(e)
     per_video = video_settings(args)
-    settings = {"checkpoint": os.path.abspath(binding.path), "geometry": dict(vars(binding.geometry)),
+    settings = {"checkpoint": os.path.abspath(binding.path), "weights": binding.fingerprint,
+                "geometry": dict(vars(binding.geometry)),
                 "min_image_tokens": args.min_image_tokens, "max_image_tokens": args.max_image_tokens,
                 "max_pixels": args.max_pixels, "video": dict(per_video, max_video_pixels=args.max_video_pixels)}
     created = not os.path.lexists(args.out)
@@ -297,6 +298,7 @@ def encode_all(args, todo, enc, out) -> int:
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), unit="img", dynamic_ncols=True)
     writer = Writer(out)  # a disk slower than the GPUs holds them back (output.PENDING_WRITES)
+    weights = out.manifest["header"]["weights"]  # the tower's fingerprint, kept in each vLLM file
 
     def write(group, launched):
         nonlocal tokens_done
@@ -315,7 +317,7 @@ def encode_all(args, todo, enc, out) -> int:
                 if args.vllm_ec_dir:
                     for _, info, emb in kept:
                         write_vllm(args.vllm_ec_dir, vllm_ec.key_for_image(info["sha256"], args.min_image_tokens,
-                                                                       args.max_image_tokens), emb)
+                                                                       args.max_image_tokens), emb, weights)
                 out.add_batch(kept)
                 tokens_done += sum(info["tokens"] for _, info, _ in kept)
                 bar.update(len(b))

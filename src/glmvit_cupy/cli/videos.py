@@ -113,7 +113,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
                 bar.write(skipped(entry["source"], problem))
                 return
             if args.vllm_ec_dir:
-                write_vllm(args.vllm_ec_dir, entry["key"], emb)
+                write_vllm(args.vllm_ec_dir, entry["key"], emb, out.manifest["header"]["weights"])
             out.add_batch([(key, entry, emb)])
 
     def collect(done):

@@ -83,6 +83,7 @@ class Settings:
     body_timeout: float = 60.0      # seconds a body may take to arrive after its headers
     decode_workers: int = 8
     vllm_ec_dir: str | None = None
+    weights: str | None = None      # the tower's fingerprint (TowerBinding.fingerprint), set at load for vllm_ec
 
 
 # The scope of the request an endpoint is answering (its tasks inherit it): where its hold on the bodies in
@@ -335,7 +336,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         def write():
             _check_finite(out, what)  # nothing unusable reaches vLLM
             for i, k in enumerate(keys):
-                vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)])
+                vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)], settings.weights)
 
         try:
             await asyncio.get_running_loop().run_in_executor(None, write)

@@ -380,8 +380,13 @@ def main(argv=None) -> int:
                         vllm_ec_dir=args.vllm_ec_dir)
     # Graphs for every pass the service can form from images of >= 64 tokens are captured at load
     # (GlmVit.precapture(every_budget=True)): none is captured while requests wait.
-    app = create_app(lambda: Backend(binding, cpu=args.cpu, devices=devices, capacity_tokens=args.capacity_tokens,
-                                     max_image_tokens=DEFAULT_MAX_IMAGE_TOKENS, every_budget=True), settings)
+    def load_backend():
+        if args.vllm_ec_dir:  # the tower's fingerprint goes into each vLLM file (vllm_ec.write); read at load
+            settings.weights = binding.fingerprint
+        return Backend(binding, cpu=args.cpu, devices=devices, capacity_tokens=args.capacity_tokens,
+                       max_image_tokens=DEFAULT_MAX_IMAGE_TOKENS, every_budget=True)
+
+    app = create_app(load_backend, settings)
     state = app.state.glmvit
 
     class Server(uvicorn.Server):
