@@ -38,11 +38,21 @@ def local_files(spec):
 
 
 def done_paths(out) -> set:
-    """Paths already in the output's Parquet files."""
+    """Paths already in the output's Parquet files. A file that does not read (Ray writes under the final
+    name, so a run killed mid-write leaves a truncated one) is moved aside as *.unreadable, saying so: its
+    rows are encoded again."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     files = glob.glob(os.path.join(out, "*.parquet")) if os.path.isdir(out) else []
-    paths = {p for f in files for p in pq.read_table(f, columns=["path"]).column("path").to_pylist()}
+    paths = set()
+    for f in files:
+        try:
+            paths.update(pq.read_table(f, columns=["path"]).column("path").to_pylist())
+        except (pa.ArrowException, OSError) as e:
+            os.replace(f, f + ".unreadable")
+            print(f"ray_encode: {f} does not read ({type(e).__name__}: {' '.join(str(e).split())[:200]}); moved "
+                  f"aside as {os.path.basename(f)}.unreadable, its rows are encoded again")
     return paths | {os.path.realpath(p) for p in paths if "://" not in p}  # rows written with other spellings too
 
 

@@ -3,6 +3,7 @@ seconds, and nothing finished lost when a run stops before its manifest caught u
 
 import json
 import os
+import re
 
 import ml_dtypes
 import numpy as np
@@ -104,6 +105,22 @@ def test_a_lost_or_unreadable_shard_is_encoded_again(tmp_path):
     os.remove(os.path.join(folder, MANIFEST))
     again = Output(folder, SETTINGS)
     assert again.done("/img/a") and not again.done("/img/b") and again.next_shard == 3
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda m: m.update(failed=None), "a 'failed' object"), (lambda m: m.update(failed=5), "a 'failed' object"),
+    (lambda m: m["images"]["/img/b"].update(tokens=1), "the entry of /img/b says 1 tokens, its shard holds 3"),
+])
+def test_a_hand_edited_manifest_is_an_output_error_naming_it(tmp_path, edit, says):
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS)
+    out.add_batch(batch(["/img/b"]))
+    out.flush()
+    manifest = json.loads((tmp_path / "o" / MANIFEST).read_text())
+    edit(manifest)
+    (tmp_path / "o" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(OutputError, match=re.escape(MANIFEST) + ".*" + says):
+        read_embeddings(folder)
 
 
 @pytest.mark.parametrize("manifest", [

@@ -151,6 +151,14 @@ def test_example_writes_parquet_and_resumes(local_ray, folder, tmp_path, capsys)
     spelled = os.path.join(os.path.relpath(folder.parent), ".", folder.name)  # the same files, spelled otherwise
     assert ray_encode.main([spelled, "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
     assert "already in" in capsys.readouterr().out
+    first = sorted(out.glob("*.parquet"))[0]  # cut short, as a run killed while Ray wrote it leaves it
+    lost = len(pq.read_table(first))
+    first.write_bytes(first.read_bytes()[:100])
+    assert ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
+    said = capsys.readouterr().out
+    assert f"{first} does not read (" in said and f"moved aside as {first.name}.unreadable" in said
+    assert sorted(r["path"] for f in out.glob("*.parquet") for r in pq.read_table(f).to_pylist()) == paths
+    assert lost and (out / (first.name + ".unreadable")).exists()
 
 
 def test_prepare_hands_contiguous_decoded_images_for_the_gpu(folder):

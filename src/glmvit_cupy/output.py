@@ -476,8 +476,9 @@ def read_embeddings(folder) -> tuple[dict, dict]:
         try:
             with open_regular(path, "the manifest", OutputError) as f:  # a FIFO or /dev/zero: refused, not read
                 manifest = json.loads(f.read())
-            if not (isinstance(manifest, dict) and isinstance(manifest.get("images"), dict)):
-                raise TypeError("it is not an object with an 'images' object")
+            if not (isinstance(manifest, dict) and isinstance(manifest.get("images"), dict)
+                    and isinstance(manifest.get("failed", {}), dict)):
+                raise TypeError("it is not an object with an 'images' object and a 'failed' object")
             own = _own_shards(folder, manifest["images"])
             bad = next((k for k in manifest["images"] if k not in own), None)
             if bad is not None:
@@ -495,4 +496,10 @@ def read_embeddings(folder) -> tuple[dict, dict]:
     by_shard = {shard: load_file(os.path.join(folder, shard))
                 for shard in sorted({e["shard"] for e in manifest["images"].values()})}
     # Each key from the shard its entry names: an older shard may still hold the key of a file encoded again.
-    return manifest, {k: by_shard[e["shard"]][k] for k, e in manifest["images"].items()}
+    embs = {k: by_shard[e["shard"]][k] for k, e in manifest["images"].items()}
+    bad = next((k for k, e in manifest["images"].items() if e.get("tokens") != embs[k].shape[0]), None)
+    if bad is not None:
+        raise OutputError(f"{path}: the entry of {shown(bad)} says {quoted(manifest['images'][bad].get('tokens'))} "
+                          f"tokens, its shard holds {embs[bad].shape[0]}: the manifest was edited or is damaged; "
+                          "move it away to read the shards alone")
+    return manifest, embs
