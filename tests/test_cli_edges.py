@@ -264,7 +264,7 @@ def test_a_vllm_dir_that_cannot_be_written_is_one_line_and_status_3(folder, tmp_
     from glmvit_cupy.errors import OutputError
     from glmvit_cupy import vllm_ec
 
-    def full(folder, key, embedding):
+    def full(folder, key, embedding, weights=None):
         if how == "oserror":
             raise OSError(errno.ENOSPC, "No space left on device")
         raise OutputError(f"cannot write {folder}/{key}/encoder_cache.safetensors: No space left on device")

@@ -64,8 +64,8 @@ class Prepare:
         for i, (blob, name) in enumerate(zip(data, names)):
             try:
                 stream = io.BytesIO(_file_bytes(blob, name))
-                stream.name = str(name)  # errors name the file
-                canvas, grid, info = prepare_canvas(stream, i, **self.limits)
+                # errors name the file (or the row), not its place in this batch
+                canvas, grid, info = prepare_canvas(stream, i, name=str(name), **self.limits)
                 canvas = np.ascontiguousarray(canvas)  # GPU resize: 3 of 4 bytes a pixel; rows travel as Arrow
                 canvases.append(canvas), grids.append(np.array(grid, np.int64)), tokens.append(info["tokens"])
                 contents.append(np.array(info["content"], np.int64)), errors.append(None)
