@@ -213,3 +213,13 @@ def test_max_pixels_guards_video_frames_as_images(media, tmp_path, capsys):
 
 def read_embeddings_manifest_failed(out) -> list:
     return list(json.loads((out / "manifest.json").read_text())["failed"].values())
+
+
+def test_a_clip_too_short_to_sample_names_the_flag_that_helps(tmp_path):
+    """Two frames at 6 fps at --video-fps 0.5: no whole frame to sample. The video fails, and the advice names
+    this command's flag, not the Python API's arguments."""
+    clip = write_clip(tmp_path / "short.mkv", n=2)
+    out = tmp_path / "out"
+    assert run(clip, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--video-fps", 0.5) == cli.FAILED
+    (why,) = read_embeddings_manifest_failed(out)
+    assert "raise --video-fps" in why and "sample=False" not in why, why

@@ -67,7 +67,10 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
         except OSError as e:
             return path, unreadable(path, e)
         except (ImageError, ValueError) as e:
-            return path, e
+            # The sampler's advice names its Python arguments; this command's is --video-fps.
+            text = str(e).replace("raise target_fps or pass sample=False to encode the frames as given",
+                                  "raise --video-fps (a run's setting: into another --out)")
+            return path, type(e)(text) if text != str(e) else e
         entry = {"kind": "video", "source": image_key(path), "sha256": sha, "file": stamp,
                  "key": vllm_ec.video_key_of_shas([sha], None, None, settings, kind="file"), "size_hw": list(info["size"]),
                  "canvas_hw": list(info["canvas"]), "content": list(info["content"]), "grid_thw": list(grid),
