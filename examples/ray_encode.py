@@ -38,9 +38,10 @@ def local_files(spec):
 
 
 def done_paths(out) -> set:
-    """Paths already in the output's Parquet files. A file that does not read (Ray writes under the final
-    name, so a run killed mid-write leaves a truncated one) is moved aside as *.unreadable, saying so: its
-    rows are encoded again."""
+    """Paths already in the output's Parquet files. A file cut short (Ray writes under the final name, so a
+    run killed mid-write leaves one: no Parquet footer) is moved aside as .NAME.unreadable (a hidden name,
+    which Parquet readers pass over), saying so: its rows are encoded again. A Parquet file without a path
+    column is not one of ours: passed over, saying so."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -48,11 +49,21 @@ def done_paths(out) -> set:
     paths = set()
     for f in files:
         try:
-            paths.update(pq.read_table(f, columns=["path"]).column("path").to_pylist())
-        except (pa.ArrowException, OSError) as e:
-            os.replace(f, f + ".unreadable")
-            print(f"ray_encode: {f} does not read ({type(e).__name__}: {' '.join(str(e).split())[:200]}); moved "
-                  f"aside as {os.path.basename(f)}.unreadable, its rows are encoded again")
+            schema = pq.read_schema(f)
+        except pa.ArrowInvalid as e:  # no footer: cut short
+            aside = os.path.join(out, f".{os.path.basename(f)}.unreadable")
+            try:
+                os.replace(f, aside)
+            except OSError as moved:
+                raise SystemExit(f"ray_encode: {f} is cut short ({' '.join(str(e).split())[:120]}) and cannot be "
+                                 f"moved aside ({moved.strerror}): remove it, and re-run") from None
+            print(f"ray_encode: {f} is cut short ({' '.join(str(e).split())[:120]}); moved aside as "
+                  f"{os.path.basename(aside)}, its rows are encoded again")
+            continue
+        if "path" not in schema.names:
+            print(f"ray_encode: {f} has no path column, so it is not one of this example's files: passed over")
+            continue
+        paths.update(pq.read_table(f, columns=["path"]).column("path").to_pylist())
     return paths | {os.path.realpath(p) for p in paths if "://" not in p}  # rows written with other spellings too
 
 

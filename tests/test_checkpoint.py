@@ -414,3 +414,24 @@ def test_a_folder_that_cannot_be_listed_is_a_checkpoint_error(tmp_path, monkeypa
     monkeypatch.setattr(os, "listdir", refused)
     with pytest.raises(CheckpointError, match="the checkpoint folder cannot be read .*Permission denied"):
         bind_tower(tmp_path)
+
+
+def test_the_fingerprint_follows_the_tower_not_its_path(tmp_path):
+    """A copy, a link or a shard path give the same fingerprint; a config value that changes the embeddings
+    (swiglu_limit) gives another (a weight's bit: test_cli's folder test)."""
+    import json
+    import shutil
+
+    from tests.golden import cases
+
+    here = bind_tower(cases.TOWER_DIR).fingerprint
+    copy = tmp_path / "copy"
+    shutil.copytree(cases.TOWER_DIR, copy)
+    (tmp_path / "link").symlink_to(copy)
+    shard = sorted(copy.glob("*.safetensors"))[0]
+    assert {bind_tower(p).fingerprint for p in (copy, tmp_path / "link", shard)} == {here} and len(here) == 64
+    cfg = json.loads((copy / "config.json").read_text())
+    where = cfg.get("vision_config", cfg)
+    where["swiglu_limit"] = where.get("swiglu_limit", 10.0) + 1
+    (copy / "config.json").write_text(json.dumps(cfg))
+    assert bind_tower(copy).fingerprint != here

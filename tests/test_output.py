@@ -109,7 +109,7 @@ def test_a_lost_or_unreadable_shard_is_encoded_again(tmp_path):
 
 @pytest.mark.parametrize("edit,says", [
     (lambda m: m.update(failed=None), "a 'failed' object"), (lambda m: m.update(failed=5), "a 'failed' object"),
-    (lambda m: m["images"]["/img/b"].update(tokens=1), "the entry of /img/b says 1 tokens, its shard holds 3"),
+    (lambda m: m["images"]["/img/b"].update(tokens=1), "the entry of /img/b says 1 tokens, the shard holds 3"),
 ])
 def test_a_hand_edited_manifest_is_an_output_error_naming_it(tmp_path, edit, says):
     folder = str(tmp_path / "o")
@@ -379,6 +379,10 @@ def test_a_lock_file_that_is_not_a_file_is_named_never_waited_on(tmp_path):
     os.mkfifo(folder / ".glmvit-encode.lock")
     with pytest.raises(OutputError, match=r"\.glmvit-encode\.lock is a FIFO \(named pipe\), not the lock file "
                                           "glmvit-encode makes: remove it"):
+        Output(str(folder), SETTINGS)
+    os.unlink(folder / ".glmvit-encode.lock")
+    (folder / ".glmvit-encode.lock").mkdir()
+    with pytest.raises(OutputError, match=r"\.glmvit-encode\.lock is a folder, not the lock file"):
         Output(str(folder), SETTINGS)
 
 

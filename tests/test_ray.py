@@ -156,9 +156,14 @@ def test_example_writes_parquet_and_resumes(local_ray, folder, tmp_path, capsys)
     first.write_bytes(first.read_bytes()[:100])
     assert ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
     said = capsys.readouterr().out
-    assert f"{first} does not read (" in said and f"moved aside as {first.name}.unreadable" in said
+    assert f"{first} is cut short (" in said and f"moved aside as .{first.name}.unreadable" in said
     assert sorted(r["path"] for f in out.glob("*.parquet") for r in pq.read_table(f).to_pylist()) == paths
-    assert lost and (out / (first.name + ".unreadable")).exists()
+    assert lost and (out / f".{first.name}.unreadable").exists() and len(pq.read_table(out)) == len(paths)
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"x": [1, 2]}), out / "theirs.parquet")  # not one of ours: left where it is
+    assert ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
+    assert "theirs.parquet has no path column" in capsys.readouterr().out and (out / "theirs.parquet").exists()
 
 
 def test_prepare_hands_contiguous_decoded_images_for_the_gpu(folder):

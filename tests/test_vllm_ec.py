@@ -62,8 +62,8 @@ def test_an_existing_file_is_left_as_it_is(tmp_path, rng):
 
 def test_a_file_of_other_weights_is_replaced_one_of_the_same_is_kept(tmp_path, rng, caplog):
     """The tower's fingerprint rides in the file's metadata: the same key written by a tower of other weights
-    (a checkpoint replaced under one cache folder) replaces the file, with a warning; the same tower, or a
-    file that names no tower (another program's), keeps it."""
+    (a checkpoint replaced under one cache folder), or over a file that names none, replaces the file with a
+    warning; the same tower keeps it, and so does a write that gives no fingerprint."""
     from safetensors import safe_open
 
     a, b = embedding(rng), embedding(rng)
@@ -74,12 +74,15 @@ def test_a_file_of_other_weights_is_replaced_one_of_the_same_is_kept(tmp_path, r
     assert np.array_equal(load_file(path)["ec_cache"].view(np.uint16), a.view(np.uint16))
     vllm_ec.write(str(tmp_path), KEY, b, weights="2" * 64)
     assert np.array_equal(load_file(path)["ec_cache"].view(np.uint16), b.view(np.uint16))
-    assert "holds an embedding of other weights (fingerprint 111111111111..., this tower's 222222222222...)" in \
+    assert "holds an embedding of other weights (fingerprint 111111111111...) (this tower's fingerprint: 222222222222" in \
         caplog.text and os.listdir(tmp_path / KEY) == [FILE]
+    vllm_ec.write(str(tmp_path), KEY, a)  # no fingerprint given: whatever is there stays
+    assert np.array_equal(load_file(path)["ec_cache"].view(np.uint16), b.view(np.uint16))
     other = vllm_ec.key_of(b"other")
-    theirs = vllm_ec.write(str(tmp_path), other, a)  # no fingerprint recorded: kept whatever the tower
+    unmarked = vllm_ec.write(str(tmp_path), other, a)  # no fingerprint recorded: which tower made it is unknown
     vllm_ec.write(str(tmp_path), other, b, weights="2" * 64)
-    assert np.array_equal(load_file(theirs)["ec_cache"].view(np.uint16), a.view(np.uint16))
+    assert np.array_equal(load_file(unmarked)["ec_cache"].view(np.uint16), b.view(np.uint16))
+    assert "holds an embedding of unrecorded weights" in caplog.text
 
 
 def test_writers_of_one_key_at_once_all_succeed(tmp_path, rng):

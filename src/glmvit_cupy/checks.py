@@ -102,8 +102,8 @@ def check_grid(grid_thw, merge: int) -> np.ndarray:
         raise ValueError(f"grid_thw must be an integer array of shape [images, 3], got {grid.dtype} {grid.shape}")
     for i, (t, h, w) in enumerate(grid.tolist()):  # Python ints as given: a uint64 past int64 stays positive
         if max(abs(t), abs(h), abs(w)) >= 2**31:
-            raise ValueError(f"grid_thw[{i}] = ({t}, {h}, {w}): a size of 2**31 patches or more; no image or video "
-                             "is that large")
+            raise ValueError(f"grid_thw[{i}] = ({t}, {h}, {w}): a value of magnitude 2**31 or more; no image or "
+                             "video has that many frame groups or patches in a dimension")
         if t < 1 or h < merge or w < merge or h % merge or w % merge:
             what = "even" if merge == 2 else f"multiples of {merge}"
             raise ValueError(f"grid_thw[{i}] = ({t}, {h}, {w}): t must be >= 1 and h, w positive and {what} "

@@ -54,7 +54,7 @@ KEY = ("the image file's resolved absolute path (os.path.realpath); a path that 
        "its bytes, b'...' (glmvit_cupy.output.key_path gives the path back)")
 SHARD = re.compile(r"embeddings-(\d{5,})\.safetensors$")  # five digits, more from shard 100,000 on
 FLUSH_SECONDS = 5.0  # the manifest is rewritten at most this often while a run goes on
-# Settings a folder's header may lack (a folder written by version 0.1.0): "video" (it encoded no videos, so it
+# Settings a folder's header may lack (a folder written by an earlier version): "video" (it encoded no videos, so it
 # resumes under this run's settings) and "weights" (its tower is then told by the checkpoint's path alone).
 ADDED = ("video", "weights")
 
@@ -192,6 +192,9 @@ def _lock_folder(folder: str):
     path = os.path.join(folder, LOCK)
     try:  # without blocking: a FIFO planted under the name would wait for a writer
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0), 0o666)
+    except IsADirectoryError:
+        raise OutputError(f"{shown(path)} is a folder, not the lock file glmvit-encode makes: remove it, or give "
+                          "another --out") from None
     except OSError as e:
         raise OutputError(f"cannot create {shown(path)}: {_reason(e)}") from None
     mode = os.fstat(fd).st_mode
@@ -499,7 +502,9 @@ def read_embeddings(folder) -> tuple[dict, dict]:
     embs = {k: by_shard[e["shard"]][k] for k, e in manifest["images"].items()}
     bad = next((k for k, e in manifest["images"].items() if e.get("tokens") != embs[k].shape[0]), None)
     if bad is not None:
-        raise OutputError(f"{path}: the entry of {shown(bad)} says {quoted(manifest['images'][bad].get('tokens'))} "
-                          f"tokens, its shard holds {embs[bad].shape[0]}: the manifest was edited or is damaged; "
-                          "move it away to read the shards alone")
+        shard = os.path.join(folder, manifest["images"][bad]["shard"])
+        raise OutputError(f"{path} (or the metadata of {shown(shard)}): the entry of {shown(bad)} says "
+                          f"{quoted(manifest['images'][bad].get('tokens'))} tokens, the shard holds "
+                          f"{embs[bad].shape[0]}: one was edited or is damaged; move the manifest away to read the "
+                          "shards alone")
     return manifest, embs

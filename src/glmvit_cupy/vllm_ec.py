@@ -4,7 +4,8 @@ vLLM's ECExampleConnector (ECSharedStorageConnector in earlier vLLM releases) lo
 `<shared_storage_path>/<mm_hash>/encoder_cache.safetensors` holding one tensor named "ec_cache",
 [tokens, hidden]; a file that exists is ready. We key an image by key_for_image (the sha256 hex of its file's
 bytes under the reference processor's default token limits, else of that and its limits), a video by
-video_key_of (its frame files and the settings that shape its embedding), and write under a
+video_key_of (whether it came as frames or a video file, those files, and the settings that shape
+its embedding), and write under a
 temporary name of our own, fsync it, then rename it into place, so vLLM never reads half a file. The
 language-only vLLM is started with --ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role":
 "ec_consumer", "ec_connector_extra_config": {"shared_storage_path": DIR}}' and each request passes that key
@@ -103,9 +104,9 @@ def check_key(key) -> None:
 def write(folder: str, key: str, embedding: np.ndarray, weights: str | None = None) -> str:
     """DIR/<key>/encoder_cache.safetensors with the bf16 [tokens, hidden] embedding; returns its path.
     `weights`: the tower's fingerprint (TowerBinding.fingerprint), kept in the file's metadata. An existing
-    file for the key is left as it is (the same key and tower give the same embedding), unless its metadata
-    names other weights: the folder then holds another tower's embedding (a checkpoint replaced under the
-    same folder), and it is replaced. Writers of one key at once all succeed, leaving one complete file. ValueError for a key that is not a sha256 hex;
+    file for the key is left as it is (the same key and tower give the same embedding) when it names the
+    same weights, or when no `weights` is given; a file that names other weights or none (another tower's,
+    a checkpoint replaced under the same folder, or written without a fingerprint) is replaced. Writers of one key at once all succeed, leaving one complete file. ValueError for a key that is not a sha256 hex;
     OutputError, one line naming the path, for anything the disk
     refuses (OSError of any kind) or a link in the way, with no temporary file left behind."""
     from safetensors.numpy import save
@@ -210,8 +211,8 @@ def _open_key_folder(top: int, folder: str, key: str) -> int:
 
 
 def _finished(here: int, target: str, weights: str | None = None) -> bool:
-    """Whether the key's file is there already, of these weights (a file whose metadata names other weights is
-    not); a link or anything but a plain file there is refused."""
+    """Whether the key's file is there already, of these weights (given `weights`, a file whose metadata names
+    other weights or none is not); a link or anything but a plain file there is refused."""
     try:
         st = os.stat(FILE, dir_fd=here, follow_symlinks=False)
     except FileNotFoundError:
@@ -219,10 +220,11 @@ def _finished(here: int, target: str, weights: str | None = None) -> bool:
     except OSError as e:
         raise _failed(f"cannot look at {target}", e) from e
     if stat.S_ISREG(st.st_mode):
-        made_by = _weights_of(here) if weights else None
-        if made_by is not None and made_by != weights:
-            log.warning("%s holds an embedding of other weights (fingerprint %s..., this tower's %s...): "
-                        "replaced", target, made_by[:12], weights[:12])
+        made_by = _weights_of(here) if weights else weights
+        if made_by != weights:
+            log.warning("%s holds an embedding of %s (this tower's fingerprint: %s...): replaced", target,
+                        f"other weights (fingerprint {made_by[:12]}...)" if made_by else "unrecorded weights",
+                        weights[:12])
             return False
         return True
     if stat.S_ISLNK(st.st_mode):
