@@ -41,6 +41,14 @@ def test_the_manifest_is_rewritten_at_most_every_few_seconds(tmp_path, monkeypat
     assert writes == [1, 1]
 
 
+def test_a_batch_of_nothing_writes_no_shard(tmp_path):
+    """Every embedding of a batch unusable (weights that overflow): the batch adds nothing, not an empty shard."""
+    out = Output(str(tmp_path / "o"), SETTINGS)
+    out.add_batch([])
+    out.add_batch(batch(["/img/a"]))
+    assert sorted(f for f in os.listdir(tmp_path / "o") if f.endswith(".safetensors")) == ["embeddings-00001.safetensors"]
+
+
 def test_a_run_stopped_before_its_manifest_loses_nothing(tmp_path):
     """Shards written, manifest stale (one batch behind) or absent: resuming and reading find every image,
     with its embedding's bits; the next shard number follows the last."""

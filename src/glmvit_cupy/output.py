@@ -333,6 +333,8 @@ class Output:
             self.flush()
 
     def add_batch(self, entries: list[tuple[str, dict, np.ndarray]]):
+        if not entries:  # a batch whose every embedding was unusable: no shard of nothing
+            return
         from safetensors import SafetensorError
         from safetensors.numpy import save_file
 
