@@ -2,7 +2,6 @@
 
 import io
 import json
-import urllib.error
 
 import numpy as np
 import pytest
@@ -12,18 +11,17 @@ from glmvit_cupy.client import Client
 
 
 def refuse(index, error):
-    def urlopen(req, timeout=None):
-        body = json.dumps({"error": error, "index": index}).encode()
-        raise urllib.error.HTTPError(req.full_url, 422, "Unprocessable", {}, io.BytesIO(body))
+    def exchange(self, method, path, data, headers):
+        return 422, json.dumps({"error": error, "index": index}).encode()
 
-    return urlopen
+    return exchange
 
 
 def test_an_error_names_the_path_the_caller_gave(tmp_path, monkeypatch):
     good, bad = tmp_path / "cat.png", tmp_path / "dog.png"
     good.write_bytes(b"x")
     bad.write_bytes(b"y")
-    monkeypatch.setattr("urllib.request.urlopen", refuse(1, "image 1: cannot decode image"))
+    monkeypatch.setattr(Client, "_exchange", refuse(1, "image 1: cannot decode image"))
     with pytest.raises(ServerError) as e:
         Client().encode([str(good), bad])
     assert e.value.index == 1 and e.value.source == str(bad) and e.value.status == 422
@@ -31,12 +29,12 @@ def test_an_error_names_the_path_the_caller_gave(tmp_path, monkeypatch):
 
 
 def test_bytes_arrays_and_frames_are_named_by_kind(monkeypatch, rng):
-    monkeypatch.setattr("urllib.request.urlopen", refuse(0, "image 0: too large"))
+    monkeypatch.setattr(Client, "_exchange", refuse(0, "image 0: too large"))
     with pytest.raises(ServerError, match=r"\[4 bytes\]"):
         Client().encode([b"abcd"])
     with pytest.raises(ServerError, match=r"\[array \(5, 6, 3\)\]"):
         Client().encode([rng.integers(0, 256, (5, 6, 3), dtype=np.uint8)])
-    monkeypatch.setattr("urllib.request.urlopen", refuse(None, "the queue is full"))
+    monkeypatch.setattr(Client, "_exchange", refuse(None, "the queue is full"))
     with pytest.raises(ServerError) as e:
         Client().encode([b"abcd"])
     assert e.value.source is None and str(e.value) == "HTTP 422: the queue is full"
@@ -47,7 +45,7 @@ def test_a_path_that_is_not_a_regular_file_is_refused_unread(tmp_path, monkeypat
     before anything is sent; an empty array names the image too."""
     import os
 
-    monkeypatch.setattr("urllib.request.urlopen", Answer())
+    monkeypatch.setattr(Client, "_exchange", Answer())
     if hasattr(os, "mkfifo"):
         os.mkfifo(tmp_path / "pipe.png")
         with pytest.raises(OSError, match=r"pipe.png: image 0 is a FIFO \(named pipe\), not a regular file"):
@@ -66,27 +64,17 @@ class Answer:
     def __init__(self):
         self.sent = []
 
-    def __call__(self, req, timeout=None):
+    def __call__(self, *request):  # Client._exchange's (method, path, data, headers): set on the class, unbound
+        method, path, data, headers = request
         import ml_dtypes
         from safetensors.numpy import save
 
-        body = json.loads(req.data)
+        body = json.loads(data)
         self.sent.append(body)
         items = body.get("images") or body.get("videos")
         what = "images" if "images" in body else "videos"
         out = {str(i): np.full((2, 4), i, ml_dtypes.bfloat16) for i in range(len(items))}
-        raw = save(out, metadata={what: json.dumps([{"tokens": 2}] * len(items))})
-
-        class Reply(io.BytesIO):
-            status = 200
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                return False
-
-        return Reply(raw)
+        return 200, save(out, metadata={what: json.dumps([{"tokens": 2}] * len(items))})
 
 
 def png(a) -> bytes:
@@ -101,7 +89,7 @@ def test_one_image_or_video_not_in_a_list_is_one_not_a_sequence(tmp_path, monkey
     """A path, bytes or an HxWx3 array alone is one image; a [T, H, W, 3] array or a video file alone is one
     video: each sent as the list of one would send it, and answered as a list of one."""
     answer = Answer()
-    monkeypatch.setattr("urllib.request.urlopen", answer)
+    monkeypatch.setattr(Client, "_exchange", answer)
     a = rng.integers(0, 256, (7, 9, 3), dtype=np.uint8)
     path = tmp_path / "a.png"
     path.write_bytes(png(a))
@@ -130,14 +118,14 @@ def test_one_image_or_video_not_in_a_list_is_one_not_a_sequence(tmp_path, monkey
     (3.5, "image 0: float is not"),
 ])
 def test_what_the_client_cannot_send_as_an_image_is_refused_by_name(bad, says, monkeypatch):
-    monkeypatch.setattr("urllib.request.urlopen", Answer())
+    monkeypatch.setattr(Client, "_exchange", Answer())
     with pytest.raises(ValueError) as e:
         Client().encode([bad])
     assert says in str(e.value), e.value
 
 
 def test_video_settings_a_value_a_video_must_match_the_videos(monkeypatch, rng):
-    monkeypatch.setattr("urllib.request.urlopen", Answer())
+    monkeypatch.setattr(Client, "_exchange", Answer())
     clip = rng.integers(0, 256, (2, 6, 8, 3), dtype=np.uint8)
     with pytest.raises(ValueError, match="fps has 1 values for 2 videos: give one value, or one per video"):
         Client().encode_video([clip, clip], fps=[2.0])
@@ -145,3 +133,95 @@ def test_video_settings_a_value_a_video_must_match_the_videos(monkeypatch, rng):
         Client().encode_video([clip[0]], fps=2.0)
     with pytest.raises(ValueError, match="a setting of set"):
         Client().encode_video([clip], fps=2.0, target_fps={1})
+
+
+class _Counting:
+    """A real HTTP/1.1 server on loopback answering /health with the connection it came on: closes each
+    connection after `per_connection` requests (as a server's keep-alive timeout would), without a word."""
+
+    def __init__(self, per_connection=None):
+        import http.server
+        import threading
+
+        self.connections = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self):
+                super().setup()
+                outer.connections += 1
+                self.served, self.number = 0, outer.connections
+
+            def do_GET(self):
+                body = json.dumps({"status": "ok", "connection": self.number, "path": self.path}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                self.served += 1
+                if per_connection is not None and self.served >= per_connection:
+                    self.close_connection = True  # closed with no "Connection: close": the client finds out later
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_calls_from_one_thread_share_one_connection_and_a_closed_one_is_replaced(monkeypatch):
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    server = _Counting()
+    try:
+        client = Client(server.url + "/under/")
+        seen = [client.health() for _ in range(5)]
+        assert [s["connection"] for s in seen] == [1] * 5 and server.connections == 1
+        assert seen[0]["path"] == "/under/health"  # the URL's path is kept
+    finally:
+        server.close()
+    server = _Counting(per_connection=1)  # every kept connection is closed by the time it is used again
+    try:
+        client = Client(server.url)
+        assert [client.health()["connection"] for _ in range(4)] == [1, 2, 3, 4]
+    finally:
+        server.close()
+
+
+def test_a_plain_http_proxy_gets_the_whole_url(monkeypatch):
+    server = _Counting()
+    try:
+        monkeypatch.setenv("http_proxy", server.url)  # the proxy: this server, answering for any host
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        assert Client("http://example.invalid:8000/x").health()["path"] == "http://example.invalid:8000/x/health"
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://host/", "http://", "http://host:port", "http://h/?q=1"])
+def test_a_url_that_is_not_a_servers_is_refused(url):
+    with pytest.raises(ValueError, match="is not a server's URL"):
+        Client(url)
+
+
+def test_a_client_pickles_without_its_connections(monkeypatch):
+    import pickle
+
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    server = _Counting()
+    try:
+        client = Client(server.url)
+        client.health()
+        copy = pickle.loads(pickle.dumps(client))
+        assert copy.url == client.url and copy.health()["connection"] == 2  # its own connection
+    finally:
+        server.close()

@@ -1,4 +1,6 @@
-"""A small client for glmvit-serve (urllib; the base install, no serve extra).
+"""A small client for glmvit-serve (http.client: the base install, no serve extra). Each thread keeps one
+connection to the server open between calls (HTTP keep-alive), so a call costs the server no new connection
+(11% of its CPU time for one small image a request: `benchmarks/bench_serve.py --host-only --small`).
 
     from glmvit_cupy.client import Client
     embs, meta = Client("http://127.0.0.1:8000").encode(["cat.jpg", open("dog.png", "rb").read()])
@@ -12,9 +14,11 @@
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
-import urllib.error
+import threading
+import urllib.parse
 import urllib.request
 
 import ml_dtypes  # noqa: F401  (NumPy learns bfloat16: the response holds bf16 tensors)
@@ -23,9 +27,33 @@ import numpy as np
 from .errors import ServerError
 
 
+# A kept connection the server has since closed (its keep-alive timeout; a restart) fails the next call before
+# any answer with one of these: the call goes again once, on a new connection.
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+
 class Client:
     def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 600.0):
+        """url: the server's (http or https, with any path the server sits under); timeout: seconds a call
+        waits for the server to connect, or to send the next part of its answer. ValueError for a url that is
+        not http(s)://host[:port][/path]."""
         self.url, self.timeout = url.rstrip("/"), timeout
+        parts = urllib.parse.urlsplit(self.url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.query:
+            raise ValueError(f"Client: {url!r} is not a server's URL: give http://HOST[:PORT][/PATH] (or https://)")
+        self._parts = parts
+        self._proxy = _proxy_for(parts)
+        self._local = threading.local()  # this thread's open connection
+
+    def __getstate__(self) -> dict:  # pickled (to a process pool, a Ray task) without its connections
+        return {k: v for k, v in self.__dict__.items() if k != "_local"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _local=threading.local())
 
     def health(self) -> dict:
         return json.loads(self._call("GET", "/health")[1])
@@ -93,18 +121,57 @@ class Client:
             raise ServerError(e.status, e.error, e.index, _source(given[e.index])) from None
 
     def _call(self, method, path, data=None, kind=None):
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": kind} if kind else {})
+        status, raw = self._exchange(method, path, data, {"Content-Type": kind} if kind else {})
+        if status < 400:
+            return status, raw
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            text = e.read()
-            try:
-                err = json.loads(text)
-                raise ServerError(e.code, err.get("error", ""), err.get("index")) from None
-            except (ValueError, AttributeError):
-                raise ServerError(e.code, text.decode(errors="replace"), None) from None
+            err = json.loads(raw)
+            raise ServerError(status, err.get("error", ""), err.get("index")) from None
+        except (ValueError, AttributeError):
+            raise ServerError(status, raw.decode(errors="replace"), None) from None
+
+    def _exchange(self, method, path, data, headers) -> tuple[int, bytes]:
+        """(status, body) of one request on this thread's connection, opened if it has none; a kept one found
+        closed (_STALE) is replaced and the request sent again, once. Any other failure closes it."""
+        conn = getattr(self._local, "conn", None)
+        kept = conn is not None
+        if not kept:
+            conn = self._local.conn = self._connect()
+        try:
+            conn.request(method, self._target(path), body=data, headers=headers)
+            r = conn.getresponse()
+            return r.status, r.read()
+        except BaseException as e:
+            conn.close()
+            self._local.conn = None
+            if kept and isinstance(e, _STALE):
+                return self._exchange(method, path, data, headers)
+            raise
+
+    def _connect(self) -> http.client.HTTPConnection:
+        p = self._parts
+        kind = http.client.HTTPSConnection if p.scheme == "https" else http.client.HTTPConnection
+        if self._proxy is None:
+            return kind(p.hostname, p.port, timeout=self.timeout)
+        conn = kind(self._proxy.hostname, self._proxy.port, timeout=self.timeout)
+        if p.scheme == "https":
+            conn.set_tunnel(p.hostname, p.port)
+        return conn
+
+    def _target(self, path: str) -> str:
+        """The request target: the path, or the whole URL for a plain HTTP proxy."""
+        p = self._parts
+        via = f"{p.scheme}://{p.netloc}" if self._proxy is not None and p.scheme == "http" else ""
+        return via + p.path.rstrip("/") + path
+
+
+def _proxy_for(parts):
+    """The proxy urllib would send a request for this URL through (HTTP_PROXY and the like, NO_PROXY heeded), as
+    urlsplit's parts; None for none."""
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if not proxy or urllib.request.proxy_bypass(parts.hostname):
+        return None
+    return urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
 
 
 def _bf16_tensors(raw: bytes) -> dict:
