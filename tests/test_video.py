@@ -382,3 +382,18 @@ def test_frame_pieces_cut_videos_into_whole_groups_that_fit():
     assert pieces[-1].start + pieces[-1].rows == int(np.prod(grid, axis=1).sum())
     with pytest.raises(ValueError, match="video 0: one frame group of 8x10 patches is 20 tokens, more than"):
         batching.frame_pieces(grid, 19, 2)
+
+
+def test_a_video_too_short_to_sample_is_too_short_named_with_advice_to_reword(rng):
+    """Two frames at 6 fps sampled at 0.5 a second give no frame: TooShort (a ValueError) through plan_video's
+    wrapping, naming the video, with the API's advice; advised() rewords only the advice."""
+    from glmvit_cupy import TooShort
+    from glmvit_cupy.preprocessing.video import plan_video
+
+    clip = rng.integers(0, 256, (2, 28, 28, 3), dtype=np.uint8)
+    with pytest.raises(TooShort) as e:
+        plan_video(clip, 3, fps=6.0, target_fps=0.5, name="clip.mp4")
+    assert isinstance(e.value, ValueError) and str(e.value).startswith("clip.mp4: sample_frames: a 2-frame video")
+    assert str(e.value).endswith("; raise target_fps or pass sample=False to encode the frames as given")
+    told = e.value.advised("raise --video-fps")
+    assert str(told) == f"{e.value.what}; raise --video-fps" and told.what.startswith("clip.mp4: ")

@@ -15,7 +15,7 @@ from .checkpoint.bind import bind_tower, inspect_checkpoint, probe_tower
 from .checkpoint.shards import WeightStore
 from .config import VisionGeometry, read_config
 from .errors import (AbsentTower, CheckpointError, GpuOutOfMemory, GpuUnavailable, ImageError, KernelError,
-                     NoVisionConfig, OutputError, ServerError)
+                     NoVisionConfig, OutputError, ServerError, TooShort)
 from .preprocessing.image import Patching, preprocess
 from .preprocessing.video import preprocess_video
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # for type checkers only: at run time these are imported on f
 
 __all__ = [
     "AbsentTower", "CheckpointError", "GlmVit", "GpuOutOfMemory", "GpuUnavailable", "ImageError", "KernelError",
-    "NoVisionConfig", "OutputError", "Patching", "Replicas", "ServerError", "VisionGeometry", "WeightStore", "bind_tower", "inspect_checkpoint",
+    "NoVisionConfig", "OutputError", "Patching", "Replicas", "ServerError", "TooShort", "VisionGeometry", "WeightStore", "bind_tower", "inspect_checkpoint",
     "load_vision_tower", "preprocess", "preprocess_video", "read_config",
 ]
 

@@ -28,6 +28,24 @@ class ImageError(ValueError):
     """
 
 
+class TooShort(ValueError):
+    """A video too short to sample any frame at the target rate. `what` says so; `advice`, what the caller can
+    change, in the caller's own terms: a command rewords it for its options (advised)."""
+
+    ADVICE = "raise target_fps or pass sample=False to encode the frames as given"
+
+    def __init__(self, what: str, advice: str = ADVICE):
+        super().__init__(f"{what}; {advice}")
+        self.what, self.advice = what, advice
+
+    def within(self, name: str) -> "TooShort":
+        """The same error, said of `name` (the video)."""
+        return TooShort(f"{name}: {self.what}", self.advice)
+
+    def advised(self, advice: str) -> "TooShort":
+        return TooShort(self.what, advice)
+
+
 class OutputError(ValueError):
     """A glmvit-encode output folder cannot be used as asked (a file in its place, an unreadable manifest,
     other settings than the run that wrote it); the message says what to do."""

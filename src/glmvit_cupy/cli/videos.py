@@ -18,7 +18,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from .. import checks
-from ..errors import ImageError
+from ..errors import ImageError, TooShort
 from ..files import open_regular
 from ..output import Writer, file_stamp, image_key, shown
 from ..scheduling import feed
@@ -66,11 +66,10 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
             checks.check_frame_group(path, grid[1], grid[2], patching.merge_size, capacity_tokens)
         except OSError as e:
             return path, unreadable(path, e)
+        except TooShort as e:  # the sampler's advice names its Python arguments; this command's is --video-fps
+            return path, e.advised("raise --video-fps (a run's setting: into another --out)")
         except (ImageError, ValueError) as e:
-            # The sampler's advice names its Python arguments; this command's is --video-fps.
-            text = str(e).replace("raise target_fps or pass sample=False to encode the frames as given",
-                                  "raise --video-fps (a run's setting: into another --out)")
-            return path, type(e)(text) if text != str(e) else e
+            return path, e
         entry = {"kind": "video", "source": image_key(path), "sha256": sha, "file": stamp,
                  "key": vllm_ec.video_key_of_shas([sha], None, None, settings, kind="file"), "size_hw": list(info["size"]),
                  "canvas_hw": list(info["canvas"]), "content": list(info["content"]), "grid_thw": list(grid),

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..checks import check_positive, check_token_limits
-from ..errors import quoted
+from ..errors import TooShort, quoted
 from . import resample
 from .image import MEAN, REFERENCE, STD, Patching, check_patching, content_size, rows_in_turn, rows_out, smart_resize
 from .video_files import FrameFiles, VideoFile, video_frames
@@ -112,9 +112,8 @@ def sample_frames(total_frames: int, fps: float, *, duration: float | None = Non
         picked = _spread(0, max_idx, want)
     unique = list(dict.fromkeys(picked))
     if not unique:
-        raise ValueError(f"sample_frames: a {total_frames}-frame video at {fps} fps lasts {duration} s, which "
-                         f"gives no frame at target_fps={target_fps} (int(duration x target_fps) = {want}); "
-                         "raise target_fps or pass sample=False to encode the frames as given")
+        raise TooShort(f"sample_frames: a {total_frames}-frame video at {fps} fps lasts {duration} s, which "
+                       f"gives no frame at target_fps={target_fps} (int(duration x target_fps) = {want})")
     if len(unique) % 2:
         unique.append(unique[-1])
     return np.array(unique, dtype=np.int64)
@@ -183,6 +182,8 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
         try:
             return sample_frames(total, fps, duration=duration, target_fps=target_fps, max_frames=max_frames,
                                  max_duration=max_duration)
+        except TooShort as e:
+            raise e.within(name) from None
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
 
