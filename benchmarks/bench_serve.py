@@ -11,7 +11,7 @@ server process's CPU time an image, all threads together (near one core busy: th
     python benchmarks/bench_serve.py --host-only --small     # the service's own host cost, any machine
 
 --host-only replaces the tower with zeros of its output's shape (on the CPU backend, so images are resized
-by Pillow on the decoding threads): what is left is the service's host work an image (HTTP, base64,
+by Pillow on the decoding threads): what is left is the service's host work an image (HTTP,
 hashing, decoding, the reply), the ceiling it puts on images/s whatever the GPU.
 """
 

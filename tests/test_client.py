@@ -66,10 +66,20 @@ class Answer:
 
     def __call__(self, *request):  # Client._exchange's (method, path, data, headers): set on the class, unbound
         method, path, data, headers = request
+        import base64
+        import urllib.parse
+
         import ml_dtypes
         from safetensors.numpy import save
 
-        body = json.loads(data)
+        if headers["Content-Type"] == "application/json":
+            assert "?" not in path
+            body = json.loads(data)
+        else:  # one image file, its limits in the query: kept as the JSON request of it would hold them
+            assert headers["Content-Type"] == "application/octet-stream" and path.startswith("/v1/encode")
+            query = urllib.parse.parse_qsl(urllib.parse.urlsplit(path).query)
+            body = {"images": [base64.b64encode(data).decode()], **{k: int(v) for k, v in query}}
+            self.raw = getattr(self, "raw", 0) + 1
         self.sent.append(body)
         items = body.get("images") or body.get("videos")
         what = "images" if "images" in body else "videos"

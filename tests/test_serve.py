@@ -92,8 +92,9 @@ def reference_bf16(tower, data, patching=REFERENCE, **limits):
     return reference.encode_pixels(tower, normalise_patchify(canvas, patching), [grid]).astype(ml_dtypes.bfloat16)
 
 
-def post(client, body, kind="application/json"):
-    req = urllib.request.Request(client.url + "/v1/encode", data=body, method="POST", headers={"Content-Type": kind})
+def post(client, body, kind="application/json", query=""):
+    req = urllib.request.Request(client.url + "/v1/encode" + query, data=body, method="POST",
+                                 headers={"Content-Type": kind})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, r.read()
@@ -137,6 +138,47 @@ def test_health_and_bit_equality(server, tower):
 ])
 def test_bad_requests(server, body, kind, status, says, index):
     got, err = post(server[0], body, kind)
+    assert got == status and says in err["error"] and err["index"] == index, err
+
+
+def test_one_image_file_as_the_body_with_its_limits_in_the_query(server, tower, rng):
+    """A body that is one image file (image/* or application/octet-stream), its limits in the query string, is
+    the JSON request of that image: the same bits, the same metadata; the Client sends one image so."""
+    from glmvit_cupy.client import _bf16_tensors as load, _metadata
+
+    client, _ = server
+    data = png(90, 70, int(rng.integers(1000)))
+    want = reference_bf16(tower, data, max_image_tokens=40, min_image_tokens=20)
+    got, raw = post(client, json.dumps({"images": [base64.b64encode(data).decode()], "max_image_tokens": 40,
+                                        "min_image_tokens": 20}).encode())
+    assert got == 200, raw
+    as_json = json.loads(_metadata(raw)["images"])
+    for kind in ("image/png", "application/octet-stream", "image/jpeg"):  # the type is not checked: the bytes say
+        got, raw = post(client, data, kind, "?max_image_tokens=40&min_image_tokens=20")
+        assert got == 200, raw
+        assert np.array_equal(load(raw)["0"].view(np.uint16), want.view(np.uint16))
+        assert [dict(m, cached=False) for m in json.loads(_metadata(raw)["images"])] == [dict(as_json[0], cached=False)]
+    embs, meta = client.encode(data, max_image_tokens=np.int64(40), min_image_tokens=20)
+    assert np.array_equal(embs[0].view(np.uint16), want.view(np.uint16)) and meta[0]["key"] == as_json[0]["key"]
+    got, raw = post(client, data, "image/png")  # no query: the defaults
+    assert got == 200 and load(raw)["0"].shape[0] != want.shape[0]
+
+
+@pytest.mark.parametrize("body,kind,query,status,says,index", [
+    (b"\x89PNG", "image/png", "?max_tokens=5", 400, "unknown query parameter 'max_tokens'", None),
+    (b"\x89PNG", "image/png", "?max_image_tokens=5&max_image_tokens=6", 400, "given twice", None),
+    (b"\x89PNG", "image/png", "?max_image_tokens=5.0", 400, "whole number of tokens", None),
+    (b"\x89PNG", "image/png", "?max_image_tokens=-5", 400, "whole number of tokens", None),
+    (b"\x89PNG", "image/png", "?max_image_tokens=" + "9" * 40, 400, "integer from 1 to 2,147,483,647", None),
+    (b"\x89PNG", "image/png", "?max_image_tokens=9000", 400, "capacity of 8000", None),
+    (b"", "image/png", "", 400, "the body is empty", 0),
+    (b"\x89PNG" * 200_000, "image/png", "", 413, "over the 0.5 MiB limit per image", 0),
+    (b"not an image", "application/octet-stream", "", 422, "image 0: cannot decode image", 0),
+    (b'{"images": ["aGVsbG8="]}', "application/json", "?max_image_tokens=5", 400, "takes no query string", None),
+    (b"\x89PNG", "text/plain", "", 415, "or one image file as image/* or application/octet-stream", None),
+])
+def test_bad_image_file_requests(server, body, kind, query, status, says, index):
+    got, err = post(server[0], body, kind, query)
     assert got == status and says in err["error"] and err["index"] == index, err
 
 

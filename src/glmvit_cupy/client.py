@@ -65,16 +65,19 @@ class Client:
         if _one_file(images) or (isinstance(images, np.ndarray) and images.ndim == 3):
             images = [images]  # one image, not a sequence of them
         images = list(images)
-        blobs = [_file_b64(im, f"image {i}") for i, im in enumerate(images)]
-        body = {"images": blobs}
-        if min_image_tokens is not None:
-            body["min_image_tokens"] = min_image_tokens
-        if max_image_tokens is not None:
-            body["max_image_tokens"] = max_image_tokens
-        _, raw = self._post("/v1/encode", body, images)
+        limits = {k: _plain(v) if isinstance(v, np.generic) else v for k, v in
+                  (("min_image_tokens", min_image_tokens), ("max_image_tokens", max_image_tokens)) if v is not None}
+        if len(images) == 1 and all(isinstance(v, int) and not isinstance(v, bool) for v in limits.values()):
+            # One image goes as its file, the limits in the query: no base64 or JSON on either side.
+            query = "?" + urllib.parse.urlencode(limits) if limits else ""
+            _, raw = self._send("POST", "/v1/encode" + query, _file_bytes(images[0], "image 0"),
+                                "application/octet-stream", images)
+        else:
+            body = {"images": [_file_b64(im, f"image {i}") for i, im in enumerate(images)], **limits}
+            _, raw = self._post("/v1/encode", body, images)
         tensors = _bf16_tensors(raw)
         meta = json.loads(_metadata(raw)["images"])
-        return [tensors[str(i)] for i in range(len(blobs))], meta
+        return [tensors[str(i)] for i in range(len(images))], meta
 
     def encode_video(self, videos, *, fps=None, duration=None, **settings) -> tuple[list[np.ndarray], list[dict]]:
         """Videos, each a list of frames (image files as paths or bytes, or HxWx3 uint8 arrays, sent as PNG:
@@ -113,8 +116,11 @@ class Client:
 
     def _post(self, path, body: dict, given: list):
         """POST body as JSON; a ServerError naming an image or video also names what the caller gave for it."""
+        return self._send("POST", path, json.dumps(body, default=_plain).encode(), "application/json", given)
+
+    def _send(self, method, path, data: bytes, kind: str, given: list):
         try:
-            return self._call("POST", path, json.dumps(body, default=_plain).encode(), "application/json")
+            return self._call(method, path, data, kind)
         except ServerError as e:
             if e.index is None or not 0 <= e.index < len(given):
                 raise
@@ -205,7 +211,12 @@ def _plain(v):
 
 
 def _file_b64(frame, what: str) -> str:
-    """An image, frame or video file as base64: a path's or bytes as they are, an HxWx3 uint8 array as a PNG
+    """An image, frame or video file as base64 (_file_bytes)."""
+    return base64.b64encode(_file_bytes(frame, what)).decode("ascii")
+
+
+def _file_bytes(frame, what: str) -> bytes:
+    """An image, frame or video file's bytes: a path's or bytes as they are, an HxWx3 uint8 array as a PNG
     (lossless). OSError for a path that is not a readable regular file; ValueError naming `what` for anything else (an array of another shape or type would be read
     differently than preprocess reads it: an alpha channel dropped, not composited)."""
     if isinstance(frame, np.ndarray):
@@ -230,7 +241,7 @@ def _file_b64(frame, what: str) -> str:
     elif not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ValueError(f"{what}: {type(frame).__name__} is not an image file's path or bytes, nor an HxWx3 uint8 "
                          "array")
-    return base64.b64encode(bytes(frame)).decode("ascii")
+    return bytes(frame)
 
 
 def _source(item) -> str | None:

@@ -64,7 +64,8 @@ from .decoding import (LARGE_IMAGE_PIXELS, OffProcess, dims, have_pyav, header_s
                        prepare_video, video_pixels)
 from .flights import Flights
 from .metrics import Metrics
-from .requests import Refused, b64decode, decode_frames, parse_images, parse_videos, read_body
+from .requests import (Refused, b64decode, decode_frames, image_file_limits, parse_images, parse_videos,
+                       read_body)
 
 @dataclass
 class Settings:
@@ -112,6 +113,10 @@ class Releasing:
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
+
+
+JSON = ("application/json",)
+IMAGE_FILE = "application/octet-stream"  # or any image/*: a body that is one image file
 
 
 def create_app(load_backend, settings: Settings) -> Starlette:
@@ -257,20 +262,29 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         return run
 
     async def json_body(request) -> list:
-        """[the request's body], or Refused: the model not ready (503), not JSON (415), too large (413), more
-        than the bodies in flight have room for now (429), too slow (408). Its bytes are held in `bodies`
-        until the request is answered (endpoint gives them back); the list lets the parser drop the body."""
+        """[the request's body] (JSON), or Refused: see body_of."""
+        return (await body_of(request, JSON))[1]
+
+    async def body_of(request, kinds: tuple) -> tuple[str, list]:
+        """(its Content-Type, [the request's body]), or Refused: the model not ready (503), a Content-Type not
+        in `kinds` (415), too large (413), more than the bodies in flight have room for now (429), too slow
+        (408). Its bytes are held in `bodies` until the request is answered (endpoint gives them back); the
+        list lets the parser drop the body."""
         if state["status"] != "ok":
             raise Refused(503, not_ready())
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind != "application/json":
-            raise Refused(415, f"Content-Type {kind or 'none'!r}: send application/json")
+        if kind not in kinds and not (IMAGE_FILE in kinds and kind.startswith("image/")):
+            raise Refused(415, f"Content-Type {kind or 'none'!r}: send " + (
+                "application/json, or one image file as image/* or application/octet-stream" if IMAGE_FILE in kinds
+                else "application/json"))
         coding = request.headers.get("content-encoding", "identity").strip().lower()
         if coding not in ("", "identity"):  # read as it came, a gzip body would be refused as non-ASCII
             raise Refused(415, f"Content-Encoding {quoted(coding)}: send the body uncompressed (identity)")
+        if kind == JSON[0] and request.url.query:
+            raise Refused(400, "a JSON request takes no query string: its settings are fields of the body")
         body = await read_body(request, int(settings.max_body_mib * 2**20), settings.body_timeout, bodies)
         request.scope["glmvit.body_bytes"] = len(body)
-        return [body]
+        return kind, [body]
 
     async def parse(read, held: list):
         """read(held) on the parsing thread: one body at a time, so that only one is expanded into Python
@@ -379,8 +393,23 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     async def _encode(request):
         # Parsing and base64 take about 0.9 s for a 240 MiB body on a 2-core machine: on a thread, the event loop
         # keeps answering other requests (and /health) meanwhile.
-        blobs, shas, lo, hi = await parse(read_images, await json_body(request))
+        kind, held = await body_of(request, JSON + (IMAGE_FILE,))
+        if kind == JSON[0]:
+            blobs, shas, lo, hi = await parse(read_images, held)
+        else:
+            lo, hi = image_file_limits(request.query_params.multi_items(), settings.capacity_tokens)
+            blobs, shas = await parse(read_image_file, held)
         return await unless_gone(request, encode_images(blobs, shas, lo, hi))
+
+    def read_image_file(held: list):
+        """([the body's image file], [its sha256]) of a request whose body is one image file, or Refused."""
+        data = bytes(held.pop())
+        if not data:
+            raise Refused(400, "the body is empty: send one image file (or JSON, as application/json)", 0)
+        if len(data) > settings.max_image_mib * 2**20:
+            raise Refused(413, f"images[0] is {len(data)} bytes, over the {settings.max_image_mib:g} MiB limit per "
+                               "image (--max-image-mib)", 0)
+        return [data], [vllm_ec.key_of(data)]
 
     def read_images(held: list):
         """(image files, their sha256, min and max tokens) of the request body in `held`, or Refused; on the

@@ -192,8 +192,11 @@ def parse_images(body: bytes, capacity: int, max_images: int = 256):
     for i, text in enumerate(images):
         if not isinstance(text, str):
             raise Refused(400, f"images[{i}] is {type(text).__name__}, not a base64 string", i)
-    lo = req.get("min_image_tokens")  # absent or null: the default
-    hi = req.get("max_image_tokens")
+    return images, *_limits(req.get("min_image_tokens"), req.get("max_image_tokens"), capacity)
+
+
+def _limits(lo, hi, capacity: int) -> tuple[int, int]:
+    """(min, max image tokens) a request gives (None: the default), checked, or Refused (400)."""
     lo = 16 if lo is None else lo
     hi = min(DEFAULT_MAX_IMAGE_TOKENS, capacity) if hi is None else hi
     try:
@@ -202,7 +205,23 @@ def parse_images(body: bytes, capacity: int, max_images: int = 256):
         raise Refused(400, str(e)) from None
     if hi > capacity:
         raise Refused(400, f"max_image_tokens = {hi} exceeds the server's capacity of {capacity} tokens per pass")
-    return images, lo, hi
+    return lo, hi
+
+
+def image_file_limits(query: list[tuple[str, str]], capacity: int) -> tuple[int, int]:
+    """(min, max image tokens) of a request whose body is one image file, from its query string's (name, value)
+    pairs, or Refused (400): only the two limits, each at most once, as decimal integers."""
+    given = {}
+    for name, value in query:
+        if name not in FIELDS[1:]:
+            raise Refused(400, f"unknown query parameter {quoted(name)}; a request whose body is an image file takes "
+                               f"{', '.join(map(repr, FIELDS[1:]))}")
+        if name in given:
+            raise Refused(400, f"the query parameter {quoted(name)} is given twice; give it once")
+        if not (value.isascii() and value.isdigit()):
+            raise Refused(400, f"{name}={quoted(value)}: give a whole number of tokens, as decimal digits")
+        given[name] = int(value) if len(value) <= 18 else 10**18  # past any limit: refused as out of range
+    return _limits(given.get("min_image_tokens"), given.get("max_image_tokens"), capacity)
 
 
 VIDEO_FIELDS = ("videos", "sample", "target_fps", "max_frames", "max_duration", "min_image_tokens", "max_image_tokens")
