@@ -1,5 +1,6 @@
 """glmvit_cupy.client without a server: a refusal naming an image names what the caller gave for it."""
 
+import base64
 import io
 import json
 
@@ -165,7 +166,8 @@ class _Counting:
                 self.served, self.number = 0, outer.connections
 
             def do_GET(self):
-                body = json.dumps({"status": "ok", "connection": self.number, "path": self.path}).encode()
+                body = json.dumps({"status": "ok", "connection": self.number, "path": self.path,
+                                   "proxy_auth": self.headers.get("Proxy-Authorization")}).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -235,3 +237,64 @@ def test_a_client_pickles_without_its_connections(monkeypatch):
         assert copy.url == client.url and copy.health()["connection"] == 2  # its own connection
     finally:
         server.close()
+
+
+def _no_proxies(monkeypatch):
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "no_proxy",
+                 "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_forked_process_opens_its_own_connection(monkeypatch):
+    """A connection kept before a fork is the parent's: the child's calls go on a new one (sharing it, each
+    would read the other's answers)."""
+    import os
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    _no_proxies(monkeypatch)
+    server = _Counting()
+    try:
+        client = Client(server.url)
+        assert client.health()["connection"] == 1
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its answer through the pipe, then out at once
+            try:
+                os.write(write, json.dumps([client.health()["connection"] for _ in range(2)]).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        assert json.loads(os.read(read, 1000)) == [2, 2]
+        assert client.health()["connection"] == 1  # the parent's own, still
+    finally:
+        server.close()
+
+
+def test_proxy_credentials_and_no_proxy_with_a_port(monkeypatch):
+    _no_proxies(monkeypatch)
+    server = _Counting()
+    try:
+        monkeypatch.setenv("http_proxy", server.url.replace("http://", "http://us%40er:pa%3Ass@"))
+        got = Client("http://example.invalid:8000").health()
+        assert got["proxy_auth"] == "Basic " + base64.b64encode(b"us@er:pa:ss").decode()
+        monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # a proxy that is not there ...
+        monkeypatch.setenv("no_proxy", server.url.replace("http://", ""))  # ... and not used for host:port
+        assert Client(server.url).health()["proxy_auth"] is None
+    finally:
+        server.close()
+
+
+def test_one_image_goes_as_json_to_a_server_older_than_image_file_bodies(monkeypatch, rng):
+    answer = Answer()
+
+    def older(*request):
+        if request[-1]["Content-Type"] != "application/json":
+            return 415, json.dumps({"error": "Content-Type 'application/octet-stream': send application/json",
+                                    "index": None}).encode()
+        return answer(*request[-4:])
+
+    monkeypatch.setattr(Client, "_exchange", older)
+    embs, _ = Client().encode(png(rng.integers(0, 256, (5, 6, 3), dtype=np.uint8)), max_image_tokens=64)
+    assert len(embs) == 1 and answer.sent[-1]["max_image_tokens"] == 64 and not getattr(answer, "raw", 0)

@@ -160,8 +160,31 @@ def test_one_image_file_as_the_body_with_its_limits_in_the_query(server, tower, 
         assert [dict(m, cached=False) for m in json.loads(_metadata(raw)["images"])] == [dict(as_json[0], cached=False)]
     embs, meta = client.encode(data, max_image_tokens=np.int64(40), min_image_tokens=20)
     assert np.array_equal(embs[0].view(np.uint16), want.view(np.uint16)) and meta[0]["key"] == as_json[0]["key"]
+    got, raw = post(client, json.dumps({"images": [base64.b64encode(data).decode()]}).encode(), query="?t=1")
+    assert got == 200, raw  # a JSON request's query string (a cache-buster, say) is left alone but for the limits
     got, raw = post(client, data, "image/png")  # no query: the defaults
     assert got == 200 and load(raw)["0"].shape[0] != want.shape[0]
+
+
+def test_a_body_refused_before_it_is_read_reaches_the_client_as_its_status(server):
+    """The server answers 413 from Content-Length and closes without reading the body; the client, whose send
+    then fails, reads that answer (on a kept connection too) and sends the body once."""
+    client, _ = server
+    before = metric(client, 'glmvit_requests_total{status="413"}')
+    client.health()  # the connection is kept from here
+    for big in (os.urandom(2_000_000), os.urandom(24_000_000), [os.urandom(700_000)] * 2, [os.urandom(9_000_000)] * 2):
+        with pytest.raises(ServerError) as e:
+            client.encode(big)
+        assert e.value.status == 413, e.value
+    assert "images[0] is 2,000,000 bytes, over the 0.5 MiB limit per image" in str(client_error(client))
+    assert metric(client, 'glmvit_requests_total{status="413"}') == before + 5
+
+
+def client_error(client):
+    try:
+        client.encode(os.urandom(2_000_000))
+    except ServerError as e:
+        return e
 
 
 @pytest.mark.parametrize("body,kind,query,status,says,index", [
@@ -169,12 +192,16 @@ def test_one_image_file_as_the_body_with_its_limits_in_the_query(server, tower, 
     (b"\x89PNG", "image/png", "?max_image_tokens=5&max_image_tokens=6", 400, "given twice", None),
     (b"\x89PNG", "image/png", "?max_image_tokens=5.0", 400, "whole number of tokens", None),
     (b"\x89PNG", "image/png", "?max_image_tokens=-5", 400, "whole number of tokens", None),
-    (b"\x89PNG", "image/png", "?max_image_tokens=" + "9" * 40, 400, "integer from 1 to 2,147,483,647", None),
+    (b"\x89PNG", "image/png", "?max_image_tokens=" + "9" * 40, 400, "=9999999999999999999999999999999999999999 is past", None),
+    (b"\x89PNG", "image/png", "?max_image_tokens=" + "0" * 40 + "9000", 400, "capacity of 8000", None),
+    (b'{"images": ["aGVsbG8="]}', "image/png", "", 415, "the body is JSON, sent as an image file", 0),
+    (b"\x89PNG" * 200_000, "application/octet-stream", "?max_image_tokens=x", 400, "whole number", None),
     (b"\x89PNG", "image/png", "?max_image_tokens=9000", 400, "capacity of 8000", None),
     (b"", "image/png", "", 400, "the body is empty", 0),
-    (b"\x89PNG" * 200_000, "image/png", "", 413, "over the 0.5 MiB limit per image", 0),
+    (b"\x89PNG" * 200_000, "image/png", "", 413, "images[0] is 800,000 bytes, over the 0.5 MiB limit per image", 0),
     (b"not an image", "application/octet-stream", "", 422, "image 0: cannot decode image", 0),
-    (b'{"images": ["aGVsbG8="]}', "application/json", "?max_image_tokens=5", 400, "takes no query string", None),
+    (b'{"images": ["aGVsbG8="]}', "application/json", "?max_image_tokens=5", 400, "max_image_tokens in the query string of a JSON request", None),
+    (b"\x89PNG", "", "", 415, "no Content-Type: send", None),
     (b"\x89PNG", "text/plain", "", 415, "or one image file as image/* or application/octet-stream", None),
 ])
 def test_bad_image_file_requests(server, body, kind, query, status, says, index):

@@ -17,6 +17,7 @@ import base64
 import http.client
 import json
 import os
+import ssl
 import threading
 import urllib.parse
 import urllib.request
@@ -27,9 +28,10 @@ import numpy as np
 from .errors import ServerError
 
 
-# A kept connection the server has since closed (its keep-alive timeout; a restart) fails the next call before
-# any answer with one of these: the call goes again once, on a new connection.
-_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+# A kept connection the server has since closed (its keep-alive timeout; a restart; a TLS proxy closing without
+# close_notify) fails the next call before any answer with one of these: the call goes again once, on a new one.
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError,
+          ssl.SSLEOFError, ssl.SSLZeroReturnError)
 
 
 class Client:
@@ -47,6 +49,14 @@ class Client:
             raise ValueError(f"Client: {url!r} is not a server's URL: give http://HOST[:PORT][/PATH] (or https://)")
         self._parts = parts
         self._proxy = _proxy_for(parts)
+        self._proxy_headers = {}  # a plain HTTP proxy's credentials (an https one gets them in its tunnel's CONNECT)
+        if self._proxy is not None and self._proxy.username is not None:
+            credentials = urllib.parse.unquote(self._proxy.username) + ":" + urllib.parse.unquote(
+                self._proxy.password or "")
+            auth = {"Proxy-Authorization": "Basic " + base64.b64encode(credentials.encode()).decode("ascii")}
+            self._proxy_headers, self._tunnel_headers = ({}, auth) if parts.scheme == "https" else (auth, {})
+        else:
+            self._tunnel_headers = {}
         self._local = threading.local()  # this thread's open connection
 
     def __getstate__(self) -> dict:  # pickled (to a process pool, a Ray task) without its connections
@@ -70,8 +80,15 @@ class Client:
         if len(images) == 1 and all(isinstance(v, int) and not isinstance(v, bool) for v in limits.values()):
             # One image goes as its file, the limits in the query: no base64 or JSON on either side.
             query = "?" + urllib.parse.urlencode(limits) if limits else ""
-            _, raw = self._send("POST", "/v1/encode" + query, _file_bytes(images[0], "image 0"),
-                                "application/octet-stream", images)
+            data = _file_bytes(images[0], "image 0")
+            try:
+                _, raw = self._send("POST", "/v1/encode" + query, data, "application/octet-stream", images)
+            except ServerError as e:
+                if e.status != 415 or not e.error.startswith("Content-Type") or "image/*" in e.error:
+                    raise
+                # A server older than image file bodies: the image goes as JSON
+                body = {"images": [base64.b64encode(data).decode("ascii")], **limits}
+                _, raw = self._post("/v1/encode", body, images)
         else:
             body = {"images": [_file_b64(im, f"image {i}") for i, im in enumerate(images)], **limits}
             _, raw = self._post("/v1/encode", body, images)
@@ -137,19 +154,33 @@ class Client:
             raise ServerError(status, raw.decode(errors="replace"), None) from None
 
     def _exchange(self, method, path, data, headers) -> tuple[int, bytes]:
-        """(status, body) of one request on this thread's connection, opened if it has none; a kept one found
-        closed (_STALE) is replaced and the request sent again, once. Any other failure closes it."""
-        conn = getattr(self._local, "conn", None)
-        kept = conn is not None
+        """(status, body) of one request on this thread's connection, opened if it has none (or if it was
+        opened by the process this one forked from: the two would read each other's answers). A server may
+        answer before the body is all sent (413: over its limit) and close: that answer is read. A kept
+        connection found closed before any answer (_STALE) is replaced and the request sent again, once. Any
+        other failure closes it."""
+        local = self._local
+        kept = getattr(local, "conn", None) is not None and local.pid == os.getpid()
         if not kept:
-            conn = self._local.conn = self._connect()
+            local.conn, local.pid = self._connect(), os.getpid()
+        conn = local.conn
         try:
-            conn.request(method, self._target(path), body=data, headers=headers)
-            r = conn.getresponse()
+            try:
+                conn.request(method, self._target(path), body=data, headers={**headers, **self._proxy_headers})
+            except (BrokenPipeError, ConnectionResetError) as e:
+                sent = e  # the server may have answered and closed before reading it all: its answer, if any
+            else:
+                sent = None
+            try:
+                r = conn.getresponse()
+            except (http.client.HTTPException, OSError):
+                if sent is not None:
+                    raise sent from None
+                raise
             return r.status, r.read()
         except BaseException as e:
             conn.close()
-            self._local.conn = None
+            local.conn = None
             if kept and isinstance(e, _STALE):
                 return self._exchange(method, path, data, headers)
             raise
@@ -161,7 +192,7 @@ class Client:
             return kind(p.hostname, p.port, timeout=self.timeout)
         conn = kind(self._proxy.hostname, self._proxy.port, timeout=self.timeout)
         if p.scheme == "https":
-            conn.set_tunnel(p.hostname, p.port)
+            conn.set_tunnel(p.hostname, p.port, headers=self._tunnel_headers)
         return conn
 
     def _target(self, path: str) -> str:
@@ -175,7 +206,7 @@ def _proxy_for(parts):
     """The proxy urllib would send a request for this URL through (HTTP_PROXY and the like, NO_PROXY heeded), as
     urlsplit's parts; None for none."""
     proxy = urllib.request.getproxies().get(parts.scheme)
-    if not proxy or urllib.request.proxy_bypass(parts.hostname):
+    if not proxy or urllib.request.proxy_bypass(parts.netloc.rpartition("@")[2]):  # host[:port], as urllib asks
         return None
     return urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
 

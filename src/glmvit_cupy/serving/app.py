@@ -3,7 +3,8 @@
     GET  /health      200 {"status": "ok", "geometry": {...}, ...}; 503 while loading, failed or draining
     POST /v1/encode   JSON {"images": [base64, ...], "min_image_tokens": 16, "max_image_tokens": 8000}
                       (base64 plain, wrapped, URL-safe or a data URL; a limit absent or null: its default;
-                      any other field: 400)
+                      any other field: 400), or one image file as the body (image/* or application/
+                      octet-stream), its limits in the query: ?min_image_tokens=16&max_image_tokens=8000
                       -> 200 application/octet-stream: a safetensors file, one bf16 tensor per image
                       named "0", "1", ... and __metadata__["images"] = JSON [{sha256, key, grid_thw,
                       tokens, cached}, ...]
@@ -18,7 +19,7 @@
 
 Errors are JSON {"error": why, "index": the image's (or video's) position or null}: 400 malformed request, 408
 the body too slow, 413 too large (a body, an image file, more images than the queue holds, more pixels than
---max-pixels-in-flight), 415 not JSON, 422 an image that cannot be decoded (nothing of that request is
+--max-pixels-in-flight), 415 neither JSON nor an image file, 422 an image that cannot be decoded (nothing of that request is
 encoded), 429 the queue or the pixels in flight full now, 501 a video file on a server without PyAV, 503
 loading or shutting down, 500 the engine failed.
 
@@ -64,8 +65,8 @@ from .decoding import (LARGE_IMAGE_PIXELS, OffProcess, dims, have_pyav, header_s
                        prepare_video, video_pixels)
 from .flights import Flights
 from .metrics import Metrics
-from .requests import (Refused, b64decode, decode_frames, image_file_limits, parse_images, parse_videos,
-                       read_body)
+from .requests import (BODY_LIMIT, FIELDS, Refused, b64decode, decode_frames, image_file_limits, parse_images,
+                       parse_videos, read_body)
 
 @dataclass
 class Settings:
@@ -117,6 +118,7 @@ class ClientGone(Exception):
 
 JSON = ("application/json",)
 IMAGE_FILE = "application/octet-stream"  # or any image/*: a body that is one image file
+LIMITS = FIELDS[1:]  # min_image_tokens, max_image_tokens: a JSON request's fields, an image file's query
 
 
 def create_app(load_backend, settings: Settings) -> Starlette:
@@ -262,29 +264,39 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         return run
 
     async def json_body(request) -> list:
-        """[the request's body] (JSON), or Refused: see body_of."""
-        return (await body_of(request, JSON))[1]
+        """[the request's body] (JSON), or Refused: see kind_of and body_of."""
+        kind_of(request, JSON)
+        return await body_of(request)
 
-    async def body_of(request, kinds: tuple) -> tuple[str, list]:
-        """(its Content-Type, [the request's body]), or Refused: the model not ready (503), a Content-Type not
-        in `kinds` (415), too large (413), more than the bodies in flight have room for now (429), too slow
-        (408). Its bytes are held in `bodies` until the request is answered (endpoint gives them back); the
-        list lets the parser drop the body."""
+    def kind_of(request, kinds: tuple) -> str:
+        """The request's Content-Type, or Refused: the model not ready (503), a Content-Type not in `kinds`
+        (415), a query string that gives a JSON request's limits (400: they are fields of its body)."""
         if state["status"] != "ok":
             raise Refused(503, not_ready())
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind not in kinds and not (IMAGE_FILE in kinds and kind.startswith("image/")):
-            raise Refused(415, f"Content-Type {kind or 'none'!r}: send " + (
+            raise Refused(415, f"{f'Content-Type {kind!r}' if kind else 'no Content-Type'}: send " + (
                 "application/json, or one image file as image/* or application/octet-stream" if IMAGE_FILE in kinds
                 else "application/json"))
         coding = request.headers.get("content-encoding", "identity").strip().lower()
         if coding not in ("", "identity"):  # read as it came, a gzip body would be refused as non-ASCII
             raise Refused(415, f"Content-Encoding {quoted(coding)}: send the body uncompressed (identity)")
-        if kind == JSON[0] and request.url.query:
-            raise Refused(400, "a JSON request takes no query string: its settings are fields of the body")
-        body = await read_body(request, int(settings.max_body_mib * 2**20), settings.body_timeout, bodies)
+        if kind == JSON[0]:
+            given = sorted({k for k, _ in request.query_params.multi_items()} & set(LIMITS))
+            if given:  # other parameters (a cache-buster, say) are left alone
+                raise Refused(400, f"{', '.join(given)} in the query string of a JSON request: give "
+                                   f"{'them' if len(given) > 1 else 'it'} as fields of the body")
+        return kind
+
+    async def body_of(request, limit: int | None = None, over: tuple = BODY_LIMIT) -> list:
+        """[the request's body], or Refused: over `limit` bytes (--max-body-mib unless smaller; 413), more than
+        the bodies in flight have room for now (429), too slow (408). Its bytes are held in `bodies` until the
+        request is answered (endpoint gives them back); the list lets the parser drop the body."""
+        most = int(settings.max_body_mib * 2**20)
+        body = await read_body(request, most if limit is None else min(limit, most), settings.body_timeout, bodies,
+                               over if limit is not None and limit < most else BODY_LIMIT)
         request.scope["glmvit.body_bytes"] = len(body)
-        return kind, [body]
+        return [body]
 
     async def parse(read, held: list):
         """read(held) on the parsing thread: one body at a time, so that only one is expanded into Python
@@ -393,11 +405,12 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     async def _encode(request):
         # Parsing and base64 take about 0.9 s for a 240 MiB body on a 2-core machine: on a thread, the event loop
         # keeps answering other requests (and /health) meanwhile.
-        kind, held = await body_of(request, JSON + (IMAGE_FILE,))
-        if kind == JSON[0]:
-            blobs, shas, lo, hi = await parse(read_images, held)
-        else:
+        if kind_of(request, JSON + (IMAGE_FILE,)) == JSON[0]:
+            blobs, shas, lo, hi = await parse(read_images, await body_of(request))
+        else:  # one image file: its limits and size are checked before it is read
             lo, hi = image_file_limits(request.query_params.multi_items(), settings.capacity_tokens)
+            held = await body_of(request, int(settings.max_image_mib * 2**20),
+                                 ("images[0]", "limit per image (--max-image-mib): send a smaller image", 0))
             blobs, shas = await parse(read_image_file, held)
         return await unless_gone(request, encode_images(blobs, shas, lo, hi))
 
@@ -406,9 +419,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         data = bytes(held.pop())
         if not data:
             raise Refused(400, "the body is empty: send one image file (or JSON, as application/json)", 0)
-        if len(data) > settings.max_image_mib * 2**20:
-            raise Refused(413, f"images[0] is {len(data)} bytes, over the {settings.max_image_mib:g} MiB limit per "
-                               "image (--max-image-mib)", 0)
+        if data.lstrip()[:1] in (b"{", b"["):  # no image format starts so: a JSON request sent as a file
+            raise Refused(415, "the body is JSON, sent as an image file: send JSON as application/json", 0)
         return [data], [vllm_ec.key_of(data)]
 
     def read_images(held: list):

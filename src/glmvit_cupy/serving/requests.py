@@ -24,18 +24,22 @@ class Refused(Exception):
         self.status, self.error, self.index, self.close = status, error, index, close
 
 
-async def read_body(request, limit: int, timeout: float, room=None) -> bytearray:
+BODY_LIMIT = ("the body", "limit (--max-body-mib)", None)  # what read_body's 413 names: the body and its flag
+
+
+async def read_body(request, limit: int, timeout: float, room=None, over: tuple = BODY_LIMIT) -> bytearray:
     """The body, or Refused: over `limit` bytes (413, from Content-Length when it says so: the rest is left
     unread and the connection closes), more than `room` (a batcher.Budget of bytes, server-wide) has free
     (429, once the body has arrived: it is read and dropped as it comes, so the client, which may send before
     it reads, gets the answer), or not all there within `timeout` seconds of its headers (408). A body holds
     `room` for the bytes that have arrived, as they arrive (headers that declare a size hold nothing). A body
-    read holds len(body) of it, for the caller to give back; a refusal gives back what it took."""
+    read holds len(body) of it, for the caller to give back; a refusal gives back what it took. `over`: (what
+    the body is, the limit's name, the image's position or None) as the 413 says them."""
+    what, named, index = over
     declared = request.headers.get("content-length")
     declared = int(declared) if declared and declared.isdigit() else None
     if declared is not None and declared > limit:
-        raise Refused(413, f"the body is {declared:,} bytes, over the {limit / 2**20:g} MiB limit (--max-body-mib)",
-                      close=True)
+        raise Refused(413, f"{what} is {declared:,} bytes, over the {limit / 2**20:g} MiB {named}", index, close=True)
     body = bytearray()
     held = 0
     full = None  # the 429 once `room` has no room for the body
@@ -61,7 +65,7 @@ async def read_body(request, limit: int, timeout: float, room=None) -> bytearray
         async for chunk in request.stream():
             got += len(chunk)
             if got > limit:
-                raise Refused(413, f"the body is over the {limit / 2**20:g} MiB limit (--max-body-mib)", close=True)
+                raise Refused(413, f"{what} is over the {limit / 2**20:g} MiB {named}", index, close=True)
             if full is None:
                 body.extend(chunk)
                 if len(body) > held:  # what has arrived, as it comes
@@ -145,7 +149,8 @@ def _text(body) -> str:
     if not body.isascii():
         at = re.search(rb"[\x80-\xff]", body).start()
         raise Refused(400, f"the body holds a byte outside ASCII at offset {at:,}: a request is ASCII JSON (base64 "
-                           "text, numbers and field names)")
+                           "text, numbers and field names); one image file goes to /v1/encode as the body, with "
+                           "Content-Type image/* or application/octet-stream")
     if b"\\u" in body:
         found = _NON_ASCII_ESCAPE.search(body)
         if found:
@@ -220,7 +225,11 @@ def image_file_limits(query: list[tuple[str, str]], capacity: int) -> tuple[int,
             raise Refused(400, f"the query parameter {quoted(name)} is given twice; give it once")
         if not (value.isascii() and value.isdigit()):
             raise Refused(400, f"{name}={quoted(value)}: give a whole number of tokens, as decimal digits")
-        given[name] = int(value) if len(value) <= 18 else 10**18  # past any limit: refused as out of range
+        digits = value.lstrip("0") or "0"
+        if len(digits) > 10:  # int() of thousands of digits is slow, and refused past 4,300 of them
+            raise Refused(400, f"{name}={value[:40]}{'...' if len(value) > 40 else ''} is past any limit: give an "
+                               "integer up to 2,147,483,647")
+        given[name] = int(digits)
     return _limits(given.get("min_image_tokens"), given.get("max_image_tokens"), capacity)
 
 
