@@ -410,12 +410,16 @@ def chunked_post(client, body: bytes, piece: int = 64 << 10) -> tuple[int, dict]
     for i in range(0, len(body), piece):
         s.sendall(b"%x\r\n" % len(body[i:i + piece]) + body[i:i + piece] + b"\r\n")
     s.sendall(b"0\r\n\r\n")
-    s.shutdown(socket.SHUT_WR)
+    # The connection stays open until the answer is in (a half-close would read as a disconnect): the answer
+    # is read to its Content-Length.
     reply = b""
-    while chunk := s.recv(65536):
-        reply += chunk
-    s.close()
+    while b"\r\n\r\n" not in reply:
+        reply += s.recv(65536) or b"\r\n\r\n"
     head, _, rest = reply.partition(b"\r\n\r\n")
+    length = next(int(ln.split(b":", 1)[1]) for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:"))
+    while len(rest) < length and (chunk := s.recv(65536)):
+        rest += chunk
+    s.close()
     return int(head.split()[1]), json.loads(rest)
 
 
