@@ -9,13 +9,19 @@ server process's CPU time an image, all threads together (near one core busy: th
 
     python benchmarks/bench_serve.py [--checkpoint PATH] [--clients 16] [--requests 240] [--small] [--cpu]
     python benchmarks/bench_serve.py --host-only --small     # the service's own host cost, any machine
+    python benchmarks/bench_serve.py --host-only --small --requests 4000 --server-cpus 0 --client-cpus 1 \
+        [--json] [--new-connections]
 
 --host-only replaces the tower with zeros of its output's shape (on the CPU backend, so images are resized
 by Pillow on the decoding threads): what is left is the service's host work an image (HTTP,
-hashing, decoding, the reply), the ceiling it puts on images/s whatever the GPU.
+hashing, decoding, the reply), the ceiling it puts on images/s whatever the GPU. --server-cpus / --client-cpus
+pin the server and the clients to their own CPUs (Linux), so that the server's CPU ms a request is its own work
+and not the two contending; --json sends each image as base64 in JSON instead of as the request's body;
+--new-connections opens a connection a request instead of keeping one a client thread.
 """
 
 import argparse
+import base64
 import io
 import os
 import socket
@@ -68,6 +74,15 @@ NO_TOWER = ("import numpy as np, ml_dtypes\n"
             "ml_dtypes.bfloat16) for it in items]")
 
 
+def cpus(text: str) -> set[int]:
+    """CPU numbers from '0', '0,2' or '0-3'."""
+    out = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def process_cpu_s(pid) -> float | None:
     """A process's CPU seconds so far, every thread's user and system time (Linux /proc; None elsewhere)."""
     try:
@@ -93,12 +108,16 @@ def main():
     ap.add_argument("--cpu", action="store_true", help="the float32 reference (slow)")
     ap.add_argument("--host-only", action="store_true",
                     help="the tower replaced by zeros (CPU backend): the service's host cost alone")
+    ap.add_argument("--new-connections", action="store_true", help="a new connection a request (no keep-alive)")
+    ap.add_argument("--json", action="store_true", help="clients send each image as base64 in JSON, not as the body")
+    ap.add_argument("--server-cpus", type=cpus, default=None, help="CPUs the server runs on, e.g. 0 or 0-3 (Linux)")
+    ap.add_argument("--client-cpus", type=cpus, default=None, help="CPUs the clients run on, once the server is up")
     args = ap.parse_args()
     if args.host_only:
         args.cpu = True
     from glmvit_cupy import bind_tower
     from glmvit_cupy.backend import Backend
-    from glmvit_cupy.client import Client
+    from glmvit_cupy.client import Client, _bf16_tensors
     from glmvit_cupy.preprocessing.image import prepare_canvas
 
     ckpt = args.checkpoint or official_checkpoint()
@@ -131,7 +150,8 @@ def main():
     prelude = f"from glmvit_cupy.backend import Backend; exec({NO_TOWER!r}); " if args.host_only else ""
     proc = subprocess.Popen([sys.executable, "-c", f"import sys; {prelude}from glmvit_cupy.serving.main import main; "
                              "sys.exit(main())", "--checkpoint", ckpt, "--port", str(port),
-                             "--cache-mib", "0", "--max-queue", "4096"] + (["--cpu"] if args.cpu else []), env=env)
+                             "--cache-mib", "0", "--max-queue", "4096"] + (["--cpu"] if args.cpu else []), env=env,
+                            preexec_fn=None if args.server_cpus is None else lambda: os.sched_setaffinity(0, args.server_cpus))
     client = Client(f"http://127.0.0.1:{port}", timeout=600)
     try:
         for _ in range(600):
@@ -145,6 +165,8 @@ def main():
         p0 = metric(client.url, "glmvit_forward_passes_total")
         fill0 = (metric(client.url, "glmvit_forward_pass_fill_sum"), metric(client.url, "glmvit_forward_pass_images_sum"))
         busy0, parts0 = metric(client.url, "glmvit_engine_busy_seconds_total"), parts(client.url)
+        if args.client_cpus is not None:
+            os.sched_setaffinity(0, args.client_cpus)  # the client threads below inherit it
         slat, lock, bad = [], threading.Lock(), []
         todo = list(range(len(work)))
 
@@ -155,7 +177,12 @@ def main():
                         return
                     j = todo.pop()
                 t = time.perf_counter()
-                emb = client.encode([work[j]])[0][0]
+                caller = Client(client.url, timeout=600) if args.new_connections else client
+                if args.json:  # as Client.encode sends several images: base64 in JSON
+                    emb = next(iter(_bf16_tensors(caller._post("/v1/encode", {"images": [
+                        base64.b64encode(work[j]).decode()]}, [work[j]])[1]).values()))
+                else:
+                    emb = caller.encode([work[j]])[0][0]
                 with lock:
                     slat.append(time.perf_counter() - t)
                     if not np.array_equal(emb.view(np.uint16), alone[work[j]].view(np.uint16)):
