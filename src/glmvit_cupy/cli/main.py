@@ -231,9 +231,7 @@ def run(args) -> int:
         try:  # shards the last run wrote before its manifest caught up are in it now, their files no longer failed
             out.flush()
         except OutputError as e:
-            print(f"glmvit-encode: {shown(e)}; fix it (free space, permissions) and re-run the same command",
-                  file=sys.stderr)
-            return WRITE
+            return stopped_writing(e)
         return DONE
     todo_videos = [p for p in todo if is_video(p)]
     todo = [p for p in todo if not is_video(p)]
@@ -262,11 +260,17 @@ def run(args) -> int:
         return status
     except (OutputError, OSError) as e:  # a write: a full disk, lost permissions, a mount gone (it names the file)
         n = len(out) - saved_before
-        what = e if isinstance(e, OutputError) else f"a write failed ({e})"
-        print(f"\nglmvit-encode: {shown(what)}; the run stopped with {counted(n, 'file')} saved ({len(out)} in "
-              f"{shown(args.out)}); fix it (free space, permissions) and re-run the same command to resume",
-              file=sys.stderr)
-        return WRITE
+        return stopped_writing(e, f"the run stopped with {counted(n, 'file')} saved ({len(out)} in {shown(args.out)})")
+
+
+def stopped_writing(e: Exception, ran: str | None = None) -> int:
+    """WRITE, once stderr says which write failed (e names the file), what the run had done (`ran`, if it had
+    begun encoding) and how to go on."""
+    what = e if isinstance(e, OutputError) else f"a write failed ({e})"
+    print(("\n" if ran else "") + f"glmvit-encode: {shown(what)}" + (f"; {ran}" if ran else "")
+          + "; fix it (free space, permissions) and re-run the same command" + (" to resume" if ran else ""),
+          file=sys.stderr)
+    return WRITE
 
 
 def token_limits(args) -> str | None:
