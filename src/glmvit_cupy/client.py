@@ -23,7 +23,6 @@ import threading
 import urllib.parse
 import urllib.request
 
-import ml_dtypes  # noqa: F401  (NumPy learns bfloat16: the response holds bf16 tensors)
 import numpy as np
 
 from .errors import ServerError
@@ -214,6 +213,7 @@ def _proxy_for(parts):
 
 def _bf16_tensors(raw: bytes) -> dict:
     """The bf16 tensors of a safetensors byte string (safetensors.numpy.load knows no bf16)."""
+    import ml_dtypes  # here, not at import: it takes ~0.5 s
     from safetensors import deserialize
 
     out = {}

@@ -41,7 +41,6 @@ import re
 import stat
 import time
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: safetensors.numpy needs it to read the shards)
 import numpy as np
 
 from .errors import OutputError, quoted
@@ -470,6 +469,7 @@ def read_embeddings(folder) -> tuple[dict, dict]:
     including the shards of a run that stopped before its manifest listed them. A key is the file's
     resolved path, or for a path that is not valid UTF-8 the repr() of its bytes: key_path(key) gives the
     path either way."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: safetensors.numpy needs it to read the shards)
     from safetensors.numpy import load_file
 
     if not os.path.isdir(folder):

@@ -8,6 +8,7 @@ reads only the tensors a caller asks for.
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import os
@@ -15,31 +16,27 @@ import struct
 from dataclasses import dataclass
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import CheckpointError, quoted
 from ..files import not_regular, open_regular, read_json_file
 
-# The safetensors dtype names this store can map, with their NumPy types.
-DTYPES = {
-    "BOOL": np.dtype(np.bool_),
-    "U8": np.dtype(np.uint8),
-    "I8": np.dtype(np.int8),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-    "U16": np.dtype(np.uint16),
-    "I16": np.dtype(np.int16),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "U32": np.dtype(np.uint32),
-    "I32": np.dtype(np.int32),
-    "F32": np.dtype(np.float32),
-    "U64": np.dtype(np.uint64),
-    "I64": np.dtype(np.int64),
-    "F64": np.dtype(np.float64),
-}
+# The safetensors dtype names this store can map (dtypes() gives their NumPy types).
+DTYPE_NAMES = ("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "U16", "I16", "F16", "BF16", "U32", "I32", "F32",
+               "U64", "I64", "F64")
+
+
+@functools.cache
+def dtypes() -> dict[str, np.dtype]:
+    """The NumPy type of each safetensors dtype name. ml_dtypes (bf16, the fp8 types) is imported here, on first
+    use: its import takes ~0.5 s, which `import glmvit_cupy` and every command's --help would otherwise pay."""
+    import ml_dtypes
+
+    numpy_types = (np.bool_, np.uint8, np.int8, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float8_e8m0fnu,
+                   np.uint16, np.int16, np.float16, ml_dtypes.bfloat16, np.uint32, np.int32, np.float32, np.uint64,
+                   np.int64, np.float64)
+    return {name: np.dtype(t) for name, t in zip(DTYPE_NAMES, numpy_types)}
+
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own bound on a header
 INDEX_NAME = "model.safetensors.index.json"
@@ -111,8 +108,8 @@ def read_header(path: str) -> dict:
         if not isinstance(entry, dict):
             raise CheckpointError(f"{where}: header entry must be an object, got {entry!r:.80}")
         dtype = entry.get("dtype")
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise CheckpointError(f"{where}: unknown dtype {quoted(dtype, 40)} (known: {', '.join(DTYPES)})")
+        if not isinstance(dtype, str) or dtype not in DTYPE_NAMES:
+            raise CheckpointError(f"{where}: unknown dtype {quoted(dtype, 40)} (known: {', '.join(DTYPE_NAMES)})")
         shape = entry.get("shape")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
@@ -128,7 +125,7 @@ def read_header(path: str) -> dict:
             raise CheckpointError(
                 f"{where}: data_offsets [{begin}, {end}] lie outside the {data_len}-byte data section "
                 "(the shard is truncated or its header is wrong)")
-        want = DTYPES[dtype].itemsize * _prod(shape)
+        want = dtypes()[dtype].itemsize * _prod(shape)
         if end - begin != want:
             raise CheckpointError(
                 f"{where}: {end - begin} bytes on disk, but dtype {dtype} x shape {quoted(tuple(shape), 80)} needs {want}")
@@ -250,7 +247,7 @@ class WeightStore:
         """A zero-copy, read-only NumPy view of one tensor (bf16 as ml_dtypes.bfloat16)."""
         info = self.info(name)
         mm = self._map(info.file)
-        dtype = DTYPES[info.dtype]
+        dtype = dtypes()[info.dtype]
         count = info.nbytes // dtype.itemsize
         return np.frombuffer(mm, dtype=dtype, count=count, offset=info.offset).reshape(info.shape)
 
