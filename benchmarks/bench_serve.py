@@ -150,8 +150,9 @@ def main():
     prelude = f"from glmvit_cupy.backend import Backend; exec({NO_TOWER!r}); " if args.host_only else ""
     proc = subprocess.Popen([sys.executable, "-c", f"import sys; {prelude}from glmvit_cupy.serving.main import main; "
                              "sys.exit(main())", "--checkpoint", ckpt, "--port", str(port),
-                             "--cache-mib", "0", "--max-queue", "4096"] + (["--cpu"] if args.cpu else []), env=env,
-                            preexec_fn=None if args.server_cpus is None else lambda: os.sched_setaffinity(0, args.server_cpus))
+                             "--cache-mib", "0", "--max-queue", "4096"] + (["--cpu"] if args.cpu else []), env=env)
+    if args.server_cpus is not None:  # before its interpreter starts any thread: they inherit it
+        os.sched_setaffinity(proc.pid, args.server_cpus)
     client = Client(f"http://127.0.0.1:{port}", timeout=600)
     try:
         for _ in range(600):

@@ -115,8 +115,10 @@ def test_one_image_or_video_not_in_a_list_is_one_not_a_sequence(tmp_path, monkey
         Client().encode_video([one], fps=[2.0])
         assert len(embs) == 1 and answer.sent[-1] == answer.sent[-2] and len(answer.sent[-1]["videos"]) == 1
     assert len(answer.sent[-6]["videos"][0]["frames"]) == 4  # the array video: its four frames
-    Client().encode([a], max_image_tokens=np.int64(100), min_image_tokens=np.int32(4))  # NumPy numbers go as JSON
+    raw = answer.raw
+    Client().encode([a], max_image_tokens=np.int64(100), min_image_tokens=np.int32(4))  # NumPy numbers: in the query
     assert answer.sent[-1]["max_image_tokens"] == 100 and answer.sent[-1]["min_image_tokens"] == 4
+    assert answer.raw == raw + 1  # one image goes as its file, not as JSON
     Client().encode_video([clip], fps=2.0, sample=np.bool_(False))
     assert answer.sent[-1]["sample"] is False
 
@@ -218,7 +220,8 @@ def test_a_plain_http_proxy_gets_the_whole_url(monkeypatch):
         server.close()
 
 
-@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://host/", "http://", "http://host:port", "http://h/?q=1"])
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://host/", "http://", "http://host:port", "http://h/?q=1",
+                                 "http://u:p@host:8000", "http://h/#top", "http://h/a b"])
 def test_a_url_that_is_not_a_servers_is_refused(url):
     with pytest.raises(ValueError, match="is not a server's URL"):
         Client(url)
@@ -298,3 +301,27 @@ def test_one_image_goes_as_json_to_a_server_older_than_image_file_bodies(monkeyp
     monkeypatch.setattr(Client, "_exchange", older)
     embs, _ = Client().encode(png(rng.integers(0, 256, (5, 6, 3), dtype=np.uint8)), max_image_tokens=64)
     assert len(embs) == 1 and answer.sent[-1]["max_image_tokens"] == 64 and not getattr(answer, "raw", 0)
+
+
+def test_a_proxy_setting_that_is_not_a_url_is_named(monkeypatch):
+    _no_proxies(monkeypatch)
+    monkeypatch.setenv("http_proxy", "http://proxy:99999")
+    with pytest.raises(ValueError, match=r"the http_proxy setting 'http://proxy:99999' \(environment\) is not a proxy"):
+        Client("http://example.invalid:8000")
+
+
+@pytest.mark.parametrize("status", [101, 301, 304])
+def test_an_answer_that_is_neither_200_nor_an_error_is_a_server_error(monkeypatch, status):
+    monkeypatch.setattr(Client, "_exchange", lambda *request: (status, b"<html>moved</html>"))
+    with pytest.raises(ServerError, match=f"HTTP {status}: the server at http://127.0.0.1:8000 answered {status}, not 200"):
+        Client().health()
+
+
+def test_too_short_pickles_as_itself():
+    import pickle
+
+    from glmvit_cupy import TooShort
+
+    e = TooShort("clip.mp4: 2 frames", "raise --video-fps")
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is TooShort and str(back) == str(e) and (back.what, back.advice) == (e.what, e.advice)

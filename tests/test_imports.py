@@ -121,6 +121,15 @@ def test_host_half_imports_without_cupy():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
+def test_the_package_and_the_commands_import_without_ml_dtypes():
+    """ml_dtypes takes ~0.5 s to import: `import glmvit_cupy`, the commands' modules and the client leave it to
+    the first bf16 they read."""
+    code = ("import sys, glmvit_cupy, glmvit_cupy.cli.main, glmvit_cupy.client, glmvit_cupy.output\n"
+            "print('ml_dtypes' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", (r.stdout, r.stderr[-3000:])
+
+
 def test_every_public_name_imports_from_the_package():
     for name in glmvit_cupy.__all__:
         assert getattr(glmvit_cupy, name) is not None, name

@@ -235,6 +235,33 @@ def test_headers_that_do_not_arrive_in_time_get_408(server):
     assert time.monotonic() - t0 < 4.0
 
 
+def test_a_kept_connection_answered_before_its_body_was_read_serves_the_next_request(server):
+    """A request refused before its body is read (a bad query on an image file) leaves the rest of its body to be
+    read and dropped; the connection then waits, past --header-timeout (1 s), for the next request, which gets
+    its own answer (not a 408 left there for it), and the Client's next call on it too."""
+    import http.client
+
+    _, client = server
+    port = int(client.url.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        for _ in range(2):
+            conn.request("POST", "/v1/encode?max_image_tokens=x", body=os.urandom(300_000),
+                         headers={"Content-Type": "image/png"})
+            r = conn.getresponse()
+            assert r.status == 400 and b"whole number of tokens" in r.read()
+            time.sleep(1.5)
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+    finally:
+        conn.close()
+    with pytest.raises(ServerError, match="HTTP 400: max_image_tokens='x'"):
+        client._send("POST", "/v1/encode?max_image_tokens=x", os.urandom(300_000), "image/png", [b""])
+    time.sleep(1.5)
+    assert client.health()["status"] == "ok"
+
+
 def test_a_body_that_does_not_arrive_in_time_gets_408(server):
     _, client = server
     reply = raw_request(client, b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -1,7 +1,7 @@
 """A small client for glmvit-serve (http.client: the base install, no serve extra). Each thread keeps one
 connection to the server open between calls (HTTP keep-alive), so a call costs the server no new connection
-(2.25 against 2.38 CPU ms for one small image a request: `benchmarks/bench_serve.py --host-only --small
---requests 4000 --server-cpus 0 --client-cpus 1`, without and with `--new-connections`).
+(2.15 against 2.38 CPU ms for one small image a request, single runs that vary by ~10%: `benchmarks/bench_serve.py
+--host-only --small --requests 4000 --server-cpus 0 --client-cpus 1`, without and with `--new-connections`).
 
     from glmvit_cupy.client import Client
     embs, meta = Client("http://127.0.0.1:8000").encode(["cat.jpg", open("dog.png", "rb").read()])
@@ -18,6 +18,7 @@ import base64
 import http.client
 import json
 import os
+import select
 import ssl
 import threading
 import urllib.parse
@@ -45,8 +46,10 @@ class Client:
             port = parts.port
         except ValueError:
             port = -1
-        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.query:
-            raise ValueError(f"Client: {url!r} is not a server's URL: give http://HOST[:PORT][/PATH] (or https://)")
+        if (parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.query or parts.fragment
+                or "@" in parts.netloc or not parts.path.isascii() or any(c in parts.path for c in " \t\r\n")):
+            raise ValueError(f"Client: {url!r} is not a server's URL: give http://HOST[:PORT][/PATH] (or https://), "
+                             "with no user name, query or fragment")
         self._parts = parts
         self._proxy = _proxy_for(parts)
         self._proxy_headers = {}  # a plain HTTP proxy's credentials (an https one gets them in its tunnel's CONNECT)
@@ -84,7 +87,7 @@ class Client:
             try:
                 _, raw = self._send("POST", "/v1/encode" + query, data, "application/octet-stream", images)
             except ServerError as e:
-                if e.status != 415 or not e.error.startswith("Content-Type") or "image/*" in e.error:
+                if e.status != 415 or e.index is not None or "image/*" in e.error:
                     raise
                 # A server older than image file bodies: the image goes as JSON
                 body = {"images": [base64.b64encode(data).decode("ascii")], **limits}
@@ -145,8 +148,11 @@ class Client:
 
     def _call(self, method, path, data=None, kind=None):
         status, raw = self._exchange(method, path, data, {"Content-Type": kind} if kind else {})
-        if status < 400:
+        if 200 <= status < 300:
             return status, raw
+        if status < 400:  # glmvit-serve answers 200 or an error: a redirect or the like is something in between
+            raise ServerError(status, f"the server at {self.url} answered {status}, not 200 (a redirect? give the "
+                                      "URL the server itself listens on)", None)
         try:
             err = json.loads(raw)
             raise ServerError(status, err.get("error", ""), err.get("index")) from None
@@ -155,34 +161,41 @@ class Client:
 
     def _exchange(self, method, path, data, headers) -> tuple[int, bytes]:
         """(status, body) of one request on this thread's connection, opened if it has none (or if it was
-        opened by the process this one forked from: the two would read each other's answers). A server may
-        answer before the body is all sent (413: over its limit) and close: that answer is read. A kept
-        connection found closed before any answer (_STALE) is replaced and the request sent again, once. Any
-        other failure closes it."""
+        opened by the process this one forked from: the two would read each other's answers). A kept connection
+        that has anything to read before the request (the server closed it, or left an unasked answer) is
+        replaced first. A server may answer before the body is all sent (413: over its limit) and close: that
+        answer is read. A kept connection that fails while the request is sent, or closes with no answer at
+        all (_STALE), is replaced and the request sent again, once; nothing else is sent twice."""
         local = self._local
-        kept = getattr(local, "conn", None) is not None and local.pid == os.getpid()
-        if not kept:
+        if getattr(local, "conn", None) is None or local.pid != os.getpid():
             local.conn, local.pid = self._connect(), os.getpid()
         conn = local.conn
+        if conn.sock is not None and select.select([conn.sock], [], [], 0)[0]:
+            conn.close()  # closed by the server while idle, or holding bytes nobody asked for: a new socket
+        kept = conn.sock is not None  # a socket that served an earlier call (http.client opens one as needed)
         try:
             try:
                 conn.request(method, self._target(path), body=data, headers={**headers, **self._proxy_headers})
-            except (BrokenPipeError, ConnectionResetError) as e:
+            except _STALE as e:
                 sent = e  # the server may have answered and closed before reading it all: its answer, if any
             else:
                 sent = None
             try:
                 r = conn.getresponse()
-            except (http.client.HTTPException, OSError):
-                if sent is not None:
+            except (http.client.HTTPException, OSError) as e:
+                if sent is not None and not isinstance(e, http.client.RemoteDisconnected):
                     raise sent from None
+                if kept and (sent is not None or isinstance(e, http.client.RemoteDisconnected)):
+                    conn.close()
+                    return self._exchange(method, path, data, headers)  # nothing was answered: once more
                 raise
-            return r.status, r.read()
-        except BaseException as e:
+        except BaseException:
             conn.close()
-            local.conn = None
-            if kept and isinstance(e, _STALE):
-                return self._exchange(method, path, data, headers)
+            raise
+        try:
+            return r.status, r.read()
+        except BaseException:
+            conn.close()
             raise
 
     def _connect(self) -> http.client.HTTPConnection:
@@ -204,11 +217,19 @@ class Client:
 
 def _proxy_for(parts):
     """The proxy urllib would send a request for this URL through (HTTP_PROXY and the like, NO_PROXY heeded), as
-    urlsplit's parts; None for none."""
+    urlsplit's parts; None for none. ValueError naming the variable for a proxy URL that is not one."""
     proxy = urllib.request.getproxies().get(parts.scheme)
-    if not proxy or urllib.request.proxy_bypass(parts.netloc.rpartition("@")[2]):  # host[:port], as urllib asks
+    if not proxy or urllib.request.proxy_bypass(parts.netloc):  # host[:port], as urllib asks
         return None
-    return urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+    via = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+    try:
+        via.port
+    except ValueError:
+        via = None
+    if via is None or not via.hostname:
+        raise ValueError(f"Client: the {parts.scheme}_proxy setting {proxy!r} (environment) is not a proxy's URL: give "
+                         "http://HOST:PORT, or unset it")
+    return via
 
 
 def _bf16_tensors(raw: bytes) -> dict:

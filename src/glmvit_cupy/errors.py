@@ -38,6 +38,9 @@ class TooShort(ValueError):
         super().__init__(f"{what}; {advice}")
         self.what, self.advice = what, advice
 
+    def __reduce__(self):  # pickled (a process pool, Ray) as what and advice, not the joined message
+        return TooShort, (self.what, self.advice)
+
     def within(self, name: str) -> "TooShort":
         """The same error, said of `name` (the video)."""
         return TooShort(f"{name}: {self.what}", self.advice)

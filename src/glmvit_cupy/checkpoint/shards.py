@@ -13,6 +13,7 @@ import json
 import mmap
 import os
 import struct
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,7 +28,7 @@ DTYPE_NAMES = ("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "U16", "I16"
 
 
 @functools.cache
-def dtypes() -> dict[str, np.dtype]:
+def dtypes() -> types.MappingProxyType:
     """The NumPy type of each safetensors dtype name. ml_dtypes (bf16, the fp8 types) is imported here, on first
     use: its import takes ~0.5 s, which `import glmvit_cupy` and every command's --help would otherwise pay."""
     import ml_dtypes
@@ -35,7 +36,7 @@ def dtypes() -> dict[str, np.dtype]:
     numpy_types = (np.bool_, np.uint8, np.int8, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float8_e8m0fnu,
                    np.uint16, np.int16, np.float16, ml_dtypes.bfloat16, np.uint32, np.int32, np.float32, np.uint64,
                    np.int64, np.float64)
-    return {name: np.dtype(t) for name, t in zip(DTYPE_NAMES, numpy_types)}
+    return types.MappingProxyType({name: np.dtype(t) for name, t in zip(DTYPE_NAMES, numpy_types, strict=True)})
 
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own bound on a header

@@ -226,6 +226,7 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
     written less _unsent) is aborted, which lets its reply go (a client that never reads would otherwise hold it, up to --max-reply-mib, for as long as it
     stays connected, even past a close, which waits for the buffer to drain). A slow reader makes
     progress and keeps its connection."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     def raw(status: str, error: str) -> bytes:
@@ -236,7 +237,6 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
     class Protocol(H11Protocol):
         refused = False
         headers_timer = None
-        timed_cycle = None
         reply_timer = None
 
         def connection_made(self, transport):
@@ -260,16 +260,22 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
             metrics.connections.set(len(self.connections))
 
         def data_received(self, data):
-            if self.headers_timer is None and (self.cycle is None or self.cycle.response_complete):
-                self._arm()  # a next request begins: its headers have their deadline too
             super().data_received(data)
             if self.cycle is not None:  # what the app's replies wait on (app.Releasing)
                 self.cycle.scope["glmvit.transport"] = self.transport
-            if self.headers_timer is not None and self.cycle is not self.timed_cycle:
-                self._disarm()  # its headers are in
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm()  # a request's headers are in (or the rest of an answered one's body is read and dropped)
+            elif self.conn.trailing_data[0]:
+                if self.headers_timer is None:
+                    self._arm()  # a next request's headers are arriving: they have their deadline too
+            elif self.conn.our_state is h11.IDLE and self.timeout_keep_alive_task is None:
+                # The last of a body uvicorn read and dropped after its answer: the connection is idle, and closes
+                # after uvicorn's keep-alive timeout as after any answer (uvicorn cancels that timer on each
+                # piece of such a body and does not set it again).
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                    self.timeout_keep_alive_handler)
 
         def _arm(self):
-            self.timed_cycle = self.cycle
             self.headers_timer = self.loop.call_later(header_timeout, self._headers_late)
 
         def _disarm(self):
@@ -304,7 +310,7 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
 
         def _headers_late(self):
             self.headers_timer = None
-            if self.cycle is self.timed_cycle and not self.transport.is_closing():
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # no request's headers came
                 self.transport.write(raw("408 Request Timeout", f"the request's headers did not arrive within "
                                          f"{header_timeout:g} s (--header-timeout)"))
                 self.transport.close()
