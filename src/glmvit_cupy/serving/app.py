@@ -318,7 +318,13 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             raise
         gone.cancel()
         if task.done():
-            return task.result()
+            try:
+                return task.result()
+            finally:
+                # A refusal re-raised here would otherwise keep `task` (and through its traceback the request's
+                # files and decoded images) in a cycle until the garbage collector next runs: hundreds of MB
+                # past the limits that counted them as let go.
+                del task
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         raise ClientGone()
