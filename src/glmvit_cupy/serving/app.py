@@ -19,9 +19,9 @@
 
 Errors are JSON {"error": why, "index": the image's (or video's) position or null}: 400 malformed request, 408
 the body too slow, 413 too large (a body, an image file, more images than the queue holds, more pixels than
---max-pixels-in-flight), 415 neither JSON nor an image file, 422 an image that cannot be decoded (nothing of that request is
-encoded), 429 the queue or the pixels in flight full now, 501 a video file on a server without PyAV, 503
-loading or shutting down, 500 the engine failed.
+--max-pixels-in-flight), 415 neither JSON nor an image file, 422 an image that cannot be decoded (nothing of
+that request is encoded), 429 the queue or the pixels in flight full now, 501 a video file on a server without
+PyAV, 503 loading or shutting down, 500 the engine failed.
 
 A request is admitted before any image of it is decoded: its images counted against the queue's room, then
 their pixels, read from the files' headers, against the pixels in flight; only then are they decoded, on
@@ -41,6 +41,7 @@ import contextvars
 import dataclasses
 import functools
 import json
+import re
 import threading
 import time
 import traceback
@@ -65,8 +66,8 @@ from .decoding import (LARGE_IMAGE_PIXELS, OffProcess, dims, have_pyav, header_s
                        prepare_video, video_pixels)
 from .flights import Flights
 from .metrics import Metrics
-from .requests import (BODY_LIMIT, FIELDS, Refused, b64decode, decode_frames, image_file_limits, parse_images,
-                       parse_videos, read_body)
+from .requests import (BODY_LIMIT, LIMIT_FIELDS, Refused, b64decode, decode_frames, image_file_limits,
+                       parse_images, parse_videos, read_body)
 
 @dataclass
 class Settings:
@@ -116,9 +117,9 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-JSON = ("application/json",)
+JSON = "application/json"
 IMAGE_FILE = "application/octet-stream"  # or any image/*: a body that is one image file
-LIMITS = FIELDS[1:]  # min_image_tokens, max_image_tokens: a JSON request's fields, an image file's query
+_JSON_START = re.compile(rb"\s*[{\[]")  # matched at a body's start: whitespace, then an object or array
 
 
 def create_app(load_backend, settings: Settings) -> Starlette:
@@ -265,7 +266,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
 
     async def json_body(request) -> list:
         """[the request's body] (JSON), or Refused: see kind_of and body_of."""
-        kind_of(request, JSON)
+        kind_of(request, (JSON,))
         return await body_of(request)
 
     def kind_of(request, kinds: tuple) -> str:
@@ -281,8 +282,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         coding = request.headers.get("content-encoding", "identity").strip().lower()
         if coding not in ("", "identity"):  # read as it came, a gzip body would be refused as non-ASCII
             raise Refused(415, f"Content-Encoding {quoted(coding)}: send the body uncompressed (identity)")
-        if kind == JSON[0]:
-            given = sorted({k for k, _ in request.query_params.multi_items()} & set(LIMITS))
+        if kind == JSON:
+            given = sorted({k for k, _ in request.query_params.multi_items()} & set(LIMIT_FIELDS))
             if given:  # other parameters (a cache-buster, say) are left alone
                 raise Refused(400, f"{', '.join(given)} in the query string of a JSON request: give "
                                    f"{'them' if len(given) > 1 else 'it'} as fields of the body")
@@ -411,7 +412,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     async def _encode(request):
         # Parsing and base64 take about 0.9 s for a 240 MiB body on a 2-core machine: on a thread, the event loop
         # keeps answering other requests (and /health) meanwhile.
-        if kind_of(request, JSON + (IMAGE_FILE,)) == JSON[0]:
+        if kind_of(request, (JSON, IMAGE_FILE)) == JSON:
             blobs, shas, lo, hi = await parse(read_images, await body_of(request))
         else:  # one image file: its limits and size are checked before it is read
             lo, hi = image_file_limits(request.query_params.multi_items(), settings.capacity_tokens)
@@ -425,7 +426,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         data = bytes(held.pop())
         if not data:
             raise Refused(400, "the body is empty: send one image file (or JSON, as application/json)", 0)
-        if data.lstrip()[:1] in (b"{", b"["):  # no image format starts so: a JSON request sent as a file
+        if _JSON_START.match(data):  # no image format starts so: a JSON request sent as a file
             raise Refused(415, "the body is JSON, sent as an image file: send JSON as application/json", 0)
         return [data], [vllm_ec.key_of(data)]
 

@@ -86,7 +86,8 @@ async def read_body(request, limit: int, timeout: float, room=None, over: tuple 
     return body  # holding len(body) of room: each arrival took its own size
 
 
-FIELDS = ("images", "min_image_tokens", "max_image_tokens")  # what a request may hold
+LIMIT_FIELDS = ("min_image_tokens", "max_image_tokens")  # a JSON request's fields, an image file's query
+FIELDS = ("images", *LIMIT_FIELDS)  # what a request may hold
 
 
 _PIECE = 1 << 20  # base64 characters decoded at a time (a multiple of 4)
@@ -218,9 +219,9 @@ def image_file_limits(query: list[tuple[str, str]], capacity: int) -> tuple[int,
     pairs, or Refused (400): only the two limits, each at most once, as decimal integers."""
     given = {}
     for name, value in query:
-        if name not in FIELDS[1:]:
+        if name not in LIMIT_FIELDS:
             raise Refused(400, f"unknown query parameter {quoted(name)}; a request whose body is an image file takes "
-                               f"{', '.join(map(repr, FIELDS[1:]))}")
+                               f"{', '.join(map(repr, LIMIT_FIELDS))}")
         if name in given:
             raise Refused(400, f"the query parameter {quoted(name)} is given twice; give it once")
         if not (value.isascii() and value.isdigit()):
