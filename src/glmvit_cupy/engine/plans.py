@@ -45,6 +45,7 @@ class Plan:
     meta_of: object = None    # the host meta last uploaded into `meta` (PlanCache.get skips an upload of it again)
     graph: object = None
     capture_failed: bool = False
+    capture_tries: int = 0  # failed captures so far
 
 
 class PlanCache:
