@@ -353,8 +353,11 @@ def create_app(load_backend, settings: Settings) -> Starlette:
 
     def decode_failures(indices, results, failed):
         """The first failure of a request's decoding jobs as a 422 naming its index (an ImageError or
-        ValueError, counted in `failed`), anything else raised as it is."""
+        ValueError, counted in `failed`), anything else raised as it is (a Refused: the server shutting down
+        cut a decode short)."""
         for i, g in zip(indices, results):
+            if isinstance(g, Refused):
+                raise Refused(g.status, g.error, i, g.close)
             if isinstance(g, BaseException):
                 failed.inc()
                 if isinstance(g, (ImageError, ValueError)):

@@ -10,8 +10,10 @@ import contextlib
 import functools
 import io
 import multiprocessing
+import os
 import signal
 import threading
+import time
 
 from ..errors import ImageError
 from ..preprocessing import decode
@@ -25,11 +27,19 @@ from .requests import Refused
 LARGE_IMAGE_PIXELS = 1 << 24  # an image over this (16.8 MP) is decoded on at most all but one decoding thread
 
 
-def _child_ignores_signals():
+def _child_ignores_signals(server: int):
     """A decoding process leaves SIGINT and SIGTERM to the server (a terminal's Ctrl-C reaches the whole
-    process group): the server ends it."""
+    process group): the server ends it. It also ends once the server (process id `server`) is gone, however
+    that ended (SIGKILL, the out-of-memory killer): a thread checks its parent every second."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def watch():
+        while os.getppid() == server:
+            time.sleep(1.0)
+        os._exit(0)  # nobody is left to answer
+
+    threading.Thread(target=watch, name="glmvit-orphan-watch", daemon=True).start()
 
 
 class OffProcess:
@@ -39,33 +49,47 @@ class OffProcess:
     decoding thread that asked waits for it without the GIL."""
 
     def __init__(self, workers: int):
-        self.workers, self._pool, self._lock = workers, None, threading.Lock()
+        self.workers, self._pool, self._lock, self._closed = workers, None, threading.Lock(), False
 
     def __call__(self, data: bytes, name: str, max_pixels):
         with self._lock:
+            if self._closed:
+                raise _stopping(name)
             if self._pool is None:
                 self._pool = concurrent.futures.ProcessPoolExecutor(self.workers,
                                                                     mp_context=multiprocessing.get_context("spawn"),
-                                                                    initializer=_child_ignores_signals)
+                                                                    initializer=_child_ignores_signals,
+                                                                    initargs=(os.getpid(),))
             pool = self._pool
         try:
             return pool.submit(decode.decode_rgb, data, name, max_pixels).result()
-        except concurrent.futures.process.BrokenProcessPool:  # killed (out of memory, say): a new one next time
+        except (concurrent.futures.process.BrokenProcessPool, concurrent.futures.CancelledError, RuntimeError) as e:
+            # RuntimeError: submit after shutdown; CancelledError: a queued decode dropped by shutdown.
             with self._lock:
                 if self._pool is pool:
                     self._pool = None
-            raise ImageError(f"{name}: its decoder's process ended before the image was decoded (out of memory?)") \
-                from None
+                closed = self._closed
+            if closed:
+                raise _stopping(name) from None
+            if isinstance(e, concurrent.futures.process.BrokenProcessPool):  # killed (out of memory, say)
+                raise ImageError(f"{name}: its decoder's process ended before the image was decoded "
+                                 "(out of memory?)") from None
+            raise
 
     def shutdown(self) -> None:
-        """The decoding processes ended now (what they decode has no one to answer any more), none left."""
+        """The decoding processes ended now (what they decode has no one to answer any more), none left; a
+        decode asked for from now on, or cut short, is refused with 503."""
         with self._lock:
-            pool, self._pool = self._pool, None
+            pool, self._pool, self._closed = self._pool, None, True
         if pool is not None:
             for process in list(getattr(pool, "_processes", {}).values()):  # no public way to end a busy one
                 with contextlib.suppress(Exception):
                     process.kill()
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _stopping(name: str) -> Refused:
+    return Refused(503, f"{name}: not decoded: the server is shutting down; retry on another server")
 
 
 @functools.lru_cache(maxsize=None)
