@@ -278,6 +278,11 @@ def test_a_vllm_dir_that_cannot_be_written_is_one_line_and_status_3(folder, tmp_
         assert f"glmvit-encode: cannot use the vLLM encoder cache folder {ec}: Not a directory (ENOTDIR); make it " \
             "a folder, or give --vllm-ec-dir another folder" in err, err
         assert not (tmp_path / "out").exists()
+        if os.path.isdir("/proc/self"):  # permission bits that allow writes (to root) that fail anyway
+            assert run(folder / "a.png", "--checkpoint", TOWER, "--out", tmp_path / "out", "--cpu",
+                       "--vllm-ec-dir", "/proc/glmvit-ec") == 2
+            assert "no file can be made in /proc: " in capsys.readouterr().err
+            assert not (tmp_path / "out").exists()
         return
     monkeypatch.setattr(vllm_ec, "write", full)
     assert run(folder / "a.png", "--checkpoint", TOWER, "--out", tmp_path / "out", "--cpu", "--vllm-ec-dir", ec) == 3

@@ -525,8 +525,11 @@ def test_a_vllm_folder_that_cannot_be_written_is_refused_at_start(capsys, tmp_pa
     from glmvit_cupy.serving import main as serve_main
 
     (tmp_path / "f").write_text("x")
-    for ec, says in ((tmp_path / "f", "Not a directory (ENOTDIR); make it a folder"),
-                     (tmp_path / "f" / "sub", "Not a directory (ENOTDIR)")):
+    cases = [(tmp_path / "f", "Not a directory (ENOTDIR); make it a folder"),
+             (tmp_path / "f" / "sub", "Not a directory (ENOTDIR)")]
+    if os.path.isdir("/proc/self"):  # a folder whose permission bits allow writes (to root) that fail
+        cases.append(("/proc/glmvit-ec", "no file can be made in /proc: "))
+    for ec, says in cases:
         assert serve_main.main(["--checkpoint", TOWER, "--cpu", "--vllm-ec-dir", str(ec)]) == 2
         err = capsys.readouterr().err
         assert f"glmvit-serve: cannot use the vLLM encoder cache folder {ec}: " in err and says in err, err

@@ -162,7 +162,7 @@ def _open_cache(folder: str) -> int:
 
 def check_folder(folder: str) -> None:
     """OutputError, one line saying why and what would fix it, unless `folder` is a folder this process can write
-    into, or can be made as one (its nearest existing parent a writable folder; nothing is made here): checked
+    into, or can be made as one (its nearest existing parent a writable folder; nothing is left there): checked
     when a command starts, so that a wrong --vllm-ec-dir fails the start, not every request or batch after it."""
     what = f"cannot use the vLLM encoder cache folder {folder}"
     here = os.path.abspath(folder)
@@ -182,8 +182,15 @@ def check_folder(folder: str) -> None:
         break
     if not stat.S_ISDIR(st.st_mode):
         raise _failed(what, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)))
-    if not os.access(here, os.W_OK | os.X_OK):
-        raise _failed(what, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
+    # A file made and removed at once says what permission bits cannot: a read-only mount (EROFS), a
+    # pseudo file system (/proc), writes refused even to root.
+    probe = os.path.join(here, f".glmvit-probe-{secrets.token_hex(8)}")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
+    except OSError as e:
+        raise _failed(f"{what}: no file can be made in {here}", e) from e
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
 
 
 def _open_key_folder(top: int, folder: str, key: str) -> int:
