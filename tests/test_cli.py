@@ -236,6 +236,8 @@ def test_inspect_and_usage(capsys, tmp_path):
     assert "model.visual." in text and "39 (" in text
     assert run(["--inspect", tmp_path]) == 2
     assert "empty directory" in capsys.readouterr().err
+    assert run(["--inspect", os.path.join(cases.TOWER_DIR, "config.json")]) == 2
+    assert f"is the model's config; give its folder ({cases.TOWER_DIR})" in capsys.readouterr().err
     # --inspect runs every load-time check, the weights' values too: a NaN in a norm weight is refused.
     import shutil
     import struct

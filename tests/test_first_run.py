@@ -179,12 +179,18 @@ def test_bad_out_and_truncated_manifest(folder, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     assert run(folder, "--checkpoint", TOWER, "--out", tmp_path / "file", "--cpu") == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+    (tmp_path / "link").symlink_to(tmp_path / "gone" / "out")
+    assert run(folder, "--checkpoint", TOWER, "--out", tmp_path / "link", "--cpu") == 2
+    assert f"is a symbolic link to {tmp_path / 'gone' / 'out'}, which leads nowhere" in capsys.readouterr().err
     out = tmp_path / "out"
     assert run(folder / "a.png", "--checkpoint", TOWER, "--out", out, "--cpu") == 0
     (out / "manifest.json").write_text((out / "manifest.json").read_text()[:50])
     capsys.readouterr()
     assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 2
     assert "unreadable or truncated" in capsys.readouterr().err
+    (out / "manifest.json").write_text("[]")
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 2
+    assert "it holds a JSON list, not the object a manifest is" in capsys.readouterr().err
 
 
 def test_every_flag_has_help():

@@ -91,6 +91,9 @@ def test_undecodable_and_truncated(tmp_path, zoo):
     cut.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
     with pytest.raises(ImageError, match="cut.jpg"):
         preprocess([zoo["rgb_28x28"], str(cut)])
+    cut.write_bytes(buf.getvalue()[:300])  # inside the header: Pillow says "Truncated File Read"
+    with pytest.raises(ImageError, match="cut.jpg.*the file ends early"):
+        preprocess([str(cut)])
     with pytest.raises(ImageError, match="no such file"):
         preprocess([str(tmp_path / "missing.png")])
     with pytest.raises(ImageError, match="image 1"):

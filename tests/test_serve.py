@@ -143,6 +143,8 @@ def test_health_and_bit_equality(server, tower):
     (b'{"images": ["aGVsbG8="], "max_image_tokens": 0}', "application/json", 400, "integer from 1 to 2,147,483,647", None),
     (b'{"images": ["aGVsbG8="], "min_image_tokens": "16"}', "application/json", 400, "integer from 0 to 2,147,483,647", None),
     (b'{"images": ["aGVsbG8="], "max_image_tokens": 9000}', "application/json", 400, "capacity of 8000", None),
+    (b'{"images": ["aGVsbG8="], "max_image_tokens": ' + b"9" * 5000 + b"}", "application/json", 400,
+     "an integer of over 4,300 digits", None),
     (b'{"images": ["aGVsbG8="]}', "text/plain", 415, "send application/json", None),
 ])
 def test_bad_requests(server, body, kind, status, says, index):

@@ -861,7 +861,7 @@ def test_a_reply_over_the_limit_is_413_before_it_is_made(server):
     encoded = metric(client, 'glmvit_images_total{outcome="encoded"}')
     status, err = post(client, json.dumps({"images": [tiny] * 3, "min_image_tokens": 1024,
                                            "max_image_tokens": 1024}).encode())
-    assert status == 413 and "1.5 MiB of embeddings for 3 images" in err["error"] and "--max-reply-mib" in err["error"]
+    assert status == 413 and "1.5 MiB (1,572,864 bytes) of embeddings for 3 images" in err["error"] and "--max-reply-mib" in err["error"]
     assert metric(client, 'glmvit_images_total{outcome="encoded"}') == encoded + 1
     status, _ = post(client, json.dumps({"images": [tiny], "min_image_tokens": 1024, "max_image_tokens": 1024}).encode())
     assert status == 200  # one of them fits

@@ -232,6 +232,10 @@ class Output:
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
+            if os.path.islink(folder) and not os.path.exists(folder):  # a broken link, or a loop of links
+                raise OutputError(f"cannot create the output folder {shown(folder)}: it is a symbolic link to "
+                                  f"{shown(os.readlink(folder))}, which leads nowhere; remove the link or make "
+                                  "what it points to") from None
             raise OutputError(f"cannot create the output folder {shown(folder)}: {_reason(e)}") from None
         self._lock = _lock_folder(folder)
         self._recover(settings)
@@ -265,6 +269,8 @@ class Output:
         try:
             with open_regular(path, "the manifest", OutputError) as f:  # a FIFO or /dev/zero: refused, not read
                 old = json.loads(f.read())
+            if not isinstance(old, dict):
+                raise TypeError(f"it holds a JSON {type(old).__name__}, not the object a manifest is")
             header, images = old["header"], old["images"]
             if not (isinstance(header, dict) and isinstance(images, dict)):  # not assert: kept under python -O
                 raise TypeError("its header and images are not objects")

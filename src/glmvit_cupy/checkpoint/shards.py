@@ -158,6 +158,9 @@ def _shard_list(path) -> tuple[list[str], dict | None, str]:
         return files, None, ", ".join(files)
     path = os.fspath(path)
     if os.path.isfile(path):
+        if os.path.basename(path) == "config.json":
+            raise CheckpointError(f"{path}: is the model's config; give its folder ({os.path.dirname(path) or '.'}), "
+                                  f"which holds the shards (and {INDEX_NAME} where there are several)")
         if path.endswith(".json"):
             return _from_index(path)
         return [path], None, path

@@ -157,7 +157,7 @@ def _decode(image, name, max_pixels=None, host_buffer=None):
         # Pillow says "image file is truncated (N bytes not processed)" for a file cut short, N counting only
         # its decoder's last buffer: the file is what a user needs to hear about.
         cut = "; the file ends early: it is incomplete (cut short in a copy or download?)" if \
-            "truncated" in str(e) or isinstance(e, EOFError) else ""
+            "truncated" in str(e).lower() or isinstance(e, EOFError) else ""  # "Truncated File Read": a JPEG
         raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e}){cut}") from None
 
 

@@ -388,7 +388,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         image at a large token count would otherwise make a reply thousands of times its size."""
         size = sum(a.nbytes for a in out.values())
         if size > settings.max_reply_mib * 2**20:
-            raise Refused(413, f"the reply would hold {size / 2**20:,.1f} MiB of embeddings for {len(out)} {what}, over "
+            raise Refused(413, f"the reply would hold {size / 2**20:,.1f} MiB ({size:,} bytes) of embeddings for {len(out)} {what}, over "
                                f"the server's limit of {settings.max_reply_mib:g} MiB a reply (--max-reply-mib): send "
                                f"fewer {what} a request, or a lower max_image_tokens")
         # The reply takes the request body's place in the bodies in flight until it is sent (endpoint).

@@ -165,6 +165,9 @@ def _load(text: str):
     try:
         return json.loads(text, object_pairs_hook=_unique)
     except (ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
+        if "int_max_str_digits" in str(e):  # Python's own advice is for Python code, not an HTTP client
+            raise Refused(400, "the body holds an integer of over 4,300 digits; the limits are whole numbers "
+                               "of tokens (at most a few thousand)") from None
         raise Refused(400, f"the body is not valid JSON ({e})") from None
 
 
