@@ -236,6 +236,9 @@ def test_inspect_and_usage(capsys, tmp_path):
     assert "model.visual." in text and "39 (" in text
     assert run(["--inspect", tmp_path]) == 2
     assert "empty directory" in capsys.readouterr().err
+    assert run(["--inspect", cases.TOWER_DIR, str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "--inspect CHECKPOINT runs alone: leave out images or videos and --out" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
     assert run(["--inspect", os.path.join(cases.TOWER_DIR, "config.json")]) == 2
     assert f"is the model's config; give its folder ({cases.TOWER_DIR})" in capsys.readouterr().err
     # --inspect runs every load-time check, the weights' values too: a NaN in a norm weight is refused.

@@ -158,3 +158,19 @@ def test_the_reference_computes_in_float32_or_float64_only(dtype):
         reference.Tower(reference.bind_tower(cases.TOWER_DIR), dtype)
     with pytest.raises(ValueError, match="the reference computes in float32 or float64"):
         reference.encode_pixels(cases.TOWER_DIR, np.ones((4, 1176), np.float32), [[1, 2, 2]], dtype=dtype)
+
+
+def test_weights_too_large_for_float32_compute_without_warning_lines(tower):
+    """Weights scaled past float32's range overflow inside the forward (infinity, NaN, or norms dividing by
+    infinity); NumPy's warning lines stay out of the commands' output (the commands refuse non-finite
+    embeddings, counting them)."""
+    import copy
+    import warnings
+
+    big = copy.copy(tower)
+    big.w = {k: v * np.float32(1e30) if k.endswith(("proj.weight", "qkv.weight")) else v for k, v in tower.w.items()}
+    name = CASES[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning fails the test
+        out = big.forward(G[f"{name}/pixel_values"], G[f"{name}/grid_thw"])
+    assert out.shape == G[f"{name}/hf_fp32"].shape

@@ -139,6 +139,7 @@ def test_health_and_bit_equality(server, tower):
     (b'{"pictures": ["aa"]}', "application/json", 400, "unknown field 'pictures'", None),
     (b'{"min_image_tokens": 16}', "application/json", 400, "non-empty list", None),
     (b'{"images": [5]}', "application/json", 400, "not a base64 string", 0),
+    (b'{"images": ["aGVsbG8=", ""]}', "application/json", 400, "images[1] is empty", 1),
     (b'{"images": ["aGVsbG8=", "!!!"]}', "application/json", 400, "images[1] is not valid base64", 1),
     (b'{"images": ["aGVsbG8="], "max_image_tokens": 0}', "application/json", 400, "integer from 1 to 2,147,483,647", None),
     (b'{"images": ["aGVsbG8="], "min_image_tokens": "16"}', "application/json", 400, "integer from 0 to 2,147,483,647", None),

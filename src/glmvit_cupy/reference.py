@@ -160,7 +160,10 @@ class Tower:
         # every process: a Ray worker (one thread), a server, a test.
         from threadpoolctl import threadpool_limits
 
-        with threadpool_limits(limits=1, user_api="blas"):
+        # Weights too large for float arithmetic overflow to infinity and NaN, without NumPy's warning lines
+        # (as on the GPU): the commands count non-finite outputs and refuse them, saying why.
+        with threadpool_limits(limits=1, user_api="blas"), np.errstate(over="ignore", invalid="ignore",
+                                                                         divide="ignore"):
             return self._forward(pixel_values, grid_thw, stats)
 
     def _forward(self, pixel_values, grid_thw, stats=None):

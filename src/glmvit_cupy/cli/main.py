@@ -148,6 +148,11 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     if args.inspect:
+        extra = [what for what, given in (("images or videos", args.inputs), ("--checkpoint", args.checkpoint),
+                                          ("--out", args.out)) if given]
+        if extra:
+            return fail(f"--inspect CHECKPOINT runs alone: leave out {' and '.join(extra)}, or leave out --inspect "
+                        "to encode")
         return inspect(args.inspect)
     missing = [what for what, given in (("images or videos", args.inputs), ("--checkpoint", args.checkpoint),
                                         ("--out", args.out)) if not given]

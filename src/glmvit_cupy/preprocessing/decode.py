@@ -144,8 +144,9 @@ def _decode(image, name, max_pixels=None, host_buffer=None):
             return _onto_white(rgb) if rgb.info.get("transparency") is not None else rgb
     except ImageError:
         raise
-    except Image.DecompressionBombError as e:
-        raise ImageError(f"{bomb} ({e})") from None
+    except Image.DecompressionBombError as e:  # Pillow's message names its own limit, twice max_pixels
+        found = _BOMB_SIZE.search(str(e))
+        raise ImageError(f"{bomb} (it is {int(found.group(1)):,})" if found else bomb) from None
     except IsADirectoryError:
         raise ImageError(f"{name}: is a folder, not an image file") from None
     except FileNotFoundError:

@@ -201,6 +201,8 @@ def parse_images(body: bytes, capacity: int, max_images: int = 256):
     for i, text in enumerate(images):
         if not isinstance(text, str):
             raise Refused(400, f"images[{i}] is {type(text).__name__}, not a base64 string", i)
+        if not text.strip():
+            raise Refused(400, f"images[{i}] is empty: give each image as its file's bytes in base64", i)
     return images, *_limits(req.get("min_image_tokens"), req.get("max_image_tokens"), capacity)
 
 
