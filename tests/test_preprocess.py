@@ -100,12 +100,37 @@ def test_undecodable_and_truncated(tmp_path, zoo):
         preprocess([zoo["rgb_28x28"], io.BytesIO(b"not an image")])
 
 
+def test_a_damaged_exif_tag_is_an_image_error_and_a_run_goes_on(tmp_path, capsys):
+    """An EXIF tag of the wrong type makes Pillow's exif_transpose raise struct.error: the image is refused
+    by name (ImageError), and glmvit-encode skips it and encodes the rest."""
+    from glmvit_cupy.cli.main import main as cli_main
+
+    exif = Image.Exif()
+    exif[0x112], exif[0x10F] = 6, "Cam"  # orientation 6, and a Make tag whose type is then damaged
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 50)).save(buf, "JPEG", exif=exif)
+    bad = buf.getvalue().replace(b"\x01\x0f\x00\x02", b"\x01\x08\x00\x02")
+    assert bad != buf.getvalue()
+    with pytest.raises(ImageError, match=r"image 0 \(bytes\): cannot decode image \(error: .*the file is damaged"):
+        preprocess([bad])
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "bad.jpg").write_bytes(bad)
+    Image.new("RGB", (40, 50), (9, 90, 200)).save(tmp_path / "in" / "good.png")
+    assert cli_main([str(tmp_path / "in"), "--checkpoint", cases.TOWER_DIR, "--out", str(tmp_path / "out"),
+                     "--cpu"]) == 1  # some inputs failed
+    said = "".join(capsys.readouterr())
+    assert "skipped" in said and "bad.jpg: cannot decode image" in said, said
+    assert "1 image," in said and "1 failed" in said and "Traceback" not in said, said
+
+
 def test_every_bytes_like_holding_a_file_is_that_file(rng):
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (61, 47, 3), dtype=np.uint8)).save(buf, "PNG")
     data = buf.getvalue()
     want = preprocess([data])
-    for held in (bytearray(data), memoryview(data), memoryview(bytearray(data))):
+    strided = memoryview(bytes(b for b in data for _ in range(2)))[::2]  # the file's bytes, not C-contiguous
+    assert not strided.c_contiguous and strided.tobytes() == data
+    for held in (bytearray(data), memoryview(data), memoryview(bytearray(data)), strided):
         got = preprocess([held])
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), type(held)
 

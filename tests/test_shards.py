@@ -224,3 +224,48 @@ def test_mangled_shards_are_detected_or_harmless(tmp_path, rng):
                     for n in f.keys()}
         assert got == want, bytes(raw[:140])
     assert detected >= truncations and detected > 150, detected  # most flips break the header; all cuts do
+
+
+def test_an_indexed_tensor_held_twice_is_refused(tmp_path):
+    """With an index, a tensor in two shards the index reads is refused as it is without one, not the
+    index's copy taken without a word."""
+    shard(tmp_path / "s1.safetensors", ok_header(), bytes(20))
+    shard(tmp_path / "s2.safetensors", {"a": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]},
+                                        "c": {"dtype": "U8", "shape": [1], "data_offsets": [12, 13]}}, bytes(13))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "s1.safetensors", "b": "s1.safetensors", "c": "s2.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"tensor 'a' appears in both .*s1.safetensors and .*s2.safetensors "
+                                              r"\(the index names the first\)"):
+        WeightStore.open(tmp_path)
+    assert WeightStore.open(tmp_path, only=lambda n: n != "c").get("b").shape == (2,)  # s2 not read: not seen
+
+
+def test_more_dimensions_than_an_array_has_is_refused(tmp_path):
+    header = {"a": {"dtype": "BF16", "shape": [2, 3] + [1] * 70, "data_offsets": [0, 12]}}
+    with pytest.raises(CheckpointError, match=r"tensor 'a': shape has 72 dimensions, more than the 64"):
+        WeightStore.open(shard(tmp_path / "x.safetensors", header, bytes(12)))
+
+
+def test_json_files_say_what_is_wrong_not_invalid_json(tmp_path):
+    """A FIFO as the index, a tensor named twice in a header, a config.json over its limit: each says so, not
+    "not valid JSON"."""
+    import os
+
+    from glmvit_cupy.files import read_json_file
+
+    shard(tmp_path / "s1.safetensors", ok_header(), bytes(20))
+    os.mkfifo(tmp_path / "model.safetensors.index.json")
+    with pytest.raises(CheckpointError) as e:
+        WeightStore.open(tmp_path)
+    assert "is a FIFO" in str(e.value) and "not valid JSON" not in str(e.value), str(e.value)
+    raw = b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, ' \
+          b'"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}'
+    (tmp_path / "d.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + b"x")
+    with pytest.raises(CheckpointError) as e:
+        read_header(str(tmp_path / "d.safetensors"))
+    assert "twice" in str(e.value) and "not valid JSON" not in str(e.value), str(e.value)
+    big = tmp_path / "config.json"
+    big.write_text(json.dumps({"id2label": "x" * (2 << 20)}))
+    with pytest.raises(CheckpointError, match=r"config.json: the config is over 1 MiB, more than a checkpoint's "
+                                              r"JSON file holds"):
+        read_json_file(big, "the config", 1 << 20)

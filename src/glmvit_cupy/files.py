@@ -52,7 +52,13 @@ def read_json_file(path, what: str, limit: int = 64 << 20, missing: str | None =
     JSON: CheckpointError."""
     try:
         with open_regular(path, what) as f:
-            return json.loads(f.read(limit))
+            text = f.read(limit + 1)
+        if len(text) > limit:
+            raise CheckpointError(f"{path}: {what} is over {limit >> 20} MiB, more than a checkpoint's JSON file "
+                                  "holds; is it the right file?")
+        return json.loads(text)
+    except CheckpointError:  # a ValueError too: said as it is, not as "not valid JSON"
+        raise
     except FileNotFoundError:
         broken = not_regular(path)  # a broken symbolic link
         raise CheckpointError(f"{path}: {what} is {broken}" if broken else missing or f"{path}: {what} is missing") \

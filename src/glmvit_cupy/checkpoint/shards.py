@@ -55,6 +55,9 @@ class TensorInfo:
     nbytes: int
 
 
+MAX_DIMS = 64  # NumPy's (and CuPy's) most dimensions an array has
+
+
 def _prod(shape) -> int:
     n = 1
     for d in shape:
@@ -92,6 +95,8 @@ def read_header(path: str) -> dict:
 
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique)
+    except CheckpointError:  # unique's, a ValueError too: said as it is
+        raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # nested too deep; an int past str()'s digits
         raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
@@ -115,6 +120,9 @@ def read_header(path: str) -> dict:
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
             raise CheckpointError(f"{where}: shape {quoted(shape, 80)} is not a list of non-negative integers")
+        if len(shape) > MAX_DIMS:
+            raise CheckpointError(f"{where}: shape has {len(shape)} dimensions, more than the {MAX_DIMS} an array can "
+                                  "have (NumPy's limit); the header is damaged")
         offs = entry.get("data_offsets")
         if (not isinstance(offs, list) or len(offs) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
@@ -221,6 +229,11 @@ class WeightStore:
                     raise CheckpointError(f"{display}: the index puts tensor {quoted(name, 120)} in {shard}, "
                                           "but that shard's header does not hold it")
                 infos[name] = headers[shard][name]
+            for name, info in infos.items():  # a second copy in another shard read: which one is meant?
+                other = next((s for s, h in headers.items() if s != info.file and name in h), None)
+                if other is not None:
+                    raise CheckpointError(f"tensor {quoted(name, 120)} appears in both {info.file} and {other} "
+                                          f"(the index names the first); a tensor is held in one shard")
         else:
             for shard in files:
                 for name, info in read_header(shard).items():

@@ -160,6 +160,9 @@ def _decode(image, name, max_pixels=None, host_buffer=None):
         cut = "; the file ends early: it is incomplete (cut short in a copy or download?)" if \
             "truncated" in str(e).lower() or isinstance(e, EOFError) else ""  # "Truncated File Read": a JPEG
         raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e}){cut}") from None
+    except Exception as e:  # noqa: BLE001 - a decoder's own failure on a damaged file (struct.error from a bad
+        # EXIF tag in exif_transpose, say): the image is refused by name, never the whole call
+        raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e}); the file is damaged") from None
 
 
 def _onto_white(img: Image.Image) -> Image.Image:
@@ -231,6 +234,8 @@ def load(image, name: str, max_pixels: int | None = None, host_buffer=None):
                                                          "its bytes or a PIL image" if url else ""))
         out = _decode(image, name, max_pixels, host_buffer)
     elif isinstance(image, ENCODED_BYTES):
+        if isinstance(image, memoryview) and not image.c_contiguous:  # BytesIO takes contiguous buffers only
+            image = image.tobytes()
         out = _decode(io.BytesIO(image), name, max_pixels, host_buffer)
     elif hasattr(image, "read"):
         out = _decode(image, name, max_pixels, host_buffer)
