@@ -76,7 +76,7 @@ def test_a_frame_count_higher_than_the_file_holds_is_sampled_again(tmp_path, mon
     path = write(tmp_path / "c.avi", frames)
     real = video_files._probe
     monkeypatch.setattr(video_files, "_probe",
-                        lambda c, s, p, n: (lambda t, f, d: (t + 40, f, (t + 40) / f))(*real(c, s, p, n)))
+                        lambda *a: (lambda t, f, d: (t + 40, f, (t + 40) / f))(*real(*a)))
     from glmvit_cupy.preprocessing.video import sample_frames
 
     asked = []
@@ -200,3 +200,48 @@ def test_damaged_files_are_refused_by_name_never_crash():
             assert str(e).startswith("video 0: "), e
             refused.add(str(e).split("(")[0][:60])
     assert len(refused) >= 3  # several kinds of damage, each said in its own words
+
+
+def test_frames_larger_than_declared_are_refused_before_they_are_kept(tmp_path):
+    """An MJPEG file whose first frame is 64x48, as its stream says, and the rest 640x480: every limit is
+    checked against the stream's size, so decoding stops at the first larger frame, naming it, and none is
+    kept. (A file whose frames are all larger than its header says is read at their size when opened.)"""
+    import fractions
+
+    from PIL import Image
+
+    jpegs = []
+    for size in ((64, 48), (640, 480)):
+        buf = io.BytesIO()
+        Image.new("RGB", size, (200, 30, 30)).save(buf, "JPEG", quality=50)
+        jpegs.append(buf.getvalue())
+    for small, says in ((1, r"changes its frame size mid-stream \(64x48 and 640x480 among the sampled frames\)"),):
+        path = tmp_path / f"forged{small}.avi"
+        with av.open(str(path), "w") as c:
+            s = c.add_stream("mjpeg", rate=10)
+            s.width, s.height, s.pix_fmt, s.time_base = 64, 48, "yuvj420p", fractions.Fraction(1, 10)
+            for i in range(6):
+                p = av.Packet(jpegs[0] if i < small else jpegs[1])
+                p.stream, p.pts, p.dts, p.is_keyframe = s, i, i, True
+                c.mux(p)
+        converted, real = [], video_files._RGB.__call__
+        video_files._RGB.__call__ = lambda self, frame: converted.append(frame.width) or real(self, frame)
+        try:
+            with pytest.raises(ImageError, match=f"forged{small}.avi' " + says):
+                preprocess_video(str(path), sample=False)
+        finally:
+            video_files._RGB.__call__ = real
+        assert converted == [64], converted  # the larger frames were never made RGB and kept
+
+
+def test_a_callers_fps_or_duration_reads_a_file_whose_packets_span_no_time(tmp_path):
+    """Every packet at pts 0: the file's own timing cannot be told (refused, saying to give fps), and a
+    caller's fps= or duration= stands for it, as for any file."""
+    import fractions
+
+    path = write(tmp_path / "still.mkv", clip(20), fps=fractions.Fraction(10**9, 1))  # Matroska's ms: all at 0
+    with pytest.raises(ImageError, match=r"over 0 s; cannot sample it; give its fps \(fps= or duration=\)"):
+        preprocess_video(str(path))
+    by_fps = preprocess_video(str(path), fps=2.0)
+    by_duration = preprocess_video(str(path), duration=10.0)  # 20 frames: the same timing
+    assert np.array_equal(by_fps[0], by_duration[0]) and by_fps[1].tolist() == by_duration[1].tolist()

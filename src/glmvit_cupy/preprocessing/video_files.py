@@ -82,7 +82,7 @@ def probe(source, name: str = "video") -> tuple[int, float, float]:
         return _probe(container, _stream(container), source, name)
 
 
-def _probe(container, stream, source, name):
+def _probe(container, stream, source, name, timing_given: bool = False):
     """frames = the stream's packets (less those flagged discard), duration = the latest pts + duration less
     the earliest pts, fps = frames / duration. A container's own frame count and rate can differ from these
     (variable frame rate, a count it never wrote): the reference samples by these."""
@@ -102,10 +102,10 @@ def _probe(container, stream, source, name):
         raise ImageError(f"{name}: reading the packets of {_label(source)} failed after {frames} ({e})") from None
     tb = stream.time_base  # each end in seconds, then subtracted: the reference's float64 steps, bit for bit
     duration = end * tb.numerator / tb.denominator - first * tb.numerator / tb.denominator if first is not None else 0.0
-    if frames <= 0 or duration <= 0:
+    if frames <= 0 or (duration <= 0 and not timing_given):
         raise ImageError(f"{name}: {_label(source)} holds {frames} video frames over {duration:g} s; cannot "
-                         "sample it")
-    return frames, frames / duration, duration
+                         "sample it" + ("; give its fps (fps= or duration=) to read it" if frames > 0 else ""))
+    return frames, (frames / duration if duration > 0 else None), duration
 
 
 def load_video(source, pick, *, fps=None, duration=None, name: str = "video", max_total_pixels: int | None = None,
@@ -120,22 +120,25 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
     naming the file for anything that cannot be read; pick's own errors pass through."""
     with _open(source, name, max_pixels) as container:  # one open: probed, then decoded (twice if the count was high)
         stream = _stream(container)
-        total, file_fps, file_duration = _probe(container, stream, source, name)
+        declared = (stream.width, stream.height)  # as _open checked it; a scan of the packets can change it
+        total, file_fps, file_duration = _probe(container, stream, source, name, fps is not None or duration is not None)
+        if file_fps is None:  # packets spanning no time: the caller's fps or duration stands for the file's
+            fps = total / duration if fps is None else fps
         stream.thread_type = "AUTO"  # frame threads: decoding is the cost
         own_duration = duration is None  # the file's, or frames / the caller's fps
         duration = (file_duration if fps is None else total / fps) if own_duration else duration
         fps = file_fps if fps is None else fps
         indices = pick(total, fps, duration)
         unique = len(set(int(i) for i in indices))
-        if max_total_pixels is not None and unique * stream.width * stream.height > max_total_pixels:
-            raise ImageError(f"{name}: its {unique} sampled frames have {unique * stream.width * stream.height:,} "
+        if max_total_pixels is not None and unique * declared[0] * declared[1] > max_total_pixels:
+            raise ImageError(f"{name}: its {unique} sampled frames have {unique * declared[0] * declared[1]:,} "
                              f"pixels, over the limit of {max_total_pixels:,}; send a shorter or smaller video")
-        kept, decoded = _decode(container, stream, source, name, indices)
+        kept, decoded = _decode(container, stream, source, name, indices, declared)
         if len(kept) < unique and decoded < total:  # the count was high: pick again from what is there
             total = decoded
             duration = total / fps if own_duration else duration
             indices = pick(total, fps, duration)
-            kept, _ = _decode(container, stream, source, name, indices)
+            kept, _ = _decode(container, stream, source, name, indices, declared)
     missing = sorted(set(int(i) for i in indices) - set(kept))
     if missing:  # the file decodes differently from one pass to the next
         raise ImageError(f"{name}: decoding {_label(source)} gave no frame {missing[0]} of the {total} it has")
@@ -158,28 +161,35 @@ class VideoFile:
                           max_total_pixels=self.max_total_pixels, max_pixels=self.max_pixels)
 
 
-def _decode(container, stream, source, name, indices) -> tuple[dict, int]:
+def _decode(container, stream, source, name, indices, declared) -> tuple[dict, int]:
     """({index: HxWx3 uint8} for the wanted indices that decoding reached, frames decoded), one sequential
     pass from the start, stopping after the last wanted frame; each kept frame converted by _RGB."""
     av = _av()
     wanted, kept, last, i = set(int(j) for j in indices), {}, int(indices[-1]), -1
     rgb = _RGB(av, name, source)
+    (dw, dh), first, changed = declared, None, None  # the header's size, which the limits were checked by
     try:
         container.seek(0)
         for i, frame in enumerate(container.decode(stream)):
-            if i in wanted:
+            if i in wanted:  # stopped at the first sampled frame of another size: none such is ever kept
+                size = (frame.width, frame.height)
+                first = first or size
+                if size != first or (dw * dh and size[0] * size[1] > dw * dh):
+                    changed = size
+                    break
                 kept[i] = rgb(frame)
             if i >= last:
                 break
     except (av.FFmpegError, OSError, ValueError) as e:
         raise ImageError(f"{name}: decoding {_label(source)} failed after {i + 1} frames ({e})") from None
+    if changed is not None and changed != first:
+        raise ImageError(f"{name}: {_label(source)} changes its frame size mid-stream ({first[0]}x{first[1]} and "
+                         f"{changed[0]}x{changed[1]} among the sampled frames); a video's frames share one size")
+    if changed is not None:
+        raise ImageError(f"{name}: {_label(source)} declares {dw}x{dh} frames, but its frame {i} is {changed[0]}x"
+                         f"{changed[1]}; the file is damaged or forged")
     if not kept:
         raise ImageError(f"{name}: {_label(source)} gave no frame to decode")
-    shapes = sorted({f.shape for f in kept.values()})
-    if len(shapes) > 1:
-        raise ImageError(f"{name}: {_label(source)} changes its frame size mid-stream ({shapes[0][1]}x"
-                         f"{shapes[0][0]} and {shapes[1][1]}x{shapes[1][0]} among the sampled frames); a video's "
-                         "frames share one size")
     return kept, i + 1
 
 
