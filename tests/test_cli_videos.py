@@ -128,6 +128,8 @@ def test_no_videos_and_pyav_missing(media, tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("flags,why", [(["--video-fps", "0"], "--video-fps 0.0 must be a positive number"),
                                        (["--max-frames", "0"], "--max-frames 0 must be at least 1"),
+                                       (["--max-video-tokens", "99999999999"],
+                                        "--max-video-tokens 99999999999 must be at most 2,147,483,647"),
                                        (["--min-video-tokens", "50", "--max-video-tokens", "40"],
                                         "--min-video-tokens 50 is above --max-video-tokens 40")])
 def test_bad_video_flags_refuse_the_run(media, tmp_path, capsys, flags, why):

@@ -3,6 +3,7 @@
 import base64
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -227,6 +228,19 @@ def test_a_url_that_is_not_a_servers_is_refused(url):
         Client(url)
 
 
+def test_arguments_that_are_not_a_url_timeout_or_sequence_are_value_errors():
+    with pytest.raises(ValueError, match="the url must be a string"):
+        Client(None)
+    for timeout in (0, -1, float("inf"), float("nan"), "5", True):
+        with pytest.raises(ValueError, match="must be a positive number of seconds"):
+            Client("http://127.0.0.1:1", timeout=timeout)
+    client = Client("http://127.0.0.1:1", timeout=2)
+    with pytest.raises(ValueError, match="images: NoneType is not image files"):
+        client.encode(None)
+    with pytest.raises(ValueError, match="videos: int is not video files"):
+        client.encode_video(5)
+
+
 def test_a_client_pickles_without_its_connections(monkeypatch):
     import pickle
 
@@ -325,3 +339,62 @@ def test_too_short_pickles_as_itself():
     e = TooShort("clip.mp4: 2 frames", "raise --video-fps")
     back = pickle.loads(pickle.dumps(e))
     assert type(back) is TooShort and str(back) == str(e) and (back.what, back.advice) == (e.what, e.advice)
+
+
+class _Junk:
+    """A server that answers every request with the same raw bytes (then, with `endless`, a chunk a read
+    forever), then closes."""
+
+    def __init__(self, answer: bytes, endless: bool = False):
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.answer, self.endless, self.stop = answer, endless, threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                try:
+                    conn.sendall(self.answer)
+                    while self.endless and not self.stop.is_set():
+                        conn.sendall(b"100000\r\n" + b"x" * 0x100000 + b"\r\n")
+                except OSError:
+                    pass
+
+    def close(self):
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.mark.parametrize("answer,endless,says", [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999999\r\n\r\n", False, "announces an answer of 99,999,999,999,999"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", True, "sent an answer of over 8,388,608 bytes"),
+    (b"SSH-2.0-OpenSSH_9.6\r\n", False, "did not answer in HTTP (BadStatusLine"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort", False, "closed its answer after 5 of the 100 bytes"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]", False, "not glmvit-serve's answer (ValueError: a JSON list"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!", False, "not glmvit-serve's answer (JSONDecodeError"),
+])
+def test_an_answer_that_is_not_glmvit_serves_is_an_oserror_read_within_a_limit(answer, endless, says):
+    server = _Junk(answer, endless)
+    try:
+        with pytest.raises(OSError, match=re.escape(says)):
+            Client(server.url, timeout=10, max_answer_mib=8).health()
+    finally:
+        server.close()
+
+
+def test_an_encode_answered_with_no_safetensors_file_is_an_oserror():
+    server = _Junk(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n<html></html>"[:-1])
+    try:
+        with pytest.raises(OSError, match="not glmvit-serve's answer"):
+            Client(server.url, timeout=10).encode([b"\x89PNG"])
+    finally:
+        server.close()

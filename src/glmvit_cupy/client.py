@@ -36,11 +36,21 @@ _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
 
 
 class Client:
-    def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 600.0):
+    def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 600.0, max_answer_mib: float = 4096.0):
         """url: the server's (http or https, with any path the server sits under); timeout: seconds a call
         waits for the server to connect, or to send the next part of its answer. ValueError for a url that is
-        not http(s)://host[:port][/path]."""
-        self.url, self.timeout = url.rstrip("/"), timeout
+        not http(s)://host[:port][/path], or a timeout that is not a positive number of seconds. max_answer_mib:
+        the largest answer read (glmvit-serve's own limit, --max-reply-mib, is 1024 by default); a larger one is
+        an OSError, not read into memory."""
+        if not isinstance(url, str):
+            raise ValueError(f"Client: the url must be a string such as 'http://127.0.0.1:8000', got "
+                             f"{type(url).__name__}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 2**31:
+            raise ValueError(f"Client: timeout={timeout!r} must be a positive number of seconds (below 2**31)")
+        if isinstance(max_answer_mib, bool) or not isinstance(max_answer_mib, (int, float)) \
+                or not 0 < max_answer_mib <= 2**40:
+            raise ValueError(f"Client: max_answer_mib={max_answer_mib!r} must be a positive number of MiB")
+        self.url, self.timeout, self.max_answer = url.rstrip("/"), float(timeout), int(max_answer_mib * 2**20)
         parts = urllib.parse.urlsplit(self.url)
         try:
             port = parts.port
@@ -69,7 +79,16 @@ class Client:
         self.__dict__.update(state, _local=threading.local())
 
     def health(self) -> dict:
-        return json.loads(self._call("GET", "/health")[1])
+        return self._parsed(lambda raw: _object(json.loads(raw)), self._call("GET", "/health")[1])
+
+    def _parsed(self, parse, raw: bytes):
+        """parse(raw) of a 2xx answer, or OSError: the answer is not glmvit-serve's (another server, a proxy's
+        page)."""
+        try:
+            return parse(raw)
+        except Exception as e:  # noqa: BLE001 - any parser's error on bytes the server sent
+            raise OSError(f"the server at {self.url} answered with something that is not glmvit-serve's answer "
+                          f"({type(e).__name__}: {e!s:.200}); is the URL right?") from None
 
     def encode(self, images, *, min_image_tokens: int | None = None,
                max_image_tokens: int | None = None) -> tuple[list[np.ndarray], list[dict]]:
@@ -77,7 +96,7 @@ class Client:
         image, per-image metadata), lists either way. ValueError for anything else, naming it."""
         if _one_file(images) or (isinstance(images, np.ndarray) and images.ndim == 3):
             images = [images]  # one image, not a sequence of them
-        images = list(images)
+        images = _listed(images, "images", "image files (paths or bytes) or HxWx3 uint8 arrays")
         limits = {k: _plain(v) if isinstance(v, np.generic) else v for k, v in
                   (("min_image_tokens", min_image_tokens), ("max_image_tokens", max_image_tokens)) if v is not None}
         if len(images) == 1 and all(isinstance(v, int) and not isinstance(v, bool) for v in limits.values()):
@@ -95,9 +114,8 @@ class Client:
         else:
             body = {"images": [_file_b64(im, f"image {i}") for i, im in enumerate(images)], **limits}
             _, raw = self._post("/v1/encode", body, images)
-        tensors = _bf16_tensors(raw)
-        meta = json.loads(_metadata(raw)["images"])
-        return [tensors[str(i)] for i in range(len(images))], meta
+        return self._parsed(lambda raw: ([_bf16_tensors(raw)[str(i)] for i in range(len(images))],
+                                         json.loads(_metadata(raw)["images"])), raw)
 
     def encode_video(self, videos, *, fps=None, duration=None, **settings) -> tuple[list[np.ndarray], list[dict]]:
         """Videos, each a list of frames (image files as paths or bytes, or HxWx3 uint8 arrays, sent as PNG:
@@ -107,7 +125,7 @@ class Client:
         preprocess_video's (sample, target_fps, max_frames, max_duration, min_image_tokens, max_image_tokens)."""
         if _one_file(videos) or (isinstance(videos, np.ndarray) and videos.ndim == 4):
             videos = [videos]  # one video (a file, or a [T, H, W, 3] array), not a sequence of them
-        videos = list(videos)
+        videos = _listed(videos, "videos", "video files, frame lists or [T, H, W, 3] uint8 arrays")
         n = len(videos)
 
         def per(v, name):
@@ -131,8 +149,8 @@ class Client:
 
         body = {"videos": [one(i, v) for i, v in enumerate(videos)], **settings}
         _, raw = self._post("/v1/encode_video", body, videos)
-        tensors = _bf16_tensors(raw)
-        return [tensors[str(i)] for i in range(n)], json.loads(_metadata(raw)["videos"])
+        return self._parsed(lambda raw: ([_bf16_tensors(raw)[str(i)] for i in range(n)],
+                                         json.loads(_metadata(raw)["videos"])), raw)
 
     def _post(self, path, body: dict, given: list):
         """POST body as JSON; a ServerError naming an image or video also names what the caller gave for it."""
@@ -189,14 +207,35 @@ class Client:
                     conn.close()
                     return self._exchange(method, path, data, headers)  # nothing was answered: once more
                 raise
+            return r.status, self._read(r)
+        except http.client.HTTPException as e:  # not HTTP: a status line, a header or a chunk that is not one
+            conn.close()
+            raise OSError(f"the server at {self.url} did not answer in HTTP ({type(e).__name__}: {e!s:.200})") \
+                from None
         except BaseException:
             conn.close()
             raise
-        try:
-            return r.status, r.read()
-        except BaseException:
-            conn.close()
-            raise
+
+    def _read(self, r) -> bytes:
+        """The answer's body, read a MiB at a time up to max_answer_mib (OSError past it: a Content-Length or
+        a chunked body without end is never held whole)."""
+        declared = r.getheader("Content-Length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_answer:
+            raise OSError(f"the server at {self.url} announces an answer of {int(declared):,} bytes, over the "
+                          f"client's limit of {self.max_answer:,} (max_answer_mib)")
+        parts, size = [], 0
+        while True:
+            part = r.read(1 << 20)
+            if not part:
+                if declared is not None and declared.strip().isdigit() and size < int(declared):
+                    raise OSError(f"the server at {self.url} closed its answer after {size:,} of the "
+                                  f"{int(declared):,} bytes it announced")
+                return b"".join(parts)
+            size += len(part)
+            if size > self.max_answer:
+                raise OSError(f"the server at {self.url} sent an answer of over {self.max_answer:,} bytes, the "
+                              "client's limit (max_answer_mib)")
+            parts.append(part)
 
     def _connect(self) -> http.client.HTTPConnection:
         p = self._parts
@@ -249,6 +288,20 @@ def _metadata(raw: bytes) -> dict:
     """The __metadata__ of a safetensors byte string."""
     n = int.from_bytes(raw[:8], "little")
     return json.loads(raw[8:8 + n]).get("__metadata__", {})
+
+
+def _object(value) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _listed(items, what: str, expected: str) -> list:
+    """items as a list, or ValueError naming what was given instead of a sequence."""
+    try:
+        return list(items)
+    except TypeError:
+        raise ValueError(f"{what}: {type(items).__name__} is not {expected}, nor a sequence of them") from None
 
 
 def _one_file(item) -> bool:

@@ -30,7 +30,7 @@ import time
 
 from .. import gpu
 from ..checkpoint.bind import bind_tower, inspect_checkpoint
-from ..checks import DECODE, DEFAULT_MAX_IMAGE_TOKENS, RESIZE, device_list, embedding_problem
+from ..checks import DECODE, DEFAULT_MAX_IMAGE_TOKENS, RESIZE, TOKEN_LIMIT, device_list, embedding_problem
 from ..errors import CheckpointError, OutputError
 from ..output import Output, Writer, image_key, shown, stamp_of
 from ..preprocessing.image import Patching
@@ -167,6 +167,8 @@ def run(args) -> int:
                              ("--max-video-pixels", args.max_video_pixels, 1)):
         if value is not None and value < low:
             return fail(f"{flag} {value} must be at least {low}")
+        if value is not None and "tokens" in flag and value > TOKEN_LIMIT:
+            return fail(f"{flag} {value} must be at most {TOKEN_LIMIT:,}")
     for flag, value in (("--max-image-mib", args.max_image_mib), ("--max-video-mib", args.max_video_mib)):
         if not 0 < value <= 2**40:  # 1 EiB: past any file
             return fail(f"{flag} {value:g} must be a positive number of MiB, at most {2**40:,}")
