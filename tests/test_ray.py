@@ -89,6 +89,22 @@ def test_a_tower_of_another_merge_size_is_prepared_with_its_own_patching(local_r
                               ref.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
+def test_rows_without_a_path_are_named_by_their_place_in_their_batch(local_ray):
+    """Ray Data gives a batch no row numbers of the whole dataset: a failed row without a "path" column is
+    named by its place in its batch, saying so, not as if that were its place in the dataset."""
+    import io
+
+    import glmvit_cupy.ray as gvr
+
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), (10, 200, 90)).save(buf, "PNG")
+    items = [{"bytes": buf.getvalue()} for _ in range(5)]
+    items[3] = {"bytes": b"junk"}
+    rows = gvr.encode_dataset(ray.data.from_items(items), TOWER, cpu=True, batch_size=2).take_all()
+    errors = [r["error"] for r in rows if r["error"] is not None]
+    assert len(errors) == 1 and errors[0].startswith("row 1 of its batch (no 'path' column to name it)"), errors
+
+
 def test_encode_dataset_checks_its_arguments(local_ray, tmp_path):
     import glmvit_cupy.ray as gvr
     from glmvit_cupy import CheckpointError
