@@ -549,3 +549,19 @@ def test_a_file_changed_into_one_that_fails_has_no_embedding_left(folder, tmp_pa
         assert image_key(folder / "b.png") in embs
         assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.FAILED  # tried again, fails again
     capsys.readouterr()
+
+
+def test_a_replaced_vllm_file_is_said_on_a_line_of_its_own(folder, tmp_path):
+    """A vLLM file of another tower under an image's key is replaced, and glmvit-encode says so on a line of
+    its own, not inside the progress bar."""
+    from safetensors.numpy import load_file, save_file
+
+    ec = tmp_path / "ec"
+    assert run(folder / "a.png", "--checkpoint", TOWER, "--out", tmp_path / "o1", "--cpu", "--vllm-ec-dir", ec) == 0
+    (path,) = ec.glob("*/encoder_cache.safetensors")
+    save_file(load_file(path), path, metadata={"glmvit_weights": "0" * 64})
+    done = command(folder / "a.png", "--checkpoint", TOWER, "--out", tmp_path / "o2", "--cpu", "--vllm-ec-dir", ec)
+    assert done.returncode == 0, done.stderr  # a process of its own: logging as a user's run has it
+    lines = done.stderr.replace("\r", "\n").splitlines()
+    assert any(line.startswith(f"glmvit-encode: {path} holds an embedding of other weights") and
+               line.endswith(": replaced") for line in lines), lines

@@ -85,6 +85,22 @@ def test_a_file_of_other_weights_is_replaced_one_of_the_same_is_kept(tmp_path, r
     assert "holds an embedding of unrecorded weights" in caplog.text
 
 
+def test_a_broken_file_naming_this_tower_is_replaced(tmp_path, rng, caplog):
+    """A file whose metadata names this tower but which is cut short, or holds another tensor than a bf16
+    ec_cache, would be read by vLLM as it is: it is replaced, with a warning, not kept."""
+    a = embedding(rng)
+    path = vllm_ec.write(str(tmp_path), KEY, a, weights="1" * 64)
+    whole = open(path, "rb").read()
+    for broken in (lambda: open(path, "wb").write(whole[:-7]),
+                   lambda: save_file({"zzz": np.zeros((2, 2), np.float32)}, path, metadata={"glmvit_weights": "1" * 64})):
+        broken()
+        caplog.clear()
+        vllm_ec.write(str(tmp_path), KEY, a, weights="1" * 64)
+        assert open(path, "rb").read() == whole and "is not a whole embedding file" in caplog.text, caplog.text
+    vllm_ec.write(str(tmp_path), KEY, embedding(rng), weights="1" * 64)  # a whole one is kept
+    assert open(path, "rb").read() == whole
+
+
 def test_writers_of_one_key_at_once_all_succeed(tmp_path, rng):
     """16 threads write each new key at once (the same array, as a server's retried requests can): every
     call returns the path, and each key's folder holds one complete file and no temporary one."""

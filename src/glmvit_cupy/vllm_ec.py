@@ -227,11 +227,15 @@ def _finished(here: int, target: str, weights: str | None = None) -> bool:
     except OSError as e:
         raise _failed(f"cannot look at {target}", e) from e
     if stat.S_ISREG(st.st_mode):
-        made_by = _weights_of(here) if weights else weights
+        made_by, whole = _weights_of(here, st.st_size) if weights else (weights, True)
         if made_by != weights:
             log.warning("%s holds an embedding of %s (this tower's fingerprint: %s...): replaced", target,
                         f"other weights (fingerprint {made_by[:12]}...)" if made_by else "unrecorded weights",
                         weights[:12])
+            return False
+        if not whole:
+            log.warning("%s names this tower but is not a whole embedding file (cut short, or no bf16 %r "
+                        "tensor of its size): replaced", target, TENSOR)
             return False
         return True
     if stat.S_ISLNK(st.st_mode):
@@ -239,22 +243,28 @@ def _finished(here: int, target: str, weights: str | None = None) -> bool:
     raise OutputError(f"{target} is not a plain file; remove it and the embedding is written there again")
 
 
-def _weights_of(here: int) -> str | None:
-    """The fingerprint in the key's file's metadata (write's `weights`), or None: none recorded, or a header
-    that does not read (written by another program, or damaged)."""
+def _weights_of(here: int, size: int) -> tuple[str | None, bool]:
+    """(the fingerprint in the key's file's metadata (write's `weights`), or None: none recorded, or a header
+    that does not read (written by another program, or damaged); whether the file is whole: one bf16 2-D
+    TENSOR whose bytes end the file, as write makes it)."""
     try:
         fd = os.open(FILE, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), dir_fd=here)
     except OSError:
-        return None
+        return None, False
     try:
         n = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
         if n > 1 << 20:
-            return None
+            return None, False
         header = json.loads(os.pread(fd, n, 8))
         made_by = header.get("__metadata__", {}).get(WEIGHTS)
-        return made_by if isinstance(made_by, str) else None
-    except (OSError, ValueError, struct.error, AttributeError):
-        return None
+        t = header.get(TENSOR)
+        whole = (isinstance(t, dict) and t.get("dtype") == "BF16" and isinstance(t.get("shape"), list)
+                 and len(t["shape"]) == 2 and all(isinstance(d, int) for d in t["shape"])
+                 and t.get("data_offsets") == [0, 2 * t["shape"][0] * t["shape"][1]]
+                 and size == 8 + n + t["data_offsets"][1])
+        return (made_by if isinstance(made_by, str) else None), whole
+    except (OSError, ValueError, struct.error, AttributeError, TypeError):
+        return None, False
     finally:
         os.close(fd)
 

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import importlib.util
 import itertools
+import logging
 import os
 import signal
 import sys
@@ -130,11 +131,25 @@ def fail(message) -> int:
     return USAGE
 
 
+class _LogAboveTheBar(logging.Handler):
+    """The package's warnings (a vLLM file of another tower replaced, say) as lines of their own above the
+    progress bar, not in the middle of it."""
+
+    def emit(self, record):
+        from tqdm import tqdm
+
+        tqdm.write(f"glmvit-encode: {record.getMessage()}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     # SIGTERM (a scheduler stopping the job) stops the run as Ctrl-C does: what finished is saved, and said.
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, stopped_by_sigterm) if main_thread else None
+    pkg, handler = logging.getLogger("glmvit_cupy"), None
+    if not logging.getLogger().handlers and not pkg.handlers:  # logging left unset: Python's last resort
+        handler = _LogAboveTheBar(logging.WARNING)
+        pkg.addHandler(handler)
     try:
         return run(args)
     except KeyboardInterrupt as e:  # before the encoding began (walking the inputs, loading the checkpoint)
@@ -142,6 +157,8 @@ def main(argv=None) -> int:
         print(f"\nglmvit-encode: {word} before anything was encoded", file=sys.stderr)
         return status
     finally:
+        if handler is not None:
+            pkg.removeHandler(handler)
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
 
