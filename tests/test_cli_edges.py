@@ -565,3 +565,27 @@ def test_a_replaced_vllm_file_is_said_on_a_line_of_its_own(folder, tmp_path):
     lines = done.stderr.replace("\r", "\n").splitlines()
     assert any(line.startswith(f"glmvit-encode: {path} holds an embedding of other weights") and
                line.endswith(": replaced") for line in lines), lines
+
+
+def test_a_rerun_with_vllm_ec_dir_writes_the_files_of_what_was_encoded_before(folder, tmp_path, capsys):
+    """Images encoded in an earlier run without --vllm-ec-dir (or whose vLLM file was deleted since) get their
+    files from the shards on a re-run that skips them: the same files, byte for byte, as a fresh run writes."""
+    import shutil
+
+    out, ec, fresh = tmp_path / "out", tmp_path / "ec", tmp_path / "fresh"
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 0
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == 0
+    assert "2 files encoded earlier had no file in --vllm-ec-dir" in capsys.readouterr().out
+    assert run(folder, "--checkpoint", TOWER, "--out", tmp_path / "o2", "--cpu", "--vllm-ec-dir", fresh) == 0
+    keys = sorted(p.name for p in fresh.iterdir())
+    assert sorted(p.name for p in ec.iterdir()) == keys and len(keys) == 2
+    for k in keys:
+        assert (ec / k / "encoder_cache.safetensors").read_bytes() == (fresh / k / "encoder_cache.safetensors").read_bytes()
+    shutil.rmtree(ec / keys[0])
+    capsys.readouterr()
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == 0
+    assert "1 file encoded earlier had no file" in capsys.readouterr().out
+    assert (ec / keys[0] / "encoder_cache.safetensors").read_bytes() == \
+        (fresh / keys[0] / "encoder_cache.safetensors").read_bytes()
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == 0
+    assert "had no file" not in capsys.readouterr().out  # all there: nothing written

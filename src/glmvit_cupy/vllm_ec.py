@@ -129,6 +129,20 @@ def write(folder: str, key: str, embedding: np.ndarray, weights: str | None = No
     return target
 
 
+def holds(folder: str, key: str, weights: str | None = None) -> bool:
+    """Whether DIR/<key> holds a whole file of these weights already (what write would keep); nothing is made.
+    A link or anything but a plain file there is an OutputError, as for write."""
+    check_key(key)
+    try:
+        here = os.open(os.path.join(folder, key), _DIR | _NOFOLLOW)
+    except OSError:
+        return False  # no such folder yet (or not one: write says what is wrong with it)
+    try:
+        return _finished(here, os.path.join(folder, key, FILE), weights, quiet=True)
+    finally:
+        os.close(here)
+
+
 def _failed(what: str, e: BaseException) -> OutputError:
     """`what` failed because of `e`, as one line: the OS's reason, then what would fix it."""
     code = getattr(e, "errno", None)
@@ -217,7 +231,7 @@ def _open_key_folder(top: int, folder: str, key: str) -> int:
         raise _failed(f"cannot open {where}", e) from e
 
 
-def _finished(here: int, target: str, weights: str | None = None) -> bool:
+def _finished(here: int, target: str, weights: str | None = None, quiet: bool = False) -> bool:
     """Whether the key's file is there already, of these weights (given `weights`, a file whose metadata names
     other weights or none is not); a link or anything but a plain file there is refused."""
     try:
@@ -229,11 +243,15 @@ def _finished(here: int, target: str, weights: str | None = None) -> bool:
     if stat.S_ISREG(st.st_mode):
         made_by, whole = _weights_of(here, st.st_size) if weights else (weights, True)
         if made_by != weights:
+            if quiet:
+                return False
             log.warning("%s holds an embedding of %s (this tower's fingerprint: %s...): replaced", target,
                         f"other weights (fingerprint {made_by[:12]}...)" if made_by else "unrecorded weights",
                         weights[:12])
             return False
         if not whole:
+            if quiet:
+                return False
             log.warning("%s names this tower but is not a whole embedding file (cut short, or no bf16 %r "
                         "tensor of its size): replaced", target, TENSOR)
             return False

@@ -247,6 +247,15 @@ def run(args) -> int:
     if len(todo) < len(paths):
         print(f"glmvit-encode: {len(paths) - len(todo)} of {counted(len(paths), 'file')} already in "
               f"{shown(args.out)}; skipping {'it' if len(paths) - len(todo) == 1 else 'them'}")
+    if args.vllm_ec_dir and len(todo) < len(paths):  # finished in an earlier run: their vLLM files too
+        pending = set(todo)
+        try:
+            backfilled = backfill_vllm(args, out, [keys[p] for p in paths if p not in pending])
+        except OutputError as e:
+            return stopped_writing(e)
+        if backfilled:
+            print(f"glmvit-encode: {counted(backfilled, 'file')} encoded earlier had no file in --vllm-ec-dir "
+                  f"{shown(args.vllm_ec_dir)}: written from {shown(args.out)}")
     again = sum(keys[p] in out.manifest["failed"] for p in todo)
     if again:
         print(f"glmvit-encode: {counted(again, 'file')} failed in an earlier run; trying "
@@ -295,6 +304,28 @@ def stopped_writing(e: Exception, ran: str | None = None) -> int:
           + "; fix it (free space, permissions) and re-run the same command" + (" to resume" if ran else ""),
           file=sys.stderr)
     return WRITE
+
+
+def backfill_vllm(args, out, done: list) -> int:
+    """The vLLM files of images and videos `out` holds already, written from their shards where
+    --vllm-ec-dir has none (or a broken one, or another tower's): a re-run with --vllm-ec-dir, or after a
+    cache folder was cleared, fills it. Returns how many were written."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, which safetensors.numpy reads it as)
+    from safetensors import safe_open
+
+    weights = out.manifest["header"]["weights"]
+    missing: dict[str, list] = {}
+    for key in done:
+        entry = out.manifest["images"][key]
+        ec_key = entry.get("key") or vllm_ec.key_for_image(entry["sha256"], args.min_image_tokens,
+                                                           args.max_image_tokens)  # a video's entry has its key
+        if not vllm_ec.holds(args.vllm_ec_dir, ec_key, weights):
+            missing.setdefault(entry["shard"], []).append((key, ec_key))
+    for shard, items in sorted(missing.items()):
+        with safe_open(os.path.join(out.folder, shard), "numpy") as f:
+            for key, ec_key in items:
+                write_vllm(args.vllm_ec_dir, ec_key, f.get_tensor(key), weights)
+    return sum(len(items) for items in missing.values())
 
 
 def token_limits(args) -> str | None:
