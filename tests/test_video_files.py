@@ -245,3 +245,22 @@ def test_a_callers_fps_or_duration_reads_a_file_whose_packets_span_no_time(tmp_p
     by_fps = preprocess_video(str(path), fps=2.0)
     by_duration = preprocess_video(str(path), duration=10.0)  # 20 frames: the same timing
     assert np.array_equal(by_fps[0], by_duration[0]) and by_fps[1].tolist() == by_duration[1].tolist()
+
+
+def test_a_raw_elementary_stream_is_refused_saying_what_it_is(tmp_path):
+    """An H.264 elementary stream (no container) reads to its end but cannot seek back: the refusal says so,
+    not that reading its packets failed."""
+    path = tmp_path / "raw.h264"
+    with av.open(str(path), "w", format="h264") as c:
+        s = c.add_stream("libx264", rate=25)
+        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        for f in clip(20, 48, 64):
+            for pkt in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(pkt)
+        for pkt in s.encode():
+            c.mux(pkt)
+    try:
+        preprocess_video(str(path))
+    except ImageError as e:
+        assert "cannot go back to its start" in str(e) and "without a container" in str(e), str(e)
+    # else: this FFmpeg seeks in raw H.264 streams, and the file simply decodes

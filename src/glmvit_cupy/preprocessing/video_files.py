@@ -97,9 +97,13 @@ def _probe(container, stream, source, name, timing_given: bool = False):
             if pts is not None:
                 first = pts if first is None else min(first, pts)
                 end = pts + (packet.duration or 0) if end is None else max(end, pts + (packet.duration or 0))
-        container.seek(0)
     except (av.FFmpegError, OSError, ValueError) as e:  # a damaged or truncated container
         raise ImageError(f"{name}: reading the packets of {_label(source)} failed after {frames} ({e})") from None
+    try:
+        container.seek(0)
+    except (av.FFmpegError, OSError, ValueError) as e:  # a raw stream (an H.264 elementary stream, say)
+        raise ImageError(f"{name}: {_label(source)} read to its end ({frames} packets) but cannot go back to its "
+                         f"start ({e}): a raw stream without a container? Put it in one (MP4, MKV)") from None
     tb = stream.time_base  # each end in seconds, then subtracted: the reference's float64 steps, bit for bit
     duration = end * tb.numerator / tb.denominator - first * tb.numerator / tb.denominator if first is not None else 0.0
     if frames <= 0 or (duration <= 0 and not timing_given):
