@@ -589,3 +589,11 @@ def test_a_rerun_with_vllm_ec_dir_writes_the_files_of_what_was_encoded_before(fo
         (fresh / keys[0] / "encoder_cache.safetensors").read_bytes()
     assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == 0
     assert "had no file" not in capsys.readouterr().out  # all there: nothing written
+    manifest = json.loads((out / "manifest.json").read_text())  # entries of an older run: no sha256
+    for entry in manifest["images"].values():
+        del entry["sha256"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    shutil.rmtree(ec)
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == 0
+    assert "2 files encoded earlier had no file" in capsys.readouterr().out
+    assert sorted(p.name for p in ec.iterdir()) == keys  # keyed by the files' sha256, read again

@@ -234,6 +234,8 @@ def test_arguments_that_are_not_a_url_timeout_or_sequence_are_value_errors():
     for timeout in (0, -1, float("inf"), float("nan"), "5", True):
         with pytest.raises(ValueError, match="must be a positive number of seconds"):
             Client("http://127.0.0.1:1", timeout=timeout)
+    for fine in (None, np.int64(30), np.float32(2.5), 0.5):  # None: no limit, as http.client takes it
+        Client("http://127.0.0.1:1", timeout=fine, max_answer_mib=np.int64(16))
     client = Client("http://127.0.0.1:1", timeout=2)
     with pytest.raises(ValueError, match="images: NoneType is not image files"):
         client.encode(None)
@@ -396,5 +398,14 @@ def test_an_encode_answered_with_no_safetensors_file_is_an_oserror():
     try:
         with pytest.raises(OSError, match="not glmvit-serve's answer"):
             Client(server.url, timeout=10).encode([b"\x89PNG"])
+    finally:
+        server.close()
+
+
+def test_a_server_that_closes_without_answering_is_a_connection_error():
+    server = _Junk(b"")
+    try:
+        with pytest.raises(ConnectionError):  # RemoteDisconnected, as http.client says it: callers retry on it
+            Client(server.url, timeout=10).health()
     finally:
         server.close()

@@ -130,6 +130,9 @@ def test_every_bytes_like_holding_a_file_is_that_file(rng):
     want = preprocess([data])
     strided = memoryview(bytes(b for b in data for _ in range(2)))[::2]  # the file's bytes, not C-contiguous
     assert not strided.c_contiguous and strided.tobytes() == data
+    from glmvit_cupy.preprocessing.decode import header_size
+
+    assert header_size(strided) == header_size(data) == (61 * 47, (47, 61))  # the pixel caps count it too
     for held in (bytearray(data), memoryview(data), memoryview(bytearray(data)), strided):
         got = preprocess([held])
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), type(held)

@@ -87,3 +87,18 @@ def test_the_decoding_processes_end_when_the_server_is_killed():
     if still:
         os.kill(pids[0], 9)
     assert not still, "the decoding process outlived the server"
+
+
+def test_a_decode_refused_by_shutdown_passes_through_the_decoder_as_503():
+    """The offload's Refused (503) reaches the request as it is through decode.load, not as a damaged file."""
+    from glmvit_cupy.preprocessing import decode
+
+    off = OffProcess(1)
+    off.shutdown()
+    saved, decode.offload = decode.offload, off
+    try:
+        with pytest.raises(Refused) as e:
+            decode.load(jpeg_2000(16, 16), "image 0")
+    finally:
+        decode.offload = saved
+    assert e.value.status == 503 and "shutting down" in e.value.error

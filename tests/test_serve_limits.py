@@ -41,6 +41,8 @@ def launch(*flags, checkpoint=TOWER, data_limit=None, prelude="pass", wait_s=20.
     def cap():
         if data_limit is not None:
             resource.setrlimit(resource.RLIMIT_DATA, (data_limit, data_limit))
+        # As from a terminal: under nohup (SIGHUP ignored, and inherited) the server would ignore SIGHUP too.
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
     code = f"import sys; {prelude}; from glmvit_cupy.serving.main import main; sys.exit(main())"
     proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", checkpoint, "--cpu", "--port", str(port),

@@ -240,8 +240,9 @@ def test_a_callers_fps_or_duration_reads_a_file_whose_packets_span_no_time(tmp_p
     import fractions
 
     path = write(tmp_path / "still.mkv", clip(20), fps=fractions.Fraction(10**9, 1))  # Matroska's ms: all at 0
-    with pytest.raises(ImageError, match=r"over 0 s; cannot sample it; give its fps \(fps= or duration=\)"):
-        preprocess_video(str(path))
+    for unknown in ({}, {"duration": 0}):  # duration 0: unknown, as sample_frames takes it
+        with pytest.raises(ImageError, match=r"over 0 s; cannot sample it; give its fps \(fps= or duration=\)"):
+            preprocess_video(str(path), **unknown)
     by_fps = preprocess_video(str(path), fps=2.0)
     by_duration = preprocess_video(str(path), duration=10.0)  # 20 frames: the same timing
     assert np.array_equal(by_fps[0], by_duration[0]) and by_fps[1].tolist() == by_duration[1].tolist()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import numbers
 import os
 import select
 import ssl
@@ -45,12 +46,15 @@ class Client:
         if not isinstance(url, str):
             raise ValueError(f"Client: the url must be a string such as 'http://127.0.0.1:8000', got "
                              f"{type(url).__name__}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 2**31:
-            raise ValueError(f"Client: timeout={timeout!r} must be a positive number of seconds (below 2**31)")
-        if isinstance(max_answer_mib, bool) or not isinstance(max_answer_mib, (int, float)) \
+        if timeout is not None and (isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, numbers.Real)
+                                    or not 0 < timeout < 2**31):
+            raise ValueError(f"Client: timeout={timeout!r} must be a positive number of seconds (below 2**31), "
+                             "or None to wait without end")
+        if isinstance(max_answer_mib, (bool, np.bool_)) or not isinstance(max_answer_mib, numbers.Real) \
                 or not 0 < max_answer_mib <= 2**40:
             raise ValueError(f"Client: max_answer_mib={max_answer_mib!r} must be a positive number of MiB")
-        self.url, self.timeout, self.max_answer = url.rstrip("/"), float(timeout), int(max_answer_mib * 2**20)
+        self.url, self.max_answer = url.rstrip("/"), int(max_answer_mib * 2**20)
+        self.timeout = None if timeout is None else float(timeout)
         parts = urllib.parse.urlsplit(self.url)
         try:
             port = parts.port
@@ -114,8 +118,7 @@ class Client:
         else:
             body = {"images": [_file_b64(im, f"image {i}") for i, im in enumerate(images)], **limits}
             _, raw = self._post("/v1/encode", body, images)
-        return self._parsed(lambda raw: ([_bf16_tensors(raw)[str(i)] for i in range(len(images))],
-                                         json.loads(_metadata(raw)["images"])), raw)
+        return self._parsed(lambda raw: _answer(raw, len(images), "images"), raw)
 
     def encode_video(self, videos, *, fps=None, duration=None, **settings) -> tuple[list[np.ndarray], list[dict]]:
         """Videos, each a list of frames (image files as paths or bytes, or HxWx3 uint8 arrays, sent as PNG:
@@ -149,8 +152,7 @@ class Client:
 
         body = {"videos": [one(i, v) for i, v in enumerate(videos)], **settings}
         _, raw = self._post("/v1/encode_video", body, videos)
-        return self._parsed(lambda raw: ([_bf16_tensors(raw)[str(i)] for i in range(n)],
-                                         json.loads(_metadata(raw)["videos"])), raw)
+        return self._parsed(lambda raw: _answer(raw, n, "videos"), raw)
 
     def _post(self, path, body: dict, given: list):
         """POST body as JSON; a ServerError naming an image or video also names what the caller gave for it."""
@@ -210,6 +212,8 @@ class Client:
             return r.status, self._read(r)
         except http.client.HTTPException as e:  # not HTTP: a status line, a header or a chunk that is not one
             conn.close()
+            if isinstance(e, OSError):  # RemoteDisconnected: closed with no answer, a ConnectionError as it is
+                raise
             raise OSError(f"the server at {self.url} did not answer in HTTP ({type(e).__name__}: {e!s:.200})") \
                 from None
         except BaseException:
@@ -220,6 +224,8 @@ class Client:
         """The answer's body, read a MiB at a time up to max_answer_mib (OSError past it: a Content-Length or
         a chunked body without end is never held whole)."""
         declared = r.getheader("Content-Length")
+        if r.status in (204, 304) or 100 <= r.status < 200:  # no body, whatever a Content-Length says
+            return b""
         if declared is not None and declared.strip().isdigit() and int(declared) > self.max_answer:
             raise OSError(f"the server at {self.url} announces an answer of {int(declared):,} bytes, over the "
                           f"client's limit of {self.max_answer:,} (max_answer_mib)")
@@ -288,6 +294,12 @@ def _metadata(raw: bytes) -> dict:
     """The __metadata__ of a safetensors byte string."""
     n = int.from_bytes(raw[:8], "little")
     return json.loads(raw[8:8 + n]).get("__metadata__", {})
+
+
+def _answer(raw: bytes, n: int, what: str) -> tuple[list[np.ndarray], list[dict]]:
+    """An encode's answer: its n tensors in order (the file parsed once), and the metadata of each."""
+    tensors = _bf16_tensors(raw)
+    return [tensors[str(i)] for i in range(n)], json.loads(_metadata(raw)[what])
 
 
 def _object(value) -> dict:

@@ -33,7 +33,7 @@ from .. import gpu
 from ..checkpoint.bind import bind_tower, inspect_checkpoint
 from ..checks import DECODE, DEFAULT_MAX_IMAGE_TOKENS, RESIZE, TOKEN_LIMIT, device_list, embedding_problem
 from ..errors import CheckpointError, OutputError
-from ..output import Output, Writer, image_key, shown, stamp_of
+from ..output import Output, Writer, image_key, key_path, shown, stamp_of
 from ..preprocessing.image import Patching
 from ..preprocessing.video import MAX_FRAMES, MAX_VIDEO_TOKENS, MIN_VIDEO_TOKENS, TARGET_FPS
 from ..scheduling import feed
@@ -43,7 +43,7 @@ from .. import vllm_ec
 from .common import (DONE, EXIT_STATUS, FAILED, USAGE, WRITE, counted, interruption, skipped,
                      stopped_by_sigterm, write_vllm)
 from .inputs import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, NoSuchInput, expand_inputs, is_video, prepared
-from .videos import encode_videos, video_settings
+from .videos import encode_videos, file_sha256, video_settings
 
 MAX_IMAGE_MIB = 64  # as glmvit-serve's --max-image-mib: an image file is read whole, on each of --workers threads
 # A video file is hashed in pieces and decoded as it streams, never held whole: its limit bounds the time spent
@@ -138,7 +138,10 @@ class _LogAboveTheBar(logging.Handler):
     def emit(self, record):
         from tqdm import tqdm
 
-        tqdm.write(f"glmvit-encode: {record.getMessage()}", file=sys.stderr)
+        try:
+            tqdm.write(f"glmvit-encode: {record.getMessage()}", file=sys.stderr)
+        except Exception:  # noqa: BLE001 - stderr gone (a closed pipe): logging's own way, never the write's failure
+            self.handleError(record)
 
 
 def main(argv=None) -> int:
@@ -317,10 +320,16 @@ def backfill_vllm(args, out, done: list) -> int:
     missing: dict[str, list] = {}
     for key in done:
         entry = out.manifest["images"][key]
-        ec_key = entry.get("key") or vllm_ec.key_for_image(entry["sha256"], args.min_image_tokens,
-                                                           args.max_image_tokens)  # a video's entry has its key
-        if not vllm_ec.holds(args.vllm_ec_dir, ec_key, weights):
-            missing.setdefault(entry["shard"], []).append((key, ec_key))
+        try:
+            if entry.get("key") is not None:  # a video's entry has its key
+                ec_key = entry["key"]
+            else:  # an image's sha256; an entry of an older run has none: the file, unchanged since, is read
+                sha = entry.get("sha256") or file_sha256(key_path(key))[0]
+                ec_key = vllm_ec.key_for_image(sha, args.min_image_tokens, args.max_image_tokens)
+            if not vllm_ec.holds(args.vllm_ec_dir, ec_key, weights):
+                missing.setdefault(entry["shard"], []).append((key, ec_key))
+        except (ValueError, OSError) as e:  # the file gone or unreadable (ImageError), a damaged entry
+            print(skipped(key, f"no --vllm-ec-dir file written for it: {e}"), file=sys.stderr)
     for shard, items in sorted(missing.items()):
         with safe_open(os.path.join(out.folder, shard), "numpy") as f:
             for key, ec_key in items:

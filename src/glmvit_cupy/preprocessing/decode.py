@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import struct
 import threading
 import warnings
 
@@ -57,6 +58,8 @@ def header_size(file) -> tuple[int, tuple | None]:
     message."""
     if not isinstance(file, ENCODED_BYTES) and not (isinstance(file, (str, os.PathLike)) and os.path.isfile(file)):
         return 0, None
+    if isinstance(file, memoryview) and not file.c_contiguous:  # BytesIO takes contiguous buffers only
+        file = file.tobytes()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -160,8 +163,10 @@ def _decode(image, name, max_pixels=None, host_buffer=None):
         cut = "; the file ends early: it is incomplete (cut short in a copy or download?)" if \
             "truncated" in str(e).lower() or isinstance(e, EOFError) else ""  # "Truncated File Read": a JPEG
         raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e}){cut}") from None
-    except Exception as e:  # noqa: BLE001 - a decoder's own failure on a damaged file (struct.error from a bad
-        # EXIF tag in exif_transpose, say): the image is refused by name, never the whole call
+    except (struct.error, IndexError, KeyError, ZeroDivisionError, AttributeError, ArithmeticError) as e:
+        # A decoder's own failure on a damaged file (struct.error from a bad EXIF tag in exif_transpose, say):
+        # the image is refused by name, never the whole call. Not a catch-all: a server's Refused (503, the
+        # decoding processes shut down) and a GPU's errors on the page-locked buffer pass as they are.
         raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e}); the file is damaged") from None
 
 

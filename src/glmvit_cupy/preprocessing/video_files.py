@@ -16,6 +16,8 @@ durations), torchcodec on another FFmpeg can differ too. HF's load_video(backend
 from __future__ import annotations
 
 import io
+import math
+import numbers
 import os
 from fractions import Fraction
 
@@ -67,6 +69,11 @@ def _open(source, name: str, max_pixels: int | None = None):
                          "decoded image may have (max_pixels, the images' decompression-bomb guard: the "
                          "commands' --max-pixels raises it)")
     return container
+
+
+def _positive(v) -> bool:
+    """A caller's fps or duration that can stand for a file's (0 means "unknown", as sample_frames takes it)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 def _stream(container):
@@ -125,9 +132,9 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
     with _open(source, name, max_pixels) as container:  # one open: probed, then decoded (twice if the count was high)
         stream = _stream(container)
         declared = (stream.width, stream.height)  # as _open checked it; a scan of the packets can change it
-        total, file_fps, file_duration = _probe(container, stream, source, name, fps is not None or duration is not None)
+        total, file_fps, file_duration = _probe(container, stream, source, name, _positive(fps) or _positive(duration))
         if file_fps is None:  # packets spanning no time: the caller's fps or duration stands for the file's
-            fps = total / duration if fps is None else fps
+            fps = fps if _positive(fps) else total / duration
         stream.thread_type = "AUTO"  # frame threads: decoding is the cost
         own_duration = duration is None  # the file's, or frames / the caller's fps
         duration = (file_duration if fps is None else total / fps) if own_duration else duration
