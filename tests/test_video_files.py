@@ -265,3 +265,20 @@ def test_a_raw_elementary_stream_is_refused_saying_what_it_is(tmp_path):
     except ImageError as e:
         assert "cannot go back to its start" in str(e) and "without a container" in str(e), str(e)
     # else: this FFmpeg seeks in raw H.264 streams, and the file simply decodes
+
+
+def test_frames_turned_upright_to_other_shapes_are_refused(tmp_path, monkeypatch):
+    """A display rotation that changes between frames (frames of one coded size, turned upright to H x W and
+    W x H) is refused as a size change, never staged as one shape."""
+    path = write(tmp_path / "c.mkv", clip(4, 42, 58))
+    real, calls = video_files._RGB.__call__, []
+
+    def turning(self, frame):  # the second frame's rotation differs: its upright array is transposed
+        calls.append(1)
+        out = real(self, frame)
+        return out.transpose(1, 0, 2) if len(calls) == 2 else out
+
+    monkeypatch.setattr(video_files._RGB, "__call__", turning)
+    with pytest.raises(ImageError, match=r"changes its frame size mid-stream \(58x42 and 42x58 among the sampled "
+                                         r"frames, turned upright\)"):
+        preprocess_video(str(path), sample=False)

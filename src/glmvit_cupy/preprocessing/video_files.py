@@ -201,6 +201,11 @@ def _decode(container, stream, source, name, indices, declared) -> tuple[dict, i
                          f"{changed[1]}; the file is damaged or forged")
     if not kept:
         raise ImageError(f"{name}: {_label(source)} gave no frame to decode")
+    shapes = sorted({f.shape for f in kept.values()})  # upright: a rotation that changes between frames too
+    if len(shapes) > 1:
+        raise ImageError(f"{name}: {_label(source)} changes its frame size mid-stream ({shapes[0][1]}x"
+                         f"{shapes[0][0]} and {shapes[1][1]}x{shapes[1][0]} among the sampled frames, turned "
+                         "upright); a video's frames share one size")
     return kept, i + 1
 
 
