@@ -597,3 +597,10 @@ def test_a_rerun_with_vllm_ec_dir_writes_the_files_of_what_was_encoded_before(fo
     assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == 0
     assert "2 files encoded earlier had no file" in capsys.readouterr().out
     assert sorted(p.name for p in ec.iterdir()) == keys  # keyed by the files' sha256, read again
+    for entry in manifest["images"].values():  # older still: no stamp either, so the file may have changed
+        entry.pop("file", None)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    shutil.rmtree(ec)
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == 0
+    assert "no --vllm-ec-dir file written for it: its entry records neither" in capsys.readouterr().err
+    assert not ec.exists() or not any(ec.iterdir())

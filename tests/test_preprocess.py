@@ -123,6 +123,22 @@ def test_a_damaged_exif_tag_is_an_image_error_and_a_run_goes_on(tmp_path, capsys
     assert "1 image," in said and "1 failed" in said and "Traceback" not in said, said
 
 
+def test_damaged_headers_of_other_formats_are_image_errors():
+    """Pillow's DDS and BLP readers raise NotImplementedError (BLPFormatError) on a damaged header: an
+    ImageError naming the image, as for every damaged file, not an escape that stops a run."""
+    buf = io.BytesIO()
+    Image.new("RGBA", (8, 8)).save(buf, "DDS")
+    dds = bytearray(buf.getvalue())
+    dds[80:84] = bytes(4)  # pixel format flags 0
+    buf = io.BytesIO()
+    Image.new("P", (8, 8)).save(buf, "BLP")
+    blp = bytearray(buf.getvalue())
+    blp[4:8] = b"\x09\0\0\0"  # compression 9
+    for data in (dds, blp):
+        with pytest.raises(ImageError, match=r"image 0 \(bytes\): cannot decode image"):
+            preprocess([bytes(data)])
+
+
 def test_every_bytes_like_holding_a_file_is_that_file(rng):
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (61, 47, 3), dtype=np.uint8)).save(buf, "PNG")

@@ -758,6 +758,8 @@ def test_damaged_video_files_are_refused_by_name_and_the_server_goes_on(server):
             assert got == 422 and err["error"].startswith("video 0: ") and err["index"] == 0, (name, fraction, err)
     whole = {"videos": [{"file": base64.b64encode(data).decode()}]}  # vp9_10bit.webm
     assert post_video(server[0], whole)[0] == 200
+    got, err = post_video(server[0], {"videos": [dict(whole["videos"][0], fps=0)]})  # its admission divided by 0
+    assert got in (400, 422) and err["index"] == 0 and "fps" in err["error"], err
 
 
 @pytest.mark.parametrize("body,status,says,index", [

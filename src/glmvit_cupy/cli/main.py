@@ -323,6 +323,8 @@ def backfill_vllm(args, out, done: list) -> int:
         try:
             if entry.get("key") is not None:  # a video's entry has its key
                 ec_key = entry["key"]
+            elif entry.get("sha256") is None and entry.get("file") is None:  # too old to tell the file unchanged
+                raise ValueError("its entry records neither the file's sha256 nor its size and time")
             else:  # an image's sha256; an entry of an older run has none: the file, unchanged since, is read
                 sha = entry.get("sha256") or file_sha256(key_path(key))[0]
                 ec_key = vllm_ec.key_for_image(sha, args.min_image_tokens, args.max_image_tokens)

@@ -163,7 +163,8 @@ def _decode(image, name, max_pixels=None, host_buffer=None):
         cut = "; the file ends early: it is incomplete (cut short in a copy or download?)" if \
             "truncated" in str(e).lower() or isinstance(e, EOFError) else ""  # "Truncated File Read": a JPEG
         raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e}){cut}") from None
-    except (struct.error, IndexError, KeyError, ZeroDivisionError, AttributeError, ArithmeticError) as e:
+    except (struct.error, IndexError, KeyError, ZeroDivisionError, AttributeError, ArithmeticError,
+            NotImplementedError) as e:  # NotImplementedError: DDS's and BLP's readers on a damaged header
         # A decoder's own failure on a damaged file (struct.error from a bad EXIF tag in exif_transpose, say):
         # the image is refused by name, never the whole call. Not a catch-all: a server's Refused (503, the
         # decoding processes shut down) and a GPU's errors on the page-locked buffer pass as they are.

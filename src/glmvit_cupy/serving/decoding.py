@@ -150,8 +150,11 @@ def video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pi
         except Exception:  # noqa: BLE001
             return 0
         fps, duration = video["fps"], video["duration"]
-        if duration is None:  # as load_video reads them
-            duration = file_duration if fps is None else total / fps
+        try:
+            if duration is None:  # as load_video reads them
+                duration = file_duration if fps is None else total / fps
+        except (ZeroDivisionError, TypeError):  # fps 0: refused, saying why, when the video is read
+            return 0
         fps = file_fps if fps is None else fps
         picked = sampled_frames(total, fps, duration, common)
         if picked is None:
