@@ -47,14 +47,40 @@ def save(path, names, arrays):
     print(f"saved {len(arrays)} embedding(s) to {path}")
 
 
+def check_save(path):
+    """--save's name and place, checked before any work: a .safetensors or .npy file name in a folder this
+    process can write (a file made and removed there says so), not a folder. ValueError saying what is wrong."""
+    if not path.endswith((".safetensors", ".npy")):
+        raise ValueError(f"--save {path}: use a .safetensors or .npy file name")
+    if os.path.isdir(path):
+        raise ValueError(f"--save {path}: is a folder; give a file name in it, e.g. {os.path.join(path, 'emb.npy')}")
+    folder = os.path.dirname(os.path.abspath(path))
+    probe = os.path.join(folder, f".encode-probe-{os.getpid()}")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"--save {path}: cannot write in {folder} ({e.strerror}); give a file in a folder you "
+                         "can write") from None
+
+
 def guarded(run, argv, prog: str) -> int:
-    """run(argv), or 2 with one line on stderr for a bad input, checkpoint, flag or an unusable GPU."""
+    """run(argv), or 2 with one line on stderr for a bad input, checkpoint, flag or an unusable GPU; 130 with
+    one line on Ctrl-C."""
     from glmvit_cupy import GpuOutOfMemory, GpuUnavailable
 
     try:
         return run(argv)
     except (ValueError, OSError, GpuUnavailable, GpuOutOfMemory) as e:  # ImageError, CheckpointError: ValueErrors
         print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted; nothing saved", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":  # a write --save's check could not foresee (a full disk)
+            raise
+        print(f"{prog}: writing --save failed ({e})", file=sys.stderr)
         return 2
 
 
@@ -80,8 +106,8 @@ def run(argv) -> int:
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference even if a GPU exists")
     ap.add_argument("--max-image-tokens", type=int, default=8000, help="per-image token limit (default 8000)")
     args = ap.parse_args(argv)
-    if args.save and not args.save.endswith((".safetensors", ".npy")):  # said before any work, not after it
-        ap.error(f"--save {args.save}: use a .safetensors or .npy file name")
+    if args.save:  # said before any work, not after it
+        check_save(args.save)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     images = args.images or [PHOTO]
     binding = bind_tower(checkpoint(args.checkpoint))  # a bad checkpoint is said before the images are read

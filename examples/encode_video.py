@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout without installing
 sys.path.insert(0, HERE)
 
-from encode_image import PHOTO, checkpoint, guarded, save  # noqa: E402
+from encode_image import PHOTO, check_save, checkpoint, guarded, save  # noqa: E402
 
 from glmvit_cupy import bind_tower, gpu, preprocess_video  # noqa: E402
 from glmvit_cupy.preprocessing.decode import load_rgb  # noqa: E402
@@ -51,8 +51,8 @@ def run(argv) -> int:
     ap.add_argument("--save", help="write the embeddings to a .safetensors (bf16) or .npy file")
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference even if a GPU exists")
     args = ap.parse_args(argv)
-    if args.save and not args.save.endswith((".safetensors", ".npy")):
-        ap.error(f"--save {args.save}: use a .safetensors or .npy file name")
+    if args.save:  # said before any work, not after it
+        check_save(args.save)
     if args.video and args.frames:
         ap.error("give frame files or --video, not both")
     frames = args.video or ([load_rgb(f, i) for i, f in enumerate(args.frames)] if args.frames else pan())

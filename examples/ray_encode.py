@@ -68,6 +68,18 @@ def done_paths(out) -> set:
 
 
 def main(argv=None) -> int:
+    """run(argv); 2 with one line on stderr for a bad flag, input, checkpoint or output folder; 130 on Ctrl-C."""
+    try:
+        return run(argv)
+    except (ValueError, OSError) as e:  # CheckpointError, a setting out of range, an --out that cannot be written
+        print(f"ray_encode: {str(e).replace('cpu=True', '--cpu')}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nray_encode: interrupted; the same command resumes from the Parquet files written", file=sys.stderr)
+        return 130
+
+
+def run(argv) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("input", help="folder, glob or cloud prefix of images")
     ap.add_argument("--checkpoint", required=True, help="checkpoint folder or Hub id, readable by every worker")
@@ -84,6 +96,11 @@ def main(argv=None) -> int:
         ap.error("--num-gpus with --cpu: the float32 reference runs in CPU actors that use no GPU; drop one of them")
     if args.num_gpus is not None and not 0 < args.num_gpus < float("inf"):
         ap.error(f"--num-gpus {args.num_gpus:g}: GPUs per encoder actor must be above 0 (0.5: two actors share one)")
+
+    if "://" not in args.out:  # a local --out is made (or refused, saying why) before Ray starts
+        if os.path.lexists(args.out) and not os.path.isdir(args.out):
+            raise ValueError(f"--out {args.out} is a file, not a folder; give a folder (it is created if absent)")
+        os.makedirs(args.out, exist_ok=True)
 
     import ray
 

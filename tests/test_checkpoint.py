@@ -362,6 +362,32 @@ def test_random_checkpoint_command(tmp_path, monkeypatch, capsys):
     (tmp_path / "other" / "notes.txt").write_text("mine")
     assert synthetic.main([str(tmp_path / "other")]) == 2 and "not an empty folder" in capsys.readouterr().err
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+    # Each refused before anything is written, with one line: nothing half-written is left behind.
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text("{}")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "stale.tmp").write_text("x")
+    for target, says in (("cfg", "holds a config.json but no checkpoint this package reads"),
+                         ("link", "is a symbolic link to"), ("stale", "stale.tmp (where the checkpoint is written "
+                                                                     "first) is in the way")):
+        assert synthetic.main([str(tmp_path / target)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
+    assert synthetic.main(["/proc/glmvit-rnd"]) == 2 and "cannot write /proc/glmvit-rnd" in capsys.readouterr().err
+    assert not os.path.exists("/proc/glmvit-rnd.tmp")
+    (tmp_path / "empty").mkdir()  # an empty folder is written into (renamed onto), not removed first
+    real = synthetic.write_checkpoint
+
+    def interrupted(path, *a, **k):
+        real(path, *a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(synthetic, "write_checkpoint", interrupted)
+    assert synthetic.main([str(tmp_path / "empty")]) == 130 and "interrupted" in capsys.readouterr().err
+    assert (tmp_path / "empty").is_dir() and not any((tmp_path / "empty").iterdir())
+    assert not (tmp_path / "empty.tmp").exists()  # the half-written gigabyte is removed
+    monkeypatch.setattr(synthetic, "write_checkpoint", real)
+    assert synthetic.main([str(tmp_path / "empty")]) == 0 and bind_tower(str(tmp_path / "empty")).geometry == GEO
 
 
 def test_inspect_reads_the_values_too(tmp_path, tensors):

@@ -65,10 +65,26 @@ def test_mistakes_are_one_line_and_status_2(images, capsys, argv, says):
     assert err.startswith("encode_image.py: ") and says in err and "Traceback" not in err
 
 
-def test_a_bad_save_name_is_refused_before_any_work(images, capsys):
-    with pytest.raises(SystemExit) as e:
-        encode_image.main([images[0], "--checkpoint", "/nonexistent", "--save", "e.txt"])
-    assert e.value.code == 2 and "--save e.txt: use a .safetensors or .npy file name" in capsys.readouterr().err
+@pytest.mark.parametrize("save, says", [
+    ("e.txt", "--save e.txt: use a .safetensors or .npy file name"),
+    ("/proc/x.safetensors", "--save /proc/x.safetensors: cannot write in /proc"),
+    ("{tmp}/d.npy", "is a folder; give a file name in it"),
+])
+def test_a_bad_save_is_refused_before_any_work(images, capsys, tmp_path, save, says):
+    """Before the checkpoint is read (a nonexistent one is not reached) or anything encoded."""
+    (tmp_path / "d.npy").mkdir()
+    argv = [images[0], "--checkpoint", "/nonexistent", "--save", save.format(tmp=tmp_path)]
+    assert encode_image.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("encode_image.py: ") and says in err and "Traceback" not in err, err
+
+
+def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(encode_image, "run", interrupted)
+    assert encode_image.main([]) == 130 and "encode_image.py: interrupted; nothing saved" in capsys.readouterr().err
 
 
 def test_video_example_on_the_cpu_saves_what_the_reference_computes(tmp_path, capsys):

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 
 import ml_dtypes
@@ -125,13 +126,28 @@ def write_checkpoint(path, geo: VisionGeometry, *, seed: int = 0, prefix: str = 
 
 
 def cached_checkpoint(path, geo: VisionGeometry, *, seed: int = 0) -> str:
-    """write_checkpoint once: reuse `path` if a finished checkpoint is there, else write it under a
-    temporary name and rename it, so an interrupted write is never mistaken for a finished one."""
+    """write_checkpoint once: reuse `path` if a checkpoint is there, else write it under a temporary name
+    and rename it onto `path` (absent, or an empty folder), so an interrupted write is never mistaken for a
+    finished one; what an interrupted or failed write left is removed. OSError, saying what is in the way,
+    for a `path` that is something else (checked before anything is written)."""
     path = os.fspath(path)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        tmp = path + ".tmp"
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    if os.path.lexists(path) and not os.path.exists(path):
+        raise OSError(f"{path} is a symbolic link to {os.readlink(path)}, which leads nowhere; remove the link or "
+                      "give another folder")
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise OSError(f"{path} exists and is not an empty folder, nor a checkpoint (no config.json); move it away "
+                      "or give a new folder")
+    tmp = path + ".tmp"
+    if os.path.lexists(tmp) and not os.path.isdir(tmp):
+        raise OSError(f"{tmp} (where the checkpoint is written first) is in the way and is not a folder; remove it")
+    try:
         write_checkpoint(tmp, geo, seed=seed)
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # onto an empty folder too
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a gigabyte nobody can use
+        raise
     return path
 
 
@@ -147,16 +163,27 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     path = os.path.abspath(args.dir)
     if os.path.exists(os.path.join(path, "config.json")):
+        from .bind import bind_tower
+
+        try:
+            bind_tower(path)
+        except ValueError as e:  # CheckpointError and its kin: a config.json, but no tower that reads
+            print(f"{path} holds a config.json but no checkpoint this package reads ({e}); give a new folder",
+                  file=sys.stderr)
+            return 2
         print(f"{path} already holds a checkpoint; nothing written", file=sys.stderr)
         return 0
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        print(f"{path} exists and is not an empty folder; give a new folder", file=sys.stderr)
-        return 2
-    if os.path.isdir(path):
-        os.rmdir(path)  # written under a temporary name, then renamed into place
     print(f"!! RANDOM WEIGHTS: writing a checkpoint with the official geometry and random weights (seed "
           f"{args.seed}) to {path}; its embeddings are not GLM-5.3-Flash's !!", file=sys.stderr)
-    cached_checkpoint(path, VisionGeometry.official(), seed=args.seed)
+    try:
+        cached_checkpoint(path, VisionGeometry.official(), seed=args.seed)
+    except OSError as e:
+        print(f"cannot write {path}: {e.strerror} ({e.filename})" if e.strerror and e.filename else str(e),
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: nothing written to {path}; run the same command again", file=sys.stderr)
+        return 130
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
     print(f"wrote {path} ({size / 2**30:.2f} GiB): use it as --checkpoint {path}", file=sys.stderr)
     return 0
