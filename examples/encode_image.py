@@ -49,16 +49,16 @@ def save(path, names, arrays):
 
 def check_save(path):
     """--save's name and place, checked before any work: a .safetensors or .npy file name in a folder this
-    process can write (a file made and removed there says so), not a folder. ValueError saying what is wrong."""
+    process can write (files.probe_write), not a folder. ValueError saying what is wrong."""
     if not path.endswith((".safetensors", ".npy")):
         raise ValueError(f"--save {path}: use a .safetensors or .npy file name")
     if os.path.isdir(path):
         raise ValueError(f"--save {path}: is a folder; give a file name in it, e.g. {os.path.join(path, 'emb.npy')}")
+    from glmvit_cupy.files import probe_write
+
     folder = os.path.dirname(os.path.abspath(path))
-    probe = os.path.join(folder, f".encode-probe-{os.getpid()}")
     try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        os.unlink(probe)
+        probe_write(folder)
     except OSError as e:
         raise ValueError(f"--save {path}: cannot write in {folder} ({e.strerror}); give a file in a folder you "
                          "can write") from None

@@ -223,19 +223,20 @@ class Client:
     def _read(self, r) -> bytes:
         """The answer's body, read a MiB at a time up to max_answer_mib (OSError past it: a Content-Length or
         a chunked body without end is never held whole)."""
-        declared = r.getheader("Content-Length")
         if r.status in (204, 304) or 100 <= r.status < 200:  # no body, whatever a Content-Length says
             return b""
-        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_answer:
-            raise OSError(f"the server at {self.url} announces an answer of {int(declared):,} bytes, over the "
+        declared = (r.getheader("Content-Length") or "").strip()
+        announced = int(declared) if declared.isdigit() else None
+        if announced is not None and announced > self.max_answer:
+            raise OSError(f"the server at {self.url} announces an answer of {announced:,} bytes, over the "
                           f"client's limit of {self.max_answer:,} (max_answer_mib)")
         parts, size = [], 0
         while True:
             part = r.read(1 << 20)
             if not part:
-                if declared is not None and declared.strip().isdigit() and size < int(declared):
+                if announced is not None and size < announced:
                     raise OSError(f"the server at {self.url} closed its answer after {size:,} of the "
-                                  f"{int(declared):,} bytes it announced")
+                                  f"{announced:,} bytes it announced")
                 return b"".join(parts)
             size += len(part)
             if size > self.max_answer:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import stat
 
 from .errors import CheckpointError
@@ -67,3 +68,15 @@ def read_json_file(path, what: str, limit: int = 64 << 20, missing: str | None =
         raise CheckpointError(f"{path}: {what} cannot be read ({e}); it must be a readable JSON file") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # nested too deep; an int past str()'s digits
         raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
+
+
+def probe_write(folder) -> None:
+    """OSError (the system's own: EROFS, EACCES, ENOENT, ...) unless a file can be made in `folder`: one is made
+    and removed at once, which says what permission bits cannot (a read-only mount, a pseudo file system
+    such as /proc, writes refused even to root)."""
+    probe = os.path.join(folder, f".glmvit-probe-{secrets.token_hex(8)}")
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
+    try:
+        os.unlink(probe)
+    except OSError:
+        pass

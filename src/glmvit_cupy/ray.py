@@ -36,11 +36,11 @@ from .errors import ImageError, quoted
 from .preprocessing.image import REFERENCE, Patching, prepare_canvas
 
 
+def _unnamed(i: int) -> str:
+    """A row's name when the dataset has no "path" column: Ray Data gives a batch no row numbers of the
+    whole dataset, so it is named by its place in its batch."""
+    return f"row {i} of its batch (no 'path' column to name it)"
 
-def _unnamed(n: int) -> list[str]:
-    """Names for a batch's rows when the dataset has no "path" column: Ray Data gives a batch no row numbers
-    of the whole dataset, so each is named by its place in its batch."""
-    return [f"row {i} of its batch (no 'path' column to name it)" for i in range(n)]
 
 def _file_bytes(blob, name) -> bytes:
     """A row's file bytes; ImageError naming the row for a value that holds none (null, a string, a number),
@@ -65,7 +65,7 @@ class Prepare:
         import pandas as pd
 
         data = batch.pop(self.column)
-        names = batch["path"] if "path" in batch else _unnamed(len(data))
+        names = batch["path"] if "path" in batch else [_unnamed(i) for i in range(len(data))]
         canvases, grids, tokens, contents, errors = [], [], [], [], []
         for i, (blob, name) in enumerate(zip(data, names)):
             try:
@@ -116,7 +116,7 @@ class Encode:
         embeddings = [np.zeros((0, width), np.float32) for _ in errors]
         try:
             for i, emb in zip(rows, encode() if rows else []):
-                problem = embedding_problem(emb, str(batch["path"].iloc[i]) if "path" in batch else _unnamed(i + 1)[i])
+                problem = embedding_problem(emb, str(batch["path"].iloc[i]) if "path" in batch else _unnamed(i))
                 if problem is not None:  # an unusable embedding is a failed row
                     errors[i] = problem
                     continue
@@ -145,7 +145,7 @@ class PrepareVideo:
         from .preprocessing.video_files import VideoFile
 
         data = batch.pop(self.column)
-        names = batch["path"] if "path" in batch else _unnamed(len(data))
+        names = batch["path"] if "path" in batch else [_unnamed(i) for i in range(len(data))]
         cols = {k: [] for k in ("frames", "grid_thw", "tokens", "frames_indices", "timestamps", "fps", "error",
                                 *_VIDEO_INFO)}
         for blob, name in zip(data, names):
@@ -181,7 +181,7 @@ class EncodeVideo(Encode):
         frames, grids = list(batch.pop("frames")), list(batch["grid_thw"])
         info = {k: list(batch.pop(k)) for k in _VIDEO_INFO}
         errors = [None if pd.isna(e) else str(e) for e in batch["error"]]
-        names = batch["path"] if "path" in batch else _unnamed(len(frames))
+        names = batch["path"] if "path" in batch else [_unnamed(i) for i in range(len(frames))]
         rows = [i for i, e in enumerate(errors) if e is None]
         m2 = self.backend.geometry.spatial_merge_size ** 2
         planned = []

@@ -35,6 +35,7 @@ import numpy as np
 
 from .checks import DEFAULT_MAX_IMAGE_TOKENS
 from .errors import OutputError
+from .files import probe_write
 
 log = logging.getLogger("glmvit_cupy")
 
@@ -196,15 +197,10 @@ def check_folder(folder: str) -> None:
         break
     if not stat.S_ISDIR(st.st_mode):
         raise _failed(what, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)))
-    # A file made and removed at once says what permission bits cannot: a read-only mount (EROFS), a
-    # pseudo file system (/proc), writes refused even to root.
-    probe = os.path.join(here, f".glmvit-probe-{secrets.token_hex(8)}")
     try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
+        probe_write(here)
     except OSError as e:
         raise _failed(f"{what}: no file can be made in {here}", e) from e
-    with contextlib.suppress(OSError):
-        os.unlink(probe)
 
 
 def _open_key_folder(top: int, folder: str, key: str) -> int:
@@ -243,19 +239,16 @@ def _finished(here: int, target: str, weights: str | None = None, quiet: bool = 
     if stat.S_ISREG(st.st_mode):
         made_by, whole = _weights_of(here, st.st_size) if weights else (weights, True)
         if made_by != weights:
-            if quiet:
-                return False
-            log.warning("%s holds an embedding of %s (this tower's fingerprint: %s...): replaced", target,
-                        f"other weights (fingerprint {made_by[:12]}...)" if made_by else "unrecorded weights",
-                        weights[:12])
-            return False
-        if not whole:
-            if quiet:
-                return False
-            log.warning("%s names this tower but is not a whole embedding file (cut short, or no bf16 %r "
-                        "tensor of its size): replaced", target, TENSOR)
-            return False
-        return True
+            why = ("holds an embedding of " + (f"other weights (fingerprint {made_by[:12]}...)" if made_by else
+                   "unrecorded weights") + f" (this tower's fingerprint: {weights[:12]}...)")
+        elif not whole:
+            why = (f"names this tower but is not a whole embedding file (cut short, or no bf16 {TENSOR!r} tensor "
+                   "of its size)")
+        else:
+            return True
+        if not quiet:
+            log.warning("%s %s: replaced", target, why)
+        return False
     if stat.S_ISLNK(st.st_mode):
         raise _link_error(target, here, FILE)
     raise OutputError(f"{target} is not a plain file; remove it and the embedding is written there again")

@@ -58,12 +58,10 @@ def header_size(file) -> tuple[int, tuple | None]:
     message."""
     if not isinstance(file, ENCODED_BYTES) and not (isinstance(file, (str, os.PathLike)) and os.path.isfile(file)):
         return 0, None
-    if isinstance(file, memoryview) and not file.c_contiguous:  # BytesIO takes contiguous buffers only
-        file = file.tobytes()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(file) if isinstance(file, ENCODED_BYTES) else file) as im:
+            with Image.open(_bytes_io(file) if isinstance(file, ENCODED_BYTES) else file) as im:
                 w, h = im.size
                 return w * h, (w, h)
     except Image.DecompressionBombError as e:
@@ -71,6 +69,12 @@ def header_size(file) -> tuple[int, tuple | None]:
         return (int(found.group(1)) if found else 0), None
     except Exception:  # noqa: BLE001 - decoding it reports what is wrong, by name
         return 0, None
+
+
+def _bytes_io(data) -> io.BytesIO:
+    """A file's bytes as a file object; a non-contiguous memoryview is copied first (BytesIO takes contiguous
+    buffers only)."""
+    return io.BytesIO(data.tobytes() if isinstance(data, memoryview) and not data.c_contiguous else data)
 
 
 def _file_bytes(image) -> bytes:
@@ -240,9 +244,7 @@ def load(image, name: str, max_pixels: int | None = None, host_buffer=None):
                                                          "its bytes or a PIL image" if url else ""))
         out = _decode(image, name, max_pixels, host_buffer)
     elif isinstance(image, ENCODED_BYTES):
-        if isinstance(image, memoryview) and not image.c_contiguous:  # BytesIO takes contiguous buffers only
-            image = image.tobytes()
-        out = _decode(io.BytesIO(image), name, max_pixels, host_buffer)
+        out = _decode(_bytes_io(image), name, max_pixels, host_buffer)
     elif hasattr(image, "read"):
         out = _decode(image, name, max_pixels, host_buffer)
     elif isinstance(image, Image.Image):
