@@ -5,9 +5,11 @@ checks that every served embedding equals, bit for bit, GlmVit.encode of the sam
 prints where a pass's time goes (/metrics' glmvit_pass_part_seconds): per pass and per image, the
 engine thread's launch against the completion thread's wait for the GPU and copies back, and how much of
 the launch and the copies back their thread spent on the CPU (glmvit_pass_thread_cpu_seconds); and the
-server process's CPU time an image, all threads together (near one core busy: the interpreter's lock bounds it).
+server's CPU time an image, all its processes and threads together (one process near one core busy: the
+interpreter's lock bounds it).
 
     python benchmarks/bench_serve.py [--checkpoint PATH] [--clients 16] [--requests 240] [--small] [--cpu]
+        [--workers N] [--client-processes 4]
     python benchmarks/bench_serve.py --host-only --small     # the service's own host cost, any machine
     python benchmarks/bench_serve.py --host-only --small --requests 4000 --server-cpus 0 --client-cpus 1 \
         [--json] [--new-connections]
@@ -17,12 +19,15 @@ by Pillow on the decoding threads): what is left is the service's host work an i
 hashing, decoding, the reply), the ceiling it puts on images/s whatever the GPU. --server-cpus / --client-cpus
 pin the server and the clients to their own CPUs (Linux), so that the server's CPU ms a request is its own work
 and not the two contending; --json sends each image as base64 in JSON instead of as the request's body;
---new-connections opens a connection a request instead of keeping one a client thread.
+--new-connections opens a connection a request instead of keeping one a client thread. --workers N runs the
+server with N HTTP worker processes (glmvit-serve --workers; default: its own); the clients run in
+--client-processes processes (default 4), so that their own interpreter lock does not bound what is measured.
 """
 
 import argparse
 import base64
 import io
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -93,9 +98,62 @@ def process_cpu_s(pid) -> float | None:
         return None
 
 
+def tree_cpu_s(pid) -> float | None:
+    """CPU seconds so far of a process and every process under it (its HTTP workers, its decoding processes)."""
+    children = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        cpu = process_cpu_s(p)
+        if cpu is None and p == pid:
+            return None
+        total += cpu or 0.0
+        todo.extend(children.get(p, []))
+    return total
+
+
 def parts(url):
     return {**{p: metric(url, f'glmvit_pass_part_seconds_sum{{part="{p}"}}') for p in PARTS},
             **{p + "_cpu": metric(url, f'glmvit_pass_thread_cpu_seconds_sum{{part="{p}"}}') for p in CPU_PARTS}}
+
+
+def drive(url, work, alone, mine, threads, args, pipe):
+    """A client process: `threads` threads sending the requests `mine` (indices into work); sends back
+    (latencies, indices whose embedding differs from encoding alone)."""
+    from glmvit_cupy.client import Client, _bf16_tensors
+
+    client = Client(url, timeout=600)
+    lat, bad, lock, todo = [], [], threading.Lock(), list(mine)
+
+    def run():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                j = todo.pop()
+            t = time.perf_counter()
+            caller = Client(url, timeout=600) if args.new_connections else client
+            if args.json:  # as Client.encode sends several images: base64 in JSON
+                emb = next(iter(_bf16_tensors(caller._post("/v1/encode", {"images": [
+                    base64.b64encode(work[j]).decode()]}, [work[j]])[1]).values()))
+            else:
+                emb = caller.encode([work[j]])[0][0]
+            with lock:
+                lat.append(time.perf_counter() - t)
+                if not np.array_equal(emb.view(np.uint16), alone[work[j]].view(np.uint16)):
+                    bad.append(j)
+
+    pool = [threading.Thread(target=run) for _ in range(threads)]
+    [t.start() for t in pool]
+    [t.join() for t in pool]
+    pipe.send((lat, bad))
 
 
 def main():
@@ -110,6 +168,10 @@ def main():
                     help="the tower replaced by zeros (CPU backend): the service's host cost alone")
     ap.add_argument("--new-connections", action="store_true", help="a new connection a request (no keep-alive)")
     ap.add_argument("--json", action="store_true", help="clients send each image as base64 in JSON, not as the body")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="the server's HTTP worker processes (default: the server's own default)")
+    ap.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's --max-wait-ms (default 5)")
+    ap.add_argument("--client-processes", type=int, default=4, help="processes the clients run in (default 4)")
     ap.add_argument("--server-cpus", type=cpus, default=None, help="CPUs the server runs on, e.g. 0 or 0-3 (Linux)")
     ap.add_argument("--client-cpus", type=cpus, default=None, help="CPUs the clients run on, once the server is up")
     args = ap.parse_args()
@@ -150,7 +212,9 @@ def main():
     prelude = f"from glmvit_cupy.backend import Backend; exec({NO_TOWER!r}); " if args.host_only else ""
     proc = subprocess.Popen([sys.executable, "-c", f"import sys; {prelude}from glmvit_cupy.serving.main import main; "
                              "sys.exit(main())", "--checkpoint", ckpt, "--port", str(port),
-                             "--cache-mib", "0", "--max-queue", "4096"] + (["--cpu"] if args.cpu else []), env=env)
+                             "--cache-mib", "0", "--max-queue", "4096", "--max-wait-ms", str(args.max_wait_ms)] +
+                            (["--workers", str(args.workers)] if args.workers else []) +
+                            (["--cpu"] if args.cpu else []), env=env)
     if args.server_cpus is not None:  # before its interpreter starts any thread: they inherit it
         os.sched_setaffinity(proc.pid, args.server_cpus)
     client = Client(f"http://127.0.0.1:{port}", timeout=600)
@@ -168,33 +232,26 @@ def main():
         busy0, parts0 = metric(client.url, "glmvit_engine_busy_seconds_total"), parts(client.url)
         if args.client_cpus is not None:
             os.sched_setaffinity(0, args.client_cpus)  # the client threads below inherit it
-        slat, lock, bad = [], threading.Lock(), []
-        todo = list(range(len(work)))
-
-        def run():
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    j = todo.pop()
-                t = time.perf_counter()
-                caller = Client(client.url, timeout=600) if args.new_connections else client
-                if args.json:  # as Client.encode sends several images: base64 in JSON
-                    emb = next(iter(_bf16_tensors(caller._post("/v1/encode", {"images": [
-                        base64.b64encode(work[j]).decode()]}, [work[j]])[1]).values()))
-                else:
-                    emb = caller.encode([work[j]])[0][0]
-                with lock:
-                    slat.append(time.perf_counter() - t)
-                    if not np.array_equal(emb.view(np.uint16), alone[work[j]].view(np.uint16)):
-                        bad.append(j)
-
-        threads = [threading.Thread(target=run) for _ in range(args.clients)]
-        cpu0, t0 = process_cpu_s(proc.pid), time.perf_counter()
-        [t.start() for t in threads]
-        [t.join() for t in threads]
+        context = multiprocessing.get_context("fork")  # the clients inherit the images and the embeddings alone
+        procs, pipes = [], []
+        for k in range(args.client_processes):
+            mine = list(range(k, len(work), args.client_processes))
+            threads = len(range(k, args.clients, args.client_processes))
+            if not mine or not threads:
+                continue
+            there, here = context.Pipe(duplex=False)
+            procs.append(context.Process(target=drive, args=(client.url, work, alone, mine, threads, args, here)))
+            pipes.append(there)
+        cpu0, t0 = tree_cpu_s(proc.pid), time.perf_counter()
+        [p.start() for p in procs]
+        slat, bad = [], []
+        for there in pipes:
+            got_lat, got_bad = there.recv()
+            slat += got_lat
+            bad += got_bad
+        [p.join() for p in procs]
         srv_s = time.perf_counter() - t0
-        cpu1 = process_cpu_s(proc.pid)
+        cpu1 = tree_cpu_s(proc.pid)
         srv_cpu = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
         passes = metric(client.url, "glmvit_forward_passes_total") - p0
         fill = (metric(client.url, "glmvit_forward_pass_fill_sum") - fill0[0]) / passes
@@ -209,7 +266,8 @@ def main():
         proc.wait(60)
     rows = [["one request at a time, in process", 1, len(work), f"{len(work) / seq_s:.1f}", f"{tokens / seq_s:.0f}",
              f"{1e3 * np.median(lat):.1f}", f"{1e3 * np.percentile(lat, 99):.1f}", len(work), "1.0", "", ""],
-            [f"glmvit-serve, {args.clients} clients", args.clients, len(work), f"{len(work) / srv_s:.1f}",
+            [f"glmvit-serve, {args.clients} clients, {args.workers or 'default'} workers", args.clients, len(work),
+             f"{len(work) / srv_s:.1f}",
              f"{tokens / srv_s:.0f}", f"{1e3 * np.median(slat):.1f}", f"{1e3 * np.percentile(slat, 99):.1f}",
              int(passes), f"{per_pass:.1f}", f"{100 * fill:.0f}%", f"{100 * busy:.0f}%"]]
     table(["setup", "clients", "images", "images/s", "tokens/s", "p50 ms", "p99 ms", "forward passes",
@@ -225,7 +283,7 @@ def main():
     if srv_cpu is not None:
         # CPU time of all the server's threads: near one core busy, whatever the threads, the interpreter's lock
         # (one thread runs Python at a time) is the bound, and the CPU ms an image is what to cut.
-        print(f"\nserver process: {1e3 * srv_cpu / len(work):.2f} CPU ms an image (all threads, user + system), "
+        print(f"\nserver: {1e3 * srv_cpu / len(work):.2f} CPU ms an image (all its processes and threads, user + system), "
               f"{srv_cpu / srv_s:.2f} cores busy on average")
     name = "the tower replaced by zeros (--host-only)" if args.host_only else backend.name
     print(f"\n{name}; {len(images)} distinct JPEGs of {min(a.shape[0] for a in alone.values())}-"

@@ -134,9 +134,11 @@ def test_gpu_command_on_a_tower_of_another_merge_size(tmp_path):
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2, key
 
 
-def test_serve_on_the_gpu_encodes_videos_and_images_as_the_model(tmp_path):
-    """glmvit-serve on the GPU: a video request (two videos, frames as PNG) and image requests at once, each
-    bit-equal to GlmVit.encode_video_pixels / encode of the same inputs; the golden tower."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serve_on_the_gpu_encodes_videos_and_images_as_the_model(tmp_path, workers):
+    """glmvit-serve on the GPU, in one process and with two HTTP workers beside the engine's: a video request
+    (two videos, frames as PNG) and image requests at once, each bit-equal to GlmVit.encode_video_pixels /
+    encode of the same inputs; the golden tower."""
     import io
 
     import pytest
@@ -146,7 +148,8 @@ def test_serve_on_the_gpu_encodes_videos_and_images_as_the_model(tmp_path):
 
     from glmvit_cupy import preprocess_video
 
-    proc, client = start(tmp_path, "--capacity-tokens", 300, checkpoint=str(cases.TOWER_DIR), cpu=False,
+    proc, client = start(tmp_path, "--capacity-tokens", 300, "--workers", workers, checkpoint=str(cases.TOWER_DIR),
+                         cpu=False,
                          wait_s=300)  # a fresh machine compiles the kernels first
     try:
         vids, images, embs, meta, got = videos_beside_images(client)

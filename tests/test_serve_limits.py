@@ -583,12 +583,13 @@ def test_a_request_refused_hands_its_images_to_those_waiting_for_them(server):
 
 # -- 4. SIGTERM drains; a model that fails to load ends the process -------------------------------------------
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
-def test_sigterm_drains_with_503_then_exits_saying_so(sig):
+@pytest.mark.parametrize("sig,workers", [("SIGTERM", 1), ("SIGHUP", 1), ("SIGTERM", 2)])
+def test_sigterm_drains_with_503_then_exits_saying_so(sig, workers):
     """While a request is in flight after SIGTERM (or SIGHUP: a closed terminal, a supervisor's hang-up),
     /health and a new request on a new connection get 503 (not a refused connection); the request in flight is
-    answered; the process logs the drain and its exit."""
-    proc, client = launch(prelude=slow(1.5))
+    answered; the process logs the drain and its exit. With HTTP workers alike: the worker holding the
+    request drains, the engine process (whose passes the prelude slows) stops after them."""
+    proc, client = launch("--workers", workers, prelude=slow(1.5))
     try:
         done = {}
         t = threading.Thread(target=lambda: done.update(r=client.encode([png(64, 64, 406)])))
@@ -610,7 +611,8 @@ def test_sigterm_drains_with_503_then_exits_saying_so(sig):
         assert done["r"][0][0].shape[0] == 16
         assert proc.wait(30) == 0
         out = proc.stdout.read()
-        assert f"{sig}: draining, 1 requests in flight" in out and "stopped (exit 0)" in out, out
+        drained = f"{sig}: draining, 1 requests in flight" if workers == 1 else f"{sig}: draining the 2 HTTP workers"
+        assert drained in out and "stopped (exit 0)" in out, out
     finally:
         stop(proc)
 
@@ -817,7 +819,8 @@ def test_a_second_sigterm_stops_at_once_without_a_traceback():
         stop(proc)
 
 
-def test_a_model_that_fails_to_load_is_logged_and_the_process_exits_1(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_model_that_fails_to_load_is_logged_and_the_process_exits_1(tmp_path, workers):
     import dataclasses
 
     from glmvit_cupy.checkpoint.synthetic import random_tower, write_checkpoint
@@ -831,8 +834,8 @@ def test_a_model_that_fails_to_load_is_logged_and_the_process_exits_1(tmp_path):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.serving.main", "--checkpoint", ckpt, "--cpu",
-                             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                             "--port", str(port), "--workers", str(workers)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         code = proc.wait(30)
     except subprocess.TimeoutExpired:
@@ -840,6 +843,7 @@ def test_a_model_that_fails_to_load_is_logged_and_the_process_exits_1(tmp_path):
         raise AssertionError(f"a model that cannot load left the server up: {proc.stdout.read()}")
     out = proc.stdout.read()
     assert code == 1 and "the model failed to load: CheckpointError" in out and "NaN" in out, out
+    assert out.count("failed to load") == 1, out  # said once, by the server, not again by each worker
 
 
 # -- 5. what the metrics, the cache and the messages say ---------------------------------------------------------

@@ -6,6 +6,11 @@
     batcher    images of concurrent requests packed into shared forward passes, off the event loop
     flights    the same content in flight encoded once; work nobody waits for dropped
     cache      LRU of finished embeddings by content hash, within a byte limit
-    metrics    the Prometheus metrics
+    metrics    the Prometheus metrics (summed over every process where there are HTTP workers)
+    http_server  uvicorn with the connection cap, the deadlines and the two-step stop
+    workers    --workers N: HTTP worker processes beside the engine process, and their supervision
+    engine_server  the engine process's side: the tower fed by the workers
+    remote     a worker's side: the engine in another process, as the app's backend and batcher
+    wire       the frames between them: a pickled header, the arrays' bytes beside it
     main       the glmvit-serve command
 """

@@ -49,7 +49,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from PIL import Image
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -105,7 +105,7 @@ class Releasing:
             await self.response(scope, receive, send)  # returns once it is in the transport's buffer
             self.response = None  # the buffer holds a copy: the body goes now
             # Held until the kernel has taken it all (or the connection was aborted, which empties the buffer:
-            # --reply-timeout); serving/main.py's protocol puts the transport in the scope.
+            # --reply-timeout); http_server.py's protocol puts the transport in the scope.
             transport = scope.get("glmvit.transport")
             while transport is not None and transport.get_write_buffer_size() > 0:
                 await asyncio.sleep(0.05)
@@ -138,46 +138,46 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     limit = settings.max_pixels if settings.max_pixels is not None else Image.MAX_IMAGE_PIXELS
     flights = Flights(cache, lambda: state["batcher"])  # content being encoded now, by key
 
-    def on_pass(times):
-        metrics.passes.inc()
-        metrics.tokens.inc(times.tokens)
-        metrics.pass_images.observe(times.images)
-        metrics.pass_fill.observe(times.tokens / settings.capacity_tokens)
-        metrics.pass_seconds.observe(times.launch + times.gpu + times.fetch)
-        for part in times.PARTS:
-            seconds = getattr(times, part)
-            metrics.pass_parts.labels(part).observe(seconds)
-            metrics.image_parts.labels(part).observe(seconds / times.images)
-        for part in times.CPU_PARTS:
-            metrics.pass_cpu.labels(part).observe(getattr(times, part + "_cpu"))
+    def loaded(backend):
+        # An engine in another process (serving/remote.py) brings its own queue; a backend here gets a Batcher.
+        state["batcher"] = getattr(backend, "batcher", None) or Batcher(
+            backend, capacity_tokens=settings.capacity_tokens, max_wait_s=settings.max_wait_ms / 1e3,
+            max_queue=settings.max_queue, on_pass=lambda times: metrics.record_pass(times, settings.capacity_tokens),
+            on_drop=metrics.record_drop, on_busy=lambda lane, seconds: metrics.engine_busy.inc(seconds))
+        state["backend"] = backend
+        if state["status"] == "loading":  # not when a SIGTERM came first: the server is draining
+            state["status"] = "ok"
 
-    def on_drop(job):
-        if job.task is None:
-            metrics.images.labels("dropped").inc()
-        else:
-            metrics.videos.labels("dropped").inc(getattr(job.task, "videos", 1))
+    def failed(e: Exception):  # reported by /health and every request; glmvit-serve logs it and exits
+        state["status"], state["error"] = "failed", f"{type(e).__name__}: {e}"
 
     def load():
         try:
-            backend = load_backend()
-            state["batcher"] = Batcher(backend, capacity_tokens=settings.capacity_tokens,
-                                       max_wait_s=settings.max_wait_ms / 1e3, max_queue=settings.max_queue,
-                                       on_pass=on_pass, on_drop=on_drop,
-                                       on_busy=lambda lane, seconds: metrics.engine_busy.inc(seconds))
-            state["backend"] = backend
-            if state["status"] == "loading":  # not when a SIGTERM came first: the server is draining
-                state["status"] = "ok"
-        except Exception as e:  # reported by /health and every request; glmvit-serve logs it and exits
-            state["status"], state["error"] = "failed", f"{type(e).__name__}: {e}"
+            loaded(load_backend())
+        except Exception as e:
+            failed(e)
+
+    async def load_async():
+        try:
+            loaded(await load_backend())
+        except Exception as e:
+            failed(e)
 
     @asynccontextmanager
     async def lifespan(app):
         loop = asyncio.get_running_loop()
         now = asyncio.Event()
-        state["stop_now"] = lambda: loop.call_soon_threadsafe(now.set)  # a second signal (main.py)
-        threading.Thread(target=load, name="glmvit-load", daemon=True).start()
+        state["stop_now"] = lambda: loop.call_soon_threadsafe(now.set)  # a second signal (http_server.py)
+        if asyncio.iscoroutinefunction(load_backend):  # an engine process to connect to (serving/remote.py)
+            loading = asyncio.ensure_future(load_async())
+            if getattr(load_backend, "at_start", False):  # the engine is loaded: ready before the first request
+                await asyncio.shield(loading)
+        else:
+            threading.Thread(target=load, name="glmvit-load", daemon=True).start()
         offload, decode.offload = decode.offload, off_process
         yield
+        if asyncio.iscoroutinefunction(load_backend):
+            loading.cancel()
         state["status"] = "stopping"
         try:
             if state["batcher"] is not None:  # the passes finish, unless a second signal stops the wait
@@ -205,6 +205,12 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             decode.offload = offload
             off_process.shutdown()
 
+    def gauges() -> None:
+        if state["batcher"] is not None:
+            metrics.queue.set(state["batcher"].depth)
+        metrics.cache_bytes.set(cache.bytes)
+        metrics.pixels.set(budget.used)
+
     def not_ready() -> str:
         why = {"loading": "the model is still loading", "stopping": "the server is shutting down"}
         return why.get(state["status"], f"the model failed to load ({state['error']})")
@@ -218,11 +224,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                              "pixels_in_flight": budget.used})
 
     async def metrics_text(request):
-        if state["batcher"] is not None:
-            metrics.queue.set(state["batcher"].depth)
-        metrics.cache_bytes.set(cache.bytes)
-        metrics.pixels.set(budget.used)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        gauges()
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     def endpoint(handle):
         """A POST endpoint: handle(request)'s response, a Refused as its JSON error, a client gone before its
@@ -257,6 +260,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 bodies.give(request.scope.pop("glmvit.body_bytes", 0))
             metrics.requests.labels(str(response.status_code)).inc()
             metrics.latency.observe(time.perf_counter() - t0)
+            if metrics.shared:  # with HTTP workers, /metrics reads every worker's gauges as last set
+                gauges()
             held = request.scope.pop("glmvit.reply_bytes", 0)
             if held and response.status_code == 200:
                 return Releasing(response, lambda: bodies.give(held))
@@ -572,11 +577,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                                            f"{got[2]['frame_tokens']} tokens, over the server's capacity of "
                                            f"{settings.capacity_tokens} tokens per pass; lower max_image_tokens", i)
 
-                def task(lane):
-                    return backend.encode_video_on(lane, done)
-
-                task.videos = len(done)
-                job = state["batcher"].submit_task(task, reserved=True)
+                job = state["batcher"].submit_videos(done, reserved=True)
                 queued = True
             finally:
                 if not queued:

@@ -158,6 +158,14 @@ class Batcher:
         """Queue task(lane), to run on a lane's engine thread between passes (a request's videos); its future."""
         return self._queue([(None, task)], "tasks", reserved)[0]
 
+    def submit_videos(self, planned: list, reserved: bool = False) -> asyncio.Future:
+        """Queue a request's planned videos (video.plan_video's) as one task; its future: an embedding each."""
+        def task(lane):
+            return self.backend.encode_video_on(lane, planned)
+
+        task.videos = len(planned)
+        return self.submit_task(task, reserved)
+
     def _queue(self, work: list, what: str, reserved: bool) -> list[asyncio.Future]:
         loop = asyncio.get_running_loop()
         request = object()

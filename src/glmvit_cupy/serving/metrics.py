@@ -1,8 +1,12 @@
-"""The service's Prometheus metrics, in a registry of its own (several apps may live in one process)."""
+"""The service's Prometheus metrics, in a registry of its own (several apps may live in one process). With
+HTTP workers (glmvit-serve --workers N) every process writes its own into PROMETHEUS_MULTIPROC_DIR
+(prometheus_client's multiprocess mode) and /metrics sums them: text() says which."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 # Seconds, for parts of a pass: from tens of microseconds (a launch from a CUDA graph) to seconds.
@@ -12,6 +16,7 @@ FINE = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.
 class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
+        self.shared = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))  # other processes' metrics beside these
         self.requests = Counter("glmvit_requests", "Encode requests by outcome (HTTP status)", ["status"], registry=r)
         self.images = Counter("glmvit_images", "Images by outcome: encoded (a forward pass ran for it), cached (from "
                               "the cache), shared (from the encode of the same bytes in this or a concurrent "
@@ -42,12 +47,53 @@ class Metrics:
                                    "staging and launching passes, running video tasks (never waiting for the GPU)",
                                    registry=r)
         self.queue = Gauge("glmvit_queue_depth", "Images and video tasks admitted and waiting for a forward pass "
-                           "(queued, or being decoded)", registry=r)
+                           "(queued, or being decoded)", registry=r, multiprocess_mode="livesum")
         self.pixels = Gauge("glmvit_pixels_in_flight", "Pixels of images and videos admitted and not yet through "
-                            "their passes", registry=r)
-        self.connections = Gauge("glmvit_connections", "Open HTTP connections", registry=r)
+                            "their passes", registry=r, multiprocess_mode="livesum")
+        self.connections = Gauge("glmvit_connections", "Open HTTP connections", registry=r,
+                                 multiprocess_mode="livesum")
         self.cache_hits = Counter("glmvit_cache_hits", "Images and videos served from the cache", registry=r)
         self.cache_bytes = Gauge("glmvit_cache_bytes", "Bytes the cache holds: embeddings, their metadata and keys",
-                                 registry=r)
+                                 registry=r, multiprocess_mode="livesum")
         self.latency = Histogram("glmvit_request_seconds", "Encode request latency", registry=r,
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+    def record_pass(self, times, capacity_tokens: int) -> None:
+        """One image pass's PassTimes (serving/batcher.py), from the completion thread."""
+        self.passes.inc()
+        self.tokens.inc(times.tokens)
+        self.pass_images.observe(times.images)
+        self.pass_fill.observe(times.tokens / capacity_tokens)
+        self.pass_seconds.observe(times.launch + times.gpu + times.fetch)
+        for part in times.PARTS:
+            seconds = getattr(times, part)
+            self.pass_parts.labels(part).observe(seconds)
+            self.image_parts.labels(part).observe(seconds / times.images)
+        for part in times.CPU_PARTS:
+            self.pass_cpu.labels(part).observe(getattr(times, part + "_cpu"))
+
+    def record_drop(self, job) -> None:
+        """A job dropped before its pass (every request for it went away)."""
+        if job.task is None:
+            self.images.labels("dropped").inc()
+        else:
+            self.videos.labels("dropped").inc(getattr(job.task, "videos", 1))
+
+    def text(self) -> bytes:
+        """The Prometheus text: this registry's, or every process's where the server has HTTP workers."""
+        if not self.shared:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        every = CollectorRegistry()
+        multiprocess.MultiProcessCollector(every)
+        return generate_latest(every)
+
+
+def multiprocess_into(folder: str) -> None:
+    """Metrics made from now on, in this process and the processes it starts, written into `folder`
+    (prometheus_client's multiprocess mode) for /metrics to sum."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    from prometheus_client import values
+
+    values.ValueClass = values.get_value_class()

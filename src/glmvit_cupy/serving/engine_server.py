@@ -1,0 +1,146 @@
+"""The engine process of glmvit-serve --workers N: the tower and its Batcher, fed by the HTTP workers over
+a Unix socket (wire.py). A worker does a request's host work (HTTP, hashing, decoding, the cache, the
+reply); this process only uploads what the workers decoded, packs passes, launches them and sends the
+embeddings back, so the interpreter lock that bounds one process serving HTTP no longer sits between
+the requests and the GPU.
+
+Frames a worker sends: ("hello", (its process id,)) first, then ("images", (request id, [(grid, info),
+...]), [decoded image, ...]), ("videos", (request id, planned videos)), ("cancel", ((request id, index),
+...)), ("expedite", (request id, index)). This process answers ("loading",) while it loads the tower, ("ready", (about,)) once it has (or
+("failed", (why,))), then
+("done", (request id, index), [embedding, ...]) or ("error", (request id, index, pickled exception)) for
+each image or video request as its pass ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import threading
+
+from . import wire
+from .batcher import Batcher
+
+
+class EngineServer:
+    """load_backend() (on a thread) gives the Backend; workers connect to `path` and are served in turn by
+    one Batcher. state: "loading", "ok" or "failed" (error: why); ready: set once it is known which."""
+
+    def __init__(self, load_backend, *, capacity_tokens: int, max_wait_ms: float, max_queue: int, metrics,
+                 fingerprint=lambda: None, log=print):
+        self.load_backend, self.metrics, self.fingerprint, self.log = load_backend, metrics, fingerprint, log
+        self.capacity_tokens, self.max_wait_ms, self.max_queue = capacity_tokens, max_wait_ms, max_queue
+        self.state, self.error, self.backend, self.batcher = "loading", None, None, None
+        self.ready = asyncio.Event()
+        self.workers = 0  # connected and told the tower is ready
+        self.started: set = set()  # the process ids of the workers that reached the engine
+        # Uploads of what the workers decoded (Backend.ahead): off the event loop, which only reads and writes.
+        self._uploads = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="glmvit-upload")
+
+    def start_loading(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def load():
+            try:
+                backend = self.load_backend()
+                batcher = Batcher(backend, capacity_tokens=self.capacity_tokens, max_wait_s=self.max_wait_ms / 1e3,
+                                  max_queue=self.max_queue,
+                                  on_pass=lambda times: self.metrics.record_pass(times, self.capacity_tokens),
+                                  on_drop=self.metrics.record_drop,
+                                  on_busy=lambda lane, seconds: self.metrics.engine_busy.inc(seconds))
+                done = functools.partial(self._loaded, backend, batcher, None)
+            except Exception as e:  # noqa: BLE001 - told to every worker, logged by the server
+                done = functools.partial(self._loaded, None, None, f"{type(e).__name__}: {e}")
+            try:
+                loop.call_soon_threadsafe(done)
+            except RuntimeError:  # the server stopped while it loaded
+                pass
+
+        threading.Thread(target=load, name="glmvit-load", daemon=True).start()
+
+    def _loaded(self, backend, batcher, error) -> None:
+        self.backend, self.batcher, self.error = backend, batcher, error
+        self.state = "failed" if error else "ok"
+        self.ready.set()
+
+    def about(self) -> dict:
+        """What a worker needs to know of the tower (remote.RemoteEngine)."""
+        b = self.backend
+        return {"geometry": b.geometry, "name": b.name, "resize": b.resize,
+                "shares_passes": b.shares_passes, "lanes": b.lanes, "fingerprint": self.fingerprint()}
+
+    async def worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One worker's connection, until it closes: its requests' jobs queued, their results sent back. A
+        worker gone (exited, killed) takes its queued jobs with it: they are dropped before their passes."""
+        jobs: dict = {}  # (request id, index) -> the Batcher's future
+        try:
+            hello = await wire.read(reader)
+            if hello is None or hello[0] != "hello":
+                return
+            self.started.add(hello[1][0])
+            if not self.ready.is_set():  # the worker answers 503 meanwhile
+                wire.write(writer, "loading")
+                await self.ready.wait()
+            if self.state != "ok":
+                wire.write(writer, "failed", (self.error,))
+                return
+            wire.write(writer, "ready", (self.about(),))
+            self.workers += 1
+            loop = asyncio.get_running_loop()
+            while True:
+                frame = await wire.read(reader)
+                if frame is None:
+                    return
+                kind, fields, arrays = frame
+                if kind == "images":
+                    rid, about = fields
+                    items = [(image, grid, info) for image, (grid, info) in zip(arrays, about)]
+                    items = await loop.run_in_executor(self._uploads, self._ahead, items)
+                    futures = self.batcher.submit(items)
+                elif kind == "videos":
+                    rid, planned = fields
+                    futures = [self.batcher.submit_videos(planned)]
+                elif kind == "cancel":
+                    for key in fields:
+                        if key in jobs:
+                            jobs[key].cancel()
+                    continue
+                elif kind == "expedite":
+                    if fields in jobs:
+                        self.batcher.expedite(jobs[fields])
+                    continue
+                else:
+                    raise ValueError(f"a worker sent a frame of unknown kind {kind!r}")
+                for i, future in enumerate(futures):
+                    jobs[(rid, i)] = future
+                    future.add_done_callback(functools.partial(self._answer, writer, jobs, (rid, i), kind))
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        except Exception as e:  # noqa: BLE001 - a frame this process cannot take: that worker's link ends
+            self.log(f"an HTTP worker's link to the engine failed ({type(e).__name__}: {e}); its requests get 503")
+        finally:
+            for future in list(jobs.values()):
+                future.cancel()  # nobody waits for them: dropped before their passes
+            writer.close()
+
+    def _ahead(self, items: list) -> list:
+        return [self.backend.ahead(item) for item in items]
+
+    @staticmethod
+    def _answer(writer, jobs: dict, key: tuple, kind: str, future: asyncio.Future) -> None:
+        jobs.pop(key, None)
+        if future.cancelled() or writer.is_closing():
+            return
+        e = future.exception()
+        if e is not None:
+            wire.write(writer, "error", (*key, wire.error_fields(e)))
+            return
+        value = future.result()
+        wire.write(writer, "done", key, value if kind == "videos" else [value])
+
+    def stop(self) -> None:
+        """The queued passes finished (workers have drained first), then the engine's threads ended."""
+        if self.batcher is not None:
+            self.batcher.stop()
+        self._uploads.shutdown(wait=False)

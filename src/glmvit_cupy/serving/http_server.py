@@ -1,0 +1,254 @@
+"""glmvit-serve's HTTP server: uvicorn on a protocol with a connection cap and deadlines for a request's
+headers and for a reply the client stops reading, stopping in two steps on a signal (drain, then at
+once). Used by the one-process server (main.py) and by each HTTP worker (workers.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import struct
+import sys
+import threading
+import time
+
+
+def log(message: str) -> None:
+    """One line on stderr, written whole: a signal's handler logs too, and print's separate writes of the
+    text and its newline let a second signal's line land between them."""
+    sys.stderr.write(f"glmvit-serve: {message}\n")
+    sys.stderr.flush()
+
+
+class _Counted:
+    """A connection's transport whose write() counts the bytes written: those written less those unsent are what
+    the client took. A wrapper, since uvloop's transports (uvicorn's loop where uvloop is installed) do not let
+    write be replaced; every other attribute is the transport's own."""
+
+    __slots__ = ("transport", "written")
+
+    def __init__(self, transport):
+        self.transport, self.written = transport, 0
+
+    def write(self, data) -> None:
+        self.written += len(data)
+        self.transport.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.transport, name)
+
+
+def _unsent(transport) -> int:
+    """Bytes written to a connection that its client has not taken yet: the transport's buffer, and on Linux
+    the socket's send queue (SIOCOUTQ: unsent or unacknowledged), which a slow reader drains a little at a
+    time while the transport's buffer waits for the kernel to report room (half the send buffer, which
+    can take seconds)."""
+    if transport is None:
+        return 0
+    left = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    try:
+        import fcntl
+        import termios
+    except ImportError:  # not a Unix: the transport's buffer alone
+        return left
+    if sock is not None and hasattr(termios, "TIOCOUTQ"):
+        with contextlib.suppress(OSError, ValueError):
+            left += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    return left
+
+
+def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout: float = 60.0):
+    """uvicorn's h11 protocol with a cap on connections (one over it is answered 503 and closed at once), a
+    deadline for each request's headers (408 and closed: uvicorn itself waits for them without end), and
+    one for a reply the client stops reading: once writing pauses (the transport's buffer over its
+    high-water mark), a connection whose client took nothing more for reply_timeout seconds (bytes
+    written less _unsent) is aborted, which lets its reply go (a client that never reads would otherwise hold it, up to --max-reply-mib, for as long as it
+    stays connected, even past a close, which waits for the buffer to drain). A slow reader makes
+    progress and keeps its connection."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    def raw(status: str, error: str) -> bytes:
+        body = json.dumps({"error": error, "index": None}).encode()
+        return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+    class Protocol(H11Protocol):
+        refused = False
+        headers_timer = None
+        reply_timer = None
+
+        def connection_made(self, transport):
+            if len(self.connections) >= max_connections:
+                self.refused, self.transport = True, transport
+                transport.write(raw("503 Service Unavailable", f"the server has {max_connections} connections open, "
+                                    "its limit (--max-connections): retry later"))
+                transport.close()
+                return
+            super().connection_made(transport)
+            metrics.connections.set(len(self.connections))
+            self._arm()
+            self.transport = _Counted(transport)  # what the request cycles and the app's replies write through
+
+        def connection_lost(self, exc):
+            if self.refused:
+                return
+            self._disarm()
+            self._unarm_reply()
+            super().connection_lost(exc)
+            metrics.connections.set(len(self.connections))
+
+        def data_received(self, data):
+            super().data_received(data)
+            if self.cycle is not None:  # what the app's replies wait on (app.Releasing)
+                self.cycle.scope["glmvit.transport"] = self.transport
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm()  # a request's headers are in (or the rest of an answered one's body is read and dropped)
+            elif self.conn.trailing_data[0]:
+                if self.headers_timer is None:
+                    self._arm()  # a next request's headers are arriving: they have their deadline too
+            elif self.conn.our_state is h11.IDLE and self.timeout_keep_alive_task is None:
+                # The last of a body uvicorn read and dropped after its answer: the connection is idle, and closes
+                # after uvicorn's keep-alive timeout as after any answer (uvicorn cancels that timer on each
+                # piece of such a body and does not set it again).
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                    self.timeout_keep_alive_handler)
+
+        def _arm(self):
+            self.headers_timer = self.loop.call_later(header_timeout, self._headers_late)
+
+        def _disarm(self):
+            if self.headers_timer is not None:
+                self.headers_timer.cancel()
+                self.headers_timer = None
+
+        def pause_writing(self):
+            super().pause_writing()
+            if self.reply_timer is None:
+                self._watch_reply(None)
+
+        def _watch_reply(self, before):
+            """Every reply_timeout seconds while anything is unsent: abort if the client took nothing since
+            (what it took: the bytes written less those unsent, which new writes cannot make look smaller)."""
+            self.reply_timer = None
+            left = _unsent(self.transport)
+            if left == 0:
+                return
+            taken = self.transport.written - left
+            if before is not None and taken <= before:
+                log(f"a client left its reply unread for {reply_timeout:g} s (--reply-timeout): connection closed, "
+                    f"{left:,} bytes unsent")
+                self.transport.abort()
+                return
+            self.reply_timer = self.loop.call_later(reply_timeout, self._watch_reply, taken)
+
+        def _unarm_reply(self):
+            if self.reply_timer is not None:
+                self.reply_timer.cancel()
+                self.reply_timer = None
+
+        def _headers_late(self):
+            self.headers_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # no request's headers came
+                self.transport.write(raw("408 Request Timeout", f"the request's headers did not arrive within "
+                                         f"{header_timeout:g} s (--header-timeout)"))
+                self.transport.close()
+
+    return Protocol
+
+
+def build_server(app, args, max_connections: int, backlog: int, ready: str | None, worker: bool = False):
+    """uvicorn's Server for the app, on glmvit-serve's protocol (connection cap, header and reply deadlines),
+    stopping in two steps on a signal (draining, then at once). ready: the line logged once the model is
+    loaded (None: the engine process logs it). worker: an HTTP worker of --workers N, which drains on
+    SIGTERM from the server process and leaves SIGINT and SIGHUP (a terminal's, the group's) to it."""
+    import uvicorn
+
+    state = app.state.glmvit
+    state["log"] = log
+    started = time.monotonic()
+
+    class Server(uvicorn.Server):
+        """Stops in two steps on SIGTERM, SIGHUP or SIGINT: draining (readiness and new requests 503, still accepting)
+        until nothing is in flight or --drain-timeout passes, then uvicorn's own shutdown; a second signal
+        stops at once. A model that fails to load stops it too."""
+        draining_since = None
+        failed = False
+        ready = False
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn's SIGINT and SIGTERM, and SIGHUP alike (a closed terminal or a supervisor's hang-up drains
+            the server as SIGTERM does, instead of killing it mid-request), unless SIGHUP is ignored (nohup).
+            A worker: SIGTERM alone (the server process sends it; it ignores the others)."""
+            if worker:
+                old = signal.signal(signal.SIGTERM, self.handle_exit)
+                try:
+                    yield
+                finally:
+                    signal.signal(signal.SIGTERM, old)
+                return
+            hup = getattr(signal, "SIGHUP", None)
+            if hup is None or threading.current_thread() is not threading.main_thread() \
+                    or signal.getsignal(hup) is signal.SIG_IGN:  # nohup: a hang-up is to be ignored, and is
+                with super().capture_signals():
+                    yield
+                return
+            old = signal.signal(hup, self.handle_exit)
+            try:
+                with super().capture_signals():
+                    yield
+            finally:
+                signal.signal(hup, old)
+
+        def handle_exit(self, sig, frame):
+            name = signal.Signals(sig).name
+            if self.draining_since is None and not self.should_exit:
+                self.draining_since = time.monotonic()
+                if state["status"] != "failed":
+                    state["status"] = "stopping"
+                if worker:  # the server process has said so
+                    return
+                log(f"{name}: draining, {state['in_flight']} requests in flight; /health and new requests get 503; "
+                    f"exiting once they are answered, within {args.drain_timeout:g} s (a second signal: now)")
+                return
+            if not worker:
+                log(f"{name} while stopping: stopping now, without waiting for requests in flight")
+            self.should_exit = self.force_exit = True
+            state.get("stop_now", lambda: None)()  # nor for the passes, if the shutdown already waits for them
+            state["off_process"].shutdown()  # nor for a decode in another process
+
+        async def on_tick(self, counter):
+            if not self.ready and state["status"] == "ok":
+                self.ready = True
+                if ready is not None:
+                    log(f"ready: {ready} (loaded in {time.monotonic() - started:.1f} s)")
+            if not self.should_exit and state["status"] == "failed":
+                if not worker:  # a worker's engine failed: the server process says why
+                    log(f"the model failed to load: {state['error']}")
+                self.failed = self.should_exit = True
+            if self.draining_since is not None and not self.should_exit:
+                # Done once every request is answered and every reply is out of our buffers (a handler returns
+                # with its reply still being sent; the kernel sends what it holds after the process exits).
+                if state["in_flight"] == 0 and not any(c.transport is not None and
+                                                       c.transport.get_write_buffer_size() > 0
+                                                       for c in self.server_state.connections):
+                    self.should_exit = True
+                elif time.monotonic() - self.draining_since > args.drain_timeout:
+                    log(f"{state['in_flight']} requests still in flight (or replies still being sent) after "
+                        f"{args.drain_timeout:g} s (--drain-timeout): closing their connections")
+                    self.should_exit = True
+            return await super().on_tick(counter)
+
+    # timeout_graceful_shutdown: once drained, the connections left have their answers; what has not ended
+    # within it is cancelled.
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on",
+                                   http=protocol(max_connections, args.header_timeout, app.state.metrics,
+                                                 args.reply_timeout),
+                                   backlog=backlog, timeout_graceful_shutdown=2))
+    # uvicorn logs "ERROR: Cancel N running task(s), timeout graceful shutdown exceeded" when it cancels the
+    # requests the drain gave up on: the drain's own line has said so already, and nothing failed.
+    logging.getLogger("uvicorn.error").addFilter(lambda record: not record.getMessage().startswith("Cancel "))
+    return server

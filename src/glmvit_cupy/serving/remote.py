@@ -1,0 +1,171 @@
+"""An HTTP worker's view of the engine process (engine_server.py): the backend and the batcher the app
+uses (app.create_app), with the tower in the other process. Images are decoded here, sent as decoded
+pixels (the engine uploads and resizes them exactly as it does its own), and their embeddings come back
+into this process's memory. The queue's room (--max-queue) is this worker's own; the engine's Batcher
+takes requests from every worker in turn."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+
+from . import wire
+from .batcher import QueueFull
+from .requests import Refused
+
+
+class EngineGone(Refused):
+    def __init__(self, why: str):
+        super().__init__(503, f"the engine process stopped ({why}): retry on a running server")
+
+
+class EngineFailed(RuntimeError):
+    """The engine process could not load the tower (it logs why)."""
+
+
+class RemoteEngine:
+    """The backend (geometry, name, resize, patching, ahead) and the batcher (reserve, submit, submit_videos,
+    expedite, depth, busy, stop) in one: `batcher` is itself. Used from the event loop only."""
+
+    def __init__(self, reader, writer, about: dict, max_queue: int):
+        self.reader, self.writer, self.max_queue = reader, writer, max_queue
+        self.geometry = about["geometry"]
+        self.name, self.resize, self.lanes = about["name"], about["resize"], about["lanes"]
+        self.shares_passes, self.fingerprint = about["shares_passes"], about["fingerprint"]
+        self.batcher = self
+        self.on_gone = None  # called once the engine's link has ended
+        self._ids = itertools.count()
+        self._pending: dict = {}  # (request id, index) -> future
+        self._keys: dict = {}     # future -> (request id, index)
+        self._reserved, self._stopping, self._gone = 0, False, None
+        self._reading = asyncio.ensure_future(self._read())
+
+    @classmethod
+    async def connect(cls, sock, first: tuple, max_queue: int) -> "RemoteEngine":
+        """The engine on `sock` (a connected Unix socket, hello sent), whose first answer was `first`: once it
+        has loaded the tower (waiting for its "ready" after a "loading"); its load error raised."""
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=wire.STREAM_LIMIT)
+        frame = first if first[0] != "loading" else await wire.read(reader)
+        if frame is None:
+            writer.close()
+            raise RuntimeError("the engine process closed the connection before the tower was loaded")
+        kind, fields, _ = frame
+        if kind != "ready":
+            writer.close()
+            raise EngineFailed(fields[0])
+        return cls(reader, writer, fields[0], max_queue)
+
+    # -- the backend ---------------------------------------------------------------------------------------
+
+    def patching(self):
+        from ..preprocessing.image import Patching
+
+        return Patching.of(self.geometry)
+
+    def ahead(self, item: tuple) -> tuple:
+        return item  # the engine uploads it on arrival
+
+    # -- the batcher -----------------------------------------------------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        return self._reserved + len(self._pending)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._reserved or self._pending)
+
+    def reserve(self, n: int, what: str = "images") -> None:
+        self._check(n, what)
+        self._reserved += n
+
+    def unreserve(self, n: int) -> None:
+        self._reserved -= n
+
+    def _check(self, n: int, what: str) -> None:
+        if self._stopping:
+            raise QueueFull("the server is shutting down")
+        if self._gone is not None:
+            raise self._gone
+        if n > self.max_queue:
+            raise QueueFull(f"this request has {n} {what}, more than the queue ever holds "
+                            f"({self.max_queue}, --max-queue): send them in smaller requests", ever=True)
+        if self.depth + n > self.max_queue:
+            raise QueueFull(f"{self.depth} images or tasks are waiting and this request brings {n}; the queue "
+                            f"holds {self.max_queue} (--max-queue): retry later")
+
+    def _room(self, n: int, what: str, reserved: bool) -> None:
+        if reserved:
+            self._reserved -= n
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if self._gone is not None:
+                raise self._gone
+        else:
+            self._check(n, what)
+
+    def submit(self, items: list, reserved: bool = False) -> list[asyncio.Future]:
+        self._room(len(items), "images", reserved)
+        rid = next(self._ids)
+        wire.write(self.writer, "images", (rid, [(grid, info) for _, grid, info in items]),
+                   [image for image, _, _ in items])
+        return [self._expect((rid, i), False) for i in range(len(items))]
+
+    def submit_videos(self, planned: list, reserved: bool = False) -> asyncio.Future:
+        self._room(1, "tasks", reserved)
+        rid = next(self._ids)
+        wire.write(self.writer, "videos", (rid, planned))
+        return self._expect((rid, 0), True)
+
+    def _expect(self, key: tuple, videos: bool) -> asyncio.Future:
+        """A future for the answer to `key`: an embedding, or for videos a list of them."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending[key], self._keys[future] = (future, videos), key
+        future.add_done_callback(functools.partial(self._settled, key))
+        return future
+
+    def _settled(self, key: tuple, future: asyncio.Future) -> None:
+        self._pending.pop(key, None)
+        self._keys.pop(future, None)
+        if future.cancelled() and self._gone is None and not self.writer.is_closing():
+            wire.write(self.writer, "cancel", (key,))  # nobody waits for it: dropped before its pass
+
+    def expedite(self, future: asyncio.Future) -> None:
+        key = self._keys.get(future)
+        if key is not None and self._gone is None:
+            wire.write(self.writer, "expedite", key)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """No more work taken (the engine process finishes the passes and stops with the server)."""
+        self._stopping = True
+
+    async def _read(self) -> None:
+        why = "its connection closed"
+        try:
+            while True:
+                frame = await wire.read(self.reader)
+                if frame is None:
+                    break
+                kind, fields, arrays = frame
+                if kind == "done":
+                    future, videos = self._pending.get(fields, (None, False))
+                    if future is not None and not future.done():
+                        future.set_result(arrays if videos else arrays[0])
+                elif kind == "error":
+                    future, _ = self._pending.get(fields[:2], (None, False))
+                    if future is not None and not future.done():
+                        future.set_exception(wire.error_from(fields[2]))
+        except Exception as e:  # noqa: BLE001 - a frame this worker cannot read: the link is unusable
+            why = f"{type(e).__name__}: {e}"
+        self._gone = EngineGone(why)
+        if self.on_gone is not None:
+            self.on_gone()
+        for future, _ in list(self._pending.values()):
+            if not future.done():
+                future.set_exception(self._gone)
+        self.writer.close()
+
+    @property
+    def gone(self) -> bool:
+        return self._gone is not None

@@ -1,0 +1,210 @@
+"""glmvit-serve --workers N: N HTTP worker processes on one listening socket, and this process as the
+engine (engine_server.py). A worker answers HTTP, hashes, decodes and caches, and makes the replies, as
+the one-process server does (app.py); the tower, its passes and its threads live here alone. One process
+serving both is bound by the interpreter lock near one core of host work an image; with workers, that
+work spreads over their cores and the engine's thread only packs, launches and hands back.
+
+Signals go to this process: SIGTERM, SIGHUP or Ctrl-C drain every worker (each answers what it holds, at
+most --drain-timeout), then the engine stops; a second signal stops the workers at once. A worker that
+ends on its own (killed, out of memory) is replaced; its queued images are dropped from the passes.
+Each worker holds its own --max-queue, --max-pixels-in-flight, --max-bodies-in-flight-mib and
+--max-connections; the cache's --cache-mib is shared out between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+import warnings
+
+from . import wire
+from .metrics import multiprocess_into
+
+
+def run_with_workers(args, sock, settings, load_backend, max_connections: int, backlog: int, where: str,
+                     log) -> int:
+    """Serve on `sock` with args.workers HTTP workers until a signal, or the model fails to load; the exit
+    status. load_backend(): the Backend, loaded here."""
+    folder = tempfile.mkdtemp(prefix="glmvit-serve-")  # this user's alone: the engine's socket and the metrics
+    if len(os.path.join(folder, "engine.sock")) > 100 and os.path.isdir("/tmp"):  # a Unix socket's name: 107 bytes
+        os.rmdir(folder)
+        folder = tempfile.mkdtemp(prefix="glmvit-serve-", dir="/tmp")
+    try:
+        os.mkdir(os.path.join(folder, "metrics"))
+        multiprocess_into(os.path.join(folder, "metrics"))
+        return asyncio.run(_serve(args, sock, settings, load_backend, max_connections, backlog, where, log,
+                                  folder))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+async def _serve(args, sock, settings, load_backend, max_connections, backlog, where, log, folder) -> int:
+    from prometheus_client import multiprocess
+
+    from .engine_server import EngineServer
+    from .metrics import Metrics
+
+    loop = asyncio.get_running_loop()
+    started = time.monotonic()
+    engine = EngineServer(load_backend, capacity_tokens=args.capacity_tokens, max_wait_ms=args.max_wait_ms,
+                          max_queue=args.max_queue * args.workers, metrics=Metrics(),
+                          fingerprint=lambda: settings.weights, log=log)
+    path = os.path.join(folder, "engine.sock")
+    try:
+        unix = await asyncio.start_unix_server(engine.worker, path, limit=wire.STREAM_LIMIT)
+    except OSError as e:  # a path over the 107 bytes a Unix socket's name may have, say
+        log(f"cannot open the engine's socket {path} ({e.strerror or e}): set TMPDIR to a short folder this "
+            "user can write, or serve with --workers 1")
+        return 2
+    engine.start_loading()
+    settings.cache_mib = args.cache_mib / args.workers
+    context = multiprocessing.get_context("spawn")
+
+    def spawn(i: int):
+        p = context.Process(target=worker_main, name=f"glmvit-serve-worker-{i}",
+                            args=(sock, path, args, settings, max_connections, backlog, os.getpid()))
+        p.start()
+        return p
+
+    workers = [spawn(i) for i in range(args.workers)]
+    signals = {"count": 0, "name": None}
+    wake = asyncio.Event()
+
+    def on_signal(sig):
+        signals["count"] += 1
+        signals["name"] = signal.Signals(sig).name
+        wake.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:  # nohup: a hang-up stays ignored
+            loop.add_signal_handler(sig, on_signal, sig)
+
+    def tell_workers():
+        for p in workers:
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+
+    code, announced, told, forced = 0, False, 0, False
+    while True:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(wake.wait(), 0.1)
+        wake.clear()
+        if engine.state == "failed" and code == 0:
+            log(f"the model failed to load: {engine.error}")
+            code = 1
+            signals["count"] = max(signals["count"], 1)
+            told = 1  # the workers stop on their own: their engine failed
+        if engine.state == "ok" and not announced and engine.workers >= args.workers:
+            announced = True
+            log(f"ready: {where} with {args.workers} HTTP workers (loaded in {time.monotonic() - started:.1f} s)")
+        if signals["count"] > told:
+            if told == 0:
+                log(f"{signals['name']}: draining the {args.workers} HTTP workers; /health and new requests get "
+                    f"503; exiting once they have answered, within {args.drain_timeout:g} s (a second signal: now)")
+            else:
+                log(f"{signals['name']} while stopping: stopping now, without waiting for requests in flight")
+                forced = True
+            told = signals["count"]
+            tell_workers()
+            if forced:
+                deadline = time.monotonic() + 2.0
+                while any(p.is_alive() for p in workers) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                for p in workers:
+                    if p.is_alive():
+                        p.kill()
+                break
+        for i, p in enumerate(workers):
+            if p.exitcode is None:
+                continue
+            if told == 0 and p.pid not in engine.started:  # it could not start: another would not either
+                log(f"an HTTP worker ended before it reached the engine ({_ended(p)}): stopping")
+                code, told = 1, 1
+                signals["count"] = max(signals["count"], 1)
+                tell_workers()
+            elif told == 0:
+                log(f"HTTP worker {p.pid} ended ({_ended(p)}): starting another")
+                multiprocess.mark_process_dead(p.pid)
+                workers[i] = spawn(i)
+        if told and all(p.exitcode is not None for p in workers):
+            break
+    for p in workers:
+        multiprocess.mark_process_dead(p.pid)
+    unix.close()
+    if forced:
+        log(f"stopped (exit {code}), not waiting for the forward passes still running")
+        os._exit(code)
+    if engine.batcher is not None and engine.batcher.busy:
+        log("finishing the forward passes running and queued (a second signal: stop now)")
+    stopping = loop.run_in_executor(None, engine.stop)
+    while not stopping.done():
+        await asyncio.wait({stopping, asyncio.ensure_future(wake.wait())}, timeout=0.1,
+                           return_when=asyncio.FIRST_COMPLETED)
+        if signals["count"] > told:
+            log(f"stopped (exit {code}), not waiting for the forward passes still running")
+            os._exit(code)
+    log(f"stopped (exit {code})")
+    return code
+
+
+def _ended(p) -> str:
+    return f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit status {p.exitcode}"
+
+
+def worker_main(sock, path: str, args, settings, max_connections: int, backlog: int, parent: int) -> None:
+    """An HTTP worker: the app (app.create_app) on the shared socket, its engine the server process's."""
+    from .http_server import build_server, log
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group: the server decides
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    def watch():  # the server process gone however it ended (SIGKILL): nobody is left to encode
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="glmvit-orphan-watch", daemon=True).start()
+    warnings.filterwarnings("ignore", module=r"PIL\.")
+    from .app import create_app
+    from .remote import RemoteEngine
+
+    # The engine's first answer, before this worker accepts anything: "ready" (loaded), and the worker is
+    # ready as it starts serving; "loading", and it answers 503 until the engine's "ready" comes.
+    link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        link.connect(path)
+        wire.write_blocking(link, "hello", (os.getpid(),))
+        first = wire.read_blocking(link)
+    except OSError:
+        first = None
+    if first is None or first[0] == "failed":  # the server stopped, or its tower failed to load (it says why)
+        os._exit(1)
+    link.setblocking(False)
+    app = None
+
+    async def load_backend():
+        engine = await RemoteEngine.connect(link, first, settings.max_queue)
+        settings.weights = engine.fingerprint
+        engine.on_gone = lambda: app.state.glmvit.update(status="failed", error="the engine process stopped")
+        return engine
+
+    load_backend.at_start = first[0] == "ready"  # the app awaits it before serving
+
+    app = create_app(load_backend, settings)
+    server = build_server(app, args, max_connections, backlog, ready=None, worker=True)
+    server.run(sockets=[sock])
+    app.state.glmvit["off_process"].shutdown()
+    error = app.state.glmvit.get("error") or ""
+    if server.failed and not error.startswith("EngineFailed"):  # the engine's own failure: the server logs it
+        log(f"HTTP worker {os.getpid()}: {error}; exiting")
+    os._exit(1 if server.failed else 0)

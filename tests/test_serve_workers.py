@@ -1,0 +1,168 @@
+"""glmvit-serve --workers N on the CPU (the float32 reference, the golden tower): HTTP workers beside the
+engine process answer as one process does, bit for bit, with /metrics summed over every process; a
+killed worker is replaced, SIGTERM drains them all, a killed server takes its workers with it."""
+
+import os
+import signal
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytest.importorskip("starlette", reason="the serve extra (starlette, uvicorn, prometheus_client) is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+
+from tests.test_serve import TOWER, png, start, videos_beside_images  # noqa: E402
+
+from glmvit_cupy import bind_tower, preprocess_video, reference  # noqa: E402
+from glmvit_cupy.backend import Backend  # noqa: E402
+from glmvit_cupy.preprocessing.image import prepare_canvas  # noqa: E402
+
+
+def children(pid: int) -> set[int]:
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.add(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def workers_of(proc) -> set[int]:
+    """The server's HTTP workers (its children running worker_main; not multiprocessing's resource tracker)."""
+    found = set()
+    for pid in children(proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                line = f.read()
+        except OSError:
+            continue
+        if b"multiprocessing.spawn" in line and b"resource_tracker" not in line:
+            found.add(pid)
+    return found
+
+
+def metric(client, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(client.url + "/metrics", timeout=10).read().decode()
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name) and not ln.startswith("#"))
+
+
+def wait_for(predicate, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"{what} within {seconds:g} s")
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads processes from /proc (Linux)")
+
+
+@needs_proc
+def test_workers_answer_bit_equal_to_the_reference_and_metrics_sum_every_process(tmp_path):
+    proc, client = start(tmp_path, "--workers", 3, "--cache-mib", 0)
+    try:
+        assert len(wait_for(lambda: len(workers_of(proc)) == 3 and workers_of(proc), 10, "three workers")) == 3
+        vids, images, embs, meta, got = videos_beside_images(client)
+        backend = Backend(bind_tower(TOWER), cpu=True)
+        for i, data in enumerate(images):
+            import io
+
+            alone = backend.encode_on(0, [prepare_canvas(io.BytesIO(data))])[0]
+            assert np.array_equal(got[i].view(np.uint16), alone.view(np.uint16))
+        pv, grid, infos = preprocess_video(vids, fps=[4.0, 2.0], max_image_tokens=200)
+        ref = reference.encode_pixels(reference.Tower(bind_tower(TOWER)), pv, grid).astype(ml_dtypes.bfloat16)
+        ref = np.split(ref, np.cumsum([i["tokens"] for i in infos])[:-1])
+        for emb, r in zip(embs, ref):
+            assert np.array_equal(emb.view(np.uint16), r.view(np.uint16))
+        more = [png(30 + 7 * k, 50, 40 + k) for k in range(12)]
+        for k, data in enumerate(more):  # spread over the workers by the kernel: each counts its own
+            assert client.encode([data])[0][0].shape[1] == 256
+        # Every process's counts, whichever worker answers /metrics: 3 + 12 image requests and one of videos.
+        for _ in range(3):
+            assert metric(client, 'glmvit_requests_total{status="200"}') == 15
+            assert metric(client, 'glmvit_images_total{outcome="encoded"}') == 14
+            assert metric(client, "glmvit_forward_passes_total") == 14  # the engine process's
+            assert metric(client, 'glmvit_videos_total{outcome="encoded"}') == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, out
+    assert "with 3 HTTP workers" in out and "draining the 3 HTTP workers" in out and "stopped (exit 0)" in out
+
+
+@needs_proc
+def test_a_killed_worker_is_replaced_and_the_server_keeps_answering(tmp_path):
+    proc, client = start(tmp_path, "--workers", 2)
+    try:
+        first = wait_for(lambda: len(workers_of(proc)) == 2 and workers_of(proc), 10, "two workers")
+        victim = min(first)
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: victim not in workers_of(proc) and len(workers_of(proc)) == 2, 15, "a new worker")
+        for k in range(8):  # whichever worker the kernel gives each connection to
+            embs, meta = client.encode([png(40, 40 + 14 * k, 60 + k)])
+            assert embs[0].shape == (meta[0]["tokens"], 256) and np.isfinite(embs[0].astype(np.float32)).all()
+            assert client.health()["status"] == "ok"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, out
+    assert f"HTTP worker {victim} ended (killed by SIGKILL): starting another" in out
+
+
+@needs_proc
+def test_a_killed_server_takes_its_workers_with_it(tmp_path):
+    proc, client = start(tmp_path, "--workers", 2)
+    try:
+        workers = wait_for(lambda: len(workers_of(proc)) == 2 and workers_of(proc), 10, "two workers")
+        client.encode([png(40, 50, 7)])
+        proc.kill()
+        proc.wait(10)
+
+        def gone():
+            return all(not os.path.exists(f"/proc/{w}") or open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[0]
+                       == "Z" for w in workers)
+
+        wait_for(gone, 5, "the workers gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+
+
+@pytest.mark.parametrize("workers,why", [("0", "--workers 0 must be at least 1"),
+                                         ("300", "--workers 300 is more HTTP worker processes than 256")])
+def test_a_worker_count_out_of_range_is_refused_at_start(workers, why):
+    import subprocess
+    import sys
+
+    from tests.test_serve import SRC
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "glmvit_cupy.serving.main", "--checkpoint", TOWER, "--cpu",
+                          "--workers", workers], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and why in run.stderr, run.stderr
+
+
+@needs_proc
+def test_a_temp_folder_too_long_for_a_unix_socket_falls_back_to_tmp(tmp_path, monkeypatch):
+    """A Unix socket's name holds 107 bytes: under a long TMPDIR the engine's socket is made in /tmp."""
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    monkeypatch.setenv("TMPDIR", str(deep))
+    proc, client = start(tmp_path, "--workers", 2)
+    try:
+        assert client.encode([png(40, 60, 3)])[0][0].shape[1] == 256
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0 and "with 2 HTTP workers" in out, out
