@@ -6,10 +6,10 @@ the requests and the GPU.
 
 Frames a worker sends: ("hello", (its process id,)) first, then ("images", (request id, [(grid, info),
 ...]), [decoded image, ...]), ("videos", (request id, planned videos)), ("cancel", ((request id, index),
-...)), ("expedite", (request id, index)). This process answers ("loading",) while it loads the tower, ("ready", (about,)) once it has (or
+...)), ("expedite", (request id, index)), ("drained",) once it has answered everything in a drain. This process answers ("loading",) while it loads the tower, ("ready", (about,)) once it has (or
 ("failed", (why,))), then
 ("done", (request id, index), [embedding, ...]) or ("error", (request id, index, pickled exception)) for
-each image or video request as its pass ends.
+each image or video request as its pass ends, and ("release",) once every worker has drained.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ class EngineServer:
         self.ready = asyncio.Event()
         self.workers = 0  # connected and told the tower is ready
         self.started: set = set()  # the process ids of the workers that reached the engine
+        self.links: dict = {}      # a connected worker's process id -> its stream
+        self.drained: set = set()  # the workers that have answered everything they held, in a drain
         # Uploads of what the workers decoded (Backend.ahead): off the event loop, which only reads and writes.
         self._uploads = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="glmvit-upload")
 
@@ -74,11 +76,14 @@ class EngineServer:
         """One worker's connection, until it closes: its requests' jobs queued, their results sent back. A
         worker gone (exited, killed) takes its queued jobs with it: they are dropped before their passes."""
         jobs: dict = {}  # (request id, index) -> the Batcher's future
+        pid = None
         try:
             hello = await wire.read(reader)
             if hello is None or hello[0] != "hello":
                 return
-            self.started.add(hello[1][0])
+            pid = hello[1][0]
+            self.started.add(pid)
+            self.links[pid] = writer
             if not self.ready.is_set():  # the worker answers 503 meanwhile
                 wire.write(writer, "loading")
                 await self.ready.wait()
@@ -106,6 +111,9 @@ class EngineServer:
                         if key in jobs:
                             jobs[key].cancel()
                     continue
+                elif kind == "drained":
+                    self.drained.add(pid)
+                    continue
                 elif kind == "expedite":
                     if fields in jobs:
                         self.batcher.expedite(jobs[fields])
@@ -120,9 +128,24 @@ class EngineServer:
         except Exception as e:  # noqa: BLE001 - a frame this process cannot take: that worker's link ends
             self.log(f"an HTTP worker's link to the engine failed ({type(e).__name__}: {e}); its requests get 503")
         finally:
+            if pid is not None and self.links.get(pid) is writer:
+                del self.links[pid]
             for future in list(jobs.values()):
                 future.cancel()  # nobody waits for them: dropped before their passes
             writer.close()
+
+    def everyone_drained(self, alive: set) -> bool:
+        """Every live worker linked to the engine has drained (one not linked holds nothing: it stops alone)."""
+        linked = alive & set(self.links)
+        return bool(linked) and linked <= self.drained
+
+    def release(self) -> None:
+        """Tell every drained worker to stop: the drain is over for all of them."""
+        for pid in list(self.drained):
+            writer = self.links.get(pid)
+            if writer is not None and not writer.is_closing():
+                wire.write(writer, "release")
+        self.drained.clear()
 
     def _ahead(self, items: list) -> list:
         return [self.backend.ahead(item) for item in items]

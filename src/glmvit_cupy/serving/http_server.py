@@ -232,13 +232,20 @@ def build_server(app, args, max_connections: int, backlog: int, ready: str | Non
             if self.draining_since is not None and not self.should_exit:
                 # Done once every request is answered and every reply is out of our buffers (a handler returns
                 # with its reply still being sent; the kernel sends what it holds after the process exits).
-                if state["in_flight"] == 0 and not any(c.transport is not None and
-                                                       c.transport.get_write_buffer_size() > 0
-                                                       for c in self.server_state.connections):
+                idle = state["in_flight"] == 0 and not any(c.transport is not None and
+                                                          c.transport.get_write_buffer_size() > 0
+                                                          for c in self.server_state.connections)
+                # A worker (state["released"] False until then) tells the engine process once it is idle, and
+                # answers 503 until every worker is: one that stopped accepting sooner would drop the
+                # connections it had just accepted from the socket they share.
+                if idle and "drained" in state:
+                    state.pop("drained")()
+                if idle and state.get("released", True):
                     self.should_exit = True
                 elif time.monotonic() - self.draining_since > args.drain_timeout:
-                    log(f"{state['in_flight']} requests still in flight (or replies still being sent) after "
-                        f"{args.drain_timeout:g} s (--drain-timeout): closing their connections")
+                    if not idle:
+                        log(f"{state['in_flight']} requests still in flight (or replies still being sent) after "
+                            f"{args.drain_timeout:g} s (--drain-timeout): closing their connections")
                     self.should_exit = True
             return await super().on_tick(counter)
 

@@ -35,6 +35,7 @@ class RemoteEngine:
         self.shares_passes, self.fingerprint = about["shares_passes"], about["fingerprint"]
         self.batcher = self
         self.on_gone = None  # called once the engine's link has ended
+        self.on_release = None  # called when the engine process says every worker has drained
         self._ids = itertools.count()
         self._pending: dict = {}  # (request id, index) -> future
         self._keys: dict = {}     # future -> (request id, index)
@@ -136,6 +137,11 @@ class RemoteEngine:
         if key is not None and self._gone is None:
             wire.write(self.writer, "expedite", key)
 
+    def drained(self) -> None:
+        """Tell the engine process this worker has answered everything it held (a drain)."""
+        if self._gone is None and not self.writer.is_closing():
+            wire.write(self.writer, "drained")
+
     def stop(self, timeout: float | None = None) -> None:
         """No more work taken (the engine process finishes the passes and stops with the server)."""
         self._stopping = True
@@ -152,6 +158,8 @@ class RemoteEngine:
                     future, videos = self._pending.get(fields, (None, False))
                     if future is not None and not future.done():
                         future.set_result(arrays if videos else arrays[0])
+                elif kind == "release" and self.on_release is not None:
+                    self.on_release()
                 elif kind == "error":
                     future, _ = self._pending.get(fields[:2], (None, False))
                     if future is not None and not future.done():

@@ -93,7 +93,7 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGTERM)
 
-    code, announced, told, forced = 0, False, 0, False
+    code, announced, told, forced, early = 0, False, 0, False, 0
     while True:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(wake.wait(), 0.1)
@@ -124,17 +124,20 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
                         p.kill()
                 break
         for i, p in enumerate(workers):
-            if p.exitcode is None:
+            if p.exitcode is None or told:
                 continue
-            if told == 0 and p.pid not in engine.started:  # it could not start: another would not either
-                log(f"an HTTP worker ended before it reached the engine ({_ended(p)}): stopping")
+            early += p.pid not in engine.started
+            if early >= 3:  # workers cannot start: more would not either
+                log(f"{early} HTTP workers ended before they reached the engine (the last: {_ended(p)}): stopping")
                 code, told = 1, 1
                 signals["count"] = max(signals["count"], 1)
                 tell_workers()
-            elif told == 0:
+            else:
                 log(f"HTTP worker {p.pid} ended ({_ended(p)}): starting another")
                 multiprocess.mark_process_dead(p.pid)
                 workers[i] = spawn(i)
+        if told and not forced and engine.everyone_drained({p.pid for p in workers if p.exitcode is None}):
+            engine.release()
         if told and all(p.exitcode is not None for p in workers):
             break
     for p in workers:
@@ -195,7 +198,10 @@ def worker_main(sock, path: str, args, settings, max_connections: int, backlog: 
     async def load_backend():
         engine = await RemoteEngine.connect(link, first, settings.max_queue)
         settings.weights = engine.fingerprint
-        engine.on_gone = lambda: app.state.glmvit.update(status="failed", error="the engine process stopped")
+        state = app.state.glmvit
+        engine.on_gone = lambda: state.update(status="failed", error="the engine process stopped")
+        state.update(drained=engine.drained, released=False)  # the drain's end is the server's (http_server.py)
+        engine.on_release = lambda: state.update(released=True)
         return engine
 
     load_backend.at_start = first[0] == "ready"  # the app awaits it before serving
