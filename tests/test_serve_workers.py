@@ -155,7 +155,8 @@ def test_a_worker_count_out_of_range_is_refused_at_start(workers, why):
 
 @needs_proc
 def test_a_temp_folder_too_long_for_a_unix_socket_falls_back_to_tmp(tmp_path, monkeypatch):
-    """A Unix socket's name holds 107 bytes: under a long TMPDIR the engine's socket is made in /tmp."""
+    """A Unix socket's name holds 107 bytes: under a long TMPDIR the engine's socket is made in /tmp (it could
+    not be made there, and the server would exit 2 saying so)."""
     deep = tmp_path / ("d" * 120)
     deep.mkdir()
     monkeypatch.setenv("TMPDIR", str(deep))
@@ -165,4 +166,4 @@ def test_a_temp_folder_too_long_for_a_unix_socket_falls_back_to_tmp(tmp_path, mo
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=30)[0]
-    assert proc.returncode == 0 and "with 2 HTTP workers" in out, out
+    assert proc.returncode == 0 and "stopped (exit 0)" in out, out

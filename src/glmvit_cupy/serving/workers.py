@@ -33,10 +33,7 @@ def run_with_workers(args, sock, settings, load_backend, max_connections: int, b
                      log) -> int:
     """Serve on `sock` with args.workers HTTP workers until a signal, or the model fails to load; the exit
     status. load_backend(): the Backend, loaded here."""
-    folder = tempfile.mkdtemp(prefix="glmvit-serve-")  # this user's alone: the engine's socket and the metrics
-    if len(os.path.join(folder, "engine.sock")) > 100 and os.path.isdir("/tmp"):  # a Unix socket's name: 107 bytes
-        os.rmdir(folder)
-        folder = tempfile.mkdtemp(prefix="glmvit-serve-", dir="/tmp")
+    folder = _folder()
     try:
         os.mkdir(os.path.join(folder, "metrics"))
         multiprocess_into(os.path.join(folder, "metrics"))
@@ -44,6 +41,23 @@ def run_with_workers(args, sock, settings, load_backend, max_connections: int, b
                                   folder))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _folder() -> str:
+    """A new folder of this user's alone for the engine's socket and the metrics: in the temporary folder
+    (TMPDIR), or where that is too deep for a Unix socket's name (107 bytes), the first of /tmp, /var/tmp
+    and /dev/shm that takes one."""
+    folder = tempfile.mkdtemp(prefix="glmvit-serve-")
+    if len(os.path.join(folder, "engine.sock")) <= 100:
+        return folder
+    for base in ("/tmp", "/var/tmp", "/dev/shm"):
+        try:
+            short = tempfile.mkdtemp(prefix="glmvit-serve-", dir=base)
+        except OSError:
+            continue
+        os.rmdir(folder)
+        return short
+    return folder  # the socket's start says what is wrong
 
 
 async def _serve(args, sock, settings, load_backend, max_connections, backlog, where, log, folder) -> int:
