@@ -167,3 +167,123 @@ def test_a_temp_folder_too_long_for_a_unix_socket_falls_back_to_tmp(tmp_path, mo
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0 and "stopped (exit 0)" in out, out
+
+
+def launch_alone(*flags, prelude="pass", env_extra=None):
+    """glmvit-serve --cpu in a session of its own (as a service manager starts it), `prelude` run first:
+    (process, client) once /health says ok."""
+    import subprocess
+    import sys
+
+    from tests.test_serve import SRC, free_port, healthy
+    from glmvit_cupy.client import Client
+
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]), **(env_extra or {}))
+    code = f"import sys; {prelude}; from glmvit_cupy.serving.main import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", TOWER, "--cpu", "--port", str(port),
+                             *map(str, flags)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    return proc, healthy(proc, Client(f"http://127.0.0.1:{port}", timeout=60), 20)
+
+
+def in_thread(fn):
+    import threading
+
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=_outcome(fn)))
+    t.start()
+    return t, box
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return e
+
+
+@needs_proc
+def test_one_sigterm_to_the_whole_group_drains_as_one_to_the_server():
+    """A service manager (systemd's control-group stop) or `kill -TERM -PGID` signals every process: the
+    workers leave it to the server process, so the request in flight is answered, not cut short as by a
+    second signal."""
+    from tests.test_serve_limits import slow
+
+    proc, client = launch_alone("--workers", 2, prelude=slow(1.5))
+    try:
+        t, box = in_thread(lambda: client.encode([png(64, 64, 406)]))
+        time.sleep(0.4)  # in its pass
+        os.killpg(proc.pid, signal.SIGTERM)
+        t.join(30)
+        assert not isinstance(box["r"], Exception), box["r"]
+        assert box["r"][0][0].shape[0] == 16
+        assert proc.wait(30) == 0
+        out = proc.stdout.read()
+        assert "draining the 2 HTTP workers" in out and "while stopping" not in out and "stopped (exit 0)" in out, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@needs_proc
+def test_new_connections_are_refused_while_the_engine_finishes_its_passes(tmp_path):
+    """Once the workers have gone (the drain timed out), the server process closes the listening socket: a
+    connection is refused at once, not left waiting for the pass; a second signal then stops it at once and
+    its temporary folder goes with it."""
+    import socket
+
+    from tests.test_serve_limits import slow
+
+    temp = tmp_path / "t"
+    temp.mkdir()
+    proc, client = launch_alone("--workers", 2, "--drain-timeout", 0.3, prelude=slow(6), env_extra={"TMPDIR": str(temp)})
+    try:
+        assert [p.name for p in temp.iterdir()] and all(p.name.startswith("glmvit-serve-") for p in temp.iterdir())
+        t, box = in_thread(lambda: client.encode([png(64, 64, 407)]))
+        time.sleep(0.5)  # in its pass
+        proc.send_signal(signal.SIGTERM)
+        port = int(client.url.rsplit(":", 1)[1])
+
+        def refused():
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            except ConnectionRefusedError:
+                return True
+            return False
+
+        wait_for(refused, 5, "a refused connection while the pass runs")
+        assert proc.poll() is None  # still finishing its pass
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        t.join(10)
+        out = proc.stdout.read()
+        assert "not waiting for the forward passes still running" in out, out
+        assert list(temp.iterdir()) == [], list(temp.iterdir())
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@needs_proc
+def test_an_engine_failure_of_one_request_fails_that_request_alone():
+    """An image the engine process cannot take (its upload fails: out of memory, say) is that request's 500;
+    the worker's link, its other requests and the worker itself go on."""
+    prelude = ("from glmvit_cupy.backend import Backend; ahead = Backend.ahead; "
+               "Backend.ahead = lambda self, item: (_ for _ in ()).throw(MemoryError('no room for this upload')) "
+               "if item[2]['size'][0] == 41 else ahead(self, item)")
+    proc, client = launch_alone("--workers", 2, prelude=prelude)
+    try:
+        before = wait_for(lambda: len(workers_of(proc)) == 2 and workers_of(proc), 10, "two workers")
+        from glmvit_cupy import ServerError
+
+        for k in range(6):
+            with pytest.raises(ServerError) as e:
+                client.encode([png(41, 50, 500 + k)])
+            assert e.value.status == 500 and "MemoryError: no room for this upload" in e.value.error
+            assert client.encode([png(40, 50, 600 + k)])[0][0].shape[1] == 256
+        assert workers_of(proc) == before  # none replaced
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0 and "ended" not in out, out

@@ -211,6 +211,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         metrics.cache_bytes.set(cache.bytes)
         metrics.pixels.set(budget.used)
 
+    if metrics.shared:  # refreshed by the server's ticks too (http_server.py)
+        state["gauges"] = gauges
+
     def not_ready() -> str:
         why = {"loading": "the model is still loading", "stopping": "the server is shutting down"}
         return why.get(state["status"], f"the model failed to load ({state['error']})")

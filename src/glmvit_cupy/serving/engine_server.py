@@ -92,20 +92,19 @@ class EngineServer:
                 return
             wire.write(writer, "ready", (self.about(),))
             self.workers += 1
-            loop = asyncio.get_running_loop()
             while True:
                 frame = await wire.read(reader)
                 if frame is None:
                     return
                 kind, fields, arrays = frame
-                if kind == "images":
-                    rid, about = fields
-                    items = [(image, grid, info) for image, (grid, info) in zip(arrays, about)]
-                    items = await loop.run_in_executor(self._uploads, self._ahead, items)
-                    futures = self.batcher.submit(items)
-                elif kind == "videos":
-                    rid, planned = fields
-                    futures = [self.batcher.submit_videos(planned)]
+                if kind in ("images", "videos"):
+                    rid = fields[0]
+                    try:
+                        futures = await self._queue(kind, fields, arrays)
+                    except Exception as e:  # noqa: BLE001 - that request's failure alone (an upload out of memory)
+                        for i in range(len(fields[1]) if kind == "images" else 1):
+                            wire.write(writer, "error", (rid, i, wire.error_fields(e)))
+                        continue
                 elif kind == "cancel":
                     for key in fields:
                         if key in jobs:
@@ -119,7 +118,8 @@ class EngineServer:
                         self.batcher.expedite(jobs[fields])
                     continue
                 else:
-                    raise ValueError(f"a worker sent a frame of unknown kind {kind!r}")
+                    self.log(f"an HTTP worker sent a frame of unknown kind {kind!r}: left alone")
+                    continue
                 for i, future in enumerate(futures):
                     jobs[(rid, i)] = future
                     future.add_done_callback(functools.partial(self._answer, writer, jobs, (rid, i), kind))
@@ -146,6 +146,14 @@ class EngineServer:
             if writer is not None and not writer.is_closing():
                 wire.write(writer, "release")
         self.drained.clear()
+
+    async def _queue(self, kind: str, fields: tuple, arrays: list) -> list:
+        """A worker's images (uploaded first, off the event loop) or videos queued: their futures."""
+        if kind == "images":
+            items = [(image, grid, info) for image, (grid, info) in zip(arrays, fields[1])]
+            items = await asyncio.get_running_loop().run_in_executor(self._uploads, self._ahead, items)
+            return self.batcher.submit(items)
+        return [self.batcher.submit_videos(fields[1])]
 
     def _ahead(self, items: list) -> list:
         return [self.backend.ahead(item) for item in items]

@@ -13,6 +13,10 @@ import sys
 import threading
 import time
 
+# The signal the server process drains its HTTP workers with (twice: stops them); they ignore SIGTERM, SIGINT
+# and SIGHUP, which a terminal's Ctrl-C or a service manager sends to the whole process group.
+DRAIN = getattr(signal, "SIGUSR1", signal.SIGTERM)
+
 
 def log(message: str) -> None:
     """One line on stderr, written whole: a signal's handler logs too, and print's separate writes of the
@@ -182,13 +186,13 @@ def build_server(app, args, max_connections: int, backlog: int, ready: str | Non
         def capture_signals(self):
             """uvicorn's SIGINT and SIGTERM, and SIGHUP alike (a closed terminal or a supervisor's hang-up drains
             the server as SIGTERM does, instead of killing it mid-request), unless SIGHUP is ignored (nohup).
-            A worker: SIGTERM alone (the server process sends it; it ignores the others)."""
+            A worker: DRAIN alone, from the server process."""
             if worker:
-                old = signal.signal(signal.SIGTERM, self.handle_exit)
+                old = signal.signal(DRAIN, self.handle_exit)
                 try:
                     yield
                 finally:
-                    signal.signal(signal.SIGTERM, old)
+                    signal.signal(DRAIN, old)
                 return
             hup = getattr(signal, "SIGHUP", None)
             if hup is None or threading.current_thread() is not threading.main_thread() \
@@ -221,6 +225,8 @@ def build_server(app, args, max_connections: int, backlog: int, ready: str | Non
             state["off_process"].shutdown()  # nor for a decode in another process
 
         async def on_tick(self, counter):
+            if "gauges" in state:  # with HTTP workers /metrics reads every worker's gauges as last set
+                state["gauges"]()
             if not self.ready and state["status"] == "ok":
                 self.ready = True
                 if ready is not None:

@@ -39,7 +39,8 @@ class RemoteEngine:
         self._ids = itertools.count()
         self._pending: dict = {}  # (request id, index) -> future
         self._keys: dict = {}     # future -> (request id, index)
-        self._reserved, self._stopping, self._gone = 0, False, None
+        self._reserved, self._stopping = 0, False
+        self._gone: str | None = None  # why the link ended
         self._reading = asyncio.ensure_future(self._read())
 
     @classmethod
@@ -73,9 +74,7 @@ class RemoteEngine:
     def depth(self) -> int:
         return self._reserved + len(self._pending)
 
-    @property
-    def busy(self) -> bool:
-        return bool(self._reserved or self._pending)
+    busy = False  # the passes are the engine process's: it says when it finishes them
 
     def reserve(self, n: int, what: str = "images") -> None:
         self._check(n, what)
@@ -88,7 +87,7 @@ class RemoteEngine:
         if self._stopping:
             raise QueueFull("the server is shutting down")
         if self._gone is not None:
-            raise self._gone
+            raise EngineGone(self._gone)
         if n > self.max_queue:
             raise QueueFull(f"this request has {n} {what}, more than the queue ever holds "
                             f"({self.max_queue}, --max-queue): send them in smaller requests", ever=True)
@@ -97,12 +96,12 @@ class RemoteEngine:
                             f"holds {self.max_queue} (--max-queue): retry later")
 
     def _room(self, n: int, what: str, reserved: bool) -> None:
-        if reserved:
-            self._reserved -= n
+        if reserved:  # refused, the room stays reserved: the caller gives it back (unreserve)
             if self._stopping:
                 raise QueueFull("the server is shutting down")
             if self._gone is not None:
-                raise self._gone
+                raise EngineGone(self._gone)
+            self._reserved -= n
         else:
             self._check(n, what)
 
@@ -157,21 +156,25 @@ class RemoteEngine:
                 if kind == "done":
                     future, videos = self._pending.get(fields, (None, False))
                     if future is not None and not future.done():
-                        future.set_result(arrays if videos else arrays[0])
+                        if videos or len(arrays) == 1:
+                            future.set_result(arrays if videos else arrays[0])
+                        else:
+                            future.set_exception(RuntimeError(f"the engine sent {len(arrays)} embeddings for "
+                                                              "one image"))
                 elif kind == "release" and self.on_release is not None:
                     self.on_release()
                 elif kind == "error":
-                    future, _ = self._pending.get(fields[:2], (None, False))
+                    future, _ = self._pending.get(tuple(fields[:2]), (None, False))
                     if future is not None and not future.done():
                         future.set_exception(wire.error_from(fields[2]))
         except Exception as e:  # noqa: BLE001 - a frame this worker cannot read: the link is unusable
             why = f"{type(e).__name__}: {e}"
-        self._gone = EngineGone(why)
+        self._gone = why
         if self.on_gone is not None:
             self.on_gone()
         for future, _ in list(self._pending.values()):
             if not future.done():
-                future.set_exception(self._gone)
+                future.set_exception(EngineGone(why))  # each its own: a shared one would keep every traceback
         self.writer.close()
 
     @property

@@ -22,10 +22,12 @@ STREAM_LIMIT = 1 << 24  # asyncio's read buffer: a frame of embeddings arrives w
 
 def pack(kind: str, fields: tuple = (), arrays=()) -> list:
     """One frame as buffers to write in order (the arrays' own memory, not copied)."""
-    arrays = [np.ascontiguousarray(a) for a in arrays]
-    header = pickle.dumps((kind, fields, [(a.shape, a.dtype.name) for a in arrays]), protocol=5)
-    return [HEAD.pack(len(header), sum(a.nbytes for a in arrays)), header,
-            *(memoryview(a.reshape(-1).view(np.uint8)) for a in arrays if a.nbytes)]
+    shapes = [np.shape(a) for a in arrays]
+    # C order and this machine's byte order, flat (a 0-d array keeps its shape in the header)
+    flat = [np.ascontiguousarray(a, dtype=np.asarray(a).dtype.newbyteorder("=")).reshape(-1) for a in arrays]
+    header = pickle.dumps((kind, fields, [(shape, a.dtype.name) for shape, a in zip(shapes, flat)]), protocol=5)
+    return [HEAD.pack(len(header), sum(a.nbytes for a in flat)), header,
+            *(memoryview(a.view(np.uint8)) for a in flat if a.nbytes)]
 
 
 def write(writer: asyncio.StreamWriter, kind: str, fields: tuple = (), arrays=()) -> None:
@@ -85,7 +87,9 @@ def _frame(header: bytes, payload: bytes) -> tuple:
 def error_fields(e: BaseException) -> bytes:
     """An exception to send: pickled as it is, or, where it cannot be, a RuntimeError with its type and text."""
     try:
-        return pickle.dumps(e, protocol=5)
+        blob = pickle.dumps(e, protocol=5)
+        pickle.loads(blob)  # an exception whose __init__ does not take its args pickles, but does not unpickle
+        return blob
     except Exception:  # noqa: BLE001 - any object may refuse to be pickled
         return pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"), protocol=5)
 

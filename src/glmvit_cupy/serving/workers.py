@@ -20,12 +20,14 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
 import warnings
 
 from . import wire
+from .http_server import DRAIN
 from .metrics import multiprocess_into
 
 
@@ -33,14 +35,25 @@ def run_with_workers(args, sock, settings, load_backend, max_connections: int, b
                      log) -> int:
     """Serve on `sock` with args.workers HTTP workers until a signal, or the model fails to load; the exit
     status. load_backend(): the Backend, loaded here."""
+    def say(message: str) -> None:  # a closed stderr (a pipe's reader gone) must not stop the supervision
+        with contextlib.suppress(OSError, ValueError):
+            log(message)
+
     folder = _folder()
     try:
         os.mkdir(os.path.join(folder, "metrics"))
         multiprocess_into(os.path.join(folder, "metrics"))
-        return asyncio.run(_serve(args, sock, settings, load_backend, max_connections, backlog, where, log,
-                                  folder))
+        code, now = asyncio.run(_serve(args, sock, settings, load_backend, max_connections, backlog, where, say,
+                                       folder))
     finally:
+        sock.close()
         shutil.rmtree(folder, ignore_errors=True)
+    # After a second signal, or with the model still loading, threads may still run a forward pass or the
+    # load: the interpreter's shutdown under them can crash the process (exit 139), so it exits without one.
+    if now or any(t.daemon and t.is_alive() and t.name.startswith("glmvit-") for t in threading.enumerate()):
+        sys.stdout.flush()
+        os._exit(code)
+    return code
 
 
 def _folder() -> str:
@@ -60,7 +73,8 @@ def _folder() -> str:
     return folder  # the socket's start says what is wrong
 
 
-async def _serve(args, sock, settings, load_backend, max_connections, backlog, where, log, folder) -> int:
+async def _serve(args, sock, settings, load_backend, max_connections, backlog, where, log, folder):
+    """(exit status, whether to exit at once) once the server has stopped."""
     from prometheus_client import multiprocess
 
     from .engine_server import EngineServer
@@ -68,24 +82,26 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
 
     loop = asyncio.get_running_loop()
     started = time.monotonic()
+    # The workers bound what they admit (--max-queue each): the engine's own queue takes all they send.
     engine = EngineServer(load_backend, capacity_tokens=args.capacity_tokens, max_wait_ms=args.max_wait_ms,
-                          max_queue=args.max_queue * args.workers, metrics=Metrics(),
-                          fingerprint=lambda: settings.weights, log=log)
+                          max_queue=1 << 40, metrics=Metrics(), fingerprint=lambda: settings.weights, log=log)
     path = os.path.join(folder, "engine.sock")
     try:
         unix = await asyncio.start_unix_server(engine.worker, path, limit=wire.STREAM_LIMIT)
     except OSError as e:  # a path over the 107 bytes a Unix socket's name may have, say
         log(f"cannot open the engine's socket {path} ({e.strerror or e}): set TMPDIR to a short folder this "
             "user can write, or serve with --workers 1")
-        return 2
+        return 2, False
     engine.start_loading()
     settings.cache_mib = args.cache_mib / args.workers
     context = multiprocessing.get_context("spawn")
+    spawned: dict = {}  # worker slot -> when its process was last started
 
     def spawn(i: int):
         p = context.Process(target=worker_main, name=f"glmvit-serve-worker-{i}",
                             args=(sock, path, args, settings, max_connections, backlog, os.getpid()))
         p.start()
+        spawned[i] = time.monotonic()
         return p
 
     workers = [spawn(i) for i in range(args.workers)]
@@ -105,72 +121,90 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
         for p in workers:
             if p.is_alive():
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGTERM)
+                    os.kill(p.pid, DRAIN)
 
     code, announced, told, forced, early = 0, False, 0, False, 0
-    while True:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(wake.wait(), 0.1)
-        wake.clear()
-        if engine.state == "failed" and code == 0:
-            log(f"the model failed to load: {engine.error}")
-            code = 1
-            signals["count"] = max(signals["count"], 1)
-            told = 1  # the workers stop on their own: their engine failed
-        if engine.state == "ok" and not announced and engine.workers >= args.workers:
-            announced = True
-            log(f"ready: {where} with {args.workers} HTTP workers (loaded in {time.monotonic() - started:.1f} s)")
-        if signals["count"] > told:
-            if told == 0:
-                log(f"{signals['name']}: draining the {args.workers} HTTP workers; /health and new requests get "
-                    f"503; exiting once they have answered, within {args.drain_timeout:g} s (a second signal: now)")
-            else:
-                log(f"{signals['name']} while stopping: stopping now, without waiting for requests in flight")
-                forced = True
-            told = signals["count"]
-            tell_workers()
-            if forced:
-                deadline = time.monotonic() + 2.0
-                while any(p.is_alive() for p in workers) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
-                for p in workers:
-                    if p.is_alive():
-                        p.kill()
-                break
-        for i, p in enumerate(workers):
-            if p.exitcode is None or told:
-                continue
-            early += p.pid not in engine.started
-            if early >= 3:  # workers cannot start: more would not either
-                log(f"{early} HTTP workers ended before they reached the engine (the last: {_ended(p)}): stopping")
-                code, told = 1, 1
+    try:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wake.wait(), 0.1)
+            wake.clear()
+            if engine.state == "failed" and code == 0:
+                log(f"the model failed to load: {engine.error}")
+                code = 1
                 signals["count"] = max(signals["count"], 1)
+                told = 1  # the workers stop on their own: their engine failed
+            if engine.state == "ok" and not announced and engine.workers >= args.workers:
+                announced = True
+                log(f"ready: {where} with {args.workers} HTTP workers (loaded in {time.monotonic() - started:.1f} s)")
+            if signals["count"] > told:
+                if told == 0:
+                    log(f"{signals['name']}: draining the {args.workers} HTTP workers; /health and new requests "
+                        f"get 503; exiting once they have answered, within {args.drain_timeout:g} s (a second "
+                        "signal: now)")
+                else:
+                    log(f"{signals['name']} while stopping: stopping now, without waiting for requests in flight")
+                    forced = True
+                told = signals["count"]
                 tell_workers()
-            else:
-                log(f"HTTP worker {p.pid} ended ({_ended(p)}): starting another")
-                multiprocess.mark_process_dead(p.pid)
-                workers[i] = spawn(i)
-        if told and not forced and engine.everyone_drained({p.pid for p in workers if p.exitcode is None}):
-            engine.release()
-        if told and all(p.exitcode is not None for p in workers):
-            break
+                if forced:
+                    deadline = time.monotonic() + 2.0
+                    while any(p.is_alive() for p in workers) and time.monotonic() < deadline:
+                        await asyncio.sleep(0.05)
+                    break
+            for i, p in enumerate(workers):
+                if p.exitcode is None or told:
+                    continue
+                early += p.pid not in engine.started
+                if early >= 3:  # three in a row: workers cannot start, and more would not either
+                    log(f"{early} HTTP workers ended before they reached the engine (the last: {_ended(p)}): "
+                        "stopping")
+                    code, told = 1, 1
+                    signals["count"] = max(signals["count"], 1)
+                    tell_workers()
+                elif time.monotonic() - spawned[i] >= 1.0:  # at most one start a second a slot
+                    log(f"HTTP worker {p.pid} ended ({_ended(p)}): starting another")
+                    multiprocess.mark_process_dead(p.pid)
+                    workers[i] = spawn(i)
+            if early and all(p.pid in engine.started for p in workers if p.exitcode is None):
+                early = 0  # the workers start again: the deaths before were not a worker that cannot start
+            if told and not forced and engine.everyone_drained({p.pid for p in workers if p.exitcode is None}):
+                engine.release()
+            if told and all(p.exitcode is not None for p in workers):
+                break
+    finally:
+        if not told:  # leaving by an error: the workers drain rather than orphan
+            tell_workers()
+        for p in workers:
+            if forced and p.is_alive():
+                p.kill()
+    sock.close()  # none accepts any more: new connections are refused, not left waiting for the passes
     for p in workers:
+        p.join(1.0)
         multiprocess.mark_process_dead(p.pid)
     unix.close()
     if forced:
         log(f"stopped (exit {code}), not waiting for the forward passes still running")
-        os._exit(code)
+        return code, True
     if engine.batcher is not None and engine.batcher.busy:
         log("finishing the forward passes running and queued (a second signal: stop now)")
-    stopping = loop.run_in_executor(None, engine.stop)
-    while not stopping.done():
-        await asyncio.wait({stopping, asyncio.ensure_future(wake.wait())}, timeout=0.1,
-                           return_when=asyncio.FIRST_COMPLETED)
+    stopped = asyncio.Event()
+
+    def stop():  # on a daemon thread: a pass never cut short, and never waited for at a second signal
+        engine.stop()
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(stopped.set)
+
+    threading.Thread(target=stop, name="glmvit-stop", daemon=True).start()
+    while not stopped.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(wake.wait(), 0.1)
+        wake.clear()
         if signals["count"] > told:
             log(f"stopped (exit {code}), not waiting for the forward passes still running")
-            os._exit(code)
+            return code, True
     log(f"stopped (exit {code})")
-    return code
+    return code, False
 
 
 def _ended(p) -> str:
@@ -181,9 +215,11 @@ def worker_main(sock, path: str, args, settings, max_connections: int, backlog: 
     """An HTTP worker: the app (app.create_app) on the shared socket, its engine the server process's."""
     from .http_server import build_server, log
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group: the server decides
-    if hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # A terminal's Ctrl-C, or a service manager's SIGTERM, reaches the whole group: the server process decides,
+    # and drains its workers with DRAIN.
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            signal.signal(sig, signal.SIG_IGN)
 
     def watch():  # the server process gone however it ended (SIGKILL): nobody is left to encode
         while os.getppid() == parent:
@@ -223,8 +259,13 @@ def worker_main(sock, path: str, args, settings, max_connections: int, backlog: 
     app = create_app(load_backend, settings)
     server = build_server(app, args, max_connections, backlog, ready=None, worker=True)
     server.run(sockets=[sock])
-    app.state.glmvit["off_process"].shutdown()
-    error = app.state.glmvit.get("error") or ""
+    state = app.state.glmvit
+    state["off_process"].shutdown()
+    error = state.get("error") or ""
     if server.failed and not error.startswith("EngineFailed"):  # the engine's own failure: the server logs it
         log(f"HTTP worker {os.getpid()}: {error}; exiting")
-    os._exit(1 if server.failed else 0)
+    code = 1 if server.failed else 0
+    if any(t.daemon and t.is_alive() and t.name.startswith("glmvit-") and t.name != "glmvit-orphan-watch"
+           for t in threading.enumerate()):
+        os._exit(code)  # a decoding thread still busy: the interpreter's shutdown would wait for it
+    raise SystemExit(code)  # the interpreter's own exit: the decoding processes' resources let go
