@@ -30,7 +30,7 @@ EXIT_STATUS = """exit status:
   1  the model failed to load after the start (NaN weights, say): logged with the reason
   2  a flag out of range, a checkpoint that fails its checks, no usable GPU without --cpu, --cpu with
      --devices, a --vllm-ec-dir that cannot be written, an open-file limit too low for --max-connections,
-     the serve extra not installed, or the HTTP workers' link to the engine that cannot be made
+     the serve extra not installed, or no folder for the HTTP workers' socket to the engine
   3  the address cannot be listened on (the port in use, say)"""
 
 
@@ -85,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
                          "(default 30)")
     ap.add_argument("--decode-workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="threads decoding and resizing images (default: min(8, CPUs))")
-    ap.add_argument("--workers", type=int, default=None,
+    ap.add_argument("--workers", type=int, default=None, metavar="N",
                     help="HTTP worker processes (default: half the CPUs, at most 8, on the GPU; 1 with --cpu). With "
                          "N > 1 the workers answer HTTP, decode and reply on N cores, and this process only runs the "
                          "engine; with 1, one process does both. Each worker holds its own "
