@@ -287,3 +287,73 @@ def test_an_engine_failure_of_one_request_fails_that_request_alone():
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0 and "ended" not in out, out
+
+
+@needs_proc
+def test_a_wedged_worker_is_killed_once_the_drain_is_over_and_the_server_exits():
+    """A worker that never ends its drain (stopped by SIGSTOP here) is killed --drain-timeout + 5 s after the
+    drain began, and the server exits 0 saying so, instead of waiting for it without end."""
+    proc, client = launch_alone("--workers", 2, "--drain-timeout", 0.5)
+    try:
+        victims = wait_for(lambda: len(workers_of(proc)) == 2 and workers_of(proc), 10, "two workers")
+        client.encode([png(40, 50, 9)])
+        victim = min(victims)
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        assert 5.0 < time.monotonic() - t0 < 15.0
+        out = proc.stdout.read()
+        assert f"HTTP workers {victim} still running 5.5 s after the drain began (--drain-timeout + 5 s): killed" \
+            in out, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@needs_proc
+def test_workers_that_cannot_reach_the_engine_stop_the_server_after_three_in_a_row(tmp_path):
+    """The engine's socket gone (a /tmp cleaner, say): each replacement fails to reach it and says why; the
+    third in a row stops the server with exit 1, though a worker still runs."""
+    temp = tmp_path / "t"
+    temp.mkdir()
+    proc, client = launch_alone("--workers", 2, env_extra={"TMPDIR": str(temp)})
+    try:
+        first = wait_for(lambda: len(workers_of(proc)) == 2 and workers_of(proc), 10, "two workers")
+        client.encode([png(40, 50, 11)])
+        (folder,) = list(temp.iterdir())
+        (folder / "engine.sock").unlink()
+        os.kill(min(first), signal.SIGKILL)
+        assert proc.wait(30) == 1
+        out = proc.stdout.read()
+        assert "cannot reach the engine at" in out and "3 HTTP workers ended before they reached the engine" in out, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_reply_left_unread_past_the_drain_ends_without_a_traceback(workers):
+    """A client that never reads its large reply: the drain runs out, its connection is closed, the server
+    exits 0, and no traceback reaches the log (the reply's wait for its socket is cancelled, nothing failed)."""
+    import base64
+    import json
+    import socket
+
+    proc, client = launch_alone("--workers", workers, "--drain-timeout", 1)
+    try:
+        port = int(client.url.rsplit(":", 1)[1])
+        body = json.dumps({"images": [base64.b64encode(png(400, 400, 12)).decode()] * 64}).encode()
+        s = socket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        s.recv(1)  # the reply has begun: the rest waits in the server's buffers
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        out = proc.stdout.read()
+        s.close()
+        assert "Traceback" not in out and "CancelledError" not in out, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -123,7 +123,8 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, DRAIN)
 
-    code, announced, told, forced, early = 0, False, 0, False, 0
+    code, announced, told, forced, early, replaced = 0, False, 0, False, 0, set()
+    drain_ends = None  # when the workers' drain must be over, whatever they do: then they are killed
     try:
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -147,6 +148,9 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
                     forced = True
                 told = signals["count"]
                 tell_workers()
+                # Each worker ends its own drain within --drain-timeout and its connections 2 s later; one that
+                # does not (stopped, wedged) is killed, so that the server exits within the time it said.
+                drain_ends = drain_ends or time.monotonic() + args.drain_timeout + 5.0
                 if forced:
                     deadline = time.monotonic() + 2.0
                     while any(p.is_alive() for p in workers) and time.monotonic() < deadline:
@@ -166,12 +170,21 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
                     log(f"HTTP worker {p.pid} ended ({_ended(p)}): starting another")
                     multiprocess.mark_process_dead(p.pid)
                     workers[i] = spawn(i)
-            if early and all(p.pid in engine.started for p in workers if p.exitcode is None):
-                early = 0  # the workers start again: the deaths before were not a worker that cannot start
+                    replaced.add(workers[i].pid)
+            if early and replaced & engine.started:
+                early = 0  # a replacement reached the engine: the deaths before were not a worker that cannot start
+                replaced.clear()
             if told and not forced and engine.everyone_drained({p.pid for p in workers if p.exitcode is None}):
                 engine.release()
             if told and all(p.exitcode is not None for p in workers):
                 break
+            if drain_ends is not None and time.monotonic() > drain_ends:
+                stuck = [p for p in workers if p.exitcode is None]
+                log(f"HTTP workers {', '.join(str(p.pid) for p in stuck)} still running "
+                    f"{args.drain_timeout + 5:g} s after the drain began (--drain-timeout + 5 s): killed")
+                for p in stuck:
+                    p.kill()
+                drain_ends = None
     finally:
         if not told:  # leaving by an error: the workers drain rather than orphan
             tell_workers()
@@ -238,7 +251,9 @@ def worker_main(sock, path: str, args, settings, max_connections: int, backlog: 
         link.connect(path)
         wire.write_blocking(link, "hello", (os.getpid(),))
         first = wire.read_blocking(link)
-    except OSError:
+    except OSError as e:
+        if os.getppid() == parent:  # the server still runs: say why this worker cannot serve
+            log(f"HTTP worker {os.getpid()}: cannot reach the engine at {path} ({e.strerror or e})")
         first = None
     if first is None or first[0] == "failed":  # the server stopped, or its tower failed to load (it says why)
         os._exit(1)
