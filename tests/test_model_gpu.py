@@ -738,10 +738,27 @@ def test_every_budget_precaptured_serves_passes_of_small_images_without_a_captur
     print(f"every budget precaptured: {captured} graphs")
 
 
-def test_failed_graph_capture_falls_back_to_eager(official, monkeypatch, caplog):
+def graphed_and_eager(official):
+    """The official tower twice at capacity 256: with CUDA graphs, and eager."""
     binding, _, _ = official
-    m = GlmVit(binding, capacity_tokens=256)
-    eager = GlmVit(binding, capacity_tokens=256, graphs=False)
+    return GlmVit(binding, capacity_tokens=256), GlmVit(binding, capacity_tokens=256, graphs=False)
+
+
+def three_passes_equal_eager(m, eager, seed: int, poison: bool = False):
+    """Three fresh inputs of grid (1, 8, 8) through m, each equal to eager's bit for bit (poison: m's
+    output slot NaN before each forward writes it); the plan they ran."""
+    rng = np.random.default_rng(seed)
+    grid = [[1, 8, 8]]
+    for _ in range(3):
+        pv = rng.standard_normal((64, 1176), dtype=np.float32)
+        if poison:
+            m.runner.arena()["embeddings"].view(cupy.uint16).fill(0x7FC0)
+        assert np.array_equal(f32(m.encode_pixels(pv, grid)), f32(eager.encode_pixels(pv, grid)))
+    return m.runner.plans.find(np.array(grid))
+
+
+def test_failed_graph_capture_falls_back_to_eager(official, monkeypatch, caplog):
+    m, eager = graphed_and_eager(official)
     real = m.runner.forward
 
     def failing_under_capture(plan, mark=None):
@@ -750,12 +767,7 @@ def test_failed_graph_capture_falls_back_to_eager(official, monkeypatch, caplog)
         return real(plan, mark)
 
     monkeypatch.setattr(m.runner, "forward", failing_under_capture)
-    rng = np.random.default_rng(8)
-    grid = [[1, 8, 8]]
-    for _ in range(3):
-        pv = rng.standard_normal((64, 1176), dtype=np.float32)
-        assert np.array_equal(f32(m.encode_pixels(pv, grid)), f32(eager.encode_pixels(pv, grid)))
-    plan = m.runner.plans.find(np.array(grid))
+    plan = three_passes_equal_eager(m, eager, 8)
     assert plan.capture_failed and plan.graph is None and plan.uses == 3
     assert "capture failed" in caplog.text and set(m.last_timing) == {"patch_embed", "blocks", "merger", "copy_out"}
 
@@ -763,9 +775,7 @@ def test_failed_graph_capture_falls_back_to_eager(official, monkeypatch, caplog)
 def test_a_capture_that_fails_once_is_retried_after_an_eager_run(official, monkeypatch, caplog):
     """A capture that fails the first time only (a library kernel loaded on first launch does that) gets
     its graph on the retry that follows one eager run, and the graph's output is the eager model's."""
-    binding, _, _ = official
-    m = GlmVit(binding, capacity_tokens=256)
-    eager = GlmVit(binding, capacity_tokens=256, graphs=False)
+    m, eager = graphed_and_eager(official)
     real, failures, eager_runs = m.runner.forward, [], []
 
     def failing_first_capture(plan, mark=None):
@@ -777,13 +787,7 @@ def test_a_capture_that_fails_once_is_retried_after_an_eager_run(official, monke
         return real(plan, mark)
 
     monkeypatch.setattr(m.runner, "forward", failing_first_capture)
-    rng = np.random.default_rng(9)
-    grid = [[1, 8, 8]]
-    for _ in range(3):
-        pv = rng.standard_normal((64, 1176), dtype=np.float32)
-        m.runner.arena()["embeddings"].view(cupy.uint16).fill(0x7FC0)  # NaN until the forward writes it
-        assert np.array_equal(f32(m.encode_pixels(pv, grid)), f32(eager.encode_pixels(pv, grid)))
-    plan = m.runner.plans.find(np.array(grid))
+    plan = three_passes_equal_eager(m, eager, 9, poison=True)
     assert failures == eager_runs == [plan.patches], (failures, eager_runs)  # one eager run, between the tries
     assert plan.graph is not None and not plan.capture_failed and "capture failed" not in caplog.text
     assert set(m.last_timing) == {"forward", "copy_out"}

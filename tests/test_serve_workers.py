@@ -20,17 +20,17 @@ from glmvit_cupy.backend import Backend  # noqa: E402
 from glmvit_cupy.preprocessing.image import prepare_canvas  # noqa: E402
 
 
+def stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (state, parent, ...); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def children(pid: int) -> set[int]:
-    out = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.add(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
+    return {int(e) for e in os.listdir("/proc") if e.isdigit() and (stat(int(e)) or [None, None])[1] == str(pid)}
 
 
 def workers_of(proc) -> set[int]:
@@ -128,11 +128,7 @@ def test_a_killed_server_takes_its_workers_with_it(tmp_path):
         proc.kill()
         proc.wait(10)
 
-        def gone():
-            return all(not os.path.exists(f"/proc/{w}") or open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[0]
-                       == "Z" for w in workers)
-
-        wait_for(gone, 5, "the workers gone")
+        wait_for(lambda: all((stat(w) or ["Z"])[0] == "Z" for w in workers), 5, "the workers gone")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -170,7 +166,8 @@ def test_a_temp_folder_too_long_for_a_unix_socket_falls_back_to_tmp(tmp_path, mo
 
 
 def launch_alone(*flags, prelude="pass", env_extra=None):
-    """glmvit-serve --cpu in a session of its own (as a service manager starts it), `prelude` run first:
+    """glmvit-serve --cpu leading a process group of its own (as a service manager starts it), `prelude` run
+    first:
     (process, client) once /health says ok."""
     import subprocess
     import sys
@@ -237,7 +234,8 @@ def test_new_connections_are_refused_while_the_engine_finishes_its_passes(tmp_pa
 
     temp = tmp_path / "t"
     temp.mkdir()
-    proc, client = launch_alone("--workers", 2, "--drain-timeout", 0.3, prelude=slow(6), env_extra={"TMPDIR": str(temp)})
+    proc, client = launch_alone("--workers", 2, "--drain-timeout", 0.3, prelude=slow(6),
+                                env_extra={"TMPDIR": str(temp)})
     try:
         assert [p.name for p in temp.iterdir()] and all(p.name.startswith("glmvit-serve-") for p in temp.iterdir())
         t, box = in_thread(lambda: client.encode([png(64, 64, 407)]))

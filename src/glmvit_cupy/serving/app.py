@@ -214,7 +214,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         metrics.cache_bytes.set(cache.bytes)
         metrics.pixels.set(budget.used)
 
-    if metrics.shared:  # refreshed by the server's ticks too (http_server.py)
+    if metrics.shared:  # with HTTP workers, /metrics reads every worker's gauges: set on each tick (http_server.py)
         state["gauges"] = gauges
 
     def not_ready() -> str:
@@ -266,8 +266,6 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 bodies.give(request.scope.pop("glmvit.body_bytes", 0))
             metrics.requests.labels(str(response.status_code)).inc()
             metrics.latency.observe(time.perf_counter() - t0)
-            if metrics.shared:  # with HTTP workers, /metrics reads every worker's gauges as last set
-                gauges()
             held = request.scope.pop("glmvit.reply_bytes", 0)
             if held and response.status_code == 200:
                 return Releasing(response, lambda: bodies.give(held))

@@ -176,7 +176,3 @@ class RemoteEngine:
             if not future.done():
                 future.set_exception(EngineGone(why))  # each its own: a shared one would keep every traceback
         self.writer.close()
-
-    @property
-    def gone(self) -> bool:
-        return self._gone is not None

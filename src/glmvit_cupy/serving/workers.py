@@ -132,9 +132,9 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
             wake.clear()
             if engine.state == "failed" and code == 0:
                 log(f"the model failed to load: {engine.error}")
-                code = 1
+                code, told = 1, 1  # the workers stop on their own: their engine failed
                 signals["count"] = max(signals["count"], 1)
-                told = 1  # the workers stop on their own: their engine failed
+                drain_ends = time.monotonic() + args.drain_timeout + 5.0
             if engine.state == "ok" and not announced and engine.workers >= args.workers:
                 announced = True
                 log(f"ready: {where} with {args.workers} HTTP workers (loaded in {time.monotonic() - started:.1f} s)")
@@ -165,6 +165,7 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
                         "stopping")
                     code, told = 1, 1
                     signals["count"] = max(signals["count"], 1)
+                    drain_ends = time.monotonic() + args.drain_timeout + 5.0
                     tell_workers()
                 elif time.monotonic() - spawned[i] >= 1.0:  # at most one start a second a slot
                     log(f"HTTP worker {p.pid} ended ({_ended(p)}): starting another")
