@@ -72,28 +72,28 @@ class EngineServer:
         return {"geometry": b.geometry, "name": b.name, "resize": b.resize,
                 "shares_passes": b.shares_passes, "lanes": b.lanes, "fingerprint": self.fingerprint()}
 
-    async def worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def worker(self, link: wire.Link) -> None:
         """One worker's connection, until it closes: its requests' jobs queued, their results sent back. A
         worker gone (exited, killed) takes its queued jobs with it: they are dropped before their passes."""
         jobs: dict = {}  # (request id, index) -> the Batcher's future
         pid = None
         try:
-            hello = await wire.read(reader)
+            hello = await link.read()
             if hello is None or hello[0] != "hello":
                 return
             pid = hello[1][0]
             self.started.add(pid)
-            self.links[pid] = writer
+            self.links[pid] = link
             if not self.ready.is_set():  # the worker answers 503 meanwhile
-                wire.write(writer, "loading")
+                link.send("loading")
                 await self.ready.wait()
             if self.state != "ok":
-                wire.write(writer, "failed", (self.error,))
+                link.send("failed", (self.error,))
                 return
-            wire.write(writer, "ready", (self.about(),))
+            link.send("ready", (self.about(),))
             self.workers += 1
             while True:
-                frame = await wire.read(reader)
+                frame = await link.read()
                 if frame is None:
                     return
                 kind, fields, arrays = frame
@@ -103,7 +103,7 @@ class EngineServer:
                         futures = await self._queue(kind, fields, arrays)
                     except Exception as e:  # noqa: BLE001 - that request's failure alone (an upload out of memory)
                         for i in range(len(fields[1]) if kind == "images" else 1):
-                            wire.write(writer, "error", (rid, i, wire.error_fields(e)))
+                            link.send("error", (rid, i, wire.error_fields(e)))
                         continue
                 elif kind == "cancel":
                     for key in fields:
@@ -122,17 +122,17 @@ class EngineServer:
                     continue
                 for i, future in enumerate(futures):
                     jobs[(rid, i)] = future
-                    future.add_done_callback(functools.partial(self._answer, writer, jobs, (rid, i), kind))
+                    future.add_done_callback(functools.partial(self._answer, link, jobs, (rid, i), kind))
         except (ConnectionError, asyncio.CancelledError):
             pass
         except Exception as e:  # noqa: BLE001 - a frame this process cannot take: that worker's link ends
             self.log(f"an HTTP worker's link to the engine failed ({type(e).__name__}: {e}); its requests get 503")
         finally:
-            if pid is not None and self.links.get(pid) is writer:
+            if pid is not None and self.links.get(pid) is link:
                 del self.links[pid]
             for future in list(jobs.values()):
                 future.cancel()  # nobody waits for them: dropped before their passes
-            writer.close()
+            link.close()
 
     def everyone_drained(self, alive: set) -> bool:
         """Every live worker linked to the engine has drained (one not linked holds nothing: it stops alone)."""
@@ -142,9 +142,9 @@ class EngineServer:
     def release(self) -> None:
         """Tell every drained worker to stop: the drain is over for all of them."""
         for pid in list(self.drained):
-            writer = self.links.get(pid)
-            if writer is not None and not writer.is_closing():
-                wire.write(writer, "release")
+            link = self.links.get(pid)
+            if link is not None and not link.is_closing():
+                link.send("release")
         self.drained.clear()
 
     async def _queue(self, kind: str, fields: tuple, arrays: list) -> list:
@@ -159,16 +159,16 @@ class EngineServer:
         return [self.backend.ahead(item) for item in items]
 
     @staticmethod
-    def _answer(writer, jobs: dict, key: tuple, kind: str, future: asyncio.Future) -> None:
+    def _answer(link: wire.Link, jobs: dict, key: tuple, kind: str, future: asyncio.Future) -> None:
         jobs.pop(key, None)
-        if future.cancelled() or writer.is_closing():
+        if future.cancelled() or link.is_closing():
             return
         e = future.exception()
         if e is not None:
-            wire.write(writer, "error", (*key, wire.error_fields(e)))
+            link.send("error", (*key, wire.error_fields(e)))
             return
         value = future.result()
-        wire.write(writer, "done", key, value if kind == "videos" else [value])
+        link.send("done", key, value if kind == "videos" else [value])
 
     def stop(self) -> None:
         """The queued passes finished (workers have drained first), then the engine's threads ended."""

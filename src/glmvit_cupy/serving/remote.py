@@ -28,8 +28,8 @@ class RemoteEngine:
     """The backend (geometry, name, resize, patching, ahead) and the batcher (reserve, submit, submit_videos,
     expedite, depth, busy, stop) in one: `batcher` is itself. Used from the event loop only."""
 
-    def __init__(self, reader, writer, about: dict, max_queue: int):
-        self.reader, self.writer, self.max_queue = reader, writer, max_queue
+    def __init__(self, link: wire.Link, about: dict, max_queue: int):
+        self.link, self.max_queue = link, max_queue
         self.geometry = about["geometry"]
         self.name, self.resize, self.lanes = about["name"], about["resize"], about["lanes"]
         self.shares_passes, self.fingerprint = about["shares_passes"], about["fingerprint"]
@@ -47,16 +47,16 @@ class RemoteEngine:
     async def connect(cls, sock, first: tuple, max_queue: int) -> "RemoteEngine":
         """The engine on `sock` (a connected Unix socket, hello sent), whose first answer was `first`: once it
         has loaded the tower (waiting for its "ready" after a "loading"); its load error raised."""
-        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=wire.STREAM_LIMIT)
-        frame = first if first[0] != "loading" else await wire.read(reader)
+        _, link = await asyncio.get_running_loop().create_unix_connection(wire.Link, sock=sock)
+        frame = first if first[0] != "loading" else await link.read()
         if frame is None:
-            writer.close()
+            link.close()
             raise RuntimeError("the engine process closed the connection before the tower was loaded")
         kind, fields, _ = frame
         if kind != "ready":
-            writer.close()
+            link.close()
             raise EngineFailed(fields[0])
-        return cls(reader, writer, fields[0], max_queue)
+        return cls(link, fields[0], max_queue)
 
     # -- the backend ---------------------------------------------------------------------------------------
 
@@ -108,14 +108,14 @@ class RemoteEngine:
     def submit(self, items: list, reserved: bool = False) -> list[asyncio.Future]:
         self._room(len(items), "images", reserved)
         rid = next(self._ids)
-        wire.write(self.writer, "images", (rid, [(grid, info) for _, grid, info in items]),
+        self.link.send("images", (rid, [(grid, info) for _, grid, info in items]),
                    [image for image, _, _ in items])
         return [self._expect((rid, i), False) for i in range(len(items))]
 
     def submit_videos(self, planned: list, reserved: bool = False) -> asyncio.Future:
         self._room(1, "tasks", reserved)
         rid = next(self._ids)
-        wire.write(self.writer, "videos", (rid, planned))
+        self.link.send("videos", (rid, planned))
         return self._expect((rid, 0), True)
 
     def _expect(self, key: tuple, videos: bool) -> asyncio.Future:
@@ -128,18 +128,18 @@ class RemoteEngine:
     def _settled(self, key: tuple, future: asyncio.Future) -> None:
         self._pending.pop(key, None)
         self._keys.pop(future, None)
-        if future.cancelled() and self._gone is None and not self.writer.is_closing():
-            wire.write(self.writer, "cancel", (key,))  # nobody waits for it: dropped before its pass
+        if future.cancelled() and self._gone is None and not self.link.is_closing():
+            self.link.send("cancel", (key,))  # nobody waits for it: dropped before its pass
 
     def expedite(self, future: asyncio.Future) -> None:
         key = self._keys.get(future)
         if key is not None and self._gone is None:
-            wire.write(self.writer, "expedite", key)
+            self.link.send("expedite", key)
 
     def drained(self) -> None:
         """Tell the engine process this worker has answered everything it held (a drain)."""
-        if self._gone is None and not self.writer.is_closing():
-            wire.write(self.writer, "drained")
+        if self._gone is None and not self.link.is_closing():
+            self.link.send("drained")
 
     def stop(self, timeout: float | None = None) -> None:
         """No more work taken (the engine process finishes the passes and stops with the server)."""
@@ -149,7 +149,7 @@ class RemoteEngine:
         why = "its connection closed"
         try:
             while True:
-                frame = await wire.read(self.reader)
+                frame = await self.link.read()
                 if frame is None:
                     break
                 kind, fields, arrays = frame
@@ -175,4 +175,4 @@ class RemoteEngine:
         for future, _ in list(self._pending.values()):
             if not future.done():
                 future.set_exception(EngineGone(why))  # each its own: a shared one would keep every traceback
-        self.writer.close()
+        self.link.close()

@@ -87,7 +87,7 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
                           max_queue=1 << 40, metrics=Metrics(), fingerprint=lambda: settings.weights, log=log)
     path = os.path.join(folder, "engine.sock")
     try:
-        unix = await asyncio.start_unix_server(engine.worker, path, limit=wire.STREAM_LIMIT)
+        unix = await loop.create_unix_server(lambda: wire.Link(engine.worker), path)
     except OSError as e:  # a path over the 107 bytes a Unix socket's name may have, say
         log(f"cannot open the engine's socket {path} ({e.strerror or e}): set TMPDIR to a short folder this "
             "user can write, or serve with --workers 1")
