@@ -358,9 +358,16 @@ def test_random_checkpoint_command(tmp_path, monkeypatch, capsys):
     assert bind_tower(str(tmp_path / "rnd")).geometry == GEO
     assert {oct(os.stat(p).st_mode & 0o777) for p in (tmp_path / "rnd").iterdir()} == {oct(0o644)}
     assert synthetic.main([str(tmp_path / "rnd")]) == 0 and "already holds a checkpoint" in capsys.readouterr().err
+    assert synthetic.main([str(tmp_path / "rnd"), "--seed", "0"]) == 0
+    assert "(random weights, seed 0); nothing written" in capsys.readouterr().err
+    # Other weights asked of a folder that holds seed 0's: refused, not silently the old ones.
+    assert synthetic.main([str(tmp_path / "rnd"), "--seed", "1"]) == 2
+    assert "already holds random weights of seed 0, not seed 1: give a new folder" in capsys.readouterr().err
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    assert synthetic.main([str(tmp_path / "other")]) == 2 and "not an empty folder" in capsys.readouterr().err
+    assert synthetic.main([str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert "not an empty folder" in err and "RANDOM WEIGHTS" not in err  # refused before it says it writes
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
     # Each refused before anything is written, with one line: nothing half-written is left behind.
     (tmp_path / "cfg").mkdir()

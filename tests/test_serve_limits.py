@@ -160,7 +160,10 @@ def test_pixels_in_flight_413_never_429_not_now(server):
     t = threading.Thread(target=lambda: first.update(r=post(client, json.dumps(
         {"images": [b64(big[0])], "max_image_tokens": 64}).encode())))
     t.start()
-    time.sleep(0.15)  # the first request's image is being decoded
+    deadline = time.monotonic() + 10  # the first request admitted: its pixels held until its pass (400 ms' wait)
+    while client.health()["pixels_in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.health()["pixels_in_flight"] > 0, "the first request was never admitted"
     t0 = time.monotonic()
     got, err = post(client, json.dumps({"images": [b64(big[1])], "max_image_tokens": 64}).encode())
     assert got == 429 and "(--max-pixels-in-flight) are taken" in err["error"] and "retry later" in err["error"], err

@@ -111,7 +111,7 @@ def write_checkpoint(path, geo: VisionGeometry, *, seed: int = 0, prefix: str = 
         if extra and k in (0, shards - 1):
             part.update(dict(list(extra.items())[: 2] if k == 0 else list(extra.items())[2:]))
         fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        save_file(part, os.path.join(path, fname), metadata={"format": "pt"})
+        save_file(part, os.path.join(path, fname), metadata={"format": "pt", "glmvit_random_seed": str(seed)})
         weight_map.update({n: fname for n in part})
     total = sum(v.nbytes for v in named.values()) + sum(v.nbytes for v in extra.values())
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
@@ -125,14 +125,9 @@ def write_checkpoint(path, geo: VisionGeometry, *, seed: int = 0, prefix: str = 
     return os.fspath(path)
 
 
-def cached_checkpoint(path, geo: VisionGeometry, *, seed: int = 0) -> str:
-    """write_checkpoint once: reuse `path` if a checkpoint is there, else write it under a temporary name
-    and rename it onto `path` (absent, or an empty folder), so an interrupted write is never mistaken for a
-    finished one; what an interrupted or failed write left is removed. OSError, saying what is in the way,
-    for a `path` that is something else (checked before anything is written)."""
-    path = os.fspath(path)
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
+def writable_target(path: str) -> str:
+    """Where a new checkpoint at `path` is written first (path + ".tmp"); OSError, saying what is in the way,
+    for a `path` that is neither absent nor an empty folder."""
     if os.path.lexists(path) and not os.path.exists(path):
         raise OSError(f"{path} is a symbolic link to {os.readlink(path)}, which leads nowhere; remove the link or "
                       "give another folder")
@@ -142,6 +137,31 @@ def cached_checkpoint(path, geo: VisionGeometry, *, seed: int = 0) -> str:
     tmp = path + ".tmp"
     if os.path.lexists(tmp) and not os.path.isdir(tmp):
         raise OSError(f"{tmp} (where the checkpoint is written first) is in the way and is not a folder; remove it")
+    return tmp
+
+
+def written_seed(path: str) -> int | None:
+    """The seed of the random weights this module wrote at `path` (its shards' metadata), else None."""
+    from safetensors import safe_open
+
+    try:
+        with open(os.path.join(path, "model.safetensors.index.json")) as f:
+            first = sorted(set(json.load(f)["weight_map"].values()))[0]
+        with safe_open(os.path.join(path, first), "numpy") as f:
+            return int((f.metadata() or {})["glmvit_random_seed"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
+def cached_checkpoint(path, geo: VisionGeometry, *, seed: int = 0) -> str:
+    """write_checkpoint once: reuse `path` if a checkpoint is there, else write it under a temporary name
+    and rename it onto `path` (absent, or an empty folder), so an interrupted write is never mistaken for a
+    finished one; what an interrupted or failed write left is removed. OSError, saying what is in the way,
+    for a `path` that is something else (checked before anything is written)."""
+    path = os.fspath(path)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    tmp = writable_target(path)
     try:
         write_checkpoint(tmp, geo, seed=seed)
         os.replace(tmp, path)  # onto an empty folder too
@@ -159,9 +179,10 @@ def main(argv=None) -> int:
                     "glmvit-serve and the Python API without downloading the model. Its embeddings mean nothing.")
     ap.add_argument("dir", help="the folder to write: new or empty (one that already holds a checkpoint is left as "
                                 "it is)")
-    ap.add_argument("--seed", type=int, default=0, help="the weights' random seed (default 0)")
+    ap.add_argument("--seed", type=int, default=None, help="the weights' random seed (default 0)")
     args = ap.parse_args(argv)
     path = os.path.abspath(args.dir)
+    seed = 0 if args.seed is None else args.seed
     if os.path.exists(os.path.join(path, "config.json")):
         from .bind import bind_tower
 
@@ -171,12 +192,23 @@ def main(argv=None) -> int:
             print(f"{path} holds a config.json but no checkpoint this package reads ({e}); give a new folder",
                   file=sys.stderr)
             return 2
-        print(f"{path} already holds a checkpoint; nothing written", file=sys.stderr)
+        there = written_seed(path)
+        if args.seed is not None and there != args.seed:
+            held = f"random weights of seed {there}" if there is not None else "a checkpoint not written by this command"
+            print(f"{path} already holds {held}, not seed {args.seed}: give a new folder for those", file=sys.stderr)
+            return 2
+        print(f"{path} already holds a checkpoint" + (f" (random weights, seed {there})" if there is not None else "")
+              + "; nothing written", file=sys.stderr)
         return 0
-    print(f"!! RANDOM WEIGHTS: writing a checkpoint with the official geometry and random weights (seed "
-          f"{args.seed}) to {path}; its embeddings are not GLM-5.3-Flash's !!", file=sys.stderr)
     try:
-        cached_checkpoint(path, VisionGeometry.official(), seed=args.seed)
+        writable_target(path)
+    except OSError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(f"!! RANDOM WEIGHTS: writing a checkpoint with the official geometry and random weights (seed "
+          f"{seed}) to {path}; its embeddings are not GLM-5.3-Flash's !!", file=sys.stderr)
+    try:
+        cached_checkpoint(path, VisionGeometry.official(), seed=seed)
     except OSError as e:
         print(f"cannot write {path}: {e.strerror} ({e.filename})" if e.strerror and e.filename else str(e),
               file=sys.stderr)
