@@ -329,6 +329,11 @@ def test_devices_flag_parses_ordinals():
             cli.parse(["--devices", bad])
 
 
+def test_inputs_may_stand_before_between_and_after_the_options():
+    args = cli.parse(["a.jpg", "--cpu", "--out", "o", "b.png", "--max-frames", "4", "c/"])
+    assert args.inputs == ["a.jpg", "b.png", "c/"] and args.cpu and args.out == "o" and args.max_frames == 4
+
+
 def _preparer(resize="host"):
     return batching.preparer(bind_tower(cases.TOWER_DIR).geometry, 100, max_image_tokens=100, resize=resize)
 

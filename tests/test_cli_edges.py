@@ -604,3 +604,27 @@ def test_a_rerun_with_vllm_ec_dir_writes_the_files_of_what_was_encoded_before(fo
     assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == 0
     assert "no --vllm-ec-dir file written for it: its entry records neither" in capsys.readouterr().err
     assert not ec.exists() or not any(ec.iterdir())
+
+
+def test_pillows_warning_on_damaged_exif_names_the_image(tmp_path, rng):
+    """A JPEG whose EXIF block is damaged: Pillow warns (without a file name) and reads no orientation, as
+    the reference's loader does; the command names the image in one line, and encodes it."""
+    import io
+
+    im = Image.fromarray(rng.integers(0, 256, (60, 80, 3), dtype=np.uint8))
+    exif = im.getexif()
+    exif[0x0112] = 3
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", exif=exif)
+    data = bytearray(buf.getvalue())
+    at = max(data.find(b"MM\x00*"), data.find(b"II*\x00"))
+    data[at + 4:at + 8] = b"\xff\xff\xff\x00"  # the first IFD's offset: past the block's end
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "turned.jpg").write_bytes(bytes(data))
+    done = command(tmp_path / "imgs", "--checkpoint", TOWER, "--cpu", "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if "Corrupt EXIF" in ln]
+    assert len(lines) == 1 and "turned.jpg: Corrupt EXIF data" in lines[0] and "warnings.warn" not in done.stderr, \
+        done.stderr
+    manifest, embeddings = read_embeddings(tmp_path / "out")
+    assert len(embeddings) == 1 and not manifest["failed"]

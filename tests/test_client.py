@@ -409,3 +409,41 @@ def test_a_server_that_closes_without_answering_is_a_connection_error():
             Client(server.url, timeout=10).health()
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("index", ["zz", 0.5, True, [1], -1, 99])
+def test_an_error_whose_index_is_no_position_of_the_request_names_no_image(monkeypatch, index):
+    monkeypatch.setattr(Client, "_exchange", refuse(index, {"not": "text"}))
+    with pytest.raises(ServerError) as e:
+        Client().encode([b"a", b"b"])
+    assert e.value.source is None and e.value.status == 422 and '{"not": "text"}' in e.value.error
+    assert e.value.index == (index if type(index) is int else None)
+
+
+def _safetensors(tensors: dict, meta) -> bytes:
+    import ml_dtypes
+    from safetensors.numpy import save
+
+    raw = save({k: v.astype(ml_dtypes.bfloat16).view(np.uint16) for k, v in tensors.items()},
+               metadata={"images": json.dumps(meta)})
+    n = int.from_bytes(raw[:8], "little")  # the uint16 views stand in for bf16: the header says BF16
+    head = raw[8:8 + n].replace(b'"U16"', b'"BF16"')
+    return len(head).to_bytes(8, "little") + head + raw[8 + n:]
+
+
+@pytest.mark.parametrize("tensors, meta, says", [
+    ({}, [], "tensors [] for 1 images"),
+    ({"0": np.ones((2, 3)), "1": np.ones((2, 3))}, [{}], "tensors ['0', '1'] for 1 images"),
+    ({"0": np.ones((2, 3, 4))}, [{}], "tensor 0 has shape [2, 3, 4]"),
+    ({"0": np.ones((2, 3))}, [{}, {}, {}], "not a list of 1 objects"),
+    ({"0": np.ones((2, 3))}, ["x"], "not a list of 1 objects"),
+])
+def test_an_answer_that_does_not_match_the_request_is_an_oserror(monkeypatch, tensors, meta, says):
+    raw = _safetensors(tensors, meta)
+    monkeypatch.setattr(Client, "_exchange", lambda self, method, path, data, headers: (200, raw))
+    with pytest.raises(OSError, match=re.escape(says)):
+        Client().encode([b"a"])
+    ok = _safetensors({"0": np.ones((2, 3))}, [{"tokens": 2}])
+    monkeypatch.setattr(Client, "_exchange", lambda self, method, path, data, headers: (200, ok))
+    embs, metas = Client().encode([b"a"])
+    assert embs[0].shape == (2, 3) and metas == [{"tokens": 2}]

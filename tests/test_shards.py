@@ -68,6 +68,9 @@ def test_bad_headers(tmp_path, mutate, needle):
     lambda h: h["a"].update(shape=[-1] * 100_000), lambda h: h["a"].update(dtype="B" * 1_000_000),
     lambda h: h["a"].update(data_offsets=[0] * 100_000), lambda h: h.update({"x" * 1_000_000: dict(h.pop("a"), dtype="Q9")}),
     lambda h: h["a"].update(shape=[0] * 100_000, data_offsets=[0, 0]),
+    # numbers past the 4,300 digits Python's str() takes, and a product of dimensions that is
+    lambda h: h["a"].update(shape=[10**4000, 10**4000]), lambda h: h["a"].update(shape=[2**40] * 60),
+    lambda h: h["a"].update(data_offsets=[0, 10**4200]), lambda h: h["a"].update(data_offsets=[10**4250, 1]),
 ])
 def test_a_huge_field_is_quoted_short(tmp_path, mutate):
     """A header field of megabytes is named in the one-line error, not repeated whole into the log."""

@@ -175,9 +175,14 @@ class Client:
                                       "URL the server itself listens on)", None)
         try:
             err = json.loads(raw)
-            raise ServerError(status, err.get("error", ""), err.get("index")) from None
+            error, index = err.get("error", ""), err.get("index")
         except (ValueError, AttributeError):
             raise ServerError(status, raw.decode(errors="replace"), None) from None
+        if not isinstance(error, str):
+            error = json.dumps(error)[:2000]
+        if not isinstance(index, int) or isinstance(index, bool):
+            index = None  # glmvit-serve names an image by its position or not at all
+        raise ServerError(status, error, index)
 
     def _exchange(self, method, path, data, headers) -> tuple[int, bytes]:
         """(status, body) of one request on this thread's connection, opened if it has none (or if it was
@@ -298,9 +303,18 @@ def _metadata(raw: bytes) -> dict:
 
 
 def _answer(raw: bytes, n: int, what: str) -> tuple[list[np.ndarray], list[dict]]:
-    """An encode's answer: its n tensors in order (the file parsed once), and the metadata of each."""
+    """An encode's answer: its n tensors in order (the file parsed once), and the metadata of each; ValueError
+    where it is not one for n images or videos."""
     tensors = _bf16_tensors(raw)
-    return [tensors[str(i)] for i in range(n)], json.loads(_metadata(raw)[what])
+    if set(tensors) != {str(i) for i in range(n)}:
+        raise ValueError(f"tensors {sorted(tensors)[:8]} for {n} {what}; glmvit-serve names them 0..{n - 1}")
+    for name, t in tensors.items():
+        if t.ndim != 2:
+            raise ValueError(f"tensor {name} has shape {list(t.shape)}, not the [tokens, width] of an embedding")
+    meta = json.loads(_metadata(raw)[what])
+    if not isinstance(meta, list) or len(meta) != n or not all(isinstance(m, dict) for m in meta):
+        raise ValueError(f"its metadata is not a list of {n} objects, one for each of the {what}")
+    return [tensors[str(i)] for i in range(n)], meta
 
 
 def _object(value) -> dict:

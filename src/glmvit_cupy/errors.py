@@ -82,6 +82,11 @@ def quoted(v, width: int = 40) -> str:
     a request sent can be megabytes long), and an integer too long for repr as its size in bits."""
     try:
         r = repr(v)
-    except ValueError:  # an int past Python's digit limit for str()
-        return f"an integer of {v.bit_length():,} bits"
+    except ValueError:  # an int past Python's digit limit for str(), or a list or tuple holding one
+        if isinstance(v, int):
+            return f"an integer of {v.bit_length():,} bits"
+        if not isinstance(v, (list, tuple)):
+            return f"a {type(v).__name__} too large to print"
+        ends = "()" if isinstance(v, tuple) else "[]"
+        r = ends[0] + ", ".join(quoted(x, width) for x in v[:16]) + (", ..." if len(v) > 16 else "") + ends[1]
     return r if len(r) <= width else f"{r[:width]}... ({len(r):,} characters)"

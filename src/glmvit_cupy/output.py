@@ -276,8 +276,8 @@ class Output:
                 raise TypeError("its header and images are not objects")
         except (OSError, ValueError, KeyError, TypeError, RecursionError, OutputError) as e:
             raise OutputError(f"{path} is unreadable or truncated ({type(e).__name__}: {e}); it cannot say what is "
-                              "done. Move it away to encode everything again into this folder, or use another "
-                              "--out") from None
+                              "done. Move it away and run again: what the shards here hold (their own metadata) is "
+                              "kept and the rest encoded; or use another --out") from None
         self._check(header, settings, MANIFEST)
         # Keep only entries whose shard reads whole and holds them: a shard lost or damaged since is encoded again.
         own = _own_shards(self.folder, images)

@@ -129,12 +129,16 @@ def read_header(path: str) -> dict:
             raise CheckpointError(f"{where}: data_offsets {quoted(offs, 80)} must be two integers [begin, end]")
         begin, end = offs
         if begin < 0 or end < begin:
-            raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] are negative or reversed")
+            raise CheckpointError(f"{where}: data_offsets {quoted(offs, 80)} are negative or reversed")
         if end > data_len:
             raise CheckpointError(
-                f"{where}: data_offsets [{begin}, {end}] lie outside the {data_len}-byte data section "
+                f"{where}: data_offsets {quoted(offs, 80)} lie outside the {data_len}-byte data section "
                 "(the shard is truncated or its header is wrong)")
         want = dtypes()[dtype].itemsize * _prod(shape)
+        if want > data_len:  # also a product too long to print
+            raise CheckpointError(
+                f"{where}: dtype {dtype} x shape {quoted(tuple(shape), 80)} needs more bytes than the shard's "
+                f"{data_len}-byte data section holds; the header is damaged")
         if end - begin != want:
             raise CheckpointError(
                 f"{where}: {end - begin} bytes on disk, but dtype {dtype} x shape {quoted(tuple(shape), 80)} needs {want}")

@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 from .. import gpu
 from ..checkpoint.bind import bind_tower, inspect_checkpoint
@@ -108,7 +109,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse(argv):
-    return parser().parse_args(argv)
+    return parser().parse_intermixed_args(argv)  # inputs before, between and after the options
 
 
 def inspect(path) -> int:
@@ -144,6 +145,23 @@ class _LogAboveTheBar(logging.Handler):
             self.handleError(record)
 
 
+def _warning_above_the_bar(message, category, filename, lineno, file=None, line=None):
+    """Python's warnings (Pillow's on a damaged file) as lines above the progress bar, naming the image a
+    decoding thread was on."""
+    from tqdm import tqdm
+
+    from ..preprocessing.decode import decoding
+
+    name = decoding()
+    where = f"{name}: " if name else ""
+    said = f"{where}{message}" + (f" ({category.__name__} from {os.path.basename(filename)})" if not name else
+                                  " (Pillow; the image is encoded as Pillow reads it, as the reference's is)")
+    try:
+        tqdm.write(f"glmvit-encode: {said}", file=sys.stderr)
+    except Exception:  # noqa: BLE001 - stderr gone (a closed pipe): the warning is lost, never the run
+        pass
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     # SIGTERM (a scheduler stopping the job) stops the run as Ctrl-C does: what finished is saved, and said.
@@ -153,6 +171,7 @@ def main(argv=None) -> int:
     if not logging.getLogger().handlers and not pkg.handlers:  # logging left unset: Python's last resort
         handler = _LogAboveTheBar(logging.WARNING)
         pkg.addHandler(handler)
+    shown_warning, warnings.showwarning = warnings.showwarning, _warning_above_the_bar
     try:
         return run(args)
     except KeyboardInterrupt as e:  # before the encoding began (walking the inputs, loading the checkpoint)
@@ -160,6 +179,7 @@ def main(argv=None) -> int:
         print(f"\nglmvit-encode: {word} before anything was encoded", file=sys.stderr)
         return status
     finally:
+        warnings.showwarning = shown_warning
         if handler is not None:
             pkg.removeHandler(handler)
         if main_thread:

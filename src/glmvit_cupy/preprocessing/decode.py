@@ -113,7 +113,24 @@ def _mapped(buf: np.ndarray):
     return Image.core.map_buffer(buf, (w, h), "raw", 0, ("RGB", 0, 1))
 
 
+_now = threading.local()
+
+
+def decoding() -> str | None:
+    """The name of the image this thread is decoding, if any: for a warning Pillow gives meanwhile (damaged
+    EXIF data, say), which does not name its file."""
+    return getattr(_now, "name", None)
+
+
 def _decode(image, name, max_pixels=None, host_buffer=None):
+    _now.name = name
+    try:
+        return _decode_named(image, name, max_pixels, host_buffer)
+    finally:
+        _now.name = None
+
+
+def _decode_named(image, name, max_pixels=None, host_buffer=None):
     """Open a path or file object the way the reference loads a path: EXIF transpose, convert('RGB').
     Images over max_pixels (default: Pillow's guard, 89.5 MP) are refused before they are decoded.
     With host_buffer, an upright colour JPEG is decoded straight into an [H, W, 4] buffer from it and
