@@ -822,6 +822,27 @@ def test_a_second_sigterm_stops_at_once_without_a_traceback():
         stop(proc)
 
 
+def test_ctrl_c_while_starting_is_one_line_and_status_130():
+    """Ctrl-C while the command imports, checks the checkpoint or binds (before the server's own handlers):
+    one line and exit status 130, no traceback."""
+    prelude = ("import time, glmvit_cupy.checkpoint.bind as b; f = b.bind_tower; "
+               "b.bind_tower = lambda *a, **k: (print('binding', flush=True), time.sleep(30), f(*a, **k))[2]")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    code = f"import sys; {prelude}; from glmvit_cupy.serving.main import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", TOWER, "--cpu", "--port", str(free_port())],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stdout.readline().strip() == "binding"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 130
+        out = proc.stdout.read()
+        assert "glmvit-serve: interrupted while starting (exit 130)" in out and "Traceback" not in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_model_that_fails_to_load_is_logged_and_the_process_exits_1(tmp_path, workers):
     import dataclasses

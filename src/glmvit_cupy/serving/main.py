@@ -31,7 +31,8 @@ EXIT_STATUS = """exit status:
   2  a flag out of range, a checkpoint that fails its checks, no usable GPU without --cpu, --cpu with
      --devices, a --vllm-ec-dir that cannot be written, an open-file limit too low for --max-connections,
      the serve extra not installed, or no folder for the HTTP workers' socket to the engine
-  3  the address cannot be listened on (the port in use, say)"""
+  3  the address cannot be listened on (the port in use, say)
+  130  Ctrl-C while starting"""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -179,6 +180,15 @@ def open_files_for(max_connections: int | None) -> tuple[int, int, str | None]:
 
 
 def main(argv=None) -> int:
+    try:
+        return serve(argv)
+    except KeyboardInterrupt:  # Ctrl-C while it imports, loads or binds: before the server's own handlers
+        print("\nglmvit-serve: interrupted while starting (exit 130)", file=sys.stderr)
+        return 130
+
+
+def serve(argv) -> int:
+    """The command; its exit status."""
     args = parser().parse_args(argv)
     try:
         import uvicorn
