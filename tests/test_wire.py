@@ -1,6 +1,6 @@
 """Frames between glmvit-serve's HTTP workers and its engine (serving/wire.py): whatever way the bytes are cut
 on their way, every frame comes out whole and equal to what was sent, payloads larger than the scratch
-buffer and headers larger than it included; the end of the stream is None; a reader that falls behind
+buffer and headers larger than it included (read into buffers of their own: the scratch never grows); the end of the stream is None; a reader that falls behind
 pauses the socket and resumes it."""
 
 import asyncio
@@ -84,6 +84,7 @@ def test_frames_come_out_whole_however_the_bytes_are_cut(cut, rng):
         else:
             feed(link, data, sizes)
         link.eof_received()
+        assert len(link._scratch) == wire.Link.SCRATCH  # a large header was read into a buffer of its own
         got = [await link.read() for _ in sent]
         assert await link.read() is None
         return got

@@ -32,8 +32,8 @@ def pack(kind: str, fields: tuple = (), arrays=()) -> list:
 
 class Link(asyncio.BufferedProtocol):
     """One end of a frame stream, used from its event loop: send() queues a frame, `await read()` gives the
-    next. Bytes arrive into a scratch buffer, whole frames are cut from it, and a payload larger than what
-    the scratch holds is received straight into its own buffer: a 1 MB embedding is one copy out of the
+    next. Bytes arrive into a scratch buffer, whole frames are cut from it, and a header or payload larger
+    than what the scratch holds is received straight into its own buffer: a 1 MB embedding is one copy out of the
     kernel, where asyncio's StreamReader makes three (0.33 CPU ms a frame against 0.13, tools/wire_bench.py).
     Reading pauses while more than PAUSE_BYTES of frames wait to be read."""
 
@@ -44,8 +44,10 @@ class Link(asyncio.BufferedProtocol):
         self.on_connect = on_connect  # on_connect(link) runs as a task once the connection is made
         self.transport, self.task = None, None
         self._scratch, self._have = bytearray(self.SCRATCH), 0
-        self._big = None  # (header, payload buffer, bytes of it received) of a frame read into its own buffer
-        self._frames: collections.deque = collections.deque()  # (frame, its payload's bytes) not yet read
+        # A frame's part read into its own buffer: [header (None while it is the part being read), the buffer,
+        # bytes of it received, the payload's length]
+        self._big: list | None = None
+        self._frames: collections.deque = collections.deque()  # (header, payload) of the frames not yet read
         self._waiting_bytes, self._paused, self._ended = 0, False, False
         self._waiter: asyncio.Future | None = None
 
@@ -58,22 +60,28 @@ class Link(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._big is not None:
-            _, payload, got = self._big
-            return memoryview(payload)[got:]
+            _, buf, got, _ = self._big
+            return memoryview(buf)[got:]
         return memoryview(self._scratch)[self._have:]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._big is not None:
-            header, payload, got = self._big
-            got += nbytes
-            if got < len(payload):
-                self._big = (header, payload, got)
-                return
-            self._big = None
-            self._deliver(header, payload)
+        if self._big is None:
+            self._have += nbytes
+            self._cut()
             return
-        self._have += nbytes
-        self._cut()
+        big = self._big
+        big[2] += nbytes
+        if big[2] < len(big[1]):
+            return
+        header, buf, _, length = big
+        if header is not None:  # the payload, whole
+            self._big = None
+            self._deliver(header, buf)
+        elif length:  # the header, whole: the payload next, into its own buffer
+            self._big = [bytes(buf), bytearray(length), 0, length]
+        else:
+            self._big = None
+            self._deliver(bytes(buf), bytearray())
 
     def eof_received(self) -> bool:
         self._end()
@@ -85,16 +93,17 @@ class Link(asyncio.BufferedProtocol):
     # -- frames --------------------------------------------------------------------------------------------
 
     def _cut(self) -> None:
-        """Whole frames out of the scratch buffer; a payload that does not fit it goes on in its own buffer."""
+        """Whole frames out of the scratch buffer; a header or payload that does not fit it goes on in its own
+        buffer."""
         buf, at, have = self._scratch, 0, self._have
         while have - at >= HEAD.size:
             size, length = HEAD.unpack_from(buf, at)
             start = at + HEAD.size + size
             if start > have:  # the header is not all here yet
-                if start - at > len(buf):  # nor would it fit: a larger scratch buffer
-                    self._scratch = buf = buf[at:have] + bytearray(start - at - (have - at))
-                    self._have = have - at
-                    return
+                if HEAD.size + size > len(buf):  # nor would it fit: it goes on in its own buffer
+                    header = bytearray(size)
+                    header[:have - at - HEAD.size] = buf[at + HEAD.size:have]
+                    self._big, at = [None, header, have - at - HEAD.size, length], have
                 break
             header = bytes(memoryview(buf)[at + HEAD.size:start])
             if have - start >= length:
@@ -103,7 +112,7 @@ class Link(asyncio.BufferedProtocol):
                 continue
             payload = bytearray(length)
             payload[:have - start] = buf[start:have]
-            self._big, at = (header, payload, have - start), have
+            self._big, at = [header, payload, have - start, length], have
             break
         if at:
             buf[:have - at] = buf[at:have]
@@ -111,7 +120,7 @@ class Link(asyncio.BufferedProtocol):
 
     def _deliver(self, header: bytes, payload: bytearray) -> None:
         self._frames.append((header, payload))
-        self._waiting_bytes += len(payload)
+        self._waiting_bytes += len(header) + len(payload)
         if self._waiting_bytes > self.PAUSE_BYTES and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
@@ -137,7 +146,7 @@ class Link(asyncio.BufferedProtocol):
             finally:
                 self._waiter = None
         header, payload = self._frames.popleft()
-        self._waiting_bytes -= len(payload)
+        self._waiting_bytes -= len(header) + len(payload)
         if self._paused and self._waiting_bytes <= self.PAUSE_BYTES // 2:
             self._paused = False
             self.transport.resume_reading()
