@@ -606,6 +606,34 @@ def test_a_rerun_with_vllm_ec_dir_writes_the_files_of_what_was_encoded_before(fo
     assert not ec.exists() or not any(ec.iterdir())
 
 
+def test_something_in_the_way_of_one_vllm_key_fails_that_input_alone(folder, tmp_path, capsys):
+    """A file of someone else's where one image's --vllm-ec-dir folder goes: its embedding is still saved in
+    --out, the other images get their vLLM files, the line names the image and the obstacle, and the status
+    is 1 (not 3: nothing stopped); each re-run says so again until the obstacle goes, then writes the file."""
+    import hashlib
+
+    from glmvit_cupy import vllm_ec
+
+    out, ec = tmp_path / "out", tmp_path / "ec"
+    sha = hashlib.sha256((folder / "a.png").read_bytes()).hexdigest()
+    key = vllm_ec.key_for_image(sha, 16, 8000)
+    ec.mkdir()
+    (ec / key).write_text("not ours")
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == cli.FAILED
+    got = capsys.readouterr()
+    assert f"no --vllm-ec-dir file for {folder / 'a.png'}: {ec / key} is not a folder" in got.err + got.out
+    assert "1 without a --vllm-ec-dir file" in got.out
+    manifest, embeddings = read_embeddings(out)
+    assert len(embeddings) == 2 and not manifest["failed"]
+    assert len([p for p in ec.iterdir() if p.is_dir()]) == 1 and (ec / key).read_text() == "not ours"
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == cli.FAILED
+    assert f"{ec / key} is not a folder" in capsys.readouterr().err
+    (ec / key).unlink()
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == cli.DONE
+    assert "1 file encoded earlier had no file in --vllm-ec-dir" in capsys.readouterr().out
+    assert (ec / key / "encoder_cache.safetensors").is_file()
+
+
 def test_pillows_warning_on_damaged_exif_names_the_image(tmp_path, rng):
     """A JPEG whose EXIF block is damaged: Pillow warns (without a file name) and reads no orientation, as
     the reference's loader does; the command names the image in one line, and encodes it."""

@@ -154,12 +154,17 @@ def _failed(what: str, e: BaseException) -> OutputError:
     return OutputError(" ".join(f"{what}: {reason}; {fix}, or give --vllm-ec-dir another folder".splitlines()))
 
 
-def _link_error(path: str, dir_fd: int, name: str) -> OutputError:
+class InTheWay(OutputError):
+    """Something not the cache's own at one key (a file or a link where its folder goes, a FIFO where its file
+    goes): that key alone cannot be written; the others can."""
+
+
+def _link_error(path: str, dir_fd: int, name: str) -> InTheWay:
     try:
         to = f" (to {os.readlink(name, dir_fd=dir_fd)})"
     except OSError:
         to = ""
-    return OutputError(" ".join(f"{path} is a symbolic link{to}; the vLLM encoder cache does not follow links "
+    return InTheWay(" ".join(f"{path} is a symbolic link{to}; the vLLM encoder cache does not follow links "
                                 "out of its folder: remove it and the embedding is written there again".splitlines()))
 
 
@@ -222,8 +227,8 @@ def _open_key_folder(top: int, folder: str, key: str) -> int:
         if mode is not None and stat.S_ISLNK(mode):
             raise _link_error(where, top, key) from None
         if mode is not None and not stat.S_ISDIR(mode):
-            raise OutputError(f"{where} is not a folder; remove it and the embedding is written there "
-                              "again") from None
+            raise InTheWay(f"{where} is not a folder; remove it and the embedding is written there "
+                           "again") from None
         raise _failed(f"cannot open {where}", e) from e
 
 
@@ -251,7 +256,7 @@ def _finished(here: int, target: str, weights: str | None = None, quiet: bool = 
         return False
     if stat.S_ISLNK(st.st_mode):
         raise _link_error(target, here, FILE)
-    raise OutputError(f"{target} is not a plain file; remove it and the embedding is written there again")
+    raise InTheWay(f"{target} is not a plain file; remove it and the embedding is written there again")
 
 
 def _weights_of(here: int, size: int) -> tuple[str | None, bool]:

@@ -8,7 +8,7 @@ from .. import vllm_ec
 
 # Exit statuses (docs/CLI.md#exit-status, and --help's epilog).
 DONE = 0         # every input file is in the output folder, encoded by this run or an earlier one
-FAILED = 1       # some input files failed (each named; the manifest's "failed"); the rest are saved
+FAILED = 1       # some input files failed (each named; the manifest's "failed"), or their --vllm-ec-dir entry
 USAGE = 2        # nothing was run: the arguments, the inputs, the checkpoint, the GPU or --out refused it
 WRITE = 3        # a write to the output folder or --vllm-ec-dir failed mid-run; it stopped, what was written stays
 INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it); what finished is saved
@@ -35,7 +35,9 @@ def interruption(e: KeyboardInterrupt) -> tuple[str, int]:
 EXIT_STATUS = """exit status:
   0    every input file is in the output folder (encoded by this run or an earlier one)
   1    some input files failed, each named (and recorded in manifest.json's "failed"); the rest are
-       saved. A re-run tries the failed files again, so it exits 1 again while any of them still fails
+       saved. A re-run tries the failed files again, so it exits 1 again while any of them still fails.
+       Also: something not the cache's own in the way of one file's --vllm-ec-dir entry (named; its
+       embedding is saved in the output folder, and a re-run writes the entry once it is gone)
   2    nothing was run: a usage error or bad argument, an input that names nothing, no image or video
        found, videos without PyAV, a checkpoint that fails its checks, no usable GPU, a --vllm-ec-dir
        that cannot be written, an --out that cannot be created, is a file, was written with other
@@ -53,11 +55,18 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def write_vllm(folder: str, key: str, embedding, weights: str | None = None) -> None:
+def write_vllm(folder: str, key: str, embedding, weights: str | None = None, source=None, say=None) -> bool:
     """vllm_ec.write (whose own failures are OutputErrors naming the file), any other OSError from it as an
-    OutputError naming --vllm-ec-dir."""
+    OutputError naming --vllm-ec-dir. Something in the way of this key alone (vllm_ec.InTheWay) stops
+    nothing: say(line) names `source` and why, and it returns False (the embedding is saved in --out all
+    the same; a re-run writes its vLLM file once the obstacle is gone)."""
     try:
         vllm_ec.write(folder, key, embedding, weights)
+        return True
+    except vllm_ec.InTheWay as e:
+        say(shown(f"no --vllm-ec-dir file for {source}: {e} (its embedding is saved in --out; a re-run writes "
+                  "the file)"))
+        return False
     except OSError as e:
         reason = e.strerror or " ".join(str(e).split())
         raise OutputError(f"cannot write {shown(key)} in --vllm-ec-dir {shown(folder)}: {shown(reason)}") from None

@@ -270,10 +270,11 @@ def run(args) -> int:
     if len(todo) < len(paths):
         print(f"glmvit-encode: {len(paths) - len(todo)} of {counted(len(paths), 'file')} already in "
               f"{shown(args.out)}; skipping {'it' if len(paths) - len(todo) == 1 else 'them'}")
+    blocked = 0  # earlier images whose vLLM file something in the way of its key kept from being written
     if args.vllm_ec_dir and len(todo) < len(paths):  # finished in an earlier run: their vLLM files too
         pending = set(todo)
         try:
-            backfilled = backfill_vllm(args, out, [keys[p] for p in paths if p not in pending])
+            backfilled, blocked = backfill_vllm(args, out, [keys[p] for p in paths if p not in pending])
         except OutputError as e:
             return stopped_writing(e)
         if backfilled:
@@ -288,7 +289,7 @@ def run(args) -> int:
             out.flush()
         except OutputError as e:
             return stopped_writing(e)
-        return DONE
+        return FAILED if blocked else DONE
     todo_videos = [p for p in todo if is_video(p)]
     todo = [p for p in todo if not is_video(p)]
     if args.cpu:
@@ -307,7 +308,8 @@ def run(args) -> int:
     saved_before = len(out)
     try:
         rc = encode_all(args, todo, enc, out) if todo else DONE
-        return max(rc, encode_videos(args, todo_videos, enc, out, per_video) if todo_videos else DONE)
+        rc = max(rc, encode_videos(args, todo_videos, enc, out, per_video) if todo_videos else DONE)
+        return max(rc, FAILED if blocked else DONE)
     except KeyboardInterrupt as e:
         n = len(out) - saved_before
         word, status = interruption(e)
@@ -332,7 +334,8 @@ def stopped_writing(e: Exception, ran: str | None = None) -> int:
 def backfill_vllm(args, out, done: list) -> int:
     """The vLLM files of images and videos `out` holds already, written from their shards where
     --vllm-ec-dir has none (or a broken one, or another tower's): a re-run with --vllm-ec-dir, or after a
-    cache folder was cleared, fills it. Returns how many were written."""
+    cache folder was cleared, fills it. Returns (how many were written, how many could not be: something
+    in the way of their keys, each named)."""
     import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, which safetensors.numpy reads it as)
     from safetensors import safe_open
 
@@ -352,11 +355,14 @@ def backfill_vllm(args, out, done: list) -> int:
                 missing.setdefault(entry["shard"], []).append((key, ec_key))
         except (ValueError, OSError) as e:  # the file gone or unreadable (ImageError), a damaged entry
             print(skipped(key, f"no --vllm-ec-dir file written for it: {e}"), file=sys.stderr)
+    written = blocked = 0
     for shard, items in sorted(missing.items()):
         with safe_open(os.path.join(out.folder, shard), "numpy") as f:
             for key, ec_key in items:
-                write_vllm(args.vllm_ec_dir, ec_key, f.get_tensor(key), weights)
-    return sum(len(items) for items in missing.values())
+                said = write_vllm(args.vllm_ec_dir, ec_key, f.get_tensor(key), weights, key_path(key),
+                                  lambda line: print(line, file=sys.stderr))
+                written, blocked = written + said, blocked + (not said)
+    return written, blocked
 
 
 def token_limits(args) -> str | None:
@@ -385,6 +391,7 @@ def encode_all(args, todo, enc, out) -> int:
 
     tokens_done, failed = 0, 0
     unusable = []  # images whose embedding came back unusable (the writer's thread appends them)
+    blocked = []  # images saved whose vLLM file could not be written (something in the way of its key)
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), unit="img", dynamic_ncols=True)
     writer = Writer(out)  # a disk slower than the GPUs holds them back (output.PENDING_WRITES)
@@ -405,9 +412,11 @@ def encode_all(args, todo, enc, out) -> int:
                         out.fail(key, problem)
                         bar.write(skipped(key, problem))
                 if args.vllm_ec_dir:
-                    for _, info, emb in kept:
-                        write_vllm(args.vllm_ec_dir, vllm_ec.key_for_image(info["sha256"], args.min_image_tokens,
-                                                                       args.max_image_tokens), emb, weights)
+                    for key, info, emb in kept:
+                        if not write_vllm(args.vllm_ec_dir, vllm_ec.key_for_image(
+                                info["sha256"], args.min_image_tokens, args.max_image_tokens), emb, weights,
+                                key_path(key), bar.write):
+                            blocked.append(key)
                 out.add_batch(kept)
                 tokens_done += sum(info["tokens"] for _, info, _ in kept)
                 bar.update(len(b))
@@ -484,8 +493,8 @@ def encode_all(args, todo, enc, out) -> int:
     failed += len(unusable)
     print(f"glmvit-encode: {counted(len(todo) - failed, 'image')}, {tokens_done} tokens in {dt:.1f} s "
           f"({(len(todo) - failed) / dt:.1f} images/s, {tokens_done / dt:.0f} tokens/s); {failed} failed; "
-          f"output in {shown(args.out)}")
-    return FAILED if failed else DONE
+          + (f"{len(blocked)} without a --vllm-ec-dir file; " if blocked else "") + f"output in {shown(args.out)}")
+    return FAILED if failed or blocked else DONE
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
     submit = writer.submit
     running: dict = {}  # future of a lane's launch -> (key, entry)
     unusable = []  # videos whose embedding came back unusable (the writer's thread appends them)
+    blocked = []  # videos saved whose vLLM file could not be written (something in the way of its key)
     t0 = time.perf_counter()
 
     def on_lane(lane, planned):
@@ -114,8 +115,9 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
                 out.fail(key, problem)
                 bar.write(skipped(entry["source"], problem))
                 return
-            if args.vllm_ec_dir:
-                write_vllm(args.vllm_ec_dir, entry["key"], emb, out.manifest["header"]["weights"])
+            if args.vllm_ec_dir and not write_vllm(args.vllm_ec_dir, entry["key"], emb,
+                                                   out.manifest["header"]["weights"], entry["source"], bar.write):
+                blocked.append(key)
             out.add_batch([(key, entry, emb)])
 
     def collect(done):
@@ -168,5 +170,6 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
     dt = time.perf_counter() - t0
     encoded, failed, tokens = encoded - len(unusable), failed + len(unusable), tokens - sum(unusable)
     print(f"glmvit-encode: {counted(encoded, 'video')}, {tokens} tokens in {dt:.1f} s ({encoded / dt:.2f} videos/s, "
-          f"{tokens / dt:.0f} tokens/s); {failed} failed; output in {shown(args.out)}")
-    return FAILED if failed else DONE
+          f"{tokens / dt:.0f} tokens/s); {failed} failed; "
+          + (f"{len(blocked)} without a --vllm-ec-dir file; " if blocked else "") + f"output in {shown(args.out)}")
+    return FAILED if failed or blocked else DONE
