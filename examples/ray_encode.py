@@ -37,34 +37,39 @@ def local_files(spec):
     return sorted({os.path.realpath(p) for p in found})
 
 
-def done_paths(out) -> set:
-    """Paths already in the output's Parquet files. A file cut short (Ray writes under the final name, so a
-    run killed mid-write leaves one: no Parquet footer) is moved aside as .NAME.unreadable (a hidden name,
-    which Parquet readers pass over), saying so: its rows are encoded again. A Parquet file without a path
-    column is not one of ours: passed over, saying so."""
+def done_paths(out) -> tuple[set, set]:
+    """(paths already in the output's Parquet files, the files there that are not this example's). A file
+    that cannot be read (Ray writes under the final name, so a run killed mid-write leaves one cut short;
+    or a damaged page) is moved aside as .NAME.unreadable (a hidden name, which Parquet readers pass over),
+    saying so: its rows are encoded again. A Parquet file without a text path column is not one of ours:
+    passed over, saying so."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     files = glob.glob(os.path.join(out, "*.parquet")) if os.path.isdir(out) else []
-    paths = set()
+    paths, foreign = set(), set()
     for f in files:
         try:
             schema = pq.read_schema(f)
-        except pa.ArrowInvalid as e:  # no footer: cut short
+            kind = schema.field("path").type if "path" in schema.names else None
+            if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                print(f"ray_encode: {f} has no path column of text ({kind or 'none'}), so it is not one of this "
+                      "example's files: passed over")
+                foreign.add(f)
+                continue
+            paths.update(pq.read_table(f, columns=["path"]).column("path").to_pylist())
+        except (pa.ArrowException, OSError) as e:  # no footer (cut short), or a damaged page
+            why = " ".join(str(e).split())[:160]
             aside = os.path.join(out, f".{os.path.basename(f)}.unreadable")
             try:
                 os.replace(f, aside)
             except OSError as moved:
-                raise SystemExit(f"ray_encode: {f} is cut short ({' '.join(str(e).split())[:120]}) and cannot be "
-                                 f"moved aside ({moved.strerror}): remove it, and re-run") from None
-            print(f"ray_encode: {f} is cut short ({' '.join(str(e).split())[:120]}); moved aside as "
-                  f"{os.path.basename(aside)}, its rows are encoded again")
-            continue
-        if "path" not in schema.names:
-            print(f"ray_encode: {f} has no path column, so it is not one of this example's files: passed over")
-            continue
-        paths.update(pq.read_table(f, columns=["path"]).column("path").to_pylist())
-    return paths | {os.path.realpath(p) for p in paths if "://" not in p}  # rows written with other spellings too
+                raise SystemExit(f"ray_encode: {f} cannot be read ({why}) and cannot be moved aside "
+                                 f"({moved.strerror}): remove it, and re-run") from None
+            print(f"ray_encode: {f} cannot be read ({why}); moved aside as {os.path.basename(aside)}, its rows "
+                  "are encoded again")
+    paths.discard(None)
+    return paths | {os.path.realpath(p) for p in paths if "://" not in p}, foreign  # other spellings too
 
 
 def main(argv=None) -> int:
@@ -110,7 +115,7 @@ def run(argv) -> int:
     if files is not None and not files:
         print(f"ray_encode: no images found in {args.input}", file=sys.stderr)
         return 2
-    done = done_paths(args.out)
+    done, foreign = done_paths(args.out)
     if files is not None:
         files = [f for f in files if f not in done]
         if not files:
@@ -128,7 +133,7 @@ def run(argv) -> int:
     dt = time.perf_counter() - t0
     import pyarrow.parquet as pq
 
-    rows = [r for f in glob.glob(os.path.join(args.out, "*.parquet"))
+    rows = [r for f in glob.glob(os.path.join(args.out, "*.parquet")) if f not in foreign
             for r in pq.read_table(f, columns=["path", "error"]).to_pylist() if r["path"] not in done]
     failed = sum(r["error"] is not None for r in rows)
     print(f"ray_encode: {len(rows)} images in {dt:.1f} s ({len(rows) / dt:.1f} images/s), {failed} failed; "

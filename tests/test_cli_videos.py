@@ -126,7 +126,11 @@ def test_no_videos_and_pyav_missing(media, tmp_path, capsys, monkeypatch):
     assert run(media / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o3", "--cpu") == 0  # no video
 
 
-@pytest.mark.parametrize("flags,why", [(["--video-fps", "0"], "--video-fps 0.0 must be a positive number"),
+@pytest.mark.parametrize("flags,why", [(["--video-fps", "0"], "--video-fps 0 must be a positive number"),
+                                       (["--video-fps", "1e308"], "--video-fps 1e+308 must be a positive number of "
+                                                                  "frames a second, at most 10,000"),
+                                       (["--video-fps", "nan"], "--video-fps nan must be a positive number"),
+                                       (["--vllm-ec-dir", ""], "--vllm-ec-dir is empty (an unset variable?)"),
                                        (["--max-frames", "0"], "--max-frames 0 must be at least 1"),
                                        (["--max-video-tokens", "99999999999"],
                                         "--max-video-tokens 99999999999 must be at most 2,147,483,647"),

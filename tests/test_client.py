@@ -147,6 +147,8 @@ def test_video_settings_a_value_a_video_must_match_the_videos(monkeypatch, rng):
         Client().encode_video([clip[0]], fps=2.0)
     with pytest.raises(ValueError, match="a setting of set"):
         Client().encode_video([clip], fps=2.0, target_fps={1})
+    with pytest.raises(ValueError, match=r"video 1: dict is not a video file \(a path or its bytes\), a list of frames"):
+        Client().encode_video([clip, {"a": 1}], fps=2.0)
 
 
 class _Counting:

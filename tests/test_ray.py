@@ -172,7 +172,7 @@ def test_example_writes_parquet_and_resumes(local_ray, folder, tmp_path, capsys)
     first.write_bytes(first.read_bytes()[:100])
     assert ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
     said = capsys.readouterr().out
-    assert f"{first} is cut short (" in said and f"moved aside as .{first.name}.unreadable" in said
+    assert f"{first} cannot be read (" in said and f"moved aside as .{first.name}.unreadable" in said
     assert sorted(r["path"] for f in out.glob("*.parquet") for r in pq.read_table(f).to_pylist()) == paths
     assert lost and (out / f".{first.name}.unreadable").exists() and len(pq.read_table(out)) == len(paths)
     import pyarrow as pa
@@ -180,6 +180,22 @@ def test_example_writes_parquet_and_resumes(local_ray, folder, tmp_path, capsys)
     pq.write_table(pa.table({"x": [1, 2]}), out / "theirs.parquet")  # not one of ours: left where it is
     assert ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
     assert "theirs.parquet has no path column" in capsys.readouterr().out and (out / "theirs.parquet").exists()
+    # Paths that are not text: not ours either. A new image is encoded and summed up, from our files alone.
+    pq.write_table(pa.table({"path": [1, 2]}), out / "ints.parquet")
+    (tmp_path / "more").mkdir()
+    Image.fromarray(cases._smooth(64, 96, 299)).save(tmp_path / "more" / "new.png")
+    assert ray_encode.main([str(tmp_path / "more"), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
+    said = capsys.readouterr().out
+    assert "ints.parquet has no path column of text (int64)" in said and "ray_encode: 1 images in" in said, said
+    # A file whose footer reads but whose pages do not: moved aside, naming it; its rows are encoded again.
+    ours = next(f for f in out.glob("*.parquet") if "new.png" in str(pq.read_table(f, columns=["path"])))
+    data = bytearray(ours.read_bytes())
+    footer = int.from_bytes(data[-8:-4], "little")
+    data[4:len(data) - 8 - footer] = b"\xff" * (len(data) - 12 - footer)
+    ours.write_bytes(bytes(data))
+    assert ray_encode.main([str(tmp_path / "more"), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
+    said = capsys.readouterr().out
+    assert f"{ours} cannot be read (" in said and "ray_encode: 1 images in" in said, said
 
 
 def test_prepare_hands_contiguous_decoded_images_for_the_gpu(folder):
@@ -244,7 +260,10 @@ def test_encode_video_dataset_checks_its_arguments(local_ray):
     for kwargs, says in (({"target_fps": 0}, "target_fps=0 must be a positive number"),
                          ({"max_frames": 0}, "max_frames=0 must be a positive integer"),
                          ({"min_video_tokens": 50, "max_video_tokens": 40}, "min_video_tokens=50 is above"),
-                         ({"capacity_tokens": 0}, "capacity_tokens=0"), ({}, "has 0 GPUs.*cpu=True")):
+                         ({"capacity_tokens": 0}, "capacity_tokens=0"), ({}, "has 0 GPUs.*cpu=True"),
+                         ({"max_video_pixels": 0}, "max_video_pixels=0 must be a positive integer"),
+                         ({"max_video_pixels": -1}, "max_video_pixels=-1 must be a positive integer"),
+                         ({"concurrency": 0}, r"concurrency=0 must be a positive integer \(encoder actors\)")):
         with pytest.raises(ValueError, match=says):
             gvr.encode_video_dataset(ds, TOWER, cpu="GPUs" not in says, **kwargs)
 

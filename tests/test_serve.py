@@ -536,6 +536,8 @@ def test_a_vllm_folder_that_cannot_be_written_is_refused_at_start(capsys, tmp_pa
         assert serve_main.main(["--checkpoint", TOWER, "--cpu", "--vllm-ec-dir", str(ec)]) == 2
         err = capsys.readouterr().err
         assert f"glmvit-serve: cannot use the vLLM encoder cache folder {ec}: " in err and says in err, err
+    assert serve_main.main(["--checkpoint", TOWER, "--cpu", "--vllm-ec-dir", ""]) == 2  # an unset variable
+    assert "--vllm-ec-dir is empty (an unset variable?)" in capsys.readouterr().err
 
 
 def test_a_port_in_use_is_refused_at_start_with_exit_3(capsys):

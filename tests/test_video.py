@@ -397,3 +397,20 @@ def test_a_video_too_short_to_sample_is_too_short_named_with_advice_to_reword(rn
     assert str(e.value).endswith("; raise target_fps or pass sample=False to encode the frames as given")
     told = e.value.advised("raise --video-fps")
     assert str(told) == f"{e.value.what}; raise --video-fps" and told.what.startswith("clip.mp4: ")
+
+
+def test_a_minimum_past_any_memory_is_a_memory_error_naming_the_video_and_the_setting(rng):
+    """min_image_tokens of a billion scales 8 small frames up to a canvas whose pixel rows need ~17 TiB: a
+    MemoryError that names the video, its canvas and the settings to lower, not NumPy's bare one."""
+    frames = rng.integers(0, 256, (8, 32, 40, 3), dtype=np.uint8)
+    with pytest.raises(MemoryError, match=r"video 0: 1,000,000,000 tokens .* GiB, more than this machine can give: "
+                                          "lower min_image_tokens or max_image_tokens"):
+        preprocess_video(frames, fps=10, min_image_tokens=10**9, max_image_tokens=10**9 + 1)
+
+
+def test_a_minimum_above_the_maximum_applies_the_maximum_first_as_the_reference_does(rng):
+    """The video processor's limits are not ordered (HF's smart_resize applies the maximum first): 100 and 10
+    give at most 10 tokens, not a refusal."""
+    frames = rng.integers(0, 256, (8, 32, 40, 3), dtype=np.uint8)
+    _, _, (info,) = preprocess_video(frames, fps=10, min_image_tokens=100, max_image_tokens=10)
+    assert 0 < info["tokens"] <= 10

@@ -144,6 +144,9 @@ class Client:
             if _one_file(video):
                 sent = {"file": _file_b64(video, f"video {i}")}
             else:
+                if not isinstance(video, (np.ndarray, list, tuple)):
+                    raise ValueError(f"video {i}: {type(video).__name__} is not a video file (a path or its bytes), "
+                                     "a list of frames or a uint8 [T, H, W, 3] array")
                 if isinstance(video, np.ndarray) and video.ndim != 4:
                     raise ValueError(f"video {i}: an array video is uint8 [T, H, W, 3], got {video.dtype} "
                                      f"{list(video.shape)}")

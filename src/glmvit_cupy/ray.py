@@ -209,6 +209,7 @@ def _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint):
     import ray
 
     from .checkpoint.bind import bind_tower
+    from .checks import check_positive
 
     if bytes_column not in ds.columns():
         raise ValueError(f"the dataset has no column {bytes_column!r} (it has {ds.columns()}); "
@@ -228,7 +229,7 @@ def _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint):
                          "actors would wait forever; add GPU nodes, or pass cpu=True for the float32 reference")
     if concurrency is None:
         concurrency = 1 if cpu else max(1, int(gpus // num_gpus))
-    return num_gpus, concurrency, patching
+    return num_gpus, check_positive("concurrency", concurrency, " (encoder actors), or None: one a GPU"), patching
 
 
 def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = False, num_gpus: float | None = None,
@@ -281,6 +282,8 @@ def encode_video_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bo
             or not 0 < target_fps < float("inf"):
         raise ValueError(f"target_fps={target_fps!r} must be a positive number of frames a second")
     target_fps = float(target_fps)
+    if max_video_pixels is not None:
+        check_positive("max_video_pixels", max_video_pixels, " (a video's sampled frames' pixels together), or None")
     num_gpus, concurrency, patching = _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint)
     settings = {"target_fps": target_fps, "max_frames": max_frames, "min_image_tokens": min_video_tokens,
                 "max_image_tokens": max_video_tokens}

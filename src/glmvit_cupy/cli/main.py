@@ -108,6 +108,9 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+MAX_TARGET_FPS = 10_000  # --video-fps at most: finer than any video's frames (1e308 overflows the sampler)
+
+
 def parse(argv):
     return parser().parse_intermixed_args(argv)  # inputs before, between and after the options
 
@@ -212,8 +215,11 @@ def run(args) -> int:
     for flag, value in (("--max-image-mib", args.max_image_mib), ("--max-video-mib", args.max_video_mib)):
         if not 0 < value <= 2**40:  # 1 EiB: past any file
             return fail(f"{flag} {value:g} must be a positive number of MiB, at most {2**40:,}")
-    if not args.video_fps > 0 or args.video_fps == float("inf"):
-        return fail(f"--video-fps {args.video_fps} must be a positive number of frames a second")
+    if not 0 < args.video_fps <= MAX_TARGET_FPS:
+        return fail(f"--video-fps {args.video_fps:g} must be a positive number of frames a second, at most "
+                    f"{MAX_TARGET_FPS:,}, finer than any video's frames")
+    if args.vllm_ec_dir is not None and not args.vllm_ec_dir.strip():
+        return fail("--vllm-ec-dir is empty (an unset variable?): give a folder, or leave the flag out")
     if args.min_video_tokens > args.max_video_tokens:
         return fail(f"--min-video-tokens {args.min_video_tokens} is above --max-video-tokens {args.max_video_tokens}")
     gpu_only = [f for f, on in (("--devices", args.devices), ("--decode gpu", args.decode == "gpu"),

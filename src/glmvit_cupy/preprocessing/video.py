@@ -321,7 +321,15 @@ def preprocess_video(videos, *, fps=None, sample: bool = True, duration=None, ta
 def video_pixels(plans: list, patching: Patching = REFERENCE) -> tuple[np.ndarray, np.ndarray]:
     """plan_videos' plans -> (pixel_values_videos float32, video_grid_thw int64), made on the host."""
     T, grids = patching.temporal_patch_size, np.array([g for _, g, _ in plans], dtype=np.int64).reshape(-1, 3)
-    pixels, parts = rows_in_turn(grids, 3 * T * patching.patch_size ** 2)  # RGB
-    for (frames, grid, info), part in zip(plans, parts):
-        normalise_patchify(video_canvases(frames, grid, info, T), patching, out=part)
+    try:
+        pixels, parts = rows_in_turn(grids, 3 * T * patching.patch_size ** 2)  # RGB
+        for (frames, grid, info), part in zip(plans, parts):
+            normalise_patchify(video_canvases(frames, grid, info, T), patching, out=part)
+    except MemoryError:
+        big = max((info for _, _, info in plans), key=lambda info: info["tokens"])
+        rows = int(grids.prod(axis=1).sum())
+        raise MemoryError(f"{big['source']}: {big['tokens']:,} tokens ({len(big['frames_indices'])} frames on a "
+                          f"{big['canvas'][0]} x {big['canvas'][1]} canvas); these videos' pixel rows need "
+                          f"{rows * 3 * T * patching.patch_size ** 2 * 4 / 2**30:,.1f} GiB, more than this "
+                          "machine can give: lower min_image_tokens or max_image_tokens") from None
     return pixels, grids

@@ -136,6 +136,8 @@ def check_settings(args) -> str | None:
         if args.max_bodies_in_flight_mib < most:
             return (f"--max-bodies-in-flight-mib {args.max_bodies_in_flight_mib:g} is below the {most:g} MiB one {what} "
                     f"may have ({flag}): such a {what} could never be held; raise it to at least {most:g}")
+    if args.vllm_ec_dir is not None and not args.vllm_ec_dir.strip():
+        return "--vllm-ec-dir is empty (an unset variable?): give a folder, or leave the flag out"
     return None
 
 
