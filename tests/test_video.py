@@ -414,3 +414,13 @@ def test_a_minimum_above_the_maximum_applies_the_maximum_first_as_the_reference_
     frames = rng.integers(0, 256, (8, 32, 40, 3), dtype=np.uint8)
     _, _, (info,) = preprocess_video(frames, fps=10, min_image_tokens=100, max_image_tokens=10)
     assert 0 < info["tokens"] <= 10
+
+
+def test_image_file_paths_given_as_a_video_are_refused_saying_how_to_give_frames(tmp_path, rng):
+    paths = []
+    for i in range(2):
+        paths.append(tmp_path / f"f{i}.png")
+        Image.fromarray(rng.integers(0, 256, (32, 40, 3), dtype=np.uint8)).save(paths[-1])
+    with pytest.raises(ValueError, match=r"video 0: .*f0.png is an image file, and a path is a video file: give a "
+                                         r"video's frames decoded, as a list of HxWx3 uint8 arrays"):
+        preprocess_video([str(p) for p in paths], fps=10)

@@ -31,6 +31,7 @@ from .video_files import FrameFiles, VideoFile, video_frames
 TARGET_FPS = 2  # frames sampled per second of video (the reference processor's fps)
 MAX_FRAMES = 2048
 MIN_VIDEO_TOKENS = 16
+STILL_IMAGES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")  # not video files (a GIF may be one)
 MAX_VIDEO_TOKENS = 240_000  # the reference video processor's max_image_tokens: a video's total
 
 
@@ -188,6 +189,10 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
             raise ValueError(f"{name}: {e}") from None
 
     if isinstance(video, (str, os.PathLike)):
+        if os.path.splitext(os.fspath(video))[1].lower() in STILL_IMAGES:
+            raise ValueError(f"{name}: {os.fspath(video)} is an image file, and a path is a video file: give a "
+                             "video's frames decoded, as a list of HxWx3 uint8 arrays (np.asarray(Image.open(p)."
+                             "convert('RGB')) each)")
         video = VideoFile(video)
     if isinstance(video, (FrameFiles, VideoFile)):  # files: only the sampled frames are decoded
         sampled, meta = video.read(pick, fps, duration, name)
