@@ -33,8 +33,9 @@ def pack(kind: str, fields: tuple = (), arrays=()) -> list:
 class Link(asyncio.BufferedProtocol):
     """One end of a frame stream, used from its event loop: send() queues a frame, `await read()` gives the
     next. Bytes arrive into a scratch buffer, whole frames are cut from it, and a header or payload larger
-    than what the scratch holds is received straight into its own buffer: a 1 MB embedding is one copy out of the
-    kernel, where asyncio's StreamReader makes three (0.33 CPU ms a frame against 0.13, tools/wire_bench.py).
+    than what the scratch holds is received straight into its own buffer: a 1 MB embedding is one copy out
+    of the kernel, where asyncio's StreamReader makes three (0.33 CPU ms a frame against 0.13,
+    tools/wire_bench.py).
     Reading pauses while more than PAUSE_BYTES of frames wait to be read."""
 
     SCRATCH = 1 << 18
