@@ -246,6 +246,9 @@ def test_a_callers_fps_or_duration_reads_a_file_whose_packets_span_no_time(tmp_p
     by_fps = preprocess_video(str(path), fps=2.0)
     by_duration = preprocess_video(str(path), duration=10.0)  # 20 frames: the same timing
     assert np.array_equal(by_fps[0], by_duration[0]) and by_fps[1].tolist() == by_duration[1].tolist()
+    # An fps so small that the frames' duration passes any float: the fps is named, not a duration never given.
+    with pytest.raises(ValueError, match=r"fps=1e-308 makes its 20 frames last longer than any number of seconds"):
+        preprocess_video(str(path), fps=1e-308)
 
 
 def test_a_raw_elementary_stream_is_refused_saying_what_it_is(tmp_path):
