@@ -174,3 +174,30 @@ def test_weights_too_large_for_float32_compute_without_warning_lines(tower):
         warnings.simplefilter("error")  # a warning fails the test
         out = big.forward(G[f"{name}/pixel_values"], G[f"{name}/grid_thw"])
     assert out.shape == G[f"{name}/hf_fp32"].shape
+
+
+def test_forwards_on_several_threads_leave_the_processs_blas_limit_as_it_was(tower):
+    """threadpoolctl's BLAS limit is the process's: forwards overlapping on threads share one pin, lifted by
+    the last to end; each restoring its own would leave the process at one BLAS thread after."""
+    import threading
+
+    from threadpoolctl import threadpool_info
+
+    def blas():
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+    name = CASES[0]
+    pv, grid = G[f"{name}/pixel_values"], G[f"{name}/grid_thw"]
+    alone = tower.forward(pv, grid)
+    before, outs = blas(), {}  # this machine's own: 2 on CI's two cores
+    start = threading.Barrier(4)
+
+    def work(i):
+        start.wait()
+        outs[i] = tower.forward(pv, grid)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert blas() == before, (before, blas())
+    assert all(np.array_equal(outs[i], alone) for i in range(4))

@@ -7,6 +7,9 @@ Attention runs per segment, per head, in query chunks, so memory stays bounded.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 
 from .checkpoint.bind import TowerBinding, bind_tower
@@ -158,12 +161,9 @@ class Tower:
         # One BLAS thread: a multithreaded sgemm may sum in another order (5 of 6,144 bf16 outputs of a
         # golden image changed between 1 and 2 threads), and the reference must give the same bits in
         # every process: a Ray worker (one thread), a server, a test.
-        from threadpoolctl import threadpool_limits
-
         # Weights too large for float arithmetic overflow to infinity and NaN, without NumPy's warning lines
         # (as on the GPU): the commands count non-finite outputs and refuse them, saying why.
-        with threadpool_limits(limits=1, user_api="blas"), np.errstate(over="ignore", invalid="ignore",
-                                                                         divide="ignore"):
+        with _one_blas_thread(), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             return self._forward(pixel_values, grid_thw, stats)
 
     def _forward(self, pixel_values, grid_thw, stats=None):
@@ -184,6 +184,57 @@ class Tower:
         for i in range(g.depth):
             x = self.block(i, x, cos, sin, bounds, stats)
         return self.merger(x, stats)
+
+
+_pin = {"forwards": 0, "undo": None, "setters": None}  # the forwards running; how to lift their shared limit
+_pin_lock = threading.Lock()
+
+
+def _openblas_setters() -> list:
+    """openblas_set_num_threads_local of each OpenBLAS NumPy has loaded (OpenBLAS 0.3.27 on), or [] where one
+    lacks it. Unlike openblas_set_num_threads (threadpoolctl's), which OpenBLAS 0.3.31 ignores from any
+    thread but the main one once the main one has called it, it takes effect from the thread that calls it:
+    a forward on a server's or a pool's thread runs pinned too."""
+    from threadpoolctl import ThreadpoolController
+
+    found = []
+    for lib in ThreadpoolController().select(internal_api="openblas").lib_controllers:
+        fn = next((getattr(lib.dynlib, name) for name in ("openblas_set_num_threads_local",
+                                                          "scipy_openblas_set_num_threads_local64_",
+                                                          "openblas_set_num_threads_local64_")
+                   if hasattr(lib.dynlib, name)), None)
+        if fn is None:
+            return []
+        found.append(fn)
+    return found
+
+
+@contextlib.contextmanager
+def _one_blas_thread():
+    """BLAS at one thread while any forward runs, shared by the forwards running on several threads: set by
+    the first to start, lifted by the last to end (each setting and lifting its own would lift it under a
+    forward still running, and leave the process at one thread after). Set through OpenBLAS's own call
+    where it has one (see _openblas_setters), else threadpoolctl's process-wide limit."""
+    with _pin_lock:
+        if _pin["forwards"] == 0:
+            if _pin["setters"] is None:
+                _pin["setters"] = _openblas_setters()
+            if _pin["setters"]:
+                before = [fn(1) for fn in _pin["setters"]]  # each returns the count it replaced
+                _pin["undo"] = lambda: [fn(n) for fn, n in zip(_pin["setters"], before)]
+            else:
+                from threadpoolctl import threadpool_limits
+
+                _pin["undo"] = threadpool_limits(limits=1, user_api="blas").restore_original_limits
+        _pin["forwards"] += 1
+    try:
+        yield
+    finally:
+        with _pin_lock:
+            _pin["forwards"] -= 1
+            if _pin["forwards"] == 0:
+                _pin["undo"]()
+                _pin["undo"] = None
 
 
 def encode_pixels(checkpoint_path, pixel_values, grid_thw, *, dtype=np.float32, stats=None) -> np.ndarray:
