@@ -122,6 +122,18 @@ def test_one_image_or_video_not_in_a_list_is_one_not_a_sequence(tmp_path, monkey
     assert answer.raw == raw + 1  # one image goes as its file, not as JSON
     Client().encode_video([clip], fps=2.0, sample=np.bool_(False))
     assert answer.sent[-1]["sample"] is False
+    # A binary file object is one image (its bytes, from where it stands), not the lines it iterates to.
+    with open(path, "rb") as f:
+        Client().encode(f)
+    with open(path, "rb") as f:
+        Client().encode([f, f])  # the second read finds the file at its end: sent as it is, the server refuses it
+    assert answer.sent[-2]["images"] == answer.sent[-1]["images"][:1] and answer.sent[-1]["images"][1] == ""
+    with open(path) as f, pytest.raises(ValueError, match=r"image 0: a file object that reads str, not bytes"):
+        Client().encode(f)
+    with pytest.raises(ValueError, match=r"images: an array of shape \[7, 9\]; an image is an HxWx3 uint8 array"):
+        Client().encode(a[..., 0])
+    with pytest.raises(ValueError, match="images: a dict is not image files"):
+        Client().encode({"cat.jpg": 1})
 
 
 @pytest.mark.parametrize("bad, says", [

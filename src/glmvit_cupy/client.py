@@ -96,8 +96,12 @@ class Client:
 
     def encode(self, images, *, min_image_tokens: int | None = None,
                max_image_tokens: int | None = None) -> tuple[list[np.ndarray], list[dict]]:
-        """Image files (paths or bytes; HxWx3 uint8 arrays go as PNG), or one of them -> (one bf16 array per
-        image, per-image metadata), lists either way. ValueError for anything else, naming it."""
+        """Image files (paths, bytes or binary file objects; HxWx3 uint8 arrays go as PNG), or one of them ->
+        (one bf16 array per image, per-image metadata), lists either way. ValueError for anything else,
+        naming it."""
+        if isinstance(images, np.ndarray) and images.ndim not in (3, 4):
+            raise ValueError(f"images: an array of shape {list(images.shape)}; an image is an HxWx3 uint8 array "
+                             "(several: a list of them, or an [N, H, W, 3] array)")
         if _one_file(images) or (isinstance(images, np.ndarray) and images.ndim == 3):
             images = [images]  # one image, not a sequence of them
         images = _listed(images, "images", "image files (paths or bytes) or HxWx3 uint8 arrays")
@@ -328,6 +332,8 @@ def _object(value) -> dict:
 
 def _listed(items, what: str, expected: str) -> list:
     """items as a list, or ValueError naming what was given instead of a sequence."""
+    if isinstance(items, dict):  # its keys are no images
+        raise ValueError(f"{what}: a dict is not {expected}, nor a sequence of them")
     try:
         return list(items)
     except TypeError:
@@ -335,8 +341,8 @@ def _listed(items, what: str, expected: str) -> list:
 
 
 def _one_file(item) -> bool:
-    """A path or a file's bytes: one image or video, not a sequence of them."""
-    return isinstance(item, (str, os.PathLike, bytes, bytearray, memoryview))
+    """A path, a file's bytes or a file object: one image or video, not a sequence of them."""
+    return isinstance(item, (str, os.PathLike, bytes, bytearray, memoryview)) or hasattr(item, "read")
 
 
 def _plain(v):
@@ -374,6 +380,14 @@ def _file_bytes(frame, what: str) -> bytes:
         # A regular file only: a FIFO would wait for a writer forever, a device such as /dev/zero read without end.
         with open_regular(frame, what, error=OSError) as f:
             frame = f.read()
+    elif hasattr(frame, "read"):  # a file object: the rest of it, from where it stands
+        import io
+
+        data = "" if isinstance(frame, io.TextIOBase) else frame.read()  # text: not read (it may not decode)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ValueError(f"{what}: a file object that reads {type(data).__name__}, not bytes: open it in binary "
+                             "mode ('rb')")
+        frame = data
     elif not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ValueError(f"{what}: {type(frame).__name__} is not an image file's path or bytes, nor an HxWx3 uint8 "
                          "array")
