@@ -485,3 +485,33 @@ def test_an_image_larger_decoded_than_its_header_said_is_refused(monkeypatch):
     monkeypatch.setattr(Image.Image, "load", grows)
     with pytest.raises(ImageError, match="decoded, it is 4000 x 4000 = 16,000,000; its header said less"):
         decode.load(buf.getvalue(), "icon", max_pixels=1_000_000)
+
+
+def _hf_rgb(img: Image.Image) -> Image.Image:
+    """HF's convert_to_rgb of a PIL image: RGBA composited onto white, then RGB."""
+    rgba = img.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+
+
+@pytest.mark.parametrize("kind", ["RGBa", "P with an RGBA palette"])
+def test_pil_alpha_not_in_an_a_band_is_composited_onto_white(kind, rng):
+    """Premultiplied RGBa and a palette of RGBA colours hold alpha in no band named "A": composited onto white
+    as HF's convert_to_rgb does, not dropped."""
+    rgba = Image.fromarray(rng.integers(0, 256, (30, 41, 4), dtype=np.uint8), "RGBA")
+    img = rgba.convert("RGBa") if kind == "RGBa" else rgba.quantize()
+    assert kind == "RGBa" or img.palette.mode == "RGBA"
+    ours, grid = preprocess(img)
+    want, want_grid = preprocess(_hf_rgb(img))
+    assert np.array_equal(grid, want_grid) and np.array_equal(ours, want)
+    dropped, _ = preprocess(img.convert("RGB"))
+    assert not np.array_equal(ours, dropped)  # the alpha matters for these pixels
+
+
+def test_a_pil_image_whose_file_closed_before_it_loaded_is_an_image_error(tmp_path, rng):
+    path = tmp_path / "lazy.png"
+    Image.fromarray(rng.integers(0, 256, (30, 30, 3), dtype=np.uint8)).save(path)
+    with Image.open(path) as im:
+        pass
+    with pytest.raises(ImageError, match=r"image 0 \(PngImageFile\): cannot convert PIL image to RGB .*its file was "
+                                         r"closed before its pixels were read: call im.load\(\) while the file is open"):
+        preprocess(im)
