@@ -272,3 +272,23 @@ def test_json_files_say_what_is_wrong_not_invalid_json(tmp_path):
     with pytest.raises(CheckpointError, match=r"config.json: the config is over 1 MiB, more than a checkpoint's "
                                               r"JSON file holds"):
         read_json_file(big, "the config", 1 << 20)
+
+
+def test_a_shard_cut_short_while_open_is_refused_at_the_next_get_not_a_bus_error(tmp_path):
+    """A shard truncated in place after the store mapped it (a re-download, a copy over it): the next get of a
+    tensor past its new end is a CheckpointError naming it, not SIGBUS; close() lets go of the files."""
+    import os
+
+    p = shard(tmp_path / "s.safetensors", ok_header(), bytes(range(20)))
+    store = WeightStore.open(p)
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    assert store.get("a").shape == (2, 3)
+    header_end = os.path.getsize(p) - 20
+    os.truncate(p, header_end + 12)  # "a" (bytes 0-12) whole, "b" (12-20) gone
+    assert store.get("a").shape == (2, 3)
+    with pytest.raises(CheckpointError, match=r"s.safetensors: shard shrank to \d+ bytes while it was open \(tensor "
+                                              r"'b' needs bytes up to \d+\)"):
+        store.get("b")
+    store.close()
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == fds
