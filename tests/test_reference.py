@@ -156,6 +156,8 @@ def test_the_reference_computes_in_float32_or_float64_only(dtype):
 
     with pytest.raises(ValueError, match="the reference computes in float32 or float64"):
         reference.Tower(reference.bind_tower(cases.TOWER_DIR), dtype)
+    if dtype is None:  # encode_pixels' default: float32
+        return
     with pytest.raises(ValueError, match="the reference computes in float32 or float64"):
         reference.encode_pixels(cases.TOWER_DIR, np.ones((4, 1176), np.float32), [[1, 2, 2]], dtype=dtype)
 
@@ -201,3 +203,15 @@ def test_forwards_on_several_threads_leave_the_processs_blas_limit_as_it_was(tow
     [t.join() for t in threads]
     assert blas() == before, (before, blas())
     assert all(np.array_equal(outs[i], alone) for i in range(4))
+
+
+def test_a_towers_dtype_is_the_one_it_computes_in_and_another_is_refused(tower):
+    name = CASES[0]
+    pv, grid = G[f"{name}/pixel_values"], G[f"{name}/grid_thw"]
+    assert reference.encode_pixels(tower, pv, grid).dtype == np.float32
+    assert reference.encode_pixels(tower, pv, grid, dtype=np.float32).dtype == np.float32
+    for other in (np.float64, np.float16, "junk"):
+        with pytest.raises(ValueError, match="but this Tower computes in float32: build a Tower"):
+            reference.encode_pixels(tower, pv, grid, dtype=other)
+    with pytest.raises(ValueError, match="stats must be a dict"):
+        reference.encode_pixels(tower, pv, grid, stats=[])

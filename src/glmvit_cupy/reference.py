@@ -237,11 +237,27 @@ def _one_blas_thread():
                 _pin["undo"] = None
 
 
-def encode_pixels(checkpoint_path, pixel_values, grid_thw, *, dtype=np.float32, stats=None) -> np.ndarray:
+def encode_pixels(checkpoint_path, pixel_values, grid_thw, *, dtype=None, stats=None) -> np.ndarray:
     """HF transformers 5.23.0's Glm5NextVisionModel forward in NumPy: [N, patch_dim] pixels -> [N / m^2, out_hidden].
 
-    `checkpoint_path` may also be a TowerBinding or a Tower (to reuse loaded weights).
+    `dtype`: float32 (None, the default) or float64. `checkpoint_path` may also be a TowerBinding or a Tower
+    (to reuse loaded weights: it computes in its own dtype, and another `dtype` given is a ValueError).
     `stats`, a dict, receives per-layer counts of values the SwiGLU clamp cut.
     """
-    tower = checkpoint_path if isinstance(checkpoint_path, Tower) else Tower(checkpoint_path, dtype)
+    if stats is not None and not isinstance(stats, dict):
+        raise ValueError(f"stats must be a dict (it receives the clamp's counts per layer) or None, not "
+                         f"{type(stats).__name__}")
+    if isinstance(checkpoint_path, Tower):
+        tower = checkpoint_path
+        try:
+            if dtype is None:
+                dtype = tower.dtype
+            same = np.dtype(dtype) == tower.dtype
+        except TypeError:
+            same = False
+        if not same:
+            raise ValueError(f"dtype={dtype!r}, but this Tower computes in {tower.dtype.name}: build a "
+                             f"Tower(binding, dtype) for another, or leave dtype out")
+    else:
+        tower = Tower(checkpoint_path, np.float32 if dtype is None else dtype)
     return tower.forward(pixel_values, grid_thw, stats)
