@@ -1,4 +1,5 @@
 import json
+import re
 
 import numpy as np
 import pytest
@@ -64,6 +65,13 @@ def test_impossible_geometry_names_the_field(fields, needle):
     with pytest.raises(CheckpointError) as e:
         geometry_from_dict(fields)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("field,value", [("swiglu_limit", "10"), ("rope_theta", None), ("rope_theta", [1e4]),
+                                         ("swiglu_limit", True)])
+def test_a_limit_or_theta_that_is_no_number_names_the_field(field, value):
+    with pytest.raises(CheckpointError, match=re.escape(f"vision_config: {field} = {value!r} cannot work: it must be a number")):
+        VisionGeometry(**{field: value}).validate()
 
 
 def test_out_hidden_must_match_text_hidden(tmp_path):

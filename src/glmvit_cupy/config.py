@@ -106,6 +106,10 @@ class VisionGeometry:
         if self.rms_norm_eps < FLOAT32_TINY:
             bad("rms_norm_eps", self.rms_norm_eps, f"the norms add it in float32, where it is below the least normal "
                 f"value ({FLOAT32_TINY:.4g}) and rounds to 0 or loses its precision; give at least that")
+        for field in ("swiglu_limit", "rope_theta"):
+            v = getattr(self, field)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                bad(field, v, "it must be a number")
         if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
             bad("swiglu_limit", self.swiglu_limit, "the SwiGLU clamp needs a positive finite limit")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 1):
