@@ -27,13 +27,14 @@ if TYPE_CHECKING:  # for type checkers only: at run time these are imported on f
 
 __all__ = [
     "AbsentTower", "CheckpointError", "GlmVit", "GpuOutOfMemory", "GpuUnavailable", "ImageError", "KernelError",
-    "NoVisionConfig", "OutputError", "Patching", "Replicas", "ServerError", "TooShort", "VisionGeometry", "WeightStore", "bind_tower", "inspect_checkpoint",
-    "load_vision_tower", "preprocess", "preprocess_video", "read_config",
+    "NoVisionConfig", "OutputError", "Patching", "Replicas", "ServerError", "TooShort", "VisionGeometry",
+    "WeightStore", "bind_tower", "inspect_checkpoint", "load_vision_tower", "preprocess", "preprocess_video",
+    "probe_tower", "read_config",
 ]
 
 _ENGINE = {"GlmVit": "model", "Replicas": "replicas"}
 # The public modules, named in the docs: attributes of the package, imported on first use (ray needs Ray).
-_MODULES = ("checks", "client", "output", "ray", "reference")
+_MODULES = ("checks", "client", "output", "ray", "reference", "vllm_ec")
 
 
 def __getattr__(name):

@@ -1,7 +1,7 @@
 """The engine process of glmvit-serve --workers N: the tower and its Batcher, fed by the HTTP workers over
 a Unix socket (wire.py). A worker does a request's host work (HTTP, hashing, decoding, the cache, the
 reply); this process only uploads what the workers decoded, packs passes, launches them and sends the
-embeddings back, so the interpreter lock that bounds one process serving HTTP no longer sits between
+embeddings back, so the interpreter lock that bounds one process serving HTTP does not sit between
 the requests and the GPU.
 
 Frames a worker sends: ("hello", (its process id,)) first, then ("images", (request id, [(grid, info),
