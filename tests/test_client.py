@@ -250,6 +250,9 @@ def test_arguments_that_are_not_a_url_timeout_or_sequence_are_value_errors():
             Client("http://127.0.0.1:1", timeout=timeout)
     for fine in (None, np.int64(30), np.float32(2.5), 0.5):  # None: no limit, as http.client takes it
         Client("http://127.0.0.1:1", timeout=fine, max_answer_mib=np.int64(16))
+    for limit in (0, 1e-9, -1, 2**41, float("nan"), True):  # 1e-9 MiB: 0 bytes, every answer refused
+        with pytest.raises(ValueError, match="max_answer_mib=.* must be a number of MiB from 1/1024"):
+            Client("http://127.0.0.1:1", max_answer_mib=limit)
     client = Client("http://127.0.0.1:1", timeout=2)
     with pytest.raises(ValueError, match="images: NoneType is not image files"):
         client.encode(None)

@@ -135,3 +135,11 @@ def test_check_grid_accepts_and_normalises():
 def test_check_grid_names_what_is_wrong(grid, says):
     with pytest.raises(ValueError, match=says):
         check_grid(grid, 2)
+
+
+def test_a_bytes_path_reads_as_bind_tower_takes_it(tmp_path):
+    import os
+
+    v = {"model_type": "glm_ocr_vision", "out_hidden_size": 4096, "num_attention_heads": 16,
+         "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0}}
+    assert read_config(os.fsencode(write(tmp_path, v))) == VisionGeometry.official()

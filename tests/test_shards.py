@@ -292,3 +292,15 @@ def test_a_shard_cut_short_while_open_is_refused_at_the_next_get_not_a_bus_error
     store.close()
     if fds is not None:
         assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_to_device_without_cupy_is_gpu_unavailable(tmp_path):
+    import importlib.util
+
+    from glmvit_cupy import GpuUnavailable
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed here: to_device uploads")
+    store = WeightStore.open(shard(tmp_path / "s.safetensors", ok_header(), bytes(20)))
+    with pytest.raises(GpuUnavailable, match="WeightStore.to_device needs CuPy: CuPy is not installed"):
+        store.to_device("a")

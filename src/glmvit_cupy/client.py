@@ -51,8 +51,9 @@ class Client:
             raise ValueError(f"Client: timeout={timeout!r} must be a positive number of seconds (below 2**31), "
                              "or None to wait without end")
         if isinstance(max_answer_mib, (bool, np.bool_)) or not isinstance(max_answer_mib, numbers.Real) \
-                or not 0 < max_answer_mib <= 2**40:
-            raise ValueError(f"Client: max_answer_mib={max_answer_mib!r} must be a positive number of MiB")
+                or not 1 / 1024 <= max_answer_mib <= 2**40:
+            raise ValueError(f"Client: max_answer_mib={max_answer_mib!r} must be a number of MiB from 1/1024 (1 KiB: "
+                             "every answer would be refused below it) to 2^40")
         self.url, self.max_answer = url.rstrip("/"), int(max_answer_mib * 2**20)
         self.timeout = None if timeout is None else float(timeout)
         parts = urllib.parse.urlsplit(self.url)

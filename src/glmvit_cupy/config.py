@@ -191,7 +191,7 @@ def read_config(path: str | os.PathLike) -> VisionGeometry:
     Accepts a multimodal config (model_type glm5_next, with vision_config) or a bare
     vision config. A text-only config raises NoVisionConfig, a CheckpointError.
     """
-    path = os.fspath(path)
+    path = os.fsdecode(path)  # a bytes path too, as bind_tower takes it
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     cfg = read_json_file(path, "config.json", 16 << 20,

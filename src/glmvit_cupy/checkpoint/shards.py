@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import CheckpointError, quoted
+from ..errors import CheckpointError, GpuUnavailable, quoted
 from ..files import not_regular, open_regular, read_json_file
 
 # The safetensors dtype names this store can map (dtypes() gives their NumPy types).
@@ -292,7 +292,13 @@ class WeightStore:
         return info
 
     def to_device(self, name: str, stream=None):
-        """Upload one tensor to the current CuPy device; only this tensor's bytes are read."""
+        """Upload one tensor to the current CuPy device; only this tensor's bytes are read. GpuUnavailable
+        where CuPy cannot be imported."""
+        from .. import gpu
+
+        why = gpu.import_problem()
+        if why:
+            raise GpuUnavailable(f"WeightStore.to_device needs CuPy: {why}")
         import cupy
 
         host = self.get(name)
