@@ -173,7 +173,7 @@ def main():
             rows.append([budget, "HF transformers (PIL processor + eager bf16)", f"{n / dt:.1f}", f"{busy.mean:.0f}%"])
     table(["token budget", "path", "images/s", "GPU busy"], rows)
     if gpu_decode:
-        from glmvit_cupy.preprocessing.image import load_rgb
+        from glmvit_cupy.preprocessing.decode import load_rgb
 
         dec, mx, mean = Decoder(), [], []
         for p in paths:

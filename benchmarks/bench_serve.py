@@ -179,7 +179,7 @@ def main():
         args.cpu = True
     from glmvit_cupy import bind_tower
     from glmvit_cupy.backend import Backend
-    from glmvit_cupy.client import Client, _bf16_tensors
+    from glmvit_cupy.client import Client
     from glmvit_cupy.preprocessing.image import prepare_canvas
 
     ckpt = args.checkpoint or official_checkpoint()

@@ -4,8 +4,6 @@ older than CuPy's CUDA runtime. CuPy is stood in for by a fake module, so every 
 import sys
 import types
 
-import pytest
-
 from glmvit_cupy import gpu
 
 

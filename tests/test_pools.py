@@ -239,7 +239,7 @@ def test_returned_blocks_past_the_cache_limit_are_freed():
 
 def test_a_limit_frees_idle_blocks_to_make_room_or_refuses():
     pool = BlockPool(keep=16 * GRAIN, alloc=Fake)
-    a, b = pool.take(2 * GRAIN), pool.take(2 * GRAIN)
+    a, _ = pool.take(2 * GRAIN), pool.take(2 * GRAIN)
     pool.give(a)
     assert pool.owned == 4 * GRAIN
     c = pool.take(4 * GRAIN, limit=6 * GRAIN)  # a (idle, free) is freed to make room for c

@@ -13,7 +13,8 @@ from tests.golden import cases
 
 from glmvit_cupy import ImageError
 from glmvit_cupy import preprocess
-from glmvit_cupy.preprocessing.image import load_rgb, normalise_patchify, prepare_canvas, smart_resize
+from glmvit_cupy.preprocessing.decode import load_rgb
+from glmvit_cupy.preprocessing.image import normalise_patchify, prepare_canvas, smart_resize
 
 GOLDEN = json.load(open(cases.PREPROCESS))
 

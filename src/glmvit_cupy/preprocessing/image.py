@@ -20,7 +20,7 @@ from PIL import Image
 from ..checks import check_max_pixels, check_resize, check_token_limits, is_integer
 from ..errors import ImageError
 from . import resample
-from .decode import load, load_rgb, name_of, rgb_pixels
+from .decode import load, name_of, rgb_pixels
 
 PATCH = 14
 MERGE = 2

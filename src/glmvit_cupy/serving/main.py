@@ -193,7 +193,7 @@ def serve(argv) -> int:
     """The command; its exit status."""
     args = parser().parse_args(argv)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the serve extra, checked before anything starts
     except ImportError as e:
         print(f"glmvit-serve: the serve extra is not installed ({e}): pip install -e '.[serve]' in the glmvit-cupy "
               "checkout", file=sys.stderr)
