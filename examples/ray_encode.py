@@ -16,7 +16,9 @@ skips every path already in --out (failed ones included: their error is recorded
 import argparse
 import glob
 import os
+import signal
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -72,16 +74,28 @@ def done_paths(out) -> tuple[set, set]:
     return paths | {os.path.realpath(p) for p in paths if "://" not in p}, foreign  # other spellings too
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler stopping the job), taken as Ctrl-C is."""
+
+
+def terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
-    """run(argv); 2 with one line on stderr for a bad flag, input, checkpoint or output folder; 130 on Ctrl-C."""
+    """run(argv); 2 with one line on stderr for a bad flag, input, checkpoint or output folder; 130 on Ctrl-C,
+    143 on SIGTERM, saying that the same command resumes."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, terminated)
     try:
         return run(argv)
     except (ValueError, OSError) as e:  # CheckpointError, a setting out of range, an --out that cannot be written
         print(f"ray_encode: {str(e).replace('cpu=True', '--cpu')}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("\nray_encode: interrupted; the same command resumes from the Parquet files written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        word, status = ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+        print(f"\nray_encode: {word}; the same command resumes from the Parquet files written", file=sys.stderr)
+        return status
 
 
 def run(argv) -> int:
@@ -123,6 +137,8 @@ def run(argv) -> int:
             return 0
     if not ray.is_initialized():
         ray.init(address=args.address, include_dashboard=False)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, terminated)  # Ray's own handler dumps a stack and exits 15
     ds = ray.data.read_binary_files(files if files is not None else args.input, include_paths=True)
     if files is None and done:
         ds = ds.filter(lambda row: row["path"] not in done)
