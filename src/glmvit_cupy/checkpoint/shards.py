@@ -208,7 +208,6 @@ class WeightStore:
     def __init__(self, infos: dict, display: str):
         self._infos, self.display = infos, display
         self._maps: dict[str, mmap.mmap] = {}
-        self._fds: dict[str, int] = {}  # each mapped shard's file, kept open: its size is checked at each get
 
     @classmethod
     def open(cls, path, *, only: Callable[[str], bool] | None = None) -> "WeightStore":
@@ -271,7 +270,7 @@ class WeightStore:
         mm = self._map(info.file)
         # A shard cut short since it was mapped faults the process (SIGBUS) where a view reads past its end.
         # Checked here; one cut while a view is being read cannot be (copy the bytes to be safe from that).
-        size = os.fstat(self._fds[info.file]).st_size
+        size = mm.size()  # the file's size now (mmap's own descriptor)
         if size < info.offset + info.nbytes:
             raise CheckpointError(f"{info.file}: shard shrank to {size} bytes while it was open (tensor "
                                   f"{quoted(name, 120)} needs bytes up to {info.offset + info.nbytes}); a checkpoint "
@@ -309,31 +308,24 @@ class WeightStore:
     def _map(self, file: str) -> mmap.mmap:
         mm = self._maps.get(file)
         if mm is None:
-            fd = None
             try:
-                fd = os.open(file, os.O_RDONLY)
-                size = os.fstat(fd).st_size
-                mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                size = os.path.getsize(file)
+                with open(file, "rb") as f:
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except (OSError, ValueError) as e:
-                if fd is not None:
-                    os.close(fd)
                 raise CheckpointError(f"{file}: cannot memory-map shard ({e})") from None
             # A shard truncated after its header was read would fault on access (SIGBUS).
             end = max((i.offset + i.nbytes for i in self._infos.values() if i.file == file), default=0)
             if size < end or len(mm) < end:
                 mm.close()
-                os.close(fd)
                 raise CheckpointError(f"{file}: shard shrank to {size} bytes since its header was read "
                                       f"(tensors need {end}); refusing to map it")
-            self._maps[file], self._fds[file] = mm, fd
+            self._maps[file] = mm
         return mm
 
     def close(self):
         """Drop the maps (views handed out keep their pages alive until they are freed)."""
         self._maps.clear()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
 
     def __enter__(self):
         return self

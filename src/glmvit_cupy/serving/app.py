@@ -485,7 +485,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             reserve_queue(len(own), "images")
             pixels, queued = 0, False
             try:
-                if sum(len(blobs[i]) for i in idx) <= INLINE_BYTES:
+                if sum(len(blobs[i]) for i in idx) <= INLINE_BYTES // 64:  # a file's chunks can take ~0.1 ms a KiB
                     heads = [header_size(blobs[i]) for i in idx]
                 else:
                     heads = await asyncio.get_running_loop().run_in_executor(
