@@ -174,7 +174,10 @@ def main(argv=None) -> int:
     if not logging.getLogger().handlers and not pkg.handlers:  # logging left unset: Python's last resort
         handler = _LogAboveTheBar(logging.WARNING)
         pkg.addHandler(handler)
-    shown_warning, warnings.showwarning = warnings.showwarning, _warning_above_the_bar
+    caught = warnings.catch_warnings()  # restores the filters and showwarning after the run
+    caught.__enter__()
+    warnings.filterwarnings("always", module=r"PIL\.")  # each damaged image named, not only the first
+    warnings.showwarning = _warning_above_the_bar
     try:
         return run(args)
     except KeyboardInterrupt as e:  # before the encoding began (walking the inputs, loading the checkpoint)
@@ -182,7 +185,7 @@ def main(argv=None) -> int:
         print(f"\nglmvit-encode: {word} before anything was encoded", file=sys.stderr)
         return status
     finally:
-        warnings.showwarning = shown_warning
+        caught.__exit__(None, None, None)
         if handler is not None:
             pkg.removeHandler(handler)
         if main_thread:

@@ -202,10 +202,13 @@ def _onto_white(img: Image.Image) -> Image.Image:
 def _from_pil(img: Image.Image, name) -> np.ndarray:
     """RGB uint8 HxWx3 from a PIL image, compositing transparency onto white as the reference does: an alpha
     band (premultiplied too), an RGBA palette, or a transparent colour."""
+    loaded = getattr(img, "_im", None) is not None or vars(img).get("im") is not None  # Pillow 11's name; 10's
+    closed = getattr(img, "fp", "") is None and not loaded  # lazy, and its file gone
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img.load()
+            closed = False
             palette = img.palette.mode if img.mode == "P" and img.palette is not None else ""
             if "A" in img.getbands() or img.mode in ("RGBa", "La") or palette.endswith("A") \
                     or img.info.get("transparency") is not None:
@@ -216,7 +219,7 @@ def _from_pil(img: Image.Image, name) -> np.ndarray:
     except (OSError, ValueError, SyntaxError, EOFError, MemoryError, Image.DecompressionBombWarning, AssertionError,
             TypeError, AttributeError, struct.error, IndexError, KeyError) as e:  # a damaged image's own failures
         hint = ("; its file was closed before its pixels were read: call im.load() while the file is open"
-                if getattr(img, "fp", "") is None else "")
+                if closed else "")
         raise ImageError(f"{name}: cannot convert PIL image to RGB ({type(e).__name__}: {e}){hint}") from None
 
 
