@@ -192,6 +192,8 @@ def test_forwards_on_several_threads_leave_the_processs_blas_limit_as_it_was(tow
     pv, grid = G[f"{name}/pixel_values"], G[f"{name}/grid_thw"]
     alone = tower.forward(pv, grid)
     before, outs = blas(), {}  # this machine's own: 2 on CI's two cores
+    if max(before, default=1) < 2:
+        pytest.skip(f"BLAS runs {before} threads here: one thread, nothing to pin")
     start = threading.Barrier(4)
 
     def work(i):

@@ -191,14 +191,17 @@ _pin_lock = threading.Lock()
 
 
 def _openblas_setters() -> list:
-    """openblas_set_num_threads_local of each OpenBLAS NumPy has loaded (OpenBLAS 0.3.27 on), or [] where one
-    lacks it. Unlike openblas_set_num_threads (threadpoolctl's), which OpenBLAS 0.3.31 ignores from any
-    thread but the main one once the main one has called it, it takes effect from the thread that calls it:
-    a forward on a server's or a pool's thread runs pinned too."""
+    """openblas_set_num_threads_local of each BLAS loaded, where every one is an OpenBLAS that has it
+    (0.3.27 on), else []. With threadpoolctl's openblas_set_num_threads instead, forwards on four threads
+    at once gave other bits than one alone (OpenBLAS 0.3.31,
+    tests/test_reference.py::test_forwards_on_several_threads_leave_the_processs_blas_limit_as_it_was);
+    with this call they give the same."""
     from threadpoolctl import ThreadpoolController
 
-    found = []
-    for lib in ThreadpoolController().select(internal_api="openblas").lib_controllers:
+    found, blas = [], ThreadpoolController().select(user_api="blas").lib_controllers
+    if any(lib.internal_api != "openblas" for lib in blas):  # MKL or BLIS beside it: the process-wide limit
+        return []
+    for lib in blas:
         fn = next((getattr(lib.dynlib, name) for name in ("openblas_set_num_threads_local",
                                                           "scipy_openblas_set_num_threads_local64_",
                                                           "openblas_set_num_threads_local64_")
