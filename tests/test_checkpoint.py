@@ -199,6 +199,12 @@ def test_cached_checkpoint_writes_once(tmp_path, tensors, monkeypatch):
     assert bind_tower(path).geometry == GEO and not (tmp_path / "c.tmp").exists()
     monkeypatch.setattr(synthetic, "write_checkpoint", lambda *a, **k: pytest.fail("written twice"))
     assert synthetic.cached_checkpoint(tmp_path / "c", GEO, seed=5) == str(tmp_path / "c")
+    with pytest.raises(ValueError, match="holds random weights of seed 5, not seed 6: give a new folder"):
+        synthetic.cached_checkpoint(tmp_path / "c", GEO, seed=6)
+    import dataclasses
+
+    with pytest.raises(ValueError, match="holds a checkpoint of another geometry"):
+        synthetic.cached_checkpoint(tmp_path / "c", dataclasses.replace(GEO, depth=GEO.depth + 1), seed=5)
 
 
 def _config(path, change):

@@ -154,12 +154,21 @@ def written_seed(path: str) -> int | None:
 
 
 def cached_checkpoint(path, geo: VisionGeometry, *, seed: int = 0) -> str:
-    """write_checkpoint once: reuse `path` if a checkpoint is there, else write it under a temporary name
+    """write_checkpoint once: reuse `path` if a checkpoint of this geometry (and seed, where it records one)
+    is there (ValueError for another), else write it under a temporary name
     and rename it onto `path` (absent, or an empty folder), so an interrupted write is never mistaken for a
     finished one; what an interrupted or failed write left is removed. OSError, saying what is in the way,
     for a `path` that is something else (checked before anything is written)."""
     path = os.fspath(path)
     if os.path.exists(os.path.join(path, "config.json")):
+        there = written_seed(path)
+        if there is not None and there != seed:
+            raise ValueError(f"{path} holds random weights of seed {there}, not seed {seed}: give a new folder")
+        from ..config import read_config
+
+        if read_config(path) != geo:
+            raise ValueError(f"{path} holds a checkpoint of another geometry than the one asked for: give a new "
+                             "folder")
         return path
     tmp = writable_target(path)
     try:
