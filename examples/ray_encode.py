@@ -85,8 +85,8 @@ def terminated(signum, frame):
 def main(argv=None) -> int:
     """run(argv); 2 with one line on stderr for a bad flag, input, checkpoint or output folder; 130 on Ctrl-C,
     143 on SIGTERM, saying that the same command resumes."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, terminated)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminated) if main_thread else None
     try:
         return run(argv)
     except (ValueError, OSError) as e:  # CheckpointError, a setting out of range, an --out that cannot be written
@@ -96,6 +96,9 @@ def main(argv=None) -> int:
         word, status = ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted", 130)
         print(f"\nray_encode: {word}; the same command resumes from the Parquet files written", file=sys.stderr)
         return status
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)  # a caller's own (the tests call main in process)
 
 
 def run(argv) -> int:

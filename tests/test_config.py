@@ -70,8 +70,10 @@ def test_impossible_geometry_names_the_field(fields, needle):
 @pytest.mark.parametrize("field,value", [("swiglu_limit", "10"), ("rope_theta", None), ("rope_theta", [1e4]),
                                          ("swiglu_limit", True)])
 def test_a_limit_or_theta_that_is_no_number_names_the_field(field, value):
-    with pytest.raises(CheckpointError, match=re.escape(f"vision_config: {field} = {value!r} cannot work: it must be a number")):
+    with pytest.raises(CheckpointError,
+                       match=re.escape(f"vision_config: {field} = {value!r} cannot work: it must be a number")):
         VisionGeometry(**{field: value}).validate()
+    VisionGeometry(**{field: np.float32(12.5)}).validate()  # a NumPy number is one
 
 
 def test_out_hidden_must_match_text_hidden(tmp_path):

@@ -399,9 +399,16 @@ def test_a_video_too_short_to_sample_is_too_short_named_with_advice_to_reword(rn
     assert str(told) == f"{e.value.what}; raise --video-fps" and told.what.startswith("clip.mp4: ")
 
 
-def test_a_minimum_past_any_memory_is_a_memory_error_naming_the_video_and_the_setting(rng):
+def test_a_minimum_past_any_memory_is_a_memory_error_naming_the_video_and_the_setting(rng, monkeypatch):
     """min_image_tokens of a billion scales 8 small frames up to a canvas whose pixel rows need ~17 TiB: a
-    MemoryError that names the video, its canvas and the settings to lower, not NumPy's bare one."""
+    MemoryError that names the video, its canvas and the settings to lower, not NumPy's bare one. (NumPy's
+    own refusal stands in: a machine that overcommits memory might grant the 17 TiB and then run out.)"""
+    from glmvit_cupy.preprocessing import video
+
+    def refused(grids, width):
+        raise MemoryError(f"Unable to allocate {int(grids.prod(axis=1).sum()) * width * 4 / 2**40:.1f} TiB")
+
+    monkeypatch.setattr(video, "rows_in_turn", refused)
     frames = rng.integers(0, 256, (8, 32, 40, 3), dtype=np.uint8)
     with pytest.raises(MemoryError, match=r"video 0: 1,000,000,000 tokens .* GiB, more than this machine can give: "
                                           "lower min_image_tokens or max_image_tokens"):

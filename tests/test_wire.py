@@ -1,7 +1,7 @@
 """Frames between glmvit-serve's HTTP workers and its engine (serving/wire.py): whatever way the bytes are cut
-on their way, every frame comes out whole and equal to what was sent, payloads larger than the scratch
-buffer and headers larger than it included (read into buffers of their own: the scratch never grows); the end of the stream is None; a reader that falls behind
-pauses the socket and resumes it."""
+on their way, every frame comes out whole and equal to what was sent, payloads and headers larger than the
+scratch buffer included (read into buffers of their own: the scratch never grows); the end of the stream is
+None; a reader that falls behind pauses the socket and resumes it."""
 
 import asyncio
 import pickle

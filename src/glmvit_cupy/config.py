@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -108,7 +109,7 @@ class VisionGeometry:
                 f"value ({FLOAT32_TINY:.4g}) and rounds to 0 or loses its precision; give at least that")
         for field in ("swiglu_limit", "rope_theta"):
             v = getattr(self, field)
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
+            if not isinstance(v, numbers.Real) or isinstance(v, bool):  # NumPy numbers too
                 bad(field, v, "it must be a number")
         if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
             bad("swiglu_limit", self.swiglu_limit, "the SwiGLU clamp needs a positive finite limit")

@@ -55,7 +55,7 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def write_vllm(folder: str, key: str, embedding, weights: str | None = None, source=None, say=None) -> bool:
+def write_vllm(folder: str, key: str, embedding, weights: str | None, source, say) -> bool:
     """vllm_ec.write (whose own failures are OutputErrors naming the file), any other OSError from it as an
     OutputError naming --vllm-ec-dir. Something in the way of this key alone (vllm_ec.InTheWay) stops
     nothing: say(line) names `source` and why, and it returns False (the embedding is saved in --out all

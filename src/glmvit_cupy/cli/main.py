@@ -340,7 +340,7 @@ def stopped_writing(e: Exception, ran: str | None = None) -> int:
     return WRITE
 
 
-def backfill_vllm(args, out, done: list) -> int:
+def backfill_vllm(args, out, done: list) -> tuple[int, int]:
     """The vLLM files of images and videos `out` holds already, written from their shards where
     --vllm-ec-dir has none (or a broken one, or another tower's): a re-run with --vllm-ec-dir, or after a
     cache folder was cleared, fills it. Returns (how many were written, how many could not be: something
