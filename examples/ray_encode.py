@@ -23,6 +23,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout without installing
+from glmvit_cupy.cli.common import interruption, stopped_by_sigterm  # noqa: E402 - Ctrl-C and SIGTERM as glmvit-encode
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -74,26 +75,18 @@ def done_paths(out) -> tuple[set, set]:
     return paths | {os.path.realpath(p) for p in paths if "://" not in p}, foreign  # other spellings too
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler stopping the job), taken as Ctrl-C is."""
-
-
-def terminated(signum, frame):
-    raise Terminated()
-
-
 def main(argv=None) -> int:
     """run(argv); 2 with one line on stderr for a bad flag, input, checkpoint or output folder; 130 on Ctrl-C,
     143 on SIGTERM, saying that the same command resumes."""
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, terminated) if main_thread else None
+    previous = signal.signal(signal.SIGTERM, stopped_by_sigterm) if main_thread else None
     try:
         return run(argv)
     except (ValueError, OSError) as e:  # CheckpointError, a setting out of range, an --out that cannot be written
         print(f"ray_encode: {str(e).replace('cpu=True', '--cpu')}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:
-        word, status = ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (a scheduler stopping the job) taken as one
+        word, status = interruption(e)
         print(f"\nray_encode: {word}; the same command resumes from the Parquet files written", file=sys.stderr)
         return status
     finally:
@@ -141,7 +134,7 @@ def run(argv) -> int:
     if not ray.is_initialized():
         ray.init(address=args.address, include_dashboard=False)
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, terminated)  # Ray's own handler dumps a stack and exits 15
+            signal.signal(signal.SIGTERM, stopped_by_sigterm)  # Ray's own handler dumps a stack and exits 15
     ds = ray.data.read_binary_files(files if files is not None else args.input, include_paths=True)
     if files is None and done:
         ds = ds.filter(lambda row: row["path"] not in done)

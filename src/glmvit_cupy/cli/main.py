@@ -174,18 +174,16 @@ def main(argv=None) -> int:
     if not logging.getLogger().handlers and not pkg.handlers:  # logging left unset: Python's last resort
         handler = _LogAboveTheBar(logging.WARNING)
         pkg.addHandler(handler)
-    caught = warnings.catch_warnings()  # restores the filters and showwarning after the run
-    caught.__enter__()
-    warnings.filterwarnings("always", module=r"PIL\.")  # each damaged image named, not only the first
-    warnings.showwarning = _warning_above_the_bar
     try:
-        return run(args)
+        with warnings.catch_warnings():  # the filters and showwarning are put back after the run
+            warnings.filterwarnings("always", module=r"PIL\.")  # each damaged image named, not only the first
+            warnings.showwarning = _warning_above_the_bar
+            return run(args)
     except KeyboardInterrupt as e:  # before the encoding began (walking the inputs, loading the checkpoint)
         word, status = interruption(e)
         print(f"\nglmvit-encode: {word} before anything was encoded", file=sys.stderr)
         return status
     finally:
-        caught.__exit__(None, None, None)
         if handler is not None:
             pkg.removeHandler(handler)
         if main_thread:

@@ -122,9 +122,10 @@ class ClientGone(Exception):
 
 JSON = "application/json"
 IMAGE_FILE = "application/octet-stream"  # or any image/*: a body that is one image file
-# Work on fewer bytes than this runs on the event loop: a hop to a thread and back costs more than it
-# (a 1 MB reply is made in ~0.1 ms).
-INLINE_BYTES = 4 << 20
+# Work on fewer bytes than these runs on the event loop, where a hop to a thread and back costs more than
+# the work: a reply (a 1 MB one is made in ~0.1 ms), a body to parse (base64 of 256 KiB: ~1 ms), a
+# request's image headers (a file's chunks can take ~0.1 ms a KiB).
+INLINE_REPLY, INLINE_BODY, INLINE_HEADERS = 4 << 20, 256 << 10, 64 << 10
 _JSON_START = re.compile(rb"\s*[{\[]")  # matched at a body's start: whitespace, then an object or array
 
 
@@ -312,10 +313,10 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         return [body]
 
     async def parse(read, held: list):
-        """read(held) on the parsing thread (a body of up to INLINE_BYTES / 16 here): one body at a time, so
+        """read(held) on the parsing thread (a body of up to INLINE_BODY here): one body at a time, so
         that only one is expanded into Python strings and decoded bytes at once (about 3x its size); JSON
         parsing holds the interpreter, so two bodies on two threads would be no faster."""
-        if len(held[0]) <= INLINE_BYTES // 16:  # a small body: parsed here (base64 of 256 KiB: ~1 ms)
+        if len(held[0]) <= INLINE_BODY:
             return read(held)
         return await asyncio.get_running_loop().run_in_executor(parser, read, held)
 
@@ -396,7 +397,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         return True
 
     async def reply(out: dict, what: str, meta: list, checked: bool = False) -> Response:
-        """The embeddings as one safetensors file, made on a thread past INLINE_BYTES (512 MiB take 2.5 s on a
+        """The embeddings as one safetensors file, made on a thread past INLINE_REPLY (512 MiB take 2.5 s on a
         2-core machine), after checking them for NaN and infinity unless hand_to_vllm did (`checked`);
         a reply over --max-reply-mib is refused (413) before it is made: a small request repeating one
         image at a large token count would otherwise make a reply thousands of times its size."""
@@ -421,7 +422,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 _check_finite(out, what)
             return save(out, metadata={what: json.dumps(meta)})
 
-        body = made() if size <= INLINE_BYTES else await asyncio.get_running_loop().run_in_executor(None, made)
+        body = made() if size <= INLINE_REPLY else await asyncio.get_running_loop().run_in_executor(None, made)
         return Response(body, media_type="application/octet-stream")
 
     # -- images ------------------------------------------------------------------------------------------
@@ -485,7 +486,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             reserve_queue(len(own), "images")
             pixels, queued = 0, False
             try:
-                if sum(len(blobs[i]) for i in idx) <= INLINE_BYTES // 64:  # a file's chunks can take ~0.1 ms a KiB
+                if sum(len(blobs[i]) for i in idx) <= INLINE_HEADERS:
                     heads = [header_size(blobs[i]) for i in idx]
                 else:
                     heads = await asyncio.get_running_loop().run_in_executor(
