@@ -12,7 +12,7 @@ from PIL import Image
 from tests.golden import cases
 
 from glmvit_cupy import ImageError
-from glmvit_cupy import preprocess
+from glmvit_cupy import Patching, preprocess
 from glmvit_cupy.preprocessing.decode import load_rgb
 from glmvit_cupy.preprocessing.image import normalise_patchify, prepare_canvas, smart_resize
 
@@ -68,6 +68,18 @@ def test_golden_tower_inputs_match(zoo):
 ])
 def test_smart_resize_cases(hw, want):
     assert smart_resize(*hw) == want
+
+
+@pytest.mark.parametrize("kw", [dict(min_image_tokens=10**6, max_image_tokens=2 * 10**6),
+                                dict(patching=Patching(patch_size=10**6)),
+                                dict(patching=Patching(temporal_patch_size=10**9))])
+def test_a_canvas_past_memory_is_refused_before_it_is_made(kw):
+    # A huge minimum or patching would ask for terabytes: a ValueError naming the canvas, not a MemoryError
+    # (or the kernel's OOM killer) once the arrays are allocated.
+    rgb = np.random.default_rng(0).integers(0, 256, (64, 64, 3), np.uint8)
+    with pytest.raises(ValueError, match=r"64x64 image would become a \d+x\d+ canvas.*pixel values"):
+        preprocess([rgb], **kw)
+    assert smart_resize(64, 64, min_image_tokens=456_000, max_image_tokens=456_000)  # just under: allowed
 
 
 def test_patch_order_is_merge_block_major():

@@ -410,8 +410,11 @@ def test_a_minimum_past_any_memory_is_a_memory_error_naming_the_video_and_the_se
 
     monkeypatch.setattr(video, "rows_in_turn", refused)
     frames = rng.integers(0, 256, (8, 32, 40, 3), dtype=np.uint8)
-    with pytest.raises(MemoryError, match=r"video 0: 1,000,000,000 tokens .* GiB, more than this machine can give: "
+    with pytest.raises(MemoryError, match=r"video 0: 400,000 tokens .* GiB, more than this machine can give: "
                                           "lower min_image_tokens or max_image_tokens"):
+        preprocess_video(frames, fps=10, min_image_tokens=400_000, max_image_tokens=400_001)
+    # A frame group's canvas past 2**31 - 1 pixel values is refused before anything is allocated.
+    with pytest.raises(ValueError, match=r"video 0: a 32x40 video's frames would become a \d+x\d+ canvas"):
         preprocess_video(frames, fps=10, min_image_tokens=10**9, max_image_tokens=10**9 + 1)
 
 

@@ -26,6 +26,10 @@ PATCH = 14
 MERGE = 2
 TEMPORAL = 2
 FACTOR = PATCH * MERGE  # 28: one merged token is a 28 x 28 pixel square
+# The most pixel values (temporal x H x W x 3) one image or frame group becomes: 2**31 - 1, the most an int32
+# index reaches (456,000 tokens of the reference's patching, far past a forward pass). Only a huge
+# min_image_tokens or Patching asks for more, and that canvas would not fit in memory.
+PIXEL_VALUE_LIMIT = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ def smart_resize(height: int, width: int, *, min_image_tokens: int = 16, max_ima
     height (1..height) whose aligned canvas fits, keeping the width proportional.
     """
     check_token_limits(min_image_tokens, max_image_tokens, ordered=False)  # past 2**31 the float math overflows
+    what = "image" if num_frames is None else "video's frames"
     if num_frames is None:
         num_frames = temporal_factor  # a still image is treated as `temporal_factor` frames
     per_token = temporal_factor * factor * factor
@@ -109,6 +114,11 @@ def smart_resize(height: int, width: int, *, min_image_tokens: int = 16, max_ima
                 lo = ch + 1
             else:
                 hi = ch - 1
+    if temporal_factor * h * w * 3 > PIXEL_VALUE_LIMIT:
+        raise ValueError(f"a {height}x{width} {what} would become a {h}x{w} canvas of {temporal_factor} frames, "
+                         f"{temporal_factor * h * w * 3:.3g} pixel values, past the {PIXEL_VALUE_LIMIT:,} one image "
+                         f"or frame group may have: min_image_tokens={min_image_tokens} with a {factor}-pixel token side and "
+                         f"{temporal_factor} frames a patch ask for it; lower them")
     return h, w
 
 
