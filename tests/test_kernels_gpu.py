@@ -566,6 +566,32 @@ def test_gemm_on_own_handle_is_capturable_and_equal():
     assert rel(cupy.asnumpy(got), ref) < 1e-5
 
 
+def test_the_tuning_probe_tells_another_summation_order_apart():
+    """A candidate that sums K in another order must fail gemm_tune's bit check. On random inputs a small
+    bf16 GEMM summed in two halves (another grouping of the same products) often gives the one-shot sum's
+    bits exactly; on gemm_tune.cancelling's inputs most outputs differ. The halves' sum goes through
+    float32, so it is the grouping that differs, not the rounding."""
+    from glmvit_cupy.engine import gemm_tune
+
+    m, n, k = 96, 100, 96  # the merger's down_proj of a test tower: 9,600 bf16 outputs
+
+    def differ(a, w):
+        one = poison((m, n))
+        gemm(a, w, one)
+        halves = cupy.zeros((m, n), np.float32)
+        gemm(a[:, : k // 3], w[:, : k // 3], halves, 1.0)
+        gemm(a[:, k // 3:], w[:, k // 3:], halves, 1.0)
+        return int((one.view(np.uint16) != halves.astype(BF).view(np.uint16)).sum())
+
+    a, w = dev(bf(rng.standard_normal((m, k)))), dev(bf(rng.standard_normal((n, k)) / math.sqrt(k)))
+    ca, cw = gemm_tune.cancelling(a, w)
+    assert host(ca)[0, 0] == host(ca)[0, k - 1] == 4096 and host(cw)[0, k - 1] == -4096
+    on_random, on_cancelling = differ(a, w), differ(ca, cw)
+    print(f"outputs that differ with K summed in two groups: random {on_random}, cancelling {on_cancelling} "
+          f"of {m * n}")
+    assert on_cancelling > m * n // 4 and on_cancelling > 20 * max(on_random, 1)
+
+
 def test_tuned_cublaslt_gemms_give_the_default_bits_at_every_row_count():
     """gemm_tune keeps only cublasLt algorithms with the bits of cublasGemmEx's default pick, and a row count
     between the tuned ones runs the nearest one's algorithm: so at row counts that were not tuned, with

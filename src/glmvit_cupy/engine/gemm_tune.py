@@ -3,9 +3,16 @@ exactly the bits of cublasGemmEx's default pick, kept on the Handle only where i
 
 Why bits and not a tolerance: the engine's outputs must not depend on the batch an image shares a
 forward with, nor on the budget it lands in. Every candidate is checked bit for bit against the default
-on random inputs (gemm_lt offers only algorithms without split-K or workspace, so each output element is
-summed over K in one order); a row count between the tuned ones runs the algorithm of the nearest
-where cublasLt's heuristic offers that configuration for its shape (Handle.lt_choice).
+(gemm_lt offers only algorithms without split-K or workspace, so each output element is summed over K in
+one order, which must be the default's); a row count between the tuned ones runs the algorithm of the
+nearest where cublasLt's heuristic offers that configuration for its shape (Handle.lt_choice).
+
+Random inputs alone do not prove the order: a sum taken in another order differs from the default's in
+about 2**-15 of its bf16 outputs, so on a small shape (the merger of a test tower: 96 x 100 outputs) a
+candidate summing in another order passes about one time in twenty. Each candidate is therefore also
+run on `cancelling` inputs, where every output holds +2**24 and -2**24 among its products: the small
+products added while the sum sits at 2**24 lose their low bits, so any other grouping of the K terms
+changes the result by about its own size.
 
 Timing: each candidate's `reps` calls are captured in a CUDA graph and replayed, so the host's launch
 cost (~15 us a ctypes call, longer than a 1,024-row GEMM) is not counted; the best of `rounds` replays.
@@ -92,11 +99,21 @@ def _tune_one(handle, rng, m, n, k, dtype, accumulate, min_gain, rounds, reps):
     problem = gemm_lt.Problem(handle.lt, m, n, k, k, k, n, gemm_lt.CUDA_R_32F if dtype == np.float32
                               else gemm_lt.CUDA_R_16BF)
     one, b = np.ones((), np.float32), np.asarray(beta, np.float32)
+    probes = [(a, w, want)]
+    if k >= 4:
+        ca, cw = cancelling(a, w)
+        cwant = base.copy()
+        gemm(ca, cw, cwant, beta, handle=handle)
+        probes.append((ca, cw, cwant))
     same = []
     for algo in problem.candidates():
-        got = base.copy()
-        problem.run(algo, a.data.ptr, w.data.ptr, got.data.ptr, one.ctypes.data, b.ctypes.data, handle.stream.ptr)
-        if bool(cupy.array_equal(got.view(np.uint8), want.view(np.uint8))):
+        for pa, pw, pwant in probes:
+            got = base.copy()
+            problem.run(algo, pa.data.ptr, pw.data.ptr, got.data.ptr, one.ctypes.data, b.ctypes.data,
+                        handle.stream.ptr)
+            if not bool(cupy.array_equal(got.view(np.uint8), pwant.view(np.uint8))):
+                break
+        else:
             same.append(algo)
         if len(same) == MAX_CANDIDATES:
             break
@@ -109,6 +126,21 @@ def _tune_one(handle, rng, m, n, k, dtype, accumulate, min_gain, rounds, reps):
     keep = best > 0 and us[best] < us[0] * (1.0 - min_gain)
     return (same[best - 1] if keep else None), {
         "same_bits": len(same), "gemm_ex_us": us[0], "best_us": us[best], "chosen": best - 1 if keep else None}
+
+
+def cancelling(a: cupy.ndarray, w: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """Copies of a [M, K] and w [N, K] (K >= 4) whose every output sums +2**24 and -2**24 among small
+    products: even rows at K columns 0 and K - 1, odd rows at K / 2 and K / 2 - 1, so that the large
+    pair sits at the ends of the sum for some outputs and in its middle for others."""
+    k = a.shape[1]
+    big = 4096.0  # 4096 * 4096 = 2**24, where a float32's unit in the last place is 2
+    lo, hi = k // 2 - 1, k // 2
+    a, w = a.astype(np.float32), w.astype(np.float32)  # exact: bf16 values, 0 and 4096
+    w[:, [0, hi]], w[:, [k - 1, lo]] = big, -big
+    a[:, [0, k - 1, lo, hi]] = 0
+    a[0::2, [0, k - 1]] = big
+    a[1::2, [lo, hi]] = big
+    return a.astype(BF16), w.astype(BF16)
 
 
 def _graph_us(stream, runs, rounds, reps) -> list[float]:
