@@ -128,19 +128,22 @@ def _tune_one(handle, rng, m, n, k, dtype, accumulate, min_gain, rounds, reps):
         "same_bits": len(same), "gemm_ex_us": us[0], "best_us": us[best], "chosen": best - 1 if keep else None}
 
 
+BIG = 0x4580  # bf16 4096: 4096 * 4096 = 2**24, where a float32's unit in the last place is 2
+
+
 def cancelling(a: cupy.ndarray, w: cupy.ndarray) -> tuple[cupy.ndarray, cupy.ndarray]:
     """Copies of a [M, K] and w [N, K] (K >= 4) whose every output sums +2**24 and -2**24 among small
     products: even rows at K columns 0 and K - 1, odd rows at K / 2 and K / 2 - 1, so that the large
     pair sits at the ends of the sum for some outputs and in its middle for others."""
     k = a.shape[1]
-    big = 4096.0  # 4096 * 4096 = 2**24, where a float32's unit in the last place is 2
     lo, hi = k // 2 - 1, k // 2
-    a, w = a.astype(np.float32), w.astype(np.float32)  # exact: bf16 values, 0 and 4096
-    w[:, [0, hi]], w[:, [k - 1, lo]] = big, -big
-    a[:, [0, k - 1, lo, hi]] = 0
-    a[0::2, [0, k - 1]] = big
-    a[1::2, [lo, hi]] = big
-    return a.astype(BF16), w.astype(BF16)
+    a, w = a.copy(), w.copy()
+    ab, wb = a.view(np.uint16), w.view(np.uint16)  # written as bf16 bit patterns: exact, no conversion
+    wb[:, [0, hi]], wb[:, [k - 1, lo]] = BIG, BIG | 0x8000
+    ab[:, [0, k - 1, lo, hi]] = 0
+    ab[0::2, [0, k - 1]] = BIG
+    ab[1::2, [lo, hi]] = BIG
+    return a, w
 
 
 def _graph_us(stream, runs, rounds, reps) -> list[float]:
