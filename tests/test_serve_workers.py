@@ -135,6 +135,51 @@ def test_a_killed_server_takes_its_workers_with_it(tmp_path):
         proc.communicate(timeout=10)
 
 
+def test_sweep_removes_only_the_folders_of_dead_servers_of_this_host_and_namespace(tmp_path):
+    import subprocess
+    import sys
+
+    from glmvit_cupy.serving import workers
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    here = workers._namespace()
+    owners = {"dead": f"{dead.stdout.strip()} {here}", "alive": f"{os.getpid()} {here}",
+              "elsewhere": f"{dead.stdout.strip()} otherhost:{here.split(':')[1]}", "half": "12"}
+    for name, owner in owners.items():
+        (tmp_path / (workers.PREFIX + name)).mkdir()
+        (tmp_path / (workers.PREFIX + name) / workers.OWNER).write_text(owner)
+    (tmp_path / (workers.PREFIX + "making")).mkdir()  # no owner file yet
+    (tmp_path / "other-dead").mkdir()
+    (tmp_path / "other-dead" / workers.OWNER).write_text(owners["dead"])
+    assert workers.sweep(str(tmp_path)) == [str(tmp_path / (workers.PREFIX + "dead"))]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["other-dead"] + [workers.PREFIX + n for n in ("alive", "elsewhere", "half", "making")])
+
+
+@needs_proc
+def test_the_folder_of_a_killed_server_goes_when_the_next_one_starts(tmp_path, monkeypatch):
+    """SIGKILL leaves the engine's socket and metrics folder behind (no cleanup runs); the next glmvit-serve
+    of this user removes it as it makes its own, and removes its own when it stops."""
+    short = tmp_path / "t"
+    short.mkdir()
+    monkeypatch.setenv("TMPDIR", str(short))
+    proc, client = start(tmp_path, "--workers", 2)
+    client.encode([png(40, 50, 7)])
+    proc.kill()
+    proc.communicate(timeout=10)
+    left = [p.name for p in short.iterdir()]
+    assert len(left) == 1 and left[0].startswith("glmvit-serve-"), left
+    proc, client = start(tmp_path, "--workers", 2)
+    try:
+        wait_for(lambda: left[0] not in [p.name for p in short.iterdir()], 10, "the stale folder removed")
+        assert len(list(short.iterdir())) == 1  # its own
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0 and not list(short.iterdir()), out
+
+
 @pytest.mark.parametrize("workers,why", [("0", "--workers 0 must be at least 1"),
                                          ("300", "--workers 300 is more HTTP worker processes than 256")])
 def test_a_worker_count_out_of_range_is_refused_at_start(workers, why):

@@ -56,21 +56,78 @@ def run_with_workers(args, sock, settings, load_backend, max_connections: int, b
     return code
 
 
+PREFIX = "glmvit-serve-"
+OWNER = "owner.pid"  # the serving process's id, in its folder
+
+
 def _folder() -> str:
     """A new folder of this user's alone for the engine's socket and the metrics: in the temporary folder
     (TMPDIR), or where that is too deep for a Unix socket's name (107 bytes), the first of /tmp, /var/tmp
-    and /dev/shm that takes one."""
-    folder = tempfile.mkdtemp(prefix="glmvit-serve-")
-    if len(os.path.join(folder, "engine.sock")) <= 100:
-        return folder
-    for base in ("/tmp", "/var/tmp", "/dev/shm"):
-        try:
-            short = tempfile.mkdtemp(prefix="glmvit-serve-", dir=base)
-        except OSError:
+    and /dev/shm that takes one. Folders a killed server left there are removed first (sweep)."""
+    sweep(tempfile.gettempdir())
+    folder = tempfile.mkdtemp(prefix=PREFIX)
+    if len(os.path.join(folder, "engine.sock")) > 100:
+        for base in ("/tmp", "/var/tmp", "/dev/shm"):
+            try:
+                sweep(base)
+                short = tempfile.mkdtemp(prefix=PREFIX, dir=base)
+            except OSError:
+                continue
+            os.rmdir(folder)
+            folder = short
+            break
+        # else: the socket's start says what is wrong
+    with open(os.path.join(folder, OWNER), "w") as f:
+        f.write(f"{os.getpid()} {_namespace()}")
+    return folder
+
+
+def sweep(base: str) -> list[str]:
+    """Remove the folders under `base` that a glmvit-serve of this user left behind when it was killed
+    (SIGKILL, out of memory: its own cleanup never ran): those whose owner process no longer exists. A
+    folder without an owner file (being made right now), of a process that lives or of another PID
+    namespace is kept. Returns the folders removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(PREFIX):
             continue
-        os.rmdir(folder)
-        return short
-    return folder  # the socket's start says what is wrong
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            with open(os.path.join(entry.path, OWNER)) as f:
+                pid, space = f.read(64).split(" ", 1)
+                pid = int(pid)
+        except (OSError, ValueError):
+            continue
+        if pid <= 0 or space != _namespace() or _alive(pid):
+            continue  # a process of another host or PID namespace (sharing the folder) is not ours to judge
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
+def _namespace() -> str:
+    """Where this process's ids mean something: its host and PID namespace (Linux; the first namespace has
+    the same number on every host, so a temporary folder shared between hosts needs the name too)."""
+    try:
+        space = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        space = ""
+    return f"{socket.gethostname()}:{space}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it exists
+        return True
+    return True
 
 
 async def _serve(args, sock, settings, load_backend, max_connections, backlog, where, log, folder):
