@@ -164,6 +164,33 @@ def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch, c
     assert len(manifest["images"]) == 2 and len(tensors) == 2
 
 
+def test_ctrl_c_just_after_a_batch_is_handed_to_the_writer_saves_it_once(images, tmp_path, monkeypatch, capsys):
+    """Ctrl-C between the hand-over of a computed batch to the writer and the note that it was handed over:
+    the interrupted run's cleanup hands the same batch over again, and it must be written once (the same
+    image in two shards counted twice, or on a GPU, a second read of freed embeddings)."""
+    from glmvit_cupy import output
+
+    out, handed = tmp_path / "out", {"n": 0}
+    real = output.Writer.submit
+
+    def submit(self, fn, *a, **kw):
+        real(self, fn, *a, **kw)
+        if getattr(fn, "__name__", "") == "write":
+            handed["n"] += 1
+            if handed["n"] == 1:
+                raise KeyboardInterrupt  # after the first batch is handed over, before collect returns
+
+    monkeypatch.setattr(output.Writer, "submit", submit)
+    args = [images / "a.png", images / "c.jpg", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu",
+            "--capacity-tokens", 30, "--max-image-tokens", 30]
+    assert run(args) == 130
+    assert "interrupted; 1 file saved this run (1 in" in capsys.readouterr().err
+    assert handed["n"] == 2  # handed over again by the cleanup, written once
+    shards = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    manifest, tensors = load_all(out)
+    assert len(shards) == 1 and len(manifest["images"]) == 1 and len(tensors) == 1
+
+
 def test_a_fixed_file_a_stopped_run_encoded_is_taken_by_the_next_and_by_the_reader(tmp_path, capsys):
     """A file failed, was replaced by a good one, and a run encoded it but stopped before its manifest caught
     up: the next run, with nothing left to encode, still writes the manifest, so the file is listed, no longer

@@ -249,6 +249,12 @@ class Launched:
 
     def __init__(self, wait, host):
         self._wait, self._host, self._done = wait, host, None
+        self._claimed = False
+
+    def claim(self) -> bool:
+        """True the first time only: the one writer of these batches (a second hand-over is ignored)."""
+        claimed, self._claimed = self._claimed, True
+        return not claimed
 
     def wait(self) -> None:
         if self._host is None and self._done is None:

@@ -406,6 +406,8 @@ def encode_all(args, todo, enc, out) -> int:
 
     def write(group, launched):
         nonlocal tokens_done
+        if not launched.claim():  # handed over twice: an interrupt between collect's hand-over and its note
+            return
         # Copied to the host here, off the GPU's thread, and written straight from page-locked memory.
         with launched.viewed() as per_batch:
             for b, per_image in zip(group, per_batch):
