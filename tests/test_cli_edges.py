@@ -67,6 +67,25 @@ def test_a_huge_file_named_like_an_image_is_failed_from_its_size_and_the_rest_is
     assert list(manifest["failed"]) == [image_key(huge)] and "--max-image-mib" in manifest["failed"][image_key(huge)]
 
 
+def test_a_rerun_with_a_higher_max_pixels_resumes_and_encodes_what_was_refused(folder, tmp_path):
+    """--max-pixels only accepts or refuses a file: the error's advice (raise it) works in the same folder, and
+    a folder whose header recorded the limits (an earlier version) resumes under other ones."""
+    out = tmp_path / "out"
+    r = command(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--max-pixels", 4096)
+    assert r.returncode == 1 and "--max-pixels" in r.stdout + r.stderr, r.stdout + r.stderr
+    manifest, embs = read_embeddings(out)
+    assert sorted(os.path.basename(k) for k in embs) == ["b.png"] and len(manifest["failed"]) == 1
+    path = out / "manifest.json"
+    old = json.loads(path.read_text())
+    old["header"]["max_pixels"] = 4096
+    old["header"]["video"]["max_video_pixels"] = None
+    path.write_text(json.dumps(old))
+    r = command(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--max-pixels", 5000)
+    assert r.returncode == 0, r.stdout + r.stderr
+    manifest, embs = read_embeddings(out)
+    assert sorted(os.path.basename(k) for k in embs) == ["a.png", "b.png"] and not manifest["failed"]
+
+
 def test_a_file_under_the_limit_but_over_the_memory_fails_alone(folder, tmp_path):
     """Raised past what memory holds (--max-image-mib 7000 under a 2 GiB address space), the 6 GiB file
     fails by name with the reason, and the images beside it are saved: no MemoryError traceback."""

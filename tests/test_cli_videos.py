@@ -77,7 +77,7 @@ def test_a_folder_of_images_and_videos(media, tmp_path, capsys):
     # The offset clip lasts 2.8 - 1.3 = 1.4999999999999998 s, as the reference processor's decoder says.
     assert manifest["images"][real["offset.mp4"]]["duration"] == 2.8 - 1.3
     assert manifest["header"]["video"] == {"sample": True, "target_fps": 4.0, "max_frames": 2048, "max_duration": 0,
-                                           "min_image_tokens": 16, "max_image_tokens": 40, "max_video_pixels": 2**32}
+                                           "min_image_tokens": 16, "max_image_tokens": 40}
     printed = capsys.readouterr()
     assert "2 videos" in printed.out and "1 failed" in printed.out and "skipped" in printed.out
 
@@ -207,14 +207,15 @@ def test_videos_whose_embedding_overflows_are_failed_not_saved(media, tmp_path, 
 
 def test_max_pixels_guards_video_frames_as_images(media, tmp_path, capsys):
     """--max-pixels is one frame's limit too: a video of larger frames fails naming it (and the flag), as an
-    image does; raised past them, the same run encodes it."""
+    image does; raised past them, a re-run into the same folder encodes it."""
     out = tmp_path / "out"
     assert run(media / "sub", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--max-pixels", 1000,
                *LIMITS) == cli.FAILED
     (why,) = read_embeddings_manifest_failed(out)
     assert "has 44x30 frames, over the 1,000 pixels" in why and "--max-pixels raises it" in why, why
-    assert run(media / "sub", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "out2", "--cpu",
-               "--max-pixels", 44 * 30, *LIMITS) == cli.DONE
+    assert run(media / "sub", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu",
+               "--max-pixels", 44 * 30, *LIMITS) == cli.DONE  # the limit shapes no embedding: same folder
+    assert read_embeddings_manifest_failed(out) == []
 
 
 def read_embeddings_manifest_failed(out) -> list:

@@ -56,6 +56,8 @@ FLUSH_SECONDS = 5.0  # the manifest is rewritten at most this often while a run 
 # Settings a folder's header may lack (a folder written by an earlier version): "video" (it encoded no videos, so it
 # resumes under this run's settings) and "weights" (its tower is then told by the checkpoint's path alone).
 ADDED = ("video", "weights")
+# Limits an earlier version recorded that shape no embedding (they only accept or refuse a file): ignored.
+LIMITS = ("max_pixels", "max_video_pixels")
 
 
 def image_key(path) -> str:
@@ -250,6 +252,8 @@ class Output:
             os.rmdir(self.folder)
 
     def _check(self, header: dict, settings: dict, where: str):
+        header = {k: ({n: x for n, x in v.items() if n not in LIMITS} if isinstance(v, dict) else v)
+                  for k, v in header.items() if k not in LIMITS}
         for name, value in settings.items():
             if name in ADDED and name not in header:  # written before the setting was: it held none of its files
                 continue

@@ -258,10 +258,12 @@ def run(args) -> int:
         except OutputError as e:
             return fail(e)
     per_video = video_settings(args)
+    # What shapes an embedding, fixed for the folder. The pixel and size limits only accept or refuse a file,
+    # so a re-run with a higher one resumes here and encodes what they refused.
     settings = {"checkpoint": os.path.abspath(binding.path), "weights": binding.fingerprint,
                 "geometry": dict(vars(binding.geometry)),
                 "min_image_tokens": args.min_image_tokens, "max_image_tokens": args.max_image_tokens,
-                "max_pixels": args.max_pixels, "video": dict(per_video, max_video_pixels=args.max_video_pixels)}
+                "video": per_video}
     created = not os.path.lexists(args.out)
     try:
         out = Output(args.out, settings)
