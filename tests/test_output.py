@@ -41,6 +41,30 @@ def test_the_manifest_is_rewritten_at_most_every_few_seconds(tmp_path, monkeypat
     assert writes == [1, 1]
 
 
+@pytest.mark.parametrize("manifest", [True, False])
+def test_a_shard_of_another_folder_copied_in_is_refused_by_the_reader(tmp_path, manifest):
+    """A shard another tower (or other limits) wrote, copied into a folder under a later number, must not
+    mix its embeddings in: read_embeddings names it and the setting, as a resume does; with or without
+    the manifest."""
+    import shutil
+
+    mine, theirs = str(tmp_path / "mine"), str(tmp_path / "theirs")
+    out = Output(mine, SETTINGS, flush_seconds=0)
+    out.add_batch(batch(["/img/a", "/img/b"]))
+    other = Output(theirs, dict(SETTINGS, max_image_tokens=64), flush_seconds=0)
+    other.add_batch(batch(["/img/a"]))
+    shutil.copy(os.path.join(theirs, "embeddings-00001.safetensors"), os.path.join(mine, "embeddings-00099.safetensors"))
+    if not manifest:
+        os.remove(os.path.join(mine, MANIFEST))
+    with pytest.raises(OutputError, match=r"embeddings-00099.safetensors was written with max_image_tokens = 64, "
+                                          r"the rest of .* with 1024: .*move that shard away"):
+        read_embeddings(mine)
+    with pytest.raises(OutputError, match="max_image_tokens"):
+        Output(mine, SETTINGS)  # as the command's resume says
+    os.remove(os.path.join(mine, "embeddings-00099.safetensors"))
+    assert sorted(read_embeddings(mine)[1]) == ["/img/a", "/img/b"]
+
+
 def test_a_batch_of_nothing_writes_no_shard(tmp_path):
     """Every embedding of a batch unusable (weights that overflow): the batch adds nothing, not an empty shard."""
     out = Output(str(tmp_path / "o"), SETTINGS)

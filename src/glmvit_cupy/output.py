@@ -252,22 +252,16 @@ class Output:
             os.rmdir(self.folder)
 
     def _check(self, header: dict, settings: dict, where: str):
-        header = {k: ({n: x for n, x in v.items() if n not in LIMITS} if isinstance(v, dict) else v)
-                  for k, v in header.items() if k not in LIMITS}
-        for name, value in settings.items():
-            if name in ADDED and name not in header:  # written before the setting was: it held none of its files
-                continue
-            if name == "checkpoint" and "weights" in header and "weights" in settings:
-                continue  # the weights' fingerprint says which tower wrote the folder, wherever it lies now
-            if name == "weights" and header.get(name) != value:
-                raise OutputError(f"{self.folder} was written by a tower of other weights (fingerprint "
-                                  f"{str(header.get(name))[:12]}..., recorded in {where}) than {settings['checkpoint']} "
-                                  f"holds now ({value[:12]}...): one folder holds one tower's embeddings (use another "
-                                  "--out, or the checkpoint that wrote it)")
-            if header.get(name) != value:
-                raise OutputError(f"{self.folder} was written with {name} = {header.get(name)!r}, this run asks for "
-                                  f"{value!r} (the setting is recorded in {where}); one folder holds one setting (use "
-                                  "another --out, or the same settings to resume)")
+        name = _difference(header, settings)
+        if name == "weights":
+            raise OutputError(f"{self.folder} was written by a tower of other weights (fingerprint "
+                              f"{str(header.get(name))[:12]}..., recorded in {where}) than {settings['checkpoint']} "
+                              f"holds now ({settings[name][:12]}...): one folder holds one tower's embeddings (use "
+                              "another --out, or the checkpoint that wrote it)")
+        if name is not None:
+            raise OutputError(f"{self.folder} was written with {name} = {header.get(name)!r}, this run asks for "
+                              f"{settings[name]!r} (the setting is recorded in {where}); one folder holds one setting "
+                              "(use another --out, or the same settings to resume)")
 
     def _resume(self, path, settings):
         try:
@@ -474,6 +468,24 @@ def _own_shards(folder, images: dict) -> set:
     return {k for k, e in images.items() if own(k, e)}
 
 
+def _difference(header: dict, settings: dict) -> str | None:
+    """The first of `settings` that `header` (a manifest's or a shard's) records otherwise, or None. The pixel
+    limits an earlier version recorded are ignored, and so is a setting it did not record (ADDED); the
+    checkpoint's path counts only where a header has no weights' fingerprint."""
+    header = {k: ({n: x for n, x in v.items() if n not in LIMITS} if isinstance(v, dict) else v)
+              for k, v in header.items() if k not in LIMITS}
+    for name, value in settings.items():
+        if name in LIMITS or (name in ADDED and name not in header):  # written before the setting was
+            continue
+        if name == "checkpoint" and "weights" in header and "weights" in settings:
+            continue  # the weights' fingerprint says which tower wrote the folder, wherever it lies now
+        if isinstance(value, dict):
+            value = {n: x for n, x in value.items() if n not in LIMITS}
+        if header.get(name) != value:
+            return name
+    return None
+
+
 def read_embeddings(folder) -> tuple[dict, dict]:
     """(manifest, {key: bf16 NumPy array [tokens, out_hidden]}) of a glmvit-encode output folder,
     including the shards of a run that stopped before its manifest listed them. A key is the file's
@@ -504,8 +516,14 @@ def read_embeddings(folder) -> tuple[dict, dict]:
                               "move it away to read the shards alone") from None
     else:
         listed = set()
-    for header, images in shard_entries(folder, skip=listed).values():
+    for shard, (header, images) in shard_entries(folder, skip=listed).items():
         manifest["header"] = manifest.get("header") or header
+        name = _difference(header, manifest["header"]) if isinstance(manifest["header"], dict) else None
+        if name is not None:  # copied in from another folder: its embeddings are not this folder's
+            raise OutputError(f"{shown(os.path.join(folder, shard))} was written with {name} = "
+                              f"{str(header.get(name))[:80]}, the rest of {shown(folder)} with "
+                              f"{str(manifest['header'].get(name))[:80]}: one folder holds one tower's embeddings "
+                              "at one setting; move that shard away")
         # A key the manifest records as failed is not taken from an unlisted shard: that is its older embedding.
         _newer(manifest["images"], {k: e for k, e in images.items() if k not in manifest.get("failed", {})})
     by_shard = {shard: load_file(os.path.join(folder, shard))
