@@ -56,6 +56,8 @@ def test_text_only_is_its_own_error(tmp_path):
     ({"rms_norm_eps": 0.0}, "rms_norm_eps = 0.0"),
     ({"rms_norm_eps": 1e-320}, "rms_norm_eps = 1e-320 cannot work: the norms add it in float32"),  # rounds to 0
     ({"rms_norm_eps": 1e-39}, "below the least normal value (1.175e-38)"),                    # a float32 subnormal
+    ({"rms_norm_eps": 1e39}, "rms_norm_eps = 1e+39 cannot work: the norms add it in float32, where it is past"),
+    ({"swiglu_limit": 1e-300}, "swiglu_limit = 1e-300 cannot work: the SwiGLU clamp runs in float32"),
     ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
     ({"attention_bias": False}, "attention_bias = False"),
     ({"model_type": "siglip_vision_model"}, "not a GLM vision tower"),

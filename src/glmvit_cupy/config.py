@@ -17,6 +17,7 @@ from .files import read_json_file
 
 VISION_MODEL_TYPES = ("glm5_next_vision", "glm_ocr_vision")
 FLOAT32_TINY = 2.0**-126  # float32's least normal value: an rms_norm_eps below it is lost in the norms' float32 sum
+FLOAT32_MAX = 3.4028234663852886e38  # float32's largest value: past it a setting the kernels take in float32 is inf
 
 
 @dataclass(frozen=True)
@@ -107,12 +108,19 @@ class VisionGeometry:
         if self.rms_norm_eps < FLOAT32_TINY:
             bad("rms_norm_eps", self.rms_norm_eps, f"the norms add it in float32, where it is below the least normal "
                 f"value ({FLOAT32_TINY:.4g}) and rounds to 0 or loses its precision; give at least that")
+        if self.rms_norm_eps > FLOAT32_MAX:
+            bad("rms_norm_eps", self.rms_norm_eps, f"the norms add it in float32, where it is past the largest value "
+                f"({FLOAT32_MAX:.4g}) and becomes infinite: every norm would give 0 and every image the same "
+                "embedding")
         for field in ("swiglu_limit", "rope_theta"):
             v = getattr(self, field)
             if not isinstance(v, numbers.Real) or isinstance(v, bool):  # NumPy numbers too
                 bad(field, v, "it must be a number")
         if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
             bad("swiglu_limit", self.swiglu_limit, "the SwiGLU clamp needs a positive finite limit")
+        if self.swiglu_limit < FLOAT32_TINY:
+            bad("swiglu_limit", self.swiglu_limit, f"the SwiGLU clamp runs in float32, where it is below the least "
+                f"normal value ({FLOAT32_TINY:.4g}) and clamps every activation to 0 or about it; give at least that")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 1):
             bad("rope_theta", self.rope_theta, "RoPE frequencies theta^(-2k/d) need theta > 1")
         return self
