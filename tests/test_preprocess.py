@@ -525,6 +525,10 @@ def test_a_pil_image_whose_file_closed_before_it_loaded_is_an_image_error(tmp_pa
     Image.fromarray(rng.integers(0, 256, (30, 30, 3), dtype=np.uint8)).save(path)
     with Image.open(path) as im:
         pass
-    with pytest.raises(ImageError, match=r"image 0 \(PngImageFile\): cannot convert PIL image to RGB .*its file was "
-                                         r"closed before its pixels were read: call im.load\(\) while the file is open"):
-        preprocess(im)
+    with open(path, "rb") as f:  # the caller's own file, closed: Pillow keeps the closed file object
+        im2 = Image.open(f)
+    for lazy in (im, im2):
+        with pytest.raises(ImageError, match=r"image 0 \(PngImageFile\): cannot convert PIL image to RGB .*its file "
+                                             r"was closed before its pixels were read: call im.load\(\) while the "
+                                             r"file is open"):
+            preprocess(lazy)

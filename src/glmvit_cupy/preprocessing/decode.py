@@ -203,7 +203,8 @@ def _from_pil(img: Image.Image, name) -> np.ndarray:
     """RGB uint8 HxWx3 from a PIL image, compositing transparency onto white as the reference does: an alpha
     band (premultiplied too), an RGBA palette, or a transparent colour."""
     loaded = getattr(img, "_im", None) is not None or vars(img).get("im") is not None  # Pillow 11's name; 10's
-    closed = getattr(img, "fp", "") is None and not loaded  # lazy, and its file gone
+    fp = getattr(img, "fp", "")
+    closed = not loaded and (fp is None or bool(getattr(fp, "closed", False)))  # lazy, and its file gone or closed
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
