@@ -143,7 +143,8 @@ def check_frame_group(name: str, h: int, w: int, merge: int, capacity_tokens: in
     if per_group > capacity_tokens:
         raise ValueError(f"{name}: one frame group of {h}x{w} patches is {per_group} tokens, more than this "
                          f"model's capacity of {capacity_tokens} per forward pass; preprocess it with a lower "
-                         "max_image_tokens or build the model with a larger capacity_tokens")
+                         "max_image_tokens (glmvit-encode --max-video-tokens) or build the model with a larger "
+                         "capacity_tokens (--capacity-tokens)")
     return per_group
 
 
