@@ -82,6 +82,16 @@ def test_a_canvas_past_memory_is_refused_before_it_is_made(kw):
     assert smart_resize(64, 64, min_image_tokens=456_000, max_image_tokens=456_000)  # just under: allowed
 
 
+@pytest.mark.parametrize("hw", [(0, 0), (0, 40), (40, -1), (40.0, 40)])
+def test_a_size_without_pixels_is_a_value_error_not_a_division_by_zero(hw):
+    # A video stream that declares 0 x 0 reached smart_resize from glmvit-serve's admission: a 500 once.
+    from glmvit_cupy.serving.decoding import pixels_held
+
+    with pytest.raises(ValueError, match="both sides positive integers"):
+        smart_resize(*hw)
+    assert pixels_held(0, hw[::-1], 16, 8000, Patching(), frames=4) == 0  # the decode refuses it, saying why
+
+
 def test_patch_order_is_merge_block_major():
     # A 56 x 56 image has 4 x 4 patches: row 1 of pixel_values is patch (0, 1), row 2 is (1, 0).
     rgb = np.zeros((112, 112, 3), np.uint8)

@@ -764,6 +764,29 @@ def test_damaged_video_files_are_refused_by_name_and_the_server_goes_on(server):
     assert got in (400, 422) and err["index"] == 0 and "fps" in err["error"], err
 
 
+def test_a_video_file_whose_stream_declares_no_size_is_a_422(server, tmp_path):
+    """An MPEG-4 file without its decoder setup box (esds): PyAV reports the stream as 0 x 0, and the
+    admission's pixel count divided by it (a 500 with a traceback once)."""
+    av = pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
+    path = str(tmp_path / "v.mp4")
+    with av.open(path, "w") as c:
+        s = c.add_stream("mpeg4", rate=8)
+        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        for i in range(24):
+            frame = np.random.default_rng(i).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+            for pkt in s.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                c.mux(pkt)
+        for pkt in s.encode():
+            c.mux(pkt)
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data.count(b"esds") == 1
+    for sample in (True, False):
+        body = {"videos": [{"file": base64.b64encode(data.replace(b"esds", b"esXs")).decode()}], "sample": sample}
+        got, err = post_video(server[0], body)
+        assert got == 422 and err["error"].startswith("video 0: ") and err["index"] == 0, err
+
+
 @pytest.mark.parametrize("body,status,says,index", [
     ([], 400, "JSON object with a 'videos' list", None),
     ({"videos": []}, 400, "'videos' must be a non-empty list", None),

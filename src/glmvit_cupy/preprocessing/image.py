@@ -83,6 +83,9 @@ def smart_resize(height: int, width: int, *, min_image_tokens: int = 16, max_ima
     height (1..height) whose aligned canvas fits, keeping the width proportional.
     """
     check_token_limits(min_image_tokens, max_image_tokens, ordered=False)  # past 2**31 the float math overflows
+    if not (is_integer(height) and is_integer(width) and height > 0 and width > 0):
+        raise ValueError(f"an image of {height!r} x {width!r} pixels: a size to resize needs both sides positive "
+                         "integers (a video stream that declares 0 x 0 has no frame size)")
     what = "image" if num_frames is None else "video's frames"
     if num_frames is None:
         num_frames = temporal_factor  # a still image is treated as `temporal_factor` frames
