@@ -145,6 +145,30 @@ def test_more_images_than_the_queue_holds_is_413_before_any_is_decoded(server):
                             "send at most 8 a request")
 
 
+def ico_holding(png_bytes: bytes) -> bytes:
+    """An ICO whose one directory entry says 16 x 16 and holds `png_bytes` (a PNG of any size)."""
+    return struct.pack("<HHH", 0, 1, 1) + struct.pack("<BBBBHHII", 16, 16, 0, 0, 1, 32, len(png_bytes), 22) + png_bytes
+
+
+def test_an_icon_counts_as_the_decode_limit_since_its_header_can_understate(server):
+    """An ICO's directory says 16 x 16 but may hold a PNG of up to --max-pixels, and Pillow decodes it as it
+    opens it: reading its "header" decoded it, outside --max-pixels-in-flight (four 81 MP ones: 2.4 GB). It
+    is now told by its first bytes, never opened to be admitted, and counts as --max-pixels (16,000,000
+    here): two in one request need 32,000,000, over the 20,000,000 in flight, so 413 before any is
+    decoded; one alone is answered."""
+    from glmvit_cupy.preprocessing.decode import header_size
+
+    _, client = server
+    inner = flat_png(600, 500)
+    icon = ico_holding(inner)
+    assert header_size(icon) == (0, None) and header_size(icon, 16_000_000) == (16_000_000, None)  # never opened
+    assert header_size(inner, 16_000_000) == (300_000, (600, 500))  # a PNG's header is its size
+    got, err = post(client, json.dumps({"images": [b64(icon), b64(ico_holding(flat_png(600, 501)))]}).encode())
+    assert got == 413 and "need 32,000,000 pixels decoded at once, over the 20,000,000" in err["error"], err
+    got, answer = post(client, json.dumps({"images": [b64(icon)], "max_image_tokens": 64}).encode())
+    assert got == 200, answer
+
+
 def test_pixels_in_flight_413_never_429_not_now(server):
     """--max-pixels-in-flight 20,000,000: a request whose images need more is refused from their headers (413,
     naming the flag); one that needs more than is free while another's are decoded waits for nothing: 429 at

@@ -51,19 +51,47 @@ def decode_rgb(data: bytes, name: str, max_pixels: int | None = None) -> np.ndar
 _BOMB_SIZE = re.compile(r"\((\d+) pixels\)")
 
 
-def header_size(file) -> tuple[int, tuple | None]:
+# Formats whose header's size need not be the decoded image's: an ICO or ICNS entry may hold a PNG of any
+# size under its declared 16 x 16 (a 260 KB ICO decoded to 81 MP). Only the decode's limit bounds them.
+UNDERSTATED = frozenset({"ICO", "ICNS"})
+# Pillow's ICO plugin decodes the icon's image as it opens the file, so an ICO is told by its first bytes:
+# opened, its "header" would cost a whole decode (81 MP: 0.7 s and 240 MB), outside any budget.
+ICO_MAGIC = b"\x00\x00\x01\x00"
+
+
+def is_ico(file) -> bool:
+    """Whether an image file (its bytes, a path or a binary file object) starts as an ICO does."""
+    try:
+        if isinstance(file, ENCODED_BYTES):
+            return bytes(memoryview(file)[:4]) == ICO_MAGIC
+        if isinstance(file, (str, os.PathLike)):
+            with open(file, "rb") as f:
+                return f.read(4) == ICO_MAGIC
+        at = file.tell()
+        try:
+            return file.read(4) == ICO_MAGIC
+        finally:
+            file.seek(at)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
+
+
+def header_size(file, understated: int = 0) -> tuple[int, tuple | None]:
     """(pixels, (width, height)) of an image file (its bytes, or a path) from its header, nothing decoded;
     (0, None) where Pillow cannot tell or the path is not a regular file, which could block a read (decoding
     it says why). Pillow refuses to open an image over twice its pixel limit: the pixels then come from its
-    message."""
+    message. A format whose header may understate its size (UNDERSTATED) counts at least `understated`
+    pixels (the decode's limit: what it may turn out to hold)."""
     if not isinstance(file, ENCODED_BYTES) and not (isinstance(file, (str, os.PathLike)) and os.path.isfile(file)):
         return 0, None
+    if is_ico(file):  # not opened: that would decode it
+        return understated or 0, None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(_bytes_io(file) if isinstance(file, ENCODED_BYTES) else file) as im:
                 w, h = im.size
-                return w * h, (w, h)
+                return max(w * h, (understated or 0) if im.format in UNDERSTATED else 0), (w, h)
     except Image.DecompressionBombError as e:
         found = _BOMB_SIZE.search(str(e))
         return (int(found.group(1)) if found else 0), None
@@ -140,6 +168,8 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
     bomb = (f"{name}: refused as a possible decompression bomb: over the limit of {limit or 0:,} pixels; pass "
             "max_pixels (glmvit-encode --max-pixels) to allow larger images")
     try:
+        if offload is not None and is_ico(image):  # opening it here would decode it here, on this thread
+            return offload(_file_bytes(image), name, max_pixels)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the check below decides
             img = _open(image, limit)

@@ -486,11 +486,11 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             reserve_queue(len(own), "images")
             pixels, queued = 0, False
             try:
-                if sum(len(blobs[i]) for i in idx) <= INLINE_HEADERS:
-                    heads = [header_size(blobs[i]) for i in idx]
+                if sum(len(blobs[i]) for i in idx) <= INLINE_HEADERS:  # an ICO or ICNS counts as --max-pixels
+                    heads = [header_size(blobs[i], limit) for i in idx]
                 else:
                     heads = await asyncio.get_running_loop().run_in_executor(
-                        None, lambda: [header_size(blobs[i]) for i in idx])
+                        None, lambda: [header_size(blobs[i], limit) for i in idx])
                 need = []
                 for i, (n, size) in zip(idx, heads):
                     if n > limit:

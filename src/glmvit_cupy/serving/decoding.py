@@ -166,7 +166,7 @@ def video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pi
             return 0
         size, decoded = None, 0
         for j in sorted(set(picked)):
-            n, frame_size = header_size(video["frames"][j])
+            n, frame_size = header_size(video["frames"][j], limit)
             if n > limit:
                 raise Refused(422, f"videos[{index}].frames[{j}] has {dims(n, frame_size)} pixels, over the server's "
                                    f"limit of {limit:,} an image (--max-pixels): refused as a possible "
