@@ -323,12 +323,17 @@ def decode_frames(videos: list[dict], max_image_mib: float) -> None:
                 v["file"] = b64decode(v["file"])
             except (binascii.Error, ValueError) as e:
                 raise Refused(400, f"videos[{i}].file is not valid base64 ({e})", i) from None
+            if not v["file"]:
+                raise Refused(400, f"videos[{i}].file is empty: give the video file's bytes in base64", i)
             continue
         for j, text in enumerate(v["frames"]):
             try:
                 v["frames"][j] = b64decode(text)
             except (binascii.Error, ValueError) as e:
                 raise Refused(400, f"videos[{i}].frames[{j}] is not valid base64 ({e})", i) from None
+            if not v["frames"][j]:
+                raise Refused(400, f"videos[{i}].frames[{j}] is empty: give each frame as its file's bytes in "
+                                   "base64", i)
             if len(v["frames"][j]) > max_image_mib * 2**20:
                 raise Refused(413, f"videos[{i}].frames[{j}] is {len(v['frames'][j])} bytes, over the "
                                    f"{max_image_mib:g} MiB limit per image", i)
