@@ -93,6 +93,12 @@ def test_workers_answer_bit_equal_to_the_reference_and_metrics_sum_every_process
             assert metric(client, 'glmvit_images_total{outcome="encoded"}') == 14
             assert metric(client, "glmvit_forward_passes_total") == 14  # the engine process's
             assert metric(client, 'glmvit_videos_total{outcome="encoded"}') == 2
+        import urllib.request
+
+        text = urllib.request.urlopen(client.url + "/metrics", timeout=10).read().decode()
+        for kind in ("images", "videos"):  # every outcome listed, at 0 where none happened, as with one process
+            for outcome in ("encoded", "cached", "shared", "failed", "dropped"):
+                assert f'glmvit_{kind}_total{{outcome="{outcome}"}}' in text, (kind, outcome)
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=30)[0]

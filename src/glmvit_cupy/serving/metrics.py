@@ -14,6 +14,8 @@ FINE = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.
 
 
 class Metrics:
+    OUTCOMES = ("encoded", "cached", "shared", "failed", "dropped")
+
     def __init__(self):
         r = self.registry = CollectorRegistry()
         self.shared = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))  # other processes' metrics beside these
@@ -24,6 +26,9 @@ class Metrics:
                               ["outcome"], registry=r)
         self.videos = Counter("glmvit_videos", "Videos by outcome: encoded, cached, shared, failed, dropped",
                               ["outcome"], registry=r)
+        for outcome in self.OUTCOMES:  # listed at 0 from the start, by every process (the workers' too)
+            self.images.labels(outcome)
+            self.videos.labels(outcome)
         self.tokens = Counter("glmvit_tokens", "Image and video tokens encoded on the engine", registry=r)
         self.passes = Counter("glmvit_forward_passes", "Forward passes run", registry=r)
         self.pass_images = Histogram("glmvit_forward_pass_images", "Images in a forward pass", registry=r,
