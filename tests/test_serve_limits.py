@@ -169,6 +169,21 @@ def test_an_icon_counts_as_the_decode_limit_since_its_header_can_understate(serv
     assert got == 200, answer
 
 
+def test_icon_frames_of_a_video_count_alike_at_admission_and_at_decode():
+    """Admission counts each ICO frame as --max-pixels and lets the decode refuse a video over
+    --max-video-pixels; the decode must count them the same way and refuse it, not decode every frame."""
+    from glmvit_cupy import ImageError
+    from glmvit_cupy.preprocessing.video_files import FrameFiles
+
+    frames = [ico_holding(flat_png(100, 100, (10 + i, 20, 30))) for i in range(3)]
+    files = FrameFiles(frames, max_pixels=10_000, max_total_pixels=25_000)
+    with pytest.raises(ImageError, match="its 3 sampled frames have 30,000 pixels, over the limit of 25,000"):
+        files.read(lambda n, fps, duration: range(n), 2.0, 1.5, "video 0")
+    got, _ = FrameFiles(frames, max_pixels=10_000, max_total_pixels=30_000).read(
+        lambda n, fps, duration: range(n), 2.0, 1.5, "video 0")
+    assert [f.shape for f in got] == [(100, 100, 3)] * 3
+
+
 def test_pixels_in_flight_413_never_429_not_now(server):
     """--max-pixels-in-flight 20,000,000: a request whose images need more is refused from their headers (413,
     naming the flag); one that needs more than is free while another's are decoded waits for nothing: 429 at

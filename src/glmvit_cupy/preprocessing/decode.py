@@ -60,15 +60,19 @@ ICO_MAGIC = b"\x00\x00\x01\x00"
 
 
 def is_ico(file) -> bool:
-    """Whether an image file (its bytes, a path or a binary file object) starts as an ICO does."""
+    """Whether an image file (its bytes, a path or a binary file object, read from its start as Pillow
+    reads it) starts as an ICO does."""
     try:
         if isinstance(file, ENCODED_BYTES):
-            return bytes(memoryview(file)[:4]) == ICO_MAGIC
+            view = memoryview(file)
+            head = view.cast("B")[:4] if view.c_contiguous else view.tobytes()[:4]  # bytes, whatever its format
+            return bytes(head) == ICO_MAGIC
         if isinstance(file, (str, os.PathLike)):
             with open(file, "rb") as f:
                 return f.read(4) == ICO_MAGIC
         at = file.tell()
         try:
+            file.seek(0)
             return file.read(4) == ICO_MAGIC
         finally:
             file.seek(at)

@@ -268,7 +268,9 @@ class FrameFiles:
         indices = [int(i) for i in pick(len(self.files), fps, duration)]
         unique = sorted(set(indices))
         if self.max_total_pixels is not None:
-            total = sum(header_size(self.files[j])[0] for j in unique)
+            # An ICO or ICNS frame counts as the decode's limit, as glmvit-serve's admission counts it.
+            bound = self.max_pixels if self.max_pixels is not None else Image.MAX_IMAGE_PIXELS
+            total = sum(header_size(self.files[j], bound)[0] for j in unique)
             if total > self.max_total_pixels:
                 raise ImageError(f"{name}: its {len(unique)} sampled frames have {total:,} pixels, over the limit "
                                  f"of {self.max_total_pixels:,}; send fewer or smaller frames")
