@@ -56,13 +56,36 @@ def test_a_shard_of_another_folder_copied_in_is_refused_by_the_reader(tmp_path, 
     shutil.copy(os.path.join(theirs, "embeddings-00001.safetensors"), os.path.join(mine, "embeddings-00099.safetensors"))
     if not manifest:
         os.remove(os.path.join(mine, MANIFEST))
-    with pytest.raises(OutputError, match=r"embeddings-00099.safetensors was written with max_image_tokens = 64, "
-                                          r"the rest of .* with 1024: .*move that shard away"):
+    where = r"the manifest \(manifest.json\)" if manifest else "embeddings-00001.safetensors"
+    with pytest.raises(OutputError, match=r"embeddings-00099.safetensors was written with other settings than "
+                                          + where + r" in .*: max_image_tokens = 64 \(there: 1024\); .*move away"):
         read_embeddings(mine)
     with pytest.raises(OutputError, match="max_image_tokens"):
         Output(mine, SETTINGS)  # as the command's resume says
     os.remove(os.path.join(mine, "embeddings-00099.safetensors"))
     assert sorted(read_embeddings(mine)[1]) == ["/img/a", "/img/b"]
+
+
+def test_the_reader_names_what_differs_inside_a_setting_and_ignores_the_key_wording(tmp_path):
+    """A shard whose video settings differ in one field is named with that field; a shard written under
+    another wording of `key` (an earlier version's manifest, resumed) is the folder's own, as a resume says."""
+    import shutil
+
+    video = {"sample": True, "target_fps": 2.0, "max_frames": 2048, "min_image_tokens": 16, "max_image_tokens": 1024}
+    mine, theirs = str(tmp_path / "mine"), str(tmp_path / "theirs")
+    Output(mine, dict(SETTINGS, video=video), flush_seconds=0).add_batch(batch(["/img/a"]))
+    Output(theirs, dict(SETTINGS, video=dict(video, max_image_tokens=2048)), flush_seconds=0).add_batch(batch(["/img/b"]))
+    shutil.copy(os.path.join(theirs, "embeddings-00001.safetensors"), os.path.join(mine, "embeddings-00002.safetensors"))
+    with pytest.raises(OutputError, match=r"video.max_image_tokens = 2048 \(there: 1024\)"):
+        read_embeddings(mine)
+    os.remove(os.path.join(mine, "embeddings-00002.safetensors"))
+    path = os.path.join(mine, MANIFEST)
+    old = json.loads(open(path).read())
+    old["header"]["key"] = "an earlier version's wording"
+    with open(path, "w") as f:
+        json.dump(old, f)
+    Output(mine, dict(SETTINGS, video=video), flush_seconds=3600).add_batch(batch(["/img/c"]))  # resumed, unlisted
+    assert sorted(read_embeddings(mine)[1]) == ["/img/a", "/img/c"]
 
 
 def test_a_batch_of_nothing_writes_no_shard(tmp_path):

@@ -486,6 +486,14 @@ def _difference(header: dict, settings: dict) -> str | None:
     return None
 
 
+def _what_differs(name: str, have, want) -> str:
+    """'name.part = have (there: want)' for each part of two dicts that differs (at most 3), or the whole."""
+    if isinstance(have, dict) and isinstance(want, dict):
+        parts = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+        return ", ".join(f"{name}.{k} = {quoted(have.get(k))} (there: {quoted(want.get(k))})" for k in parts[:3])
+    return f"{name} = {quoted(have)} (there: {quoted(want)})"
+
+
 def read_embeddings(folder) -> tuple[dict, dict]:
     """(manifest, {key: bf16 NumPy array [tokens, out_hidden]}) of a glmvit-encode output folder,
     including the shards of a run that stopped before its manifest listed them. A key is the file's
@@ -516,14 +524,20 @@ def read_embeddings(folder) -> tuple[dict, dict]:
                               "move it away to read the shards alone") from None
     else:
         listed = set()
+    # The settings every shard must share: the manifest's (what a resume compares: not `key`, the description
+    # of how keys are made, which an earlier version worded otherwise), else the first shard's.
+    first = None if isinstance(manifest.get("header"), dict) else ""
     for shard, (header, images) in shard_entries(folder, skip=listed).items():
-        manifest["header"] = manifest.get("header") or header
-        name = _difference(header, manifest["header"]) if isinstance(manifest["header"], dict) else None
+        if first == "":
+            manifest["header"], first = header, shard
+        reference = {k: v for k, v in manifest["header"].items() if k != "key"}
+        name = _difference(header, reference)
         if name is not None:  # copied in from another folder: its embeddings are not this folder's
-            raise OutputError(f"{shown(os.path.join(folder, shard))} was written with {name} = "
-                              f"{str(header.get(name))[:80]}, the rest of {shown(folder)} with "
-                              f"{str(manifest['header'].get(name))[:80]}: one folder holds one tower's embeddings "
-                              "at one setting; move that shard away")
+            where = f"the manifest ({MANIFEST})" if first is None else first
+            raise OutputError(f"{shown(os.path.join(folder, shard))} was written with other settings than "
+                              f"{where} in {shown(folder)}: {_what_differs(name, header.get(name), reference[name])}"
+                              "; one folder holds one tower's embeddings at one setting: move away the shard(s) "
+                              "not of this folder")
         # A key the manifest records as failed is not taken from an unlisted shard: that is its older embedding.
         _newer(manifest["images"], {k: e for k, e in images.items() if k not in manifest.get("failed", {})})
     by_shard = {shard: load_file(os.path.join(folder, shard))
