@@ -568,9 +568,9 @@ def test_gemm_on_own_handle_is_capturable_and_equal():
 
 def test_the_tuning_probe_tells_another_summation_order_apart():
     """A candidate that sums K in another order must fail gemm_tune's bit check. On random inputs a small
-    bf16 GEMM summed in two halves (another grouping of the same products) often gives the one-shot sum's
-    bits exactly; on gemm_tune.cancelling's inputs most outputs differ. The halves' sum goes through
-    float32, so it is the grouping that differs, not the rounding."""
+    bf16 GEMM summed in two groups (K's first third, then the rest: another grouping of the same products)
+    often gives the one-shot sum's bits exactly; on gemm_tune.cancelling's inputs most outputs differ. The
+    groups' sum goes through float32, so it is the grouping that differs, not the rounding."""
     from glmvit_cupy.engine import gemm_tune
 
     m, n, k = 96, 100, 96  # the merger's down_proj of a test tower: 9,600 bf16 outputs
@@ -578,10 +578,10 @@ def test_the_tuning_probe_tells_another_summation_order_apart():
     def differ(a, w):
         one = poison((m, n))
         gemm(a, w, one)
-        halves = cupy.zeros((m, n), np.float32)
-        gemm(a[:, : k // 3], w[:, : k // 3], halves, 1.0)
-        gemm(a[:, k // 3:], w[:, k // 3:], halves, 1.0)
-        return int((one.view(np.uint16) != halves.astype(BF).view(np.uint16)).sum())
+        groups = cupy.zeros((m, n), np.float32)
+        gemm(a[:, : k // 3], w[:, : k // 3], groups, 1.0)
+        gemm(a[:, k // 3:], w[:, k // 3:], groups, 1.0)
+        return int((one.view(np.uint16) != groups.astype(BF).view(np.uint16)).sum())
 
     a, w = dev(bf(rng.standard_normal((m, k)))), dev(bf(rng.standard_normal((n, k)) / math.sqrt(k)))
     ca, cw = gemm_tune.cancelling(a, w)

@@ -151,7 +151,8 @@ def test_sweep_removes_only_the_folders_of_dead_servers_of_this_host_and_namespa
                           text=True, check=True)
     here = workers._namespace()
     owners = {"dead": f"{dead.stdout.strip()} {here}", "alive": f"{os.getpid()} {here}",
-              "elsewhere": f"{dead.stdout.strip()} otherhost:{here.split(':')[1]}", "half": "12"}
+              "elsewhere": f"{dead.stdout.strip()} otherhost:{here.split(':')[1]}", "half": "12",
+              "huge": f"{10**20} {here}"}  # past any pid: os.kill raises OverflowError
     for name, owner in owners.items():
         (tmp_path / (workers.PREFIX + name)).mkdir()
         (tmp_path / (workers.PREFIX + name) / workers.OWNER).write_text(owner)
@@ -160,7 +161,7 @@ def test_sweep_removes_only_the_folders_of_dead_servers_of_this_host_and_namespa
     (tmp_path / "other-dead" / workers.OWNER).write_text(owners["dead"])
     assert workers.sweep(str(tmp_path)) == [str(tmp_path / (workers.PREFIX + "dead"))]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["other-dead"] + [workers.PREFIX + n for n in ("alive", "elsewhere", "half", "making")])
+        ["other-dead"] + [workers.PREFIX + n for n in ("alive", "elsewhere", "half", "huge", "making")])
 
 
 @needs_proc

@@ -142,9 +142,9 @@ def check_frame_group(name: str, h: int, w: int, merge: int, capacity_tokens: in
     per_group = h * w // merge ** 2
     if per_group > capacity_tokens:
         raise ValueError(f"{name}: one frame group of {h}x{w} patches is {per_group} tokens, more than this "
-                         f"model's capacity of {capacity_tokens} per forward pass; preprocess it with a lower "
-                         "max_image_tokens (glmvit-encode --max-video-tokens) or build the model with a larger "
-                         "capacity_tokens (--capacity-tokens)")
+                         f"model's capacity of {capacity_tokens} per forward pass; lower the video's per-frame "
+                         "token limit (preprocess_video's max_image_tokens, glmvit-encode --max-video-tokens, the "
+                         "Ray pipeline's max_video_tokens) or raise capacity_tokens (--capacity-tokens)")
     return per_group
 
 

@@ -120,8 +120,9 @@ def smart_resize(height: int, width: int, *, min_image_tokens: int = 16, max_ima
     if temporal_factor * h * w * 3 > PIXEL_VALUE_LIMIT:
         raise ValueError(f"a {height}x{width} {what} would become a {h}x{w} canvas of {temporal_factor} frames, "
                          f"{temporal_factor * h * w * 3:.3g} pixel values, past the {PIXEL_VALUE_LIMIT:,} one image "
-                         f"or frame group may have: min_image_tokens={min_image_tokens} with a {factor}-pixel token side and "
-                         f"{temporal_factor} frames a patch ask for it; lower them")
+                         f"or frame group may have (min_image_tokens={min_image_tokens}, max_image_tokens="
+                         f"{max_image_tokens}, a {factor}-pixel token side, {temporal_factor} frames a patch): lower "
+                         "max_image_tokens, or min_image_tokens where it scaled the image up, or the patching's sizes")
     return h, w
 
 

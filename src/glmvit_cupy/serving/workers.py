@@ -77,8 +77,12 @@ def _folder() -> str:
             folder = short
             break
         # else: the socket's start says what is wrong
-    with open(os.path.join(folder, OWNER), "w") as f:
-        f.write(f"{os.getpid()} {_namespace()}")
+    try:
+        with open(os.path.join(folder, OWNER), "w") as f:
+            f.write(f"{os.getpid()} {_namespace()}")
+    except OSError:  # a full disk, say: the folder goes, and the socket's start says what is wrong
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     return folder
 
 
@@ -125,7 +129,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # another user's process: it exists
+    except (OSError, OverflowError, ValueError):  # another user's process, or no pid at all: not ours to remove
         return True
     return True
 
