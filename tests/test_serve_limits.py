@@ -169,6 +169,7 @@ def test_an_icon_counts_as_the_decode_limit_since_its_header_can_understate(serv
     assert got == 200, answer
 
 
+@pytest.mark.filterwarnings("ignore:Image was not the expected size:UserWarning")  # Pillow's, for these icons
 def test_icon_frames_of_a_video_count_alike_at_admission_and_at_decode():
     """Admission counts each ICO frame as --max-pixels and lets the decode refuse a video over
     --max-video-pixels; the decode must count them the same way and refuse it, not decode every frame."""
