@@ -82,6 +82,20 @@ def test_a_canvas_past_memory_is_refused_before_it_is_made(kw):
     assert smart_resize(64, 64, min_image_tokens=456_000, max_image_tokens=456_000)  # just under: allowed
 
 
+@pytest.mark.parametrize("kind", [np.uint8, np.int16, np.uint16, np.int64])
+def test_numpy_integer_sizes_and_patching_give_what_python_ints_give(kind):
+    """NumPy's fixed-width integers wrapped in the canvas arithmetic: uint8 sizes looped forever in the binary
+    search, int16 ones gave another canvas, an int16 Patching a math domain error."""
+    h, w = (200, 250) if kind is np.uint8 else (3000, 2000)
+    assert smart_resize(kind(h), kind(w), max_image_tokens=30) == smart_resize(h, w, max_image_tokens=30)
+    patching = Patching(kind(14), kind(2), kind(2))
+    assert patching == Patching() and type(patching.patch_size) is int
+    rgb = np.random.default_rng(1).integers(0, 256, (900, 1200, 3), np.uint8)
+    pv, grid = preprocess([rgb], patching=patching, max_image_tokens=300)
+    want, want_grid = preprocess([rgb], max_image_tokens=300)
+    assert np.array_equal(grid, want_grid) and np.array_equal(pv, want)
+
+
 @pytest.mark.parametrize("hw", [(0, 0), (0, 40), (40, -1), (40.0, 40)])
 def test_a_size_without_pixels_is_a_value_error_not_a_division_by_zero(hw):
     # A video stream that declares 0 x 0 reached smart_resize from glmvit-serve's admission: a 500 once.

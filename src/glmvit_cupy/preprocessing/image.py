@@ -46,6 +46,7 @@ class Patching:
             v = getattr(self, field)
             if not is_integer(v) or v < 1:
                 raise ValueError(f"Patching: {field}={v!r} must be a positive integer")
+            object.__setattr__(self, field, int(v))  # a NumPy integer would wrap in the canvas arithmetic
 
     @property
     def factor(self) -> int:
@@ -86,6 +87,10 @@ def smart_resize(height: int, width: int, *, min_image_tokens: int = 16, max_ima
     if not (is_integer(height) and is_integer(width) and height > 0 and width > 0):
         raise ValueError(f"an image of {height!r} x {width!r} pixels: a size to resize needs both sides positive "
                          "integers (a video stream that declares 0 x 0 has no frame size)")
+    # Python ints from here on: NumPy's fixed-width ones would wrap in the products and the binary search.
+    height, width, factor, temporal_factor = int(height), int(width), int(factor), int(temporal_factor)
+    min_image_tokens, max_image_tokens = int(min_image_tokens), int(max_image_tokens)
+    num_frames = None if num_frames is None else int(num_frames)
     what = "image" if num_frames is None else "video's frames"
     if num_frames is None:
         num_frames = temporal_factor  # a still image is treated as `temporal_factor` frames
