@@ -191,6 +191,33 @@ def test_ctrl_c_just_after_a_batch_is_handed_to_the_writer_saves_it_once(images,
     assert len(shards) == 1 and len(manifest["images"]) == 1 and len(tensors) == 1
 
 
+def test_the_reader_takes_a_fixed_files_new_embedding_but_never_a_changed_files_old_one(tmp_path):
+    """A file failed, was fixed and encoded, and the run stopped before its manifest said so (the manifest
+    still lists it as failed): read_embeddings gives its new embedding, as a resume keeps it. A file encoded,
+    then changed into one that fails: its old embedding, in a shard the manifest no longer lists, is not
+    given."""
+    from glmvit_cupy.output import read_embeddings
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (60, 80, 3), np.uint8)).save(src / "a.png")
+    (src / "b.png").write_bytes(b"not an image")
+    args = [src, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu"]
+    assert run(args) == cli.FAILED
+    failed_manifest = (out / "manifest.json").read_text()
+    Image.fromarray(np.random.default_rng(4).integers(0, 256, (50, 70, 3), np.uint8)).save(src / "b.png")
+    assert run(args) == cli.DONE
+    (out / "manifest.json").write_text(failed_manifest)  # as if the run died before its manifest caught up
+    manifest, embs = read_embeddings(out)
+    b = os.path.realpath(src / "b.png")
+    assert sorted(embs) == sorted([os.path.realpath(src / "a.png"), b]) and b not in manifest["failed"]
+    assert any(f.endswith("00002.safetensors") for f in os.listdir(out))  # b's embedding, the fixed picture
+    (src / "b.png").write_bytes(b"broken again")  # changed, and fails: its shard's embedding is the old picture
+    assert run(args) == cli.FAILED
+    manifest, embs = read_embeddings(out)
+    assert b not in embs and b in manifest["failed"]  # though shard 2 still holds b's older embedding
+
+
 def test_a_fixed_file_a_stopped_run_encoded_is_taken_by_the_next_and_by_the_reader(tmp_path, capsys):
     """A file failed, was replaced by a good one, and a run encoded it but stopped before its manifest caught
     up: the next run, with nothing left to encode, still writes the manifest, so the file is listed, no longer

@@ -138,6 +138,15 @@ def _still(key: str, entry: dict) -> bool:
     return now is None or entry.get("file", now) == now
 
 
+def _fixed(key: str, entry: dict) -> bool:
+    """Whether an entry's recorded stamp is its file's now (a file that cannot be reached: not known)."""
+    try:
+        now = stamp_of(key_path(key))
+    except ValueError:
+        return False
+    return now is not None and entry.get("file") == now
+
+
 def _newer(entries: dict, found: dict) -> list:
     """found's entries (keys of one shard) put into `entries` where that shard is later than the one the key's
     entry names (a file encoded again is in a later shard, and an older shard still holds its old
@@ -538,8 +547,11 @@ def read_embeddings(folder) -> tuple[dict, dict]:
                               f"{where} in {shown(folder)}: {_what_differs(name, header.get(name), reference[name])}"
                               "; one folder holds one tower's embeddings at one setting: move away the shard(s) "
                               "not of this folder")
-        # A key the manifest records as failed is not taken from an unlisted shard: that is its older embedding.
-        _newer(manifest["images"], {k: e for k, e in images.items() if k not in manifest.get("failed", {})})
+        # A key the manifest records as failed is taken from an unlisted shard only where the entry's stamp is the
+        # file's now (encoded after it was fixed); else that is its embedding from before it changed and failed.
+        failed = manifest.get("failed", {})
+        for key in _newer(manifest["images"], {k: e for k, e in images.items() if k not in failed or _fixed(k, e)}):
+            failed.pop(key, None)
     by_shard = {shard: load_file(os.path.join(folder, shard))
                 for shard in sorted({e["shard"] for e in manifest["images"].values()})}
     # Each key from the shard its entry names: an older shard may still hold the key of a file encoded again.
