@@ -356,15 +356,19 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             status = 503 if state["status"] != "ok" or "shutting down" in str(e) else 413 if e.ever else 429
             raise Refused(status, str(e)) from None
 
-    def take_pixels(total: int, what: str) -> None:
+    def take_pixels(total: int, what: str, icons: int = 0) -> None:
+        """Hold `total` pixels for a request's images or videos, or Refused; icons: how many of its images are
+        ICO files, which count as --max-pixels each (their headers may understate them)."""
+        note = (f" ({icons} of them ICO files, counted at --max-pixels, {limit:,} pixels, each: their headers "
+                "need not say what they hold; send them as PNG)") if icons else ""
         if total > budget.total:
-            raise Refused(413, f"this request's {what} need {total:,} pixels decoded at once, over the "
+            raise Refused(413, f"this request's {what} need {total:,} pixels decoded at once{note}, over the "
                                f"{budget.total:,} the server holds in flight (--max-pixels-in-flight): send fewer "
                                f"or smaller {what} a request")
         if not budget.take(total):
             raise Refused(429, f"{budget.used:,} of the {budget.total:,} pixels the server holds in flight "
-                               f"(--max-pixels-in-flight) are taken, and this request's {what} need {total:,}: "
-                               "retry later")
+                               f"(--max-pixels-in-flight) are taken, and this request's {what} need {total:,}"
+                               f"{note}: retry later")
 
     def decode_failures(indices, results, failed):
         """The first failure of a request's decoding jobs as a 422 naming its index (an ImageError or
@@ -501,7 +505,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                                            f"{limit:,} an image (--max-pixels): refused as a possible decompression "
                                            "bomb; send a smaller image", i)
                     need.append(pixels_held(n, size, lo, hi, patching))
-                take_pixels(sum(need), "images")
+                icons = sum(size is None and decode.is_ico(blobs[i]) for i, (_, size) in zip(idx, heads))
+                take_pixels(sum(need), "images", icons)
                 pixels = sum(need)
                 prepared = await decoders.run(
                     [(functools.partial(prepare_image, blobs[i], i, lo, hi, limit, backend, patching),
