@@ -163,6 +163,13 @@ def test_an_icon_counts_as_the_decode_limit_since_its_header_can_understate(serv
     icon = ico_holding(inner)
     assert header_size(icon) == (0, None) and header_size(icon, 16_000_000) == (16_000_000, None)  # never opened
     assert header_size(inner, 16_000_000) == (300_000, (600, 500))  # a PNG's header is its size
+    import warnings
+
+    from glmvit_cupy.preprocessing.decode import decode_rgb
+
+    with warnings.catch_warnings():  # the decoding process's decode: Pillow's size warning is not printed
+        warnings.simplefilter("error")
+        assert decode_rgb(icon, "image 0").shape == (500, 600, 3)
     got, err = post(client, json.dumps({"images": [b64(icon), b64(ico_holding(flat_png(600, 501)))]}).encode())
     assert got == 413 and "need 32,000,000 pixels decoded at once (2 of them ICO files, counted at --max-pixels, " \
         "16,000,000 pixels, each: their headers need not say what they hold; send them as PNG), over the " \

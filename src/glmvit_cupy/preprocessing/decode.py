@@ -44,8 +44,12 @@ offload = None  # offload(file bytes, name, max_pixels) -> HxWx3 uint8 array, or
 
 
 def decode_rgb(data: bytes, name: str, max_pixels: int | None = None) -> np.ndarray:
-    """An image file's bytes -> HxWx3 uint8, as load decodes them (what offload runs in the other process)."""
-    return np.ascontiguousarray(rgb_pixels(load(data, name, max_pixels)))
+    """An image file's bytes -> HxWx3 uint8, as load decodes them (what offload runs in the other process).
+    Pillow's warning that an icon's image is not the size its header says is not printed: the decoded size
+    is what is checked against max_pixels and used."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Image was not the expected size", UserWarning)
+        return np.ascontiguousarray(rgb_pixels(load(data, name, max_pixels)))
 
 
 _BOMB_SIZE = re.compile(r"\((\d+) pixels\)")
