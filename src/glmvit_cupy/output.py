@@ -128,23 +128,16 @@ def _umask_mode() -> int:
     return 0o666 & ~mask
 
 
-def _still(key: str, entry: dict) -> bool:
-    """Whether an entry found in a shard is of the file as it is now: its stamp equals the file's (an entry
-    without one, or a file that cannot be reached, is taken as it is)."""
+def _still(key: str, entry: dict, unknown: bool = True) -> bool:
+    """Whether an entry found in a shard is of the file as it is now: its stamp equals the file's. An entry
+    without one, or a file that cannot be reached, gives `unknown` (taken as it is, by default)."""
     try:
         now = stamp_of(key_path(key))
     except ValueError:
-        return True
-    return now is None or entry.get("file", now) == now
-
-
-def _fixed(key: str, entry: dict) -> bool:
-    """Whether an entry's recorded stamp is its file's now (a file that cannot be reached: not known)."""
-    try:
-        now = stamp_of(key_path(key))
-    except ValueError:
-        return False
-    return now is not None and entry.get("file") == now
+        return unknown
+    if now is None or "file" not in entry:
+        return unknown
+    return entry["file"] == now
 
 
 def _newer(entries: dict, found: dict) -> list:
@@ -535,14 +528,15 @@ def read_embeddings(folder) -> tuple[dict, dict]:
         listed = set()
     # The settings every shard must share: the manifest's (what a resume compares: not `key`, the description
     # of how keys are made, which an earlier version worded otherwise), else the first shard's.
-    first = None if isinstance(manifest.get("header"), dict) else ""
-    for shard, (header, images) in shard_entries(folder, skip=listed).items():
-        if first == "":
-            manifest["header"], first = header, shard
+    reference, where = None, f"the manifest ({MANIFEST})"
+    if isinstance(manifest.get("header"), dict):
         reference = {k: v for k, v in manifest["header"].items() if k != "key"}
+    for shard, (header, images) in shard_entries(folder, skip=listed).items():
+        if reference is None:
+            manifest["header"], where = header, shard
+            reference = {k: v for k, v in header.items() if k != "key"}
         name = _difference(header, reference)
         if name is not None:  # copied in from another folder: its embeddings are not this folder's
-            where = f"the manifest ({MANIFEST})" if first is None else first
             raise OutputError(f"{shown(os.path.join(folder, shard))} was written with other settings than "
                               f"{where} in {shown(folder)}: {_what_differs(name, header.get(name), reference[name])}"
                               "; one folder holds one tower's embeddings at one setting: move away the shard(s) "
@@ -550,7 +544,8 @@ def read_embeddings(folder) -> tuple[dict, dict]:
         # A key the manifest records as failed is taken from an unlisted shard only where the entry's stamp is the
         # file's now (encoded after it was fixed); else that is its embedding from before it changed and failed.
         failed = manifest.get("failed", {})
-        for key in _newer(manifest["images"], {k: e for k, e in images.items() if k not in failed or _fixed(k, e)}):
+        for key in _newer(manifest["images"],
+                          {k: e for k, e in images.items() if k not in failed or _still(k, e, unknown=False)}):
             failed.pop(key, None)
     by_shard = {shard: load_file(os.path.join(folder, shard))
                 for shard in sorted({e["shard"] for e in manifest["images"].values()})}

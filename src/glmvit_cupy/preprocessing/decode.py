@@ -57,9 +57,10 @@ _BOMB_SIZE = re.compile(r"\((\d+) pixels\)")
 
 # Formats whose header's size need not be the decoded image's: an ICO or ICNS entry may hold a PNG of any
 # size under its declared 16 x 16 (a 260 KB ICO decoded to 81 MP). Only the decode's limit bounds them.
-UNDERSTATED = frozenset({"ICO", "ICNS"})
-# Pillow's ICO plugin decodes the icon's image as it opens the file, so an ICO is told by its first bytes:
-# opened, its "header" would cost a whole decode (81 MP: 0.7 s and 240 MB), outside any budget.
+# Pillow's ICO plugin decodes the icon's image as it opens the file, so an ICO is told by its first bytes
+# (opened, its "header" would cost a whole decode: 81 MP, 0.7 s and 240 MB, outside any budget); an ICNS
+# file opens on its header.
+UNDERSTATED = frozenset({"ICNS"})
 ICO_MAGIC = b"\x00\x00\x01\x00"
 
 
@@ -88,8 +89,8 @@ def header_size(file, understated: int = 0) -> tuple[int, tuple | None]:
     """(pixels, (width, height)) of an image file (its bytes, or a path) from its header, nothing decoded;
     (0, None) where Pillow cannot tell or the path is not a regular file, which could block a read (decoding
     it says why). Pillow refuses to open an image over twice its pixel limit: the pixels then come from its
-    message. A format whose header may understate its size (UNDERSTATED) counts at least `understated`
-    pixels (the decode's limit: what it may turn out to hold)."""
+    message. An ICO, or a format whose header may understate its size (UNDERSTATED), counts at least
+    `understated` pixels (the decode's limit: what it may turn out to hold)."""
     if not isinstance(file, ENCODED_BYTES) and not (isinstance(file, (str, os.PathLike)) and os.path.isfile(file)):
         return 0, None
     if is_ico(file):  # not opened: that would decode it

@@ -27,8 +27,8 @@ MERGE = 2
 TEMPORAL = 2
 FACTOR = PATCH * MERGE  # 28: one merged token is a 28 x 28 pixel square
 # The most pixel values (temporal x H x W x 3) one image or frame group becomes: 2**31 - 1, the most an int32
-# index reaches (456,000 tokens of the reference's patching, far past a forward pass). Only a huge
-# min_image_tokens or Patching asks for more, and that canvas would not fit in memory.
+# index reaches (456,000 tokens of the reference's patching, far past a forward pass). Only token limits or a
+# Patching of that order ask for more, and such a canvas would not fit in memory.
 PIXEL_VALUE_LIMIT = 2**31 - 1
 
 
