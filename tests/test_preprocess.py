@@ -106,6 +106,12 @@ def test_a_size_without_pixels_is_a_value_error_not_a_division_by_zero(hw):
     assert pixels_held(0, hw[::-1], 16, 8000, Patching(), frames=4) == 0  # the decode refuses it, saying why
 
 
+@pytest.mark.parametrize("kw", [dict(factor=0), dict(temporal_factor=0), dict(num_frames=0), dict(num_frames=-2)])
+def test_a_sampling_factor_below_one_is_a_value_error_not_a_division_by_zero(kw):
+    with pytest.raises(ValueError, match=f"{next(iter(kw))} must be a positive integer"):
+        smart_resize(40, 40, **kw)
+
+
 def test_patch_order_is_merge_block_major():
     # A 56 x 56 image has 4 x 4 patches: row 1 of pixel_values is patch (0, 1), row 2 is (1, 0).
     rgb = np.zeros((112, 112, 3), np.uint8)

@@ -91,6 +91,9 @@ def smart_resize(height: int, width: int, *, min_image_tokens: int = 16, max_ima
     height, width, factor, temporal_factor = int(height), int(width), int(factor), int(temporal_factor)
     min_image_tokens, max_image_tokens = int(min_image_tokens), int(max_image_tokens)
     num_frames = None if num_frames is None else int(num_frames)
+    for name, v in (("factor", factor), ("temporal_factor", temporal_factor), ("num_frames", num_frames)):
+        if v is not None and v < 1:
+            raise ValueError(f"smart_resize({name}={v}): {name} must be a positive integer")
     what = "image" if num_frames is None else "video's frames"
     if num_frames is None:
         num_frames = temporal_factor  # a still image is treated as `temporal_factor` frames
