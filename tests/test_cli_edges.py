@@ -223,6 +223,26 @@ def test_a_folder_walk_follows_a_link_to_a_folder_elsewhere(folder, tmp_path):
     assert sorted(os.path.basename(k) for k in read_embeddings(out)[1]) == ["a.png", "b.png", "d.png"]
 
 
+def test_a_path_through_a_link_and_up_names_the_file_the_system_opens(tmp_path):
+    """t/link/../x.png is real/x.png when link -> real/sub: the system follows the link before going up. Dropping
+    `link/..` as text named t/x.png, another file, which was encoded under its key without a word."""
+    from glmvit_cupy.cli.inputs import expand_inputs
+
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    Image.fromarray(cases._smooth(40, 60, 4)).save(tmp_path / "real" / "x.png")
+    Image.fromarray(cases._smooth(20, 20, 5)).save(tmp_path / "x.png")  # the decoy the text form names
+    os.symlink(tmp_path / "real" / "sub", tmp_path / "link")
+    through = str(tmp_path / "link" / ".." / "x.png")
+    assert [image_key(p) for p in expand_inputs([through])] == [str(tmp_path / "real" / "x.png")]
+    found = expand_inputs([str(tmp_path / "link" / "..")])
+    assert [image_key(p) for p in found] == [str(tmp_path / "real" / "x.png")]
+    out = tmp_path / "out"
+    assert run(through, "--checkpoint", TOWER, "--out", out, "--cpu") == 0
+    manifest, embeddings = read_embeddings(out)
+    assert list(embeddings) == [str(tmp_path / "real" / "x.png")]
+    assert list(manifest["images"][str(tmp_path / "real" / "x.png")]["size_hw"]) == [40, 60]
+
+
 # -- 4. write failures -------------------------------------------------------------------------------------
 
 def test_a_manifest_or_folder_that_cannot_be_written_is_one_line(folder, tmp_path, monkeypatch, capsys):

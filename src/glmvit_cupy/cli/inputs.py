@@ -52,8 +52,14 @@ def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS) -> list
         key = image_key(p)  # the same file by any path is one image
         if key not in seen:
             seen.add(key)
-            unique.append(os.path.normpath(p))
+            unique.append(_tidy(p))
     return unique
+
+
+def _tidy(path: str) -> str:
+    """`path` without its `.` parts and repeated separators. A path with a `..` part stays as given: the system
+    resolves `link/..` after following the link, to another folder than dropping both as text gives."""
+    return path if os.pardir in path.split(os.sep) else os.path.normpath(path)
 
 
 def _identity(path):
@@ -146,7 +152,7 @@ def expand_glob(pattern: str) -> list[str]:
         else:
             paths = [os.path.join(p, part) for p in paths
                      if (os.path.lexists if last else os.path.isdir)(os.path.join(p, part))]
-    return [os.path.normpath(p) if p.startswith(os.curdir + os.sep) else p for p in paths]
+    return [_tidy(p) if p.startswith(os.curdir + os.sep) else p for p in paths]
 
 
 def prepared(paths, workers: int, one, max_bytes: int | None = None):
