@@ -1,7 +1,9 @@
 """Tower binding: prefixes, the flattened-shape rule, strict BF16, and the two no-tower outcomes."""
 
+import json
 import logging
 import os
+import re
 
 import ml_dtypes
 import numpy as np
@@ -137,7 +139,31 @@ def test_missing_layernorm_bias(tmp_path, tensors):
 def test_wrong_shape_names_flat_view(tmp_path, tensors):
     w = tensors["downsample.weight"]  # (256, 128, 2, 2) read as [256, 512]
     mutated(tmp_path, tensors, **{"downsample__weight": np.ascontiguousarray(w[:, :64])})
-    with pytest.raises(CheckpointError, match=r"\(256, 64, 2, 2\) \(flattens to \[256, 256\]\).*\[256, 512\]"):
+    with pytest.raises(CheckpointError, match=r"\(256, 64, 2, 2\).*\[256, 512\] or \[256, 128, 2, 2\]"):
+        bind_tower(tmp_path)
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("downsample.weight", (256, 2, 2, 128)),           # channels last: as many values, read in another order
+    ("downsample.weight", (256, 512, 1)),
+    ("patch_embed.proj.weight", (128, 3, 8, 7, 7)),   # 3 x 8 x 7 x 7 = 3 x 2 x 14 x 14 = 1176
+    ("patch_embed.proj.weight", (128, 14, 14, 2, 3)),
+    ("blocks.0.attn.proj.weight", (128, 2, 64)),
+])
+def test_a_shape_with_as_many_values_in_another_order_is_refused(tmp_path, tensors, name, shape):
+    w = tensors[name].reshape(shape)
+    mutated(tmp_path, tensors, **{name.replace(".", "__"): w})
+    with pytest.raises(CheckpointError, match=re.escape(f"{name}' has shape {shape}")):
+        bind_tower(tmp_path)
+
+
+def test_a_config_whose_patch_geometry_contradicts_the_stored_conv3d_is_refused(tmp_path, tensors):
+    # patch 7 x 8 frames makes rows of 1,176 values too; the stored Conv3d says 14 x 2. HF refuses the mismatch.
+    mutated(tmp_path, tensors)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["vision_config"].update(patch_size=7, temporal_patch_size=8)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"patch_embed.proj.weight' has shape \(128, 3, 2, 14, 14\)"):
         bind_tower(tmp_path)
 
 

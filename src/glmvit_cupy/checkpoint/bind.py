@@ -1,7 +1,7 @@
 """Bind the vision tower's tensors in a checkpoint, CPU side only.
 
 The binder checks everything the encoder will rely on — config geometry, the
-prefix, every tensor's presence, dtype and flattened shape — and hands back
+prefix, every tensor's presence, dtype and shape — and hands back
 names. It never uploads, and never imports the model: the loader only binds.
 """
 
@@ -21,7 +21,7 @@ from ..config import VisionGeometry, read_config
 from ..errors import AbsentTower, CheckpointError, NoVisionConfig, quoted
 from ..files import not_regular, read_json_file
 from .hub import resolve
-from .names import VISION_PREFIXES, is_vision_name, tower_layout, tower_prefixes
+from .names import VISION_PREFIXES, is_vision_name, module_shapes, tower_layout, tower_prefixes
 from .shards import INDEX_NAME, WeightStore
 
 log = logging.getLogger("glmvit_cupy")
@@ -95,21 +95,17 @@ class TowerBinding:
         }
 
 
-def _check_shape(store: WeightStore, name: str, want: tuple):
+def _check_shape(store: WeightStore, name: str, want: tuple, module: tuple | None):
+    """`name`'s stored shape is `want`, or `module` (a convolution's own shape over the same bytes) where given.
+    A shape that only has as many values is refused: its dimensions would be read in another order."""
     info = store.info(name)
-    shape = info.shape
-    if len(want) == 1:
-        ok = shape == want
-    else:
-        cols = 1
-        for d in shape[1:]:
-            cols *= d
-        ok = len(shape) >= 2 and shape[0] == want[0] and cols == want[1]
-    if not ok:
-        flat = f" (flattens to [{shape[0] if shape else 0}, {cols}])" if len(want) == 2 and shape else ""
-        raise CheckpointError(
-            f"{info.file}: tensor {name!r} has shape {quoted(tuple(shape), 80)}{flat}, but vision_config makes the encoder "
-            f"read it as {list(want)}; the checkpoint's tower geometry does not match its config")
+    shape = tuple(info.shape)
+    if shape == tuple(want) or shape == module:
+        return
+    as_module = f" or {list(module)} (the module's own shape)" if module else ""
+    raise CheckpointError(
+        f"{info.file}: tensor {name!r} has shape {quoted(shape, 80)}, but vision_config makes the encoder read it as "
+        f"{list(want)}{as_module}; the checkpoint's tower geometry does not match its config")
 
 
 def _index_listing(shard: str) -> str | None:
@@ -175,14 +171,14 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
             f"{path}: vision_config declares depth = {geo.depth} blocks of 14 tensors, but the shards hold "
             f"{len(store):,} vision tensors in all ({f'blocks 0-{held - 1}' if held else 'no block'} at most: no "
             f"'{prefix}blocks.{held}.norm1.weight'); the config does not describe this checkpoint")
-    layout = tower_layout(geo)
+    layout, modules = tower_layout(geo), module_shapes(geo)
     for suffix, want in layout.items():
         name = prefix + suffix
         if name not in store:
             raise CheckpointError(f"{store.display}: missing tensor {name!r}, which the encoder needs "
                                   f"(shape {list(want)})")
         store.require_bf16(name)
-        _check_shape(store, name, want)
+        _check_shape(store, name, want, modules.get(suffix))
     unused = [n for n in store.names() if n.startswith(prefix) and n[len(prefix):] not in layout]
     if unused:  # the reference ignores them too (HF: "unexpected keys"), but a config that skips blocks is worth a word
         log.warning("%s: %d tower tensors are not read under vision_config (depth = %d), e.g. %s", path, len(unused),

@@ -29,13 +29,22 @@ def tower_prefixes(names) -> list[str]:
     return [p for p in VISION_PREFIXES if p in found] + sorted(found.difference(VISION_PREFIXES))
 
 
+def module_shapes(geo: VisionGeometry) -> dict[str, tuple]:
+    """The two convolutions' weights in their modules' own shapes, as the reference stores them: the patch-embed
+    Conv3d [hidden, channels, temporal, patch, patch] and the downsample Conv2d [out, hidden, merge, merge]."""
+    return {
+        "patch_embed.proj.weight": (geo.hidden_size, geo.in_channels, geo.temporal_patch_size,
+                                    geo.patch_size, geo.patch_size),
+        "downsample.weight": (geo.out_hidden_size, geo.hidden_size, geo.spatial_merge_size, geo.spatial_merge_size),
+    }
+
+
 def tower_layout(geo: VisionGeometry) -> dict[str, tuple]:
     """Every tensor the encoder reads, under the prefix, with the shape it is read as.
 
-    2-D entries are (rows, cols) GEMM views: a stored tensor matches when its first
-    dimension is `rows` and the product of the rest is `cols` — the 5-D patch-embed
-    Conv3d is read as [1024, 1176] and the 4-D downsample Conv2d as [4096, 4096]
-    over the same bytes. 1-D entries must match exactly.
+    2-D entries are (rows, cols) GEMM views; a stored tensor has that shape, or for the two convolutions
+    their module_shapes: the 5-D patch-embed Conv3d is read as [1024, 1176] and the 4-D downsample Conv2d
+    as [1536, 4096] over the same bytes. 1-D entries must match exactly.
     """
     h, i, hd = geo.hidden_size, geo.intermediate_size, geo.head_dim
     out, merger_inter = geo.out_hidden_size, geo.projection_intermediate_size

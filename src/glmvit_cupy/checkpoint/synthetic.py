@@ -21,7 +21,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ..config import VisionGeometry
-from .names import tower_layout
+from .names import module_shapes, tower_layout
 
 BF16 = ml_dtypes.bfloat16
 
@@ -48,11 +48,7 @@ def _scale(suffix: str, geo: VisionGeometry) -> tuple[float, float]:
 def random_tower(geo: VisionGeometry, seed: int = 0) -> dict[str, np.ndarray]:
     """{suffix: bf16 array in its on-disk shape} for every tower tensor."""
     rng = np.random.default_rng(seed)
-    disk_shape = {
-        "patch_embed.proj.weight": (geo.hidden_size, geo.in_channels, geo.temporal_patch_size,
-                                    geo.patch_size, geo.patch_size),
-        "downsample.weight": (geo.out_hidden_size, geo.hidden_size, geo.spatial_merge_size, geo.spatial_merge_size),
-    }
+    disk_shape = module_shapes(geo)
     tensors = {}
     for suffix, flat in tower_layout(geo).items():
         std, mean = _scale(suffix, geo)
