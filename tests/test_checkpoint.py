@@ -58,6 +58,19 @@ def test_any_shard_of_an_indexed_checkpoint_binds_the_whole_tower(tmp_path, tens
         bind_tower(tmp_path / shards[0])
 
 
+@pytest.mark.parametrize("index", ['{"weight_map": {"a": ', '[1, 2]', '{"weight_map": 3}'])
+def test_a_shard_beside_a_damaged_index_names_the_index(tmp_path, tensors, index):
+    """The shard alone held part of the tower (a depth error) or none of it (a text-only engine then served
+    without vision): the damaged index is what is wrong, and the error says so."""
+    write_checkpoint(tmp_path, GEO, tensors=tensors, shards=2)
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    for shard in sorted(p for p in os.listdir(tmp_path) if p.endswith(".safetensors")):
+        with pytest.raises(CheckpointError, match="the index beside it cannot be read.*repair or remove"):
+            bind_tower(tmp_path / shard)
+        with pytest.raises(CheckpointError, match="the index beside it cannot be read"):
+            probe_tower(tmp_path / shard)
+
+
 @pytest.mark.parametrize("prefix", PREFIXES)
 def test_every_prefix_binds(tmp_path, tensors, prefix):
     write_checkpoint(tmp_path, GEO, tensors=tensors, prefix=prefix)

@@ -109,15 +109,18 @@ def _check_shape(store: WeightStore, name: str, want: tuple, module: tuple | Non
 
 
 def _index_listing(shard: str) -> str | None:
-    """The index beside `shard` if it lists that shard, else None."""
+    """The index beside `shard` if it lists that shard, else None. A damaged index is a CheckpointError: the
+    shard alone could hold part of a tower, or none of it, and be loaded as if that were all."""
     index = os.path.join(os.path.dirname(shard) or ".", INDEX_NAME)
     if not shard.endswith(".safetensors") or not os.path.isfile(index):
         return None
     try:
         weight_map = read_json_file(index, "the index").get("weight_map")
         return index if os.path.basename(shard) in set(weight_map.values()) else None
-    except (CheckpointError, AttributeError, TypeError):  # a damaged index: the shard alone, as given
-        return None
+    except (CheckpointError, AttributeError, TypeError) as e:
+        why = e if isinstance(e, CheckpointError) else "it has no 'weight_map' of tensor names to shard files"
+        raise CheckpointError(f"{shard}: the index beside it cannot be read, so which shards hold the tower is not "
+                              f"known ({why}); repair or remove {index}, or give the checkpoint's folder") from None
 
 
 def bind_tower(path: str | os.PathLike) -> TowerBinding:
