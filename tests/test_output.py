@@ -164,7 +164,8 @@ def test_a_lost_or_unreadable_shard_is_encoded_again(tmp_path):
 
 @pytest.mark.parametrize("edit,says", [
     (lambda m: m.update(failed=None), "a 'failed' object"), (lambda m: m.update(failed=5), "a 'failed' object"),
-    (lambda m: m["images"]["/img/b"].update(tokens=1), "the entry of /img/b says 1 tokens, the shard holds 3"),
+    (lambda m: m["images"]["/img/b"].update(tokens=1), r"the tensor of /img/b is BF16 \[3, 8\], not the BF16 \[1, out_hidden_size\]"),
+    (lambda m: m["images"]["/img/b"].update(tokens="3"), "the entry of /img/b gives '3' tokens, not a positive count"),
 ])
 def test_a_hand_edited_manifest_is_an_output_error_naming_it(tmp_path, edit, says):
     folder = str(tmp_path / "o")
@@ -465,3 +466,63 @@ def test_read_embeddings_of_no_folder_is_an_output_error(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(OutputError, match="is not a folder"):
         read_embeddings(str(tmp_path / "f"))
+
+
+@pytest.mark.parametrize("tensor", [np.array(1.0, np.float32), np.zeros((3, 7), ml_dtypes.bfloat16),
+                                    np.zeros((3, 8), np.float32), np.zeros((3, 8, 1), ml_dtypes.bfloat16)])
+def test_a_shard_tensor_unlike_its_entry_is_refused_by_the_reader_and_encoded_again(tmp_path, tensor):
+    """A shard's tensor replaced (same metadata) by a scalar, another width, dtype or rank: read_embeddings once
+    crashed on the scalar (IndexError) and returned the others as embeddings; a resume counted them done."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    folder, settings = str(tmp_path / "o"), dict(SETTINGS, geometry={"out_hidden_size": 8})
+    out = Output(folder, settings, flush_seconds=0)
+    out.add_batch(batch(["/img/a", "/img/b"]))
+    out.flush()
+    out._lock.close()
+    shard = os.path.join(folder, "embeddings-00001.safetensors")
+    with safe_open(shard, "numpy") as f:
+        meta, held = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(dict(held, **{"/img/b": tensor}), shard, metadata=meta)
+    with pytest.raises(OutputError, match=re.escape(MANIFEST) + ".*the tensor of /img/b is .* not the BF16 \\[3, 8\\]"):
+        read_embeddings(folder)
+    os.remove(os.path.join(folder, MANIFEST))  # the shard alone: its metadata's entry is not taken either
+    assert list(read_embeddings(folder)[1]) == ["/img/a"]
+    again = Output(folder, settings)
+    assert again.done("/img/a") and not again.done("/img/b")
+
+
+@pytest.mark.parametrize("edit,kept", [(lambda m: m.update(failed=[1]), {"/img/a", "/img/b"}),
+                                       (lambda m: m["images"]["/img/b"].update(tokens="3"), {"/img/a"})])
+def test_a_resume_rewrites_a_manifest_the_reader_refuses(tmp_path, edit, kept):
+    """A resume with nothing to encode left a hand-edited manifest as it was, which read_embeddings refuses:
+    the run dropped what it could not trust, so it writes the manifest again (and encodes a dropped entry)."""
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=0)
+    out.add_batch(batch(["/img/a", "/img/b"]))
+    out.flush()
+    out._lock.close()
+    manifest = json.loads((tmp_path / "o" / MANIFEST).read_text())
+    edit(manifest)
+    (tmp_path / "o" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(OutputError):
+        read_embeddings(folder)
+    again = Output(folder, SETTINGS)
+    again.flush()
+    assert set(read_embeddings(folder)[1]) == kept == {k for k in ("/img/a", "/img/b") if again.done(k)}
+
+
+def test_a_stray_file_of_a_long_shard_number_is_not_a_shard(tmp_path):
+    """embeddings-<228 digits>.safetensors made every later run fail writing shard <that + 1> (name too long)."""
+    folder = tmp_path / "o"
+    folder.mkdir()
+    (folder / ("embeddings-" + "9" * 228 + ".safetensors")).write_bytes(b"")
+    out = Output(str(folder), SETTINGS, flush_seconds=0)
+    out.add_batch(batch(["/img/a"]))
+    assert out.manifest["images"]["/img/a"]["shard"] == "embeddings-00001.safetensors"
+    out._lock.close()
+    os.rename(folder / "embeddings-00001.safetensors", folder / "embeddings-999999999.safetensors")
+    os.remove(folder / MANIFEST)
+    with pytest.raises(OutputError, match="holds shard 999,999,999, the last number a shard may have"):
+        Output(str(folder), SETTINGS)

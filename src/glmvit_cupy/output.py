@@ -51,7 +51,8 @@ log = logging.getLogger("glmvit_cupy")
 MANIFEST = "manifest.json"
 KEY = ("the image file's resolved absolute path (os.path.realpath); a path that is not valid UTF-8: the repr() of "
        "its bytes, b'...' (glmvit_cupy.output.key_path gives the path back)")
-SHARD = re.compile(r"embeddings-(\d{5,})\.safetensors$")  # five digits, more from shard 100,000 on
+SHARD = re.compile(r"embeddings-(\d{5,9})\.safetensors$")  # five digits, more from shard 100,000 on
+LAST_SHARD = 999_999_999  # nine digits at most: a stray file of a longer number is not a shard
 FLUSH_SECONDS = 5.0  # the manifest is rewritten at most this often while a run goes on
 # Settings a folder's header may lack (a folder written by an earlier version): "video" (it encoded no videos, so it
 # resumes under this run's settings) and "weights" (its tower is then told by the checkpoint's path alone).
@@ -173,11 +174,13 @@ def shard_entries(folder: str, skip=()) -> dict[str, tuple[dict, dict]]:
         try:
             with safe_open(path, framework="numpy") as f:
                 meta = json.loads((f.metadata() or {}).get("glmvit", "null"))
-                keys = set(f.keys())
+                tensors = _described(f)
             header, images = meta["header"], meta["images"]
             if not (isinstance(header, dict) and isinstance(images, dict)):
                 raise TypeError("its header and images are not objects")
-            entries = {k: dict(v, shard=name) for k, v in images.items() if k in keys}
+            entries = {k: dict(v, shard=name) for k, v in images.items() if k in tensors}  # TypeError: not ours
+            entries = {k: e for k, e in entries.items()  # only what the shard holds as its entry describes it
+                       if _embedding_problem(k, e, tensors[k], _width(header)) is None}
         except Exception:  # no metadata (an older run's shard, listed in its manifest), unreadable, or not ours
             continue
         out[name] = (header, entries)
@@ -243,7 +246,6 @@ class Output:
             raise OutputError(f"cannot create the output folder {shown(folder)}: {_reason(e)}") from None
         self._lock = _lock_folder(folder)
         self._recover(settings)
-        self.next_shard = max([0, *map(_shard_number, os.listdir(folder))]) + 1
         self.mode = _umask_mode()
 
     def discard(self) -> None:
@@ -280,13 +282,17 @@ class Output:
                               "kept and the rest encoded; or use another --out") from None
         self._check(header, settings, MANIFEST)
         # Keep only entries whose shard reads whole and holds them: a shard lost or damaged since is encoded again.
-        own = _own_shards(self.folder, images)
+        own = _own_shards(self.folder, images, _width(settings))
         self.manifest["images"] = {k: v for k, v in images.items() if k in own}
         # Earlier failures stay failures until encoded (a run that tries one again replaces its reason).
-        failed = old.get("failed")
+        failed = old.get("failed", {})
         if isinstance(failed, dict):
             self.manifest["failed"] = {k: v for k, v in failed.items()
                                        if isinstance(k, str) and isinstance(v, str) and k not in own}
+        # What was dropped (an entry whose shard no longer holds it whole, a malformed one) leaves the manifest
+        # at this run's flush, even a run with nothing to encode: read_embeddings then reads the folder again.
+        self._dirty = (len(self.manifest["images"]) != len(images) or not isinstance(failed, dict)
+                       or len(self.manifest["failed"]) != len(failed))
 
     def _recover(self, settings):
         """Images of shards the manifest does not list yet (the run before stopped before writing it)."""
@@ -299,7 +305,11 @@ class Output:
             for key in _newer(self.manifest["images"], current):
                 self.manifest["failed"].pop(key, None)
                 changed = True
-        self._dirty = changed
+        self._dirty = self._dirty or changed
+        self.next_shard = max([0, *map(_shard_number, os.listdir(self.folder))]) + 1
+        if self.next_shard > LAST_SHARD:
+            raise OutputError(f"{shown(self.folder)} holds shard {LAST_SHARD:,}, the last number a shard may have; "
+                              "give another --out")
 
     def done(self, key, stamp: list | None = None) -> bool:
         """Whether the file keyed `key` is encoded here; with its stamp now (file_stamp), not if the entry's
@@ -437,23 +447,55 @@ class Writer:
             w.result()
 
 
-def _shard_keys(path) -> set | None:
-    """The image keys a shard holds; None if it is missing or cannot be read whole (truncated or damaged:
-    safetensors checks that its header covers the file exactly)."""
+def _described(f) -> dict:
+    """{key: (dtype, shape)} of an open shard's tensors, from its header alone."""
+    return {k: (f.get_slice(k).get_dtype(), list(f.get_slice(k).get_shape())) for k in f.keys()}
+
+
+def _shard_tensors(path) -> dict | None:
+    """{image key: (dtype, shape)} of a shard's tensors; None if it is missing or cannot be read whole (truncated
+    or damaged: safetensors checks that its header covers the file exactly)."""
     from safetensors import safe_open
 
     if not_regular(path):  # a FIFO or a device named like a shard: never opened (a FIFO would block)
         return None
     try:
         with safe_open(path, framework="numpy") as f:
-            return set(f.keys())
+            return _described(f)
     except Exception:  # SafetensorError (damaged), OSError (missing): either way, not done
         return None
 
 
-def _own_shards(folder, images: dict) -> set:
+def _width(header) -> int | None:
+    """The embedding width (out_hidden_size) a header's geometry records, or None."""
+    geometry = header.get("geometry") if isinstance(header, dict) else None
+    width = geometry.get("out_hidden_size") if isinstance(geometry, dict) else None
+    return width if is_count(width) else None
+
+
+def is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _embedding_problem(key, entry, have, width) -> str | None:
+    """What is wrong with `key`'s tensor `have` ((dtype, shape), as a shard header says) for its entry, or None:
+    one bf16 row of `width` values per token of the entry."""
+    tokens = entry.get("tokens") if isinstance(entry, dict) else None
+    if not is_count(tokens):
+        return f"the entry of {shown(key)} gives {quoted(tokens)} tokens, not a positive count"
+    if have is None:
+        return f"no tensor {shown(key)}"
+    dtype, shape = have
+    if dtype != "BF16" or len(shape) != 2 or shape[0] != tokens or (width is not None and shape[1] != width):
+        want = f"[{tokens}, {width if width is not None else 'out_hidden_size'}]"
+        return f"the tensor of {shown(key)} is {dtype} {shape}, not the BF16 {want} its entry makes it"
+    return None
+
+
+def _own_shards(folder, images: dict, width: int | None) -> set:
     """The keys of manifest entries whose shard is a file of this folder by a name this module writes (nothing
-    outside the folder, nothing else in it) that reads whole and holds the key; each shard is read once."""
+    outside the folder, nothing else in it) that reads whole and holds the key's embedding as the entry describes
+    it (bf16 [tokens, width]); each shard's header is read once."""
     found: dict = {}
 
     def own(key, entry):
@@ -461,13 +503,25 @@ def _own_shards(folder, images: dict) -> set:
         if not isinstance(shard, str) or SHARD.fullmatch(shard) is None:
             return False
         if shard not in found:
-            found[shard] = _shard_keys(os.path.join(folder, shard)) or set()
-            if not found[shard] and os.path.exists(os.path.join(folder, shard)):
+            found[shard] = _shard_tensors(os.path.join(folder, shard))
+            if found[shard] is None and os.path.exists(os.path.join(folder, shard)):
                 log.warning("%s: cannot be read whole (truncated or damaged); its images are not counted as done",
                             os.path.join(folder, shard))
-        return key in found[shard]
+        tensors = found[shard] or {}
+        return key in tensors and _embedding_problem(key, entry, tensors[key], width) is None
 
     return {k for k, e in images.items() if own(k, e)}
+
+
+def _not_own(folder, key, entry, width) -> str:
+    """Why `key`'s manifest entry is not one of _own_shards."""
+    shard = entry.get("shard") if isinstance(entry, dict) else None
+    tensors = None
+    if isinstance(shard, str) and SHARD.fullmatch(shard):
+        tensors = _shard_tensors(os.path.join(folder, shard))
+    if tensors and key in tensors:
+        return f"{_embedding_problem(key, entry, tensors[key], width)} (in {shard})"
+    return f"its entry {key!r} names no shard of this folder that reads whole and holds it"
 
 
 def _difference(header: dict, settings: dict) -> str | None:
@@ -516,10 +570,11 @@ def read_embeddings(folder) -> tuple[dict, dict]:
             if not (isinstance(manifest, dict) and isinstance(manifest.get("images"), dict)
                     and isinstance(manifest.get("failed", {}), dict)):
                 raise TypeError("it is not an object with an 'images' object and a 'failed' object")
-            own = _own_shards(folder, manifest["images"])
+            width = _width(manifest.get("header"))
+            own = _own_shards(folder, manifest["images"], width)
             bad = next((k for k in manifest["images"] if k not in own), None)
             if bad is not None:
-                raise ValueError(f"its entry {bad!r} names no shard of this folder that reads whole and holds it")
+                raise ValueError(_not_own(folder, bad, manifest["images"][bad], width))
             listed = {e["shard"] for e in manifest["images"].values()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise OutputError(f"{path} is unreadable or not a glmvit-encode manifest ({type(e).__name__}: {e}); "
@@ -549,13 +604,7 @@ def read_embeddings(folder) -> tuple[dict, dict]:
             failed.pop(key, None)
     by_shard = {shard: load_file(os.path.join(folder, shard))
                 for shard in sorted({e["shard"] for e in manifest["images"].values()})}
-    # Each key from the shard its entry names: an older shard may still hold the key of a file encoded again.
+    # Each key from the shard its entry names: an older shard may still hold the key of a file encoded again. Every
+    # entry's tensor was checked against it above (listed) or in shard_entries (unlisted): bf16 [tokens, width].
     embs = {k: by_shard[e["shard"]][k] for k, e in manifest["images"].items()}
-    bad = next((k for k, e in manifest["images"].items() if e.get("tokens") != embs[k].shape[0]), None)
-    if bad is not None:
-        shard = os.path.join(folder, manifest["images"][bad]["shard"])
-        raise OutputError(f"{path} (or the metadata of {shown(shard)}): the entry of {shown(bad)} says "
-                          f"{quoted(manifest['images'][bad].get('tokens'))} tokens, the shard holds "
-                          f"{embs[bad].shape[0]}: one was edited or is damaged; move the manifest away to read the "
-                          "shards alone")
     return manifest, embs
