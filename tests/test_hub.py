@@ -63,7 +63,8 @@ def test_hub_errors_are_checkpoint_errors(fake_hub, monkeypatch):
         raise OSError("connection refused")
 
     monkeypatch.setattr(hub, "hf_hub_download", broken)
-    with pytest.raises(CheckpointError, match="cannot download config.json"):
+    with pytest.raises(CheckpointError, match="cannot download config.json .*nor is zai-org/GLM-5.3-Flash-test a "
+                                              "local folder or file"):
         inspect_checkpoint("zai-org/GLM-5.3-Flash-test")
 
 
@@ -74,7 +75,9 @@ def test_offline_and_not_cached_says_so(fake_hub, monkeypatch):
         raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub")
 
     monkeypatch.setattr(hub, "hf_hub_download", offline)
-    with pytest.raises(CheckpointError, match="Hub cannot be reached .* config.json is not in the local"):
+    # Also what a mistyped relative folder ('golden/tower' from the wrong place) reads as: the message says so.
+    with pytest.raises(CheckpointError, match="Hub cannot be reached .* config.json is not in the local Hugging Face "
+                                              "cache; nor is zai-org/GLM-5.3-Flash-test a local folder or file"):
         inspect_checkpoint("zai-org/GLM-5.3-Flash-test")
 
 

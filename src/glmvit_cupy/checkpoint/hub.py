@@ -45,6 +45,8 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     # Unreachable or silent, huggingface_hub retries each file for 25 s to minutes before it says so; a
     # 1.5 s probe first sends an offline machine straight to the local cache.
     offline = constants.HF_HUB_OFFLINE or not reachable(constants.ENDPOINT)
+    # 'org/name' is also how a mistyped relative folder reads: say that no local one exists.
+    local = f"; nor is {repo_id} a local folder or file (looked from {os.getcwd()})"
 
     def get(name):
         try:
@@ -52,18 +54,18 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
         except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: test it first
             raise CheckpointError(f"{repo_id}: the Hub cannot be reached (offline, not answering {constants.ENDPOINT} "
                                   f"within 1.5 s, or HF_HUB_OFFLINE is set) and "
-                                  f"{name} is not in the local Hugging Face cache; connect once, or give a local "
-                                  "checkpoint folder") from None
+                                  f"{name} is not in the local Hugging Face cache{local}; connect once, or give a "
+                                  "local checkpoint folder") from None
         except EntryNotFoundError:
             raise
         except Exception as e:  # network, auth, missing repo: say which file of which repo
-            raise CheckpointError(f"{repo_id}: cannot download {name} from the Hub ({type(e).__name__}: {e})") \
+            raise CheckpointError(f"{repo_id}: cannot download {name} from the Hub ({type(e).__name__}: {e}){local}") \
                 from None
 
     try:
         config = get("config.json")
     except EntryNotFoundError:
-        raise CheckpointError(f"{repo_id}: the repository has no config.json") from None
+        raise CheckpointError(f"{repo_id}: the repository has no config.json{local}") from None
     folder = os.path.dirname(config)
     cfg = read_json_file(config, "config.json")
     if isinstance(cfg, dict) and cfg.get("vision_config") is None and "vision" not in str(cfg.get("model_type")):
