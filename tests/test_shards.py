@@ -111,6 +111,20 @@ def test_bad_headers_are_refused(tmp_path, raw, says):
         read_header(str(p))
 
 
+def test_a_header_of_too_many_tensors_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
+    """A 100 MB header of a million empty tensors took ~1 GB and ~20 s to parse: counted first, refused."""
+    from glmvit_cupy.checkpoint import shards
+
+    monkeypatch.setattr(shards, "MAX_TENSORS", 1_000)
+    entries = ", ".join(f'"t{i}": {{"dtype": "BF16", "shape": [0], "data_offsets": [0, 0]}}' for i in range(1_001))
+    raw = ("{" + entries + "}").encode()
+    p = tmp_path / "many.safetensors"
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    monkeypatch.setattr(shards.json, "loads", lambda *a, **k: pytest.fail("parsed before counting"))
+    with pytest.raises(CheckpointError, match="lists 1,001 tensors, more than the 1,000"):
+        read_header(str(p))
+
+
 def test_truncated_shard_is_refused_before_mapping(tmp_path):
     data = bytes(20)
     p = shard(tmp_path / "t.safetensors", ok_header(), data)

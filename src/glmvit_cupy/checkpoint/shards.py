@@ -40,6 +40,9 @@ def dtypes() -> types.MappingProxyType:
 
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own bound on a header
+# A shard of a whole GLM-5.3 checkpoint names a few thousand tensors; a 100 MB header of a million empty ones
+# takes ~1 GB and ~20 s to parse. Counted before parsing (each entry has one "data_offsets" key).
+MAX_TENSORS = 250_000
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -84,6 +87,11 @@ def read_header(path: str) -> dict:
             raw = f.read(hlen)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read shard ({e})") from None
+    count = raw.count(b'"data_offsets"')
+    if count > MAX_TENSORS:
+        raise CheckpointError(f"{path}: the header lists {count:,} tensors, more than the {MAX_TENSORS:,} a shard may "
+                              "hold here (a real shard holds a few thousand); the file is damaged or not a checkpoint")
+
     def unique(pairs):
         # A repeated name would shadow the first entry's bytes: refuse it (JSON alone keeps the last).
         seen = set()
