@@ -550,6 +550,29 @@ def test_pil_alpha_not_in_an_a_band_is_composited_onto_white(kind, rng):
     assert not np.array_equal(ours, dropped)  # the alpha matters for these pixels
 
 
+@pytest.mark.parametrize("kind", ["RGBA", "P with an RGBA palette", "P with a transparent index, as a file"])
+def test_compositing_in_strips_of_rows_gives_the_whole_images_bits(kind, rng, monkeypatch, tmp_path):
+    """Transparency is composited a strip of rows at a time (a whole 89 MP palette image held three RGBA
+    copies): strips of 64 pixels here, so a 37 x 41 image is composited a row at a time."""
+    from glmvit_cupy.preprocessing import decode
+
+    monkeypatch.setattr(decode, "STRIP_PIXELS", 64)
+    rgba = Image.fromarray(rng.integers(0, 256, (37, 41, 4), dtype=np.uint8), "RGBA")
+    img = rgba if kind == "RGBA" else rgba.quantize()
+    if kind.endswith("file"):
+        img = rgba.convert("RGB").quantize(colors=64)
+        img.info["transparency"] = int(rng.integers(0, 64))
+        img.save(tmp_path / "t.png", transparency=img.info["transparency"])
+        with Image.open(tmp_path / "t.png") as f:
+            f.load()
+            want = np.asarray(_hf_rgb(f))
+        got = decode.load(str(tmp_path / "t.png"), "t.png")
+    else:
+        want, got = np.asarray(_hf_rgb(img)), decode.load(img, "img")
+    assert np.array_equal(np.asarray(got), want)
+    assert not np.array_equal(want, np.asarray(img.convert("RGB")))  # the alpha matters here
+
+
 def test_a_pil_image_whose_file_closed_before_it_loaded_is_an_image_error(tmp_path, rng):
     path = tmp_path / "lazy.png"
     Image.fromarray(rng.integers(0, 256, (30, 30, 3), dtype=np.uint8)).save(path)
