@@ -616,6 +616,9 @@ def test_tuned_cublaslt_gemms_give_the_default_bits_at_every_row_count():
             a, w = dev(bf(rng.standard_normal((m, k)))), dev(bf(rng.standard_normal((n, k)) / math.sqrt(k)))
             base = dev(rng.standard_normal((m, n), dtype=np.float32).astype(dtype)) if acc else poison((m, n), dtype)
             want, got = base.copy(), base.copy()
+            # The copies run on the default stream, which a non-blocking stream does not wait for: GEMMs launched
+            # on it at once read C before the copy of 9000 rows had written it (alone, on an H100, every run).
+            cupy.cuda.get_current_stream().synchronize()
             with stream:
                 gemm(a, w, want, 1.0 if acc else 0.0, handle=plain)
                 gemm(a, w, got, 1.0 if acc else 0.0, handle=tuned)
