@@ -4,6 +4,7 @@ numerous connections, content in flight encoded once, work for clients gone drop
 a model that fails to load, what the metrics and the cache count, and the messages a client gets."""
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -313,6 +314,40 @@ def test_a_kept_connection_answered_before_its_body_was_read_serves_the_next_req
     with pytest.raises(ServerError, match="HTTP 400: max_image_tokens='x'"):
         client._send("POST", "/v1/encode?max_image_tokens=x", os.urandom(300_000), "image/png", [b""])
     time.sleep(1.5)
+    assert client.health()["status"] == "ok"
+
+
+def test_the_rest_of_an_answered_body_is_dropped_within_the_body_limits_then_the_connection_closes(server):
+    """A request answered before its body was read (/health with a body) held its connection as long as the
+    client sent a byte every few seconds, and read and dropped any amount: the rest may take --body-timeout
+    (1 s here) and --max-body-mib, as a body may, and then the connection closes."""
+    _, client = server
+    port = int(client.url.rsplit(":", 1)[1])
+
+    def answered(s):
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000000\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+
+    with socket.create_connection(("127.0.0.1", port)) as s:  # a byte every 0.2 s
+        answered(s)
+        t0 = time.monotonic()
+        with pytest.raises(OSError):
+            while time.monotonic() - t0 < 10:
+                s.sendall(b"x")
+                time.sleep(0.2)
+                s.settimeout(0.01)
+                with contextlib.suppress(socket.timeout):
+                    if s.recv(1) == b"":
+                        raise ConnectionResetError("closed")
+        assert time.monotonic() - t0 < 3.0
+    with socket.create_connection(("127.0.0.1", port)) as s:  # as fast as it goes
+        answered(s)
+        sent = 0
+        with pytest.raises(OSError):
+            while sent < 4 << 30:
+                s.sendall(bytes(1 << 20))
+                sent += 1 << 20
+        assert sent <= (256 << 20) + (32 << 20), sent  # --max-body-mib (256 by default) and what buffers held
     assert client.health()["status"] == "ok"
 
 

@@ -63,9 +63,11 @@ def _unsent(transport) -> int:
     return left
 
 
-def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout: float = 60.0):
+def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout: float = 60.0,
+             body_timeout: float = 60.0, max_body_bytes: int = 64 << 20):
     """uvicorn's h11 protocol with a cap on connections (one over it is answered 503 and closed at once), a
     deadline for each request's headers (408 and closed: uvicorn itself waits for them without end), and
+    one for the rest of a body answered before it was read (body_timeout, max_body_bytes: then closed), and
     one for a reply the client stops reading: once writing pauses (the transport's buffer over its
     high-water mark), a connection whose client took nothing more for reply_timeout seconds (bytes
     written less _unsent) is aborted, which lets its reply go (a client that never reads would otherwise hold it, up to --max-reply-mib, for as long as it
@@ -83,6 +85,8 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
         refused = False
         headers_timer = None
         reply_timer = None
+        drop_timer = None  # while the rest of an answered request's body is read and dropped
+        dropped = 0
 
         def connection_made(self, transport):
             if len(self.connections) >= max_connections:
@@ -101,11 +105,20 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
                 return
             self._disarm()
             self._unarm_reply()
+            self._stop_dropping()
             super().connection_lost(exc)
             metrics.connections.set(len(self.connections))
 
         def data_received(self, data):
+            if self.drop_timer is not None:
+                self.dropped += len(data)
+                if self.dropped > max_body_bytes:
+                    self._stop_dropping()
+                    self.transport.close()
+                    return
             super().data_received(data)
+            if self.drop_timer is not None and self.conn.their_state is not h11.SEND_BODY:
+                self._stop_dropping()  # the answered request's body has all been read and dropped
             if self.cycle is not None:  # what the app's replies wait on (app.Releasing)
                 self.cycle.scope["glmvit.transport"] = self.transport
             if self.conn.their_state is not h11.IDLE:
@@ -119,6 +132,26 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
                 # piece of such a body and does not set it again).
                 self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                                     self.timeout_keep_alive_handler)
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+                # Answered before its body was read (/health, a 404, a refusal): uvicorn reads and drops the rest,
+                # restarting its keep-alive timer on each piece, however slow or long. The rest may take what
+                # a body may (--body-timeout, --max-body-mib), and the connection is then kept; past either,
+                # it closes.
+                self.dropped = 0
+                self.drop_timer = self.loop.call_later(body_timeout, self._drop_late)
+
+        def _drop_late(self):
+            self.drop_timer = None
+            if self.conn.their_state is h11.SEND_BODY:
+                self.transport.close()
+
+        def _stop_dropping(self):
+            if self.drop_timer is not None:
+                self.drop_timer.cancel()
+                self.drop_timer = None
 
         def _arm(self):
             self.headers_timer = self.loop.call_later(header_timeout, self._headers_late)
@@ -259,7 +292,8 @@ def build_server(app, args, max_connections: int, backlog: int, ready: str | Non
     # within it is cancelled.
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on",
                                    http=protocol(max_connections, args.header_timeout, app.state.metrics,
-                                                 args.reply_timeout),
+                                                 args.reply_timeout, args.body_timeout,
+                                                 int(args.max_body_mib * (1 << 20))),
                                    backlog=backlog, timeout_graceful_shutdown=2))
     # uvicorn logs "ERROR: Cancel N running task(s), timeout graceful shutdown exceeded" when it cancels the
     # requests the drain gave up on: the drain's own line has said so already, and nothing failed.
