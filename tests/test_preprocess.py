@@ -573,6 +573,26 @@ def test_compositing_in_strips_of_rows_gives_the_whole_images_bits(kind, rng, mo
     assert not np.array_equal(want, np.asarray(img.convert("RGB")))  # the alpha matters here
 
 
+def test_a_progressive_jpeg_of_too_many_scans_is_refused_before_it_is_decoded(tmp_path, rng):
+    """Each scan decodes the whole image again: a small file of one scan repeated thousands of times took tens
+    of seconds on a decoding thread. Pillow's own progressive JPEGs (10 scans) decode as before."""
+    from glmvit_cupy.preprocessing import decode
+
+    im = Image.fromarray(rng.integers(0, 256, (60, 80, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", progressive=True, quality=90)
+    data = buf.getvalue()
+    with Image.open(io.BytesIO(data)) as f:
+        assert np.array_equal(np.asarray(decode.load(data, "ok.jpg")), np.asarray(f.convert("RGB")))
+    last = data[data.rfind(b"\xff\xda"):-2]  # the last scan, up to the end marker
+    many = data[:-2] + last * decode.MAX_JPEG_SCANS + b"\xff\xd9"
+    (tmp_path / "many.jpg").write_bytes(many)
+    scans = data.count(b"\xff\xda") + decode.MAX_JPEG_SCANS
+    for given in (many, str(tmp_path / "many.jpg")):
+        with pytest.raises(ImageError, match=f"many.jpg: a progressive JPEG of {scans} scans, more than the 64"):
+            decode.load(given, "many.jpg")
+
+
 def test_a_pil_image_whose_file_closed_before_it_loaded_is_an_image_error(tmp_path, rng):
     path = tmp_path / "lazy.png"
     Image.fromarray(rng.integers(0, 256, (30, 30, 3), dtype=np.uint8)).save(path)

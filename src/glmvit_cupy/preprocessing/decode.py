@@ -39,6 +39,9 @@ DECODE_BLOCK = 1 << 26  # bytes of the file handed to Pillow's decoder at once
 # and its header's size need not be the decoded image's. A process that must keep answering meanwhile
 # (glmvit-serve) sets `offload` to decode every format but these, whose C decoders run without the GIL
 # on the size their header says, in another process; None decodes everything here.
+# A progressive JPEG is decoded once per scan: a 156 KB 16 MP file of its last scan repeated 2,000 times takes
+# ~24 s to decode. Encoders write about 10 scans (Pillow and libjpeg 10, mozjpeg up to ~20).
+MAX_JPEG_SCANS = 64
 DECODED_IN_PROCESS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"})
 offload = None  # offload(file bytes, name, max_pixels) -> HxWx3 uint8 array, or raises ImageError
 
@@ -114,6 +117,17 @@ def _bytes_io(data) -> io.BytesIO:
     return io.BytesIO(data.tobytes() if isinstance(data, memoryview) and not data.c_contiguous else data)
 
 
+def _scans(fp) -> int:
+    """The start-of-scan markers (FF DA) in a JPEG file: entropy-coded data stuffs a 00 after each FF, so
+    only a marker (or an embedded thumbnail's) reads so."""
+    at = fp.tell()
+    try:
+        fp.seek(0)
+        return fp.read().count(b"\xff\xda")
+    finally:
+        fp.seek(at)
+
+
 def _file_bytes(image) -> bytes:
     if isinstance(image, (str, os.PathLike)):
         with open(image, "rb") as f:
@@ -185,6 +199,12 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
             w, h = img.size
             if limit is not None and w * h > limit:
                 raise ImageError(f"{bomb} (it is {w} x {h} = {w * h:,})")
+            if img.format in ("JPEG", "MPO") and img.info.get("progressive"):
+                scans = _scans(img.fp)
+                if scans > MAX_JPEG_SCANS:
+                    raise ImageError(f"{name}: a progressive JPEG of {scans:,} scans, more than the {MAX_JPEG_SCANS} "
+                                     "an image may have here (encoders write about 10; each scan decodes the whole "
+                                     "image again): re-encode it")
             if offload is not None and img.format not in DECODED_IN_PROCESS:
                 data = _file_bytes(image)
                 img.close()
