@@ -448,6 +448,29 @@ def test_sigterm_ends_the_process_in_bounded_time_beside_a_stalled_body():
         stop(proc)
 
 
+def test_sigterm_ends_the_process_beside_a_decode_still_running():
+    """A decode of 30 s for a client that gave up: the drain ends after --drain-timeout, and the process with it,
+    not when the decoding thread's job ends (it said "stopped (exit 0)" and lived on)."""
+    prelude = ("import time; from glmvit_cupy.preprocessing import decode; slow = decode._decode_named; "
+               "decode._decode_named = lambda *a, **k: (time.sleep(30), slow(*a, **k))[1]")
+    proc, client = launch("--drain-timeout", 1, prelude=prelude)
+    try:
+        with pytest.raises((OSError, ServerError)):  # the client gives up; its decode goes on
+            Client(client.url, timeout=0.5).encode([png(64, 64, 7)])
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError("the server lived on after SIGTERM beside a decode still running") from None
+        out = proc.stdout.read()
+        assert code == 0 and time.monotonic() - t0 < 6, out
+        assert "not waiting for the work still running (threads glmvit-decode" in out, out
+    finally:
+        stop(proc)
+
+
 # -- 3. content in flight encoded once; work for clients gone dropped -------------------------------------------
 
 def test_concurrent_requests_for_one_new_image_encode_it_once(slow_server):

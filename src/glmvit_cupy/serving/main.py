@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import warnings
 
 MAX_CONNECTIONS = 512
@@ -291,6 +292,15 @@ def serve(argv) -> int:
     # interpreter's shutdown under them can crash the process (exit 139), so it exits without one.
     running = sorted(t.name for t in threading.enumerate() if t.daemon and t.is_alive() and
                      t.name.startswith("glmvit-"))
+    # The decoding and parsing pools were shut down without waiting: their idle threads end at once, and one
+    # still decoding works for a request the drain gave up on. The interpreter would wait for it, after
+    # "stopped" was said.
+    deadline = time.monotonic() + 0.5
+    for t in threading.enumerate():
+        if not t.daemon and t.name.startswith(("glmvit-decode", "glmvit-parse")):
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                running.append(t.name)
     state["off_process"].shutdown()  # its decoding processes, if any, end with the server
     if running:
         log(f"stopped (exit {code}), not waiting for the work still running (threads {', '.join(running)})")
