@@ -249,6 +249,10 @@ def test_a_callers_fps_or_duration_reads_a_file_whose_packets_span_no_time(tmp_p
     # An fps so small that the frames' duration passes any float: the fps is named, not a duration never given.
     with pytest.raises(ValueError, match=r"fps=1e-308 makes its 20 frames last longer than any number of seconds"):
         preprocess_video(str(path), fps=1e-308)
+    timed = write(tmp_path / "timed.mkv", clip(20), fps=10)
+    for duration in (float("nan"), float("inf")):  # the caller's duration is named, not the fps it gave none of
+        with pytest.raises(ValueError, match=rf"duration={duration!r} is not a finite number of seconds"):
+            preprocess_video(str(timed), duration=duration)
 
 
 def test_a_raw_elementary_stream_is_refused_saying_what_it_is(tmp_path):

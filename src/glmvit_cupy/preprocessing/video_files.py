@@ -139,6 +139,9 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
         own_duration = duration is None  # the file's, or frames / the caller's fps
         duration = (file_duration if fps is None else total / fps) if own_duration else duration
         fps = file_fps if fps is None else fps
+        if not math.isfinite(duration) and not own_duration:
+            raise ValueError(f"{name}: duration={duration!r} is not a finite number of seconds; give the video's "
+                             "real duration (or leave it out: the file's own)")
         if not math.isfinite(duration):  # a caller's fps of 1e-308, say
             raise ValueError(f"{name}: fps={fps:g} makes its {total} frames last longer than any number of seconds; "
                              "give the video's real fps (or leave it out: the file's own)")

@@ -357,9 +357,10 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             raise Refused(status, str(e)) from None
 
     def take_pixels(total: int, what: str, icons: int = 0) -> None:
-        """Hold `total` pixels for a request's images or videos, or Refused; icons: how many of its images are
-        ICO files, which count as --max-pixels each (their headers may understate them)."""
-        note = (f" ({icons} of them ICO files, counted at --max-pixels, {limit:,} pixels, each: their headers "
+        """Hold `total` pixels for a request's images or videos, or Refused; icons: how many of its images (or
+        its videos' frames) are ICO files, which count as --max-pixels each (their headers may understate them)."""
+        of = "them" if what == "images" else "their frames"
+        note = (f" ({icons} of {of} ICO files, counted at --max-pixels, {limit:,} pixels, each: their headers "
                 "need not say what they hold; send them as PNG)") if icons else ""
         if total > budget.total:
             raise Refused(413, f"this request's {what} need {total:,} pixels decoded at once{note}, over the "
@@ -582,9 +583,15 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             pixels, queued = 0, False
             try:
                 loop = asyncio.get_running_loop()
-                need = await loop.run_in_executor(None, lambda: [
-                    video_pixels(videos[i], i, common, limit, settings.max_video_pixels, patching) for i in idx])
-                take_pixels(sum(need), "videos")
+                icons: list = []
+                try:
+                    need = await loop.run_in_executor(None, lambda: [
+                        video_pixels(videos[i], i, common, limit, settings.max_video_pixels, patching, icons)
+                        for i in idx])
+                except Refused:  # a frame over --max-pixels: the video failed, as one its decode refuses
+                    metrics.videos.labels("failed").inc()
+                    raise
+                take_pixels(sum(need), "videos", len(icons))
                 pixels = sum(need)
                 args = (common, limit, settings.max_video_pixels, patching)
                 done = await decoders.run([(functools.partial(prepare_video, videos[i], i, *args), True)

@@ -17,7 +17,7 @@ import time
 
 from ..errors import ImageError
 from ..preprocessing import decode
-from ..preprocessing.decode import header_size
+from ..preprocessing.decode import header_size, is_ico
 from ..preprocessing.image import prepare_canvas, smart_resize
 from ..preprocessing.video import plan_video, sample_frames
 from ..preprocessing.video_files import FrameFiles, VideoFile
@@ -133,10 +133,13 @@ def sampled_frames(total: int, fps, duration, common: dict):
         return None
 
 
-def video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pixels: int, patching) -> int:
+def video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pixels: int, patching,
+                 icons: list | None = None) -> int:
     """The pixels a request video holds from admission to its pass, read from its frame files' headers or its
     container (nothing decoded): its sampled frames', or their canvases' if more; 0 where that cannot be told
-    (decoding refuses it, saying why). A sampled frame file over --max-pixels is refused here (422)."""
+    (decoding refuses it, saying why). A sampled frame file over --max-pixels is refused here (422). icons:
+    gets one entry per sampled frame that is an ICO file (counted at --max-pixels: its header may understate
+    it)."""
     if video["file"] is not None:
         try:
             import av
@@ -171,6 +174,8 @@ def video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pi
                 raise Refused(422, f"videos[{index}].frames[{j}] has {dims(n, frame_size)} pixels, over the server's "
                                    f"limit of {limit:,} an image (--max-pixels): refused as a possible "
                                    "decompression bomb; send smaller frames", index)
+            if frame_size is None and icons is not None and is_ico(video["frames"][j]):
+                icons.append(j)
             size, decoded = size or frame_size, decoded + n
     if decoded > max_video_pixels:  # refused by the decode before it decodes anything
         return 0
