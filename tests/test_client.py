@@ -343,6 +343,16 @@ def test_a_proxy_setting_that_is_not_a_url_is_named(monkeypatch):
         Client("http://example.invalid:8000")
 
 
+def test_an_error_page_that_is_not_json_is_cut_to_its_start(monkeypatch):
+    """A proxy's 502 page of 10 MB went into the ServerError whole (up to --max-answer-mib, 4 GiB)."""
+    page = b"<html>bad gateway</html>" + b" " * 10_000_000
+    monkeypatch.setattr(Client, "_exchange", lambda *request: (502, page))
+    with pytest.raises(ServerError) as e:
+        Client().health()
+    assert str(e.value).startswith("HTTP 502: <html>bad gateway</html>") and len(str(e.value)) < 2100
+    assert f"({len(page):,} bytes in all)" in str(e.value)
+
+
 @pytest.mark.parametrize("status", [101, 301, 304])
 def test_an_answer_that_is_neither_200_nor_an_error_is_a_server_error(monkeypatch, status):
     monkeypatch.setattr(Client, "_exchange", lambda *request: (status, b"<html>moved</html>"))

@@ -234,7 +234,7 @@ def test_base64_as_clients_send_it_and_null_limits(server, tower, rng):
     text = base64.b64encode(data).decode()
     forms = {"wrapped": "\n".join(text[i:i + 76] for i in range(0, len(text), 76)),
              "url-safe": base64.urlsafe_b64encode(data).decode(),
-             "data URL": "data:image/png;base64," + text}
+             "data URL": "data:image/png;base64," + text, "data URL in capitals": "DATA:image/png;BASE64," + text}
     assert forms["url-safe"] != text
     want = reference_bf16(tower, data, max_image_tokens=80)
     for how, form in forms.items():

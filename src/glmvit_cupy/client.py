@@ -185,7 +185,9 @@ class Client:
             err = json.loads(raw)
             error, index = err.get("error", ""), err.get("index")
         except (ValueError, AttributeError):
-            raise ServerError(status, raw.decode(errors="replace"), None) from None
+            text = raw[:2000].decode(errors="replace")  # a proxy's page, say: its start says what it is
+            raise ServerError(status, text + (f" ... ({len(raw):,} bytes in all)" if len(raw) > 2000 else ""),
+                              None) from None
         if not isinstance(error, str):
             error = json.dumps(error)[:2000]
         if not isinstance(index, int) or isinstance(index, bool):

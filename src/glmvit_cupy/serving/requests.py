@@ -103,9 +103,9 @@ def b64decode(text: str) -> bytes:
     (one call on 64 MiB would hold the GIL for ~0.2 s, and with it the event loop) and the rest, padding
     included, in one last call. ASCII whitespace goes in one pass over the bytes (str.split would make an
     object per piece: 5.5 GB for 250 MB of "QU QU ...")."""
-    if text.startswith("data:"):
+    if text[:5].lower() == "data:":  # the scheme and ";base64" in any case (RFC 2397, RFC 3986)
         head, comma, text = text.partition(",")
-        if not comma or not head.endswith(";base64"):
+        if not comma or not head.lower().endswith(";base64"):
             raise ValueError("a data URL must carry base64: data:<media type>;base64,<data>")
     if not text.isascii():  # base64 is ASCII; Unicode spaces are refused too (splitting on them would cost 5.5 GB)
         at = re.search(r"[^\x00-\x7f]", text).start()
