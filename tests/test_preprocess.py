@@ -137,6 +137,12 @@ def test_undecodable_and_truncated(tmp_path, zoo):
     cut.write_bytes(buf.getvalue()[:300])  # inside the header: Pillow says "Truncated File Read"
     with pytest.raises(ImageError, match="cut.jpg.*the file ends early"):
         preprocess([str(cut)])
+    buf = io.BytesIO()
+    Image.fromarray(cases._smooth(60, 80)).save(buf, "WEBP")
+    cut = tmp_path / "cut.webp"
+    cut.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    with pytest.raises(ImageError, match=r"cut.webp.*could not create decoder object\); the WebP data is incomplete"):
+        preprocess([str(cut)])
     with pytest.raises(ImageError, match="no such file"):
         preprocess([str(tmp_path / "missing.png")])
     with pytest.raises(ImageError, match="image 1"):

@@ -242,6 +242,8 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
         # its decoder's last buffer: the file is what a user needs to hear about.
         cut = "; the file ends early: it is incomplete (cut short in a copy or download?)" if \
             "truncated" in str(e).lower() or isinstance(e, EOFError) else ""  # "Truncated File Read": a JPEG
+        if "could not create decoder object" in str(e):  # libwebp's word for a file cut short, or damaged
+            cut = "; the WebP data is incomplete or damaged (cut short in a copy or download?)"
         raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e}){cut}") from None
     except (struct.error, IndexError, KeyError, ZeroDivisionError, AttributeError, ArithmeticError,
             NotImplementedError) as e:  # NotImplementedError: DDS's and BLP's readers on a damaged header
