@@ -274,3 +274,70 @@ def test_stop_finishes_what_is_queued(shares):
         return await asyncio.gather(*futures)
 
     assert len(asyncio.run(go())) == 10
+
+
+class VideoEngine(Engine):
+    """Engine with encode_video_on: each call records its videos' tags in `batches` (as "videos") and waits
+    for `gate`; a video tagged "bad" fails its call."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.running = threading.Semaphore(0), threading.Event()
+
+    def encode_video_on(self, lane, planned):
+        self.running.set()
+        with self.lock:
+            self.batches.append((lane, [v[2]["tag"] for v in planned]))
+        self.gate.acquire()
+        if any(v[2]["tag"] == "bad" for v in planned):
+            raise RuntimeError("this video failed")
+        return [np.full((v[2]["tokens"], 2), i) for i, v in enumerate(planned)]
+
+
+def test_a_request_of_many_videos_runs_a_pass_of_them_at_a_time_in_turn_with_images():
+    """Six videos of 4 tokens against a capacity of 10: three tasks of two videos (one ran all six, holding the
+    engine thread for the whole request while images waited). An image request arriving during the first
+    waits for one more of them, as for one job of each request ahead of it, not for all; the request's future
+    holds the six embeddings in order."""
+    engine = VideoEngine()
+    batcher = Batcher(engine, capacity_tokens=10, max_wait_s=0.0, max_queue=8)
+
+    async def go():
+        videos = batcher.submit_videos([item(4, f"v{i}") for i in range(6)])
+        await until(engine.running.is_set)
+        image = batcher.submit([item(3, "image")])[0]
+        for _ in range(3):
+            engine.gate.release()
+        return await videos, await image
+
+    try:
+        embs, image = asyncio.run(go())
+    finally:
+        batcher.stop()
+    assert [tags for _, tags in engine.batches] == [["v0", "v1"], ["v2", "v3"], ["image"], ["v4", "v5"]]
+    assert [e.shape for e in embs] == [(4, 2)] * 6 and image.shape == (3, 2)
+
+
+def test_a_failed_part_of_a_video_request_fails_it_and_drops_the_parts_still_queued():
+    """The first part fails: the request's future has its error, and each later part is dropped unless an
+    engine thread had taken it already (then it runs, and its result is let go)."""
+    engine = VideoEngine()
+    dropped = []
+    batcher = Batcher(engine, capacity_tokens=10, max_wait_s=0.0, max_queue=8, on_drop=dropped.append)
+
+    async def go():
+        videos = batcher.submit_videos([item(6, "bad"), item(6, "v1"), item(6, "v2")])
+        await until(engine.running.is_set)
+        engine.gate.release()  # "bad" fails; the engine thread may take v1 before its future is failed
+        with pytest.raises(RuntimeError, match="this video failed"):
+            await videos
+        await until(lambda: len(dropped) + len(engine.batches) == 3)
+        for _ in range(2):
+            engine.gate.release()
+
+    try:
+        asyncio.run(go())
+    finally:
+        batcher.stop()
+    assert engine.batches[0][1] == ["bad"] and len(dropped) >= 1
+    assert all(j.task.videos == 1 for j in dropped)

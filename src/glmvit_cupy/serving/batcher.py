@@ -13,7 +13,7 @@ back: the GPU always has the next pass queued behind the one it runs, and the ou
 A backend whose passes do not share work (`shares_passes` False: the CPU reference computes each image
 alone) gets one image a pass, so a small request waits for at most one image before its own.
 
-A task (a request's videos: task(lane) runs their passes and returns host arrays) queues alike and runs
+A task (up to a pass of a request's videos: task(lane) runs their passes and returns host arrays) queues alike and runs
 on the engine thread on its own. A future cancelled before its pass starts (nobody waits for it any more:
 its clients went away) is dropped: it leaves the queue at once, or the batch being gathered, and never
 reaches a pass; the pass and the other images in it go on. The queue is bounded: a request reserves its
@@ -159,21 +159,53 @@ class Batcher:
         return self._queue([(None, task)], "tasks", reserved)[0]
 
     def submit_videos(self, planned: list, reserved: bool = False) -> asyncio.Future:
-        """Queue a request's planned videos (video.plan_video's) as one task; its future: an embedding each."""
-        def task(lane):
-            return self.backend.encode_video_on(lane, planned)
+        """Queue a request's planned videos (video.plan_video's) as tasks of at most a pass's tokens each (a
+        longer video: a task of its own), served in turn with other requests' work, so that a request of
+        thousands of small videos holds the engine thread a pass at a time, not for all of them; its future:
+        an embedding each, in order. reserved: one task's room was held by reserve(1)."""
+        chunks, used = [], self.capacity
+        for video in planned:
+            tokens = video[2]["tokens"]
+            if used + tokens > self.capacity:
+                chunks.append([])
+                used = 0
+            chunks[-1].append(video)
+            used += tokens
 
-        task.videos = len(planned)
-        return self.submit_task(task, reserved)
+        def task_of(chunk):
+            def task(lane):
+                return self.backend.encode_video_on(lane, chunk)
 
-    def _queue(self, work: list, what: str, reserved: bool) -> list[asyncio.Future]:
+            task.videos = len(chunk)
+            return task
+
+        parts = self._queue([(None, task_of(c)) for c in chunks], "tasks", reserved, held=1)
+        loop = asyncio.get_running_loop()
+        out = loop.create_future()
+
+        def part_done(part: asyncio.Future) -> None:
+            if out.done():
+                return
+            if part.cancelled() or part.exception() is not None:  # the rest is of no use: dropped if still queued
+                for other in parts:
+                    other.cancel()
+                out.cancel() if part.cancelled() else out.set_exception(part.exception())
+            elif all(p.done() for p in parts):
+                out.set_result([emb for p in parts for emb in p.result()])
+
+        for part in parts:
+            part.add_done_callback(part_done)
+        out.add_done_callback(lambda f: [p.cancel() for p in parts] if f.cancelled() else None)
+        return out
+
+    def _queue(self, work: list, what: str, reserved: bool, held: int | None = None) -> list[asyncio.Future]:
         loop = asyncio.get_running_loop()
         request = object()
         with self._cv:
             if reserved:
                 if self._stopping:
                     raise QueueFull("the server is shutting down")
-                self._reserved -= len(work)
+                self._reserved -= len(work) if held is None else held  # more than held: one request's own
             else:
                 self._check_room(len(work), what)
             jobs = [Job(item, loop.create_future(), loop, request, task=task) for item, task in work]
