@@ -300,7 +300,7 @@ def test_a_request_of_many_videos_runs_a_pass_of_them_at_a_time_in_turn_with_ima
     waits for one more of them, as for one job of each request ahead of it, not for all; the request's future
     holds the six embeddings in order."""
     engine = VideoEngine()
-    batcher = Batcher(engine, capacity_tokens=10, max_wait_s=0.0, max_queue=8)
+    batcher = Batcher(engine, capacity_tokens=10, max_wait_s=0.0, max_queue=4)
 
     async def go():
         videos = batcher.submit_videos([item(4, f"v{i}") for i in range(6)])
@@ -341,3 +341,22 @@ def test_a_failed_part_of_a_video_request_fails_it_and_drops_the_parts_still_que
         batcher.stop()
     assert engine.batches[0][1] == ["bad"] and len(dropped) >= 1
     assert all(j.task.videos == 1 for j in dropped)
+
+
+def test_a_video_request_of_more_parts_than_the_queue_holds_is_admitted_for_one_place():
+    """Three parts against --max-queue 2: the request is admitted for one place (as a request of one task
+    was), not refused as more than the queue ever holds; its parts then run in turn."""
+    engine = VideoEngine()
+    batcher = Batcher(engine, capacity_tokens=10, max_wait_s=0.0, max_queue=2)
+
+    async def go():
+        videos = batcher.submit_videos([item(4, f"v{i}") for i in range(6)])
+        for _ in range(3):
+            engine.gate.release()
+        return await videos
+
+    try:
+        embs = asyncio.run(go())
+    finally:
+        batcher.stop()
+    assert len(embs) == 6 and [tags for _, tags in engine.batches] == [["v0", "v1"], ["v2", "v3"], ["v4", "v5"]]

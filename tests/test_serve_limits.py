@@ -296,6 +296,18 @@ def variants_tiff(data: bytes, n: int) -> list[bytes]:
 
 # -- 2. slow clients, many connections, SIGTERM with a stalled one --------------------------------------------
 
+def test_a_body_framed_both_ways_is_refused_and_the_connection_closed(server):
+    """Transfer-Encoding and Content-Length together (h11 takes the chunks; a proxy may take the length, and
+    read the rest as another request): 400 naming both, and the connection closes."""
+    _, client = server
+    body = json.dumps({"images": [b64(png(40, 40, 5))]}).encode()
+    reply = raw_request(client, b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n", 10.0)
+    assert reply.startswith(b"HTTP/1.1 400") and b"connection: close" in reply.lower(), reply
+    assert b"both Transfer-Encoding and Content-Length" in reply, reply
+
+
 def test_headers_that_do_not_arrive_in_time_get_408(server):
     _, client = server
     t0 = time.monotonic()

@@ -247,6 +247,12 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             REQUEST_SCOPE.set(request.scope)
             try:
                 try:
+                    names = {name for name, _ in request.scope["headers"]}
+                    if b"transfer-encoding" in names and b"content-length" in names:
+                        # h11 takes the chunked body; a proxy in front may have taken the length: request
+                        # smuggling. RFC 9112 6.3: handled as an error, the connection closed after it.
+                        raise Refused(400, "the request has both Transfer-Encoding and Content-Length; a body is "
+                                           "framed by one of them", close=True)
                     response = await handle(request)
                 except Refused as e:  # a body too slow or too large: the rest is not read, and the connection closes
                     response = JSONResponse({"error": e.error, "index": e.index}, status_code=e.status,

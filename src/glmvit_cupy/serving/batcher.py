@@ -162,7 +162,8 @@ class Batcher:
         """Queue a request's planned videos (video.plan_video's) as tasks of at most a pass's tokens each (a
         longer video: a task of its own), served in turn with other requests' work, so that a request of
         thousands of small videos holds the engine thread a pass at a time, not for all of them; its future:
-        an embedding each, in order. reserved: one task's room was held by reserve(1)."""
+        an embedding each, in order. A request's videos take one place in the queue's room, held by reserve(1)
+        where `reserved`, else checked here; once queued, each part waiting counts."""
         chunks, used = [], self.capacity
         for video in planned:
             tokens = video[2]["tokens"]
@@ -207,7 +208,7 @@ class Batcher:
                     raise QueueFull("the server is shutting down")
                 self._reserved -= len(work) if held is None else held  # more than held: one request's own
             else:
-                self._check_room(len(work), what)
+                self._check_room(len(work) if held is None else held, what)
             jobs = [Job(item, loop.create_future(), loop, request, task=task) for item, task in work]
             self._requests[request] = collections.deque(jobs)
             self._waiting += len(jobs)
