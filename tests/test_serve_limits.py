@@ -446,6 +446,19 @@ def test_connections_are_capped_and_half_open_ones_closed(server):
             s.close()
 
 
+def terminated(proc, within: float, beside: str) -> tuple[int, str, float]:
+    """SIGTERM to the server: (its exit status, its output, seconds until it ended); an AssertionError saying
+    what it was left `beside` if it runs past `within` seconds."""
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(within)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"SIGTERM left the server running beside {beside}") from None
+    return code, proc.stdout.read(), time.monotonic() - t0
+
+
 def test_sigterm_ends_the_process_in_bounded_time_beside_a_stalled_body():
     """A client that sends half a body and stalls (--body-timeout 60): SIGTERM still ends the server within
     --drain-timeout (1 s) and a few seconds more, saying why."""
@@ -455,15 +468,8 @@ def test_sigterm_ends_the_process_in_bounded_time_beside_a_stalled_body():
         s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1000\r\n\r\n{\"images\": [")
         time.sleep(0.3)
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise AssertionError("SIGTERM left the server running beside a stalled client")
-        out = proc.stdout.read()
-        assert code == 0 and time.monotonic() - t0 < 10
+        code, out, took = terminated(proc, 10, "a stalled client")
+        assert code == 0 and took < 10
         assert "1 requests in flight" in out and "still in flight (or replies still being sent) after 1 s (--drain-timeout)" in out, out
         assert "Traceback" not in out and "Exception in ASGI application" not in out, out  # one line, no trace
         s.settimeout(5)
@@ -483,15 +489,8 @@ def test_sigterm_ends_the_process_beside_a_decode_still_running():
     try:
         with pytest.raises((OSError, ServerError)):  # the client gives up; its decode goes on
             Client(client.url, timeout=0.5).encode([png(64, 64, 7)])
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise AssertionError("the server lived on after SIGTERM beside a decode still running") from None
-        out = proc.stdout.read()
-        assert code == 0 and time.monotonic() - t0 < 6, out
+        code, out, took = terminated(proc, 10, "a decode still running")
+        assert code == 0 and took < 6, out
         assert "not waiting for the work still running (threads glmvit-decode" in out, out
     finally:
         stop(proc)

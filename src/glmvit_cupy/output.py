@@ -43,6 +43,7 @@ import time
 
 import numpy as np
 
+from .checks import is_integer
 from .errors import OutputError, quoted
 from .files import kind, not_regular, open_regular
 
@@ -246,6 +247,10 @@ class Output:
             raise OutputError(f"cannot create the output folder {shown(folder)}: {_reason(e)}") from None
         self._lock = _lock_folder(folder)
         self._recover(settings)
+        self.next_shard = max([0, *map(_shard_number, os.listdir(folder))]) + 1
+        if self.next_shard > LAST_SHARD:
+            raise OutputError(f"{shown(folder)} holds shard {LAST_SHARD:,}, the last number a shard may have; "
+                              "give another --out")
         self.mode = _umask_mode()
 
     def discard(self) -> None:
@@ -306,10 +311,6 @@ class Output:
                 self.manifest["failed"].pop(key, None)
                 changed = True
         self._dirty = self._dirty or changed
-        self.next_shard = max([0, *map(_shard_number, os.listdir(self.folder))]) + 1
-        if self.next_shard > LAST_SHARD:
-            raise OutputError(f"{shown(self.folder)} holds shard {LAST_SHARD:,}, the last number a shard may have; "
-                              "give another --out")
 
     def done(self, key, stamp: list | None = None) -> bool:
         """Whether the file keyed `key` is encoded here; with its stamp now (file_stamp), not if the entry's
@@ -449,7 +450,8 @@ class Writer:
 
 def _described(f) -> dict:
     """{key: (dtype, shape)} of an open shard's tensors, from its header alone."""
-    return {k: (f.get_slice(k).get_dtype(), list(f.get_slice(k).get_shape())) for k in f.keys()}
+    slices = {k: f.get_slice(k) for k in f.keys()}
+    return {k: (t.get_dtype(), list(t.get_shape())) for k, t in slices.items()}
 
 
 def _shard_tensors(path) -> dict | None:
@@ -470,21 +472,15 @@ def _width(header) -> int | None:
     """The embedding width (out_hidden_size) a header's geometry records, or None."""
     geometry = header.get("geometry") if isinstance(header, dict) else None
     width = geometry.get("out_hidden_size") if isinstance(geometry, dict) else None
-    return width if is_count(width) else None
-
-
-def is_count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+    return width if is_integer(width) and width >= 1 else None
 
 
 def _embedding_problem(key, entry, have, width) -> str | None:
     """What is wrong with `key`'s tensor `have` ((dtype, shape), as a shard header says) for its entry, or None:
     one bf16 row of `width` values per token of the entry."""
     tokens = entry.get("tokens") if isinstance(entry, dict) else None
-    if not is_count(tokens):
+    if not (is_integer(tokens) and tokens >= 1):
         return f"the entry of {shown(key)} gives {quoted(tokens)} tokens, not a positive count"
-    if have is None:
-        return f"no tensor {shown(key)}"
     dtype, shape = have
     if dtype != "BF16" or len(shape) != 2 or shape[0] != tokens or (width is not None and shape[1] != width):
         want = f"[{tokens}, {width if width is not None else 'out_hidden_size'}]"

@@ -39,11 +39,11 @@ DECODE_BLOCK = 1 << 26  # bytes of the file handed to Pillow's decoder at once
 # and its header's size need not be the decoded image's. A process that must keep answering meanwhile
 # (glmvit-serve) sets `offload` to decode every format but these, whose C decoders run without the GIL
 # on the size their header says, in another process; None decodes everything here.
+DECODED_IN_PROCESS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"})
+offload = None  # offload(file bytes, name, max_pixels) -> HxWx3 uint8 array, or raises ImageError
 # A progressive JPEG is decoded once per scan: a 156 KB 16 MP file of its last scan repeated 2,000 times takes
 # ~24 s to decode. Encoders write about 10 scans (Pillow and libjpeg 10, mozjpeg up to ~20).
 MAX_JPEG_SCANS = 64
-DECODED_IN_PROCESS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"})
-offload = None  # offload(file bytes, name, max_pixels) -> HxWx3 uint8 array, or raises ImageError
 
 
 def decode_rgb(data: bytes, name: str, max_pixels: int | None = None) -> np.ndarray:

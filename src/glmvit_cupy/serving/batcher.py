@@ -13,8 +13,8 @@ back: the GPU always has the next pass queued behind the one it runs, and the ou
 A backend whose passes do not share work (`shares_passes` False: the CPU reference computes each image
 alone) gets one image a pass, so a small request waits for at most one image before its own.
 
-A task (up to a pass of a request's videos: task(lane) runs their passes and returns host arrays) queues alike and runs
-on the engine thread on its own. A future cancelled before its pass starts (nobody waits for it any more:
+A task (up to a pass of a request's videos: task(lane) runs their passes and returns host arrays) queues
+alike and runs on the engine thread on its own. A future cancelled before its pass starts (nobody waits for it any more:
 its clients went away) is dropped: it leaves the queue at once, or the batch being gathered, and never
 reaches a pass; the pass and the other images in it go on. The queue is bounded: a request reserves its
 room before its images are decoded (reserve), so one that would overflow it is refused whole before any
@@ -194,9 +194,14 @@ class Batcher:
             elif all(p.done() for p in parts):
                 out.set_result([emb for p in parts for emb in p.result()])
 
+        def out_done(f: asyncio.Future) -> None:
+            if f.cancelled():  # nobody waits for the request any more
+                for part in parts:
+                    part.cancel()
+
         for part in parts:
             part.add_done_callback(part_done)
-        out.add_done_callback(lambda f: [p.cancel() for p in parts] if f.cancelled() else None)
+        out.add_done_callback(out_done)
         return out
 
     def _queue(self, work: list, what: str, reserved: bool, held: int | None = None) -> list[asyncio.Future]:
