@@ -235,6 +235,7 @@ def test_returned_blocks_past_the_cache_limit_are_freed():
     gc.collect()
     pool.take(1).size  # any call takes the returned blocks in
     assert sum(b.size for b in pool._free) <= 4 * GRAIN and pool.owned <= 6 * GRAIN
+    assert pool.peak == 10 * GRAIN  # the most it owned at once, which freeing does not lower
 
 
 def test_a_limit_frees_idle_blocks_to_make_room_or_refuses():

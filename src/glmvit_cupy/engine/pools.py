@@ -70,11 +70,11 @@ class BlockPool:
     """Blocks (multiples of 2 MiB), reused once idle (the smallest that fits); at most `keep` bytes of free
     blocks stay cached (more are freed). Thread-safe. `alloc(size)` makes a block (a PinnedBlock: page-locked
     memory; a DeviceBlock: the current GPU's). `owned`: the bytes of every block this pool made and has not
-    freed, lent or free."""
+    freed, lent or free; `peak`: the most it has owned at once."""
 
     def __init__(self, keep: int = 2 << 30, alloc=PinnedBlock):
         self.keep, self.alloc = keep, alloc
-        self.owned = 0
+        self.owned = self.peak = 0
         self._free: list = []
         self._returned: deque = deque()  # lent blocks whose owners died, for the locked code to take in
         self._lock = threading.Lock()
@@ -114,6 +114,7 @@ class BlockPool:
                 if self.owned + size > limit and not (exempt and all(b.idle for b in self._free)):
                     return None
             self.owned += size  # counted before the allocation, which runs outside the lock
+            self.peak = max(self.peak, self.owned)
         try:
             return self.alloc(size)
         except BaseException:
