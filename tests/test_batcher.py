@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from glmvit_cupy.serving.batcher import Batcher, PassTimes
+from glmvit_cupy.serving.batcher import Batcher, Pace, PassTimes
 
 
 def item(tokens, tag=None):
@@ -110,6 +110,79 @@ def test_images_arriving_while_the_gpu_runs_share_the_next_pass():
     batcher = Batcher(engine, capacity_tokens=100, max_wait_s=0.001, max_queue=256)
     run(batcher, [[item(1, "first")]] + [[item(1, f"during{i}")] for i in range(5)], gap_s=0.02)
     assert [tags for _, tags in engine.batches] == [["first"], [f"during{i}" for i in range(5)]]
+
+
+def test_a_pass_gathered_while_the_gpu_ran_launches_when_it_ends():
+    """Images that gathered while a pass ran (0.1 s) launch as soon as it ends, not max_wait (1 s here)
+    after the oldest of them arrived: the GPU would idle meanwhile. The first image, with the GPU idle, does
+    wait for company."""
+    engine = Engine(gpu_s=0.1)
+    launched, launch = [], engine.launch_on
+
+    def timed(lane, items):
+        launched.append(time.perf_counter())
+        return launch(lane, items)
+
+    engine.launch_on = timed
+    batcher = Batcher(engine, capacity_tokens=100, max_wait_s=1.0, max_queue=256)
+    t0 = time.perf_counter()
+    run(batcher, [[item(1, "a"), item(99, "b")]] + [[item(1, f"during{i}")] for i in range(3)], gap_s=0.02)
+    assert [tags for _, tags in engine.batches] == [["a", "b"], [f"during{i}" for i in range(3)]]
+    assert launched[1] - launched[0] < 0.5, [t - t0 for t in launched]  # 0.1 s apart, not 1 s
+
+
+class Timeline(Engine):
+    """A fake backend whose GPU runs passes one after another: a pass starts once launched and once the
+    one before it ends, and takes gpu_s; a launch takes launch_s of the engine thread."""
+
+    def __init__(self, gpu_s, launch_s):
+        super().__init__(gpu_s=gpu_s)
+        self.launch_s, self.free, self.runs = launch_s, 0.0, []
+
+    def launch_on(self, lane, items):
+        time.sleep(self.launch_s)
+        p = super().launch_on(lane, items)
+        now = time.perf_counter()
+        start = max(now, self.free)
+        self.free = start + self.gpu_s
+        self.runs.append((start, self.free))
+        p.wait = lambda end=self.free: time.sleep(max(0.0, end - time.perf_counter()))
+        return p
+
+
+def test_the_next_pass_launches_before_the_running_one_ends():
+    """Once the lane's pace is known (a pass has ended), the engine thread launches the next pass about a
+    launch before the running one should end: the launch (20 ms here) overlaps the GPU's work, which goes
+    on without a gap, and the images arriving meanwhile still share passes. Launching only once the pass
+    has ended leaves the GPU idle for a launch between passes."""
+    engine = Timeline(gpu_s=0.06, launch_s=0.02)
+    batcher = Batcher(engine, capacity_tokens=1000, max_wait_s=0.005, max_queue=256)
+    out = run(batcher, [[item(1, i)] for i in range(90)], gap_s=0.004)
+    assert all(o[0].shape == (1, 2) for o in out)
+    gaps = [b[0] - a[1] for a, b in zip(engine.runs, engine.runs[1:])]
+    later = gaps[2:-1]  # the pace is learned from the first passes; the last pass waits for nobody
+    assert later and sum(later) / len(later) < 0.005, [round(1e3 * g, 1) for g in gaps]
+    assert len(engine.batches) <= 90 / 4, [len(tags) for _, tags in engine.batches]
+
+
+def test_the_pace_fits_a_fixed_part_and_a_part_per_token():
+    """Pace learns a pass's GPU time as a line in its tokens (here 2 s + 0.1 s a token, from passes of 10 and
+    100 tokens run back to back), predicts when launched passes end, and says to launch 1.5 launches
+    before; a pass that started after the one before it ended is timed from its launch."""
+    pace = Pace()
+    assert pace.launch_at() is None  # nothing learned: launch once the running pass ends
+    now = 0.0
+    for tokens in (10, 100) * 20:
+        pace.launched(tokens, now, now + 0.5)
+        now += 0.5 + 2 + 0.1 * tokens
+        pace.ended(now)
+    assert abs(pace.seconds(50) - 7.0) < 1e-6 and abs(pace.seconds(300) - 32.0) < 1e-6
+    pace.launched(50, now, now + 0.5)   # runs 7 s from now + 0.5
+    pace.launched(300, now + 1, now + 1.5)  # queued behind it: 32 s more
+    assert abs(pace.ends - (now + 0.5 + 7 + 32)) < 1e-6
+    assert abs(pace.launch_at() - (pace.ends - 0.75)) < 1e-6
+    pace.ended(now + 9)  # the first ran 8.5 s: its end sets the second's
+    assert abs(pace.ends - (now + 9 + pace.seconds(300))) < 1e-6
 
 
 def test_passes_pack_up_to_capacity_and_close_when_the_next_does_not_fit():

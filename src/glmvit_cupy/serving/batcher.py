@@ -6,8 +6,9 @@ replica (lane) has two threads. Its engine thread only packs and launches: it ta
 waiting requests in turn (round robin: the request served goes to the back of the line, where new
 requests join it, so a one-image request waits for at most one image of each request ahead of it, and a
 long request still moves an image a round however many short ones arrive), waits at most `max_wait` from the oldest image's
-arrival for company while the pass has room, and hands the launched pass (backend.launch_on) to the
-lane's completion thread, which waits for the GPU, copies the embeddings back (pending.fetch) and
+arrival for company while the pass has room (while the lane's GPU runs a pass, until about a launch
+before it should end: Pace), and hands the launched pass (backend.launch_on) to the lane's completion
+thread, which waits for the GPU, copies the embeddings back (pending.fetch) and
 resolves the futures on the event loop. At most `ahead` passes of a lane are launched and not yet copied
 back: the GPU always has the next pass queued behind the one it runs, and the outputs on it stay bounded.
 A backend whose passes do not share work (`shares_passes` False: the CPU reference computes each image
@@ -86,6 +87,54 @@ class PassTimes:
     CPU_PARTS = ("launch", "fetch")  # the parts whose thread CPU time is measured too (`<part>_cpu`)
 
 
+class Pace:
+    """A lane's GPU pace, learned from its passes: when the passes launched on it should end, and how long
+    a launch takes. The engine thread launches the next pass that long before the GPU runs out of work, so
+    that its launch (staging, the graph's launch: 1.8 ms a pass of small images on an H100, the launch
+    part of `benchmarks/bench_serve.py --small`) overlaps the running pass's end instead of following it
+    with the GPU idle. A pass's GPU time is a fixed part plus a part per token: a line fitted to the
+    recent passes (running averages). All under the batcher's lock."""
+
+    SMOOTH = 0.2  # weight of the newest pass in each running average
+
+    def __init__(self):
+        self.fit: list | None = None  # running averages of tokens, seconds, tokens^2, tokens x seconds
+        self.launch = 0.0       # seconds a launch takes
+        self.ends = 0.0         # perf_counter() time the launched passes should end by
+        self.last_end = 0.0     # when the last pass ended
+        self.out: collections.deque = collections.deque()  # (tokens, launched at) of the passes launched, not ended
+
+    def seconds(self, tokens: int) -> float:
+        """The GPU time a pass of `tokens` should take (a fitted line; near one size, in proportion)."""
+        t, d, tt, td = self.fit
+        var = tt - t * t
+        slope = max(0.0, (td - t * d) / var) if var > (0.1 * t) ** 2 else d / max(t, 1e-9)
+        return max(0.0, d + slope * (tokens - t))
+
+    def launched(self, tokens: int, start: float, end: float) -> None:
+        self.launch = end - start if not self.launch else (1 - self.SMOOTH) * self.launch + self.SMOOTH * (end - start)
+        self.out.append((tokens, end))
+        if self.fit is not None:
+            self.ends = max(end, self.ends) + self.seconds(tokens)
+
+    def ended(self, at: float) -> None:
+        """The oldest launched pass ended (the GPU was seen done with it) at `at`."""
+        tokens, launched = self.out.popleft()
+        ran = at - max(launched, self.last_end)  # it started once launched and once the pass before it ended
+        self.last_end = at
+        if tokens > 0:
+            new = [tokens, ran, tokens * tokens, tokens * ran]
+            self.fit = new if self.fit is None else [(1 - self.SMOOTH) * a + self.SMOOTH * b
+                                                     for a, b in zip(self.fit, new)]
+        if self.fit is not None:
+            self.ends = at + sum(self.seconds(t) for t, _ in self.out)
+
+    def launch_at(self) -> float | None:
+        """When to launch the next pass (perf_counter time) while passes run: a launch and a half before they
+        should end; None until a pass has ended (no pace known: launch once they end)."""
+        return None if self.fit is None else self.ends - 1.5 * self.launch
+
+
 class _Done:
     """A pass whose values are known at launch (a task's, or a backend that computes while launching)."""
 
@@ -114,6 +163,7 @@ class Batcher:
         self._reserved = 0  # room held for images being decoded (reserve), not yet queued
         self._slots = [threading.Semaphore(ahead) for _ in range(backend.lanes)]
         self._running = [0] * backend.lanes  # passes launched that the GPU has not ended (under the lock)
+        self._pace = [Pace() for _ in range(backend.lanes)]
         self._taken = 0  # batches taken from the queue and not yet handed back (under the lock)
         self._done = [queue.SimpleQueue() for _ in range(backend.lanes)]
         self._threads = [threading.Thread(target=fn, args=(lane,), name=f"glmvit-{what}-{lane}", daemon=True)
@@ -276,8 +326,9 @@ class Batcher:
     def _take_batch(self, lane: int) -> list[Job] | None:
         """The next pass of `lane`: images in turn up to the capacity. With the lane's GPU idle it waits at most
         max_wait from the oldest image's arrival for more; while the GPU still runs the lane's last pass, it
-        gathers until that pass ends (a pass launched sooner would only queue behind it, with fewer images:
-        large images lost a fifth of their rate so)."""
+        gathers until just before that pass should end (Pace: a pass launched sooner would only queue behind
+        it, with fewer images; large images lost a fifth of their rate so), then launches, its launch
+        overlapping the GPU's last work; the running pass was its wait for company."""
         with self._cv:
             while not self._requests and not self._stopping:
                 self._cv.wait()
@@ -288,6 +339,7 @@ class Batcher:
                 return batch  # a task runs on its own; so does an image where passes share nothing
             used = batch[0].tokens
             deadline = batch[0].queued + self.max_wait  # the oldest image waits at most max_wait in all
+            gathered = False  # while the lane's GPU ran a pass
             while used < self.capacity:
                 job = self._pop(self.capacity - used)
                 if job is not None:
@@ -297,8 +349,15 @@ class Batcher:
                 if self._requests or self._stopping:
                     break  # what waits does not fit: it opens the next pass
                 if self._running[lane]:
-                    self._cv.wait()  # woken by a new image or the GPU's end of the running pass
+                    at = self._pace[lane].launch_at()
+                    if at is not None and time.perf_counter() >= at:
+                        break
+                    # Woken by a new image or the GPU's end of a pass, or when the pace says to launch.
+                    self._cv.wait(None if at is None else at - time.perf_counter())
+                    gathered = True
                     continue
+                if gathered:
+                    break
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     break
@@ -334,13 +393,14 @@ class Batcher:
                                   self.backend.launch_on(lane, [j.item for j in batch])), None
             except Exception as e:  # the pass failed: every image in it gets the error
                 pending, error = None, e
-            busy = time.perf_counter() - t0
+            t1 = time.perf_counter()
             if times is not None:
-                times.launch, times.launch_cpu = busy, time.thread_time() - c0
-            self.on_busy(lane, busy)
+                times.launch, times.launch_cpu = t1 - t0, time.thread_time() - c0
+            self.on_busy(lane, t1 - t0)
             if pending is not None:
                 with self._cv:
                     self._running[lane] += 1
+                    self._pace[lane].launched(0 if times is None else times.tokens, t0, t1)
             done.put((batch, pending, error, times))
 
     def _complete(self, lane: int):
@@ -361,6 +421,7 @@ class Batcher:
                     finally:
                         with self._cv:  # the GPU has ended it: the engine thread launches the next now
                             self._running[lane] -= 1
+                            self._pace[lane].ended(time.perf_counter())
                             self._cv.notify_all()
                     t1, c1 = time.perf_counter(), time.thread_time()
                     outs = pending.fetch()
