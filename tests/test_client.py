@@ -420,6 +420,22 @@ def test_an_answer_that_is_not_glmvit_serves_is_an_oserror_read_within_a_limit(a
         server.close()
 
 
+@pytest.mark.parametrize("close", [False, True])
+def test_informational_answers_before_the_final_one_are_read_past(close):
+    """A 102 and a 103 Early Hints (a proxy's, say) come before the answer, in one write with it: the client
+    reads past them to the answer, twice (the server closes each connection after one answer, announcing
+    it or not)."""
+    final = b"HTTP/1.1 200 OK\r\n" + (b"Connection: close\r\n" if close else b"") + \
+        b'Content-Length: 15\r\n\r\n{"status":"ok"}'
+    server = _Junk(b"HTTP/1.1 102 Processing\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </s.css>; rel=preload\r\n\r\n" +
+                   final)
+    try:
+        client = Client(server.url, timeout=10)
+        assert client.health() == {"status": "ok"} and client.health() == {"status": "ok"}
+    finally:
+        server.close()
+
+
 def test_an_encode_answered_with_no_safetensors_file_is_an_oserror():
     server = _Junk(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n<html></html>"[:-1])
     try:

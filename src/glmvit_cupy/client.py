@@ -224,6 +224,7 @@ class Client:
                     conn.close()
                     return self._exchange(method, path, data, headers)  # nothing was answered: once more
                 raise
+            r = _final(conn, r, method)
             return r.status, self._read(r)
         except http.client.HTTPException as e:  # not HTTP: a status line, a header or a chunk that is not one
             conn.close()
@@ -274,6 +275,20 @@ class Client:
         p = self._parts
         via = f"{p.scheme}://{p.netloc}" if self._proxy is not None and p.scheme == "http" else ""
         return via + p.path.rstrip("/") + path
+
+
+def _final(conn: http.client.HTTPConnection, r: http.client.HTTPResponse, method: str) -> http.client.HTTPResponse:
+    """The final answer behind any informational ones (1xx but 101: 103 Early Hints from a proxy, say), which
+    a client reads past (RFC 9110, 15.2); http.client itself reads past 100 Continue only. Each next answer
+    is read from the same buffered reader, which may hold its first bytes already."""
+    while 100 < r.status < 200 and r.status != 101:
+        final = conn.response_class(conn.sock, method=method)
+        final.fp, r.fp = r.fp, None  # the reader moves on: the 1xx answer, let go, must not close it
+        final.begin()
+        if final.will_close:  # as getresponse does: no next request on this socket
+            conn.close()  # the socket ends once `final` has read its body and closed the reader
+        r = final
+    return r
 
 
 def _proxy_for(parts):
