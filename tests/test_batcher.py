@@ -133,16 +133,18 @@ def test_a_pass_gathered_while_the_gpu_ran_launches_when_it_ends():
 
 class Timeline(Engine):
     """A fake backend whose GPU runs passes one after another: a pass starts once launched and once the
-    one before it ends, and takes gpu_s; a launch takes launch_s of the engine thread."""
+    one before it ends, and takes gpu_s; a launch takes launch_s of the engine thread. `leads`: how long
+    before the GPU was free each launch ended (<= 0: the GPU was idle)."""
 
     def __init__(self, gpu_s, launch_s):
         super().__init__(gpu_s=gpu_s)
-        self.launch_s, self.free, self.runs = launch_s, 0.0, []
+        self.launch_s, self.free, self.runs, self.leads = launch_s, 0.0, [], []
 
     def launch_on(self, lane, items):
         time.sleep(self.launch_s)
         p = super().launch_on(lane, items)
         now = time.perf_counter()
+        self.leads.append(self.free - now)
         start = max(now, self.free)
         self.free = start + self.gpu_s
         self.runs.append((start, self.free))
@@ -150,18 +152,35 @@ class Timeline(Engine):
         return p
 
 
-def test_the_next_pass_launches_before_the_running_one_ends():
+@pytest.mark.parametrize("task_s", [0.0, 0.3])
+def test_the_next_pass_launches_before_the_running_one_ends(task_s):
     """Once the lane's pace is known (a pass has ended), the engine thread launches the next pass about a
     launch before the running one should end: the launch (20 ms here) overlaps the GPU's work, which goes
     on without a gap, and the images arriving meanwhile still share passes. Launching only once the pass
-    has ended leaves the GPU idle for a launch between passes."""
+    has ended leaves the GPU idle for a launch between passes. A task run first (a request's videos, 0.3 s
+    on the engine thread) is not a launch and does not change the pace."""
     engine = Timeline(gpu_s=0.06, launch_s=0.02)
     batcher = Batcher(engine, capacity_tokens=1000, max_wait_s=0.005, max_queue=256)
-    out = run(batcher, [[item(1, i)] for i in range(90)], gap_s=0.004)
+
+    async def go():
+        if task_s:
+            await batcher.submit_task(lambda lane: time.sleep(task_s) or [0])
+        futures = []
+        for i in range(90):
+            futures.append(batcher.submit([item(1, i)]))
+            await asyncio.sleep(0.004)
+        return [await asyncio.gather(*f) for f in futures]
+
+    try:
+        out = asyncio.run(go())
+    finally:
+        batcher.stop()
     assert all(o[0].shape == (1, 2) for o in out)
     gaps = [b[0] - a[1] for a, b in zip(engine.runs, engine.runs[1:])]
     later = gaps[2:-1]  # the pace is learned from the first passes; the last pass waits for nobody
     assert later and sum(later) / len(later) < 0.005, [round(1e3 * g, 1) for g in gaps]
+    # About half a launch early (1.5 launches before the end, less the launch): never a pass too soon.
+    assert max(engine.leads) < 0.035, [round(1e3 * g, 1) for g in engine.leads]
     assert len(engine.batches) <= 90 / 4, [len(tags) for _, tags in engine.batches]
 
 
@@ -183,6 +202,27 @@ def test_the_pace_fits_a_fixed_part_and_a_part_per_token():
     assert abs(pace.launch_at() - (pace.ends - 0.75)) < 1e-6
     pace.ended(now + 9)  # the first ran 8.5 s: its end sets the second's
     assert abs(pace.ends - (now + 9 + pace.seconds(300))) < 1e-6
+
+
+def test_an_image_after_a_task_still_waits_for_company():
+    """A task (run on the engine thread, 50 ms) is not a pass the GPU runs: an image queued behind it waits
+    max_wait (0.2 s) for company, as with the GPU idle, and shares its pass with the one that comes."""
+    engine = Engine()
+    batcher = Batcher(engine, capacity_tokens=10, max_wait_s=0.2, max_queue=256)
+
+    async def go():
+        task = batcher.submit_task(lambda lane: time.sleep(0.05) or [0])
+        await asyncio.sleep(0.01)
+        first = batcher.submit([item(1, "a")])
+        await asyncio.sleep(0.06)
+        second = batcher.submit([item(1, "b")])
+        await asyncio.gather(task, *first, *second)
+
+    try:
+        asyncio.run(go())
+    finally:
+        batcher.stop()
+    assert [tags for _, tags in engine.batches] == [["a", "b"]]
 
 
 def test_passes_pack_up_to_capacity_and_close_when_the_next_does_not_fit():

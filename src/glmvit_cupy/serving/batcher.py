@@ -162,7 +162,7 @@ class Batcher:
         self._waiting = 0   # images queued or collected into a batch that has not launched
         self._reserved = 0  # room held for images being decoded (reserve), not yet queued
         self._slots = [threading.Semaphore(ahead) for _ in range(backend.lanes)]
-        self._running = [0] * backend.lanes  # passes launched that the GPU has not ended (under the lock)
+        self._running = [0] * backend.lanes  # image passes launched that the GPU has not ended (under the lock)
         self._pace = [Pace() for _ in range(backend.lanes)]
         self._taken = 0  # batches taken from the queue and not yet handed back (under the lock)
         self._done = [queue.SimpleQueue() for _ in range(backend.lanes)]
@@ -397,10 +397,10 @@ class Batcher:
             if times is not None:
                 times.launch, times.launch_cpu = t1 - t0, time.thread_time() - c0
             self.on_busy(lane, t1 - t0)
-            if pending is not None:
+            if pending is not None and times is not None:  # an image pass the GPU runs (a task has run)
                 with self._cv:
                     self._running[lane] += 1
-                    self._pace[lane].launched(0 if times is None else times.tokens, t0, t1)
+                    self._pace[lane].launched(times.tokens, t0, t1)
             done.put((batch, pending, error, times))
 
     def _complete(self, lane: int):
@@ -420,8 +420,9 @@ class Batcher:
                         pending.wait()
                     finally:
                         with self._cv:  # the GPU has ended it: the engine thread launches the next now
-                            self._running[lane] -= 1
-                            self._pace[lane].ended(time.perf_counter())
+                            if times is not None:
+                                self._running[lane] -= 1
+                                self._pace[lane].ended(time.perf_counter())
                             self._cv.notify_all()
                     t1, c1 = time.perf_counter(), time.thread_time()
                     outs = pending.fetch()
