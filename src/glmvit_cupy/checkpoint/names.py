@@ -44,7 +44,7 @@ def tower_layout(geo: VisionGeometry) -> dict[str, tuple]:
 
     2-D entries are (rows, cols) GEMM views; a stored tensor has that shape, or for the two convolutions
     their module_shapes: the 5-D patch-embed Conv3d is read as [1024, 1176] and the 4-D downsample Conv2d
-    as [1536, 4096] over the same bytes. 1-D entries must match exactly.
+    as [4096, 4096] over the same bytes. 1-D entries must match exactly.
     """
     h, i, hd = geo.hidden_size, geo.intermediate_size, geo.head_dim
     out, merger_inter = geo.out_hidden_size, geo.projection_intermediate_size

@@ -39,6 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..scheduling import batching
+
 
 class QueueFull(Exception):
     """More images are waiting than the server was configured to hold; `ever`: the request alone is more
@@ -214,14 +216,7 @@ class Batcher:
         thousands of small videos holds the engine thread a pass at a time, not for all of them; its future:
         an embedding each, in order. A request's videos take one place in the queue's room, held by reserve(1)
         where `reserved`, else checked here; once queued, each part waiting counts."""
-        chunks, used = [], self.capacity
-        for video in planned:
-            tokens = video[2]["tokens"]
-            if used + tokens > self.capacity:
-                chunks.append([])
-                used = 0
-            chunks[-1].append(video)
-            used += tokens
+        chunks = batching.pack(planned, self.capacity, lambda video: min(video[2]["tokens"], self.capacity))
 
         def task_of(chunk):
             def task(lane):
