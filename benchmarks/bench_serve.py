@@ -70,6 +70,8 @@ def metric(url, name):
 PARTS = ("queued", "launch", "gpu", "fetch", "resolve")
 
 
+REQUEST_PARTS = ("read", "decode", "engine", "reply")  # an image request in its HTTP worker, in order
+
 CPU_PARTS = ("launch", "fetch")  # also timed in their thread's CPU time (glmvit_pass_thread_cpu_seconds)
 
 
@@ -121,6 +123,8 @@ def tree_cpu_s(pid) -> float | None:
 
 def parts(url):
     return {**{p: metric(url, f'glmvit_pass_part_seconds_sum{{part="{p}"}}') for p in PARTS},
+            **{"request_" + p: metric(url, f'glmvit_request_part_seconds_sum{{part="{p}"}}') for p in REQUEST_PARTS},
+            "requests": metric(url, 'glmvit_request_part_seconds_count{part="read"}'),
             **{p + "_cpu": metric(url, f'glmvit_pass_thread_cpu_seconds_sum{{part="{p}"}}') for p in CPU_PARTS}}
 
 
@@ -280,6 +284,15 @@ def main():
           [[p, {"queued": "(waiting)", "launch": "engine", "resolve": "completion"}.get(p, "completion"),
             f"{1e3 * spent[p] / passes:.2f}", f"{1e3 * spent[p + '_cpu'] / passes:.2f}" if p in CPU_PARTS else "",
             f"{1e3 * spent[p] / images_served:.2f}", f"{100 * spent[p] / srv_s:.0f}%"] for p in PARTS])
+    print()
+    # A request's life: its parts in the HTTP worker, and what the client saw beyond them (its own host work,
+    # loopback, the worker's event loop before the request reached the app).
+    timed = spent["requests"] or 1
+    worker = [1e3 * spent["request_" + p] / timed for p in REQUEST_PARTS]
+    table(["part of a request (glmvit_request_part_seconds)", "ms a request", "share of the client's latency"],
+          [[p, f"{ms:.2f}", f"{100 * ms / (1e3 * np.mean(slat)):.0f}%"] for p, ms in zip(REQUEST_PARTS, worker)] +
+          [["the client and loopback (the client's mean less the worker's)", f"{1e3 * np.mean(slat) - sum(worker):.2f}",
+            f"{100 - 100 * sum(worker) / (1e3 * np.mean(slat)):.0f}%"]])
     if srv_cpu is not None:
         # CPU time of all the server's threads: near one core busy, whatever the threads, the interpreter's lock
         # (one thread runs Python at a time) is the bound, and the CPU ms an image is what to cut.

@@ -129,6 +129,29 @@ def test_health_and_bit_equality(server, tower):
         assert m["tokens"] == emb.shape[0] and len(m["sha256"]) == 64 and m["cached"] is False
 
 
+def test_an_image_request_is_timed_by_part_and_a_cached_one_is_not(server, rng):
+    client, _ = server
+    parts = ("read", "decode", "engine", "reply")
+
+    def now():
+        return ({p: metric(client, f'glmvit_request_part_seconds_count{{part="{p}"}}') for p in parts},
+                {p: metric(client, f'glmvit_request_part_seconds_sum{{part="{p}"}}') for p in parts},
+                metric(client, "glmvit_request_seconds_sum"))
+
+    fresh = [png(60 + int(rng.integers(0, 40)), 70, int(rng.integers(1 << 30))) for _ in range(3)]
+    n0, s0, l0 = now()
+    client.encode(fresh[0])                # its file as the body
+    client.encode(fresh[1:])               # two images in JSON: one request
+    n1, s1, l1 = now()
+    assert all(n1[p] - n0[p] == 2 for p in parts), (n0, n1)
+    assert all(s1[p] > s0[p] for p in parts), (s0, s1)
+    # The parts cover each request from its start to its answer, nothing twice.
+    assert abs(sum(s1[p] - s0[p] for p in parts) - (l1 - l0)) < 1e-6
+    client.encode(fresh[0])                # from the cache: no pass to wait for, not timed by part
+    n2, _, l2 = now()
+    assert n2 == n1 and l2 > l1
+
+
 @pytest.mark.parametrize("body,kind,status,says,index", [
     (b"{not json", "application/json", 400, "not valid JSON", None),
     (b"[" * 100_000 + b"]" * 100_000, "application/json", 400, "the body holds 100,000 JSON strings, arrays",

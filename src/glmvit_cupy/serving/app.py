@@ -245,6 +245,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             t0 = time.perf_counter()
             state["in_flight"] += 1
             REQUEST_SCOPE.set(request.scope)
+            stamps = request.scope["glmvit.stamps"] = []  # stamp(): the request's parts, as each ends
             try:
                 try:
                     names = {name for name, _ in request.scope["headers"]}
@@ -275,7 +276,10 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 state["in_flight"] -= 1
                 bodies.give(request.scope.pop("glmvit.body_bytes", 0))
             metrics.requests.labels(str(response.status_code)).inc()
-            metrics.latency.observe(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            metrics.latency.observe(t1 - t0)
+            if response.status_code == 200:
+                metrics.record_request(t0, stamps, t1)
             held = request.scope.pop("glmvit.reply_bytes", 0)
             if held and response.status_code == 200:
                 return Releasing(response, lambda: bodies.give(held))
@@ -448,6 +452,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             held = await body_of(request, int(settings.max_image_mib * 2**20),
                                  ("images[0]", "limit per image (--max-image-mib): send a smaller image", 0))
             blobs, shas = await parse(read_image_file, held)
+        stamp("read")
         return await unless_gone(request, encode_images(blobs, shas, lo, hi))
 
     def read_image_file(held: list):
@@ -524,6 +529,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 pixels = sum(kept)
                 futures = state["batcher"].submit(prepared, reserved=True)
                 queued = True
+                stamp("decode")
             finally:
                 if not queued:
                     state["batcher"].unreserve(len(own))
@@ -533,6 +539,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 flights.queued_as([held[k]], fut, lambda emb, grid=item[1]: [(emb, grid)], encoded)
 
         got, how = await flights.gather(list(first), queue_own)
+        stamp("engine")
         out, meta, seen = {}, [], set()
         for i, k in enumerate(keys):
             emb, grid = got[k]
@@ -684,6 +691,11 @@ async def _disconnected(receive) -> None:
     """Returns once the client has disconnected (called after the body was read: nothing else comes)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def stamp(part: str) -> None:
+    """Marks the end of a part of the current request (metrics.REQUEST_PARTS)."""
+    REQUEST_SCOPE.get()["glmvit.stamps"].append((part, time.perf_counter()))
 
 
 def _check_finite(out: dict, what: str) -> None:

@@ -13,6 +13,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 FINE = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 
 
+# The parts of an image request in its HTTP worker, in order; each ends where the next begins.
+REQUEST_PARTS = {"read": "its body received and parsed",
+                 "decode": "admitted, its images decoded and handed to the engine",
+                 "engine": "waiting for their passes (the engine process's round trip included)",
+                 "reply": "the answer made"}
+
+
 class Metrics:
     OUTCOMES = ("encoded", "cached", "shared", "failed", "dropped")
 
@@ -62,6 +69,10 @@ class Metrics:
                                  registry=r, multiprocess_mode="livesum")
         self.latency = Histogram("glmvit_request_seconds", "Encode request latency", registry=r,
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.request_parts = Histogram("glmvit_request_part_seconds", "An answered image request's time in its HTTP "
+                                       "worker by part (" + ", ".join(f"{k}: {v}" for k, v in REQUEST_PARTS.items()) +
+                                       "); glmvit_request_seconds less their sum is nothing", ["part"], registry=r,
+                                       buckets=FINE)
 
     def record_pass(self, times, capacity_tokens: int) -> None:
         """One image pass's PassTimes (serving/batcher.py), from the completion thread."""
@@ -76,6 +87,15 @@ class Metrics:
             self.image_parts.labels(part).observe(seconds / times.images)
         for part in times.CPU_PARTS:
             self.pass_cpu.labels(part).observe(getattr(times, part + "_cpu"))
+
+    def record_request(self, t0: float, stamps: list, t1: float) -> None:
+        """An image request's parts: stamps, (part, time) as its work ends each, from t0 (received) to t1
+        (answered); only a request that reached the engine has them all."""
+        if [part for part, _ in stamps] != list(REQUEST_PARTS)[:-1]:
+            return
+        for part, t in [*stamps, ("reply", t1)]:
+            self.request_parts.labels(part).observe(t - t0)
+            t0 = t
 
     def record_drop(self, job) -> None:
         """A job dropped before its pass (every request for it went away)."""
