@@ -1,9 +1,12 @@
 """Frames between glmvit-serve's HTTP workers and its engine (serving/wire.py): whatever way the bytes are cut
 on their way, every frame comes out whole and equal to what was sent, payloads and headers larger than the
 scratch buffer included (read into buffers of their own: the scratch never grows); the end of the stream is
-None; a reader that falls behind pauses the socket and resumes it."""
+None; a reader that falls behind pauses the socket and resumes it; a large payload goes through a file in the
+link's spill folder, removed once read (or once its link ends unread), and through the socket where no
+file can be written."""
 
 import asyncio
+import os
 import pickle
 import socket
 
@@ -114,17 +117,31 @@ def test_a_reader_behind_pauses_the_socket_and_resumes_it(monkeypatch):
     asyncio.run(go())
 
 
-def test_a_frame_sent_over_a_socket_pair_arrives_equal(rng):
+async def linked(spill=None):
+    """Two Links at the ends of a Unix socket pair, on the running loop."""
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair(socket.AF_UNIX)
+    _, left = await loop.create_unix_connection(lambda: wire.Link(spill=spill), sock=a)
+    _, right = await loop.create_unix_connection(lambda: wire.Link(spill=spill), sock=b)
+    return left, right
+
+
+@pytest.mark.parametrize("folder", [None, "there", "missing"])
+def test_frames_cross_a_socket_pair_equal_large_payloads_through_a_file_removed_once_read(folder, tmp_path, rng):
+    spill = folder and str(tmp_path / "frames")  # missing: no file can be written, the socket takes them
+    if folder == "there":
+        os.mkdir(spill)
     sent = frames(rng)
 
     async def go():
-        loop = asyncio.get_running_loop()
-        a, b = socket.socketpair(socket.AF_UNIX)
-        _, left = await loop.create_unix_connection(wire.Link, sock=a)
-        _, right = await loop.create_unix_connection(wire.Link, sock=b)
+        left, right = await linked(spill)
         for f in sent:
             left.send(*f)
+        if folder == "there":  # the 5.7 MB embedding alone is past SPILL_BYTES; written before it is read
+            assert [os.path.getsize(os.path.join(spill, n)) for n in os.listdir(spill)] == [sent[2][2][0].nbytes]
         got = [await right.read() for _ in sent]
+        if folder == "there":
+            assert os.listdir(spill) == []
         left.close()
         assert await right.read() is None
         right.close()
@@ -132,6 +149,33 @@ def test_a_frame_sent_over_a_socket_pair_arrives_equal(rng):
 
     for s, g in zip(sent, asyncio.run(go())):
         same(s, g)
+
+
+def test_what_the_reader_left_unread_goes_with_the_link_and_a_bad_name_is_refused(tmp_path, rng):
+    spill = str(tmp_path)
+    big = [rng.standard_normal((64, 1024)).astype(np.float32)]  # 256 KiB
+
+    async def go():
+        left, right = await linked(spill)
+        other = wire.Link(spill=spill)  # another link of this process: its files are its own
+        kept = wire.pack("done", (0, 0), big, spill, other.tag)
+        left.send("done", (1, 0), big)
+        left.send("done", (2, 0), big)
+        assert len(os.listdir(spill)) == 3
+        same(("done", (1, 0), big), await right.read())
+        right.close()  # the second frame never read: its file goes when the sender's link ends
+        assert await left.read() is None
+        return kept
+
+    kept = asyncio.run(go())
+    assert len(os.listdir(spill)) == 1
+    same(("done", (0, 0), big), wire._frame(bytes(kept[1]), b"", spill))
+    assert os.listdir(spill) == []
+    header = pickle.dumps(("done", (0, 0), [((4,), "float32")], "../escape"), protocol=5)
+    with pytest.raises(OSError, match="does not read"):
+        wire._frame(header, b"", spill)
+    with pytest.raises(FileNotFoundError):  # read once: gone
+        wire._frame(bytes(kept[1]), b"", spill)
 
 
 def test_an_error_crosses_as_itself_or_as_its_text():

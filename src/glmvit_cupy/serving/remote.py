@@ -44,10 +44,11 @@ class RemoteEngine:
         self._reading = asyncio.ensure_future(self._read())
 
     @classmethod
-    async def connect(cls, sock, first: tuple, max_queue: int) -> "RemoteEngine":
+    async def connect(cls, sock, first: tuple, max_queue: int, spill: str | None = None) -> "RemoteEngine":
         """The engine on `sock` (a connected Unix socket, hello sent), whose first answer was `first`: once it
-        has loaded the tower (waiting for its "ready" after a "loading"); its load error raised."""
-        _, link = await asyncio.get_running_loop().create_unix_connection(wire.Link, sock=sock)
+        has loaded the tower (waiting for its "ready" after a "loading"); its load error raised. spill: the
+        folder the link's large payloads go through (wire.Link), the engine's own."""
+        _, link = await asyncio.get_running_loop().create_unix_connection(lambda: wire.Link(spill=spill), sock=sock)
         frame = first if first[0] != "loading" else await link.read()
         if frame is None:
             link.close()
