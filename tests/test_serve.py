@@ -152,6 +152,17 @@ def test_an_image_request_is_timed_by_part_and_a_cached_one_is_not(server, rng):
     assert n2 == n1 and l2 > l1
 
 
+def test_a_request_decoding_in_a_second_round_is_timed_to_its_last_decode():
+    from glmvit_cupy.serving.metrics import Metrics
+
+    m = Metrics()  # an image's first owner gone, this request decodes it in a second round
+    m.record_request(1.0, [("read", 1.1), ("decode", 1.2), ("decode", 1.45), ("engine", 1.5)], 1.75)
+    m.record_request(2.0, [("read", 2.1)], 2.2)  # refused before decoding: not timed by part
+    got = {p: m.registry.get_sample_value("glmvit_request_part_seconds_sum", {"part": p})
+           for p in ("read", "decode", "engine", "reply")}
+    assert got == pytest.approx({"read": 0.1, "decode": 0.35, "engine": 0.05, "reply": 0.25})
+
+
 @pytest.mark.parametrize("body,kind,status,says,index", [
     (b"{not json", "application/json", 400, "not valid JSON", None),
     (b"[" * 100_000 + b"]" * 100_000, "application/json", 400, "the body holds 100,000 JSON strings, arrays",

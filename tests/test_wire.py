@@ -172,10 +172,32 @@ def test_what_the_reader_left_unread_goes_with_the_link_and_a_bad_name_is_refuse
     same(("done", (0, 0), big), wire._frame(bytes(kept[1]), b"", spill))
     assert os.listdir(spill) == []
     header = pickle.dumps(("done", (0, 0), [((4,), "float32")], "../escape"), protocol=5)
-    with pytest.raises(OSError, match="does not read"):
-        wire._frame(header, b"", spill)
-    with pytest.raises(FileNotFoundError):  # read once: gone
-        wire._frame(bytes(kept[1]), b"", spill)
+    lost = wire._frame(header, b"", spill)[2]
+    assert isinstance(lost, wire.PayloadLost) and "does not read" in str(lost)
+    lost = wire._frame(bytes(kept[1]), b"", spill)[2]  # read once: gone
+    assert isinstance(lost, wire.PayloadLost) and "No such file" in str(lost)
+
+
+def test_frames_sent_before_a_close_are_read_and_a_lost_payload_fails_its_frame_alone(tmp_path, rng):
+    spill = str(tmp_path)
+    big = [rng.standard_normal((64, 1024)).astype(np.float32)]
+
+    async def go():
+        left, right = await linked(spill)
+        doomed = wire.pack("done", (1, 0), big, spill, left.tag)
+        os.unlink(os.path.join(spill, pickle.loads(doomed[1])[3]))  # its file gone before the reader gets to it
+        for part in doomed:
+            left.transport.write(part)
+        left.send("done", (2, 0), big)
+        left.close()  # this end closing: the other still reads what was sent
+        kind, fields, arrays = await right.read()
+        assert (kind, fields) == ("done", (1, 0)) and isinstance(arrays, wire.PayloadLost)
+        same(("done", (2, 0), big), await right.read())
+        assert await right.read() is None
+        right.close()
+
+    asyncio.run(go())
+    assert os.listdir(spill) == []
 
 
 def test_an_error_crosses_as_itself_or_as_its_text():
@@ -187,3 +209,32 @@ def test_an_error_crosses_as_itself_or_as_its_text():
     e = wire.error_from(wire.error_fields(Odd(1, 2)))
     assert isinstance(e, RuntimeError) and "Odd: 1/2" in str(e)
     assert "could not be read" in str(wire.error_from(pickle.dumps(1)[:-1]))
+
+
+def test_a_worker_whose_answer_is_lost_fails_that_image_alone(tmp_path, rng):
+    remote = pytest.importorskip("glmvit_cupy.serving.remote", reason="the serve extra is not installed")
+    spill = str(tmp_path)
+    emb = rng.standard_normal((64, 1024)).astype(np.float32)
+    image = rng.integers(0, 256, (300, 300, 3), dtype=np.uint8)  # 270 KB: through a file
+
+    async def go():
+        worker_end, engine_end = await linked(spill)
+        about = {"geometry": None, "name": "fake", "resize": "gpu", "shares_passes": True, "lanes": 1,
+                 "fingerprint": None}
+        engine = remote.RemoteEngine(worker_end, about, max_queue=8)
+        futures = engine.submit([(image, (1, 2, 2), {"tokens": 1}), (image, (1, 2, 2), {"tokens": 1})])
+        kind, fields, arrays = await engine_end.read()
+        assert kind == "images" and len(arrays) == 2 and np.array_equal(arrays[1], image)
+        doomed = wire.pack("done", (fields[0], 0), [emb], spill, engine_end.tag)
+        os.unlink(os.path.join(spill, pickle.loads(doomed[1])[3]))
+        for part in doomed:
+            engine_end.transport.write(part)
+        engine_end.send("done", (fields[0], 1), [emb])
+        with pytest.raises(wire.PayloadLost):
+            await futures[0]
+        assert np.array_equal(await futures[1], emb) and engine._gone is None  # the link goes on
+        worker_end.close()
+        assert await engine_end.read() is None
+        engine_end.close()
+
+    asyncio.run(go())

@@ -90,10 +90,12 @@ class Metrics:
 
     def record_request(self, t0: float, stamps: list, t1: float) -> None:
         """An image request's parts: stamps, (part, time) as its work ends each, from t0 (received) to t1
-        (answered); only a request that reached the engine has them all."""
-        if [part for part, _ in stamps] != list(REQUEST_PARTS)[:-1]:
+        (answered); only a request that reached the engine has them all. A part stamped twice (images decoded
+        in a second round, their first owner gone) ends at its last stamp."""
+        last = dict(stamps)  # the first order of the parts, each its last time
+        if list(last) != list(REQUEST_PARTS)[:-1]:
             return
-        for part, t in [*stamps, ("reply", t1)]:
+        for part, t in [*last.items(), ("reply", t1)]:
             self.request_parts.labels(part).observe(t - t0)
             t0 = t
 

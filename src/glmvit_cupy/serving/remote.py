@@ -157,7 +157,9 @@ class RemoteEngine:
                 if kind == "done":
                     future, videos = self._pending.get(fields, (None, False))
                     if future is not None and not future.done():
-                        if videos or len(arrays) == 1:
+                        if isinstance(arrays, wire.PayloadLost):  # this answer alone is lost
+                            future.set_exception(arrays)
+                        elif videos or len(arrays) == 1:
                             future.set_result(arrays if videos else arrays[0])
                         else:
                             future.set_exception(RuntimeError(f"the engine sent {len(arrays)} embeddings for "

@@ -66,6 +66,10 @@ def _spill(folder: str, name: str, views: list) -> str | None:
     return name
 
 
+class PayloadLost(OSError):
+    """A frame's spilled payload could not be read: the frame's arrays, in their place."""
+
+
 def _unspill(folder: str | None, name: str, size: int) -> bytearray:
     """The payload in the spilled file `name`, read whole and removed; OSError where it is not that."""
     if folder is None or os.path.basename(name) != name or name in ("", ".", ".."):
@@ -95,8 +99,10 @@ class Link(asyncio.BufferedProtocol):
     of the kernel, where asyncio's StreamReader makes three (0.33 CPU ms a frame against 0.13,
     tools/wire_bench.py).
     Reading pauses while more than PAUSE_BYTES of frames wait to be read (spilled payloads not counted:
-    what the workers admit bounds them). spill: the folder for payloads of SPILL_BYTES or more; a file this
-    link wrote and the other end never read is removed when the link ends."""
+    what the workers admit bounds them). spill: the folder for payloads of SPILL_BYTES or more; the files
+    this link wrote are removed once the other end has closed (it reads no more), and a spilled payload
+    that cannot be read (no file descriptor left, say) fails its frame alone: read() gives PayloadLost in
+    place of its arrays."""
 
     SCRATCH = 1 << 18
     PAUSE_BYTES = 1 << 26
@@ -146,11 +152,11 @@ class Link(asyncio.BufferedProtocol):
             self._deliver(bytes(buf), bytearray())
 
     def eof_received(self) -> bool:
-        self._end()
+        self._end(gone=True)
         return False  # the transport closes itself
 
     def connection_lost(self, exc) -> None:
-        self._end()
+        self._end(gone=exc is not None)  # None: closed by this end (the other reads what was sent) or after EOF
 
     # -- frames --------------------------------------------------------------------------------------------
 
@@ -188,10 +194,10 @@ class Link(asyncio.BufferedProtocol):
             self.transport.pause_reading()
         self._wake()
 
-    def _end(self) -> None:
+    def _end(self, gone: bool) -> None:
         self._ended = True
         self._wake()
-        if self.spill is not None:  # what the other end left unread
+        if gone and self.spill is not None:  # the other end closed or failed: what it left unread goes
             mine = f"{os.getpid()}-{self.tag}"
             try:
                 with os.scandir(self.spill) as entries:
@@ -209,8 +215,9 @@ class Link(asyncio.BufferedProtocol):
             self._waiter.set_result(None)
 
     async def read(self):
-        """The next frame as (kind, fields, arrays), the arrays read-only views of its payload; None at the end
-        of the stream (the other process closed it, or ended)."""
+        """The next frame as (kind, fields, arrays), the arrays read-only views of its payload (PayloadLost where
+        its spilled payload could not be read); None at the end of the stream (the other process closed it,
+        or ended)."""
         while not self._frames:
             if self._ended:
                 return None
@@ -268,8 +275,11 @@ def write_blocking(sock, kind: str, fields: tuple = (), arrays=()) -> None:
 def _frame(header: bytes, payload: bytes, spill: str | None = None) -> tuple:
     kind, fields, specs, name = pickle.loads(header)
     if name is not None:
-        payload = _unspill(spill, name, sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-                                            for shape, dtype in specs))
+        try:
+            payload = _unspill(spill, name, sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                                                for shape, dtype in specs))
+        except OSError as e:
+            return kind, fields, PayloadLost(f"the payload of a {kind!r} frame could not be read ({e})")
     arrays, at = [], 0
     for shape, name in specs:
         dtype = np.dtype(name)
