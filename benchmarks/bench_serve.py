@@ -4,7 +4,8 @@ the same engine called one request at a time in this process (host decoding incl
 checks that every served embedding equals, bit for bit, GlmVit.encode of the same bytes alone, and
 prints where a pass's time goes (/metrics' glmvit_pass_part_seconds): per pass and per image, the
 engine thread's launch against the completion thread's wait for the GPU and copies back, and how much of
-the launch and the copies back their thread spent on the CPU (glmvit_pass_thread_cpu_seconds); and the
+the launch and the copies back their thread spent on the CPU (glmvit_pass_thread_cpu_seconds); a request's
+parts in its HTTP worker (glmvit_request_part_seconds) beside what the client waited; and the
 server's CPU time an image, all its processes and threads together (one process near one core busy: the
 interpreter's lock bounds it).
 

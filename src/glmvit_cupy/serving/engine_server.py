@@ -149,8 +149,6 @@ class EngineServer:
 
     async def _queue(self, kind: str, fields: tuple, arrays: list) -> list:
         """A worker's images (uploaded first, off the event loop) or videos queued: their futures."""
-        if isinstance(arrays, wire.PayloadLost):  # its images' pixels: each of them fails, the link goes on
-            raise arrays
         if kind == "images":
             items = [(image, grid, info) for image, (grid, info) in zip(arrays, fields[1])]
             items = await asyncio.get_running_loop().run_in_executor(self._uploads, self._ahead, items)

@@ -44,11 +44,10 @@ class RemoteEngine:
         self._reading = asyncio.ensure_future(self._read())
 
     @classmethod
-    async def connect(cls, sock, first: tuple, max_queue: int, spill: str | None = None) -> "RemoteEngine":
+    async def connect(cls, sock, first: tuple, max_queue: int) -> "RemoteEngine":
         """The engine on `sock` (a connected Unix socket, hello sent), whose first answer was `first`: once it
-        has loaded the tower (waiting for its "ready" after a "loading"); its load error raised. spill: the
-        folder the link's large payloads go through (wire.Link), the engine's own."""
-        _, link = await asyncio.get_running_loop().create_unix_connection(lambda: wire.Link(spill=spill), sock=sock)
+        has loaded the tower (waiting for its "ready" after a "loading"); its load error raised."""
+        _, link = await asyncio.get_running_loop().create_unix_connection(wire.Link, sock=sock)
         frame = first if first[0] != "loading" else await link.read()
         if frame is None:
             link.close()
@@ -157,9 +156,7 @@ class RemoteEngine:
                 if kind == "done":
                     future, videos = self._pending.get(fields, (None, False))
                     if future is not None and not future.done():
-                        if isinstance(arrays, wire.PayloadLost):  # this answer alone is lost
-                            future.set_exception(arrays)
-                        elif videos or len(arrays) == 1:
+                        if videos or len(arrays) == 1:
                             future.set_result(arrays if videos else arrays[0])
                         else:
                             future.set_exception(RuntimeError(f"the engine sent {len(arrays)} embeddings for "

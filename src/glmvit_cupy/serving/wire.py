@@ -1,25 +1,16 @@
 """Frames between glmvit-serve's HTTP workers and its engine process, over a Unix socket in a folder only
 the server's user can open: a pickled header, and the arrays' bytes beside it, so that pixels and
-embeddings cross without being pickled.
-
-A payload of SPILL_BYTES or more goes through a file in the link's spill folder (in the server's private
-folder) instead of the socket: the sender writes it, the reader reads it whole and removes it. A Unix
-socket holds ~200 KB at a time, so a 1 MB embedding through it takes five turns of both processes' event
-loops, each behind the other work of its loop: under 16 clients the round trip from a worker to the
-engine and back is ~9 ms shorter through files (an H100's, benchmarks/bench_serve.py --small). A payload
-that cannot be written (the folder full) goes through the socket.
+embeddings cross without being pickled (a 1.5 MB embedding is one copy into the socket and one out).
 
     frame   = <header bytes: u64> <payload bytes: u64> header payload
-    header  = pickle((kind, fields, [(shape, dtype name), ...], spilled file name or None))
-    payload = the arrays' bytes, back to back (C order); none where they were spilled
+    header  = pickle((kind, fields, [(shape, dtype name), ...]))   the arrays, in the payload's order
+    payload = the arrays' bytes, back to back (C order)
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
-import os
 import pickle
 import struct
 
@@ -27,69 +18,16 @@ import ml_dtypes  # noqa: F401 - registers bfloat16, the embeddings' type, with 
 import numpy as np
 
 HEAD = struct.Struct("<QQ")
-SPILL_BYTES = 1 << 16
-_names = itertools.count()
 
 
-def pack(kind: str, fields: tuple = (), arrays=(), spill: str | None = None, tag: str = "") -> list:
-    """One frame as buffers to write in order (the arrays' own memory, not copied); a payload of SPILL_BYTES
-    or more written to a file in the folder `spill` instead, named by this process, `tag` and a count."""
+def pack(kind: str, fields: tuple = (), arrays=()) -> list:
+    """One frame as buffers to write in order (the arrays' own memory, not copied)."""
     shapes = [np.shape(a) for a in arrays]
     # C order and this machine's byte order, flat (a 0-d array keeps its shape in the header)
     flat = [np.ascontiguousarray(a, dtype=np.asarray(a).dtype.newbyteorder("=")).reshape(-1) for a in arrays]
-    views = [memoryview(a.view(np.uint8)) for a in flat if a.nbytes]
-    size = sum(len(v) for v in views)
-    name = _spill(spill, f"{os.getpid()}-{tag}{next(_names)}", views) if spill and size >= SPILL_BYTES else None
-    header = pickle.dumps((kind, fields, [(shape, a.dtype.name) for shape, a in zip(shapes, flat)], name),
-                          protocol=5)
-    if name is not None:
-        return [HEAD.pack(len(header), 0), header]
-    return [HEAD.pack(len(header), size), header, *views]
-
-
-def _spill(folder: str, name: str, views: list) -> str | None:
-    """`name` once the views are written to it in `folder`; None where it could not be (nothing left there)."""
-    path = os.path.join(folder, name)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError:
-        return None
-    try:
-        for view in views:
-            while view:
-                view = view[os.write(fd, view):]
-    except OSError:  # the folder's file system full, say
-        os.close(fd)
-        os.unlink(path)
-        return None
-    os.close(fd)
-    return name
-
-
-class PayloadLost(OSError):
-    """A frame's spilled payload could not be read: the frame's arrays, in their place."""
-
-
-def _unspill(folder: str | None, name: str, size: int) -> bytearray:
-    """The payload in the spilled file `name`, read whole and removed; OSError where it is not that."""
-    if folder is None or os.path.basename(name) != name or name in ("", ".", ".."):
-        raise OSError(f"a frame's payload is in the file {name!r}, which this link does not read")
-    path = os.path.join(folder, name)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.unlink(path)
-        buf = bytearray(size)
-        view, got = memoryview(buf), 0
-        while got < size:
-            n = os.readv(fd, [view[got:]])
-            if n == 0:
-                break
-            got += n
-        if got != size or os.read(fd, 1):
-            raise OSError(f"the spilled payload {path} holds other than the {size:,} bytes its frame says")
-        return buf
-    finally:
-        os.close(fd)
+    header = pickle.dumps((kind, fields, [(shape, a.dtype.name) for shape, a in zip(shapes, flat)]), protocol=5)
+    return [HEAD.pack(len(header), sum(a.nbytes for a in flat)), header,
+            *(memoryview(a.view(np.uint8)) for a in flat if a.nbytes)]
 
 
 class Link(asyncio.BufferedProtocol):
@@ -98,18 +36,13 @@ class Link(asyncio.BufferedProtocol):
     than what the scratch holds is received straight into its own buffer: a 1 MB embedding is one copy out
     of the kernel, where asyncio's StreamReader makes three (0.33 CPU ms a frame against 0.13,
     tools/wire_bench.py).
-    Reading pauses while more than PAUSE_BYTES of frames wait to be read (spilled payloads not counted:
-    what the workers admit bounds them). spill: the folder for payloads of SPILL_BYTES or more; the files
-    this link wrote are removed once the other end has closed (it reads no more), and a spilled payload
-    that cannot be read (no file descriptor left, say) fails its frame alone: read() gives PayloadLost in
-    place of its arrays."""
+    Reading pauses while more than PAUSE_BYTES of frames wait to be read."""
 
     SCRATCH = 1 << 18
     PAUSE_BYTES = 1 << 26
 
-    def __init__(self, on_connect=None, spill: str | None = None):
+    def __init__(self, on_connect=None):
         self.on_connect = on_connect  # on_connect(link) runs as a task once the connection is made
-        self.spill, self.tag = spill, f"{id(self):x}-"  # this link's spilled files: <pid>-<tag><count>
         self.transport, self.task = None, None
         self._scratch, self._have = bytearray(self.SCRATCH), 0
         # A frame's part read into its own buffer: [header (None while it is the part being read), the buffer,
@@ -152,11 +85,11 @@ class Link(asyncio.BufferedProtocol):
             self._deliver(bytes(buf), bytearray())
 
     def eof_received(self) -> bool:
-        self._end(gone=True)
+        self._end()
         return False  # the transport closes itself
 
     def connection_lost(self, exc) -> None:
-        self._end(gone=exc is not None)  # None: closed by this end (the other reads what was sent) or after EOF
+        self._end()
 
     # -- frames --------------------------------------------------------------------------------------------
 
@@ -194,30 +127,17 @@ class Link(asyncio.BufferedProtocol):
             self.transport.pause_reading()
         self._wake()
 
-    def _end(self, gone: bool) -> None:
+    def _end(self) -> None:
         self._ended = True
         self._wake()
-        if gone and self.spill is not None:  # the other end closed or failed: what it left unread goes
-            mine = f"{os.getpid()}-{self.tag}"
-            try:
-                with os.scandir(self.spill) as entries:
-                    for entry in entries:
-                        if entry.name.startswith(mine):
-                            try:
-                                os.unlink(entry.path)
-                            except OSError:
-                                pass
-            except OSError:
-                pass
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     async def read(self):
-        """The next frame as (kind, fields, arrays), the arrays read-only views of its payload (PayloadLost where
-        its spilled payload could not be read); None at the end of the stream (the other process closed it,
-        or ended)."""
+        """The next frame as (kind, fields, arrays), the arrays read-only views of its payload; None at the end
+        of the stream (the other process closed it, or ended)."""
         while not self._frames:
             if self._ended:
                 return None
@@ -231,12 +151,12 @@ class Link(asyncio.BufferedProtocol):
         if self._paused and self._waiting_bytes <= self.PAUSE_BYTES // 2:
             self._paused = False
             self.transport.resume_reading()
-        return _frame(header, payload, self.spill)
+        return _frame(header, payload)
 
     def send(self, kind: str, fields: tuple = (), arrays=()) -> None:
         """Queue one frame (the transport sends what it can at once, and buffers the rest). Part by part:
         writelines() joins the parts into one copy on Python 3.11."""
-        for part in pack(kind, fields, arrays, self.spill, self.tag):
+        for part in pack(kind, fields, arrays):
             self.transport.write(part)
 
     def is_closing(self) -> bool:
@@ -272,14 +192,8 @@ def write_blocking(sock, kind: str, fields: tuple = (), arrays=()) -> None:
         sock.sendall(part)
 
 
-def _frame(header: bytes, payload: bytes, spill: str | None = None) -> tuple:
-    kind, fields, specs, name = pickle.loads(header)
-    if name is not None:
-        try:
-            payload = _unspill(spill, name, sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-                                                for shape, dtype in specs))
-        except OSError as e:
-            return kind, fields, PayloadLost(f"the payload of a {kind!r} frame could not be read ({e})")
+def _frame(header: bytes, payload: bytes) -> tuple:
+    kind, fields, specs = pickle.loads(header)
     arrays, at = [], 0
     for shape, name in specs:
         dtype = np.dtype(name)

@@ -42,7 +42,6 @@ def run_with_workers(args, sock, settings, load_backend, max_connections: int, b
     folder = _folder()
     try:
         os.mkdir(os.path.join(folder, "metrics"))
-        os.mkdir(os.path.join(folder, FRAMES))
         multiprocess_into(os.path.join(folder, "metrics"))
         code, now = asyncio.run(_serve(args, sock, settings, load_backend, max_connections, backlog, where, say,
                                        folder))
@@ -59,7 +58,6 @@ def run_with_workers(args, sock, settings, load_backend, max_connections: int, b
 
 PREFIX = "glmvit-serve-"
 OWNER = "owner.pid"  # the serving process's id, in its folder
-FRAMES = "frames"  # in its folder: the payloads of frames between the workers and the engine (wire.py)
 
 
 def _folder() -> str:
@@ -150,7 +148,7 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
                           max_queue=1 << 40, metrics=Metrics(), fingerprint=lambda: settings.weights, log=log)
     path = os.path.join(folder, "engine.sock")
     try:
-        unix = await loop.create_unix_server(lambda: wire.Link(engine.worker, os.path.join(folder, FRAMES)), path)
+        unix = await loop.create_unix_server(lambda: wire.Link(engine.worker), path)
     except OSError as e:  # a path over the 107 bytes a Unix socket's name may have, say
         log(f"cannot open the engine's socket {path} ({e.strerror or e}): set TMPDIR to a short folder this "
             "user can write, or serve with --workers 1")
@@ -325,8 +323,7 @@ def worker_main(sock, path: str, args, settings, max_connections: int, backlog: 
     app = None
 
     async def load_backend():
-        engine = await RemoteEngine.connect(link, first, settings.max_queue,
-                                            os.path.join(os.path.dirname(path), FRAMES))
+        engine = await RemoteEngine.connect(link, first, settings.max_queue)
         settings.weights = engine.fingerprint
         state = app.state.glmvit
         engine.on_gone = lambda: state.update(status="failed", error="the engine process stopped")
