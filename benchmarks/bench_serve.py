@@ -43,6 +43,7 @@ from PIL import Image
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))  # run from a checkout
 from benchmarks.common import official_checkpoint, table  # noqa: E402
+from glmvit_cupy.serving.metrics import REQUEST_PARTS  # noqa: E402 - an image request's parts, in order
 from tests.golden import cases  # noqa: E402
 
 # (height, width) in pixels: 150 to 2,500 tokens at 28 x 28 pixels a token.
@@ -70,8 +71,6 @@ def metric(url, name):
 
 PARTS = ("queued", "launch", "gpu", "fetch", "resolve")
 
-
-REQUEST_PARTS = ("read", "decode", "engine", "reply")  # an image request in its HTTP worker, in order
 
 CPU_PARTS = ("launch", "fetch")  # also timed in their thread's CPU time (glmvit_pass_thread_cpu_seconds)
 

@@ -228,15 +228,17 @@ class Batcher:
         parts = self._queue([(None, task_of(c)) for c in chunks], "tasks", reserved, held=1)
         loop = asyncio.get_running_loop()
         out = loop.create_future()
+        left = [len(parts)]  # parts not yet done
 
         def part_done(part: asyncio.Future) -> None:
             if out.done():
                 return
+            left[0] -= 1
             if part.cancelled() or part.exception() is not None:  # the rest is of no use: dropped if still queued
                 for other in parts:
                     other.cancel()
                 out.cancel() if part.cancelled() else out.set_exception(part.exception())
-            elif all(p.done() for p in parts):
+            elif not left[0]:
                 out.set_result([emb for p in parts for emb in p.result()])
 
         def out_done(f: asyncio.Future) -> None:
@@ -252,13 +254,14 @@ class Batcher:
     def _queue(self, work: list, what: str, reserved: bool, held: int | None = None) -> list[asyncio.Future]:
         loop = asyncio.get_running_loop()
         request = object()
+        room = len(work) if held is None else held  # the queue's places the work takes: `held`, one request's own
         with self._cv:
             if reserved:
                 if self._stopping:
                     raise QueueFull("the server is shutting down")
-                self._reserved -= len(work) if held is None else held  # more than held: one request's own
+                self._reserved -= room
             else:
-                self._check_room(len(work) if held is None else held, what)
+                self._check_room(room, what)
             jobs = [Job(item, loop.create_future(), loop, request, task=task) for item, task in work]
             self._requests[request] = collections.deque(jobs)
             self._waiting += len(jobs)
