@@ -21,11 +21,11 @@
 // costs 256 MMA FLOP; an SM's tensor cores do 4,096 FLOP a clock (16 scores) and its MUFU 16 ex2
 // a clock: the exp unit caps attention at the tensor rate, ~1,070 TFLOP/s at 1.98 GHz on 132 SMs,
 // and without overlap of softmax and MMA at half that. Bytes are small beside it (q, k, v, o
-// 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on the H200 (python
-// benchmarks/bench_kernels.py, kernels back to back; TFLOP/s at one segment of 4,096 / 16,384 / 32,000
-// keys and 16 segments of 1,024): without the running max (the fixed offset, where the weights bound every
-// score) 563 / 613 / 576 / 442; with it (ONLINE, its last tile peeled) 459 / 491 / 472 / 380; cuDNN
-// (torch SDPA) in the same run 466 / 492 / 471 / 430.
+// 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on an H100 SXM (python
+// benchmarks/bench_kernels.py --attention-only, kernels back to back; TFLOP/s at one segment of 4,096 /
+// 16,384 / 32,000 keys and 16 segments of 1,024): without the running max (the fixed offset, where the
+// weights bound every score) 562 / 624 / 584 / 414; with it (ONLINE: lazy past the first tile, the last
+// one peeled) 516 / 580 / 560 / 426; cuDNN (torch SDPA) in the same run 464 / 504 / 486 / 440.
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "attention_sm90.cu needs sm_90a (wgmma, setmaxnreg): compile it for compute capability 9.0 only"
 #endif
@@ -125,6 +125,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(consumer_registers(NC)) : "memory");
     const int g = lane >> 2, t = lane & 3;
     const int turn = 1 + wg, next = 1 + (wg + 1) % NC;  // named barriers 1..NC: whose turn to issue
+    const int vote = 1 + NC + wg;                         // NC + 1..2 NC: the lazy softmax's votes
+    const int row0 = q0 + wg * 64 + warp * 16 + g;        // this thread's rows: row0 and row0 + 8
+    const bool live0 = row0 < s1, live1 = row0 + 8 < s1;
     if (NC > 1 && wg == NC - 1) named_arrive(1, 256);    // warpgroup 0 goes first
     mbar_wait(qbar, 0);
     const unsigned long long dq = sw128_desc(sQ + wg * 64 * 128);
@@ -164,7 +167,30 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
         wgmma_commit();
         if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
         wgmma_wait0();
-        softmax_tile<BNW, 32, ONLINE>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, it > 0);
+        if constexpr (ONLINE) {
+            // Past the first tile, lazily (softmax_tile_lazy): the warpgroup keeps its offsets unless a
+            // live row's scores grew past them; then S comes again (the slot is still held) for the
+            // exact step. Rows vote as 64-row groups from the segment's start, the same groups in
+            // every variant and batch, so the choice, and so every bit, depends on the segment alone.
+            float r0, r1;
+            const bool lazy = it > 0 && named_all(vote, 128, softmax_tile_lazy<BNW>(s, m0, m1, r0, r1, kvalid, t,
+                                                                                      scale_log2, live0, live1));
+            if (lazy) {
+                l0 += r0;
+                l1 += r1;
+                pack_p<BNW>(s, pa);
+            } else {
+                if (it > 0) {
+                    wgmma_fence();
+                    issue_s(st);
+                    wgmma_commit();
+                    wgmma_wait0();
+                }
+                softmax_tile<BNW, 32, true>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, it > 0);
+            }
+        } else {
+            softmax_tile<BNW, 32, false>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, false);
+        }
         wgmma_fence();
         issue_pv(st, it > 0);
         wgmma_commit();
@@ -177,5 +203,5 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
     } else {  // not peeled: peeling costs the fixed-offset kernels 3-7% (docs/PERFORMANCE.md)
         for (int it = 0; it < ntiles; ++it) step(it, s1 - (s0 + it * BNW));
     }
-    store_o<64>(o, acc, l0, l1, q0 + wg * 64 + warp * 16 + g, s1, ld, h * D, t);
+    store_o<64>(o, acc, l0, l1, row0, s1, ld, h * D, t);
 }

@@ -3,12 +3,53 @@
 #pragma once
 #include "ptx.cuh"
 
-// 2^x on the special-function unit; x <= 0 with the running max, |x| <= FIXED_OFFSET_LIMIT without it;
-// -inf (a masked key) -> 0.
+// 2^x on the special-function unit; x <= 16 with the running max (a lazy tile's offset trails it by
+// up to log2(LAZY_SUM_LIMIT)), |x| <= FIXED_OFFSET_LIMIT without it; -inf (a masked key) -> 0.
 __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+// Keys at or past kvalid (a segment's last, partial tile) get score -inf: P = 0.
+template <int BNW>
+__device__ __forceinline__ void mask_keys(float* s, int kvalid, int t) {
+    if (kvalid < BNW) {
+#pragma unroll
+        for (int j = 0; j < BNW / 8; ++j) {
+            const int c = j * 8 + 2 * t;
+            if (c >= kvalid) s[4 * j] = s[4 * j + 2] = NEG_INF;
+            if (c + 1 >= kvalid) s[4 * j + 1] = s[4 * j + 3] = NEG_INF;
+        }
+    }
+}
+
+// P as the bf16 A fragments of the P V MMA (the same register layout for mma.sync m16n8k16 and wgmma RS).
+template <int BNW>
+__device__ __forceinline__ void pack_p(const float* s, unsigned (*pa)[4]) {
+#pragma unroll
+    for (int kk = 0; kk < BNW / 16; ++kk) {
+        pa[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
+        pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
+// P = exp2(S * scale - offset) in place, for this thread's two rows (offsets o0, o1), and this thread's
+// parts of their sums.
+template <int BNW>
+__device__ __forceinline__ void exp2_rows(float* s, float scale_log2, float o0, float o1, float& r0, float& r1) {
+    r0 = r1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < BNW / 8; ++j) {
+        s[4 * j] = ex2(fmaf(s[4 * j], scale_log2, -o0));
+        s[4 * j + 1] = ex2(fmaf(s[4 * j + 1], scale_log2, -o0));
+        s[4 * j + 2] = ex2(fmaf(s[4 * j + 2], scale_log2, -o1));
+        s[4 * j + 3] = ex2(fmaf(s[4 * j + 3], scale_log2, -o1));
+        r0 += s[4 * j] + s[4 * j + 1];
+        r1 += s[4 * j + 2] + s[4 * j + 3];
+    }
 }
 
 // One K/V tile's softmax on this thread's S accumulators (rows g and g + 8 of its 16-row slice; the
@@ -24,14 +65,7 @@ __device__ __forceinline__ float ex2(float x) {
 template <int BNW, int NACC, bool ONLINE = true>
 __device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float* acc, float& m0, float& m1, float& l0,
                                              float& l1, int kvalid, int t, float scale_log2, bool rescale) {
-    if (kvalid < BNW) {
-#pragma unroll
-        for (int j = 0; j < BNW / 8; ++j) {
-            const int c = j * 8 + 2 * t;
-            if (c >= kvalid) s[4 * j] = s[4 * j + 2] = NEG_INF;
-            if (c + 1 >= kvalid) s[4 * j + 1] = s[4 * j + 3] = NEG_INF;
-        }
-    }
+    mask_keys<BNW>(s, kvalid, t);
     float mx0 = 0.f, mx1 = 0.f;
     if constexpr (ONLINE) {
         // The max of the raw scores, scaled once (scale_log2 > 0: the same value as scaling each).
@@ -48,16 +82,8 @@ __device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float*
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
     }
-    float r0 = 0.f, r1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < BNW / 8; ++j) {
-        s[4 * j] = ex2(fmaf(s[4 * j], scale_log2, -mx0));
-        s[4 * j + 1] = ex2(fmaf(s[4 * j + 1], scale_log2, -mx0));
-        s[4 * j + 2] = ex2(fmaf(s[4 * j + 2], scale_log2, -mx1));
-        s[4 * j + 3] = ex2(fmaf(s[4 * j + 3], scale_log2, -mx1));
-        r0 += s[4 * j] + s[4 * j + 1];
-        r1 += s[4 * j + 2] + s[4 * j + 3];
-    }
+    float r0, r1;
+    exp2_rows<BNW>(s, scale_log2, mx0, mx1, r0, r1);
     if constexpr (ONLINE) {
         const float c0 = ex2(m0 - mx0), c1 = ex2(m1 - mx1);
         m0 = mx0;
@@ -75,11 +101,26 @@ __device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float*
         l0 += r0;
         l1 += r1;
     }
-#pragma unroll
-    for (int kk = 0; kk < BNW / 16; ++kk) {
-        pa[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
-        pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
-        pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    pack_p<BNW>(s, pa);
+}
+
+// How far a lazy tile's P may rise above 1 (a thread's 16 P of a row sum to at most this, so each P
+// does): P <= 2^16 keeps a row sum of 2^15 keys below 2^31 and O below 2^31 x max|v| in float32.
+#define LAZY_SUM_LIMIT 65536.f
+
+// The running max's tile without its work (lazy rescaling, as FlashAttention-4 does it): P =
+// exp2(S * scale - m) against the rows' current offsets m0 / m1, left as they are, with no O rescale;
+// r0 / r1 get this thread's part of the row sums. Valid while no score has grown past its row's offset
+// by more than log2(LAZY_SUM_LIMIT): then every P <= 2^16, and the softmax is exact whatever the
+// offset (O and l share it). Returns whether that holds for this thread's live rows (NaN compares
+// false). The kernel votes on it across the warpgroup: all true, and it adds r to l and packs P; else
+// it recomputes S and runs softmax_tile, which moves the offsets to the true max. What a lazy tile
+// saves against softmax_tile: the max's 32 FMNMX and its shuffles, two exps and the 32-float rescale
+// of O.
+template <int BNW>
+__device__ __forceinline__ bool softmax_tile_lazy(float* s, float m0, float m1, float& r0, float& r1, int kvalid,
+                                                  int t, float scale_log2, bool live0, bool live1) {
+    mask_keys<BNW>(s, kvalid, t);
+    exp2_rows<BNW>(s, scale_log2, m0, m1, r0, r1);
+    return (!live0 || r0 <= LAZY_SUM_LIMIT) && (!live1 || r1 <= LAZY_SUM_LIMIT);
 }

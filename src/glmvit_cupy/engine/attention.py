@@ -22,8 +22,8 @@ class Variant:
 
     sm90 (attention_sm90.cu, Hopper only, head dim 64): `warpgroups` consumer warpgroups of 64 query
     rows plus one producer, `stages` K/V slots. sm80 (attention_sm80.cu, any sm_80+): `warps` warps
-    of 16 query rows. `speed`: TFLOP/s on long segments, measured on the H200, which the per-shape
-    choice weighs."""
+    of 16 query rows. `speed`: TFLOP/s on long segments (the fixed pair's measured on the H200, the
+    online pair's on an H100), which the per-shape choice weighs within a pair."""
 
     name: str
     arch: str                 # "sm90" or "sm80"
@@ -76,12 +76,15 @@ SM80_HEAD_DIMS = range(4, 257, 4)
 # The H200's measured choices (docs/PERFORMANCE.md): four consumer warpgroups are fastest on long
 # segments and on batches of short ones; two on a lone short segment, where 256-row tiles leave SMs
 # idle. Both run the same operations on each row, so they give the same bits (tested): batching
-# images never changes an embedding. The _fixed pair drops the softmax's running max: 1.2-1.3x faster
-# (16k keys: 611 against 488 TFLOP/s), error against float64 2.4e-3 against 2.0e-3; a model uses them
-# where its norm weights bound every score (score_bound_log2 within FIXED_OFFSET_LIMIT).
+# images never changes an embedding. The _fixed pair drops the softmax's running max: 1.08x faster than
+# the online pair, which keeps it lazily (softmax.cuh; 16k keys on an H100: 624 against 580 TFLOP/s,
+# `python benchmarks/bench_kernels.py --attention-only`), at the same error against float64 (2.3e-3);
+# a model uses them where its norm weights bound every score (score_bound_log2 within
+# FIXED_OFFSET_LIMIT). The online pair's speeds are the H100's, the fixed pair's the H200's: the
+# choice only weighs a pair against itself.
 VARIANTS = {v.name: v for v in (
-    Variant("sm90_4wg", "sm90", 64, warpgroups=4, stages=4, speed=460.0),
-    Variant("sm90_2wg", "sm90", 64, warpgroups=2, stages=4, speed=345.0),
+    Variant("sm90_4wg", "sm90", 64, warpgroups=4, stages=4, speed=580.0),
+    Variant("sm90_2wg", "sm90", 64, warpgroups=2, stages=4, speed=374.0),
     Variant("sm90_4wg_fixed", "sm90", 64, warpgroups=4, stages=4, speed=590.0, online=False),
     Variant("sm90_2wg_fixed", "sm90", 64, warpgroups=2, stages=4, speed=445.0, online=False),
 )} | {f"sm80_d{d}": Variant(f"sm80_d{d}", "sm80", d, warps=4) for d in SM80_HEAD_DIMS}
@@ -95,7 +98,8 @@ CHOICES = ", ".join(k for k, v in VARIANTS.items() if v.arch == "sm90") + \
 FIXED_OFFSET_LIMIT = 64.0
 # And the output's side: O sums up to `keys` values of P x v, each at most 2^score_bound x max|v|, in
 # float32 (2^128): the variants without a running max need log2(keys) + score_bound + log2 max|v|
-# below this (the online ones' P <= 1 leaves them 2^113 for max|v| at 2^15 keys).
+# below this (the online ones' P <= 2^16, LAZY_SUM_LIMIT in softmax.cuh, leaves them 2^97 for max|v| at
+# 2^15 keys; past 2^64 the next RMSNorm's float32 sum of squares overflows first).
 FIXED_OUTPUT_LIMIT = 126.0
 
 
