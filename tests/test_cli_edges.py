@@ -697,3 +697,21 @@ def test_pillows_warning_on_damaged_exif_names_the_image(tmp_path, rng):
     assert named == set(names) and "warnings.warn" not in done.stderr, done.stderr
     manifest, embeddings = read_embeddings(tmp_path / "out")
     assert len(embeddings) == 3 and not manifest["failed"]
+
+
+def test_a_bomb_warning_is_not_said_for_the_image_its_refusal_names(capsys):
+    """Pillow warns of an image over its limit before the decode refuses it; glmvit-encode's line for that
+    image is the refusal ("skipped ...: refused as a possible decompression bomb"), so the warning, which
+    would say the image is encoded, is not printed. Pillow's other warnings on an image still are."""
+    from glmvit_cupy.cli.main import _warning_above_the_bar
+    from glmvit_cupy.preprocessing import decode
+
+    decode._now.name = "big.png"
+    try:
+        _warning_above_the_bar(Image.DecompressionBombWarning("Image size (2000 pixels) exceeds limit"),
+                               Image.DecompressionBombWarning, "Image.py", 1)
+        assert capsys.readouterr().err == ""
+        _warning_above_the_bar(UserWarning("Corrupt EXIF data"), UserWarning, "TiffImagePlugin.py", 1)
+        assert "big.png: Corrupt EXIF data (Pillow;" in capsys.readouterr().err
+    finally:
+        decode._now.name = None

@@ -4,6 +4,8 @@ import hashlib
 import io
 import json
 import re
+import struct
+import warnings
 
 import numpy as np
 import pytest
@@ -534,6 +536,81 @@ def test_an_image_larger_decoded_than_its_header_said_is_refused(monkeypatch):
     monkeypatch.setattr(Image.Image, "load", grows)
     with pytest.raises(ImageError, match="decoded, it is 4000 x 4000 = 16,000,000; its header said less"):
         decode.load(buf.getvalue(), "icon", max_pixels=1_000_000)
+
+
+def _ico_holding(png_bytes: bytes, bmp_entry: bytes = b"") -> bytes:
+    """An ICO whose directory entries say 16 x 16 and hold `png_bytes` (a PNG of any size) and, if given,
+    a BMP entry's bytes after it."""
+    entries = [png_bytes] + ([bmp_entry] if bmp_entry else [])
+    head = struct.pack("<HHH", 0, 1, len(entries))
+    at, directory = 6 + 16 * len(entries), b""
+    for e in entries:
+        directory += struct.pack("<BBBBHHII", 16, 16, 0, 0, 1, 32, len(e), at)
+        at += len(e)
+    return head + directory + b"".join(entries)
+
+
+def test_an_icon_holding_an_image_over_the_limit_is_refused_before_it_is_opened(monkeypatch):
+    """Pillow decodes an ICO's image as it opens the file, so its limit is checked on the sizes the icon's
+    images' own headers give (a PNG's IHDR, a BMP's DIB header) before Pillow sees it: a 688 KB icon
+    holding a 13,300 x 13,300 PNG took a process to 1.4 GB only to be refused. One within the limit is
+    decoded as before."""
+    from glmvit_cupy.preprocessing import decode
+
+    fresh = np.random.default_rng().integers(0, 255, (30, 40, 3), np.uint8)
+    big, small = io.BytesIO(), io.BytesIO()
+    Image.new("L", (3000, 2000)).save(big, "PNG")  # 6,000,000 pixels in a few KB
+    Image.fromarray(fresh).save(small, "PNG")
+    dib = struct.pack("<IiiHHIIiiII", 40, 2500, 2 * 2500, 1, 32, 0, 0, 0, 0, 0, 0)  # a 2,500 x 2,500 BMP entry
+    opened = []
+    real_open = Image.open
+    monkeypatch.setattr(Image, "open", lambda *a, **k: opened.append(1) or real_open(*a, **k))
+    for icon, inside in ((_ico_holding(big.getvalue()), 6_000_000), (_ico_holding(small.getvalue(), dib), 6_250_000)):
+        assert decode.ico_pixels(icon) == inside
+        for form in (icon, io.BytesIO(icon)):
+            with pytest.raises(ImageError, match=rf"decompression bomb: over the limit of 1,000,000 pixels.*"
+                                                 rf"an icon holding an image of {inside:,}"):
+                decode.load(form, "icon", max_pixels=1_000_000)
+    assert opened == []
+    got = decode.rgb_pixels(decode.load(_ico_holding(small.getvalue()), "icon", max_pixels=1_000_000))
+    assert np.array_equal(got, fresh) and opened == [1]
+    assert decode.ico_pixels(b"\x00\x00\x01\x00\x01") == 0 and decode.ico_pixels(small.getvalue()) == 0
+
+
+def test_decoding_leaves_the_processs_warning_filters_alone(monkeypatch, tmp_path):
+    """Python's warning filters are one list for the whole process (before 3.14): a decode that changed them
+    for itself, on one thread, changed them for every other thread and could leave them changed (a bomb
+    warning turned into an error for good). Decoding sets none; Pillow's DecompressionBombWarning, where
+    the process's filters make it an error, is refused as a bomb by name."""
+    from glmvit_cupy.preprocessing import decode
+
+    def changed(*a, **k):
+        raise AssertionError("a decode changed the process's warning filters")
+
+    for fn in ("catch_warnings", "simplefilter", "filterwarnings", "resetwarnings"):
+        monkeypatch.setattr(warnings, fn, changed)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    over = tmp_path / "over.png"  # 1,600 pixels: over Pillow's limit, under twice it: Pillow warns
+    Image.fromarray(np.random.default_rng().integers(0, 255, (40, 40, 3), np.uint8)).save(over)
+    big = io.BytesIO()
+    Image.new("L", (3000, 2000)).save(big, "PNG")
+    filters = list(warnings.filters)
+    warnings.filters.insert(0, ("error", None, Image.DecompressionBombWarning, None, 0))
+    warnings._filters_mutated() if hasattr(warnings, "_filters_mutated") else None
+    try:
+        with pytest.raises(ImageError, match="over.png: refused as a possible decompression bomb: over the limit "
+                                             "of 1,000 pixels"):
+            decode.load(str(over), str(over))
+        with pytest.raises(ImageError, match="an icon holding an image of 6,000,000"):
+            decode.load(_ico_holding(big.getvalue()), "icon")
+        assert decode.rgb_pixels(decode.load(str(over), "over", max_pixels=2000)).shape == (40, 40, 3)
+        assert decode.header_size(str(over), 2000) == (1600, (40, 40))
+        img = Image.new("RGB", (20, 20))
+        assert decode.rgb_pixels(decode.load(img, "pil")).shape == (20, 20, 3)
+    finally:
+        del warnings.filters[0]
+        warnings._filters_mutated() if hasattr(warnings, "_filters_mutated") else None
+    assert list(warnings.filters) == filters
 
 
 def _hf_rgb(img: Image.Image) -> Image.Image:

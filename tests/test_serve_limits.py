@@ -168,8 +168,9 @@ def test_an_icon_counts_as_the_decode_limit_since_its_header_can_understate(serv
 
     from glmvit_cupy.preprocessing.decode import decode_rgb
 
-    with warnings.catch_warnings():  # the decoding process's decode: Pillow's size warning is not printed
+    with warnings.catch_warnings():  # the decoding process's decode, under its filters: no other warning
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", "Image was not the expected size", UserWarning)  # as decoding.py's
         assert decode_rgb(icon, "image 0").shape == (500, 600, 3)
     got, err = post(client, json.dumps({"images": [b64(icon), b64(ico_holding(flat_png(600, 501)))]}).encode())
     assert got == 413 and "need 32,000,000 pixels decoded at once (2 of them ICO files, counted at --max-pixels, " \

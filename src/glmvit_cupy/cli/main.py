@@ -156,6 +156,8 @@ def _warning_above_the_bar(message, category, filename, lineno, file=None, line=
     from ..preprocessing.decode import decoding
 
     name = decoding()
+    if name and category.__name__ == "DecompressionBombWarning":  # the image is refused, and its line says so
+        return
     where = f"{name}: " if name else ""
     said = f"{where}{message}" + (f" ({category.__name__} from {os.path.basename(filename)})" if not name else
                                   " (Pillow; the image is encoded as Pillow reads it, as the reference's is)")

@@ -11,7 +11,6 @@ import os
 import re
 import struct
 import threading
-import warnings
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -47,12 +46,8 @@ MAX_JPEG_SCANS = 64
 
 
 def decode_rgb(data: bytes, name: str, max_pixels: int | None = None) -> np.ndarray:
-    """An image file's bytes -> HxWx3 uint8, as load decodes them (what offload runs in the other process).
-    Pillow's warning that an icon's image is not the size its header says is not printed: the decoded size
-    is what is checked against max_pixels and used."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Image was not the expected size", UserWarning)
-        return np.ascontiguousarray(rgb_pixels(load(data, name, max_pixels)))
+    """An image file's bytes -> HxWx3 uint8, as load decodes them (what offload runs in the other process)."""
+    return np.ascontiguousarray(rgb_pixels(load(data, name, max_pixels)))
 
 
 _BOMB_SIZE = re.compile(r"\((\d+) pixels\)")
@@ -88,6 +83,50 @@ def is_ico(file) -> bool:
         return False
 
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def ico_pixels(file) -> int:
+    """The most pixels any image inside an ICO file holds, from its directory and each entry's own header
+    (a PNG's IHDR, a BMP's DIB header), nothing decoded: what Pillow would decode as it opens the file. 0
+    where the file is not an ICO or its headers are cut short (opening it says why)."""
+    try:
+        if isinstance(file, ENCODED_BYTES):
+            f, close, at = _bytes_io(file), True, 0
+        elif isinstance(file, (str, os.PathLike)):
+            f, close, at = open(file, "rb"), True, 0
+        else:
+            f, close, at = file, False, file.tell()
+        try:
+            f.seek(0)
+            head = f.read(6)
+            if len(head) < 6 or head[:4] != ICO_MAGIC:
+                return 0
+            count = struct.unpack_from("<H", head, 4)[0]
+            directory = f.read(16 * count)
+            most = 0
+            for i in range(len(directory) // 16):
+                f.seek(struct.unpack_from("<I", directory, 16 * i + 12)[0])
+                entry = f.read(24)
+                if entry[:8] == PNG_MAGIC and len(entry) >= 24:
+                    w, h = struct.unpack_from(">II", entry, 16)
+                elif len(entry) >= 12:  # a DIB: its height counts the image and its mask, as Pillow halves it
+                    core = struct.unpack_from("<I", entry)[0] == 12  # BITMAPCOREHEADER: 16-bit sizes
+                    w, h = (abs(x) for x in struct.unpack_from("<HH" if core else "<ii", entry, 4))
+                    h //= 2
+                else:
+                    continue
+                most = max(most, w * h)
+            return most
+        finally:
+            if close:
+                f.close()
+            else:
+                f.seek(at)
+    except (OSError, ValueError, AttributeError, TypeError, struct.error):
+        return 0
+
+
 def header_size(file, understated: int = 0) -> tuple[int, tuple | None]:
     """(pixels, (width, height)) of an image file (its bytes, or a path) from its header, nothing decoded;
     (0, None) where Pillow cannot tell or the path is not a regular file, which could block a read (decoding
@@ -99,12 +138,10 @@ def header_size(file, understated: int = 0) -> tuple[int, tuple | None]:
     if is_ico(file):  # not opened: that would decode it
         return understated or 0, None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(_bytes_io(file) if isinstance(file, ENCODED_BYTES) else file) as im:
-                w, h = im.size
-                return max(w * h, (understated or 0) if im.format in UNDERSTATED else 0), (w, h)
-    except Image.DecompressionBombError as e:
+        with _open(_bytes_io(file) if isinstance(file, ENCODED_BYTES) else file, understated or None) as im:
+            w, h = im.size
+            return max(w * h, (understated or 0) if im.format in UNDERSTATED else 0), (w, h)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # the warning: filtered to error
         found = _BOMB_SIZE.search(str(e))
         return (int(found.group(1)) if found else 0), None
     except Exception:  # noqa: BLE001 - decoding it reports what is wrong, by name
@@ -144,8 +181,11 @@ _pillow_limit = threading.Lock()
 
 
 def _open(image, limit) -> Image.Image:
-    """Image.open with Pillow's own bomb limit at least `limit` (None: none). Pillow reads it from a module
-    global: that is raised only when asked for more than it allows, under a lock, and put back at once."""
+    """Image.open with Pillow's own bomb limit at least `limit` (None: Pillow's as it is). Pillow reads it
+    from a module global: that is raised only when asked for more than it allows, under a lock, and put back
+    at once. So Pillow warns (DecompressionBombWarning, as the process's warning filters say) only of images
+    over `limit`, which the callers refuse; no warning filter is changed here: those are the process's, and
+    changing them is not safe while other threads decode."""
     current = Image.MAX_IMAGE_PIXELS
     if current is None or (limit is not None and limit <= current):
         return Image.open(image)
@@ -191,43 +231,45 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
     bomb = (f"{name}: refused as a possible decompression bomb: over the limit of {limit or 0:,} pixels; pass "
             "max_pixels (glmvit-encode --max-pixels) to allow larger images")
     try:
-        if offload is not None and is_ico(image):  # opening it here would decode it here, on this thread
-            return offload(_file_bytes(image), name, max_pixels)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the check below decides
-            img = _open(image, limit)
+        if is_ico(image):  # opening it decodes it: refused first on the sizes its images' headers give
+            inside = ico_pixels(image)
+            if limit is not None and inside > limit:
+                raise ImageError(f"{bomb} (an icon holding an image of {inside:,})")
+            if offload is not None:  # opening it here would decode it here, on this thread
+                return offload(_file_bytes(image), name, max_pixels)
+        img = _open(image, limit)
+        w, h = img.size
+        if limit is not None and w * h > limit:
+            raise ImageError(f"{bomb} (it is {w} x {h} = {w * h:,})")
+        if img.format in ("JPEG", "MPO") and img.info.get("progressive"):
+            scans = _scans(img.fp)
+            if scans > MAX_JPEG_SCANS:
+                raise ImageError(f"{name}: a progressive JPEG of {scans:,} scans, more than the {MAX_JPEG_SCANS} "
+                                 "an image may have here (encoders write about 10; each scan decodes the whole "
+                                 "image again): re-encode it")
+        if offload is not None and img.format not in DECODED_IN_PROCESS:
+            data = _file_bytes(image)
+            img.close()
+            return offload(data, name, max_pixels)
+        # One decoder call for the whole file (Pillow feeds 64 KiB at a time by default and takes the GIL
+        # back after each): the decode then runs without the GIL, and threads decode side by side.
+        img.decodermaxblock = max(img.decodermaxblock, DECODE_BLOCK)
+        into = _target(img, host_buffer)
+        img.load()
+        if limit is not None and img.size[0] * img.size[1] > limit:  # a header that understated it (ICNS)
             w, h = img.size
-            if limit is not None and w * h > limit:
-                raise ImageError(f"{bomb} (it is {w} x {h} = {w * h:,})")
-            if img.format in ("JPEG", "MPO") and img.info.get("progressive"):
-                scans = _scans(img.fp)
-                if scans > MAX_JPEG_SCANS:
-                    raise ImageError(f"{name}: a progressive JPEG of {scans:,} scans, more than the {MAX_JPEG_SCANS} "
-                                     "an image may have here (encoders write about 10; each scan decodes the whole "
-                                     "image again): re-encode it")
-            if offload is not None and img.format not in DECODED_IN_PROCESS:
-                data = _file_bytes(image)
-                img.close()
-                return offload(data, name, max_pixels)
-            # One decoder call for the whole file (Pillow feeds 64 KiB at a time by default and takes the GIL
-            # back after each): the decode then runs without the GIL, and threads decode side by side.
-            img.decodermaxblock = max(img.decodermaxblock, DECODE_BLOCK)
-            into = _target(img, host_buffer)
-            img.load()
-            if limit is not None and img.size[0] * img.size[1] > limit:  # a header that understated it (ICNS)
-                w, h = img.size
-                raise ImageError(f"{bomb} (decoded, it is {w} x {h} = {w * h:,}; its header said less)")
-            if into is not None:
-                return into[..., :3]
-            ImageOps.exif_transpose(img, in_place=True)  # in place: no copy when nothing is to be turned
-            rgb = img if img.mode == "RGB" else img.convert("RGB")
-            # A palette or grey image's transparent index (GIF, PNG tRNS) survives convert("RGB") as a colour
-            # in info, and the reference's processor then composites that colour onto white as it does for
-            # a PIL image with transparency.
-            return _onto_white(rgb) if rgb.info.get("transparency") is not None else rgb
+            raise ImageError(f"{bomb} (decoded, it is {w} x {h} = {w * h:,}; its header said less)")
+        if into is not None:
+            return into[..., :3]
+        ImageOps.exif_transpose(img, in_place=True)  # in place: no copy when nothing is to be turned
+        rgb = img if img.mode == "RGB" else img.convert("RGB")
+        # A palette or grey image's transparent index (GIF, PNG tRNS) survives convert("RGB") as a colour
+        # in info, and the reference's processor then composites that colour onto white as it does for
+        # a PIL image with transparency.
+        return _onto_white(rgb) if rgb.info.get("transparency") is not None else rgb
     except ImageError:
         raise
-    except Image.DecompressionBombError as e:  # Pillow's message names its own limit, twice max_pixels
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # Pillow's names its own limit
         found = _BOMB_SIZE.search(str(e))
         raise ImageError(f"{bomb} (it is {int(found.group(1)):,})" if found else bomb) from None
     except IsADirectoryError:
@@ -278,17 +320,16 @@ def _from_pil(img: Image.Image, name) -> np.ndarray:
     fp = getattr(img, "fp", "")
     closed = not loaded and (fp is None or bool(getattr(fp, "closed", False)))  # lazy, and its file gone or closed
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img.load()
-            closed = False
-            palette = img.palette.mode if img.mode == "P" and img.palette is not None else ""
-            if "A" in img.getbands() or img.mode in ("RGBa", "La") or palette.endswith("A") \
-                    or img.info.get("transparency") is not None:
-                return _onto_white(img)
-            return np.asarray(img.convert("RGB"))
-    except (OSError, ValueError, SyntaxError, EOFError, MemoryError, Image.DecompressionBombWarning, AssertionError,
-            TypeError, AttributeError, struct.error, IndexError, KeyError) as e:  # a damaged image's own failures
+        img.load()
+        closed = False
+        palette = img.palette.mode if img.mode == "P" and img.palette is not None else ""
+        if "A" in img.getbands() or img.mode in ("RGBa", "La") or palette.endswith("A") \
+                or img.info.get("transparency") is not None:
+            return _onto_white(img)
+        return np.asarray(img.convert("RGB"))
+    except (OSError, ValueError, SyntaxError, EOFError, MemoryError, Image.DecompressionBombError,
+            Image.DecompressionBombWarning, AssertionError, TypeError, AttributeError, struct.error, IndexError,
+            KeyError) as e:  # a damaged image's own failures, and Pillow's bomb guard
         hint = ("; its file was closed before its pixels were read: call im.load() while the file is open"
                 if closed else "")
         raise ImageError(f"{name}: cannot convert PIL image to RGB ({type(e).__name__}: {e}){hint}") from None

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 
 from ..errors import ImageError
 from ..preprocessing import decode
@@ -30,7 +31,10 @@ LARGE_IMAGE_PIXELS = 1 << 24  # an image over this (16.8 MP) is decoded on at mo
 def _child_ignores_signals(server: int):
     """A decoding process leaves SIGINT and SIGTERM to the server (a terminal's Ctrl-C reaches the whole
     process group): the server ends it. It also ends once the server (process id `server`) is gone, however
-    that ended (SIGKILL, the out-of-memory killer): a thread checks its parent every second."""
+    that ended (SIGKILL, the out-of-memory killer): a thread checks its parent every second. Pillow's warning
+    that an icon's image is not the size its header says is not printed: the decoded size is what is checked
+    against max_pixels and used."""
+    warnings.filterwarnings("ignore", "Image was not the expected size", UserWarning)  # this process's own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
