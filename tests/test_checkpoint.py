@@ -108,6 +108,30 @@ def test_towers_under_two_other_prefixes_are_refused_and_a_known_prefix_is_taken
     assert bind_tower(tmp_path).prefix == "visual."
 
 
+def test_many_towers_and_long_names_are_quoted_short(tmp_path, tensors):
+    """200,000 one-tensor "towers" under other prefixes once made a 4 MB error line, and a tower under a 1 MB
+    prefix with one wrong shape a 1 MB one: the prefixes are listed to 8 and counted, names quoted short."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    write_checkpoint(tmp_path, GEO, tensors=tensors, prefix="a.visual.")
+    anchor = np.zeros((1, 1), ml_dtypes.bfloat16)
+    save_file({f"p{i}.visual.patch_embed.proj.weight": anchor for i in range(30)}, tmp_path / "extra.safetensors")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({f"p{i}.visual.patch_embed.proj.weight": "extra.safetensors" for i in range(30)})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"under each of 'a\.visual\.', 'p0\.visual\.', .* and 23 more; which") as e:
+        bind_tower(tmp_path)
+    assert len(str(e.value)) < 1_000
+    long = "x" * 100_000 + ".visual."
+    wrong = dict(tensors, **{"merger.proj.weight": tensors["merger.proj.weight"][:, :-1]})
+    write_checkpoint(tmp_path / "long", GEO, tensors=wrong, prefix=long)
+    with pytest.raises(CheckpointError, match=r"tensor 'xxxx.*\.\.\. \(100,028 characters\) has shape") as e:
+        bind_tower(tmp_path / "long")
+    assert len(str(e.value)) < 1_000
+
+
 def test_text_tensors_are_never_read(tmp_path, tensors):
     write_checkpoint(tmp_path, GEO, tensors=tensors)
     b = bind_tower(tmp_path)

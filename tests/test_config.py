@@ -78,6 +78,42 @@ def test_a_limit_or_theta_that_is_no_number_names_the_field(field, value):
     VisionGeometry(**{field: np.float32(12.5)}).validate()  # a NumPy number is one
 
 
+@pytest.mark.parametrize("fields", [{"spatial_merge_size": 300, "hidden_size": 4, "num_heads": 1},
+                                    {"patch_size": 1000}, {"in_channels": 3000}, {"temporal_patch_size": 100}])
+def test_a_geometry_whose_tokens_take_gigabytes_of_pixels_is_refused(fields):
+    """The token limits count tokens, so a tower whose token spans (patch_size x spatial_merge_size)^2 pixels of
+    many frames and channels turned a 20-token image into 1.8 M patches (23 GB) before anything said no. Such
+    a geometry is refused at load, naming the product; the largest that passes still binds."""
+    with pytest.raises(CheckpointError, match=r"pixel values, past the 131,072 this encoder takes"):
+        geometry_from_dict(fields)
+    assert VisionGeometry(in_channels=2, temporal_patch_size=1, patch_size=16, spatial_merge_size=16).validate()
+
+
+def test_a_key_given_twice_or_two_names_for_one_size_that_differ_are_refused(tmp_path):
+    """json keeps the last of a key given twice, and HF's alias num_hidden_layers beside depth took whichever
+    came last: a config of depth 2 and 1 ran one block of two, silently. Both are refused; equal aliases pass."""
+    (tmp_path / "config.json").write_text('{"model_type": "glm5_next_vision", "depth": 2, "depth": 1}')
+    with pytest.raises(CheckpointError, match="config.json gives 'depth' twice in one object"):
+        read_config(tmp_path)
+    for alias, name in (("num_hidden_layers", "depth"), ("num_attention_heads", "num_heads")):
+        for order in ((alias, name), (name, alias)):
+            fields = dict([(order[0], 8), (order[1], 16)])
+            with pytest.raises(CheckpointError, match=f"{name} = 16 but {alias} = 8|{name} = 8 but {alias} = 16"):
+                geometry_from_dict(fields)
+        assert getattr(geometry_from_dict({alias: 8, name: 8}), name) == 8
+
+
+@pytest.mark.parametrize("rope", [[], 0, ""])
+def test_rope_parameters_that_are_no_object_are_refused(rope):
+    with pytest.raises(CheckpointError, match="rope_parameters = .* must be an object"):
+        geometry_from_dict({"rope_parameters": rope})
+
+
+def test_a_text_config_that_is_no_object_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="text_config = 'x' must be an object"):
+        read_config(write(tmp_path, {"model_type": "glm5_next", "vision_config": {}, "text_config": "x"}))
+
+
 def test_out_hidden_must_match_text_hidden(tmp_path):
     with pytest.raises(CheckpointError, match="text_config.hidden_size = 2048"):
         read_config(write(tmp_path, {"model_type": "glm5_next", "vision_config": {"out_hidden_size": 4096},

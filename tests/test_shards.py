@@ -125,6 +125,24 @@ def test_a_header_of_too_many_tensors_is_refused_before_it_is_parsed(tmp_path, m
         read_header(str(p))
 
 
+def test_a_header_whose_keys_are_escaped_is_counted_as_it_is_parsed(tmp_path, monkeypatch):
+    """JSON may spell "data_offsets" as "data\\u005foffsets": the byte count before parsing misses those, so the
+    entries are counted as they are parsed as well, and parsing stops at the first past the limit."""
+    from glmvit_cupy.checkpoint import shards
+
+    monkeypatch.setattr(shards, "MAX_TENSORS", 1_000)
+    entries = [f'"t{i}": {{"dtype": "BF16", "shape": [0], "data\\u005foffsets": [0, 0]}}' for i in range(1_001)]
+    raw = ("{" + ", ".join(entries) + "}").encode()
+    assert raw.count(b'"data_offsets"') == 0
+    p = tmp_path / "escaped.safetensors"
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(CheckpointError, match="lists more than the 1,000 tensors a shard may hold"):
+        read_header(str(p))
+    raw = ("{" + ", ".join(entries[:-1]) + "}").encode()  # 1,000: parsed and taken
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    assert len(read_header(str(p))) == 1_000
+
+
 def test_truncated_shard_is_refused_before_mapping(tmp_path):
     data = bytes(20)
     p = shard(tmp_path / "t.safetensors", ok_header(), data)

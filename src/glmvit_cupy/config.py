@@ -20,6 +20,12 @@ FLOAT32_TINY = 2.0**-126  # float32's least normal value: an rms_norm_eps below 
 FLOAT32_MAX = 3.4028234663852886e38  # float32's largest value: past it a setting the kernels take in float32 is inf
 
 
+# Pixel values one output token takes (in_channels x temporal_patch_size x (patch_size x spatial_merge_size)^2):
+# 4,704 in GLM-5.3-Flash. The token limits bound tokens, so this bounds an image's canvas: 8,000 tokens of this
+# many values are 4.2 GB in float32.
+MAX_VALUES_PER_TOKEN = 1 << 17
+
+
 @dataclass(frozen=True)
 class VisionGeometry:
     """Glm5NextVisionConfig's fields that decide what the tower computes.
@@ -96,6 +102,13 @@ class VisionGeometry:
         if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
             bad("spatial_merge_size", m, "the downsample merges m x m patches into a token (a Conv2d of kernel "
                 "and stride m), so m must be a positive integer")
+        per_token = self.in_channels * self.temporal_patch_size * (self.patch_size * m) ** 2
+        if per_token > MAX_VALUES_PER_TOKEN:
+            bad("spatial_merge_size", m,
+                f"a token would take in_channels x temporal_patch_size x (patch_size x spatial_merge_size)^2 = "
+                f"{self.in_channels} x {self.temporal_patch_size} x ({self.patch_size} x {m})^2 = {per_token:,} pixel "
+                f"values, past the {MAX_VALUES_PER_TOKEN:,} this encoder takes (GLM-5.3-Flash: 4,704); the token "
+                "limits count tokens, so such a tower would turn a small image into gigabytes of patches")
         if self.hidden_size % self.num_heads:
             bad("hidden_size", self.hidden_size,
                 f"it is not divisible by num_heads = {self.num_heads}, so heads would not tile the width")
@@ -152,6 +165,10 @@ def geometry_from_dict(vision: dict, *, text_hidden_size=None, where: str = "vis
             f"{where}: model_type = {mt!r} is not a GLM vision tower (expected one of {VISION_MODEL_TYPES})")
     kw = {}
     aliases = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
+    for alias, name in aliases.items():
+        if alias in vision and name in vision and vision[alias] != vision[name]:
+            raise CheckpointError(f"{where}: {name} = {quoted(vision[name])} but {alias} = {quoted(vision[alias])}; "
+                                  "the two name one size: give one, or both equal")
     fields = {f.name: f for f in dataclasses.fields(VisionGeometry)}
     for key, value in vision.items():
         key = aliases.get(key, key)
@@ -160,7 +177,8 @@ def geometry_from_dict(vision: dict, *, text_hidden_size=None, where: str = "vis
     for field in ("patch_size", "temporal_patch_size"):
         if field in kw:
             kw[field] = _as_int_size(field, kw[field], where)
-    rope = vision.get("rope_parameters") or {}
+    rope = vision.get("rope_parameters")
+    rope = {} if rope is None else rope
     if not isinstance(rope, dict):
         raise CheckpointError(f"{where}: rope_parameters = {rope!r} must be an object")
     rope_type = rope.get("rope_type", "axial")
@@ -214,6 +232,8 @@ def read_config(path: str | os.PathLike) -> VisionGeometry:
             f"{path}: text-only checkpoint (model_type {cfg.get('model_type')!r} has no vision_config); "
             "it has no vision tower to load")
     text = cfg.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise CheckpointError(f"{path}: text_config = {quoted(text)} must be an object (HF's text model config)")
     text_hidden = text.get("hidden_size") if isinstance(text, dict) else None
     if text_hidden is None and text is None:
         text_hidden = cfg.get("hidden_size")  # flat text fields, as HF accepts them

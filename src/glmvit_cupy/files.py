@@ -4,12 +4,13 @@ open() of a FIFO would wait forever for a writer, and a device such as /dev/zero
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
 import stat
 
-from .errors import CheckpointError
+from .errors import CheckpointError, quoted
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -48,6 +49,17 @@ def open_regular(path, what: str, error=CheckpointError):
         raise
 
 
+def _one_of_each(path, what, pairs):
+    """A JSON object's pairs as a dict, refusing a key given twice (json keeps the last, silently)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise CheckpointError(f"{path}: {what} gives {quoted(twice, 80)} twice in one object; which one is meant is "
+                              "not clear: keep one")
+    return out
+
+
 def read_json_file(path, what: str, limit: int = 64 << 20, missing: str | None = None):
     """A checkpoint's JSON file (config.json, the index) parsed; missing, unreadable, not a regular file or not
     JSON: CheckpointError."""
@@ -57,7 +69,7 @@ def read_json_file(path, what: str, limit: int = 64 << 20, missing: str | None =
         if len(text) > limit:
             raise CheckpointError(f"{path}: {what} is over {limit >> 20} MiB, more than a checkpoint's JSON file "
                                   "holds; is it the right file?")
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=functools.partial(_one_of_each, path, what))
     except CheckpointError:  # a ValueError too: said as it is, not as "not valid JSON"
         raise
     except FileNotFoundError:

@@ -104,7 +104,7 @@ def _check_shape(store: WeightStore, name: str, want: tuple, module: tuple | Non
         return
     as_module = f" or {list(module)} (the module's own shape)" if module else ""
     raise CheckpointError(
-        f"{info.file}: tensor {name!r} has shape {quoted(shape, 80)}, but vision_config makes the encoder read it as "
+        f"{info.file}: tensor {quoted(name, 200)} has shape {quoted(shape, 80)}, but vision_config makes the encoder read it as "
         f"{list(want)}{as_module}; the checkpoint's tower geometry does not match its config")
 
 
@@ -163,7 +163,8 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
             "the shards hold no tower to load")
     if prefixes[0] not in VISION_PREFIXES and len(prefixes) > 1:
         raise CheckpointError(
-            f"{path}: the checkpoint holds a vision tower under each of {', '.join(map(repr, prefixes))}; which one "
+            f"{path}: the checkpoint holds a vision tower under each of "
+            f"{', '.join(quoted(p, 80) for p in prefixes[:8])}{f' and {len(prefixes) - 8:,} more' if len(prefixes) > 8 else ''}; which one "
             f"to load is not clear (a single one, or one under {', '.join(VISION_PREFIXES)}, would be taken)")
     prefix = prefixes[0]
     # The blocks alone need 14 tensors each (VisionGeometry.tensor_count). Checked before the layout, whose names a
@@ -178,14 +179,14 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
     for suffix, want in layout.items():
         name = prefix + suffix
         if name not in store:
-            raise CheckpointError(f"{store.display}: missing tensor {name!r}, which the encoder needs "
+            raise CheckpointError(f"{store.display}: missing tensor {quoted(name, 200)}, which the encoder needs "
                                   f"(shape {list(want)})")
         store.require_bf16(name)
         _check_shape(store, name, want, modules.get(suffix))
     unused = [n for n in store.names() if n.startswith(prefix) and n[len(prefix):] not in layout]
     if unused:  # the reference ignores them too (HF: "unexpected keys"), but a config that skips blocks is worth a word
         log.warning("%s: %d tower tensors are not read under vision_config (depth = %d), e.g. %s", path, len(unused),
-                    geo.depth, ", ".join(repr(n) for n in unused[:3]))
+                    geo.depth, ", ".join(quoted(n, 200) for n in unused[:3]))
     return TowerBinding(path=path, prefix=prefix, geometry=geo, store=store, layout=layout)
 
 

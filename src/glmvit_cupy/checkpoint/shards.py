@@ -92,8 +92,16 @@ def read_header(path: str) -> dict:
         raise CheckpointError(f"{path}: the header lists {count:,} tensors, more than the {MAX_TENSORS:,} a shard may "
                               "hold here (a real shard holds a few thousand); the file is damaged or not a checkpoint")
 
+    entries = 0
+
     def unique(pairs):
-        # A repeated name would shadow the first entry's bytes: refuse it (JSON alone keeps the last).
+        # A repeated name would shadow the first entry's bytes: refuse it (JSON alone keeps the last). Entries are
+        # counted as they are parsed too: JSON may spell "data_offsets" with escapes the byte count above misses.
+        nonlocal entries
+        entries += any(k == "data_offsets" for k, _ in pairs)
+        if entries > MAX_TENSORS:
+            raise CheckpointError(f"{path}: the header lists more than the {MAX_TENSORS:,} tensors a shard may hold "
+                                  "here (a real shard holds a few thousand); the file is damaged or not a checkpoint")
         seen = set()
         for k, _ in pairs:
             if k in seen:
