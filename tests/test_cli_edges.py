@@ -715,3 +715,32 @@ def test_a_bomb_warning_is_not_said_for_the_image_its_refusal_names(capsys):
         assert "big.png: Corrupt EXIF data (Pillow;" in capsys.readouterr().err
     finally:
         decode._now.name = None
+
+
+def test_a_folders_files_of_other_names_are_counted_as_passed_over(tmp_path, capsys):
+    """A folder's .jfif and .avif photos are images too; a .heic (which this Pillow may not read) is passed over,
+    and the run says how many files it passed over and names one, instead of finishing with exit 0 as if the
+    folder were done."""
+    src = tmp_path / "imgs"
+    src.mkdir()
+    pixels = np.random.default_rng().integers(0, 255, (40, 56, 3), np.uint8)
+    Image.fromarray(pixels).save(src / "a.jfif", "JPEG")
+    Image.fromarray(pixels).save(src / "b.jpe", "JPEG")
+    (src / "c.heic").write_bytes(b"not read")
+    (src / "notes.txt").write_text("x")
+    out = tmp_path / "out"
+    assert run(src, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.DONE
+    err = capsys.readouterr().err
+    assert "passed over 2 files in the folders whose names end in none of .jpg" in err and \
+        f"(e.g. {src / 'c.heic'}); name a file to encode it" in err, err
+    assert sorted(os.path.basename(k) for k in read_embeddings(out)[1]) == ["a.jfif", "b.jpe"]
+
+
+def test_files_after_a_double_dash_are_inputs_whatever_their_names(tmp_path, monkeypatch):
+    """`glmvit-encode --out o -- -x.jpg`: after `--` a word starting with `-` is a file, as in any command."""
+    monkeypatch.chdir(tmp_path)
+    Image.fromarray(np.random.default_rng().integers(0, 255, (40, 56, 3), np.uint8)).save("-x.jpg")
+    args = cli.parse(["--out", "o", "a.png", "--", "-x.jpg", "--cpu"])
+    assert args.inputs == ["a.png", "-x.jpg", "--cpu"] and args.out == "o" and not args.cpu
+    assert run("--checkpoint", TOWER, "--out", "o", "--cpu", "--", "-x.jpg") == cli.DONE
+    assert [os.path.basename(k) for k in read_embeddings("o")[1]] == ["-x.jpg"]

@@ -688,3 +688,24 @@ def test_a_pil_image_whose_file_closed_before_it_loaded_is_an_image_error(tmp_pa
                                              r"was closed before its pixels were read: call im.load\(\) while the "
                                              r"file is open"):
             preprocess(lazy)
+
+
+def test_an_empty_file_an_empty_path_and_an_unreadable_file_are_said_as_such(tmp_path, monkeypatch):
+    empty = tmp_path / "e.jpg"
+    empty.write_bytes(b"")
+    for image in (str(empty), b"", io.BytesIO(b"")):
+        with pytest.raises(ImageError, match=r"the file is empty \(0 bytes\); an image file was expected"):
+            preprocess(image)
+    with pytest.raises(ImageError, match=r"^image 0 \(an empty path\): no such file"):
+        preprocess("")
+    locked = tmp_path / "locked.png"
+    Image.new("RGB", (8, 8)).save(locked)
+
+    def denied(path, *a, **k):  # what open() raises for a file without read permission (root reads it all the same)
+        raise PermissionError(13, "Permission denied", str(path))
+
+    from glmvit_cupy.preprocessing import decode
+
+    monkeypatch.setattr(decode.Image, "open", denied)
+    with pytest.raises(ImageError, match=r"locked.png: cannot be read \(permission denied\)"):
+        preprocess(str(locked))

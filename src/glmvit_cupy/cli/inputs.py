@@ -14,7 +14,7 @@ from ..files import open_regular
 from ..output import file_stamp, image_key, shown
 from ..scheduling import feed
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".avif", ".bmp", ".gif", ".tif", ".tiff")
 # Containers PyAV (FFmpeg) opens; a folder's files with these names are encoded as videos.
 VIDEO_EXTENSIONS = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".ts", ".wmv", ".flv",
                     ".3gp")
@@ -28,14 +28,15 @@ class NoSuchInput(ValueError):
     """An input that names no file, folder or matching glob."""
 
 
-def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS) -> list[str]:
+def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS, passed_over=None) -> list[str]:
     """Files as given, folders walked for files with these extensions (sorted), globs expanded, each file once
     however it was reached. Folders and `**` follow symbolic links to folders but enter each folder (by device
-    and inode) once, so a link loop ends. An input that names nothing: NoSuchInput naming it."""
+    and inode) once, so a link loop ends. An input that names nothing: NoSuchInput naming it. `passed_over`, a
+    list, gets the folders' files whose names have none of the extensions."""
     out, missing = [], []
     for item in items:
         if os.path.isdir(item):
-            out += walk(item, extensions)
+            out += walk(item, extensions, passed_over)
         elif os.path.lexists(item):  # a file, or a FIFO, device or broken link: reading it says which
             out.append(item)
         elif glob.has_magic(item):
@@ -110,7 +111,7 @@ def _folders_under(top, seen: set, hidden: bool = True) -> list[str]:
     return order
 
 
-def walk(top, extensions) -> list[str]:
+def walk(top, extensions, passed_over=None) -> list[str]:
     """The files under folder `top` with these extensions: each folder's files (sorted), then its subfolders'.
     A folder that cannot be listed is itself in the list: reading it fails, and the run reports it with the
     OS's reason instead of passing over what it holds."""
@@ -122,6 +123,8 @@ def walk(top, extensions) -> list[str]:
             out.append(folder)
             continue
         out += [os.path.join(folder, f) for f in files if f.lower().endswith(extensions)]
+        if passed_over is not None:
+            passed_over += [os.path.join(folder, f) for f in files if not f.lower().endswith(extensions)]
     return out
 
 

@@ -112,7 +112,16 @@ MAX_TARGET_FPS = 10_000  # --video-fps at most: finer than any video's frames (1
 
 
 def parse(argv):
-    return parser().parse_intermixed_args(argv)  # inputs before, between and after the options
+    """Inputs before, between and after the options; after `--`, every word is an input (a file named
+    `-x.jpg`): parse_intermixed_args does not take `--` itself before Python 3.12."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    rest = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, rest = argv[:at], argv[at + 1:]
+    args = parser().parse_intermixed_args(argv)
+    args.inputs += rest
+    return args
 
 
 def inspect(path) -> int:
@@ -235,10 +244,15 @@ def run(args) -> int:
         return fail(why)
     # Everything that can refuse the run is checked before the output folder is made.
     kinds = IMAGE_EXTENSIONS + (() if args.no_videos else VIDEO_EXTENSIONS)
+    passed_over: list[str] = []
     try:
-        paths = [p for p in expand_inputs(args.inputs, kinds) if not (args.no_videos and is_video(p))]
+        paths = [p for p in expand_inputs(args.inputs, kinds, passed_over) if not (args.no_videos and is_video(p))]
     except NoSuchInput as e:
         return fail(e)
+    if passed_over:  # a folder's other files are not inputs; said, so that an unlisted image format is noticed
+        print(f"glmvit-encode: passed over {counted(len(passed_over), 'file')} in the folders whose names end in none "
+              f"of {', '.join(kinds)} (e.g. {shown(passed_over[0])}); name a file to encode it whatever its name",
+              file=sys.stderr)
     if not paths:
         return fail(f"no images or videos found in {', '.join(args.inputs)} (looked for {', '.join(kinds)})")
     videos = [p for p in paths if is_video(p)]

@@ -22,7 +22,7 @@ from ..files import not_regular
 def name_of(image, index) -> str:
     """What errors call an image: its path, or its index (and a file object's name)."""
     if isinstance(image, (str, os.PathLike)):
-        return os.fspath(image)
+        return os.fspath(image) or f"image {index} (an empty path)"
     name = getattr(image, "name", None)
     if isinstance(name, str):
         return f"{name} (image {index})"
@@ -146,6 +146,22 @@ def header_size(file, understated: int = 0) -> tuple[int, tuple | None]:
         return (int(found.group(1)) if found else 0), None
     except Exception:  # noqa: BLE001 - decoding it reports what is wrong, by name
         return 0, None
+
+
+def _is_empty(image) -> bool:
+    """Whether an image file (its bytes, a path or a seekable file object) holds no bytes at all."""
+    try:
+        if isinstance(image, ENCODED_BYTES):
+            return memoryview(image).nbytes == 0
+        if isinstance(image, (str, os.PathLike)):
+            return os.path.getsize(image) == 0
+        at = image.tell()
+        try:
+            return image.seek(0, os.SEEK_END) == 0
+        finally:
+            image.seek(at)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
 
 
 def _bytes_io(data) -> io.BytesIO:
@@ -277,8 +293,12 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
     except FileNotFoundError:
         raise ImageError(f"{name}: no such file") from None
     except Image.UnidentifiedImageError:  # Pillow's own message names only its file object
+        if _is_empty(image):
+            raise ImageError(f"{name}: the file is empty (0 bytes); an image file was expected") from None
         raise ImageError(f"{name}: cannot decode image (UnidentifiedImageError: not in an image format Pillow "
                          "reads, e.g. JPEG, PNG, WebP, GIF, BMP, TIFF)") from None
+    except PermissionError:
+        raise ImageError(f"{name}: cannot be read (permission denied)") from None
     except (OSError, ValueError, SyntaxError, EOFError, TypeError, MemoryError) as e:
         # Pillow says "image file is truncated (N bytes not processed)" for a file cut short, N counting only
         # its decoder's last buffer: the file is what a user needs to hear about.
