@@ -376,6 +376,31 @@ def test_a_cancelled_image_never_reaches_a_pass():
     assert batcher.depth == 0
 
 
+def test_drop_cancels_queued_work_and_keeps_a_launched_images_value():
+    """Batcher.drop (a request that went away): a queued image is dropped before its pass (True, on_drop);
+    one in a pass already launched runs all the same, so it is not cancelled (False) and its future gets the
+    embedding, for the service to cache and count instead of throwing away."""
+    engine = Engine(gpu_s=0.15)
+    dropped = []
+    batcher = Batcher(engine, capacity_tokens=1, max_wait_s=0.0, max_queue=64, on_drop=dropped.append)
+
+    async def go():
+        futures = batcher.submit([item(1, i) for i in range(4)])
+        await asyncio.sleep(0.05)  # 0 is in its pass, 1 is launched behind it, 2 and 3 are queued
+        kept, gone = batcher.drop(futures[0]), batcher.drop(futures[3])
+        first = await futures[0]
+        await asyncio.gather(*futures[1:3])
+        await asyncio.sleep(0.01)  # the cancel's callback ran
+        return kept, gone, first, futures[3].cancelled()
+
+    kept, gone, first, cancelled = asyncio.run(go())
+    batcher.stop()
+    assert (kept, gone, cancelled) == (False, True, True)
+    assert first.shape == (1, 2) and [d.item[2]["tag"] for d in dropped] == [3]
+    assert sorted(t for _, tags in engine.batches for t in tags) == [0, 1, 2] and batcher.depth == 0
+    assert batcher._in_pass == set()
+
+
 @pytest.mark.parametrize("shares", [True, False])
 def test_stop_finishes_what_is_queued(shares):
     engine = Engine(gpu_s=0.01, shares_passes=shares)
@@ -473,3 +498,35 @@ def test_a_video_request_of_more_parts_than_the_queue_holds_is_admitted_for_one_
     finally:
         batcher.stop()
     assert len(embs) == 6 and [tags for _, tags in engine.batches] == [["v0", "v1"], ["v2", "v3"], ["v4", "v5"]]
+
+
+def test_an_image_whose_requests_all_left_during_its_pass_is_cached_and_counted():
+    """Flights.leave with the service's Batcher: a request gone while its image is queued drops it; one gone
+    while its image is in a launched pass leaves it running, and the embedding, when it comes, is cached and
+    counted as encoded (a retry of the same image is answered from the cache, not encoded again)."""
+    from glmvit_cupy.serving.cache import EmbeddingCache
+    from glmvit_cupy.serving.flights import Flights
+
+    engine = Engine(gpu_s=0.15)
+    dropped, encoded = [], []
+    batcher = Batcher(engine, capacity_tokens=1, max_wait_s=0.0, max_queue=64, on_drop=dropped.append)
+    cache = EmbeddingCache(1 << 20)
+    flights = Flights(cache, lambda: batcher)
+
+    async def go():
+        started = [flights.start(("key", i)) for i in range(3)]
+        for i, f in enumerate(started):
+            flights.queued_as([f], batcher.submit([item(1, i)])[0], lambda v: [(v, {"tag": "about"})],
+                              lambda f, emb: encoded.append(f.key))
+        await asyncio.sleep(0.05)  # 0 in its pass, 1 launched behind it, 2 queued
+        for f in (started[0], started[2]):
+            flights.leave(f)  # its only request went away
+        await asyncio.sleep(0.4)
+        return started
+
+    started = asyncio.run(go())
+    batcher.stop()
+    assert [d.item[2]["tag"] for d in dropped] == [2] and started[2].result.exception() is not None
+    assert sorted(encoded) == [("key", 0), ("key", 1)]
+    hit = cache.get(("key", 0))
+    assert hit is not None and hit[0].shape == (1, 2) and cache.get(("key", 2)) is None

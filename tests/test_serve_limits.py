@@ -1092,6 +1092,26 @@ def test_the_cache_counts_what_its_entries_hold():
     assert cache.get(("%064x" % 0, 16, 64, checkpoint)) is None  # the oldest went first
 
 
+def test_embeddings_split_from_one_array_are_counted_as_their_own_rows():
+    """A video request's embeddings come split from one array: cached as views, each entry kept the whole
+    array alive and was counted so (400 videos of 8 KB: 1 GB counted, the cache emptied). Each entry keeps
+    and counts its own rows; the first entry's rows are not a view of what a later request mutates."""
+    import ml_dtypes
+
+    from glmvit_cupy.serving.cache import EmbeddingCache
+
+    whole = np.random.default_rng().standard_normal((400 * 4, 64)).astype(ml_dtypes.bfloat16)
+    parts = np.split(whole, 400)
+    cache = EmbeddingCache(10 << 20)
+    for i, part in enumerate(parts):
+        cache.put(("video %d" % i, "ckpt"), part, {"frames": 2})
+    assert len(cache) == 400 and cache.bytes < 400 * (part.nbytes + 2_000)
+    kept = cache.get(("video 7", "ckpt"))[0]
+    assert kept.base is None and np.array_equal(kept.view(np.uint16), parts[7].view(np.uint16))
+    whole[28] = 0  # the request's array, reused: the cache's copy is its own
+    assert not np.array_equal(kept.view(np.uint16), parts[7].view(np.uint16))
+
+
 @pytest.mark.parametrize("w,h,says", [
     (5000, 4000, "images[1] has 5000 x 4000 = 20,000,000 pixels, over the server's limit of 16,000,000 an "
                  "image (--max-pixels): refused as a possible decompression bomb; send a smaller image"),
@@ -1166,9 +1186,10 @@ def post_raw(client, body: bytes) -> tuple[int, dict]:
 ])
 def test_a_body_of_many_json_items_is_refused_before_it_is_parsed(server, body, says):
     """A body of many tiny JSON items costs json.loads an object each, holding the interpreter (60 MB of "[],"
-    took 1.5 GB and 7 s): refused (400) from a count of their marks, before any parsing."""
+    took 1.5 GB and 7 s): refused (413, too large for its kind) from a count of their marks, before any
+    parsing."""
     status, err = post_raw(server[1], body)
-    assert status == 400 and says in err["error"], err
+    assert status == 413 and says in err["error"], err
 
 
 @pytest.mark.parametrize("body, says", [

@@ -167,6 +167,7 @@ class Batcher:
         self._running = [0] * backend.lanes  # image passes launched that the GPU has not ended (under the lock)
         self._pace = [Pace() for _ in range(backend.lanes)]
         self._taken = 0  # batches taken from the queue and not yet handed back (under the lock)
+        self._in_pass: set = set()  # futures of the jobs in a launched pass, until resolved (under the lock)
         self._done = [queue.SimpleQueue() for _ in range(backend.lanes)]
         self._threads = [threading.Thread(target=fn, args=(lane,), name=f"glmvit-{what}-{lane}", daemon=True)
                          for lane in range(backend.lanes)
@@ -304,6 +305,16 @@ class Batcher:
             return head
         return None
 
+    def drop(self, future: asyncio.Future) -> bool:
+        """Work nobody waits for any more: cancelled (dropped before its pass) and True, unless it is an image
+        in a pass already launched, which runs all the same: then False, and its future gets its value, which
+        the caller keeps (the embedding is cached and counted, not thrown away)."""
+        with self._cv:
+            if future in self._in_pass:
+                return False
+            future.cancel()  # its callbacks run later, on the loop; the engine thread checks cancelled() too
+        return True
+
     def expedite(self, future: asyncio.Future) -> None:
         """Another request waits for this queued job's value too (the same image): unless it is next of its
         request, the job leaves that request and queues at the back of the line as a request of its own, so
@@ -373,10 +384,11 @@ class Batcher:
                 done.put(None)
                 return
             with self._cv:  # jobs cancelled while the batch gathered never reach the pass
-                gone = [j for j in batch if j.dropped]
-                batch = [j for j in batch if not j.dropped]
+                gone = [j for j in batch if j.dropped or j.future.cancelled()]
+                batch = [j for j in batch if not (j.dropped or j.future.cancelled())]
                 self._waiting -= len(gone) + len(batch)
                 self._taken += bool(batch)
+                self._in_pass.update(j.future for j in batch)
             for job in gone:
                 self.on_drop(job)
             if not batch:
@@ -444,6 +456,7 @@ class Batcher:
                 self.on_pass(times)
             with self._cv:
                 self._taken -= 1
+                self._in_pass.difference_update(j.future for j in batch)
 
     @property
     def busy(self) -> bool:

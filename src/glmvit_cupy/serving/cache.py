@@ -57,6 +57,11 @@ class EmbeddingCache:
     def put(self, key, embedding: np.ndarray, about):
         if key in self._entries:
             return
+        if isinstance(embedding, np.ndarray) and embedding.base is not None:
+            # A view (one of a pass's or a video request's embeddings split from one array) would keep the whole
+            # array alive, and be counted so for each entry: 400 videos of one request once counted 1 GB for
+            # 3.3 MB of embeddings and emptied the cache. The entry keeps its own rows.
+            embedding = embedding.copy()
         size = self.entry_bytes(key, embedding, about)
         if size > self.max_bytes:
             return

@@ -56,13 +56,19 @@ class Flights:
 
     def leave(self, f: Flight) -> None:
         """A request is done with f (answered, refused or gone); queued work nobody waits for is dropped, and
-        its flights are no longer found (a request for the same content starts its own)."""
+        its flights are no longer found (a request for the same content starts its own). Work in a pass that
+        has begun runs on: its embedding is cached and counted when it comes, and a request for the same
+        content meanwhile joins it."""
         f.refs -= 1
         if f.job is not None and not f.job.done() and all(g.refs <= 0 for g in f.group):
+            drop = getattr(self._batcher(), "drop", None)
+            if drop is not None and not drop(f.job):
+                return
             for g in f.group:
                 if self._by_key.get(g.key) is g:
                     del self._by_key[g.key]
-            f.job.cancel()
+            if drop is None:
+                f.job.cancel()
 
     def queued_as(self, group: list, job: asyncio.Future, unpack, on_encoded) -> None:
         """group's flights settled by the batcher's `job`: unpack(its value) -> [(embedding, about)] in the

@@ -127,12 +127,12 @@ MAX_VIDEO_ITEMS = 1_000_000
 
 
 def _check_items(body: bytes, most: int, what: str) -> None:
-    """Refused (400) for a body of more JSON strings, arrays, objects and commas than a request of its kind
+    """Refused (413) for a body of more JSON strings, arrays, objects and commas than a request of its kind
     holds, counted before it is parsed: json.loads makes an object of each and holds the interpreter
     meanwhile (60 MB of "[]," took 1.5 GB and 7 s), while base64 holds none of their marks."""
     n = body.count(b'"') // 2 + body.count(b"[") + body.count(b"{") + body.count(b",")
     if n > most:
-        raise Refused(400, f"the body holds {n:,} JSON strings, arrays, objects and commas; {what} holds at most "
+        raise Refused(413, f"the body holds {n:,} JSON strings, arrays, objects and commas; {what} holds at most "
                            f"{most:,}")
 
 
@@ -161,7 +161,9 @@ def _text(body) -> str:
     return str(body, "ascii")
 
 
-def _load(text: str):
+def _load(text: str, want: str):
+    if not text.strip():
+        raise Refused(400, f"the body is empty: send a JSON object, {want}")
     try:
         return json.loads(text, object_pairs_hook=_unique)
     except (ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
@@ -185,10 +187,11 @@ def _unique(pairs: list) -> dict:
 def parse_images(body: bytes, capacity: int, max_images: int = 256):
     """(images as base64 strings, min and max tokens) of an image request, or Refused. max_images: the most a
     request may hold (--max-queue), which bounds the JSON items parsed."""
-    _check_items(body, 4 * max_images + 64, f"a request of up to {max_images} images (--max-queue)")
-    text = _text(body)
+    text = _text(body)  # first: an image file sent as JSON is told where it goes, not counted as JSON
+    _check_items(body, 4 * max_images + 64, f"a request of up to {max_images} images (--max-queue): send at most "
+                                            f"{max_images} a request")
     del body  # the caller passed its last reference: the body's memory goes before the parse makes strings
-    req = _load(text)
+    req = _load(text, "an object with an 'images' list of base64 strings")
     if not isinstance(req, dict):
         raise Refused(400, "the body must be a JSON object with an 'images' list")
     unknown = sorted(set(req) - set(FIELDS))
@@ -247,10 +250,10 @@ def parse_videos(body: bytes) -> tuple[list[dict], dict]:
     """(videos [{"frames": [base64] or None, "file": base64 or None, "fps", "duration"}], the settings for
     preprocess_video) or Refused 400.
     The settings' values are checked by preprocess_video itself (a 422 naming the video)."""
-    _check_items(body, MAX_VIDEO_ITEMS, "a video request")
     text = _text(body)
+    _check_items(body, MAX_VIDEO_ITEMS, "a video request")
     del body  # as in parse_images
-    req = _load(text)
+    req = _load(text, "an object with a 'videos' list")
     if not isinstance(req, dict):
         raise Refused(400, "the body must be a JSON object with a 'videos' list")
     unknown = sorted(set(req) - set(VIDEO_FIELDS))
