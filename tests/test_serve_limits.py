@@ -1038,8 +1038,8 @@ def test_a_reply_over_the_limit_is_413_before_it_is_made(server):
 def test_base64_decoded_piece_by_piece_equals_decoding_at_once(rng):
     """requests.b64decode works a MiB of text at a time (so the event loop's thread gets the interpreter
     between pieces): the same bytes as base64's one call for texts across piece boundaries in every form
-    clients send, and an error for a bad character, length or padding wherever it is (padding that ends a
-    piece too)."""
+    clients send (URL-safe text without its padding too), and an error for a bad character (named, with
+    where it is), length or padding wherever it is (padding that ends a piece too)."""
     import binascii
 
     from glmvit_cupy.serving import requests
@@ -1048,10 +1048,11 @@ def test_base64_decoded_piece_by_piece_equals_decoding_at_once(rng):
     for n in (0, 1, 2, 3, piece * 3 // 4 - 1, piece * 3 // 4, piece * 3 // 4 + 1, 3 * piece // 2 + 7):
         raw = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         for text in (base64.b64encode(raw).decode(), base64.urlsafe_b64encode(raw).decode(),
+                     base64.urlsafe_b64encode(raw).decode().rstrip("="),  # unpadded, as URL-safe text often is
                      base64.encodebytes(raw).decode(), "data:image/png;base64," + base64.b64encode(raw).decode()):
             assert requests.b64decode(text) == raw
     text = base64.b64encode(rng.integers(0, 256, 2 * piece, dtype=np.uint8).tobytes()).decode()
-    for bad in (text[:-1], text[:piece + 5] + "*" + text[piece + 6:], "*" + text[1:], "QU\u00e9D",
+    for bad in (text[:-3], text[:piece + 5] + "*" + text[piece + 6:], "*" + text[1:], "QU\u00e9D",
                 text[:piece - 2] + "==" + text[piece:], text[:piece - 4] + "==" + text[piece - 2:]):  # padding inside
         with pytest.raises((binascii.Error, ValueError)):
             base64.b64decode("".join(bad.split()), validate=True)  # refused by one call too
@@ -1061,6 +1062,8 @@ def test_base64_decoded_piece_by_piece_equals_decoding_at_once(rng):
     # the ASCII whitespace str.split() knows (its separators too)
     for odd in ("QUJD===", "A" * piece + "==", "\x1cQU\x1fJD\x0b"):
         assert requests.b64decode(odd) == base64.b64decode("".join(odd.split()), validate=True)
+    with pytest.raises(binascii.Error, match=r"'\*', character 1,048,581 once whitespace is left out, is not base64"):
+        requests.b64decode(text[:piece + 5] + "*" + text[piece + 6:])
     # Unicode whitespace is refused, where it is (splitting a long text on it took 5.5 GB)
     for odd, at in (("QUJD\u2028QUJD", "U+2028, outside ASCII, at character 4"), ("QU\xa0JD", "U+00A0")):
         with pytest.raises(binascii.Error, match=re.escape(at)):

@@ -117,8 +117,18 @@ def b64decode(text: str) -> bytes:
     whole = end // 4 * 4
     if whole == end:
         whole = max(whole - 4, 0)  # the last quad goes to the last call, beside any padding
-    out = [base64.b64decode(data[i:min(i + _PIECE, whole)], validate=True) for i in range(0, whole, _PIECE)]
-    out.append(base64.b64decode(data[whole:], validate=True))
+    tail = data[whole:]
+    if end == len(data) and len(tail) % 4 in (2, 3):  # no padding, as URL-safe base64 often comes: added
+        tail += b"=" * (4 - len(tail) % 4)
+    try:
+        out = [base64.b64decode(data[i:min(i + _PIECE, whole)], validate=True) for i in range(0, whole, _PIECE)]
+        out.append(base64.b64decode(tail, validate=True))
+    except binascii.Error:
+        bad = re.search(rb"[^A-Za-z0-9+/=]", data)
+        if bad is not None:
+            raise binascii.Error(f"{chr(bad.group()[0])!r}, character {bad.start():,} once whitespace is left out, is "
+                                 "not base64: A-Z, a-z, 0-9, + and / (or - and _), and = only at the end") from None
+        raise
     return b"".join(out)
 
 
