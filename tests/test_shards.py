@@ -336,3 +336,24 @@ def test_to_device_without_cupy_is_gpu_unavailable(tmp_path):
     store = WeightStore.open(shard(tmp_path / "s.safetensors", ok_header(), bytes(20)))
     with pytest.raises(GpuUnavailable, match="WeightStore.to_device needs CuPy: CuPy is not installed"):
         store.to_device("a")
+
+
+def test_packed_and_complex_dtypes_are_indexed_and_refused_only_when_read(tmp_path):
+    """A checkpoint may hold a text model's packed FP4 / FP6 weights or complex tensors beside a BF16 tower:
+    safetensors has those dtypes, and one in a shard refused the whole checkpoint. They are indexed by their
+    bits (two F4 values a byte, four F6 values in three), so the data section is still checked whole; only
+    reading one is refused, by name. A size that is no whole number of bytes is a damaged header."""
+    header = {"t4": {"dtype": "F4", "shape": [3, 4], "data_offsets": [0, 6]},
+              "t6": {"dtype": "F6_E2M3", "shape": [8], "data_offsets": [6, 12]},
+              "c": {"dtype": "C64", "shape": [2], "data_offsets": [12, 28]},
+              "a": {"dtype": "BF16", "shape": [2], "data_offsets": [28, 32]}}
+    bf = np.random.default_rng().standard_normal(2).astype(ml_dtypes.bfloat16)
+    p = shard(tmp_path / "mixed.safetensors", header, bytes(28) + bf.tobytes())
+    store = WeightStore.open(p)
+    assert store.info("t4").nbytes == 6 and store.info("t6").nbytes == 6 and store.info("c").nbytes == 16
+    assert np.array_equal(store.get("a").view(np.uint16), bf.view(np.uint16))
+    with pytest.raises(CheckpointError, match=r"tensor 't4' is F4, which this store indexes but cannot read"):
+        store.get("t4")
+    header["t4"]["shape"] = [3, 3]  # 9 values of 4 bits: no whole number of bytes
+    with pytest.raises(CheckpointError, match=r"tensor 't4': dtype F4 x shape \(3, 3\) is not a whole number of bytes"):
+        read_header(shard(tmp_path / "odd.safetensors", header, bytes(28) + bf.tobytes()))

@@ -27,6 +27,12 @@ DTYPE_NAMES = ("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "U16", "I16"
                "U64", "I64", "F64")
 
 
+# Dtypes the safetensors format has that this store indexes but does not map (a text model's packed 4- and
+# 6-bit weights, complex numbers): their bits an element. A checkpoint may hold them beside the tower, which
+# is BF16 (require_bf16); get() refuses them by name.
+UNMAPPED_BITS = types.MappingProxyType({"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "C64": 64})
+
+
 @functools.cache
 def dtypes() -> types.MappingProxyType:
     """The NumPy type of each safetensors dtype name. ml_dtypes (bf16, the fp8 types) is imported here, on first
@@ -130,8 +136,9 @@ def read_header(path: str) -> dict:
         if not isinstance(entry, dict):
             raise CheckpointError(f"{where}: header entry must be an object, got {entry!r:.80}")
         dtype = entry.get("dtype")
-        if not isinstance(dtype, str) or dtype not in DTYPE_NAMES:
-            raise CheckpointError(f"{where}: unknown dtype {quoted(dtype, 40)} (known: {', '.join(DTYPE_NAMES)})")
+        if not isinstance(dtype, str) or (dtype not in DTYPE_NAMES and dtype not in UNMAPPED_BITS):
+            raise CheckpointError(f"{where}: unknown dtype {quoted(dtype, 40)} (known: "
+                                  f"{', '.join(DTYPE_NAMES + tuple(UNMAPPED_BITS))})")
         shape = entry.get("shape")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
@@ -150,7 +157,11 @@ def read_header(path: str) -> dict:
             raise CheckpointError(
                 f"{where}: data_offsets {quoted(offs, 80)} lie outside the {data_len}-byte data section "
                 "(the shard is truncated or its header is wrong)")
-        want = dtypes()[dtype].itemsize * _prod(shape)
+        bits = dtypes()[dtype].itemsize * 8 if dtype in DTYPE_NAMES else UNMAPPED_BITS[dtype]
+        want, spare = divmod(bits * _prod(shape), 8)
+        if spare:
+            raise CheckpointError(f"{where}: dtype {dtype} x shape {quoted(tuple(shape), 80)} is not a whole number of "
+                                  "bytes; the header is damaged")
         if want > data_len:  # also a product too long to print
             raise CheckpointError(
                 f"{where}: dtype {dtype} x shape {quoted(tuple(shape), 80)} needs more bytes than the shard's "
@@ -291,6 +302,9 @@ class WeightStore:
             raise CheckpointError(f"{info.file}: shard shrank to {size} bytes while it was open (tensor "
                                   f"{quoted(name, 120)} needs bytes up to {info.offset + info.nbytes}); a checkpoint "
                                   "must not change while it is read")
+        if info.dtype not in dtypes():
+            raise CheckpointError(f"{info.file}: tensor {quoted(name, 120)} is {info.dtype}, which this store indexes but "
+                                  f"cannot read (it reads {', '.join(DTYPE_NAMES)})")
         dtype = dtypes()[info.dtype]
         count = info.nbytes // dtype.itemsize
         return np.frombuffer(mm, dtype=dtype, count=count, offset=info.offset).reshape(info.shape)
