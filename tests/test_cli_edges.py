@@ -718,20 +718,22 @@ def test_a_bomb_warning_is_not_said_for_the_image_its_refusal_names(capsys):
 
 
 def test_a_folders_files_of_other_names_are_counted_as_passed_over(tmp_path, capsys):
-    """A folder's .jfif and .avif photos are images too; a .heic (which this Pillow may not read) is passed over,
-    and the run says how many files it passed over and names one, instead of finishing with exit 0 as if the
-    folder were done."""
+    """A folder's .jfif and .jpe photos are images too; a .heic (which this Pillow may not read) or an icon is
+    passed over, and the run says how many such image files it passed over and names one, instead of finishing
+    with exit 0 as if the folder were done; a caption or a PDF beside them is passed over without a word."""
     src = tmp_path / "imgs"
     src.mkdir()
     pixels = np.random.default_rng().integers(0, 255, (40, 56, 3), np.uint8)
     Image.fromarray(pixels).save(src / "a.jfif", "JPEG")
     Image.fromarray(pixels).save(src / "b.jpe", "JPEG")
     (src / "c.heic").write_bytes(b"not read")
-    (src / "notes.txt").write_text("x")
+    (src / "d.ico").write_bytes(b"not read")
+    (src / "notes.txt").write_text("x")  # a caption beside its image: not said
+    (src / "scan.pdf").write_text("x")
     out = tmp_path / "out"
     assert run(src, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.DONE
     err = capsys.readouterr().err
-    assert "passed over 2 files in the folders whose names end in none of .jpg" in err and \
+    assert "passed over 2 image files in the folders whose names end in none of .jpg" in err and \
         f"(e.g. {src / 'c.heic'}); name a file to encode it" in err, err
     assert sorted(os.path.basename(k) for k in read_embeddings(out)[1]) == ["a.jfif", "b.jpe"]
 

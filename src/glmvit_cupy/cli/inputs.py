@@ -20,6 +20,22 @@ VIDEO_EXTENSIONS = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".m
                     ".3gp")
 
 
+# Other names a photo or scan goes by (HEIC from phones, camera raw, JPEG XL), beside Pillow's own formats:
+# a folder's files named so are said when passed over, so that an unlisted image format is noticed.
+IMAGE_LIKE = (".heic", ".heif", ".jxl", ".dng", ".cr2", ".cr3", ".nef", ".arw", ".raf", ".orf", ".rw2")
+NOT_IMAGES = (".pdf", ".ps", ".eps", ".h5", ".hdf", ".mpeg", ".mpg", ".grib", ".bufr")  # Pillow's, not photos
+
+
+def looks_like_an_image(path: str) -> bool:
+    """Whether a file's name is an image format's (Pillow's registered extensions, or IMAGE_LIKE): one a folder
+    walk passed over is worth a word."""
+    from PIL import Image
+
+    Image.init()
+    ext = os.path.splitext(path)[1].lower()
+    return ext in IMAGE_LIKE or (ext in Image.registered_extensions() and ext not in NOT_IMAGES)
+
+
 def is_video(path: str) -> bool:
     return path.lower().endswith(VIDEO_EXTENSIONS)
 

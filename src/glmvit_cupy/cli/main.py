@@ -43,7 +43,8 @@ from ..scheduling.batching import pack, preparer
 from .. import vllm_ec
 from .common import (DONE, EXIT_STATUS, FAILED, USAGE, WRITE, counted, interruption, skipped,
                      stopped_by_sigterm, write_vllm)
-from .inputs import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, NoSuchInput, expand_inputs, is_video, prepared
+from .inputs import (IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, NoSuchInput, expand_inputs, is_video, looks_like_an_image,
+                     prepared)
 from .videos import encode_videos, file_sha256, video_settings
 
 MAX_IMAGE_MIB = 64  # as glmvit-serve's --max-image-mib: an image file is read whole, on each of --workers threads
@@ -249,10 +250,11 @@ def run(args) -> int:
         paths = [p for p in expand_inputs(args.inputs, kinds, passed_over) if not (args.no_videos and is_video(p))]
     except NoSuchInput as e:
         return fail(e)
-    if passed_over:  # a folder's other files are not inputs; said, so that an unlisted image format is noticed
-        print(f"glmvit-encode: passed over {counted(len(passed_over), 'file')} in the folders whose names end in none "
-              f"of {', '.join(kinds)} (e.g. {shown(passed_over[0])}); name a file to encode it whatever its name",
-              file=sys.stderr)
+    images_passed = [p for p in passed_over if looks_like_an_image(p)]
+    if images_passed:  # a folder's other files are not inputs; images among them are said, to be noticed
+        print(f"glmvit-encode: passed over {counted(len(images_passed), 'image file')} in the folders whose names end "
+              f"in none of {', '.join(kinds)} (e.g. {shown(images_passed[0])}); name a file to encode it whatever "
+              "its name", file=sys.stderr)
     if not paths:
         return fail(f"no images or videos found in {', '.join(args.inputs)} (looked for {', '.join(kinds)})")
     videos = [p for p in paths if is_video(p)]
