@@ -6,6 +6,7 @@ import json
 import re
 import struct
 import warnings
+import zlib
 
 import numpy as np
 import pytest
@@ -709,3 +710,18 @@ def test_an_empty_file_an_empty_path_and_an_unreadable_file_are_said_as_such(tmp
     monkeypatch.setattr(decode.Image, "open", denied)
     with pytest.raises(ImageError, match=r"locked.png: cannot be read \(permission denied\)"):
         preprocess(str(locked))
+
+
+def test_a_file_that_starts_as_an_image_format_pillow_cannot_open_names_that_format():
+    """A PNG of 0 x 0 pixels was called "not in an image format Pillow reads": its first bytes say PNG, and the
+    message says so, and that its header is what is wrong."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    empty_png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 0, 0, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+    for form in (empty_png, io.BytesIO(empty_png)):
+        with pytest.raises(ImageError, match=r"it starts as a PNG file, but Pillow cannot open it \(its header is "
+                                             r"damaged, or gives a size of 0\)"):
+            preprocess(form)
+    with pytest.raises(ImageError, match="not in an image format Pillow reads"):
+        preprocess(b"hello, not an image")

@@ -148,6 +148,33 @@ def header_size(file, understated: int = 0) -> tuple[int, tuple | None]:
         return 0, None
 
 
+_MAGIC = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF8", "GIF"), (b"BM", "BMP"),
+          (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
+
+
+def _starts_as(image) -> str | None:
+    """The format an image file's first bytes name (PNG, JPEG, GIF, WebP, BMP, TIFF), if any: for the message
+    when Pillow cannot open it."""
+    try:
+        if isinstance(image, ENCODED_BYTES):
+            head = bytes(memoryview(image).cast("B")[:12]) if memoryview(image).c_contiguous else bytes(image)[:12]
+        elif isinstance(image, (str, os.PathLike)):
+            with open(image, "rb") as f:
+                head = f.read(12)
+        else:
+            at = image.tell()
+            try:
+                image.seek(0)
+                head = image.read(12)
+            finally:
+                image.seek(at)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "WebP"
+    return next((kind for magic, kind in _MAGIC if head.startswith(magic)), None)
+
+
 def _is_empty(image) -> bool:
     """Whether an image file (its bytes, a path or a seekable file object) holds no bytes at all."""
     try:
@@ -295,6 +322,10 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
     except Image.UnidentifiedImageError:  # Pillow's own message names only its file object
         if _is_empty(image):
             raise ImageError(f"{name}: the file is empty (0 bytes); an image file was expected") from None
+        kind = _starts_as(image)
+        if kind:
+            raise ImageError(f"{name}: cannot decode image: it starts as a {kind} file, but Pillow cannot open it "
+                             "(its header is damaged, or gives a size of 0)") from None
         raise ImageError(f"{name}: cannot decode image (UnidentifiedImageError: not in an image format Pillow "
                          "reads, e.g. JPEG, PNG, WebP, GIF, BMP, TIFF)") from None
     except PermissionError:
