@@ -47,6 +47,13 @@ def workers_of(proc) -> set[int]:
     return found
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (/proc's SigCgt mask)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)
+
+
 def metric(client, name: str) -> float:
     import urllib.request
 
@@ -348,6 +355,9 @@ def test_a_wedged_worker_is_killed_once_the_drain_is_over_and_the_server_exits()
         victims = wait_for(lambda: len(workers_of(proc)) == 2 and workers_of(proc), 10, "two workers")
         client.encode([png(40, 50, 9)])
         victim = min(victims)
+        # Stopped once it handles DRAIN (worker_main's first lines): before, DRAIN's default action is a fatal
+        # signal, which ends even a stopped process at once (a loaded machine once stopped a worker that early).
+        wait_for(lambda: catches(victim, signal.SIGUSR1), 20, "the worker to handle DRAIN")
         os.kill(victim, signal.SIGSTOP)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)

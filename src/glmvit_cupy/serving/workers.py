@@ -295,6 +295,11 @@ def worker_main(sock, path: str, args, settings, max_connections: int, backlog: 
     for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
         if sig is not None:
             signal.signal(sig, signal.SIG_IGN)
+    # A drain before this worker serves (the server stopped while it started): it holds nothing, so it ends, with
+    # status 0. DRAIN's default action would end it too, but as a fatal signal: at once even while the process is
+    # stopped (SIGSTOP, a debugger), where the server's own deadline should decide. The server's handler
+    # replaces this one as it starts serving (http_server.py).
+    signal.signal(DRAIN, lambda signum, frame: os._exit(0))
 
     def watch():  # the server process gone however it ended (SIGKILL): nobody is left to encode
         while os.getppid() == parent:
