@@ -530,3 +530,31 @@ def test_an_image_whose_requests_all_left_during_its_pass_is_cached_and_counted(
     assert sorted(encoded) == [("key", 0), ("key", 1)]
     hit = cache.get(("key", 0))
     assert hit is not None and hit[0].shape == (1, 2) and cache.get(("key", 2)) is None
+
+
+def test_drop_keeps_a_video_request_whose_parts_left_all_run_and_counts_one_it_drops():
+    """A video request is its parts: dropped while one runs and another waits, it is dropped whole (the waiting
+    part leaves the queue, the running one's value is counted as dropped when it comes, nothing lost from the
+    count); dropped while its last part runs, it runs on and its future gets the embeddings."""
+    engine = VideoEngine()
+    dropped = []
+    batcher = Batcher(engine, capacity_tokens=4, max_wait_s=0.0, max_queue=8, on_drop=dropped.append)
+
+    async def go():
+        two = batcher.submit_videos([item(4, "a"), item(4, "b")])  # two parts of one video each
+        await until(engine.running.is_set)
+        gone = batcher.drop(two)
+        engine.gate.release()  # part "a" ends; "b" was dropped from the queue
+        await until(lambda: len(dropped) == 2)
+        engine.running.clear()
+        one = batcher.submit_videos([item(4, "c")])
+        await until(engine.running.is_set)
+        kept = batcher.drop(one)
+        engine.gate.release()
+        return gone, two.cancelled(), kept, await one
+
+    gone, cancelled, kept, embs = asyncio.run(go())
+    batcher.stop()
+    assert (gone, cancelled, kept) == (True, True, False)
+    assert sorted(getattr(d.task, "videos", 0) for d in dropped) == [1, 1] and len(embs) == 1 and embs[0].shape == (4, 2)
+    assert [tags for _, tags in engine.batches] == [["a"], ["c"]] and batcher._in_pass == set()

@@ -168,6 +168,7 @@ class Batcher:
         self._pace = [Pace() for _ in range(backend.lanes)]
         self._taken = 0  # batches taken from the queue and not yet handed back (under the lock)
         self._in_pass: set = set()  # futures of the jobs in a launched pass, until resolved (under the lock)
+        self._video_parts: dict = {}  # a video request's future -> its parts' futures, until it is done
         self._done = [queue.SimpleQueue() for _ in range(backend.lanes)]
         self._threads = [threading.Thread(target=fn, args=(lane,), name=f"glmvit-{what}-{lane}", daemon=True)
                          for lane in range(backend.lanes)
@@ -243,12 +244,16 @@ class Batcher:
                 out.set_result([emb for p in parts for emb in p.result()])
 
         def out_done(f: asyncio.Future) -> None:
+            with self._cv:
+                self._video_parts.pop(f, None)
             if f.cancelled():  # nobody waits for the request any more
                 for part in parts:
                     part.cancel()
 
         for part in parts:
             part.add_done_callback(part_done)
+        with self._cv:
+            self._video_parts[out] = parts
         out.add_done_callback(out_done)
         return out
 
@@ -306,11 +311,14 @@ class Batcher:
         return None
 
     def drop(self, future: asyncio.Future) -> bool:
-        """Work nobody waits for any more: cancelled (dropped before its pass) and True, unless it is an image
-        in a pass already launched, which runs all the same: then False, and its future gets its value, which
-        the caller keeps (the embedding is cached and counted, not thrown away)."""
+        """Work nobody waits for any more: cancelled (dropped before its pass) and True, unless it runs
+        already and nothing of it waits in the queue (an image in a launched pass; a video request whose
+        parts left are all running), which ends all the same: then False, and its future gets its value,
+        which the caller keeps (cached and counted, not thrown away). On the event loop."""
         with self._cv:
-            if future in self._in_pass:
+            parts = self._video_parts.get(future, [future])
+            left = [p for p in parts if not p.done()]
+            if left and all(p in self._in_pass for p in left):
                 return False
             future.cancel()  # its callbacks run later, on the loop; the engine thread checks cancelled() too
         return True
@@ -448,15 +456,15 @@ class Batcher:
             for i, job in enumerate(batch):
                 value = error if error is not None else outs[i]
                 try:
-                    job.loop.call_soon_threadsafe(_resolve, job.future, value)
+                    job.loop.call_soon_threadsafe(self._resolve, job, value)
                 except RuntimeError:  # the loop is closed: nobody is waiting any more
-                    pass
+                    with self._cv:
+                        self._in_pass.discard(job.future)
             if times is not None:
                 times.resolve = time.perf_counter() - t0
                 self.on_pass(times)
             with self._cv:
                 self._taken -= 1
-                self._in_pass.difference_update(j.future for j in batch)
 
     @property
     def busy(self) -> bool:
@@ -473,14 +481,20 @@ class Batcher:
         for t in self._threads:
             t.join(timeout)
 
-
-def _resolve(future: asyncio.Future, value):
-    if future.done():  # cancelled: the request went away
-        return
-    if isinstance(value, BaseException):
-        future.set_exception(value)
-    else:
-        future.set_result(value)
+    def _resolve(self, job: Job, value) -> None:
+        """A job's value (or error) to its future, on its loop, where drop() runs too: a job stays in_pass until
+        its value is there, so drop() never cancels a finished one. A future cancelled meanwhile (the request
+        went away, its work ran all the same) counts as dropped."""
+        with self._cv:
+            self._in_pass.discard(job.future)
+        if job.future.done():
+            if job.future.cancelled() and not isinstance(value, BaseException):
+                self.on_drop(job)
+            return
+        if isinstance(value, BaseException):
+            job.future.set_exception(value)
+        else:
+            job.future.set_result(value)
 
 
 class Budget:
