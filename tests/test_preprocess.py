@@ -551,6 +551,7 @@ def _ico_holding(png_bytes: bytes, bmp_entry: bytes = b"") -> bytes:
     return head + directory + b"".join(entries)
 
 
+@pytest.mark.filterwarnings("ignore:Image was not the expected size:UserWarning")  # Pillow's, for this icon
 def test_an_icon_holding_an_image_over_the_limit_is_refused_before_it_is_opened(monkeypatch):
     """Pillow decodes an ICO's image as it opens the file, so its limit is checked on the sizes the icon's
     images' own headers give (a PNG's IHDR, a BMP's DIB header) before Pillow sees it: a 688 KB icon
