@@ -49,15 +49,22 @@ def open_regular(path, what: str, error=CheckpointError):
         raise
 
 
+def repeated_key(pairs: list):
+    """The first key a JSON object's (key, value) pairs give twice, or None: json.loads keeps the last of a
+    repeated key without a word (an object_pairs_hook sees them all)."""
+    if len({k for k, _ in pairs}) == len(pairs):
+        return None
+    seen = set()
+    return next(k for k, _ in pairs if k in seen or seen.add(k))
+
+
 def _one_of_each(path, what, pairs):
-    """A JSON object's pairs as a dict, refusing a key given twice (json keeps the last, silently)."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+    """A JSON object's pairs as a dict, refusing a key given twice."""
+    twice = repeated_key(pairs)
+    if twice is not None:
         raise CheckpointError(f"{path}: {what} gives {quoted(twice, 80)} twice in one object; which one is meant is "
                               "not clear: keep one")
-    return out
+    return dict(pairs)
 
 
 def read_json_file(path, what: str, limit: int = 64 << 20, missing: str | None = None):

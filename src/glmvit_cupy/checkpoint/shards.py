@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import CheckpointError, GpuUnavailable, quoted
-from ..files import not_regular, open_regular, read_json_file
+from ..files import not_regular, open_regular, read_json_file, repeated_key
 
 # The safetensors dtype names this store can map (dtypes() gives their NumPy types).
 DTYPE_NAMES = ("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "U16", "I16", "F16", "BF16", "U32", "I32", "F32",
@@ -108,11 +108,9 @@ def read_header(path: str) -> dict:
         if entries > MAX_TENSORS:
             raise CheckpointError(f"{path}: the header lists more than the {MAX_TENSORS:,} tensors a shard may hold "
                                   "here (a real shard holds a few thousand); the file is damaged or not a checkpoint")
-        seen = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise CheckpointError(f"{path}: the header names tensor {quoted(k, 120)} twice; each name must be unique")
-            seen.add(k)
+        twice = repeated_key(pairs)
+        if twice is not None:
+            raise CheckpointError(f"{path}: the header names tensor {quoted(twice, 120)} twice; each name must be unique")
         return dict(pairs)
 
     try:

@@ -31,7 +31,6 @@ def looks_like_an_image(path: str) -> bool:
     walk passed over is worth a word."""
     from PIL import Image
 
-    Image.init()
     ext = os.path.splitext(path)[1].lower()
     return ext in IMAGE_LIKE or (ext in Image.registered_extensions() and ext not in NOT_IMAGES)
 

@@ -6,6 +6,7 @@ side by side while another drives the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -62,25 +63,39 @@ UNDERSTATED = frozenset({"ICNS"})
 ICO_MAGIC = b"\x00\x00\x01\x00"
 
 
-def is_ico(file) -> bool:
-    """Whether an image file (its bytes, a path or a binary file object, read from its start as Pillow
-    reads it) starts as an ICO does."""
-    try:
-        if isinstance(file, ENCODED_BYTES):
-            view = memoryview(file)
-            head = view.cast("B")[:4] if view.c_contiguous else view.tobytes()[:4]  # bytes, whatever its format
-            return bytes(head) == ICO_MAGIC
-        if isinstance(file, (str, os.PathLike)):
-            with open(file, "rb") as f:
-                return f.read(4) == ICO_MAGIC
+@contextlib.contextmanager
+def _reading(file):
+    """A binary file object at the start of an image file (its bytes, a path, or a file object, whose position
+    is put back after)."""
+    if isinstance(file, ENCODED_BYTES):
+        yield _bytes_io(file)
+    elif isinstance(file, (str, os.PathLike)):
+        with open(file, "rb") as f:
+            yield f
+    else:
         at = file.tell()
         try:
             file.seek(0)
-            return file.read(4) == ICO_MAGIC
+            yield file
         finally:
             file.seek(at)
+
+
+def _head(file, n: int) -> bytes | None:
+    """An image file's first n bytes, read as Pillow reads it (from its start); None if it cannot be read."""
+    try:
+        if isinstance(file, ENCODED_BYTES):  # no copy of the whole
+            view = memoryview(file)
+            return bytes(view.cast("B")[:n] if view.c_contiguous else view.tobytes()[:n])  # whatever its format
+        with _reading(file) as f:
+            return f.read(n)
     except (OSError, ValueError, AttributeError, TypeError):
-        return False
+        return None
+
+
+def is_ico(file) -> bool:
+    """Whether an image file (its bytes, a path or a binary file object) starts as an ICO does."""
+    return _head(file, 4) == ICO_MAGIC
 
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -91,14 +106,7 @@ def ico_pixels(file) -> int:
     (a PNG's IHDR, a BMP's DIB header), nothing decoded: what Pillow would decode as it opens the file. 0
     where the file is not an ICO or its headers are cut short (opening it says why)."""
     try:
-        if isinstance(file, ENCODED_BYTES):
-            f, close, at = _bytes_io(file), True, 0
-        elif isinstance(file, (str, os.PathLike)):
-            f, close, at = open(file, "rb"), True, 0
-        else:
-            f, close, at = file, False, file.tell()
-        try:
-            f.seek(0)
+        with _reading(file) as f:
             head = f.read(6)
             if len(head) < 6 or head[:4] != ICO_MAGIC:
                 return 0
@@ -118,11 +126,6 @@ def ico_pixels(file) -> int:
                     continue
                 most = max(most, w * h)
             return most
-        finally:
-            if close:
-                f.close()
-            else:
-                f.seek(at)
     except (OSError, ValueError, AttributeError, TypeError, struct.error):
         return 0
 
@@ -148,27 +151,15 @@ def header_size(file, understated: int = 0) -> tuple[int, tuple | None]:
         return 0, None
 
 
-_MAGIC = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF8", "GIF"), (b"BM", "BMP"),
+_MAGIC = ((PNG_MAGIC, "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF8", "GIF"), (b"BM", "BMP"),
           (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
 
 
 def _starts_as(image) -> str | None:
     """The format an image file's first bytes name (PNG, JPEG, GIF, WebP, BMP, TIFF), if any: for the message
     when Pillow cannot open it."""
-    try:
-        if isinstance(image, ENCODED_BYTES):
-            head = bytes(memoryview(image).cast("B")[:12]) if memoryview(image).c_contiguous else bytes(image)[:12]
-        elif isinstance(image, (str, os.PathLike)):
-            with open(image, "rb") as f:
-                head = f.read(12)
-        else:
-            at = image.tell()
-            try:
-                image.seek(0)
-                head = image.read(12)
-            finally:
-                image.seek(at)
-    except (OSError, ValueError, AttributeError, TypeError):
+    head = _head(image, 12)
+    if head is None:
         return None
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return "WebP"
@@ -177,18 +168,7 @@ def _starts_as(image) -> str | None:
 
 def _is_empty(image) -> bool:
     """Whether an image file (its bytes, a path or a seekable file object) holds no bytes at all."""
-    try:
-        if isinstance(image, ENCODED_BYTES):
-            return memoryview(image).nbytes == 0
-        if isinstance(image, (str, os.PathLike)):
-            return os.path.getsize(image) == 0
-        at = image.tell()
-        try:
-            return image.seek(0, os.SEEK_END) == 0
-        finally:
-            image.seek(at)
-    except (OSError, ValueError, AttributeError, TypeError):
-        return False
+    return _head(image, 1) == b""
 
 
 def _bytes_io(data) -> io.BytesIO:

@@ -59,7 +59,6 @@ class Job:
     request: object = None      # the submit() it came with: requests are served in turn
     queued: float = field(default_factory=time.perf_counter)
     task: Callable[[int], object] | None = None  # run alone on a lane: task(lane) is the future's value
-    dropped: bool = False       # cancelled after a worker took it, before its pass (set under the lock)
 
     @property
     def tokens(self) -> int:
@@ -277,14 +276,13 @@ class Batcher:
         return [j.future for j in jobs]
 
     def _cancelled(self, job: Job, future: asyncio.Future) -> None:
-        """A job's future is done (on its loop): cancelled, the job leaves the queue, or is marked so that the
-        engine thread that took it leaves it out of the pass."""
+        """A job's future is done (on its loop): cancelled, the job leaves the queue (one an engine thread took
+        already is left out of its pass there, unless launched)."""
         if not future.cancelled():
             return
         with self._cv:
             jobs = self._requests.get(job.request)
-            if jobs is None or job not in jobs:  # taken by an engine thread: dropped there unless launched
-                job.dropped = True
+            if jobs is None or job not in jobs:
                 return
             jobs.remove(job)
             if not jobs:
@@ -392,8 +390,8 @@ class Batcher:
                 done.put(None)
                 return
             with self._cv:  # jobs cancelled while the batch gathered never reach the pass
-                gone = [j for j in batch if j.dropped or j.future.cancelled()]
-                batch = [j for j in batch if not (j.dropped or j.future.cancelled())]
+                gone = [j for j in batch if j.future.cancelled()]
+                batch = [j for j in batch if not j.future.cancelled()]
                 self._waiting -= len(gone) + len(batch)
                 self._taken += bool(batch)
                 self._in_pass.update(j.future for j in batch)

@@ -10,8 +10,8 @@ Frames a worker sends: ("hello", (its process id,)) first, then ("images", (requ
 (request id, index)), ("drained",) once it has answered everything in a drain. This process answers
 ("loading",) while it loads the tower, ("ready", (about,)) once it has (or ("failed", (why,))), then
 ("done", (request id, index), [embedding, ...]) or ("error", (request id, index, pickled exception)) for
-each image or video request as its pass ends, ("dropped", (request id, index)) for work a "drop" did
-drop, and ("release",) once every worker has drained.
+each image or video request as its pass ends, ("dropped", (request id, index)) for work dropped before
+its value came, and ("release",) once every worker has drained.
 """
 
 from __future__ import annotations
@@ -78,7 +78,6 @@ class EngineServer:
         """One worker's connection, until it closes: its requests' jobs queued, their results sent back. A
         worker gone (exited, killed) takes its queued jobs with it: they are dropped before their passes."""
         jobs: dict = {}  # (request id, index) -> the Batcher's future
-        dropped: set = set()  # keys the worker asked to drop that Batcher.drop did drop: the worker is told
         pid = None
         try:
             hello = await link.read()
@@ -115,8 +114,8 @@ class EngineServer:
                     continue
                 elif kind == "drop":  # dropped unless in a pass already launched; the worker is told which
                     for key in fields:
-                        if key in jobs and self.batcher.drop(jobs[key]):
-                            dropped.add(key)
+                        if key in jobs:
+                            self.batcher.drop(jobs[key])
                     continue
                 elif kind == "drained":
                     self.drained.add(pid)
@@ -130,7 +129,7 @@ class EngineServer:
                     continue
                 for i, future in enumerate(futures):
                     jobs[(rid, i)] = future
-                    future.add_done_callback(functools.partial(self._answer, link, jobs, dropped, (rid, i), kind))
+                    future.add_done_callback(functools.partial(self._answer, link, jobs, (rid, i), kind))
         except (ConnectionError, asyncio.CancelledError):
             pass
         except Exception as e:  # noqa: BLE001 - a frame this process cannot take: that worker's link ends
@@ -167,14 +166,12 @@ class EngineServer:
         return [self.backend.ahead(item) for item in items]
 
     @staticmethod
-    def _answer(link: wire.Link, jobs: dict, dropped: set, key: tuple, kind: str, future: asyncio.Future) -> None:
+    def _answer(link: wire.Link, jobs: dict, key: tuple, kind: str, future: asyncio.Future) -> None:
         jobs.pop(key, None)
-        if key in dropped:
-            dropped.discard(key)
-            if future.cancelled() and not link.is_closing():
-                link.send("dropped", key)
-                return
-        if future.cancelled() or link.is_closing():
+        if link.is_closing():
+            return
+        if future.cancelled():  # dropped (a worker's "drop", or "cancel": then it no longer waits to hear)
+            link.send("dropped", key)
             return
         e = future.exception()
         if e is not None:

@@ -61,14 +61,11 @@ class Flights:
         content meanwhile joins it."""
         f.refs -= 1
         if f.job is not None and not f.job.done() and all(g.refs <= 0 for g in f.group):
-            drop = getattr(self._batcher(), "drop", None)
-            if drop is not None and not drop(f.job):
+            if not self._batcher().drop(f.job):
                 return
             for g in f.group:
                 if self._by_key.get(g.key) is g:
                     del self._by_key[g.key]
-            if drop is None:
-                f.job.cancel()
 
     def queued_as(self, group: list, job: asyncio.Future, unpack, on_encoded) -> None:
         """group's flights settled by the batcher's `job`: unpack(its value) -> [(embedding, about)] in the

@@ -39,7 +39,6 @@ class RemoteEngine:
         self._ids = itertools.count()
         self._pending: dict = {}  # (request id, index) -> future
         self._keys: dict = {}     # future -> (request id, index)
-        self._dropping: dict = {}  # key -> True once the engine said "dropped" (False: drop asked, no answer yet)
         self._reserved, self._stopping = 0, False
         self._gone: str | None = None  # why the link ended
         self._reading = asyncio.ensure_future(self._read())
@@ -129,8 +128,6 @@ class RemoteEngine:
     def _settled(self, key: tuple, future: asyncio.Future) -> None:
         self._pending.pop(key, None)
         self._keys.pop(future, None)
-        if self._dropping.pop(key, False):
-            return  # the engine dropped it: it knows
         if future.cancelled() and self._gone is None and not self.link.is_closing():
             self.link.send("cancel", (key,))  # nobody waits for it: dropped before its pass
 
@@ -142,9 +139,7 @@ class RemoteEngine:
         if key is None or self._gone is not None or self.link.is_closing():
             future.cancel()
             return True
-        if key not in self._dropping:
-            self._dropping[key] = False
-            self.link.send("drop", (key,))
+        self.link.send("drop", (key,))
         return False
 
     def expedite(self, future: asyncio.Future) -> None:
@@ -180,7 +175,6 @@ class RemoteEngine:
                 elif kind == "dropped":  # dropped before its pass, as drop() asked
                     future, _ = self._pending.get(fields, (None, False))
                     if future is not None and not future.done():
-                        self._dropping[fields] = True
                         future.cancel()
                 elif kind == "release" and self.on_release is not None:
                     self.on_release()

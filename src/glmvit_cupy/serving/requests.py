@@ -12,6 +12,7 @@ import re
 
 from ..checks import DEFAULT_MAX_IMAGE_TOKENS, check_token_limits
 from ..errors import quoted
+from ..files import repeated_key
 from ..preprocessing.video import MAX_VIDEO_TOKENS
 
 
@@ -186,12 +187,10 @@ def _load(text: str, want: str):
 def _unique(pairs: list) -> dict:
     """A JSON object whose every field is named once: a field given twice is refused, not the last one kept
     without a word."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+    twice = repeated_key(pairs)
+    if twice is not None:
         raise Refused(400, f"the field {quoted(twice)} is given twice in one object; give each field once")
-    return out
+    return dict(pairs)
 
 
 def parse_images(body: bytes, capacity: int, max_images: int = 256):
