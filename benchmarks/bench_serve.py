@@ -174,7 +174,7 @@ def main():
     ap.add_argument("--json", action="store_true", help="clients send each image as base64 in JSON, not as the body")
     ap.add_argument("--workers", type=int, default=None,
                     help="the server's HTTP worker processes (default: the server's own default)")
-    ap.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's --max-wait-ms (default 5)")
+    ap.add_argument("--max-wait-ms", type=float, default=None, help="the server's --max-wait-ms (default: its own)")
     ap.add_argument("--client-processes", type=int, default=4, help="processes the clients run in (default 4)")
     ap.add_argument("--server-cpus", type=cpus, default=None, help="CPUs the server runs on, e.g. 0 or 0-3 (Linux)")
     ap.add_argument("--client-cpus", type=cpus, default=None, help="CPUs the clients run on, once the server is up")
@@ -216,7 +216,8 @@ def main():
     prelude = f"from glmvit_cupy.backend import Backend; exec({NO_TOWER!r}); " if args.host_only else ""
     proc = subprocess.Popen([sys.executable, "-c", f"import sys; {prelude}from glmvit_cupy.serving.main import main; "
                              "sys.exit(main())", "--checkpoint", ckpt, "--port", str(port),
-                             "--cache-mib", "0", "--max-queue", "4096", "--max-wait-ms", str(args.max_wait_ms)] +
+                             "--cache-mib", "0", "--max-queue", "4096"] +
+                            (["--max-wait-ms", str(args.max_wait_ms)] if args.max_wait_ms is not None else []) +
                             (["--workers", str(args.workers)] if args.workers else []) +
                             (["--cpu"] if args.cpu else []), env=env)
     if args.server_cpus is not None:  # before its interpreter starts any thread: they inherit it

@@ -73,7 +73,7 @@ from .requests import (BODY_LIMIT, LIMIT_FIELDS, Refused, b64decode, decode_fram
 class Settings:
     checkpoint: str                 # the checkpoint's identity in cache keys
     capacity_tokens: int = 8000
-    max_wait_ms: float = 5.0
+    max_wait_ms: float = 1.0
     cache_mib: float = 1024.0
     max_queue: int = 256            # images waiting for a forward pass
     max_body_mib: float = 256.0
