@@ -157,10 +157,11 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
     settings.cache_mib = args.cache_mib / args.workers
     context = multiprocessing.get_context("spawn")
     spawned: dict = {}  # worker slot -> when its process was last started
+    held = context.RawArray("i", args.workers)  # the connections each worker holds (accepting.Share)
 
     def spawn(i: int):
         p = context.Process(target=worker_main, name=f"glmvit-serve-worker-{i}",
-                            args=(sock, path, args, settings, max_connections, backlog, os.getpid()))
+                            args=(sock, path, args, settings, max_connections, backlog, os.getpid(), held, i))
         p.start()
         spawned[i] = time.monotonic()
         return p
@@ -286,8 +287,11 @@ def _ended(p) -> str:
     return f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit status {p.exitcode}"
 
 
-def worker_main(sock, path: str, args, settings, max_connections: int, backlog: int, parent: int) -> None:
-    """An HTTP worker: the app (app.create_app) on the shared socket, its engine the server process's."""
+def worker_main(sock, path: str, args, settings, max_connections: int, backlog: int, parent: int, held,
+                slot: int) -> None:
+    """An HTTP worker: the app (app.create_app) on the shared socket, its engine the server process's; it
+    takes connections the workers holding the fewest first (accepting.py: held, one count a worker)."""
+    from .accepting import Share
     from .http_server import build_server, log
 
     # A terminal's Ctrl-C, or a service manager's SIGTERM, reaches the whole group: the server process decides,
@@ -339,7 +343,8 @@ def worker_main(sock, path: str, args, settings, max_connections: int, backlog: 
     load_backend.at_start = first[0] == "ready"  # the app awaits it before serving
 
     app = create_app(load_backend, settings)
-    server = build_server(app, args, max_connections, backlog, ready=None, worker=True)
+    server = build_server(app, args, max_connections, backlog, ready=None, worker=True,
+                          share=Share(held, slot, max_connections))
     server.run(sockets=[sock])
     state = app.state.glmvit
     state["off_process"].shutdown()
