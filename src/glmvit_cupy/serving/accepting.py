@@ -8,8 +8,10 @@ the 8 workers (`benchmarks/bench_serve.py --small`, H100), and a burst past one 
 connections it holds into a table the server process shares out (Share: an int a worker), accepts one
 connection at a time, and takes a new one at once only while no other worker holds fewer; otherwise it
 waits HOLD first (FULL where it holds its --max-connections and another does not), and takes the
-connection only if it is still there (the worker holding fewer is busy, stopped or gone). Spreading them leaves the service's small-image rate where it was (678.7 against
-673.8 images/s, three runs each in one call): the engine process bounds it, not the workers."""
+connection only if it is still there (the worker holding fewer is busy or stopped). A worker not
+accepting (starting, stopping, gone) counts IDLE, so no other waits for it. Spreading the connections
+leaves the service's small-image rate where it was (678.7 against 673.8 images/s, three runs each in one
+call): the engine process bounds it, not the workers."""
 
 from __future__ import annotations
 
@@ -20,19 +22,20 @@ import socket
 HOLD = 0.005  # seconds a worker holding more than another leaves a new connection to the others
 FULL = 0.05   # ... and one holding its --max-connections, which would refuse it, while another has room
 RETRY = 1.0   # seconds accepting pauses when the process is out of descriptors or memory (asyncio's own delay)
+IDLE = 2**31 - 1  # the count of a worker not accepting (starting, stopped or gone): none waits for it
 
 
 class Share:
     """The connections each worker holds: `counts`, a shared int a worker (multiprocessing's RawArray,
-    made by the server process before it starts them); `slot`, this worker's; `cap`, the connections a
-    worker serves (--max-connections: one over it is refused)."""
+    made by the server process before it starts them, IDLE each); `slot`, this worker's; `cap`, the
+    connections a worker serves (--max-connections: one over it is refused)."""
 
     def __init__(self, counts, slot: int, cap: int):
         self.counts, self.slot, self.cap = counts, slot, cap
-        counts[slot] = 0  # a worker replacing one that died starts with none
+        self.accepting = False
 
     def held(self, n: int) -> None:
-        self.counts[self.slot] = n
+        self.counts[self.slot] = n if self.accepting else IDLE
 
     def hold(self) -> float:
         """Seconds to leave a new connection to the other workers first: 0 while none holds fewer."""
@@ -50,6 +53,16 @@ async def serve(sock: socket.socket, backlog: int, factory, share: Share, held, 
     loop = asyncio.get_running_loop()
     sock.listen(backlog)
     sock.setblocking(False)
+    share.accepting = True
+    share.held(held())
+    try:
+        await _accept(loop, sock, factory, share, held, log)
+    finally:
+        share.accepting = False
+        share.held(0)  # IDLE: it takes no more
+
+
+async def _accept(loop, sock: socket.socket, factory, share: Share, held, log) -> None:
     while True:
         try:
             await _readable(loop, sock)

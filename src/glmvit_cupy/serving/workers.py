@@ -27,6 +27,7 @@ import time
 import warnings
 
 from . import wire
+from .accepting import IDLE
 from .http_server import DRAIN
 from .metrics import multiprocess_into
 
@@ -157,7 +158,7 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
     settings.cache_mib = args.cache_mib / args.workers
     context = multiprocessing.get_context("spawn")
     spawned: dict = {}  # worker slot -> when its process was last started
-    held = context.RawArray("i", args.workers)  # the connections each worker holds (accepting.Share)
+    held = context.RawArray("i", [IDLE] * args.workers)  # the connections each worker holds (accepting.Share)
 
     def spawn(i: int):
         p = context.Process(target=worker_main, name=f"glmvit-serve-worker-{i}",
@@ -221,6 +222,7 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
             for i, p in enumerate(workers):
                 if p.exitcode is None or told:
                     continue
+                held[i] = IDLE  # it accepts nothing: no other worker leaves it a connection
                 early += p.pid not in engine.started
                 if early >= 3:  # three in a row: workers cannot start, and more would not either
                     log(f"{early} HTTP workers ended before they reached the engine (the last: {_ended(p)}): "
