@@ -512,6 +512,30 @@ def test_a_folder_that_cannot_be_listed_is_reported_not_passed_over(folder, tmp_
     assert f"skipped {locked}: a folder that cannot be listed ([Errno 13] Permission denied" in capsys.readouterr().out
 
 
+def test_a_folder_too_deep_to_look_up_is_reported_not_passed_over(folder, tmp_path, capsys):
+    """A folder whose path is past the system's limit (25 names of 200 characters: os.stat fails with
+    ENAMETOOLONG) is a failed input saying so; the rest is saved and the run exits 1."""
+    import shutil
+
+    fd, deep = os.open(folder, os.O_RDONLY), str(folder)
+    for k in range(25):
+        name = f"{k:02d}" + "d" * 198
+        os.mkdir(name, dir_fd=fd)
+        inner = os.open(name, os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd, deep = inner, os.path.join(deep, name)
+    with open(next(folder.glob("*.png")), "rb") as src, \
+            open(os.open("inside.png", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.close(fd)
+    out = tmp_path / "out"
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["images"]) == 2 and len(manifest["failed"]) == 1, manifest["failed"]
+    said = capsys.readouterr().out
+    assert ": cannot read ([Errno 36] File name too long" in said, said[-300:]
+
+
 # -- weights that overflow the forward -----------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning")

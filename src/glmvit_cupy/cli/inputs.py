@@ -112,12 +112,15 @@ def _scan(folder) -> tuple[list[str], list[str]]:
 def _folders_under(top, seen: set, hidden: bool = True) -> list[str]:
     """`top` and every folder below it, top-down in sorted order, each folder (by device and inode) entered once
     across calls sharing `seen`: a symbolic link back up the tree is not followed again. hidden=False leaves out
-    names starting with "." (as glob's ** does)."""
+    names starting with "." (as glob's ** does). A folder that cannot be looked up is listed and not entered."""
     order, stack = [], [top]
     while stack:
         folder = stack.pop()
         ident = _identity(folder)
-        if ident is None or ident in seen:
+        if ident is None:  # not even looked up (a folder above it not searchable, a path past the system's
+            order.append(folder)  # limit): listed all the same, so that reading it fails and says why
+            continue
+        if ident in seen:
             continue
         seen.add(ident)
         order.append(folder)
