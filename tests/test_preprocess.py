@@ -5,6 +5,8 @@ import io
 import json
 import re
 import struct
+import threading
+import time
 import warnings
 import zlib
 
@@ -551,6 +553,61 @@ def _ico_holding(png_bytes: bytes, bmp_entry: bytes = b"") -> bytes:
     return head + directory + b"".join(entries)
 
 
+def _pipe(data: bytes):
+    """A binary file object over `data` that cannot seek, as a pipe's or an HTTP response's."""
+    class Pipe(io.RawIOBase):
+        def __init__(self):
+            self.left = io.BytesIO(data)
+
+        def readable(self):
+            return True
+
+        def readinto(self, b):
+            return self.left.readinto(b)
+
+    return io.BufferedReader(Pipe())
+
+
+def test_a_file_object_in_text_mode_is_named_and_one_that_cannot_seek_is_decoded(tmp_path):
+    fresh = np.random.default_rng().integers(0, 255, (30, 40, 3), np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(fresh).save(png, "PNG")
+    (tmp_path / "a.png").write_bytes(png.getvalue())
+    with open(tmp_path / "a.png") as text, pytest.raises(
+            ImageError, match=r"a.png \(image 0\): a file object in text mode \(it reads str\): open the file in "
+                              r"binary mode, open\(path, 'rb'\)"):
+        preprocess([text])
+    assert np.array_equal(load_rgb(_pipe(png.getvalue())), fresh)
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # Pillow's, for 1,600 over 1,000
+def test_the_pixel_limit_is_read_as_the_process_has_it_while_another_thread_raises_it(monkeypatch):
+    """A decode asking for a higher limit raises Pillow's global for a moment, under a lock: a decode on
+    another thread with the default limit meanwhile still refuses what is over it."""
+    from glmvit_cupy.preprocessing import decode
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    over = io.BytesIO()
+    Image.fromarray(np.random.default_rng().integers(0, 255, (40, 40, 3), np.uint8)).save(over, "PNG")
+    raised = threading.Event()
+
+    def another():  # as _open does for a decode of max_pixels=10**9, held long enough to overlap
+        with decode._pillow_limit:
+            old, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, 10**9
+            raised.set()
+            time.sleep(0.3)
+            Image.MAX_IMAGE_PIXELS = old
+
+    t = threading.Thread(target=another)
+    t.start()
+    raised.wait()
+    try:
+        with pytest.raises(ImageError, match="over the limit of 1,000 pixels"):
+            load_rgb(over.getvalue())
+    finally:
+        t.join()
+
+
 @pytest.mark.filterwarnings("ignore:Image was not the expected size:UserWarning")  # Pillow's, for this icon
 def test_an_icon_holding_an_image_over_the_limit_is_refused_before_it_is_opened(monkeypatch):
     """Pillow decodes an ICO's image as it opens the file, so its limit is checked on the sizes the icon's
@@ -569,7 +626,7 @@ def test_an_icon_holding_an_image_over_the_limit_is_refused_before_it_is_opened(
     monkeypatch.setattr(Image, "open", lambda *a, **k: opened.append(1) or real_open(*a, **k))
     for icon, inside in ((_ico_holding(big.getvalue()), 6_000_000), (_ico_holding(small.getvalue(), dib), 6_250_000)):
         assert decode.ico_pixels(icon) == inside
-        for form in (icon, io.BytesIO(icon)):
+        for form in (icon, io.BytesIO(icon), _pipe(icon)):  # a pipe's is read whole first: checked the same
             with pytest.raises(ImageError, match=rf"decompression bomb: over the limit of 1,000,000 pixels.*"
                                                  rf"an icon holding an image of {inside:,}"):
                 decode.load(form, "icon", max_pixels=1_000_000)

@@ -203,6 +203,12 @@ def _file_bytes(image) -> bytes:
 _pillow_limit = threading.Lock()
 
 
+def pillow_limit() -> int | None:
+    """Pillow's bomb limit as the process has it, not as another thread's _open raises it for a moment."""
+    with _pillow_limit:
+        return Image.MAX_IMAGE_PIXELS
+
+
 def _open(image, limit) -> Image.Image:
     """Image.open with Pillow's own bomb limit at least `limit` (None: Pillow's as it is). Pillow reads it
     from a module global: that is raised only when asked for more than it allows, under a lock, and put back
@@ -250,7 +256,7 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
     With host_buffer, an upright colour JPEG is decoded straight into an [H, W, 4] buffer from it and
     its first three channels returned (no image memory of Pillow's, no copy); others come back as PIL
     images."""
-    limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+    limit = pillow_limit() if max_pixels is None else max_pixels
     bomb = (f"{name}: refused as a possible decompression bomb: over the limit of {limit or 0:,} pixels; pass "
             "max_pixels (glmvit-encode --max-pixels) to allow larger images")
     try:
@@ -397,6 +403,25 @@ def _target(img, host_buffer) -> np.ndarray | None:
 ORIENTATION = 0x0112  # the EXIF tag exif_transpose reads
 
 
+def _binary_seekable(file, name: str):
+    """A file object as the decode reads it: one in text mode refused; one that cannot seek (a pipe, a
+    socket's, an HTTP response) read whole into memory first, as Pillow itself would, so that its header is
+    checked (an icon's sizes, say) before anything is decoded."""
+    try:
+        text = isinstance(file, io.TextIOBase) or isinstance(file.read(0), str)
+    except (OSError, ValueError, TypeError):  # closed, say: the decode says what is wrong
+        return file
+    if text:
+        raise ImageError(f"{name}: a file object in text mode (it reads str): open the file in binary mode, "
+                         "open(path, 'rb')")
+    try:
+        if file.seekable():
+            return file
+    except (AttributeError, OSError, ValueError):
+        pass
+    return io.BytesIO(file.read())
+
+
 def load(image, name: str, max_pixels: int | None = None, host_buffer=None):
     """Any accepted image input -> an RGB PIL image (encoded inputs: no copy made yet) or HxWx3 uint8
     array (an upright colour JPEG, with host_buffer: decoded into its memory). Raises ImageError naming
@@ -415,7 +440,7 @@ def load(image, name: str, max_pixels: int | None = None, host_buffer=None):
     elif isinstance(image, ENCODED_BYTES):
         out = _decode(_bytes_io(image), name, max_pixels, host_buffer)
     elif hasattr(image, "read"):
-        out = _decode(image, name, max_pixels, host_buffer)
+        out = _decode(_binary_seekable(image, name), name, max_pixels, host_buffer)
     elif isinstance(image, Image.Image):
         out = _from_pil(image, name)
     elif isinstance(image, np.ndarray):

@@ -13,11 +13,10 @@ import os
 import threading
 
 import numpy as np
-from PIL import Image
 
 from ..errors import ImageError
 from ..files import open_regular
-from .decode import ENCODED_BYTES
+from .decode import ENCODED_BYTES, pillow_limit
 
 _JPEG = b"\xff\xd8\xff"
 
@@ -31,7 +30,7 @@ class Decoder:
                              f"(or -cu13 for CUDA 13) ({e})") from None
         self._nv = nvimgcodec
         self._local = threading.local()  # a decoder per thread: each has its own stream and buffers
-        self.max_pixels = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+        self.max_pixels = pillow_limit() if max_pixels is None else max_pixels
 
     def _decoder(self):
         d = getattr(self._local, "decoder", None)

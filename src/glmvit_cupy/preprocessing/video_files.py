@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import ImageError
-from .decode import header_size
+from .decode import header_size, pillow_limit
 
 
 def _av():
@@ -62,7 +62,7 @@ def _open(source, name: str, max_pixels: int | None = None):
         container.close()
         raise ImageError(f"{name}: {label}'s video stream cannot be decoded (no decoder for its codec, or a "
                          "damaged header)")
-    limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+    limit = pillow_limit() if max_pixels is None else max_pixels
     if stream.width * stream.height > limit:  # each kept frame is 3 bytes a pixel
         container.close()
         raise ImageError(f"{name}: {label} has {stream.width}x{stream.height} frames, over the {limit:,} pixels a "
@@ -272,7 +272,7 @@ class FrameFiles:
         unique = sorted(set(indices))
         if self.max_total_pixels is not None:
             # An ICO or ICNS frame counts as the decode's limit, as glmvit-serve's admission counts it.
-            bound = self.max_pixels if self.max_pixels is not None else Image.MAX_IMAGE_PIXELS
+            bound = self.max_pixels if self.max_pixels is not None else pillow_limit()
             total = sum(header_size(self.files[j], bound)[0] for j in unique)
             if total > self.max_total_pixels:
                 raise ImageError(f"{name}: its {len(unique)} sampled frames have {total:,} pixels, over the limit "
