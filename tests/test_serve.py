@@ -637,6 +637,7 @@ def post_video(client, body):
     ({"fps": 4}, {"target_fps": 1e308}, "give a frame count past any float"),
     ({"fps": 5e-324}, {}, "give a frame count past any float"),
     ({"fps": 4, "duration": 1e308}, {}, "give a frame count past any float"),
+    ({"fps": 1e-310}, {"sample": False}, "fps=1e-310 puts frame 7 at a time past any float"),  # no inf in the reply
     ({"fps": 2}, {"min_image_tokens": 10**400}, "min_image_tokens=1000000000000000000000000000000000000000... "
                                                  "(401 characters) must be an integer from 0 to 2,147,483,647"),
 ])

@@ -214,8 +214,11 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
                            temporal_factor=T, num_frames=n)
     grid = (-(-n // T), canvas[0] // patching.patch_size, canvas[1] // patching.patch_size)
     frame_tokens = grid[1] * grid[2] // patching.merge_size ** 2
-    info = {"source": name, "frames_indices": picked.tolist(),
-            "timestamps": None if fps is None else [int(i) / fps for i in picked],
+    times = None if fps is None else [int(i) / fps for i in picked]
+    if times is not None and not math.isfinite(times[-1]):  # a frame time past any float: inf in the metadata
+        raise ValueError(f"{name}: fps={quoted(fps)} puts frame {int(picked[-1])} at a time past any float; "
+                         "pass the video's real fps")
+    info = {"source": name, "frames_indices": picked.tolist(), "timestamps": times,
             "size": (height, width), "canvas": canvas, "content": content, "grid": grid,
             "tokens": grid[0] * frame_tokens, "frame_tokens": frame_tokens, "fps": fps,
             "duration": None if duration is None else float(duration), "total_frames": total}
