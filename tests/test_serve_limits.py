@@ -1184,8 +1184,11 @@ def post_raw(client, body: bytes) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("body, says", [
-    (b'{"images": [' + b"[]," * 2000 + b'"QQ=="]}', "JSON strings, arrays, objects and commas; a request of up to 8 images"),
-    (b'{"videos": [' + b'"",' * 600_000 + b'{}]}', "JSON strings, arrays, objects and commas; a video request holds at most"),
+    (b'{"images": [' + b"[]," * 2000 + b'"QQ=="]}', "the body holds 4,004 JSON strings, arrays, objects and commas; a "
+     "request of up to 8 images (--max-queue) holds at most 96: send at most 8 images a request, each as one base64 "
+     "string"),
+    (b'{"videos": [' + b'"",' * 600_000 + b'{}]}', "JSON strings, arrays, objects and commas; a video request holds at "
+     "most 1,000,000: send fewer frames a request (a video file is one string)"),
 ])
 def test_a_body_of_many_json_items_is_refused_before_it_is_parsed(server, body, says):
     """A body of many tiny JSON items costs json.loads an object each, holding the interpreter (60 MB of "[],"

@@ -137,14 +137,14 @@ def b64decode(text: str) -> bytes:
 MAX_VIDEO_ITEMS = 1_000_000
 
 
-def _check_items(body: bytes, most: int, what: str) -> None:
+def _check_items(body: bytes, most: int, what: str, advice: str) -> None:
     """Refused (413) for a body of more JSON strings, arrays, objects and commas than a request of its kind
     holds, counted before it is parsed: json.loads makes an object of each and holds the interpreter
     meanwhile (60 MB of "[]," took 1.5 GB and 7 s), while base64 holds none of their marks."""
     n = body.count(b'"') // 2 + body.count(b"[") + body.count(b"{") + body.count(b",")
     if n > most:
         raise Refused(413, f"the body holds {n:,} JSON strings, arrays, objects and commas; {what} holds at most "
-                           f"{most:,}")
+                           f"{most:,}: {advice}")
 
 
 _NON_ASCII_ESCAPE = re.compile(rb"\\u(?!00[0-7][0-9a-fA-F])")
@@ -197,8 +197,8 @@ def parse_images(body: bytes, capacity: int, max_images: int = 256):
     """(images as base64 strings, min and max tokens) of an image request, or Refused. max_images: the most a
     request may hold (--max-queue), which bounds the JSON items parsed."""
     text = _text(body)  # first: an image file sent as JSON is told where it goes, not counted as JSON
-    _check_items(body, 4 * max_images + 64, f"a request of up to {max_images} images (--max-queue): send at most "
-                                            f"{max_images} a request")
+    _check_items(body, 4 * max_images + 64, f"a request of up to {max_images} images (--max-queue)",
+                 f"send at most {max_images} images a request, each as one base64 string")
     del body  # the caller passed its last reference: the body's memory goes before the parse makes strings
     req = _load(text, "an object with an 'images' list of base64 strings")
     if not isinstance(req, dict):
@@ -260,7 +260,7 @@ def parse_videos(body: bytes) -> tuple[list[dict], dict]:
     preprocess_video) or Refused 400.
     The settings' values are checked by preprocess_video itself (a 422 naming the video)."""
     text = _text(body)
-    _check_items(body, MAX_VIDEO_ITEMS, "a video request")
+    _check_items(body, MAX_VIDEO_ITEMS, "a video request", "send fewer frames a request (a video file is one string)")
     del body  # as in parse_images
     req = _load(text, "an object with a 'videos' list")
     if not isinstance(req, dict):
