@@ -9,7 +9,6 @@
     metrics    the Prometheus metrics (summed over every process where there are HTTP workers)
     http_server  uvicorn with the connection cap, the deadlines and the two-step stop
     workers    --workers N: HTTP worker processes beside the engine process, and their supervision
-    accepting  which worker takes a new connection: one holding the fewest
     engine_server  the engine process's side: the tower fed by the workers
     remote     a worker's side: the engine in another process, as the app's backend and batcher
     wire       the frames between them: a pickled header, the arrays' bytes beside it

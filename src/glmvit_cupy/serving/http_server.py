@@ -4,9 +4,7 @@ once). Used by the one-process server (main.py) and by each HTTP worker (workers
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
 import json
 import logging
 import signal
@@ -66,7 +64,7 @@ def _unsent(transport) -> int:
 
 
 def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout: float = 60.0,
-             body_timeout: float = 60.0, max_body_bytes: int = 64 << 20, on_connections=None):
+             body_timeout: float = 60.0, max_body_bytes: int = 64 << 20):
     """uvicorn's h11 protocol with a cap on connections (one over it is answered 503 and closed at once), a
     deadline for each request's headers (408 and closed: uvicorn itself waits for them without end), and
     one for the rest of a body answered before it was read (body_timeout, max_body_bytes: then closed), and
@@ -74,7 +72,7 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
     high-water mark), a connection whose client took nothing more for reply_timeout seconds (bytes
     written less _unsent) is aborted, which lets its reply go (a client that never reads would otherwise hold it, up to --max-reply-mib, for as long as it
     stays connected, even past a close, which waits for the buffer to drain). A slow reader makes
-    progress and keeps its connection. on_connections(n): told the connections open as each opens or closes."""
+    progress and keeps its connection."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -98,7 +96,7 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
                 transport.close()
                 return
             super().connection_made(transport)
-            self._count()
+            metrics.connections.set(len(self.connections))
             self._arm()
             self.transport = _Counted(transport)  # what the request cycles and the app's replies write through
 
@@ -109,12 +107,7 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
             self._unarm_reply()
             self._stop_dropping()
             super().connection_lost(exc)
-            self._count()
-
-        def _count(self):
             metrics.connections.set(len(self.connections))
-            if on_connections is not None:
-                on_connections(len(self.connections))
 
         def data_received(self, data):
             if self.drop_timer is not None:
@@ -203,17 +196,12 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
     return Protocol
 
 
-def build_server(app, args, max_connections: int, backlog: int, ready: str | None, worker: bool = False,
-                 share=None):
+def build_server(app, args, max_connections: int, backlog: int, ready: str | None, worker: bool = False):
     """uvicorn's Server for the app, on glmvit-serve's protocol (connection cap, header and reply deadlines),
     stopping in two steps on a signal (draining, then at once). ready: the line logged once the model is
     loaded (None: the engine process logs it). worker: an HTTP worker of --workers N, which drains on
-    SIGTERM from the server process and leaves SIGINT and SIGHUP (a terminal's, the group's) to it.
-    share: an HTTP worker's accepting.Share, with which it takes connections from the shared socket itself,
-    one at a time, the workers holding the fewest first; None: uvicorn accepts."""
+    SIGTERM from the server process and leaves SIGINT and SIGHUP (a terminal's, the group's) to it."""
     import uvicorn
-
-    from . import accepting
 
     state = app.state.glmvit
     state["log"] = log
@@ -226,24 +214,6 @@ def build_server(app, args, max_connections: int, backlog: int, ready: str | Non
         draining_since = None
         failed = False
         ready = False
-        acceptor = None  # the task taking connections (with a share)
-
-        async def startup(self, sockets=None):
-            if share is None:
-                return await super().startup(sockets)
-            await super().startup(sockets=[])  # the app's start; no listener of uvicorn's own
-            if self.started:
-                config = self.config
-                factory = functools.partial(config.http_protocol_class, config=config, server_state=self.server_state,
-                                            app_state=self.lifespan.state)
-                self.acceptor = asyncio.ensure_future(accepting.serve(
-                    sockets[0], backlog, factory, share, lambda: len(self.server_state.connections), log))
-
-        async def shutdown(self, sockets=None):
-            if self.acceptor is not None:  # no new connection from here on, as uvicorn closes its listeners
-                self.acceptor.cancel()
-                await asyncio.gather(self.acceptor, return_exceptions=True)
-            await super().shutdown(sockets)
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -323,8 +293,7 @@ def build_server(app, args, max_connections: int, backlog: int, ready: str | Non
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on",
                                    http=protocol(max_connections, args.header_timeout, app.state.metrics,
                                                  args.reply_timeout, args.body_timeout,
-                                                 int(args.max_body_mib * (1 << 20)),
-                                                 None if share is None else share.held),
+                                                 int(args.max_body_mib * (1 << 20))),
                                    backlog=backlog, timeout_graceful_shutdown=2))
     # uvicorn logs "ERROR: Cancel N running task(s), timeout graceful shutdown exceeded" when it cancels the
     # requests the drain gave up on: the drain's own line has said so already, and nothing failed.

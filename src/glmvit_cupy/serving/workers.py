@@ -27,7 +27,6 @@ import time
 import warnings
 
 from . import wire
-from .accepting import IDLE
 from .http_server import DRAIN
 from .metrics import multiprocess_into
 
@@ -158,11 +157,10 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
     settings.cache_mib = args.cache_mib / args.workers
     context = multiprocessing.get_context("spawn")
     spawned: dict = {}  # worker slot -> when its process was last started
-    held = context.RawArray("i", [IDLE] * args.workers)  # the connections each worker holds (accepting.Share)
 
     def spawn(i: int):
         p = context.Process(target=worker_main, name=f"glmvit-serve-worker-{i}",
-                            args=(sock, path, args, settings, max_connections, backlog, os.getpid(), held, i))
+                            args=(sock, path, args, settings, max_connections, backlog, os.getpid()))
         p.start()
         spawned[i] = time.monotonic()
         return p
@@ -222,7 +220,6 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
             for i, p in enumerate(workers):
                 if p.exitcode is None or told:
                     continue
-                held[i] = IDLE  # it accepts nothing: no other worker leaves it a connection
                 early += p.pid not in engine.started
                 if early >= 3:  # three in a row: workers cannot start, and more would not either
                     log(f"{early} HTTP workers ended before they reached the engine (the last: {_ended(p)}): "
@@ -289,11 +286,8 @@ def _ended(p) -> str:
     return f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit status {p.exitcode}"
 
 
-def worker_main(sock, path: str, args, settings, max_connections: int, backlog: int, parent: int, held,
-                slot: int) -> None:
-    """An HTTP worker: the app (app.create_app) on the shared socket, its engine the server process's; it
-    takes connections the workers holding the fewest first (accepting.py: held, one count a worker)."""
-    from .accepting import Share
+def worker_main(sock, path: str, args, settings, max_connections: int, backlog: int, parent: int) -> None:
+    """An HTTP worker: the app (app.create_app) on the shared socket, its engine the server process's."""
     from .http_server import build_server, log
 
     # A terminal's Ctrl-C, or a service manager's SIGTERM, reaches the whole group: the server process decides,
@@ -345,8 +339,7 @@ def worker_main(sock, path: str, args, settings, max_connections: int, backlog: 
     load_backend.at_start = first[0] == "ready"  # the app awaits it before serving
 
     app = create_app(load_backend, settings)
-    server = build_server(app, args, max_connections, backlog, ready=None, worker=True,
-                          share=Share(held, slot, max_connections))
+    server = build_server(app, args, max_connections, backlog, ready=None, worker=True)
     server.run(sockets=[sock])
     state = app.state.glmvit
     state["off_process"].shutdown()
