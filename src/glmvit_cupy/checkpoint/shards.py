@@ -93,10 +93,13 @@ def read_header(path: str) -> dict:
             raw = f.read(hlen)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read shard ({e})") from None
+    def too_many(lists: str) -> CheckpointError:
+        return CheckpointError(f"{path}: the header lists {lists} a shard may hold here (a real shard holds a few "
+                               "thousand); the file is damaged or not a checkpoint")
+
     count = raw.count(b'"data_offsets"')
     if count > MAX_TENSORS:
-        raise CheckpointError(f"{path}: the header lists {count:,} tensors, more than the {MAX_TENSORS:,} a shard may "
-                              "hold here (a real shard holds a few thousand); the file is damaged or not a checkpoint")
+        raise too_many(f"{count:,} tensors, more than the {MAX_TENSORS:,}")
 
     entries = 0
 
@@ -106,8 +109,7 @@ def read_header(path: str) -> dict:
         nonlocal entries
         entries += any(k == "data_offsets" for k, _ in pairs)
         if entries > MAX_TENSORS:
-            raise CheckpointError(f"{path}: the header lists more than the {MAX_TENSORS:,} tensors a shard may hold "
-                                  "here (a real shard holds a few thousand); the file is damaged or not a checkpoint")
+            raise too_many(f"more than the {MAX_TENSORS:,} tensors")
         twice = repeated_key(pairs)
         if twice is not None:
             raise CheckpointError(f"{path}: the header names tensor {quoted(twice, 120)} twice; each name must be unique")
