@@ -526,3 +526,23 @@ def test_a_stray_file_of_a_long_shard_number_is_not_a_shard(tmp_path):
     os.remove(folder / MANIFEST)
     with pytest.raises(OutputError, match="holds shard 999,999,999, the last number a shard may have"):
         Output(str(folder), SETTINGS)
+
+
+@pytest.mark.parametrize("grid", [[1, 2, 2], [1, "a", 3], [1, 2, 6, 1], "1x2x6", [1, 2, 6.0], [0, 2, 6]])
+def test_an_entry_whose_grid_contradicts_its_tokens_is_refused_and_encoded_again(tmp_path, grid):
+    """An entry's grid_thw edited so that it no longer makes its tokens (t x h x w / merge^2): read_embeddings
+    returned it beside the embedding, and a resume counted it done."""
+    folder = str(tmp_path / "o")
+    settings = dict(SETTINGS, geometry={"out_hidden_size": 8, "spatial_merge_size": 2})
+    out = Output(folder, settings, flush_seconds=0)
+    out.add_batch(batch(["/img/a", "/img/b"]))
+    out.flush()
+    out._lock.close()
+    assert set(read_embeddings(folder)[1]) == {"/img/a", "/img/b"}  # [1, 2, 6] makes 3 tokens: consistent
+    manifest = json.loads((tmp_path / "o" / MANIFEST).read_text())
+    manifest["images"]["/img/b"]["grid_thw"] = grid
+    (tmp_path / "o" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(OutputError, match=re.escape(MANIFEST) + ".*the entry of /img/b gives grid_thw .* 3 tokens"):
+        read_embeddings(folder)
+    again = Output(folder, settings)
+    assert again.done("/img/a") and not again.done("/img/b")

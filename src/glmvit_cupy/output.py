@@ -181,7 +181,7 @@ def shard_entries(folder: str, skip=()) -> dict[str, tuple[dict, dict]]:
                 raise TypeError("its header and images are not objects")
             entries = {k: dict(v, shard=name) for k, v in images.items() if k in tensors}  # TypeError: not ours
             entries = {k: e for k, e in entries.items()  # only what the shard holds as its entry describes it
-                       if _embedding_problem(k, e, tensors[k], _width(header)) is None}
+                       if _embedding_problem(k, e, tensors[k], _expect(header)) is None}
         except Exception:  # no metadata (an older run's shard, listed in its manifest), unreadable, or not ours
             continue
         out[name] = (header, entries)
@@ -287,7 +287,7 @@ class Output:
                               "kept and the rest encoded; or use another --out") from None
         self._check(header, settings, MANIFEST)
         # Keep only entries whose shard reads whole and holds them: a shard lost or damaged since is encoded again.
-        own = _own_shards(self.folder, images, _width(settings))
+        own = _own_shards(self.folder, images, _expect(settings))
         self.manifest["images"] = {k: v for k, v in images.items() if k in own}
         # Earlier failures stay failures until encoded (a run that tries one again replaces its reason).
         failed = old.get("failed", {})
@@ -468,19 +468,28 @@ def _shard_tensors(path) -> dict | None:
         return None
 
 
-def _width(header) -> int | None:
-    """The embedding width (out_hidden_size) a header's geometry records, or None."""
+def _expect(header) -> tuple[int | None, int | None]:
+    """What a header's geometry records of every embedding: its width (out_hidden_size) and the patches a
+    token merges along each side (spatial_merge_size); None for either it does not record."""
     geometry = header.get("geometry") if isinstance(header, dict) else None
-    width = geometry.get("out_hidden_size") if isinstance(geometry, dict) else None
-    return width if is_integer(width) and width >= 1 else None
+    got = [geometry.get(k) if isinstance(geometry, dict) else None for k in ("out_hidden_size", "spatial_merge_size")]
+    width, merge = (v if is_integer(v) and v >= 1 else None for v in got)
+    return width, merge
 
 
-def _embedding_problem(key, entry, have, width) -> str | None:
+def _embedding_problem(key, entry, have, expect) -> str | None:
     """What is wrong with `key`'s tensor `have` ((dtype, shape), as a shard header says) for its entry, or None:
-    one bf16 row of `width` values per token of the entry."""
+    one bf16 row of the header's width per token of the entry, as many tokens as its grid_thw makes."""
+    width, merge = expect
     tokens = entry.get("tokens") if isinstance(entry, dict) else None
     if not (is_integer(tokens) and tokens >= 1):
         return f"the entry of {shown(key)} gives {quoted(tokens)} tokens, not a positive count"
+    grid = entry.get("grid_thw")
+    if grid is not None and merge is not None and not (
+            isinstance(grid, list) and len(grid) == 3 and all(is_integer(x) and x >= 1 for x in grid)
+            and grid[0] * grid[1] * grid[2] == tokens * merge * merge):
+        return (f"the entry of {shown(key)} gives grid_thw {quoted(grid)} and {tokens} tokens, but a grid of [t, h, w] "
+                f"patches makes t x h x w / {merge * merge} tokens")
     dtype, shape = have
     if dtype != "BF16" or len(shape) != 2 or shape[0] != tokens or (width is not None and shape[1] != width):
         want = f"[{tokens}, {width if width is not None else 'out_hidden_size'}]"
@@ -488,10 +497,10 @@ def _embedding_problem(key, entry, have, width) -> str | None:
     return None
 
 
-def _own_shards(folder, images: dict, width: int | None) -> set:
+def _own_shards(folder, images: dict, expect: tuple) -> set:
     """The keys of manifest entries whose shard is a file of this folder by a name this module writes (nothing
     outside the folder, nothing else in it) that reads whole and holds the key's embedding as the entry describes
-    it (bf16 [tokens, width]); each shard's header is read once."""
+    it (bf16 [tokens, width], grid_thw making the tokens; `expect`: _expect); each shard's header is read once."""
     found: dict = {}
 
     def own(key, entry):
@@ -504,19 +513,19 @@ def _own_shards(folder, images: dict, width: int | None) -> set:
                 log.warning("%s: cannot be read whole (truncated or damaged); its images are not counted as done",
                             os.path.join(folder, shard))
         tensors = found[shard] or {}
-        return key in tensors and _embedding_problem(key, entry, tensors[key], width) is None
+        return key in tensors and _embedding_problem(key, entry, tensors[key], expect) is None
 
     return {k for k, e in images.items() if own(k, e)}
 
 
-def _not_own(folder, key, entry, width) -> str:
+def _not_own(folder, key, entry, expect) -> str:
     """Why `key`'s manifest entry is not one of _own_shards."""
     shard = entry.get("shard") if isinstance(entry, dict) else None
     tensors = None
     if isinstance(shard, str) and SHARD.fullmatch(shard):
         tensors = _shard_tensors(os.path.join(folder, shard))
     if tensors and key in tensors:
-        return f"{_embedding_problem(key, entry, tensors[key], width)} (in {shard})"
+        return f"{_embedding_problem(key, entry, tensors[key], expect)} (in {shard})"
     return f"its entry {key!r} names no shard of this folder that reads whole and holds it"
 
 
@@ -566,11 +575,11 @@ def read_embeddings(folder) -> tuple[dict, dict]:
             if not (isinstance(manifest, dict) and isinstance(manifest.get("images"), dict)
                     and isinstance(manifest.get("failed", {}), dict)):
                 raise TypeError("it is not an object with an 'images' object and a 'failed' object")
-            width = _width(manifest.get("header"))
-            own = _own_shards(folder, manifest["images"], width)
+            expect = _expect(manifest.get("header"))
+            own = _own_shards(folder, manifest["images"], expect)
             bad = next((k for k in manifest["images"] if k not in own), None)
             if bad is not None:
-                raise ValueError(_not_own(folder, bad, manifest["images"][bad], width))
+                raise ValueError(_not_own(folder, bad, manifest["images"][bad], expect))
             listed = {e["shard"] for e in manifest["images"].values()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise OutputError(f"{path} is unreadable or not a glmvit-encode manifest ({type(e).__name__}: {e}); "
