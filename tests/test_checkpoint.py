@@ -54,8 +54,24 @@ def test_any_shard_of_an_indexed_checkpoint_binds_the_whole_tower(tmp_path, tens
         s = inspect_checkpoint(tmp_path / shard)
         assert s["tensors"] == whole["tensors"] and s["shards"] == whole["shards"] == shards
     os.remove(tmp_path / "model.safetensors.index.json")
-    with pytest.raises(CheckpointError, match="depth = 2 blocks"):
-        bind_tower(tmp_path / shards[0])
+    for shard in shards:  # part of the tower, or none of it: the error says the rest may be in shards not given
+        with pytest.raises(CheckpointError, match="this shard holds .*; only this shard was given, and no index beside "
+                                                  "it lists it: if the tower is in other shards, give the checkpoint's "
+                                                  "folder or its index$"):
+            bind_tower(tmp_path / shard)
+
+
+def test_a_shard_name_no_file_name_can_hold_is_named_for_what_it_holds(tmp_path, tensors):
+    """An index naming a shard by a lone surrogate (a JSON escape) was blamed on a NUL byte."""
+    import json
+
+    write_checkpoint(tmp_path, GEO, tensors=tensors, shards=2)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.visual.merger.proj.weight"] = "\ud800.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="holds a character no file name can encode") as e:
+        bind_tower(tmp_path)
+    assert "NUL" not in str(e.value)
 
 
 @pytest.mark.parametrize("index", ['{"weight_map": {"a": ', '[1, 2]', '{"weight_map": 3}'])

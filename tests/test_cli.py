@@ -284,6 +284,32 @@ def test_a_folder_holds_one_towers_embeddings_wherever_the_checkpoint_lies(image
     assert "written with checkpoint = '" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("prefix,shows", [("x\ud800.visual.", "x\\ud800.visual."),
+                                          ("x\n\x1b[31mRED.visual.", "x\\x0a\\x1b[31mRED.visual.")])
+def test_inspect_prints_a_hostile_prefix_escaped(capsys, tmp_path, prefix, shows):
+    """A tower prefix holding a lone surrogate (a JSON escape in the headers) crashed --inspect's summary with a
+    UnicodeEncodeError after every check passed; one holding a newline or a terminal escape was printed raw."""
+    import shutil
+    import struct
+
+    folder = tmp_path / "t"
+    shutil.copytree(cases.TOWER_DIR, folder)
+    for shard in folder.glob("*.safetensors"):
+        raw = shard.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = {k.replace("model.visual.", prefix, 1): v for k, v in json.loads(raw[8:8 + n]).items()}
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        shard.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k.replace("model.visual.", prefix, 1): v for k, v in index["weight_map"].items()}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert run(["--inspect", folder]) == 0
+    out = capsys.readouterr().out
+    assert f"prefix      {shows}\n" in out and "\x1b" not in out
+    out.encode("utf-8")  # strictly: no lone surrogate reached the output
+
+
 def test_inspect_and_usage(capsys, tmp_path):
     assert run(["--inspect", cases.TOWER_DIR]) == 0
     text = capsys.readouterr().out

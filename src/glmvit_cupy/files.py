@@ -29,6 +29,8 @@ def not_regular(path) -> str | None:
         return "a broken symbolic link" if os.path.islink(path) else None
     except OSError as e:  # a symbolic link loop, a path through a file
         return f"unreadable ({e.strerror})"
+    except UnicodeEncodeError:  # a lone surrogate (a JSON escape such as \ud800): no file name encodes it
+        return "not a valid path (it holds a character no file name can encode)"
     except ValueError:  # a NUL byte: no file can have such a name
         return "not a valid path (it holds a NUL byte)"
     return None if stat.S_ISREG(mode) else kind(mode)

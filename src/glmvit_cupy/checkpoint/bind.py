@@ -155,12 +155,15 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
         raise CheckpointError(f"{path}: is {what}, not a checkpoint folder or file" if what else
                               f"{path}: no such file or directory")
     store = WeightStore.open(source, only=is_vision_name)
+    # A shard given alone, which no index beside it lists: the tower may lie in shards not given.
+    alone = ("; only this shard was given, and no index beside it lists it: if the tower is in other shards, "
+             "give the checkpoint's folder or its index") if source.endswith(".safetensors") else ""
     prefixes = tower_prefixes(store.names())
     if not prefixes:
         raise AbsentTower(
             f"{path}: config.json declares a vision tower, but no '*visual.patch_embed.proj.weight' is in the "
             f"checkpoint (looked under {', '.join(VISION_PREFIXES)} and any other prefix ending in 'visual.'); "
-            "the shards hold no tower to load")
+            f"{'this shard holds' if alone else 'the shards hold'} no tower to load{alone}")
     if prefixes[0] not in VISION_PREFIXES and len(prefixes) > 1:
         raise CheckpointError(
             f"{path}: the checkpoint holds a vision tower under each of "
@@ -171,16 +174,18 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
     # hostile depth (10**12) would exhaust memory building; a shortfall of a few tensors gets the precise message below.
     if 14 * geo.depth > len(store):
         held = next(b for b in range(len(store) + 1) if f"{prefix}blocks.{b}.norm1.weight" not in store)
+        blocks = (f" ({f'blocks 0-{held - 1}' if held else 'no block'} at most: no '{prefix}blocks.{held}.norm1.weight')"
+                  if held < geo.depth else "")
         raise CheckpointError(
-            f"{path}: vision_config declares depth = {geo.depth} blocks of 14 tensors, but the shards hold "
-            f"{len(store):,} vision tensors in all ({f'blocks 0-{held - 1}' if held else 'no block'} at most: no "
-            f"'{prefix}blocks.{held}.norm1.weight'); the config does not describe this checkpoint")
+            f"{path}: vision_config declares depth = {geo.depth} blocks of 14 tensors, but "
+            f"{'this shard holds' if alone else 'the shards hold'} {len(store):,} vision tensors in all{blocks}"
+            + (alone or "; the config does not describe this checkpoint"))
     layout, modules = tower_layout(geo), module_shapes(geo)
     for suffix, want in layout.items():
         name = prefix + suffix
         if name not in store:
             raise CheckpointError(f"{store.display}: missing tensor {quoted(name, 200)}, which the encoder needs "
-                                  f"(shape {list(want)})")
+                                  f"(shape {list(want)}){alone}")
         store.require_bf16(name)
         _check_shape(store, name, want, modules.get(suffix))
     unused = [n for n in store.names() if n.startswith(prefix) and n[len(prefix):] not in layout]

@@ -131,9 +131,9 @@ def inspect(path) -> int:
     except CheckpointError as e:
         return fail(e)
     g = s["geometry"]
-    print(f"checkpoint  {s['path']}\nprefix      {s['prefix']}\ntensors     {s['tensors']} "
+    print(f"checkpoint  {shown(s['path'])}\nprefix      {shown(s['prefix'])}\ntensors     {s['tensors']} "
           f"({s['parameters'] / 1e6:.1f} M parameters, {s['bytes'] / 2**30:.2f} GiB BF16)\n"
-          f"shards      {', '.join(s['shards'])}\ngeometry    depth {g.depth}, hidden {g.hidden_size}, "
+          f"shards      {', '.join(shown(x) for x in s['shards'])}\ngeometry    depth {g.depth}, hidden {g.hidden_size}, "
           f"heads {g.num_heads}, mlp {g.intermediate_size}, out {g.out_hidden_size}, merger "
           f"{g.projection_intermediate_size}, patch {g.patch_size}x{g.temporal_patch_size}")
     return 0
