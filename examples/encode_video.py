@@ -47,7 +47,7 @@ def run(argv) -> int:
     ap.add_argument("--fps", type=float, help="the source's frames a second (default: the video file's, or 8)")
     ap.add_argument("--target-fps", type=float, default=2.0, help="frames sampled a second of video (default 2)")
     ap.add_argument("--max-video-tokens", type=int, default=4000, help="the video's token limit (default 4000)")
-    ap.add_argument("--checkpoint", help="GLM-5.3 checkpoint directory (default: random weights, said loudly)")
+    ap.add_argument("--checkpoint", help="checkpoint folder, shard, index or Hub id (org/name: the hub extra); default: random weights, said loudly")
     ap.add_argument("--save", help="write the embeddings to a .safetensors (bf16) or .npy file")
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference even if a GPU exists")
     args = ap.parse_args(argv)
@@ -91,7 +91,8 @@ def run(argv) -> int:
         from glmvit_cupy import reference
 
         print(f"!! the GPU engine cannot run here: {why} !!")
-        print("!! so the float32 NumPy reference runs on the CPU instead: slow (tens of seconds) !!")
+        print("!! so the float32 NumPy reference runs on the CPU instead: slow (tens of seconds at the official "
+              "geometry) !!")
         t = time.perf_counter()
         emb = reference.encode_pixels(binding, pv, grid).astype(ml_dtypes.bfloat16)
         print(f"CPU reference: {time.perf_counter() - t:.1f} s")

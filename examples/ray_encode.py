@@ -112,12 +112,17 @@ def run(argv) -> int:
     if args.num_gpus is not None and not 0 < args.num_gpus < float("inf"):
         ap.error(f"--num-gpus {args.num_gpus:g}: GPUs per encoder actor must be above 0 (0.5: two actors share one)")
 
+    try:  # before --out is made: nothing is left behind
+        import ray
+    except ImportError as e:
+        print(f"ray_encode: the ray extra is not installed ({e}): pip install -e '.[ray]' in the glmvit-cupy checkout",
+              file=sys.stderr)
+        return 2
+
     if "://" not in args.out:  # a local --out is made (or refused, saying why) before Ray starts
         if os.path.lexists(args.out) and not os.path.isdir(args.out):
             raise ValueError(f"--out {args.out} is a file, not a folder; give a folder (it is created if absent)")
         os.makedirs(args.out, exist_ok=True)
-
-    import ray
 
     import glmvit_cupy.ray as gvr
 

@@ -127,3 +127,15 @@ def test_video_example_on_the_cpu_saves_what_the_reference_computes(tmp_path, ca
     assert np.array_equal(load_file(out)["video"].view(np.uint16), want.view(np.uint16))
     assert encode_video.main(["--video", str(tmp_path / "none.mp4"), "--checkpoint", TOWER, "--cpu"]) == 2
     assert "none.mp4' is not a file" in capsys.readouterr().err
+
+
+def test_the_ray_example_without_the_ray_extra_is_one_line_and_status_2(monkeypatch, capsys, tmp_path):
+    """Without Ray it raised ModuleNotFoundError with a traceback; now it names the extra, leaving no --out."""
+    import ray_encode
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError, installed or not
+    out = tmp_path / "out"
+    assert ray_encode.main([str(tmp_path), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ray_encode: the ray extra is not installed") and "pip install -e '.[ray]'" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
