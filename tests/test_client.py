@@ -116,6 +116,11 @@ def test_one_image_or_video_not_in_a_list_is_one_not_a_sequence(tmp_path, monkey
         Client().encode_video([one], fps=[2.0])
         assert len(embs) == 1 and answer.sent[-1] == answer.sent[-2] and len(answer.sent[-1]["videos"]) == 1
     assert len(answer.sent[-6]["videos"][0]["frames"]) == 4  # the array video: its four frames
+    frames = list(clip)  # a list of HxWx3 frames is one video, as preprocess_video takes it; not one a frame
+    embs, _ = Client().encode_video(frames, fps=2.0)
+    assert len(embs) == 1 and len(answer.sent[-1]["videos"]) == 1 and len(answer.sent[-1]["videos"][0]["frames"]) == 4
+    Client().encode_video([png(a), frames[0]], fps=2.0)  # frames of both kinds: one video
+    assert len(answer.sent[-1]["videos"]) == 1 and len(answer.sent[-1]["videos"][0]["frames"]) == 2
     raw = answer.raw
     Client().encode([a], max_image_tokens=np.int64(100), min_image_tokens=np.int32(4))  # NumPy numbers: in the query
     assert answer.sent[-1]["max_image_tokens"] == 100 and answer.sent[-1]["min_image_tokens"] == 4
@@ -155,8 +160,8 @@ def test_video_settings_a_value_a_video_must_match_the_videos(monkeypatch, rng):
     clip = rng.integers(0, 256, (2, 6, 8, 3), dtype=np.uint8)
     with pytest.raises(ValueError, match="fps has 1 values for 2 videos: give one value, or one per video"):
         Client().encode_video([clip, clip], fps=[2.0])
-    with pytest.raises(ValueError, match=r"video 0: an array video is uint8 \[T, H, W, 3\], got uint8 \[6, 8, 3\]"):
-        Client().encode_video([clip[0]], fps=2.0)
+    with pytest.raises(ValueError, match=r"video 1: an array video is uint8 \[T, H, W, 3\], got uint8 \[6, 8\]"):
+        Client().encode_video([clip, clip[0, ..., 0]], fps=2.0)
     with pytest.raises(ValueError, match="a setting of set"):
         Client().encode_video([clip], fps=2.0, target_fps={1})
     with pytest.raises(ValueError, match=r"video 1: dict is not a video file \(a path or its bytes\), a list of frames"):

@@ -129,6 +129,23 @@ def test_a_video_file_as_bytes_and_its_pixel_cap(tmp_path):
         video_files.VideoFile(3)
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "BMP", "TIFF"])
+def test_a_still_image_as_a_video_file_is_refused_saying_what_it_is(tmp_path, fmt):
+    """An image file's bytes (as glmvit-serve gets a video file) or one named like a video decoded as a one-frame
+    video, where a path named like an image is refused: each is refused now, saying it is a still image."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(clip(1)[0]).save(buf, fmt)
+    (tmp_path / "a.mp4").write_bytes(buf.getvalue())
+    for source in (video_files.VideoFile(buf.getvalue()), tmp_path / "a.mp4"):
+        with pytest.raises(ImageError, match=r"video 0: .* is a still image \(.*\), not a video file; a video given as "
+                                             r"images is a list of its frames"):
+            plan_video(source, fps=2.0)
+    Image.fromarray(clip(1)[0]).save(tmp_path / "a.gif")  # a GIF may be a video: read as one
+    assert plan_video(tmp_path / "a.gif", fps=2.0, sample=False)[1][0] == 1
+
+
 @pytest.mark.parametrize("name", sorted(CLIPS))
 def test_clips_read_as_the_reference_processor_reads_them(name):
     """Clips written by FFmpeg's own encoders (10-bit H.264, HEVC HLG and VP9; display rotations of 90, 180 and

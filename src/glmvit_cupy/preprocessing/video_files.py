@@ -54,6 +54,11 @@ def _open(source, name: str, max_pixels: int | None = None):
         container = av.open(io.BytesIO(bytes(source)) if is_bytes else os.fspath(source))
     except (av.FFmpegError, OSError, ValueError) as e:
         raise ImageError(f"{name}: cannot open {label} as a video ({e})") from None
+    kind = container.format
+    if kind.name == "image2" or kind.name.endswith("_pipe"):  # png_pipe, jpeg_pipe, webp_pipe: one still image
+        container.close()
+        raise ImageError(f"{name}: {label} is a still image ({kind.long_name}), not a video file; a video given as "
+                         "images is a list of its frames")
     if not container.streams.video:
         container.close()
         raise ImageError(f"{name}: {label} has no video stream")
