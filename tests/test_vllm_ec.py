@@ -39,19 +39,61 @@ def python(*args, code):
 
 def test_the_file_is_what_safetensors_writes(tmp_path, rng):
     """One tensor "ec_cache", bf16, the embedding's bits; the bytes are safetensors' own (save_file's) for a
-    bf16 embedding, a transposed view and a big-endian float32 array alike."""
+    bf16 embedding and a transposed view alike."""
     emb = embedding(rng)
     path = vllm_ec.write(str(tmp_path), KEY, emb)
     assert path == str(tmp_path / KEY / FILE) and os.listdir(tmp_path / KEY) == [FILE]
     got = load_file(path)
     assert list(got) == ["ec_cache"] and got["ec_cache"].dtype == ml_dtypes.bfloat16
     assert got["ec_cache"].shape == emb.shape and np.array_equal(got["ec_cache"].view(np.uint16), emb.view(np.uint16))
-    for i, array in enumerate([emb, emb.T, emb.astype(np.float32).astype(">f4")]):
+    for i, array in enumerate([emb, emb.T]):
         key = vllm_ec.key_of(bytes([i]))
         save_file({"ec_cache": np.ascontiguousarray(array)}, str(tmp_path / "reference"))
         written = vllm_ec.write(str(tmp_path), key, array)
         assert (tmp_path / key / FILE).read_bytes() == (tmp_path / "reference").read_bytes(), array.dtype
         assert np.array_equal(load_file(written)["ec_cache"], array)
+
+
+@pytest.mark.parametrize("bad, says", [
+    (np.ones((3, 8), np.float32), r"is float32 \[3, 8\], not the bf16 \[tokens, hidden\]"),
+    (np.ones(8, ml_dtypes.bfloat16), r"is bfloat16 \[8\], not the bf16"),
+    (np.ones((1, 3, 8), ml_dtypes.bfloat16), r"is bfloat16 \[1, 3, 8\]"),
+    (np.ones((0, 8), ml_dtypes.bfloat16), r"is bfloat16 \[0, 8\]"),
+    (np.full((3, 8), np.nan, np.float32).astype(ml_dtypes.bfloat16), "holds NaN or infinite values"),
+    (None, "the embedding is a NoneType, not a NumPy array"),
+])
+def test_an_embedding_that_is_not_a_finite_bf16_matrix_is_refused_before_anything_is_written(tmp_path, bad, says):
+    """A float32, 1-D, 3-D, empty or NaN embedding was written as it was (a file vLLM and holds() cannot take,
+    replaced at every later write); None raised safetensors' own error."""
+    with pytest.raises(ValueError, match=says):
+        vllm_ec.write(str(tmp_path), KEY, bad)
+    assert os.listdir(tmp_path) == []
+
+
+def test_keys_are_made_of_checked_values():
+    """key_for_image took any string for a sha and truncated 16.5 tokens to 16; video_key_of raised TypeError
+    for NumPy numbers, which it now takes as the numbers they are."""
+    sha = vllm_ec.key_of(b"x")
+    for args, says in [(("not a sha", 16, 8000), "key_for_image: sha 'not a sha' is not a lowercase hex sha256"),
+                       ((sha, 16.5, 100), r"key_for_image: min_image_tokens=16\.5 is not a positive integer"),
+                       ((sha, True, 100), "min_image_tokens=True"), ((sha, 16, None), "max_image_tokens=None"),
+                       ((sha, 0, 100), "min_image_tokens=0")]:
+        with pytest.raises(ValueError, match=says):
+            vllm_ec.key_for_image(*args)
+    assert vllm_ec.key_for_image(sha, np.int64(16), 8000) == sha != vllm_ec.key_for_image(sha, 16, 100)
+    same = vllm_ec.video_key_of([b"a"], 2.0, None, {"max_frames": 5}, kind="file")
+    assert vllm_ec.video_key_of([b"a"], np.float32(2.0), None, {"max_frames": np.int64(5)}, kind="file") == same
+    for fps, settings, says in [(float("nan"), {}, "fps=nan"), (2.0, {"x": [1]}, r"x=\[1\] is not a number"),
+                                (2.0, [], "settings is a list")]:
+        with pytest.raises(ValueError, match=says):
+            vllm_ec.video_key_of([b"a"], fps, None, settings, kind="file")
+    with pytest.raises(ValueError, match="video_key_of: file 0's sha256 'zz' is not a lowercase hex sha256"):
+        vllm_ec.video_key_of_shas(["zz"], 2.0, None, {}, kind="frames")
+
+
+def test_an_empty_folder_name_is_refused_at_the_check():
+    with pytest.raises(OutputError, match="the vLLM encoder cache folder is ''; give a folder's path"):
+        vllm_ec.check_folder("")
 
 
 def test_an_existing_file_is_left_as_it_is(tmp_path, rng):
@@ -133,10 +175,10 @@ def test_files_and_folders_get_the_umasks_mode(tmp_path, umask):
     what the umask lets it (set in a subprocess: the umask is the whole process's)."""
     got = python(tmp_path / "ec", umask, code="""if True:
         import json, os, sys
-        import numpy as np
+        import ml_dtypes, numpy as np
         os.umask(int(sys.argv[2]))
         from glmvit_cupy import vllm_ec
-        path = vllm_ec.write(sys.argv[1], vllm_ec.key_of(b"x"), np.zeros((4, 8), np.float32))
+        path = vllm_ec.write(sys.argv[1], vllm_ec.key_of(b"x"), np.ones((4, 8), ml_dtypes.bfloat16))
         print(json.dumps([os.stat(p).st_mode & 0o777 for p in (path, os.path.dirname(path), sys.argv[1])]))""")
     assert got == [0o666 & ~umask, 0o777 & ~umask, 0o777 & ~umask], [oct(m) for m in got]
 
@@ -174,12 +216,12 @@ def test_a_file_over_the_size_limit_is_one_output_error_line(tmp_path):
     of one line naming the file and the reason; no temporary file is left."""
     got = python(tmp_path, code="""if True:
         import json, os, resource, signal, sys
-        import numpy as np
+        import ml_dtypes, numpy as np
         from glmvit_cupy import vllm_ec
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         try:
-            vllm_ec.write(sys.argv[1], vllm_ec.key_of(b"big"), np.zeros((512, 1024), np.float32))
+            vllm_ec.write(sys.argv[1], vllm_ec.key_of(b"big"), np.ones((512, 1024), ml_dtypes.bfloat16))
             print(json.dumps(None))
         except Exception as e:
             from glmvit_cupy.errors import OutputError

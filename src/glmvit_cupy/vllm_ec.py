@@ -25,16 +25,18 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
 import stat
 import struct
 
+import ml_dtypes
 import numpy as np
 
-from .checks import DEFAULT_MAX_IMAGE_TOKENS
-from .errors import OutputError
+from .checks import DEFAULT_MAX_IMAGE_TOKENS, is_integer
+from .errors import OutputError, quoted
 from .files import probe_write
 
 log = logging.getLogger("glmvit_cupy")
@@ -63,7 +65,13 @@ DEFAULT_LIMITS = (16, DEFAULT_MAX_IMAGE_TOKENS)  # the reference processor's min
 def key_for_image(sha: str, min_image_tokens: int, max_image_tokens: int) -> str:
     """An image's key from its file's sha256 hex and the token limits it was resized under: the sha256 itself
     under the reference processor's defaults (16, 8000), the embedding vLLM's own processor would make;
-    else the sha256 hex of a canonical JSON of the two, since other limits give another embedding."""
+    else the sha256 hex of a canonical JSON of the two, since other limits give another embedding.
+    ValueError for a sha that is not a lowercase sha256 hex, or a limit that is not a positive integer."""
+    check_key(sha, "key_for_image: sha")
+    for name, v in (("min_image_tokens", min_image_tokens), ("max_image_tokens", max_image_tokens)):
+        if not (is_integer(v) and v >= 1):
+            raise ValueError(f"key_for_image: {name}={quoted(v)} is not a positive integer (a token limit, as the "
+                             "image was resized under)")
     if (min_image_tokens, max_image_tokens) == DEFAULT_LIMITS:
         return sha
     doc = {"image": sha, "min_image_tokens": int(min_image_tokens), "max_image_tokens": int(max_image_tokens)}
@@ -85,21 +93,42 @@ def video_key_of_shas(shas: list[str], fps, duration, settings: dict, *, kind: s
     if kind not in ("frames", "file") or (kind == "file" and len(shas) != 1):
         raise ValueError(f"video_key_of: kind={kind!r} with {len(shas)} files; kind is 'frames' (image files) or "
                          "'file' (one video file)")
+    for i, sha in enumerate(shas):
+        check_key(sha, f"video_key_of: file {i}'s sha256")
 
-    def number(v):
+    def number(name, v):  # what JSON holds, NumPy's numbers as Python's
+        v = v.item() if isinstance(v, np.generic) and v.dtype.kind in "biuf" else v
+        if not (v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and math.isfinite(v))):
+            raise ValueError(f"video_key_of: {name}={quoted(v)} is not a number, bool, string or None")
         return int(v) if isinstance(v, float) and v.is_integer() else v
 
-    doc = {"kind": kind, "files": list(shas), "fps": number(fps), "duration": number(duration),
-           "settings": {k: number(settings[k]) for k in sorted(settings)}}
+    if not isinstance(settings, dict):
+        raise ValueError(f"video_key_of: settings is a {type(settings).__name__}, not a dict of preprocess_video's")
+    doc = {"kind": kind, "files": list(shas), "fps": number("fps", fps), "duration": number("duration", duration),
+           "settings": {k: number(k, settings[k]) for k in sorted(settings)}}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def check_key(key) -> None:
+def check_key(key, what: str = "vLLM encoder cache key") -> None:
     """ValueError unless `key` is a lowercase hex sha256 (key_of, video_key_of): it names a folder of DIR,
     so nothing that could name another place ('..', '/', '\\', NUL, '' or an absolute path) gets through."""
     if not (isinstance(key, str) and KEY.fullmatch(key)):
-        raise ValueError(f"vLLM encoder cache key {key!r} is not a lowercase hex sha256 (64 characters 0-9a-f, "
+        raise ValueError(f"{what} {quoted(key, 80)} is not a lowercase hex sha256 (64 characters 0-9a-f, "
                          "as vllm_ec.key_of and video_key_of give); a key names one folder inside the cache folder")
+
+
+def check_embedding(embedding) -> None:
+    """ValueError unless `embedding` is what the file holds and vLLM splices: a NumPy bf16 [tokens, hidden]
+    array of finite values, tokens and hidden at least 1."""
+    if not isinstance(embedding, np.ndarray):
+        raise ValueError(f"vllm_ec.write: the embedding is a {type(embedding).__name__}, not a NumPy array "
+                         "(cupy.asnumpy a GPU one)")
+    if embedding.dtype != ml_dtypes.bfloat16 or embedding.ndim != 2 or 0 in embedding.shape:
+        raise ValueError(f"vllm_ec.write: the embedding is {embedding.dtype} {list(embedding.shape)}, not the bf16 "
+                         "[tokens, hidden] (tokens, hidden >= 1) an encoder-cache file holds")
+    if not np.isfinite(embedding.astype(np.float32)).all():
+        raise ValueError("vllm_ec.write: the embedding holds NaN or infinite values; a tower's output is finite "
+                         "(encode it again; check the weights with glmvit-encode --inspect)")
 
 
 def write(folder: str, key: str, embedding: np.ndarray, weights: str | None = None) -> str:
@@ -113,6 +142,7 @@ def write(folder: str, key: str, embedding: np.ndarray, weights: str | None = No
     from safetensors.numpy import save
 
     check_key(key)
+    check_embedding(embedding)
     target = os.path.join(folder, key, FILE)
     # safetensors makes the bytes (its own serializer, in memory: an embedding is a few MB); we write them,
     # so that what the disk refuses is an OSError of ours, not a SafetensorError from its writer.
@@ -185,6 +215,9 @@ def check_folder(folder: str) -> None:
     into, or can be made as one (its nearest existing parent a writable folder; nothing is left there): checked
     when a command starts, so that a wrong --vllm-ec-dir fails the start, not every request or batch after it."""
     what = f"cannot use the vLLM encoder cache folder {folder}"
+    if not isinstance(folder, (str, os.PathLike)) or not os.fspath(folder):
+        raise OutputError(f"the vLLM encoder cache folder is {quoted(folder)}; give a folder's path (it is made if "
+                          "absent)")
     here = os.path.abspath(folder)
     while True:
         try:
