@@ -532,6 +532,30 @@ def test_an_image_whose_requests_all_left_during_its_pass_is_cached_and_counted(
     assert hit is not None and hit[0].shape == (1, 2) and cache.get(("key", 2)) is None
 
 
+def test_a_dropped_video_requests_queued_part_never_starts_even_before_the_loop_runs():
+    """drop() cancelled the request's future and left its queued parts to that future's callback, which runs later
+    on the loop: a part ending meanwhile let the engine thread start the next (a pass of work for nobody; a test
+    waiting on it hung). Dropped, the queued parts are cancelled at once."""
+    engine = VideoEngine()
+    dropped = []
+    batcher = Batcher(engine, capacity_tokens=4, max_wait_s=0.0, max_queue=8, on_drop=dropped.append)
+
+    async def go():
+        two = batcher.submit_videos([item(4, "a"), item(4, "b")])
+        await until(engine.running.is_set)
+        assert batcher.drop(two)
+        engine.gate.release()  # "a" ends while the loop is held: no callback of the drop runs before "b" is due
+        time.sleep(0.2)
+        started = [tags for _, tags in engine.batches]
+        engine.gate.release()  # ends a "b" that started all the same
+        await until(lambda: len(dropped) == 2)
+        return started
+
+    started = asyncio.run(go())
+    batcher.stop()
+    assert started == [["a"]]
+
+
 def test_drop_keeps_a_video_request_whose_parts_left_all_run_and_counts_one_it_drops():
     """A video request is its parts: dropped while one runs and another waits, it is dropped whole (the waiting
     part leaves the queue, the running one's value is counted as dropped when it comes, nothing lost from the

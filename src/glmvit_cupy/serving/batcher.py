@@ -318,6 +318,11 @@ class Batcher:
             left = [p for p in parts if not p.done()]
             if left and all(p in self._in_pass for p in left):
                 return False
+            # Its queued parts are cancelled here, under the lock the engine thread takes them by: left to the
+            # request future's callback (later, on the loop), the next part could start in between.
+            for part in left:
+                if part is not future and part not in self._in_pass:
+                    part.cancel()
             future.cancel()  # its callbacks run later, on the loop; the engine thread checks cancelled() too
         return True
 
