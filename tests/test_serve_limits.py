@@ -842,7 +842,9 @@ def test_a_reply_left_unread_is_cut_off_and_let_go():
     proc, client = launch("--reply-timeout", 1, "--cache-mib", 0)
     try:
         s = reply_reader(client, 32)
-        time.sleep(4)  # the reply is made, fills the buffers and stays unread past the timeout
+        s.settimeout(60)
+        assert s.recv(64).startswith(b"HTTP/1.1 200")  # the reply is made (on a busy host: seconds), fills the buffers
+        time.sleep(4)  # and stays unread past twice the timeout
         assert client.encode([png(40, 40, 432)])[0][0].shape[0] == 16
         assert read_all(s) < 16 << 20
     finally:
