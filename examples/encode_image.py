@@ -101,7 +101,8 @@ def main(argv=None) -> int:
 def run(argv) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("images", nargs="*", help="image files (default: the bundled photo)")
-    ap.add_argument("--checkpoint", help="checkpoint folder, shard, index or Hub id (org/name: the hub extra); default: random weights, said loudly")
+    ap.add_argument("--checkpoint", help="checkpoint folder, shard, index or Hub id (org/name: the hub extra); "
+                    "default: random weights, said loudly")
     ap.add_argument("--save", help="write embeddings to a .safetensors (bf16, one tensor per image) or .npy file")
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference even if a GPU exists")
     ap.add_argument("--max-image-tokens", type=int, default=8000, help="per-image token limit (default 8000)")

@@ -47,7 +47,8 @@ def run(argv) -> int:
     ap.add_argument("--fps", type=float, help="the source's frames a second (default: the video file's, or 8)")
     ap.add_argument("--target-fps", type=float, default=2.0, help="frames sampled a second of video (default 2)")
     ap.add_argument("--max-video-tokens", type=int, default=4000, help="the video's token limit (default 4000)")
-    ap.add_argument("--checkpoint", help="checkpoint folder, shard, index or Hub id (org/name: the hub extra); default: random weights, said loudly")
+    ap.add_argument("--checkpoint", help="checkpoint folder, shard, index or Hub id (org/name: the hub extra); "
+                    "default: random weights, said loudly")
     ap.add_argument("--save", help="write the embeddings to a .safetensors (bf16) or .npy file")
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference even if a GPU exists")
     args = ap.parse_args(argv)
@@ -63,7 +64,11 @@ def run(argv) -> int:
     t = time.perf_counter()
     settings = dict(fps=fps, target_fps=args.target_fps, max_image_tokens=args.max_video_tokens,
                     patching=Patching.of(binding.geometry))
-    pv, grid, (info,) = preprocess_video(frames, **settings)
+    try:
+        pv, grid, (info,) = preprocess_video(frames, **settings)
+    except ValueError as e:  # the library names its arguments; here they are flags
+        flags = str(e).replace("max_image_tokens=", "--max-video-tokens ").replace("target_fps=", "--target-fps ")
+        raise ValueError(flags) from None
     source = args.video or f"{len(frames)} frames"
     rate = f"{fps:g} fps" if fps else "its fps"
     print(f"{source} of {info['size'][1]}x{info['size'][0]} px at {rate} -> frames "

@@ -348,7 +348,8 @@ def test_inspect_and_usage(capsys, tmp_path):
     for flag in ("--max-image-mib", "--max-video-mib"):  # past any file: refused before anything is read
         assert run([tmp_path / "nope.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "o", "--cpu",
                     flag, "1e308"]) == 2
-        assert f"{flag} 1e+308 must be a positive number of MiB, at most 1,099,511,627,776" in capsys.readouterr().err
+        assert f"{flag} 1e+308 must be a number of MiB from one byte (9.54e-07) to 1,099,511,627,776" in \
+            capsys.readouterr().err
     assert run([]) == 2
     assert "missing images or videos and --checkpoint and --out" in capsys.readouterr().err
     assert run([tmp_path / "nope.png", "--checkpoint", cases.TOWER_DIR]) == 2

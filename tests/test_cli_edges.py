@@ -113,9 +113,9 @@ def test_the_file_size_limits_are_flags_and_a_resume_with_a_higher_one_encodes_t
     manifest, embs = read_embeddings(out)
     assert len(embs) == 2 and not manifest["failed"]
     for flag in ("--max-image-mib", "--max-video-mib"):
-        for bad in ("0", "-1", "inf", "nan"):
+        for bad in ("0", "-1", "inf", "nan", "1e-09"):  # 1e-9 MiB is no whole byte: it was a limit of 0
             assert run(folder, "--checkpoint", TOWER, "--out", tmp_path / "o2", "--cpu", flag, bad) == 2
-            assert f"{flag} {bad} must be a positive number of MiB" in capsys.readouterr().err
+            assert f"{flag} {bad} must be a number of MiB from one byte" in capsys.readouterr().err
     assert not (tmp_path / "o2").exists()
 
 

@@ -164,7 +164,7 @@ def test_check_grid_accepts_and_normalises():
 
 @pytest.mark.parametrize("grid,says", [
     ([1, 32, 32], r"shape \[images, 3\]"),          # one image, but not as a row
-    (np.zeros((0, 3), np.int64), r"shape \[images, 3\]"),
+    (np.zeros((0, 3), np.int64), r"grid_thw holds no image \(shape \(0, 3\)\); a batch has at least one"),
     ([[1.0, 32.0, 32.0]], "integer array"),
     ([[0, 32, 32]], r"grid_thw\[0\] = \(0, 32, 32\)"),   # no frames
     ([[1, 32, 32], [1, 33, 32]], r"grid_thw\[1\] = \(1, 33, 32\).*2x2"),  # odd rows cannot merge

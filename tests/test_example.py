@@ -110,6 +110,8 @@ def test_video_example_on_the_cpu_saves_what_the_reference_computes(tmp_path, ca
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
     assert encode_video.main(paths + ["--fps", "-1", "--checkpoint", TOWER, "--cpu"]) == 2
     assert "fps=-1.0 must be a positive finite number" in capsys.readouterr().err
+    assert encode_video.main(paths + ["--max-video-tokens", "1", "--checkpoint", TOWER, "--cpu"]) == 2
+    assert "video 0: --max-video-tokens 1 is too small" in capsys.readouterr().err  # the flag, not the library's name
     av = pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
     clip = str(tmp_path / "clip.mkv")  # the same frames as a lossless file: the same embeddings
     with av.open(clip, "w") as c:

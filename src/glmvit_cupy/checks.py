@@ -98,8 +98,11 @@ def check_grid(grid_thw, merge: int) -> np.ndarray:
     [images, 3], or ValueError naming what is wrong: the GPU encoder and its replicas check alike.
     merge: the tower's spatial_merge_size (patches merge in merge x merge blocks)."""
     grid = np.asarray(grid_thw)
-    if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or not np.issubdtype(grid.dtype, np.integer):
+    if grid.ndim != 2 or grid.shape[1] != 3 or not np.issubdtype(grid.dtype, np.integer):
         raise ValueError(f"grid_thw must be an integer array of shape [images, 3], got {grid.dtype} {grid.shape}")
+    if grid.shape[0] == 0:
+        raise ValueError("grid_thw holds no image (shape (0, 3)); a batch has at least one: preprocess gives the "
+                         "rows and grid_thw of one or more images")
     for i, (t, h, w) in enumerate(grid.tolist()):  # Python ints as given: a uint64 past int64 stays positive
         if max(abs(t), abs(h), abs(w)) >= 2**31:
             raise ValueError(f"grid_thw[{i}] = ({t}, {h}, {w}): a value of magnitude 2**31 or more; no image or "

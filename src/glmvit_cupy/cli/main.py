@@ -226,8 +226,8 @@ def run(args) -> int:
         if value is not None and "tokens" in flag and value > TOKEN_LIMIT:
             return fail(f"{flag} {value} must be at most {TOKEN_LIMIT:,}")
     for flag, value in (("--max-image-mib", args.max_image_mib), ("--max-video-mib", args.max_video_mib)):
-        if not 0 < value <= 2**40:  # 1 EiB: past any file
-            return fail(f"{flag} {value:g} must be a positive number of MiB, at most {2**40:,}")
+        if not 2**-20 <= value <= 2**40:  # one byte to 1 EiB: past any file
+            return fail(f"{flag} {value:g} must be a number of MiB from one byte ({2**-20:.3g}) to {2**40:,}")
     if not 0 < args.video_fps <= MAX_TARGET_FPS:
         return fail(f"--video-fps {args.video_fps:g} must be a positive number of frames a second, at most "
                     f"{MAX_TARGET_FPS:,}, finer than any video's frames")

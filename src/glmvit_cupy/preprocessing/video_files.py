@@ -154,7 +154,8 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
         unique = len(set(int(i) for i in indices))
         if max_total_pixels is not None and unique * declared[0] * declared[1] > max_total_pixels:
             raise ImageError(f"{name}: its {unique} sampled frames have {unique * declared[0] * declared[1]:,} "
-                             f"pixels, over the limit of {max_total_pixels:,}; send a shorter or smaller video")
+                             f"pixels, over the limit of {max_total_pixels:,} (the commands' --max-video-pixels); a shorter "
+                             "or smaller video fits")
         kept, decoded = _decode(container, stream, source, name, indices, declared)
         if len(kept) < unique and decoded < total:  # the count was high: pick again from what is there
             total = decoded
