@@ -485,6 +485,9 @@ def _safetensors(tensors: dict, meta) -> bytes:
     ({"0": np.ones((2, 3, 4))}, [{}], "tensor 0 has shape [2, 3, 4]"),
     ({"0": np.ones((2, 3))}, [{}, {}, {}], "not a list of 1 objects"),
     ({"0": np.ones((2, 3))}, ["x"], "not a list of 1 objects"),
+    ({"0": np.ones((2, 3))}, [{}], "its metadata gives images 0 None tokens, its tensor 2 rows"),
+    ({"0": np.ones((2, 3))}, [{"tokens": 3}], "gives images 0 3 tokens"),
+    ({"0": np.ones((1, 3))}, [{"tokens": True}], "gives images 0 True tokens"),
 ])
 def test_an_answer_that_does_not_match_the_request_is_an_oserror(monkeypatch, tensors, meta, says):
     raw = _safetensors(tensors, meta)

@@ -27,7 +27,7 @@ import urllib.request
 
 import numpy as np
 
-from .errors import ServerError
+from .errors import ServerError, quoted
 
 
 # A kept connection the server has since closed (its keep-alive timeout; a restart; a TLS proxy closing without
@@ -341,6 +341,10 @@ def _answer(raw: bytes, n: int, what: str) -> tuple[list[np.ndarray], list[dict]
     meta = json.loads(_metadata(raw)[what])
     if not isinstance(meta, list) or len(meta) != n or not all(isinstance(m, dict) for m in meta):
         raise ValueError(f"its metadata is not a list of {n} objects, one for each of the {what}")
+    for i, m in enumerate(meta):
+        if m.get("tokens") != tensors[str(i)].shape[0] or isinstance(m.get("tokens"), bool):
+            raise ValueError(f"its metadata gives {what} {i} {quoted(m.get('tokens'))} tokens, its tensor "
+                             f"{tensors[str(i)].shape[0]} rows")
     return [tensors[str(i)] for i in range(n)], meta
 
 
