@@ -241,7 +241,7 @@ def test_a_plain_http_proxy_gets_the_whole_url(monkeypatch):
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://host/", "http://", "http://host:port", "http://h/?q=1",
-                                 "http://u:p@host:8000", "http://h/#top", "http://h/a b"])
+                                 "http://[::1", "http://u:p@host:8000", "http://h/#top", "http://h/a b"])
 def test_a_url_that_is_not_a_servers_is_refused(url):
     with pytest.raises(ValueError, match="is not a server's URL"):
         Client(url)

@@ -56,11 +56,11 @@ class Client:
                              "every answer would be refused below it) to 2^40")
         self.url, self.max_answer = url.rstrip("/"), int(max_answer_mib * 2**20)
         self.timeout = None if timeout is None else float(timeout)
-        parts = urllib.parse.urlsplit(self.url)
         try:
+            parts = urllib.parse.urlsplit(self.url)
             port = parts.port
-        except ValueError:
-            port = -1
+        except ValueError:  # an unclosed IPv6 bracket, a port that is no number
+            parts, port = urllib.parse.urlsplit(""), -1
         if (parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.query or parts.fragment
                 or "@" in parts.netloc or not parts.path.isascii() or any(c in parts.path for c in " \t\r\n")):
             raise ValueError(f"Client: {url!r} is not a server's URL: give http://HOST[:PORT][/PATH] (or https://), "
