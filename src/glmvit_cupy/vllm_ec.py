@@ -32,7 +32,6 @@ import secrets
 import stat
 import struct
 
-import ml_dtypes
 import numpy as np
 
 from .checks import DEFAULT_MAX_IMAGE_TOKENS, is_integer
@@ -120,6 +119,8 @@ def check_key(key, what: str = "vLLM encoder cache key") -> None:
 def check_embedding(embedding) -> None:
     """ValueError unless `embedding` is what the file holds and vLLM splices: a NumPy bf16 [tokens, hidden]
     array of finite values, tokens and hidden at least 1."""
+    import ml_dtypes  # loaded where an embedding is written, not with the commands
+
     if not isinstance(embedding, np.ndarray):
         raise ValueError(f"vllm_ec.write: the embedding is a {type(embedding).__name__}, not a NumPy array "
                          "(cupy.asnumpy a GPU one)")
