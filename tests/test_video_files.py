@@ -144,6 +144,14 @@ def test_a_still_image_as_a_video_file_is_refused_saying_what_it_is(tmp_path, fm
             plan_video(source, fps=2.0)
     Image.fromarray(clip(1)[0]).save(tmp_path / "a.gif")  # a GIF may be a video: read as one
     assert plan_video(tmp_path / "a.gif", fps=2.0, sample=False)[1][0] == 1
+    if fmt in ("PNG", "JPEG"):  # images one after another (a camera's MJPEG dump, image2pipe): a video of them
+        frames = []
+        for f in clip(8, seed=1):
+            one = io.BytesIO()
+            Image.fromarray(f).save(one, fmt)
+            frames.append(one.getvalue())
+        got = plan_video(video_files.VideoFile(b"".join(frames)), sample=False)
+        assert len(got[0]) == 8 and got[2]["total_frames"] == 8
 
 
 @pytest.mark.parametrize("name", sorted(CLIPS))

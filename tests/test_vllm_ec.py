@@ -81,6 +81,8 @@ def test_keys_are_made_of_checked_values():
         with pytest.raises(ValueError, match=says):
             vllm_ec.key_for_image(*args)
     assert vllm_ec.key_for_image(sha, np.int64(16), 8000) == sha != vllm_ec.key_for_image(sha, 16, 100)
+    assert vllm_ec.key_for_image(sha, 16.0, 8000.0) == sha and vllm_ec.key_for_image(sha, 8.0, 100) == \
+        vllm_ec.key_for_image(sha, 8, 100)  # whole-number floats are the integers they hold, as before
     same = vllm_ec.video_key_of([b"a"], 2.0, None, {"max_frames": 5}, kind="file")
     assert vllm_ec.video_key_of([b"a"], np.float32(2.0), None, {"max_frames": np.int64(5)}, kind="file") == same
     for fps, settings, says in [(float("nan"), {}, "fps=nan"), (2.0, {"x": [1]}, r"x=\[1\] is not a number"),

@@ -67,10 +67,14 @@ def key_for_image(sha: str, min_image_tokens: int, max_image_tokens: int) -> str
     else the sha256 hex of a canonical JSON of the two, since other limits give another embedding.
     ValueError for a sha that is not a lowercase sha256 hex, or a limit that is not a positive integer."""
     check_key(sha, "key_for_image: sha")
+    limits = []
     for name, v in (("min_image_tokens", min_image_tokens), ("max_image_tokens", max_image_tokens)):
+        v = int(v) if isinstance(v, (float, np.floating)) and float(v).is_integer() else v  # 16.0 is 16
         if not (is_integer(v) and v >= 1):
             raise ValueError(f"key_for_image: {name}={quoted(v)} is not a positive integer (a token limit, as the "
                              "image was resized under)")
+        limits.append(int(v))
+    min_image_tokens, max_image_tokens = limits
     if (min_image_tokens, max_image_tokens) == DEFAULT_LIMITS:
         return sha
     doc = {"image": sha, "min_image_tokens": int(min_image_tokens), "max_image_tokens": int(max_image_tokens)}

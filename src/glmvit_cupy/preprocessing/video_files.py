@@ -54,11 +54,6 @@ def _open(source, name: str, max_pixels: int | None = None):
         container = av.open(io.BytesIO(bytes(source)) if is_bytes else os.fspath(source))
     except (av.FFmpegError, OSError, ValueError) as e:
         raise ImageError(f"{name}: cannot open {label} as a video ({e})") from None
-    kind = container.format
-    if kind.name == "image2" or kind.name.endswith("_pipe"):  # png_pipe, jpeg_pipe, webp_pipe: one still image
-        container.close()
-        raise ImageError(f"{name}: {label} is a still image ({kind.long_name}), not a video file; a video given as "
-                         "images is a list of its frames")
     if not container.streams.video:
         container.close()
         raise ImageError(f"{name}: {label} has no video stream")
@@ -116,6 +111,10 @@ def _probe(container, stream, source, name, timing_given: bool = False):
     except (av.FFmpegError, OSError, ValueError) as e:  # a raw stream (an H.264 elementary stream, say)
         raise ImageError(f"{name}: {_label(source)} read to its end ({frames} packets) but cannot go back to its "
                          f"start ({e}): a raw stream without a container? Put it in one (MP4, MKV)") from None
+    kind = container.format  # an image reader (png_pipe, jpeg_pipe, image2) reads concatenated images as frames
+    if frames == 1 and (kind.name == "image2" or kind.name.endswith("_pipe")):
+        raise ImageError(f"{name}: {_label(source)} is a still image ({kind.long_name}), not a video file; a video "
+                         "given as images is a list of its frames")
     tb = stream.time_base  # each end in seconds, then subtracted: the reference's float64 steps, bit for bit
     duration = end * tb.numerator / tb.denominator - first * tb.numerator / tb.denominator if first is not None else 0.0
     if frames <= 0 or (duration <= 0 and not timing_given):
