@@ -542,6 +542,14 @@ def test_devices_with_cpu_is_refused_before_loading(capsys):
     (["--max-pixels", "1000000", "--max-pixels-in-flight", "999999"], "--max-pixels-in-flight 999,999 is below the "
      "1,000,000 pixels one image may have (--max-pixels): such an image could never be decoded"),
     (["--max-pixels-in-flight", "1000"], "below the 89,478,485 pixels one image may have"),
+    # Within --max-pixels, an image's canvas can hold more: sides aligned up to 28 pixels (a 1 x 10,000 strip is
+    # 28 x 10,024), up to the default 8,000 tokens of 784 pixels. Such a setting once served no such image (413).
+    (["--max-pixels", "10000", "--max-pixels-in-flight", "10000"], "--max-pixels-in-flight 10,000 is below the "
+     "280,756 pixels one image within --max-pixels may hold decoded and resized"),
+    (["--max-pixels", "1000000", "--max-pixels-in-flight", "1000000"], "below the 6,272,000 pixels one image within "
+     "--max-pixels may hold decoded and resized (its canvas at up to 8,000 tokens"),
+    (["--capacity-tokens", "10"], "--capacity-tokens 10 is below the 16 tokens a request's default min_image_tokens "
+     "asks for an image"),
     (["--max-connections", "0"], "--max-connections 0 must be at least 1"),
     (["--header-timeout", "0"], "--header-timeout 0 must be a finite number above 0"),
     (["--body-timeout", "inf"], "--body-timeout inf must be a finite number above 0"),

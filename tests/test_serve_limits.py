@@ -173,7 +173,7 @@ def test_an_icon_counts_as_the_decode_limit_since_its_header_can_understate(serv
         warnings.filterwarnings("ignore", "Image was not the expected size", UserWarning)  # as decoding.py's
         assert decode_rgb(icon, "image 0").shape == (500, 600, 3)
     got, err = post(client, json.dumps({"images": [b64(icon), b64(ico_holding(flat_png(600, 501)))]}).encode())
-    assert got == 413 and "need 32,000,000 pixels decoded at once (2 of them ICO files, counted at --max-pixels, " \
+    assert got == 413 and "need 32,000,000 pixels decoded and resized at once (2 of them ICO files, counted at --max-pixels, " \
         "16,000,000 pixels, each: their headers need not say what they hold; send them as PNG), over the " \
         "20,000,000" in err["error"], err
     got, answer = post(client, json.dumps({"images": [b64(icon)], "max_image_tokens": 64}).encode())
@@ -186,7 +186,7 @@ def test_a_videos_icon_frames_are_named_in_its_refusal_and_a_frame_over_the_limi
     _, client = server
     icons = [b64(ico_holding(flat_png(60, 50, (10 + i, 20, 30)))) for i in range(2)]
     got, err = post_video(client, {"videos": [{"frames": icons, "fps": 2}], "sample": False})
-    assert got == 413 and "need 32,000,000 pixels decoded at once (2 of their frames ICO files, counted at " \
+    assert got == 413 and "need 32,000,000 pixels decoded and resized at once (2 of their frames ICO files, counted at " \
         "--max-pixels, 16,000,000 pixels, each" in err["error"], err
     failed = metric(client, 'glmvit_videos_total{outcome="failed"}')
     got, err = post_video(client, {"videos": [{"frames": [b64(png_header(5000, 4000))] * 2, "fps": 2}]})
@@ -218,7 +218,7 @@ def test_pixels_in_flight_413_never_429_not_now(server):
     two = [b64(png_header(4000, 2500)), b64(png_header(5000, 2001))]
     got, err = post(client, json.dumps({"images": two}).encode())
     assert got == 413 and err["index"] is None, err
-    assert "this request's images need 20,005,000 pixels decoded at once, over the 20,000,000 the server holds " \
+    assert "this request's images need 20,005,000 pixels decoded and resized at once, over the 20,000,000 the server holds " \
            "in flight (--max-pixels-in-flight)" in err["error"]
     big = variants(flat_png(3900, 3900), 2)  # 15.2 M pixels each: one fits, two do not
     first = {}

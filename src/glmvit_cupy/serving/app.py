@@ -375,9 +375,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         note = (f" ({icons} of {of} ICO files, counted at --max-pixels, {limit:,} pixels, each: their headers "
                 "need not say what they hold; send them as PNG)") if icons else ""
         if total > budget.total:
-            raise Refused(413, f"this request's {what} need {total:,} pixels decoded at once{note}, over the "
-                               f"{budget.total:,} the server holds in flight (--max-pixels-in-flight): send fewer "
-                               f"or smaller {what} a request")
+            raise Refused(413, f"this request's {what} need {total:,} pixels decoded and resized at once{note}, over "
+                               f"the {budget.total:,} the server holds in flight (--max-pixels-in-flight): send fewer "
+                               f"or smaller {what} a request, or lower their max_image_tokens")
         if not budget.take(total):
             raise Refused(429, f"{budget.used:,} of the {budget.total:,} pixels the server holds in flight "
                                f"(--max-pixels-in-flight) are taken, and this request's {what} need {total:,}"

@@ -218,10 +218,18 @@ def parse_images(body: bytes, capacity: int, max_images: int = 256):
     return images, *_limits(req.get("min_image_tokens"), req.get("max_image_tokens"), capacity)
 
 
+DEFAULT_MIN_IMAGE_TOKENS = 16  # a request's min_image_tokens when it gives none (the reference processor's)
+
+
+def default_limits(capacity: int) -> tuple[int, int]:
+    """(min, max image tokens) of a request that gives neither."""
+    return DEFAULT_MIN_IMAGE_TOKENS, min(DEFAULT_MAX_IMAGE_TOKENS, capacity)
+
+
 def _limits(lo, hi, capacity: int) -> tuple[int, int]:
     """(min, max image tokens) a request gives (None: the default), checked, or Refused (400)."""
-    lo = 16 if lo is None else lo
-    hi = min(DEFAULT_MAX_IMAGE_TOKENS, capacity) if hi is None else hi
+    lo = default_limits(capacity)[0] if lo is None else lo
+    hi = default_limits(capacity)[1] if hi is None else hi
     try:
         lo, hi = check_token_limits(lo, hi)
     except ValueError as e:
