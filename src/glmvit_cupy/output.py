@@ -119,7 +119,7 @@ def shown(text) -> str:
 
 
 def _reason(e: BaseException) -> str:
-    """The OS's or safetensors' reason for a failed write, in one line."""
+    """The OS's reason for a failed write, in one line."""
     text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
     return shown(" ".join(text.split()) or type(e).__name__)
 
@@ -247,11 +247,23 @@ class Output:
             raise OutputError(f"cannot create the output folder {shown(folder)}: {_reason(e)}") from None
         self._lock = _lock_folder(folder)
         self._recover(settings)
-        self.next_shard = max([0, *map(_shard_number, os.listdir(folder))]) + 1
+        self.next_shard = max([0, *map(_shard_number, os.listdir(folder))]) + 1  # a leftover .tmp's number too
+        self._clear_temporaries()
         if self.next_shard > LAST_SHARD:
             raise OutputError(f"{shown(folder)} holds shard {LAST_SHARD:,}, the last number a shard may have; "
                               "give another --out")
         self.mode = _umask_mode()
+
+    def _clear_temporaries(self) -> None:
+        """Remove what a run stopped mid-write left under this module's temporary names (a shard's or the
+        manifest's name + ".tmp"), never renamed into place, so nothing refers to them (their numbers are not used
+        again all the same). Under the folder's lock: no other run is writing them."""
+        for name in os.listdir(self.folder):
+            if name.endswith(".tmp") and (name == MANIFEST + ".tmp" or SHARD.match(name.removesuffix(".tmp"))):
+                path = os.path.join(self.folder, name)
+                if not not_regular(path):
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
 
     def discard(self) -> None:
         """Remove the folder this Output made, before anything was written to it (its lock file alone)."""
@@ -351,20 +363,21 @@ class Output:
     def add_batch(self, entries: list[tuple[str, dict, np.ndarray]]):
         if not entries:  # a batch whose every embedding was unusable: no shard of nothing
             return
-        from safetensors import SafetensorError
-        from safetensors.numpy import save_file
+        from safetensors.numpy import save
 
         name = f"embeddings-{self.next_shard:05d}.safetensors"
         self.next_shard += 1
         tmp = os.path.join(self.folder, name + ".tmp")
         entries = [(key, _with_path(key, info), emb) for key, info, emb in entries]
         own = {"header": self.manifest["header"], "images": {key: info for key, info, _ in entries}}
+        # safetensors makes the bytes in memory and this writes them under the shard's own temporary name: its
+        # save_file writes through a hidden temporary of its own, which a process killed mid-write leaves behind.
+        data = save({key: np.ascontiguousarray(emb) for key, _, emb in entries}, metadata={"glmvit": json.dumps(own)})
         try:
-            save_file({key: np.ascontiguousarray(emb) for key, _, emb in entries}, tmp,
-                      metadata={"glmvit": json.dumps(own)})
+            _write_file(tmp, data)
             os.chmod(tmp, self.mode)
             os.replace(tmp, os.path.join(self.folder, name))
-        except (OSError, SafetensorError) as e:  # safetensors says ENOSPC / EFBIG as a SafetensorError
+        except OSError as e:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
             raise OutputError(f"cannot write {shown(os.path.join(self.folder, name))}: {_reason(e)}") from None
@@ -373,12 +386,24 @@ class Output:
             self.manifest["failed"].pop(key, None)
         self._changed()
 
+    def unfail(self, key) -> None:
+        """What failed in an earlier run no longer does, though it is not encoded (a folder that could not be
+        listed, and now is: its files stand for it)."""
+        if self.manifest["failed"].pop(key, None) is not None:
+            self._dirty = True
+
     def fail(self, key, why):
         """The file keyed `key` failed (this run): recorded with why; an embedding of it from an earlier run (the
         file has changed since, or it would not be tried) is no longer its entry."""
         self.manifest["failed"][key] = shown(why)
         self.manifest["images"].pop(key, None)
         self._changed()
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """`data` into a new file at `path` (OSError as the disk refuses it: ENOSPC, EFBIG)."""
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def _with_path(key: str, info: dict) -> dict:

@@ -43,15 +43,15 @@ class NoSuchInput(ValueError):
     """An input that names no file, folder or matching glob."""
 
 
-def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS, passed_over=None) -> list[str]:
+def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS, passed_over=None, listed=None) -> list[str]:
     """Files as given, folders walked for files with these extensions (sorted), globs expanded, each file once
     however it was reached. Folders and `**` follow symbolic links to folders but enter each folder (by device
     and inode) once, so a link loop ends. An input that names nothing: NoSuchInput naming it. `passed_over`, a
-    list, gets the folders' files whose names have none of the extensions."""
+    list, gets the folders' files whose names have none of the extensions; `listed`, the folders walked."""
     out, missing = [], []
     for item in items:
         if os.path.isdir(item):
-            out += walk(item, extensions, passed_over)
+            out += walk(item, extensions, passed_over, listed)
         elif os.path.lexists(item):  # a file, or a FIFO, device or broken link: reading it says which
             out.append(item)
         elif glob.has_magic(item):
@@ -129,10 +129,10 @@ def _folders_under(top, seen: set, hidden: bool = True) -> list[str]:
     return order
 
 
-def walk(top, extensions, passed_over=None) -> list[str]:
+def walk(top, extensions, passed_over=None, listed=None) -> list[str]:
     """The files under folder `top` with these extensions: each folder's files (sorted), then its subfolders'.
     A folder that cannot be listed is itself in the list: reading it fails, and the run reports it with the
-    OS's reason instead of passing over what it holds."""
+    OS's reason instead of passing over what it holds. `listed`, a list, gets the folders that could be."""
     out = []
     for folder in _folders_under(top, set()):
         try:
@@ -140,6 +140,8 @@ def walk(top, extensions, passed_over=None) -> list[str]:
         except OSError:
             out.append(folder)
             continue
+        if listed is not None:
+            listed.append(folder)
         out += [os.path.join(folder, f) for f in files if f.lower().endswith(extensions)]
         if passed_over is not None:
             passed_over += [os.path.join(folder, f) for f in files if not f.lower().endswith(extensions)]

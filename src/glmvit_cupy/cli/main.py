@@ -246,8 +246,10 @@ def run(args) -> int:
     # Everything that can refuse the run is checked before the output folder is made.
     kinds = IMAGE_EXTENSIONS + (() if args.no_videos else VIDEO_EXTENSIONS)
     passed_over: list[str] = []
+    listed: list[str] = []
     try:
-        paths = [p for p in expand_inputs(args.inputs, kinds, passed_over) if not (args.no_videos and is_video(p))]
+        paths = [p for p in expand_inputs(args.inputs, kinds, passed_over, listed)
+                 if not (args.no_videos and is_video(p))]
     except NoSuchInput as e:
         return fail(e)
     images_passed = [p for p in passed_over if looks_like_an_image(p)]
@@ -287,6 +289,8 @@ def run(args) -> int:
         out = Output(args.out, settings)
     except OutputError as e:  # a file, other settings, a damaged manifest, a folder that cannot be made
         return fail(e)
+    for folder in listed:  # a folder an earlier run could not list, listed now: its files stand for it
+        out.unfail(image_key(folder))
     keys = {p: image_key(p) for p in paths}  # a realpath each: once
     todo = [p for p in paths if not out.done(keys[p], stamp_of(p))]
     changed = sum(out.done(keys[p]) for p in todo)  # encoded before, changed since
