@@ -776,3 +776,16 @@ def test_files_after_a_double_dash_are_inputs_whatever_their_names(tmp_path, mon
     assert args.inputs == ["a.png", "-x.jpg", "--cpu"] and args.out == "o" and not args.cpu
     assert run("--checkpoint", TOWER, "--out", "o", "--cpu", "--", "-x.jpg") == cli.DONE
     assert [os.path.basename(k) for k in read_embeddings("o")[1]] == ["-x.jpg"]
+
+
+def test_a_glob_over_output_folders_takes_no_shard_manifest_or_lock(folder, tmp_path, capsys):
+    """`glmvit-encode 'S/**' --out S/out` after a run into S took S's shards and manifests (and its own, on a
+    re-run) as images: each failed to decode, went into `failed`, and every later run exited 1 for them."""
+    assert run(folder, "--checkpoint", TOWER, "--out", folder, "--cpu") == 0  # its shards beside the images
+    pattern, out = str(folder / "**"), folder / "out"
+    for _ in range(2):  # the second run's glob reaches out/ too
+        assert run(pattern, "--checkpoint", TOWER, "--out", out, "--cpu") == 0
+        said = capsys.readouterr().out
+        assert "cannot decode" not in said and "safetensors" not in said.replace(str(out), "")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["failed"] == {} and len(manifest["images"]) == 2

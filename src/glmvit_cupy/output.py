@@ -155,6 +155,13 @@ def _newer(entries: dict, found: dict) -> list:
     return put
 
 
+def is_output_file(name: str) -> bool:
+    """Whether a file name is one this module writes in an output folder (a shard, the manifest, the lock, or
+    either's temporary): never an input of the run that writes it."""
+    name = name.removesuffix(".tmp")
+    return name in (MANIFEST, LOCK) or SHARD.match(name) is not None
+
+
 def _shard_number(name: str) -> int:
     """The number of a shard (or of its temporary file, which a stopped run may leave); -1 for other files."""
     m = SHARD.match(name.removesuffix(".tmp"))

@@ -11,7 +11,7 @@ import os
 from .. import vllm_ec
 from ..errors import ImageError
 from ..files import open_regular
-from ..output import file_stamp, image_key, shown
+from ..output import file_stamp, image_key, is_output_file, shown
 from ..scheduling import feed
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".avif", ".bmp", ".gif", ".tif", ".tiff")
@@ -55,7 +55,9 @@ def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS, passed_
         elif os.path.lexists(item):  # a file, or a FIFO, device or broken link: reading it says which
             out.append(item)
         elif glob.has_magic(item):
-            files = sorted(p for p in expand_glob(item) if os.path.isfile(p))
+            # Not the shards, manifests and locks of output folders it reaches (`out/**`): they are never images.
+            files = sorted(p for p in expand_glob(item)
+                           if os.path.isfile(p) and not is_output_file(os.path.basename(p)))
             if not files:  # a mistyped glob among other inputs is as wrong as a mistyped path
                 missing.append(item)
             out += files
