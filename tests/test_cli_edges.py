@@ -789,3 +789,13 @@ def test_a_glob_over_output_folders_takes_no_shard_manifest_or_lock(folder, tmp_
         assert "cannot decode" not in said and "safetensors" not in said.replace(str(out), "")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["failed"] == {} and len(manifest["images"]) == 2
+
+
+def test_a_file_that_became_a_folder_is_named_for_what_it_is(tmp_path):
+    """An input file replaced by a folder during a run was reported as 'a folder that cannot be listed', which
+    the empty folder was not."""
+    from glmvit_cupy.cli.inputs import prepared
+
+    (tmp_path / "x.png").mkdir()
+    ((path, got),) = list(prepared([str(tmp_path / "x.png")], 1, lambda *a: None))
+    assert "a folder, not a file: it could not be listed when the inputs were read, or took a file's place" in str(got)

@@ -188,13 +188,14 @@ def prepared(paths, workers: int, one, max_bytes: int | None = None):
     A file over max_bytes is refused from its size before any of it is read."""
 
     def job(i, path):
-        if os.path.isdir(path):  # a folder walk() could not list
+        if os.path.isdir(path):  # a folder walk() could not list, or a file replaced by a folder since
             try:
                 os.scandir(path).close()
-                why = "it could not be listed when the inputs were read"
             except OSError as e:
-                why = str(e)
-            return path, ImageError(f"{path}: a folder that cannot be listed ({why}); the files in it are not encoded")
+                return path, ImageError(f"{path}: a folder that cannot be listed ({e}); the files in it are not "
+                                        "encoded")
+            return path, ImageError(f"{path}: a folder, not a file: it could not be listed when the inputs were read, "
+                                    "or took a file's place since; run again to encode the files in it")
         try:
             with open_regular(path, "the image", ImageError) as f:  # a FIFO or /dev/zero: refused, not read
                 st = os.fstat(f.fileno())
