@@ -1273,3 +1273,25 @@ def test_a_hang_up_is_ignored_under_nohup():
     finally:
         stop(proc)
     assert proc.returncode == 0 and "SIGHUP" not in proc.stdout.read()
+
+
+def test_malformed_requests_are_logged_sparsely(monkeypatch):
+    """uvicorn logs a line for each malformed request, as often as clients send them: one passes every 10 s,
+    the next that passes counting those held back."""
+    import logging
+
+    from glmvit_cupy.serving import http_server
+
+    now = [100.0]
+    monkeypatch.setattr(http_server.time, "monotonic", lambda: now[0])
+    sparse = http_server.Sparse("Invalid HTTP request")
+
+    def record(msg):
+        return logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, msg, (), None)
+
+    passed = [sparse.filter(r) for r in [record("Invalid HTTP request received.") for _ in range(50)]]
+    assert passed == [True] + [False] * 49 and sparse.filter(record("Cancel 1 running task(s)"))
+    now[0] += 10
+    late = record("Invalid HTTP request received.")
+    assert sparse.filter(late) and late.getMessage() == ("Invalid HTTP request received. (and 49 more since the last "
+                                                         "such line)")
