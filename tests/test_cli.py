@@ -540,29 +540,32 @@ def test_a_slow_disk_holds_the_encoder_back(tmp_path, monkeypatch):
     assert 1 <= most[0] <= output.PENDING_WRITES  # one image a pass: 14 writes, never more than 4 waiting
 
 
-def test_a_full_disk_stops_the_run_in_one_line_and_the_same_command_resumes(tmp_path, monkeypatch, capsys):
-    """A shard write that fails (here: ENOSPC on the third) stops the run with exit status 3 and one line that
-    names the shard, says why and how to resume, not a traceback; what was written stays (no .tmp left), and
-    the same command then encodes what is missing."""
+@pytest.mark.parametrize("error", ["safetensors", "os"])
+def test_a_full_disk_stops_the_run_in_one_line_and_the_same_command_resumes(tmp_path, monkeypatch, capsys, error):
+    """A shard write that fails (here: ENOSPC on the third, as safetensors says it, a SafetensorError, and as an
+    OSError) stops the run with exit status 3 and one line that names the shard, says why and how to resume,
+    not a traceback; what was written stays (no .tmp left), and the same command then encodes what is missing."""
     import errno
 
-    from glmvit_cupy import output
+    import safetensors.numpy
+    from safetensors import SafetensorError
 
     folder = tmp_path / "many"
     folder.mkdir()
     for i in range(6):
         Image.fromarray(cases._smooth(28, 42, 10 + i)).save(folder / f"{i}.png")
-    real_write, calls = output._write_file, []
+    real_save, calls = safetensors.numpy.save_file, []
 
-    def full_disk(path, data):
+    def full_disk(tensors, path, metadata=None):
         calls.append(path)
         if len(calls) == 3:  # one image a pass: the third image's shard
-            with open(path, "wb") as f:  # the part written before the disk filled
-                f.write(data[:10])
-            raise OSError(errno.ENOSPC, "No space left on device", path)
-        real_write(path, data)
+            open(path, "wb").close()  # the part written before the disk filled
+            if error == "os":
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        real_save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(output, "_write_file", full_disk)
+    monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
     out = tmp_path / "out"
     args = [folder, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--capacity-tokens", 2,
             "--max-image-tokens", 2, "--min-image-tokens", 0]
@@ -574,7 +577,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_same_command_resumes(tmp_
     assert "Traceback" not in err
     assert sorted(os.listdir(out)) == [LOCK, "embeddings-00001.safetensors", "embeddings-00002.safetensors",
                                        "manifest.json"]
-    monkeypatch.setattr(output, "_write_file", real_write)
+    monkeypatch.setattr(safetensors.numpy, "save_file", real_save)
     assert run(args) == 0
     manifest, tensors = load_all(out)
     assert len(manifest["images"]) == len(tensors) == 6

@@ -272,9 +272,9 @@ def test_a_manifest_or_folder_that_cannot_be_written_is_one_line(folder, tmp_pat
 
 
 def test_a_shard_over_the_file_size_limit_is_one_line_and_status_3(folder, tmp_path):
-    """A real write error, not a stand-in: under RLIMIT_FSIZE a shard larger than the limit fails (EFBIG, as
-    a full disk fails with ENOSPC). One line names the shard, exit status 3, and the shards written before it
-    stay, with no temporary file left."""
+    """A real write error, not a stand-in: under RLIMIT_FSIZE a shard larger than the limit fails in
+    safetensors' own writer (a SafetensorError saying EFBIG, as it says ENOSPC). One line names the shard,
+    exit status 3, and the shards written before it stay."""
     Image.fromarray(cases._smooth(500, 500, 7)).save(folder / "big.png")  # a 165 KB shard; a.png's, b.png's 10 KB
     out = tmp_path / "out"
 
@@ -287,8 +287,8 @@ def test_a_shard_over_the_file_size_limit_is_one_line_and_status_3(folder, tmp_p
                        preexec_fn=cap, env=env)
     assert r.returncode == 3, r.stderr[-3000:]
     (line,) = [x for x in r.stderr.splitlines() if x.startswith("glmvit-encode: cannot write")]
-    assert f"cannot write {out / 'embeddings-00003.safetensors'}: File too large; the run stopped with 2 files " \
-           "saved (2 in" in line, line
+    assert f"cannot write {out / 'embeddings-00003.safetensors'}: Error while serializing: I/O error: File too " \
+           "large (os error 27); the run stopped with 2 files saved (2 in" in line, line
     assert "Traceback" not in r.stderr
     manifest, embs = read_embeddings(out)
     assert sorted(os.path.basename(k) for k in embs) == ["a.png", "b.png"]

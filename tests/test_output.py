@@ -208,19 +208,23 @@ def test_a_hostile_manifest_is_refused_by_the_reader_and_dropped_by_a_resume(tmp
 
 
 def test_a_run_killed_mid_write_leaves_no_temporary_behind_its_resume(tmp_path):
-    """safetensors' save_file wrote through a hidden temporary of its own (.tmpXXXXXX) that a process killed
-    mid-write left in --out for good; shards are now written under this module's own temporary names, and the
-    next run into the folder removes those it finds (a stranger's file is left alone)."""
+    """safetensors' save_file writes through a hidden temporary of its own (.tmpXXXXXX) beside its target, which
+    a process killed mid-write left in --out for good. Shards are written in a staging folder of their own,
+    which the next run into the folder empties and removes; other files are left alone."""
+    from glmvit_cupy.output import STAGING
+
     folder = tmp_path / "o"
     out = Output(str(folder), SETTINGS, flush_seconds=0)
     out.add_batch(batch(["/img/a"]))
     out.flush()
     out._lock.close()
-    assert not [n for n in os.listdir(folder) if "tmp" in n]
-    for name in ("embeddings-00002.safetensors.tmp", MANIFEST + ".tmp", "notes.tmp", "embeddings-2.safetensors.tmp"):
-        (folder / name).write_bytes(b"cut short")
+    assert not (folder / STAGING).exists()  # empty again after each shard
+    (folder / STAGING).mkdir()
+    for name in (".tmpAb3dE9", "embeddings-00002.safetensors"):
+        (folder / STAGING / name).write_bytes(b"cut short")
+    (folder / "embeddings-00003.safetensors.tmp").write_bytes(b"a stranger's")
     again = Output(str(folder), SETTINGS)
-    assert sorted(n for n in os.listdir(folder) if n.endswith(".tmp")) == ["embeddings-2.safetensors.tmp", "notes.tmp"]
+    assert not (folder / STAGING).exists() and (folder / "embeddings-00003.safetensors.tmp").read_bytes() == b"a stranger's"
     again.add_batch(batch(["/img/b"]))
     again.flush()
     assert set(read_embeddings(str(folder))[1]) == {"/img/a", "/img/b"}
@@ -367,27 +371,27 @@ def test_keys_of_names_that_are_not_utf8_are_storable_unambiguous_and_lead_back(
     assert list(manifest["failed"].values()) == ["gone\\xff.png: missing"]
 
 
-@pytest.mark.parametrize("error", ["full", "too large"])
+@pytest.mark.parametrize("error", ["safetensors", "os"])
 def test_a_shard_that_cannot_be_written_is_an_output_error_naming_it(tmp_path, monkeypatch, error):
-    """A full disk or a file-size limit mid-write is an OutputError naming the shard; its temporary file is
-    removed, and the shards before it stay."""
+    """safetensors says a full disk as a SafetensorError, not an OSError: either is an OutputError naming the
+    shard; its temporary file is removed, and the shards before it stay."""
     import errno
 
-    from glmvit_cupy import output
+    import safetensors.numpy
+    from safetensors import SafetensorError
 
     folder = str(tmp_path / "o")
     out = Output(folder, SETTINGS, flush_seconds=0)
     out.add_batch(batch(["/img/a"]))
 
-    def full(path, data):
-        with open(path, "wb") as f:  # the part written before the disk refused the rest
-            f.write(data[:10])
-        if error == "too large":
+    def full(tensors, path, metadata=None):
+        open(path, "wb").close()
+        if error == "os":
             raise OSError(errno.EFBIG, "File too large")
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(output, "_write_file", full)
-    why = "File too large" if error == "too large" else "No space left on device"
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    why = "File too large" if error == "os" else "No space left on device"
     with pytest.raises(OutputError, match=f"cannot write {folder}/embeddings-00002.safetensors: .*{why}"):
         out.add_batch(batch(["/img/b"]))
     assert sorted(os.listdir(folder)) == [LOCK, "embeddings-00001.safetensors", MANIFEST]

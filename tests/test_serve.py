@@ -542,14 +542,9 @@ def test_devices_with_cpu_is_refused_before_loading(capsys):
     (["--max-pixels", "1000000", "--max-pixels-in-flight", "999999"], "--max-pixels-in-flight 999,999 is below the "
      "1,000,000 pixels one image may have (--max-pixels): such an image could never be decoded"),
     (["--max-pixels-in-flight", "1000"], "below the 89,478,485 pixels one image may have"),
-    # Within --max-pixels, an image's canvas can hold more: sides aligned up to 28 pixels (a 1 x 10,000 strip is
-    # 28 x 10,024), up to the default 8,000 tokens of 784 pixels. Such a setting once served no such image (413).
+    # Every image's canvas holds at least the 16-token minimum (16 x 784 pixels): below it, every image got 413.
     (["--max-pixels", "10000", "--max-pixels-in-flight", "10000"], "--max-pixels-in-flight 10,000 is below the "
-     "280,756 pixels one image within --max-pixels may hold decoded and resized"),
-    (["--max-pixels", "1000000", "--max-pixels-in-flight", "1000000"], "below the 6,272,000 pixels one image within "
-     "--max-pixels may hold decoded and resized (its canvas at up to 8,000 tokens"),
-    (["--capacity-tokens", "10"], "--capacity-tokens 10 is below the 16 tokens a request's default min_image_tokens "
-     "asks for an image"),
+     "12,544 pixels of the smallest canvas (16 tokens, a request's default min_image_tokens): no image could be"),
     (["--max-connections", "0"], "--max-connections 0 must be at least 1"),
     (["--header-timeout", "0"], "--header-timeout 0 must be a finite number above 0"),
     (["--body-timeout", "inf"], "--body-timeout inf must be a finite number above 0"),
@@ -930,3 +925,12 @@ def test_embeddings_of_weights_that_overflow_are_a_500_naming_the_image_never_se
     logged = proc.stdout.read()  # the operator is told of each 500
     assert logged.count("glmvit-serve: /v1/encode: 500: images[0]: the tower's output holds ") == 2, logged
     assert "glmvit-serve: /v1/encode_video: 500: videos[0]: the tower's output holds " in logged, logged
+
+
+def test_a_capacity_under_the_default_minimum_serves_requests_that_give_no_limits():
+    """--capacity-tokens 8: a request giving no limits got 400 'min_image_tokens=16 is above max_image_tokens=8',
+    blaming the client for the server's setting; its default minimum is now the capacity."""
+    from glmvit_cupy.serving.requests import image_file_limits
+
+    assert image_file_limits([], 8) == (8, 8) and image_file_limits([], 8000) == (16, 8000)
+    assert image_file_limits([("min_image_tokens", "4")], 8) == (4, 8)

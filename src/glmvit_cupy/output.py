@@ -119,7 +119,7 @@ def shown(text) -> str:
 
 
 def _reason(e: BaseException) -> str:
-    """The OS's reason for a failed write, in one line."""
+    """The OS's or safetensors' reason for a failed write, in one line."""
     text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
     return shown(" ".join(text.split()) or type(e).__name__)
 
@@ -153,6 +153,9 @@ def _newer(entries: dict, found: dict) -> list:
             entries[key] = entry
             put.append(key)
     return put
+
+
+STAGING = ".glmvit-encode.tmp"  # the folder in --out where a shard is written before it takes its name
 
 
 def is_output_file(name: str) -> bool:
@@ -262,15 +265,16 @@ class Output:
         self.mode = _umask_mode()
 
     def _clear_temporaries(self) -> None:
-        """Remove what a run stopped mid-write left under this module's temporary names (a shard's or the
-        manifest's name + ".tmp"), never renamed into place, so nothing refers to them (their numbers are not used
-        again all the same). Under the folder's lock: no other run is writing them."""
-        for name in os.listdir(self.folder):
-            if name.endswith(".tmp") and (name == MANIFEST + ".tmp" or SHARD.match(name.removesuffix(".tmp"))):
-                path = os.path.join(self.folder, name)
-                if not not_regular(path):
-                    with contextlib.suppress(OSError):
-                        os.remove(path)
+        """Remove what a run stopped mid-write left in STAGING (files never renamed into place: nothing refers to
+        them), and the folder. Under the folder's lock: no other run is writing there."""
+        staging = os.path.join(self.folder, STAGING)
+        if os.path.islink(staging) or not os.path.isdir(staging):
+            return
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(staging):
+                if entry.is_file(follow_symlinks=False) or entry.is_symlink():
+                    os.remove(entry.path)
+            os.rmdir(staging)
 
     def discard(self) -> None:
         """Remove the folder this Output made, before anything was written to it (its lock file alone)."""
@@ -370,24 +374,30 @@ class Output:
     def add_batch(self, entries: list[tuple[str, dict, np.ndarray]]):
         if not entries:  # a batch whose every embedding was unusable: no shard of nothing
             return
-        from safetensors.numpy import save
+        from safetensors import SafetensorError
+        from safetensors.numpy import save_file
 
         name = f"embeddings-{self.next_shard:05d}.safetensors"
         self.next_shard += 1
-        tmp = os.path.join(self.folder, name + ".tmp")
+        # Written in STAGING, then renamed into place: safetensors writes through a hidden temporary of its own
+        # beside its target, which a process killed mid-write leaves behind; there, the next run removes it.
+        staging = os.path.join(self.folder, STAGING)
+        tmp = os.path.join(staging, name)
         entries = [(key, _with_path(key, info), emb) for key, info, emb in entries]
         own = {"header": self.manifest["header"], "images": {key: info for key, info, _ in entries}}
-        # safetensors makes the bytes in memory and this writes them under the shard's own temporary name: its
-        # save_file writes through a hidden temporary of its own, which a process killed mid-write leaves behind.
-        data = save({key: np.ascontiguousarray(emb) for key, _, emb in entries}, metadata={"glmvit": json.dumps(own)})
         try:
-            _write_file(tmp, data)
+            os.makedirs(staging, exist_ok=True)
+            save_file({key: np.ascontiguousarray(emb) for key, _, emb in entries}, tmp,
+                      metadata={"glmvit": json.dumps(own)})
             os.chmod(tmp, self.mode)
             os.replace(tmp, os.path.join(self.folder, name))
-        except OSError as e:
+        except (OSError, SafetensorError) as e:  # safetensors says ENOSPC / EFBIG as a SafetensorError
             with contextlib.suppress(OSError):
                 os.remove(tmp)
             raise OutputError(f"cannot write {shown(os.path.join(self.folder, name))}: {_reason(e)}") from None
+        finally:
+            with contextlib.suppress(OSError):
+                os.rmdir(staging)  # empty again once the shard has its name
         for key, info, _ in entries:
             self.manifest["images"][key] = dict(info, shard=name)
             self.manifest["failed"].pop(key, None)
@@ -405,12 +415,6 @@ class Output:
         self.manifest["failed"][key] = shown(why)
         self.manifest["images"].pop(key, None)
         self._changed()
-
-
-def _write_file(path: str, data: bytes) -> None:
-    """`data` into a new file at `path` (OSError as the disk refuses it: ENOSPC, EFBIG)."""
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 def _with_path(key: str, info: dict) -> dict:

@@ -124,15 +124,6 @@ def pixels_held(n: int, size, lo: int, hi: int, patching, frames: int | None = N
     return max(n, ch * cw * (frames or 1))
 
 
-def most_held(max_pixels: int, patching, min_image_tokens: int, max_image_tokens: int) -> int:
-    """The most pixels_held of one still image of at most max_pixels pixels under these limits: its decoded
-    pixels, or its canvas, whose sides are aligned up to the patching's factor (a 1 x max_pixels strip grows
-    factor-fold), within max_image_tokens and at least min_image_tokens tokens."""
-    f = patching.factor
-    canvas = min(max_image_tokens * f * f, f * (max_pixels + f - 1))
-    return max(max_pixels, canvas, min_image_tokens * f * f)
-
-
 def sampled_frames(total: int, fps, duration, common: dict):
     """The frame indices plan_video will take of `total` (None where it will refuse them, saying why)."""
     try:

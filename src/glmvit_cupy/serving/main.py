@@ -103,18 +103,12 @@ def parser() -> argparse.ArgumentParser:
 
 def check_settings(args) -> str | None:
     """What is wrong with the numeric flags, or None."""
-    from .requests import DEFAULT_MIN_IMAGE_TOKENS
-
     for flag, value in (("--capacity-tokens", args.capacity_tokens), ("--max-queue", args.max_queue),
                         ("--decode-workers", args.decode_workers), ("--workers", 1 if args.workers is None else args.workers), ("--max-video-pixels", args.max_video_pixels),
                         ("--max-pixels-in-flight", args.max_pixels_in_flight),
                         ("--max-connections", 1 if args.max_connections is None else args.max_connections)):
         if value < 1:
             return f"{flag} {value} must be at least 1"
-    if args.capacity_tokens < DEFAULT_MIN_IMAGE_TOKENS:
-        return (f"--capacity-tokens {args.capacity_tokens} is below the {DEFAULT_MIN_IMAGE_TOKENS} tokens a request's "
-                "default min_image_tokens asks for an image: every such request would be refused; raise it to at "
-                f"least {DEFAULT_MIN_IMAGE_TOKENS}")
     if args.workers is not None and args.workers > MAX_WORKERS:
         return (f"--workers {args.workers} is more HTTP worker processes than {MAX_WORKERS}: each is a process of "
                 "its own; a few per GPU's worth of host work is enough (the default: half the CPUs, at most 8)")
@@ -212,10 +206,8 @@ def serve(argv) -> int:
     from ..checkpoint.bind import bind_tower
     from ..checks import DEFAULT_MAX_IMAGE_TOKENS, device_list
     from ..errors import CheckpointError, OutputError
-    from ..preprocessing.decode import pillow_limit
     from ..preprocessing.image import Patching
     from .app import Settings, create_app
-    from .decoding import most_held
     from .http_server import build_server, log
     from .requests import default_limits
 
@@ -234,13 +226,12 @@ def serve(argv) -> int:
     except (CheckpointError, argparse.ArgumentTypeError, ValueError) as e:
         print(f"glmvit-serve: {e}", file=sys.stderr)
         return 2
-    lo, hi = default_limits(args.capacity_tokens)
-    need = most_held(args.max_pixels if args.max_pixels is not None else pillow_limit(), patching, lo, hi)
-    if args.max_pixels_in_flight < need:  # an image within --max-pixels that no request could ever send alone
-        print(f"glmvit-serve: --max-pixels-in-flight {args.max_pixels_in_flight:,} is below the {need:,} pixels one "
-              f"image within --max-pixels may hold decoded and resized (its canvas at up to {hi:,} tokens, sides "
-              f"aligned up to {patching.factor} pixels): such an image could never be served; raise it to at least "
-              f"{need:,}", file=sys.stderr)
+    lo = default_limits(args.capacity_tokens)[0]
+    least = lo * patching.factor ** 2  # every image's canvas under the default limits holds at least this
+    if args.max_pixels_in_flight < least:
+        print(f"glmvit-serve: --max-pixels-in-flight {args.max_pixels_in_flight:,} is below the {least:,} pixels of "
+              f"the smallest canvas ({lo} tokens, a request's default min_image_tokens): no image could be served; "
+              f"raise it to at least {least:,}", file=sys.stderr)
         return 2
     why = None if args.cpu else gpu.problem()
     if why:  # the hint names this command's own way to run without a GPU

@@ -222,8 +222,9 @@ DEFAULT_MIN_IMAGE_TOKENS = 16  # a request's min_image_tokens when it gives none
 
 
 def default_limits(capacity: int) -> tuple[int, int]:
-    """(min, max image tokens) of a request that gives neither."""
-    return DEFAULT_MIN_IMAGE_TOKENS, min(DEFAULT_MAX_IMAGE_TOKENS, capacity)
+    """(min, max image tokens) of a request that gives neither, within the server's capacity (below 16 tokens
+    a pass, the minimum is the capacity: a request giving neither is served, not refused for its default)."""
+    return min(DEFAULT_MIN_IMAGE_TOKENS, capacity), min(DEFAULT_MAX_IMAGE_TOKENS, capacity)
 
 
 def _limits(lo, hi, capacity: int) -> tuple[int, int]:
