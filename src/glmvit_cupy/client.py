@@ -128,13 +128,13 @@ class Client:
     def encode_video(self, videos, *, fps=None, duration=None, **settings) -> tuple[list[np.ndarray], list[dict]]:
         """Videos, each a list of frames (image files as paths or bytes, or HxWx3 uint8 arrays, sent as PNG:
         lossless), a uint8 [T, H, W, 3] array, or a video file (a path or its bytes; the server decodes it
-        with PyAV, its fps and duration the container's unless given; a file of one still image is refused) -> (one bf16
-        array per video, per-video metadata). A list holding a frame array is one video's frames, as
-        preprocess_video takes it. fps and duration: one value for all or one per video; settings:
+        with PyAV, its fps and duration the container's unless given; a file of one still image is refused)
+        -> (one bf16 array per video, per-video metadata). A list holding a frame array is one video's
+        frames, as preprocess_video takes it. fps and duration: one value for all or one per video; settings:
         preprocess_video's (sample, target_fps, max_frames, max_duration, min_image_tokens, max_image_tokens)."""
         if _one_file(videos) or (isinstance(videos, np.ndarray) and videos.ndim == 4) or (
                 isinstance(videos, (list, tuple)) and any(isinstance(v, np.ndarray) and v.ndim == 3 for v in videos)):
-            videos = [videos]  # one video (a file, a [T, H, W, 3] array, a list holding a frame array), not a sequence
+            videos = [videos]  # one video (a file, a [T, H, W, 3] array or frames), not a sequence of them
         videos = _listed(videos, "videos", "video files, frame lists or [T, H, W, 3] uint8 arrays")
         n = len(videos)
 

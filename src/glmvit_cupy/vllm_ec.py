@@ -34,7 +34,7 @@ import struct
 
 import numpy as np
 
-from .checks import DEFAULT_MAX_IMAGE_TOKENS, is_integer
+from .checks import DEFAULT_MAX_IMAGE_TOKENS, is_integer, nonfinite
 from .errors import OutputError, quoted
 from .files import probe_write
 
@@ -67,14 +67,15 @@ def key_for_image(sha: str, min_image_tokens: int, max_image_tokens: int) -> str
     else the sha256 hex of a canonical JSON of the two, since other limits give another embedding.
     ValueError for a sha that is not a lowercase sha256 hex, or a limit that is not a positive integer."""
     check_key(sha, "key_for_image: sha")
-    limits = []
-    for name, v in (("min_image_tokens", min_image_tokens), ("max_image_tokens", max_image_tokens)):
+    def limit(name, v) -> int:
         v = int(v) if isinstance(v, (float, np.floating)) and float(v).is_integer() else v  # 16.0 is 16
         if not (is_integer(v) and v >= 1):
             raise ValueError(f"key_for_image: {name}={quoted(v)} is not a positive integer (a token limit, as the "
                              "image was resized under)")
-        limits.append(int(v))
-    min_image_tokens, max_image_tokens = limits
+        return int(v)
+
+    min_image_tokens, max_image_tokens = limit("min_image_tokens", min_image_tokens), limit("max_image_tokens",
+                                                                                            max_image_tokens)
     if (min_image_tokens, max_image_tokens) == DEFAULT_LIMITS:
         return sha
     doc = {"image": sha, "min_image_tokens": int(min_image_tokens), "max_image_tokens": int(max_image_tokens)}
@@ -123,15 +124,13 @@ def check_key(key, what: str = "vLLM encoder cache key") -> None:
 def check_embedding(embedding) -> None:
     """ValueError unless `embedding` is what the file holds and vLLM splices: a NumPy bf16 [tokens, hidden]
     array of finite values, tokens and hidden at least 1."""
-    import ml_dtypes  # loaded where an embedding is written, not with the commands
-
     if not isinstance(embedding, np.ndarray):
         raise ValueError(f"vllm_ec.write: the embedding is a {type(embedding).__name__}, not a NumPy array "
                          "(cupy.asnumpy a GPU one)")
-    if embedding.dtype != ml_dtypes.bfloat16 or embedding.ndim != 2 or 0 in embedding.shape:
+    if embedding.dtype.name != "bfloat16" or embedding.ndim != 2 or 0 in embedding.shape:
         raise ValueError(f"vllm_ec.write: the embedding is {embedding.dtype} {list(embedding.shape)}, not the bf16 "
                          "[tokens, hidden] (tokens, hidden >= 1) an encoder-cache file holds")
-    if not np.isfinite(embedding.astype(np.float32)).all():
+    if nonfinite(embedding):  # by the bf16 exponent bits, no float32 copy
         raise ValueError("vllm_ec.write: the embedding holds NaN or infinite values; a tower's output is finite "
                          "(encode it again; check the weights with glmvit-encode --inspect)")
 

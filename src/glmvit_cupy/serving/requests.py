@@ -229,8 +229,9 @@ def default_limits(capacity: int) -> tuple[int, int]:
 
 def _limits(lo, hi, capacity: int) -> tuple[int, int]:
     """(min, max image tokens) a request gives (None: the default), checked, or Refused (400)."""
-    lo = default_limits(capacity)[0] if lo is None else lo
-    hi = default_limits(capacity)[1] if hi is None else hi
+    default_lo, default_hi = default_limits(capacity)
+    lo = default_lo if lo is None else lo
+    hi = default_hi if hi is None else hi
     try:
         lo, hi = check_token_limits(lo, hi)
     except ValueError as e:
