@@ -4,6 +4,7 @@ import base64
 import io
 import json
 import re
+import socket
 
 import numpy as np
 import pytest
@@ -245,6 +246,14 @@ def test_a_plain_http_proxy_gets_the_whole_url(monkeypatch):
 def test_a_url_that_is_not_a_servers_is_refused(url):
     with pytest.raises(ValueError, match="is not a server's URL"):
         Client(url)
+
+
+def test_a_url_where_nothing_listens_says_where_and_what_to_start():
+    with socket.socket() as s:  # a port just freed: nothing listens on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConnectionRefusedError, match=rf"nothing listens at http://127.0.0.1:{port} .*glmvit-serve"):
+        Client(f"http://127.0.0.1:{port}").health()
 
 
 def test_arguments_that_are_not_a_url_timeout_or_sequence_are_value_errors():

@@ -234,6 +234,10 @@ class Client:
                 raise
             raise OSError(f"the server at {self.url} did not answer in HTTP ({type(e).__name__}: {e!s:.200})") \
                 from None
+        except ConnectionRefusedError as e:  # nothing listens there: say where, and what would
+            conn.close()
+            raise ConnectionRefusedError(e.errno, f"nothing listens at {self.url} ({e.strerror}): start "
+                                         "glmvit-serve there, or give Client the URL it listens on") from None
         except BaseException:
             conn.close()
             raise
