@@ -474,6 +474,14 @@ def test_capacity_tokens_alone_lowers_the_image_limit_as_the_api_does(folder, tm
     assert not (tmp_path / "o2").exists()
 
 
+
+def test_the_deprecated_batch_tokens_alias_works_and_says_so(capsys):
+    args = cli.parser().parse_args(["x.png", "--batch-tokens", "1000"])
+    assert args.capacity_tokens == 1000
+    assert "glmvit-encode: --batch-tokens is deprecated; use --capacity-tokens" in capsys.readouterr().err
+    assert cli.parser().parse_args(["x.png", "--capacity-tokens", "900"]).capacity_tokens == 900
+    assert capsys.readouterr().err == ""
+
 # -- 8. the command's words --------------------------------------------------------------------------------
 
 def test_one_image_is_one_image(folder, tmp_path, capsys):

@@ -53,6 +53,15 @@ MAX_IMAGE_MIB = 64  # as glmvit-serve's --max-image-mib: an image file is read w
 MAX_VIDEO_MIB = 64 * 1024
 
 
+class _Deprecated(argparse.Action):
+    """A flag kept as an alias of a newer one: stored under the newer one's name, with a note on stderr."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = "--" + self.dest.replace("_", "-")
+        print(f"{parser.prog}: {option_string} is deprecated; use {new} (same meaning)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="glmvit-encode", description=__doc__, epilog=EXIT_STATUS,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--inspect", metavar="CHECKPOINT", help="print what the load-time checks find, then exit")
     ap.add_argument("--capacity-tokens", type=int, default=8000,
                     help="tokens per forward pass; images are packed into passes of this size (default 8000)")
-    ap.add_argument("--batch-tokens", type=int, dest="capacity_tokens", help=argparse.SUPPRESS)  # deprecated alias
+    ap.add_argument("--batch-tokens", type=int, dest="capacity_tokens", action=_Deprecated, help=argparse.SUPPRESS)
     ap.add_argument("--max-image-tokens", type=int, default=None,
                     help=f"per-image resize limit, as the reference processor's (default {DEFAULT_MAX_IMAGE_TOKENS}, "
                          "or --capacity-tokens if that is lower); at most --capacity-tokens")
