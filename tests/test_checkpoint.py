@@ -246,6 +246,23 @@ def test_text_only_and_absent_tower_are_distinct(tmp_path, tensors, caplog):
         assert "text-only" in caplog.text
 
 
+def test_part_of_a_tower_is_incomplete_not_absent(tmp_path, tensors, caplog):
+    """A shard holding the patch embedding missing: an error naming what is there, never text-only serving."""
+    import json
+
+    path = write_checkpoint(tmp_path / "half", GEO, tensors=tensors, shards=2)
+    index = json.loads((tmp_path / "half" / "model.safetensors.index.json").read_text())
+    first = index["weight_map"]["model.visual.patch_embed.proj.weight"]
+    (tmp_path / "half" / first).unlink()
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != first}
+    (tmp_path / "half" / "model.safetensors.index.json").write_text(json.dumps(index))
+    for probe in (inspect_checkpoint, probe_tower):
+        with pytest.raises(CheckpointError, match=r"the tower is incomplete: the shards hold \d+ vision tensors "
+                                                  r"\(e\.g\. 'model\.visual\.") as e:
+            probe(path)
+        assert not isinstance(e.value, AbsentTower)
+
+
 def test_empty_directory_and_missing_path(tmp_path):
     with pytest.raises(CheckpointError, match="empty directory"):
         inspect_checkpoint(tmp_path)

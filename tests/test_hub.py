@@ -2,6 +2,7 @@
 Offline: huggingface_hub.hf_hub_download is replaced by a fake serving a local repository."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -89,6 +90,11 @@ def test_local_paths_are_not_hub_ids(tmp_path, monkeypatch):
     (tmp_path / "org").mkdir()
     (tmp_path / "org" / "name").mkdir()
     assert not is_hub_id("org/name")  # an existing local folder wins
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    assert not is_hub_id("link") and not is_hub_id("org/link")
+    os.symlink(tmp_path / "nowhere", tmp_path / "org" / "gone")
+    assert not is_hub_id("org/gone") and not is_hub_id("loop/x")  # a broken or looping link: local, never fetched
 
 
 @pytest.mark.parametrize("name,says", [("config.json", "config.json is not valid JSON"),

@@ -129,7 +129,7 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
     `path` is a directory, a shard or index file, or a Hub id ('org/name': only config.json,
     the index and the shards holding vision tensors are downloaded; needs the `hub` extra).
     Raises NoVisionConfig for a text-only checkpoint, AbsentTower when the config
-    declares a tower the shards do not hold, and CheckpointError for anything else.
+    declares a tower of which the shards hold no tensor, and CheckpointError for anything else.
     """
     path = resolve(path)
     if os.path.isdir(path):
@@ -159,6 +159,12 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
     alone = ("; only this shard was given, and no index beside it lists it: if the tower is in other shards, "
              "give the checkpoint's folder or its index") if source.endswith(".safetensors") else ""
     prefixes = tower_prefixes(store.names())
+    if not prefixes and len(store):  # a part of a tower: a shard missing, not a text-only checkpoint
+        some = ", ".join(quoted(n, 120) for n in sorted(store.names())[:3])
+        raise CheckpointError(
+            f"{path}: the tower is incomplete: {'this shard holds' if alone else 'the shards hold'} {len(store):,} "
+            f"vision tensors (e.g. {some}) but no '*visual.patch_embed.proj.weight'; a shard holding the rest of "
+            f"the tower is missing{alone}")
     if not prefixes:
         raise AbsentTower(
             f"{path}: config.json declares a vision tower, but no '*visual.patch_embed.proj.weight' is in the "

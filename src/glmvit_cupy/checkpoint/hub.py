@@ -24,8 +24,10 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def is_hub_id(path) -> bool:
-    """'org/name' that is not a local path."""
-    return isinstance(path, str) and _HUB_ID.match(path) is not None and not os.path.exists(path)
+    """'org/name' that is not a local path: neither it nor its first part is anything on disk (a broken or
+    looping symbolic link included), so a local path that cannot be followed is never fetched from the Hub."""
+    return (isinstance(path, str) and _HUB_ID.match(path) is not None and not os.path.lexists(path)
+            and not os.path.lexists(path.split("/")[0]))
 
 
 def vision_shards(weight_map: dict) -> list[str]:
