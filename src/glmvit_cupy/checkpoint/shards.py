@@ -260,11 +260,11 @@ class WeightStore:
                     raise CheckpointError(f"{display}: the index puts tensor {quoted(name, 120)} in {shard}, "
                                           "but that shard's header does not hold it")
                 infos[name] = headers[shard][name]
-            for name, info in infos.items():  # a second copy in another shard read: which one is meant?
-                other = next((s for s, h in headers.items() if s != info.file and name in h), None)
-                if other is not None:
-                    raise CheckpointError(f"tensor {quoted(name, 120)} appears in both {info.file} and {other} "
-                                          f"(the index names the first); a tensor is held in one shard")
+            for other, header in headers.items():  # a second copy in another shard read: which one is meant?
+                for name in header:  # each header once: linear in the tensors read, however many shards
+                    if name in infos and infos[name].file != other:
+                        raise CheckpointError(f"tensor {quoted(name, 120)} appears in both {infos[name].file} and "
+                                              f"{other} (the index names the first); a tensor is held in one shard")
         else:
             for shard in files:
                 for name, info in read_header(shard).items():
