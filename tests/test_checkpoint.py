@@ -303,6 +303,29 @@ def test_cached_checkpoint_writes_once(tmp_path, tensors, monkeypatch):
         synthetic.cached_checkpoint(tmp_path / "c", dataclasses.replace(GEO, depth=GEO.depth + 1), seed=5)
 
 
+def test_the_seed_of_a_folder_is_read_from_a_shard_that_is_checked_first(tmp_path, tensors):
+    """written_seed reads the first shard the index lists, which may hold no tower tensor and so was never bound:
+    a FIFO there must not block it, garbage must not raise; neither is a seed."""
+    import json
+    import os
+
+    from glmvit_cupy.checkpoint import synthetic
+
+    path = synthetic.cached_checkpoint(tmp_path / "c", GEO, seed=5)
+    assert synthetic.written_seed(path) == 5
+    index = json.loads((tmp_path / "c" / "model.safetensors.index.json").read_text())
+    index["weight_map"]["lm_head.weight"] = "a-text.safetensors"  # sorted first
+    (tmp_path / "c" / "model.safetensors.index.json").write_text(json.dumps(index))
+    os.mkfifo(tmp_path / "c" / "a-text.safetensors")
+    assert synthetic.written_seed(path) is None
+    (tmp_path / "c" / "a-text.safetensors").unlink()
+    (tmp_path / "c" / "a-text.safetensors").write_bytes(b"garbage!garbage!")
+    assert synthetic.written_seed(path) is None
+    index["weight_map"]["lm_head.weight"] = "../a-text.safetensors"
+    (tmp_path / "c" / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert synthetic.written_seed(path) is None
+
+
 def _config(path, change):
     import json
 

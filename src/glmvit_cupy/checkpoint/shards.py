@@ -74,8 +74,9 @@ def _prod(shape) -> int:
     return n
 
 
-def read_header(path: str) -> dict:
-    """Parse and validate one shard's header; return {name: TensorInfo}. Touches no tensor data."""
+def _raw_header(path: str) -> tuple[bytes, int]:
+    """The header's JSON bytes of a shard, and the file's size: CheckpointError for anything but a regular
+    file whose 8-byte length and header fit in it."""
     try:
         with open_regular(path, "the shard") as f:
             size = os.fstat(f.fileno()).st_size
@@ -93,6 +94,24 @@ def read_header(path: str) -> dict:
             raw = f.read(hlen)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read shard ({e})") from None
+    return raw, size
+
+
+def read_metadata(path: str) -> dict:
+    """A shard's __metadata__ ({} where it has none), read as read_header reads a header; CheckpointError
+    for a file that is not a safetensors shard."""
+    raw, _ = _raw_header(path)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else {}
+
+
+def read_header(path: str) -> dict:
+    """Parse and validate one shard's header; return {name: TensorInfo}. Touches no tensor data."""
+    raw, size = _raw_header(path)
     def too_many(lists: str) -> CheckpointError:
         return CheckpointError(f"{path}: the header lists {lists} a shard may hold here (a real shard holds a few "
                                "thousand); the file is damaged or not a checkpoint")
@@ -123,7 +142,7 @@ def read_header(path: str) -> dict:
         raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header must be a JSON object, got {type(header).__name__}")
-    data_start = 8 + hlen
+    data_start = 8 + len(raw)
     data_len = size - data_start
     infos = {}
     for name, entry in header.items():

@@ -21,6 +21,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ..config import VisionGeometry
+from ..errors import CheckpointError
+from ..files import open_regular
 from .names import module_shapes, tower_layout
 
 BF16 = ml_dtypes.bfloat16
@@ -138,15 +140,16 @@ def writable_target(path: str) -> str:
 
 def written_seed(path: str) -> int | None:
     """The seed of the random weights this module wrote at `path` (its shards' metadata), else None."""
-    from safetensors import safe_open
+    from .shards import read_metadata
 
     try:
-        with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        with open_regular(os.path.join(path, "model.safetensors.index.json"), "the index") as f:
             first = sorted(set(json.load(f)["weight_map"].values()))[0]
-        with safe_open(os.path.join(path, first), "numpy") as f:
-            return int((f.metadata() or {})["glmvit_random_seed"])
-    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
-        return None
+        if os.path.basename(first) != first:
+            return None
+        return int(read_metadata(os.path.join(path, first))["glmvit_random_seed"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, CheckpointError):
+        return None  # not one this module wrote: what reads it next (read_config, the binder) says what is wrong
 
 
 def cached_checkpoint(path, geo: VisionGeometry, *, seed: int = 0) -> str:
