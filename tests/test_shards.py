@@ -281,6 +281,16 @@ def test_more_dimensions_than_an_array_has_is_refused(tmp_path):
         WeightStore.open(shard(tmp_path / "x.safetensors", header, bytes(12)))
 
 
+def test_a_zero_size_tensor_with_a_huge_dimension_is_refused_at_the_header(tmp_path):
+    """[2**63, 0] needs 0 bytes, so no byte count bounds it, but no array can have it: refused where read."""
+    for dims in ([2**63, 0], [0, 2**41]):
+        header = {"a": {"dtype": "BF16", "shape": dims, "data_offsets": [0, 0]}}
+        with pytest.raises(CheckpointError, match=r"tensor 'a': shape \[.*\] has a dimension past 1,099,511,627,776"):
+            WeightStore.open(shard(tmp_path / "x.safetensors", header, b""))
+    header = {"a": {"dtype": "BF16", "shape": [2**40, 0], "data_offsets": [0, 0]}}
+    assert WeightStore.open(shard(tmp_path / "y.safetensors", header, b"")).get("a").shape == (2**40, 0)
+
+
 def test_json_files_say_what_is_wrong_not_invalid_json(tmp_path):
     """A FIFO as the index, a tensor named twice in a header, a config.json over its limit: each says so, not
     "not valid JSON"."""

@@ -46,6 +46,7 @@ def dtypes() -> types.MappingProxyType:
 
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own bound on a header
+MAX_DIM = 2**40  # NumPy refuses an array whose dimension times its itemsize passes 2**63
 # A shard of a whole GLM-5.3 checkpoint names a few thousand tensors; a 100 MB header of a million empty ones
 # takes ~1 GB and ~20 s to parse. Counted before parsing (each entry has one "data_offsets" key).
 MAX_TENSORS = 250_000
@@ -165,6 +166,9 @@ def read_header(path: str) -> dict:
         if len(shape) > MAX_DIMS:
             raise CheckpointError(f"{where}: shape has {len(shape)} dimensions, more than the {MAX_DIMS} an array can "
                                   "have (NumPy's limit); the header is damaged")
+        if any(d > MAX_DIM for d in shape):  # a zero-size tensor's other sizes are bounded by no byte count
+            raise CheckpointError(f"{where}: shape {quoted(shape, 80)} has a dimension past {MAX_DIM:,} (2**40), more "
+                                  "than any tensor has; the header is damaged")
         offs = entry.get("data_offsets")
         if (not isinstance(offs, list) or len(offs) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
