@@ -115,13 +115,15 @@ def _add_tower(path, tensors, prefix, fname):
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-def test_towers_under_two_other_prefixes_are_refused_and_a_known_prefix_is_taken(tmp_path, tensors):
+def test_towers_under_two_other_prefixes_are_refused_and_a_known_prefix_is_taken(tmp_path, tensors, caplog):
     write_checkpoint(tmp_path, GEO, tensors=tensors, prefix="a.visual.")
     _add_tower(tmp_path, tensors, "b.visual.", "extra-1.safetensors")
     with pytest.raises(CheckpointError, match=r"under each of 'a\.visual\.', 'b\.visual\.'; which one"):
         bind_tower(tmp_path)
-    _add_tower(tmp_path, tensors, "visual.", "extra-2.safetensors")  # a known prefix settles it
-    assert bind_tower(tmp_path).prefix == "visual."
+    _add_tower(tmp_path, tensors, "visual.", "extra-2.safetensors")  # a known prefix settles it, and says so
+    with caplog.at_level(logging.WARNING, logger="glmvit_cupy"):
+        assert bind_tower(tmp_path).prefix == "visual."
+    assert "holds a vision tower under 'a.visual.', 'b.visual.' too; the one under 'visual.' is loaded" in caplog.text
 
 
 def test_many_towers_and_long_names_are_quoted_short(tmp_path, tensors):

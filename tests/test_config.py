@@ -121,6 +121,12 @@ def test_out_hidden_must_match_text_hidden(tmp_path):
     with pytest.raises(CheckpointError, match="text_config.hidden_size = '4096' must be an integer"):
         read_config(write(tmp_path, {"model_type": "glm5_next", "vision_config": {"out_hidden_size": 4096},
                                      "text_config": {"hidden_size": "4096"}}))
+    with pytest.raises(CheckpointError, match="but the top-level hidden_size = 2048"):  # flat text fields: named so
+        read_config(write(tmp_path, {"model_type": "glm5_next", "vision_config": {"out_hidden_size": 4096},
+                                     "hidden_size": 2048}))
+    with pytest.raises(CheckpointError, match="the top-level hidden_size = '4096' must be an integer"):
+        read_config(write(tmp_path, {"model_type": "glm5_next", "vision_config": {"out_hidden_size": 4096},
+                                     "hidden_size": "4096"}))
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", ""])

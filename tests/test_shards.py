@@ -214,7 +214,7 @@ def test_require_bf16_explains(tmp_path):
     p = shard(tmp_path / "x.safetensors", ok_header(), bytes(20))
     st = WeightStore.open(p)
     st.require_bf16("a")
-    with pytest.raises(CheckpointError, match="'b' is F32.*dtype pun"):
+    with pytest.raises(CheckpointError, match="'b' is F32.*convert the tower's tensors to BF16"):
         st.require_bf16("b")
     with pytest.raises(CheckpointError, match="missing tensor 'c'"):
         st.get("c")

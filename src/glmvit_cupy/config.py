@@ -155,7 +155,8 @@ def _as_float(key: str, value, where: str) -> float:
         raise CheckpointError(f"{where}: {key} = {quoted(value)} is past any float") from None
 
 
-def geometry_from_dict(vision: dict, *, text_hidden_size=None, where: str = "vision_config") -> VisionGeometry:
+def geometry_from_dict(vision: dict, *, text_hidden_size=None, where: str = "vision_config",
+                       text_key: str = "text_config.hidden_size") -> VisionGeometry:
     """Build and validate a geometry from a vision_config dictionary."""
     if not isinstance(vision, dict):
         raise CheckpointError(f"{where}: expected a JSON object, got {type(vision).__name__}")
@@ -203,11 +204,11 @@ def geometry_from_dict(vision: dict, *, text_hidden_size=None, where: str = "vis
                               "GLM-5.3-Flash's qkv, proj and MLP projections all carry biases")
     geo = VisionGeometry(**kw).validate(where)
     if text_hidden_size is not None and (not isinstance(text_hidden_size, int) or isinstance(text_hidden_size, bool)):
-        raise CheckpointError(f"{where}: text_config.hidden_size = {quoted(text_hidden_size)} must be an integer (the "
+        raise CheckpointError(f"{where}: {text_key} = {quoted(text_hidden_size)} must be an integer (the "
                               "width of a text embedding row, which out_hidden_size must equal)")
     if text_hidden_size is not None and text_hidden_size != geo.out_hidden_size:
         raise CheckpointError(
-            f"{where}: out_hidden_size = {geo.out_hidden_size} but text_config.hidden_size = {text_hidden_size}; "
+            f"{where}: out_hidden_size = {geo.out_hidden_size} but {text_key} = {text_hidden_size}; "
             "each image token's embedding replaces one text embedding row, so the widths must be equal")
     return geo
 
@@ -234,7 +235,8 @@ def read_config(path: str | os.PathLike) -> VisionGeometry:
     text = cfg.get("text_config")
     if text is not None and not isinstance(text, dict):
         raise CheckpointError(f"{path}: text_config = {quoted(text)} must be an object (HF's text model config)")
-    text_hidden = text.get("hidden_size") if isinstance(text, dict) else None
+    text_hidden, text_key = (text.get("hidden_size") if isinstance(text, dict) else None), "text_config.hidden_size"
     if text_hidden is None and text is None:
-        text_hidden = cfg.get("hidden_size")  # flat text fields, as HF accepts them
-    return geometry_from_dict(cfg["vision_config"], text_hidden_size=text_hidden, where=f"{path}: vision_config")
+        text_hidden, text_key = cfg.get("hidden_size"), "the top-level hidden_size"  # flat text fields, as HF takes them
+    return geometry_from_dict(cfg["vision_config"], text_hidden_size=text_hidden, where=f"{path}: vision_config",
+                              text_key=text_key)

@@ -176,6 +176,9 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
             f"{', '.join(quoted(p, 80) for p in prefixes[:8])}{f' and {len(prefixes) - 8:,} more' if len(prefixes) > 8 else ''}; which one "
             f"to load is not clear (a single one, or one under {', '.join(VISION_PREFIXES)}, would be taken)")
     prefix = prefixes[0]
+    if len(prefixes) > 1:  # a known prefix wins, as VISION_PREFIXES orders them; the others are worth a word
+        log.warning("%s: the checkpoint holds a vision tower under %s too; the one under %s is loaded", path,
+                    ", ".join(quoted(p, 80) for p in prefixes[1:4]), quoted(prefix, 80))
     # The blocks alone need 14 tensors each (VisionGeometry.tensor_count). Checked before the layout, whose names a
     # hostile depth (10**12) would exhaust memory building; a shortfall of a few tensors gets the precise message below.
     if 14 * geo.depth > len(store):

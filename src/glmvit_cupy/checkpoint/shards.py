@@ -336,11 +336,12 @@ class WeightStore:
         """Refuse any dtype but BF16 for a tensor the encoder will read as BF16."""
         info = self.info(name)
         if info.dtype != "BF16":
+            floats = info.dtype in ("F16", "F32", "F64")
             raise CheckpointError(
-                f"{info.file}: tensor {quoted(name, 120)} is {info.dtype}, but the GLM vision tower is BF16 throughout "
-                f"(347/347 tensors even in FP8/NVFP4 exports). Reading these {info.nbytes} bytes as BF16 would "
-                "be a dtype pun that walks the wrong number of bytes; a quantised tower needs a dequant path, "
-                "not a cast.")
+                f"{info.file}: tensor {quoted(name, 120)} is {info.dtype}, but the encoder reads the vision tower as "
+                "BF16, as the official checkpoint stores it (its FP8 and NVFP4 exports keep the tower in BF16 too); "
+                + ("convert the tower's tensors to BF16 (a cast from this float type) and save the checkpoint again"
+                   if floats else "a quantised or integer tower must be dequantised to BF16 with its scales first, not cast"))
         return info
 
     def to_device(self, name: str, stream=None):
