@@ -161,6 +161,24 @@ def test_shard_truncated_after_open_is_refused_not_a_sigbus(tmp_path):
         st.get("b")
 
 
+def test_shard_replaced_after_open_is_refused_not_read_against_the_old_header(tmp_path):
+    """The same size, other bytes (a re-download, a copy over it): read against the header checked at open it
+    would load silently wrong weights; a FIFO put in its place would block. Both refused, naming the shard."""
+    import os
+
+    p = shard(tmp_path / "r.safetensors", ok_header(), bytes(range(1, 21)))
+    st = WeightStore.open(p)
+    other = shard(tmp_path / "new.safetensors", ok_header(), bytes(20))
+    os.replace(other, p)
+    with pytest.raises(CheckpointError, match=r"r.safetensors: the shard was replaced or rewritten since its header"):
+        st.get("a")
+    st = WeightStore.open(p)
+    os.unlink(p)
+    os.mkfifo(p)
+    with pytest.raises(CheckpointError, match=r"r.safetensors: cannot memory-map shard .*is a FIFO"):
+        st.get("a")
+
+
 def test_index_naming_missing_or_wrong_shard(tmp_path):
     shard(tmp_path / "s1.safetensors", ok_header(), bytes(20))
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s2.safetensors"}}))

@@ -63,6 +63,7 @@ class TensorInfo:
     file: str
     offset: int  # absolute byte offset in the file
     nbytes: int
+    identity: tuple = ()  # the shard's (device, inode, size, mtime) when its header was read: mapped only as that
 
 
 MAX_DIMS = 64  # NumPy's (and CuPy's) most dimensions an array has
@@ -75,12 +76,17 @@ def _prod(shape) -> int:
     return n
 
 
-def _raw_header(path: str) -> tuple[bytes, int]:
-    """The header's JSON bytes of a shard, and the file's size: CheckpointError for anything but a regular
+def _identity(st: os.stat_result) -> tuple:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _raw_header(path: str) -> tuple[bytes, tuple]:
+    """The header's JSON bytes of a shard, and the file's _identity: CheckpointError for anything but a regular
     file whose 8-byte length and header fit in it."""
     try:
         with open_regular(path, "the shard") as f:
-            size = os.fstat(f.fileno()).st_size
+            ident = _identity(os.fstat(f.fileno()))
+            size = ident[2]
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"{path}: file is {size} bytes, too short for the 8-byte safetensors header length")
@@ -95,7 +101,7 @@ def _raw_header(path: str) -> tuple[bytes, int]:
             raw = f.read(hlen)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read shard ({e})") from None
-    return raw, size
+    return raw, ident
 
 
 def read_metadata(path: str) -> dict:
@@ -112,7 +118,8 @@ def read_metadata(path: str) -> dict:
 
 def read_header(path: str) -> dict:
     """Parse and validate one shard's header; return {name: TensorInfo}. Touches no tensor data."""
-    raw, size = _raw_header(path)
+    raw, ident = _raw_header(path)
+    size = ident[2]
     def too_many(lists: str) -> CheckpointError:
         return CheckpointError(f"{path}: the header lists {lists} a shard may hold here (a real shard holds a few "
                                "thousand); the file is damaged or not a checkpoint")
@@ -192,7 +199,7 @@ def read_header(path: str) -> dict:
         if end - begin != want:
             raise CheckpointError(
                 f"{where}: {end - begin} bytes on disk, but dtype {dtype} x shape {quoted(tuple(shape), 80)} needs {want}")
-        infos[name] = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, end - begin)
+        infos[name] = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, end - begin, ident)
     # The format indexes the data section whole, without holes or overlaps (so no bytes hide in it):
     # sorted by offset, each tensor starts where the one before ends, and the last ends at the file's end.
     end, prev = data_start, None
@@ -362,18 +369,25 @@ class WeightStore:
     def _map(self, file: str) -> mmap.mmap:
         mm = self._maps.get(file)
         if mm is None:
-            try:
-                size = os.path.getsize(file)
-                with open(file, "rb") as f:
+            mine = [i for i in self._infos.values() if i.file == file]
+            try:  # opened as the header was (regular files only: a FIFO put in its place would block)
+                with open_regular(file, "the shard") as f:
+                    now = _identity(os.fstat(f.fileno()))
                     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError) as e:  # CheckpointError (not a regular file) is a ValueError
                 raise CheckpointError(f"{file}: cannot memory-map shard ({e})") from None
-            # A shard truncated after its header was read would fault on access (SIGBUS).
-            end = max((i.offset + i.nbytes for i in self._infos.values() if i.file == file), default=0)
+            # A shard truncated after its header was read would fault on access (SIGBUS); one replaced or
+            # rewritten would be read against the old header's offsets.
+            end = max((i.offset + i.nbytes for i in mine), default=0)
+            size = now[2]
             if size < end or len(mm) < end:
                 mm.close()
                 raise CheckpointError(f"{file}: shard shrank to {size} bytes since its header was read "
                                       f"(tensors need {end}); refusing to map it")
+            if mine and mine[0].identity and now != mine[0].identity:
+                mm.close()
+                raise CheckpointError(f"{file}: the shard was replaced or rewritten since its header was read; "
+                                      "load the checkpoint again once it is complete")
             self._maps[file] = mm
         return mm
 
