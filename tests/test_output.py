@@ -465,6 +465,26 @@ def test_a_lock_file_that_is_not_a_file_is_named_never_waited_on(tmp_path):
         Output(str(folder), SETTINGS)
 
 
+def test_a_read_only_lock_file_says_to_make_it_writable(tmp_path, monkeypatch):
+    """Opening a read-only file for writing is EACCES, except for root: os.open is made to answer as for a user."""
+    folder = tmp_path / "o"
+    folder.mkdir()
+    (folder / ".glmvit-encode.lock").touch(mode=0o444)
+    real_open = os.open
+
+    def as_a_user(path, flags, *a):
+        if str(path).endswith(".glmvit-encode.lock") and not os.stat(path).st_mode & 0o200:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", as_a_user)
+    with pytest.raises(OutputError, match=r"\.glmvit-encode\.lock cannot be opened for writing \(Permission denied\); "
+                                          r"glmvit-encode locks that file .*make it writable \(chmod u\+w\) or remove it"):
+        Output(str(folder), SETTINGS)
+    os.chmod(folder / ".glmvit-encode.lock", 0o644)
+    Output(str(folder), SETTINGS).add_batch(batch(["/img/a"]))
+
+
 @pytest.mark.parametrize("bad", ["relative/a.png", "", "b'a' b'c'", "b'/x' # c", "b'rel'", None, b"/x",
                                  "b''+" + "-" * 200_000 + "1"])
 def test_key_path_refuses_what_image_key_never_gives(bad):
