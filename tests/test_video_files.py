@@ -314,3 +314,21 @@ def test_frames_turned_upright_to_other_shapes_are_refused(tmp_path, monkeypatch
     with pytest.raises(ImageError, match=r"changes its frame size mid-stream \(58x42 and 42x58 among the sampled "
                                          r"frames, turned upright\)"):
         preprocess_video(str(path), sample=False)
+
+
+def test_a_video_files_pixels_are_counted_at_the_servers_limit_not_pillows(tmp_path, monkeypatch):
+    """glmvit-serve admits a video by the pixels it will hold: a file whose frames pass the server's --max-pixels
+    but not Pillow's default limit was counted as 0 (its probe refused at Pillow's), so it skipped
+    --max-pixels-in-flight while its decode, at the server's limit, went on."""
+    from PIL import Image
+
+    from glmvit_cupy.preprocessing.image import Patching
+    from glmvit_cupy.serving.decoding import video_pixels
+
+    data = write(tmp_path / "v.mkv", clip(8), fps=4).read_bytes()
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # below a 42x58 frame: as a 9504x9504 one at the default
+    video = {"file": data, "frames": None, "fps": None, "duration": None}
+    common = {"sample": False, "min_image_tokens": 16, "max_image_tokens": 64}
+    held = video_pixels(video, 0, common, 10**6, 10**9, Patching())
+    assert held >= 8 * 42 * 58
+    assert video_pixels(video, 0, common, 1000, 10**9, Patching()) == 0  # over the server's own: its decode refuses

@@ -82,10 +82,11 @@ def _stream(container):
     return container.streams.best("video") or container.streams.video[0]
 
 
-def probe(source, name: str = "video") -> tuple[int, float, float]:
+def probe(source, name: str = "video", max_pixels: int | None = None) -> tuple[int, float, float]:
     """(frames, fps, duration in seconds) of a video file's video stream (_stream), as the reference processor's
-    decoder reads them (torchcodec, seek_mode="exact"): a scan of the stream's packets, nothing decoded."""
-    with _open(source, name) as container:
+    decoder reads them (torchcodec, seek_mode="exact"): a scan of the stream's packets, nothing decoded. Frames
+    over max_pixels (None: Pillow's limit) are refused as the decode refuses them."""
+    with _open(source, name, max_pixels) as container:
         return _probe(container, _stream(container), source, name)
 
 

@@ -153,7 +153,7 @@ def video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pi
             with av.open(io.BytesIO(video["file"])) as c:
                 stream = c.streams.best("video") or c.streams.video[0]
                 w, h = stream.width, stream.height
-            total, file_fps, file_duration = probe(video["file"], f"video {index}")
+            total, file_fps, file_duration = probe(video["file"], f"video {index}", limit)  # the decode's limit
         except Exception:  # noqa: BLE001
             return 0
         fps, duration = video["fps"], video["duration"]
