@@ -186,6 +186,9 @@ def test_a_request_decoding_in_a_second_round_is_timed_to_its_last_decode():
     (b'{"images": ["aGVsbG8="], "max_image_tokens": ' + b"9" * 5000 + b"}", "application/json", 400,
      "an integer of over 4,300 digits", None),
     (b'{"images": ["aGVsbG8="]}', "text/plain", 415, "send application/json", None),
+    (b'{"images": ["aGVsbG8="], "max_image_tokens": NaN}', "application/json", 400, "NaN is not a JSON number", None),
+    (b'{"videos": [{"frames": ["aGVsbG8="], "fps": -Infinity}]}', "application/json", 400,
+     "-Infinity is not a JSON number", None),
 ])
 def test_bad_requests(server, body, kind, status, says, index):
     got, err = post(server[0], body, kind)
@@ -215,6 +218,9 @@ def test_one_image_file_as_the_body_with_its_limits_in_the_query(server, tower, 
     assert got == 200, raw  # a JSON request's query string (a cache-buster, say) is left alone but for the limits
     got, raw = post(client, data, "image/png")  # no query: the defaults
     assert got == 200 and load(raw)["0"].shape[0] != want.shape[0]
+    none = reference_bf16(tower, data, max_image_tokens=40, min_image_tokens=0)  # 0: no minimum, keyed too
+    got, raw = post(client, data, "image/png", "?max_image_tokens=40&min_image_tokens=0")
+    assert got == 200 and np.array_equal(load(raw)["0"].view(np.uint16), none.view(np.uint16)), raw[:300]
 
 
 def test_a_body_refused_before_it_is_read_reaches_the_client_as_its_status(server):

@@ -75,12 +75,14 @@ def test_keys_are_made_of_checked_values():
     for NumPy numbers, which it now takes as the numbers they are."""
     sha = vllm_ec.key_of(b"x")
     for args, says in [(("not a sha", 16, 8000), "key_for_image: sha 'not a sha' is not a lowercase hex sha256"),
-                       ((sha, 16.5, 100), r"key_for_image: min_image_tokens=16\.5 is not a positive integer"),
+                       ((sha, 16.5, 100), r"key_for_image: min_image_tokens=16\.5 is not an integer of at least 0"),
                        ((sha, True, 100), "min_image_tokens=True"), ((sha, 16, None), "max_image_tokens=None"),
-                       ((sha, 0, 100), "min_image_tokens=0")]:
+                       ((sha, -1, 100), "min_image_tokens=-1"), ((sha, 0, 0), "max_image_tokens=0 is not an "
+                                                                              "integer of at least 1")]:
         with pytest.raises(ValueError, match=says):
             vllm_ec.key_for_image(*args)
     assert vllm_ec.key_for_image(sha, np.int64(16), 8000) == sha != vllm_ec.key_for_image(sha, 16, 100)
+    assert vllm_ec.key_for_image(sha, 0, 8000) not in (sha, vllm_ec.key_for_image(sha, 1, 8000))  # 0: no minimum
     assert vllm_ec.key_for_image(sha, 16.0, 8000.0) == sha and vllm_ec.key_for_image(sha, 8.0, 100) == \
         vllm_ec.key_for_image(sha, 8, 100)  # whole-number floats are the integers they hold, as before
     same = vllm_ec.video_key_of([b"a"], 2.0, None, {"max_frames": 5}, kind="file")

@@ -65,17 +65,18 @@ def key_for_image(sha: str, min_image_tokens: int, max_image_tokens: int) -> str
     """An image's key from its file's sha256 hex and the token limits it was resized under: the sha256 itself
     under the reference processor's defaults (16, 8000), the embedding vLLM's own processor would make;
     else the sha256 hex of a canonical JSON of the two, since other limits give another embedding.
-    ValueError for a sha that is not a lowercase sha256 hex, or a limit that is not a positive integer."""
+    ValueError for a sha that is not a lowercase sha256 hex, or a limit that is not an integer of at least 0
+    (min_image_tokens: 0 is none) or 1 (max_image_tokens)."""
     check_key(sha, "key_for_image: sha")
-    def limit(name, v) -> int:
+    def limit(name, v, least) -> int:
         v = int(v) if isinstance(v, (float, np.floating)) and float(v).is_integer() else v  # 16.0 is 16
-        if not (is_integer(v) and v >= 1):
-            raise ValueError(f"key_for_image: {name}={quoted(v)} is not a positive integer (a token limit, as the "
-                             "image was resized under)")
+        if not (is_integer(v) and v >= least):
+            raise ValueError(f"key_for_image: {name}={quoted(v)} is not an integer of at least {least} (a token "
+                             "limit, as the image was resized under)")
         return int(v)
 
-    min_image_tokens, max_image_tokens = limit("min_image_tokens", min_image_tokens), limit("max_image_tokens",
-                                                                                            max_image_tokens)
+    min_image_tokens = limit("min_image_tokens", min_image_tokens, 0)
+    max_image_tokens = limit("max_image_tokens", max_image_tokens, 1)
     if (min_image_tokens, max_image_tokens) == DEFAULT_LIMITS:
         return sha
     doc = {"image": sha, "min_image_tokens": int(min_image_tokens), "max_image_tokens": int(max_image_tokens)}

@@ -176,12 +176,17 @@ def _load(text: str, want: str):
     if not text.strip():
         raise Refused(400, f"the body is empty: send a JSON object, {want}")
     try:
-        return json.loads(text, object_pairs_hook=_unique)
+        return json.loads(text, object_pairs_hook=_unique, parse_constant=_not_json)
     except (ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
         if "int_max_str_digits" in str(e):  # Python's own advice is for Python code, not an HTTP client
             raise Refused(400, "the body holds an integer of over 4,300 digits; the limits are whole numbers "
                                "of tokens (at most a few thousand)") from None
         raise Refused(400, f"the body is not valid JSON ({e})") from None
+
+
+def _not_json(name: str):
+    """NaN, Infinity and -Infinity, which Python's parser takes and JSON (RFC 8259) has not: refused as not JSON."""
+    raise ValueError(f"{name} is not a JSON number: give a finite number")
 
 
 def _unique(pairs: list) -> dict:
