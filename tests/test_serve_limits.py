@@ -307,6 +307,12 @@ def test_a_body_framed_both_ways_is_refused_and_the_connection_closed(server):
                                 + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n", 10.0)
     assert reply.startswith(b"HTTP/1.1 400") and b"connection: close" in reply.lower(), reply
     assert b"both Transfer-Encoding and Content-Length" in reply, reply
+    for head in (b"GET /health", b"GET /metrics", b"GET /nowhere", b"PUT /v1/encode"):  # every path: no request
+        reply = raw_request(client, head + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 40\r\n"  # hides behind the body
+                                    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
+                            10.0)
+        assert reply.startswith(b"HTTP/1.1 400") and reply.count(b"HTTP/1.1") == 1, (head, reply)
+        assert b"both Transfer-Encoding and Content-Length" in reply and b"connection: close" in reply.lower(), reply
 
 
 def test_headers_that_do_not_arrive_in_time_get_408(server):

@@ -250,12 +250,6 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             stamps = request.scope["glmvit.stamps"] = []  # stamp(): the request's parts, as each ends
             try:
                 try:
-                    names = {name for name, _ in request.scope["headers"]}
-                    if b"transfer-encoding" in names and b"content-length" in names:
-                        # h11 takes the chunked body; a proxy in front may have taken the length: request
-                        # smuggling. RFC 9112 6.3: handled as an error, the connection closed after it.
-                        raise Refused(400, "the request has both Transfer-Encoding and Content-Length; a body is "
-                                           "framed by one of them", close=True)
                     response = await handle(request)
                 except Refused as e:  # a body too slow or too large: the rest is not read, and the connection closes
                     response = JSONResponse({"error": e.error, "index": e.index}, status_code=e.status,
@@ -663,7 +657,26 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     app.state.glmvit = state
     app.state.metrics = metrics
     app.state.pixels = budget
-    return _QuietForcedExit(app)
+    return _QuietForcedExit(_OneFraming(app))
+
+
+class _OneFraming:
+    """The app, for requests whose body is framed one way: one with both Transfer-Encoding and Content-Length
+    (h11 takes the chunked body; a proxy in front may have taken the length and read the rest as another
+    request: smuggling) is answered 400, on any path, and its connection closed (RFC 9112 6.3)."""
+
+    def __init__(self, app):
+        self.app, self.state = app, app.state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            names = {name for name, _ in scope["headers"]}
+            if b"transfer-encoding" in names and b"content-length" in names:
+                response = JSONResponse({"error": "the request has both Transfer-Encoding and Content-Length; a body "
+                                         "is framed by one of them", "index": None},
+                                        status_code=400, headers={"Connection": "close"})
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class _QuietForcedExit:
