@@ -1072,6 +1072,11 @@ def test_base64_decoded_piece_by_piece_equals_decoding_at_once(rng):
         assert requests.b64decode(odd) == base64.b64decode("".join(odd.split()), validate=True)
     with pytest.raises(binascii.Error, match=r"'\*', character 1,048,581 once whitespace is left out, is not base64"):
         requests.b64decode(text[:piece + 5] + "*" + text[piece + 6:])
+    for n in (1, 4001, piece + 1):  # a length error counts the whole text's characters, as one call does
+        with pytest.raises(binascii.Error) as one:
+            base64.b64decode("A" * n, validate=True)
+        with pytest.raises(binascii.Error, match=re.escape(str(one.value))):
+            requests.b64decode("A" * n)
     # Unicode whitespace is refused, where it is (splitting a long text on it took 5.5 GB)
     for odd, at in (("QUJD\u2028QUJD", "U+2028, outside ASCII, at character 4"), ("QU\xa0JD", "U+00A0")):
         with pytest.raises(binascii.Error, match=re.escape(at)):

@@ -129,6 +129,9 @@ def b64decode(text: str) -> bytes:
         if bad is not None:
             raise binascii.Error(f"{chr(bad.group()[0])!r}, character {bad.start():,} once whitespace is left out, is "
                                  "not base64: A-Z, a-z, 0-9, + and / (or - and _), and = only at the end") from None
+        if end % 4 == 1:  # the last call's message would count its own piece's characters, not the text's
+            raise binascii.Error(f"Invalid base64-encoded string: number of data characters ({end}) cannot be 1 "
+                                 "more than a multiple of 4") from None
         raise
     return b"".join(out)
 
