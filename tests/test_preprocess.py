@@ -735,6 +735,22 @@ def test_a_progressive_jpeg_of_too_many_scans_is_refused_before_it_is_decoded(tm
             decode.load(given, "many.jpg")
 
 
+def test_an_eps_file_is_refused_never_handed_to_ghostscript(tmp_path, monkeypatch):
+    """Pillow opens an EPS header itself but decodes the file by running Ghostscript on it: an untrusted file
+    is refused by what it is, before anything runs (Ghostscript called here would fail the test)."""
+    from PIL import EpsImagePlugin
+
+    from glmvit_cupy.preprocessing import decode
+
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", lambda *a, **k: pytest.fail("Ghostscript was run"))
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nnewpath 0 0 moveto 10 10 lineto stroke\n%%EOF\n"
+    (tmp_path / "a.eps").write_bytes(eps)
+    for given in (eps, str(tmp_path / "a.eps")):
+        with pytest.raises(ImageError, match=r"a.eps: an EPS file is not decoded here \(Pillow decodes it by "
+                                             r"running Ghostscript.*convert it to PNG first"):
+            decode.load(given, "a.eps")
+
+
 def test_a_pil_image_whose_file_closed_before_it_loaded_is_an_image_error(tmp_path, rng):
     path = tmp_path / "lazy.png"
     Image.fromarray(rng.integers(0, 256, (30, 30, 3), dtype=np.uint8)).save(path)

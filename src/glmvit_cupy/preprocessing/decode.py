@@ -44,6 +44,9 @@ offload = None  # offload(file bytes, name, max_pixels) -> HxWx3 uint8 array, or
 # A progressive JPEG is decoded once per scan: a 156 KB 16 MP file of its last scan repeated 2,000 times takes
 # ~24 s to decode. Encoders write about 10 scans (Pillow and libjpeg 10, mozjpeg up to ~20).
 MAX_JPEG_SCANS = 64
+# Formats Pillow decodes by running an outside program on the file (EPS: Ghostscript, a PostScript interpreter):
+# refused, so an untrusted file is never handed to one.
+RUNS_A_PROGRAM = frozenset({"EPS"})
 
 
 def decode_rgb(data: bytes, name: str, max_pixels: int | None = None) -> np.ndarray:
@@ -267,6 +270,10 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
             if offload is not None:  # opening it here would decode it here, on this thread
                 return offload(_file_bytes(image), name, max_pixels)
         img = _open(image, limit)
+        if img.format in RUNS_A_PROGRAM:
+            img.close()
+            raise ImageError(f"{name}: an {img.format} file is not decoded here (Pillow decodes it by running "
+                             "Ghostscript, an outside program, on it); convert it to PNG first")
         w, h = img.size
         if limit is not None and w * h > limit:
             raise ImageError(f"{bomb} (it is {w} x {h} = {w * h:,})")
