@@ -1128,15 +1128,22 @@ def test_embeddings_split_from_one_array_are_counted_as_their_own_rows():
     assert not np.array_equal(kept.view(np.uint16), parts[7].view(np.uint16))
 
 
-@pytest.mark.parametrize("w,h,says", [
-    (5000, 4000, "images[1] has 5000 x 4000 = 20,000,000 pixels, over the server's limit of 16,000,000 an "
-                 "image (--max-pixels): refused as a possible decompression bomb; send a smaller image"),
-    (20_000, 20_000, "images[1] has 400,000,000 pixels, over the server's limit of 16,000,000 an image "
-                     "(--max-pixels): refused"),  # over twice Pillow's own limit: Pillow refuses to open it
+def bmp_header(w: int, h: int) -> bytes:
+    """A 24-bit BMP that says it is w x h (its pixels are not there)."""
+    return b"BM" + struct.pack("<IHHI", 54, 0, 0, 54) + struct.pack("<IiiHHIIiiII", 40, w, h, 1, 24, 0, 0, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("w,h,header,says", [
+    (5000, 4000, png_header, "images[1] has 5000 x 4000 = 20,000,000 pixels, over the server's limit of 16,000,000 "
+                             "an image (--max-pixels): refused as a possible decompression bomb; send a smaller image"),
+    (20_000, 20_000, png_header, "images[1] has 20000 x 20000 = 400,000,000 pixels, over the server's limit of "
+                                 "16,000,000 an image (--max-pixels): refused"),  # a PNG: sized from its IHDR
+    (20_000, 20_000, bmp_header, "images[1] has 400,000,000 pixels, over the server's limit of 16,000,000 an image "
+                                 "(--max-pixels): refused"),  # over twice Pillow's own limit: Pillow refuses to open it
 ])
-def test_a_decompression_bomb_is_refused_naming_the_servers_flag_and_one_limit(server, w, h, says):
+def test_a_decompression_bomb_is_refused_naming_the_servers_flag_and_one_limit(server, w, h, header, says):
     _, client = server
-    got, err = post(client, json.dumps({"images": [b64(png(30, 30, 409)), b64(png_header(w, h))]}).encode())
+    got, err = post(client, json.dumps({"images": [b64(png(30, 30, 409)), b64(header(w, h))]}).encode())
     assert got == 422 and err["index"] == 1, err
     assert err["error"].startswith(says), err
     assert "glmvit-encode" not in err["error"] and "178956970" not in err["error"] and "89,478,485" not in err["error"]
