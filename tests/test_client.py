@@ -254,6 +254,13 @@ def test_a_url_where_nothing_listens_says_where_and_what_to_start():
         port = s.getsockname()[1]
     with pytest.raises(ConnectionRefusedError, match=rf"nothing listens at http://127.0.0.1:{port} .*glmvit-serve"):
         Client(f"http://127.0.0.1:{port}").health()
+    with pytest.MonkeyPatch.context() as m:  # through a proxy: the proxy is what refused
+        for k in ("http_proxy", "HTTP_PROXY", "no_proxy", "NO_PROXY"):
+            m.delenv(k, raising=False)
+        m.setenv("http_proxy", f"http://127.0.0.1:{port}")
+        with pytest.raises(ConnectionRefusedError, match=rf"nothing listens at the proxy 127.0.0.1:{port} that "
+                                                         r"http://example.invalid:8000 goes through .*http_proxy"):
+            Client("http://example.invalid:8000").health()
 
 
 def test_arguments_that_are_not_a_url_timeout_or_sequence_are_value_errors():

@@ -92,7 +92,8 @@ def test_local_paths_are_not_hub_ids(tmp_path, monkeypatch):
     assert not is_hub_id("org/name")  # an existing local folder wins
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
-    assert not is_hub_id("link") and not is_hub_id("org/link")
+    assert not is_hub_id("link") and not is_hub_id("link/x")
+    assert is_hub_id("org/other")  # a folder named like the org (a download of another model) leaves ids alone
     os.symlink(tmp_path / "nowhere", tmp_path / "org" / "gone")
     assert not is_hub_id("org/gone") and not is_hub_id("loop/x")  # a broken or looping link: local, never fetched
 

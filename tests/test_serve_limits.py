@@ -301,6 +301,7 @@ def test_a_body_framed_both_ways_is_refused_and_the_connection_closed(server):
     """Transfer-Encoding and Content-Length together (h11 takes the chunks; a proxy may take the length, and
     read the rest as another request): 400 naming both, and the connection closes."""
     _, client = server
+    before = metric(client, 'glmvit_requests_total{status="400"}')
     body = json.dumps({"images": [b64(png(40, 40, 5))]}).encode()
     reply = raw_request(client, b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                                 b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -313,6 +314,7 @@ def test_a_body_framed_both_ways_is_refused_and_the_connection_closed(server):
                             10.0)
         assert reply.startswith(b"HTTP/1.1 400") and reply.count(b"HTTP/1.1") == 1, (head, reply)
         assert b"both Transfer-Encoding and Content-Length" in reply and b"connection: close" in reply.lower(), reply
+    assert metric(client, 'glmvit_requests_total{status="400"}') == before + 1  # the encoder's, counted as its own
 
 
 def test_headers_that_do_not_arrive_in_time_get_408(server):
@@ -1072,11 +1074,11 @@ def test_base64_decoded_piece_by_piece_equals_decoding_at_once(rng):
         assert requests.b64decode(odd) == base64.b64decode("".join(odd.split()), validate=True)
     with pytest.raises(binascii.Error, match=r"'\*', character 1,048,581 once whitespace is left out, is not base64"):
         requests.b64decode(text[:piece + 5] + "*" + text[piece + 6:])
-    for n in (1, 4001, piece + 1):  # a length error counts the whole text's characters, as one call does
+    for odd in ["A" * n for n in (1, 4001, piece + 1)] + ["AAAAA=AAA"]:  # the message one call gives, counts too
         with pytest.raises(binascii.Error) as one:
-            base64.b64decode("A" * n, validate=True)
+            base64.b64decode(odd, validate=True)
         with pytest.raises(binascii.Error, match=re.escape(str(one.value))):
-            requests.b64decode("A" * n)
+            requests.b64decode(odd)
     # Unicode whitespace is refused, where it is (splitting a long text on it took 5.5 GB)
     for odd, at in (("QUJD\u2028QUJD", "U+2028, outside ASCII, at character 4"), ("QU\xa0JD", "U+00A0")):
         with pytest.raises(binascii.Error, match=re.escape(at)):

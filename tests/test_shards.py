@@ -170,7 +170,8 @@ def test_shard_replaced_after_open_is_refused_not_read_against_the_old_header(tm
     st = WeightStore.open(p)
     other = shard(tmp_path / "new.safetensors", ok_header(), bytes(20))
     os.replace(other, p)
-    with pytest.raises(CheckpointError, match=r"r.safetensors: the shard was replaced or rewritten since its header"):
+    with pytest.raises(CheckpointError, match=r"r.safetensors: the shard changed \(another file under its name, "
+                                              r"or its modification time moved\) since its header was read"):
         st.get("a")
     st = WeightStore.open(p)
     os.unlink(p)

@@ -236,6 +236,10 @@ class Client:
                 from None
         except ConnectionRefusedError as e:  # nothing listens there: say where, and what would
             conn.close()
+            if self._proxy is not None:  # the connection was the proxy's
+                raise ConnectionRefusedError(e.errno, f"nothing listens at the proxy {self._proxy.netloc} that "
+                                             f"{self.url} goes through ({e.strerror}): start it, or set "
+                                             f"{self._parts.scheme}_proxy / no_proxy") from None
             raise ConnectionRefusedError(e.errno, f"nothing listens at {self.url} ({e.strerror}): start "
                                          "glmvit-serve there, or give Client the URL it listens on") from None
         except BaseException:

@@ -164,7 +164,7 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
         raise CheckpointError(
             f"{path}: the tower is incomplete: {'this shard holds' if alone else 'the shards hold'} {len(store):,} "
             f"vision tensors (e.g. {some}) but no '*visual.patch_embed.proj.weight'; a shard holding the rest of "
-            f"the tower is missing{alone}")
+            f"the tower is missing{alone or ', or the index does not list its tensors'}")
     if not prefixes:
         raise AbsentTower(
             f"{path}: config.json declares a vision tower, but no '*visual.patch_embed.proj.weight' is in the "

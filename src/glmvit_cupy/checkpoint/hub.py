@@ -24,10 +24,13 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def is_hub_id(path) -> bool:
-    """'org/name' that is not a local path: neither it nor its first part is anything on disk (a broken or
-    looping symbolic link included), so a local path that cannot be followed is never fetched from the Hub."""
-    return (isinstance(path, str) and _HUB_ID.match(path) is not None and not os.path.lexists(path)
-            and not os.path.lexists(path.split("/")[0]))
+    """'org/name' that is not a local path: nothing on disk has that name (a broken or looping symbolic link
+    included), nor is its first part a link that cannot be followed: a local path is never fetched from the
+    Hub. A folder named like the org alone (a download of another of its models) leaves Hub ids as they are."""
+    if not (isinstance(path, str) and _HUB_ID.match(path) is not None) or os.path.lexists(path):
+        return False
+    org = path.split("/")[0]
+    return not (os.path.lexists(org) and not os.path.exists(org))
 
 
 def vision_shards(weight_map: dict) -> list[str]:

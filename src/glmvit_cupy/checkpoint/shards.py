@@ -77,6 +77,7 @@ def _prod(shape) -> int:
 
 
 def _identity(st: os.stat_result) -> tuple:
+    """What tells a shard changed since it was read: another file under its name, or the same one modified."""
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -386,8 +387,9 @@ class WeightStore:
                                       f"(tensors need {end}); refusing to map it")
             if mine and mine[0].identity and now != mine[0].identity:
                 mm.close()
-                raise CheckpointError(f"{file}: the shard was replaced or rewritten since its header was read; "
-                                      "load the checkpoint again once it is complete")
+                raise CheckpointError(f"{file}: the shard changed (another file under its name, or its "
+                                      "modification time moved) since its header was read; load the checkpoint "
+                                      "again once nothing is writing to it")
             self._maps[file] = mm
         return mm
 

@@ -12,6 +12,7 @@ import os
 import re
 import struct
 import threading
+import zlib
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -104,12 +105,16 @@ def is_ico(file) -> bool:
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _ihdr_size(head: bytes) -> tuple[int, int] | None:
+def _ihdr_size(head: bytes, checked: bool = False) -> tuple[int, int] | None:
     """(width, height) from a PNG's first 24 bytes (its signature, then IHDR: the first chunk, by the format),
-    as Pillow sizes it; None for anything else."""
-    if len(head) >= 24 and head[:8] == PNG_MAGIC and head[12:16] == b"IHDR":
-        return struct.unpack_from(">II", head, 16)
-    return None
+    as Pillow sizes it; None for anything else. checked: from its first 33 bytes, None unless IHDR is whole
+    and its CRC holds (a damaged header is Pillow's to name)."""
+    if len(head) < 24 or head[:8] != PNG_MAGIC or head[12:16] != b"IHDR":
+        return None
+    if checked and (len(head) < 33 or head[8:12] != b"\0\0\0\x0d"
+                    or zlib.crc32(head[12:29]) != struct.unpack_from(">I", head, 29)[0]):
+        return None
+    return struct.unpack_from(">II", head, 16)
 
 
 def ico_pixels(file) -> int:
@@ -154,7 +159,7 @@ def header_size(file, understated: int = 0) -> tuple[int, tuple | None]:
         return 0, None
     if is_ico(file):  # not opened: that would decode it
         return understated or 0, None
-    png = _ihdr_size(bytes(file[:24])) if isinstance(file, ENCODED_BYTES) else None
+    png = _ihdr_size(bytes(file[:33]), checked=True) if isinstance(file, ENCODED_BYTES) else None
     if png is not None:  # not opened: Pillow inflates every zTXt chunk before IDAT as it opens (~0.1 s for 60 KB)
         return png[0] * png[1], png
     try:

@@ -657,7 +657,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     app.state.glmvit = state
     app.state.metrics = metrics
     app.state.pixels = budget
-    return _QuietForcedExit(_OneFraming(app))
+    return _QuietForcedExit(_OneFraming(app, {r.path for r in routes if "POST" in r.methods}))
 
 
 class _OneFraming:
@@ -665,13 +665,15 @@ class _OneFraming:
     (h11 takes the chunked body; a proxy in front may have taken the length and read the rest as another
     request: smuggling) is answered 400, on any path, and its connection closed (RFC 9112 6.3)."""
 
-    def __init__(self, app):
-        self.app, self.state = app, app.state
+    def __init__(self, app, counted: set):
+        self.app, self.state, self.counted = app, app.state, counted  # counted: the encoders' paths (their metric)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             names = {name for name, _ in scope["headers"]}
             if b"transfer-encoding" in names and b"content-length" in names:
+                if scope["path"] in self.counted and scope["method"] == "POST":
+                    self.state.metrics.requests.labels("400").inc()
                 response = JSONResponse({"error": "the request has both Transfer-Encoding and Content-Length; a body "
                                          "is framed by one of them", "index": None},
                                         status_code=400, headers={"Connection": "close"})

@@ -124,12 +124,12 @@ def b64decode(text: str) -> bytes:
     try:
         out = [base64.b64decode(data[i:min(i + _PIECE, whole)], validate=True) for i in range(0, whole, _PIECE)]
         out.append(base64.b64decode(tail, validate=True))
-    except binascii.Error:
+    except binascii.Error as e:
         bad = re.search(rb"[^A-Za-z0-9+/=]", data)
         if bad is not None:
             raise binascii.Error(f"{chr(bad.group()[0])!r}, character {bad.start():,} once whitespace is left out, is "
                                  "not base64: A-Z, a-z, 0-9, + and / (or - and _), and = only at the end") from None
-        if end % 4 == 1:  # the last call's message would count its own piece's characters, not the text's
+        if "number of data characters" in str(e):  # a count of the last call's piece, not of the text
             raise binascii.Error(f"Invalid base64-encoded string: number of data characters ({end}) cannot be 1 "
                                  "more than a multiple of 4") from None
         raise
