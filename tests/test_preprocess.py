@@ -611,6 +611,40 @@ def test_a_file_object_in_text_mode_is_named_and_one_that_cannot_seek_is_decoded
 
 
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # Pillow's, for 1,600 over 1,000
+def test_a_raised_limit_is_not_taken_from_another_threads_raise(monkeypatch):
+    """A decode asking for as much as another thread has raised Pillow's global to, for that thread's own open,
+    must not open on that raise: the other thread puts the global back mid-open, and Pillow then refused an
+    image within the limit asked for (seen as random refusals with glmvit-encode --max-pixels --workers 8)."""
+    from glmvit_cupy.preprocessing import decode
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # Pillow refuses to open past twice this: 200
+    big = io.BytesIO()
+    Image.fromarray(np.random.default_rng().integers(0, 255, (30, 30, 3), np.uint8)).save(big, "PNG")
+    raised, opening = threading.Event(), threading.Event()
+    real_open = Image.open
+
+    def slow_open(*a, **k):  # the other thread restores the global while this open runs
+        opening.set()
+        time.sleep(0.2)
+        return real_open(*a, **k)
+
+    def another():  # as _open does for a decode of max_pixels=10_000, until this thread's open has begun
+        with decode._pillow_limit:
+            old, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, 10_000
+            raised.set()
+            opening.wait(0.5)
+            Image.MAX_IMAGE_PIXELS = old
+
+    monkeypatch.setattr(Image, "open", slow_open)
+    t = threading.Thread(target=another)
+    t.start()
+    raised.wait()
+    try:
+        assert decode.load(big.getvalue(), "big.png", max_pixels=10_000).size == (30, 30)
+    finally:
+        t.join()
+
+
 def test_the_pixel_limit_is_read_as_the_process_has_it_while_another_thread_raises_it(monkeypatch):
     """A decode asking for a higher limit raises Pillow's global for a moment, under a lock: a decode on
     another thread with the default limit meanwhile still refuses what is over it."""

@@ -237,7 +237,7 @@ def _open(image, limit) -> Image.Image:
     at once. So Pillow warns (DecompressionBombWarning, as the process's warning filters say) only of images
     over `limit`, which the callers refuse; no warning filter is changed here: those are the process's, and
     changing them is not safe while other threads decode."""
-    current = Image.MAX_IMAGE_PIXELS
+    current = pillow_limit()  # under the lock: not a limit another thread has raised for its own open
     if current is None or (limit is not None and limit <= current):
         return Image.open(image)
     with _pillow_limit:
