@@ -799,6 +799,20 @@ def test_a_glob_over_output_folders_takes_no_shard_manifest_or_lock(folder, tmp_
     assert manifest["failed"] == {} and len(manifest["images"]) == 2
 
 
+def test_a_quoted_glob_that_matches_folders_walks_them_as_the_shell_would(tmp_path):
+    """'photos-*' matching two folders was 'no such file, folder or matching glob', while the shell's own
+    expansion of it walked them."""
+    from glmvit_cupy.cli.inputs import expand_inputs
+
+    for name in ("photos-2023", "photos-2024"):
+        (tmp_path / name).mkdir()
+        Image.new("RGB", (8, 8)).save(tmp_path / name / "a.png")
+    (tmp_path / "photos-2024" / "notes.txt").write_text("x")
+    got = expand_inputs([str(tmp_path / "photos-*")])
+    assert got == [str(tmp_path / "photos-2023" / "a.png"), str(tmp_path / "photos-2024" / "a.png")]
+    assert expand_inputs([str(tmp_path / "photos-*" / "*.png")]) == got
+
+
 def test_a_file_that_became_a_folder_is_named_for_what_it_is(tmp_path):
     """An input file replaced by a folder during a run was reported as 'a folder that cannot be listed', which
     the empty folder was not."""

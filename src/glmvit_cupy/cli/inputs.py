@@ -56,11 +56,16 @@ def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS, passed_
             out.append(item)
         elif glob.has_magic(item):
             # Not the shards, manifests and locks of output folders it reaches (`out/**`): they are never images.
-            files = sorted(p for p in expand_glob(item)
-                           if os.path.isfile(p) and not is_output_file(os.path.basename(p)))
-            if not files:  # a mistyped glob among other inputs is as wrong as a mistyped path
+            matches = sorted(expand_glob(item))
+            files = [p for p in matches if os.path.isfile(p) and not is_output_file(os.path.basename(p))]
+            # Folders it matches are walked, as the shell's expansion would give them; a `**` reaches their files
+            # itself.
+            folders = [] if "**" in item else [p for p in matches if os.path.isdir(p)]
+            if not files and not folders:  # a mistyped glob among other inputs is as wrong as a mistyped path
                 missing.append(item)
             out += files
+            for folder in folders:
+                out += walk(folder, extensions, passed_over, listed)
         else:
             missing.append(item)
     if missing:
