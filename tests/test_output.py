@@ -465,6 +465,20 @@ def test_a_lock_file_that_is_not_a_file_is_named_never_waited_on(tmp_path):
         Output(str(folder), SETTINGS)
 
 
+def test_the_manifest_is_never_written_through_a_link_under_its_temporary_name(tmp_path):
+    """A symbolic link planted as manifest.json.tmp had the manifest written into its target, outside the
+    folder, and manifest.json became a link to it."""
+    folder, victim = tmp_path / "o", tmp_path / "victim"
+    folder.mkdir()
+    victim.write_text("keep")
+    (folder / "manifest.json.tmp").symlink_to(victim)
+    out = Output(str(folder), SETTINGS)
+    out.add_batch(batch(["/img/a"]))
+    out.flush()
+    assert victim.read_text() == "keep"
+    assert not (folder / "manifest.json").is_symlink() and "/img/a" in (folder / "manifest.json").read_text()
+
+
 def test_a_read_only_lock_file_says_to_make_it_writable(tmp_path, monkeypatch):
     """Opening a read-only file for writing is EACCES, except for root: os.open is made to answer as for a user."""
     folder = tmp_path / "o"

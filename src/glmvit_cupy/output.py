@@ -354,7 +354,10 @@ class Output:
     def _write_json(self):
         path = os.path.join(self.folder, MANIFEST)
         try:
-            with open(path + ".tmp", "w") as f:
+            with contextlib.suppress(FileNotFoundError):  # whatever is under the name (a link: never written through)
+                os.unlink(path + ".tmp")
+            fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            with os.fdopen(fd, "w") as f:
                 json.dump(self.manifest, f)  # no indent: json's C encoder
                 f.flush()
                 os.fsync(f.fileno())
