@@ -709,6 +709,10 @@ def test_something_in_the_way_of_one_vllm_key_fails_that_input_alone(folder, tmp
     assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == cli.DONE
     assert "1 file encoded earlier had no file in --vllm-ec-dir" in capsys.readouterr().out
     assert (ec / key / "encoder_cache.safetensors").is_file()
+    (ec / key / "encoder_cache.safetensors").unlink()  # a link where its file goes: in the way too, on a re-run
+    (ec / key / "encoder_cache.safetensors").symlink_to(tmp_path / "elsewhere")
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == cli.FAILED
+    assert "is a symbolic link" in capsys.readouterr().err
 
 
 def test_pillows_warning_on_damaged_exif_names_the_image(tmp_path, rng):

@@ -381,6 +381,7 @@ def backfill_vllm(args, out, done: list) -> tuple[int, int]:
 
     weights = out.manifest["header"]["weights"]
     missing: dict[str, list] = {}
+    in_the_way = 0  # keys whose place something not the cache's own holds: blocked, as when they are written
     for key in done:
         entry = out.manifest["images"][key]
         try:
@@ -393,9 +394,12 @@ def backfill_vllm(args, out, done: list) -> tuple[int, int]:
                 ec_key = vllm_ec.key_for_image(sha, args.min_image_tokens, args.max_image_tokens)
             if not vllm_ec.holds(args.vllm_ec_dir, ec_key, weights):
                 missing.setdefault(entry["shard"], []).append((key, ec_key))
+        except vllm_ec.InTheWay as e:
+            print(skipped(key, f"no --vllm-ec-dir file written for it: {e}"), file=sys.stderr)
+            in_the_way += 1
         except (ValueError, OSError) as e:  # the file gone or unreadable (ImageError), a damaged entry
             print(skipped(key, f"no --vllm-ec-dir file written for it: {e}"), file=sys.stderr)
-    written = blocked = 0
+    written, blocked = 0, in_the_way
     for shard, items in sorted(missing.items()):
         with safe_open(os.path.join(out.folder, shard), "numpy") as f:
             for key, ec_key in items:
