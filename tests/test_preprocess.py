@@ -645,6 +645,7 @@ def test_a_raised_limit_is_not_taken_from_another_threads_raise(monkeypatch):
         t.join()
 
 
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # Pillow's, of the image refused here
 def test_the_pixel_limit_is_read_as_the_process_has_it_while_another_thread_raises_it(monkeypatch):
     """A decode asking for a higher limit raises Pillow's global for a moment, under a lock: a decode on
     another thread with the default limit meanwhile still refuses what is over it."""
