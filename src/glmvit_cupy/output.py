@@ -212,12 +212,10 @@ def _lock_folder(folder: str):
     except IsADirectoryError:
         raise OutputError(f"{shown(path)} is a folder, not the lock file glmvit-encode makes: remove it, or give "
                           "another --out") from None
-    except PermissionError as e:
-        if os.path.isfile(path):  # there, but not writable by this user (copied read-only, another user's)
+    except OSError as e:
+        if isinstance(e, PermissionError) and os.path.isfile(path):  # there, not writable (copied read-only)
             raise OutputError(f"{shown(path)} cannot be opened for writing ({_reason(e)}); glmvit-encode locks that "
                               "file while it writes the folder: make it writable (chmod u+w) or remove it") from None
-        raise OutputError(f"cannot create {shown(path)}: {_reason(e)}") from None
-    except OSError as e:
         raise OutputError(f"cannot create {shown(path)}: {_reason(e)}") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):

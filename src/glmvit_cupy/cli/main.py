@@ -394,11 +394,9 @@ def backfill_vllm(args, out, done: list) -> tuple[int, int]:
                 ec_key = vllm_ec.key_for_image(sha, args.min_image_tokens, args.max_image_tokens)
             if not vllm_ec.holds(args.vllm_ec_dir, ec_key, weights):
                 missing.setdefault(entry["shard"], []).append((key, ec_key))
-        except vllm_ec.InTheWay as e:
+        except (ValueError, OSError) as e:  # the file gone or unreadable (ImageError), a damaged entry, InTheWay
             print(skipped(key, f"no --vllm-ec-dir file written for it: {e}"), file=sys.stderr)
-            in_the_way += 1
-        except (ValueError, OSError) as e:  # the file gone or unreadable (ImageError), a damaged entry
-            print(skipped(key, f"no --vllm-ec-dir file written for it: {e}"), file=sys.stderr)
+            in_the_way += isinstance(e, vllm_ec.InTheWay)
     written, blocked = 0, in_the_way
     for shard, items in sorted(missing.items()):
         with safe_open(os.path.join(out.folder, shard), "numpy") as f:
