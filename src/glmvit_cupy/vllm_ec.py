@@ -79,7 +79,7 @@ def key_for_image(sha: str, min_image_tokens: int, max_image_tokens: int) -> str
     max_image_tokens = limit("max_image_tokens", max_image_tokens, 1)
     if (min_image_tokens, max_image_tokens) == DEFAULT_LIMITS:
         return sha
-    doc = {"image": sha, "min_image_tokens": int(min_image_tokens), "max_image_tokens": int(max_image_tokens)}
+    doc = {"image": sha, "min_image_tokens": min_image_tokens, "max_image_tokens": max_image_tokens}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
