@@ -168,25 +168,29 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
         if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
         wgmma_wait0();
         if constexpr (ONLINE) {
-            // Past the first tile, lazily (softmax_tile_lazy): the warpgroup keeps its offsets unless a
-            // live row's scores grew past them; then S comes again (the slot is still held) for the
-            // exact step. Rows vote as 64-row groups from the segment's start, the same groups in
-            // every variant and batch, so the choice, and so every bit, depends on the segment alone.
+            // Past the first tile, lazily (softmax_tile_lazy): a warp keeps its offsets unless a live
+            // row's scores grew past them. Each warp votes for its own 16 rows; if any warp of the
+            // warpgroup must take the exact step, S comes again for all four (wgmma is per warpgroup,
+            // and the slot is still held), and only the warps that voted no rescale. The 16-row groups
+            // count from the segment's start in every variant and batch, so the choice, and so every
+            // bit, depends on the segment alone. Voting per warp rather than per warpgroup: 1.5-2% on
+            // sm90_4wg and 4-8% on sm90_2wg (docs/PERFORMANCE.md).
             float r0, r1;
-            const bool lazy = it > 0 && named_all(vote, 128, softmax_tile_lazy<BNW>(s, m0, m1, r0, r1, kvalid, t,
-                                                                                      scale_log2, live0, live1));
+            const bool lazy = it > 0 && __all_sync(0xffffffffu, softmax_tile_lazy<BNW>(s, m0, m1, r0, r1, kvalid, t,
+                                                                                          scale_log2, live0, live1));
             if (lazy) {
                 l0 += r0;
                 l1 += r1;
                 pack_p<BNW>(s, pa);
-            } else {
+            }
+            if (!named_all(vote, 128, lazy)) {
                 if (it > 0) {
                     wgmma_fence();
                     issue_s(st);
                     wgmma_commit();
                     wgmma_wait0();
                 }
-                softmax_tile<BNW, 32, true>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, it > 0);
+                if (!lazy) softmax_tile<BNW, 32, true>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, it > 0);
             }
         } else {
             softmax_tile<BNW, 32, false>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, false);

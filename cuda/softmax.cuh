@@ -113,8 +113,9 @@ __device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float*
 // r0 / r1 get this thread's part of the row sums. Valid while no score has grown past its row's offset
 // by more than log2(LAZY_SUM_LIMIT): then every P <= 2^16, and the softmax is exact whatever the
 // offset (O and l share it). Returns whether that holds for this thread's live rows (NaN compares
-// false). The kernel votes on it across the warpgroup: all true, and it adds r to l and packs P; else
-// it recomputes S and runs softmax_tile, which moves the offsets to the true max. What a lazy tile
+// false). The kernel votes on it across each warp: all true, and the warp adds r to l and packs P;
+// else its warpgroup recomputes S and the warp runs softmax_tile, which moves the offsets to the true
+// max. What a lazy tile
 // saves against softmax_tile: the max's 32 FMNMX and its shuffles, two exps and the 32-float rescale
 // of O.
 template <int BNW>

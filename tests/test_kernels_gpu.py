@@ -554,6 +554,34 @@ def test_attention_online_tiles_past_the_first_are_lazy(variant):
     assert np.array_equal(lazy.view(np.uint16), attend(variant + "_fixed", q, k, val, cu, heads).view(np.uint16))
 
 
+@pytest.mark.skipif(not SM90, reason="GPU test: the lazy softmax is the sm_90a kernels'")
+@pytest.mark.parametrize("variant", [name for name in D64 if VARIANTS[name].arch == "sm90" and VARIANTS[name].online])
+def test_attention_online_votes_per_warp(variant):
+    """Each warp votes on its own 16 rows: where one warp of every warpgroup must take the exact step
+    and the other three need not, those three stay lazy. As in the test above, the segments' first
+    tiles have zero keys, so a lazy row equals the kernel without a running max bit for bit; the warp
+    whose q is large (scores 20+ log2 units above the first tile's) moves its offsets and matches
+    float64. A vote per warpgroup would drag the lazy rows into the exact step and change their bits."""
+    heads, lengths = 4, [700, 1300]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    n = int(cu[-1])
+    q, k, val = (rng.standard_normal((n, heads, 64)) for _ in range(3))
+    rows = np.arange(n) - np.repeat(cu[:-1], lengths)  # a row's place in its segment
+    sharp = (rows // 16) % 4 == 1                      # the second warp of every warpgroup
+    for s0 in cu[:-1]:
+        k[s0:s0 + 64] = 0.0
+    q = np.where(sharp[:, None, None], 6.0, 0.7) * q
+    q, k, val = q.astype(BF), k.astype(BF), val.astype(BF)
+    s_log2 = np.einsum("nhd,mhd->hnm", q[:700].astype(np.float64), k[:700].astype(np.float64)) * math.log2(math.e) / 8
+    assert 2.0 < s_log2[:, ~sharp[:700]].max() < 12.0 and s_log2[:, sharp[:700]].max() > 20.0
+    got = attend(variant, q, k, val, cu, heads)
+    assert np.isfinite(got.astype(np.float32)).all()
+    fixed = attend(variant + "_fixed", q, k, val, cu, heads)
+    assert np.array_equal(got[~sharp].view(np.uint16), fixed[~sharp].view(np.uint16))
+    ref = attention_ref(*(a.astype(np.float64) for a in (q, k, val)), cu, np.flatnonzero(sharp))
+    assert rel(got.astype(np.float32).reshape(q.shape)[sharp], ref) <= ATTN_TOL
+
+
 @pytest.mark.skipif(not SM90, reason="GPU test: the per-shape choice is between sm_90a kernels")
 def test_default_variants_agree_bit_for_bit():
     """The model picks a variant per input shape, so an image batched with others may run on a
