@@ -185,6 +185,73 @@ def test_missing_tensor(tmp_path, tensors):
         bind_tower(tmp_path)
 
 
+def _unindex(path, *suffixes):
+    """Take tower tensors out of the index's weight_map (their shards keep them): {name: the shard that holds it}."""
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    held = {"model.visual." + s: index["weight_map"].pop("model.visual." + s) for s in suffixes}
+    index_path.write_text(json.dumps(index))
+    return held
+
+
+def test_tower_tensors_the_index_leaves_out_are_named_with_the_index_and_their_shards(tmp_path, tensors):
+    """An index that lists no shard for a tower tensor a shard holds said only "missing tensor": the error names
+    the tensors (the first three and a count), the index, how many it lists, and the shard holding each."""
+    path = write_checkpoint(tmp_path, GEO, tensors=tensors)
+    index = str(tmp_path / "model.safetensors.index.json")
+    held = _unindex(tmp_path, "blocks.1.attn.qkv.weight")
+    with pytest.raises(CheckpointError) as e:
+        bind_tower(path)
+    assert str(e.value) == (
+        f"{index}: missing tensor 'model.visual.blocks.1.attn.qkv.weight' (shape [384, 128]), which the encoder needs: "
+        f"the index maps no shard for it (38 of the 39 tower tensors listed); it is in "
+        f"{held['model.visual.blocks.1.attn.qkv.weight']}: the index must list every tower tensor (add it to its "
+        "weight_map, or save the checkpoint again)")
+    held.update(_unindex(tmp_path, "blocks.0.norm1.weight", "downsample.bias", "merger.proj.weight", "post_layernorm.weight"))
+    with pytest.raises(CheckpointError) as e:
+        bind_tower(path)
+    assert str(e.value).startswith(
+        f"{index}: missing 5 of the 39 tower tensors the encoder needs: 'model.visual.blocks.0.norm1.weight' (shape "
+        "[128]), 'model.visual.blocks.1.attn.qkv.weight' (shape [384, 128]), 'model.visual.post_layernorm.weight' "
+        "(shape [128]) and 2 more: the index maps no shard for them (34 of the 39 tower tensors listed); shards beside "
+        f"it hold all 5: 'model.visual.blocks.0.norm1.weight' in {held['model.visual.blocks.0.norm1.weight']}, "), str(e.value)
+    assert str(e.value).endswith(" and 2 more: the index must list every tower tensor (add them to its weight_map, or "
+                                 "save the checkpoint again)"), str(e.value)
+    # One the index leaves out, one no shard holds either.
+    path = mutated(tmp_path / "gone", tensors, blocks__0__mlp__down_proj__bias=None)
+    held = _unindex(tmp_path / "gone", "merger.proj.weight")
+    with pytest.raises(CheckpointError) as e:
+        bind_tower(path)
+    assert str(e.value).endswith(
+        "the index maps no shard for them (37 of the 39 tower tensors listed); shards beside it hold 1 of them: "
+        f"'model.visual.merger.proj.weight' in {held['model.visual.merger.proj.weight']}: the index must list every "
+        "tower tensor (add it to its weight_map, or save the checkpoint again); no shard beside the index holds the "
+        "other one: a shard is missing, or the checkpoint was saved without it"), str(e.value)
+    assert "'model.visual.blocks.0.mlp.down_proj.bias' (shape [128])" in str(e.value)
+
+
+def test_an_index_leaving_out_a_block_or_the_patch_embedding_says_so_not_that_the_config_is_wrong(tmp_path, tensors):
+    """Too few tower tensors listed for the config's depth, or no patch embedding listed: where shards beside the
+    index hold what it leaves out, the error says that and where they are, not that the config or a shard is wrong."""
+    path = write_checkpoint(tmp_path, GEO, tensors=tensors)
+    block = [s for s in tensors if s.startswith("blocks.1.")]
+    _unindex(tmp_path, *block)
+    with pytest.raises(CheckpointError) as e:
+        bind_tower(path)
+    assert (f"; {tmp_path / 'model.safetensors.index.json'} maps no shard for 14 vision tensors that shards beside it "
+            "hold ('model.visual.blocks.1.") in str(e.value), str(e.value)
+    assert "does not describe" not in str(e.value)
+    path = write_checkpoint(tmp_path / "patch", GEO, tensors=tensors)
+    held = _unindex(tmp_path / "patch", "patch_embed.proj.weight")
+    with pytest.raises(CheckpointError) as e:
+        bind_tower(path)
+    assert str(e.value).endswith(
+        f"but no '*visual.patch_embed.proj.weight'; {tmp_path / 'patch' / 'model.safetensors.index.json'} maps no "
+        f"shard for 1 vision tensor that shards beside it hold ('model.visual.patch_embed.proj.weight' in "
+        f"{held['model.visual.patch_embed.proj.weight']}): the index must list every tower tensor (add it to its "
+        "weight_map, or save the checkpoint again)"), str(e.value)
+
+
 def test_missing_layernorm_bias(tmp_path, tensors):
     mutated(tmp_path, tensors, **{"merger__post_projection_norm__bias": None})
     with pytest.raises(CheckpointError, match="post_projection_norm.bias"):

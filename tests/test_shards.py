@@ -386,3 +386,20 @@ def test_packed_and_complex_dtypes_are_indexed_and_refused_only_when_read(tmp_pa
     header["t4"]["shape"] = [3, 3]  # 9 values of 4 bits: no whole number of bytes
     with pytest.raises(CheckpointError, match=r"tensor 't4': dtype F4 x shape \(3, 3\) is not a whole number of bytes"):
         read_header(shard(tmp_path / "odd.safetensors", header, bytes(28) + bf.tobytes()))
+
+
+def test_unindexed_names_the_shard_holding_what_the_index_leaves_out(tmp_path):
+    """unindexed finds the tensors a shard beside the index holds that the index maps to none, passing over a shard
+    it cannot read (a FIFO is not waited on); a store opened without an index has none."""
+    import os
+
+    shard(tmp_path / "s1.safetensors", ok_header(), bytes(20))
+    shard(tmp_path / "s2.safetensors", {"c": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, b"x")
+    os.mkfifo(tmp_path / "s3.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors"}}))
+    store = WeightStore.open(tmp_path)
+    assert store.index == str(tmp_path / "model.safetensors.index.json")
+    assert store.unindexed(lambda n: True) == {"b": str(tmp_path / "s1.safetensors"), "c": str(tmp_path / "s2.safetensors")}
+    assert store.unindexed(lambda n: n == "c") == {"c": str(tmp_path / "s2.safetensors")}
+    alone = WeightStore.open(tmp_path / "s1.safetensors")
+    assert alone.index is None and alone.unindexed(lambda n: True) == {}

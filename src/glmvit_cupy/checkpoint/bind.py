@@ -108,6 +108,52 @@ def _check_shape(store: WeightStore, name: str, want: tuple, module: tuple | Non
         f"{list(want)}{as_module}; the checkpoint's tower geometry does not match its config")
 
 
+def _held_in(found: dict, first: int = 3) -> str:
+    """'a' in s1.safetensors, 'b' in s2.safetensors and N more: where the first few of {name: shard} are."""
+    listed = ", ".join(f"{quoted(n, 200)} in {os.path.basename(f)}" for n, f in list(found.items())[:first])
+    return listed + (f" and {len(found) - first:,} more" if len(found) > first else "")
+
+
+def _unlisted_note(store: WeightStore, unlisted: dict) -> str:
+    """What to say of vision tensors that shards beside the index hold but the index maps to none ('' for none)."""
+    if not unlisted:
+        return ""
+    n = len(unlisted)
+    return (f"{store.index} maps no shard for {n:,} vision tensor{'s' if n > 1 else ''} that shards beside it hold "
+            f"({_held_in(unlisted)}): the index must list every tower tensor (add {'them' if n > 1 else 'it'} to its "
+            "weight_map, or save the checkpoint again)")
+
+
+def _missing_error(store: WeightStore, prefix: str, layout: dict, missing: list, alone: str) -> CheckpointError:
+    """The error for tower tensors the store lacks: the first few by name and shape, and a count. Where an index
+    chose the shards, it says so, and names the shard holding each one that a shard beside the index holds."""
+    named = ", ".join(f"{quoted(n, 200)} (shape {list(layout[n[len(prefix):]])})" for n in missing[:3])
+    if len(missing) == 1:
+        what = f"tensor {named}, which the encoder needs"
+    else:
+        what = (f"{len(missing):,} of the {len(layout):,} tower tensors the encoder needs: {named}"
+                + (f" and {len(missing) - 3:,} more" if len(missing) > 3 else ""))
+    if store.index is None:
+        return CheckpointError(f"{store.display}: missing {what}{alone}")
+    found = store.unindexed(set(missing).__contains__)
+    held = {n: found[n] for n in missing if n in found}  # in the layout's order
+    absent = len(missing) - len(held)
+    says = (f"{store.index}: missing {what}: the index maps no shard for {'it' if len(missing) == 1 else 'them'} "
+            f"({len(layout) - len(missing):,} of the {len(layout):,} tower tensors listed)")
+    if held:
+        where = (f"it is in {os.path.basename(next(iter(held.values())))}" if len(missing) == 1 else
+                 f"shards beside it hold {'all ' if not absent else ''}{len(held):,}{' of them' if absent else ''}: "
+                 f"{_held_in(held)}")
+        says += (f"; {where}: the index must list every tower tensor (add {'them' if len(held) > 1 else 'it'} to "
+                 "its weight_map, or save the checkpoint again)")
+    if absent:
+        rest = ("it" if len(missing) == 1 else "any of them" if not held else
+                f"the other {absent:,}" if absent > 1 else "the other one")
+        says += (f"; no shard beside the index holds {rest}: a shard is missing, or the checkpoint was saved "
+                 f"without {'it' if absent == 1 else 'them'}")
+    return CheckpointError(says)
+
+
 def _index_listing(shard: str) -> str | None:
     """The index beside `shard` if it lists that shard, else None. A damaged index is a CheckpointError: the
     shard alone could hold part of a tower, or none of it, and be loaded as if that were all."""
@@ -163,8 +209,9 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
         some = ", ".join(quoted(n, 120) for n in sorted(store.names())[:3])
         raise CheckpointError(
             f"{path}: the tower is incomplete: {'this shard holds' if alone else 'the shards hold'} {len(store):,} "
-            f"vision tensors (e.g. {some}) but no '*visual.patch_embed.proj.weight'; a shard holding the rest of "
-            f"the tower is missing{alone or ', or the index does not list its tensors'}")
+            f"vision tensors (e.g. {some}) but no '*visual.patch_embed.proj.weight'; "
+            + (_unlisted_note(store, store.unindexed(is_vision_name)) or "a shard holding the rest of the tower is "
+               f"missing{alone or ', or the index does not list its tensors'}"))
     if not prefixes:
         raise AbsentTower(
             f"{path}: config.json declares a vision tower, but no '*visual.patch_embed.proj.weight' is in the "
@@ -188,13 +235,14 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
         raise CheckpointError(
             f"{path}: vision_config declares depth = {geo.depth} blocks of 14 tensors, but "
             f"{'this shard holds' if alone else 'the shards hold'} {len(store):,} vision tensors in all{blocks}"
-            + (alone or "; the config does not describe this checkpoint"))
+            + (alone or "; " + (_unlisted_note(store, store.unindexed(is_vision_name))
+                                or "the config does not describe this checkpoint")))
     layout, modules = tower_layout(geo), module_shapes(geo)
+    missing = [prefix + s for s in layout if prefix + s not in store]
+    if missing:
+        raise _missing_error(store, prefix, layout, missing, alone)
     for suffix, want in layout.items():
         name = prefix + suffix
-        if name not in store:
-            raise CheckpointError(f"{store.display}: missing tensor {quoted(name, 200)}, which the encoder needs "
-                                  f"(shape {list(want)}){alone}")
         store.require_bf16(name)
         _check_shape(store, name, want, modules.get(suffix))
     unused = [n for n in store.names() if n.startswith(prefix) and n[len(prefix):] not in layout]

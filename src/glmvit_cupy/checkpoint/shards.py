@@ -263,8 +263,9 @@ def _from_index(index_path):
 class WeightStore:
     """Read-only, memory-mapped view of a checkpoint's tensors."""
 
-    def __init__(self, infos: dict, display: str):
+    def __init__(self, infos: dict, display: str, index: str | None = None, listed: frozenset = frozenset()):
         self._infos, self.display = infos, display
+        self.index, self._listed = index, listed  # the index that chose the shards (or None), and every name it maps
         self._maps: dict[str, mmap.mmap] = {}
 
     @classmethod
@@ -304,7 +305,31 @@ class WeightStore:
                     if name in infos:
                         raise CheckpointError(f"tensor {quoted(name, 120)} appears in both {infos[name].file} and {shard}")
                     infos[name] = info
-        return cls(infos, display)
+        if weight_map is None:
+            return cls(infos, display)
+        return cls(infos, display, display, frozenset(weight_map))
+
+    def unindexed(self, wanted: Callable[[str], bool]) -> dict[str, str]:
+        """{name: shard file} of the tensors `wanted` accepts that a shard in the index's folder holds but the index
+        maps to none ({} for a store opened without an index). Reads the header of every *.safetensors there; one
+        that cannot be read is passed over: this explains an error, it decides nothing."""
+        if self.index is None:
+            return {}
+        folder = os.path.dirname(self.index) or "."
+        try:
+            files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+        except OSError:
+            return {}
+        found: dict[str, str] = {}
+        for f in files:
+            try:
+                header = read_header(os.path.join(folder, f))
+            except CheckpointError:
+                continue
+            for name in header:
+                if name not in self._listed and name not in found and wanted(name):
+                    found[name] = os.path.join(folder, f)
+        return found
 
     # -- lookup -------------------------------------------------------------------
     def names(self) -> list[str]:
