@@ -170,14 +170,49 @@ def test_shard_replaced_after_open_is_refused_not_read_against_the_old_header(tm
     st = WeightStore.open(p)
     other = shard(tmp_path / "new.safetensors", ok_header(), bytes(20))
     os.replace(other, p)
-    with pytest.raises(CheckpointError, match=r"r.safetensors: the shard changed \(another file under its name, "
-                                              r"or its modification time moved\) since its header was read"):
+    with pytest.raises(CheckpointError, match=r"r.safetensors: the shard changed since its header was read \(another "
+                                              r"file is under its name now\); load the checkpoint again"):
         st.get("a")
     st = WeightStore.open(p)
     os.unlink(p)
     os.mkfifo(p)
     with pytest.raises(CheckpointError, match=r"r.safetensors: cannot memory-map shard .*is a FIFO"):
         st.get("a")
+
+
+def test_a_shard_only_touched_since_its_header_was_read_is_mapped(tmp_path):
+    """Only the modification time moved (touch, a copy tool restoring files): the header is read again and, the
+    same bytes, the shard is mapped. A header rewritten in place (the same inode and size) or a shard grown is
+    refused, saying what changed."""
+    import os
+
+    data = np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16).tobytes() + np.float32([7, 8]).tobytes()
+    p = shard(tmp_path / "t.safetensors", ok_header(), data)
+
+    def touch():
+        st = os.stat(p)
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 5 * 10**9))
+
+    store = WeightStore.open(p)
+    touch()
+    assert store.get("b").tolist() == [7.0, 8.0]
+    store = WeightStore.open(p)
+    raw = open(p, "rb").read()
+    other = raw.replace(b'"a"', b'"c"')  # the same length, another header
+    assert len(other) == len(raw) and other != raw
+    with open(p, "r+b") as f:  # in place: the same inode
+        f.write(other)
+    touch()
+    with pytest.raises(CheckpointError, match=r"t.safetensors: the shard changed since its header was read \(its "
+                                              r"modification time moved and its header is not the one read\); load "
+                                              r"the checkpoint again once nothing is writing to it"):
+        store.get("b")
+    store = WeightStore.open(p)
+    with open(p, "ab") as f:
+        f.write(bytes(4))
+    with pytest.raises(CheckpointError, match=rf"the shard changed since its header was read \(its size went from "
+                                              rf"{len(raw)} to {len(raw) + 4} bytes\)"):
+        store.get("b")
 
 
 def test_index_naming_missing_or_wrong_shard(tmp_path):

@@ -9,6 +9,7 @@ reads only the tensors a caller asks for.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import mmap
 import os
@@ -64,6 +65,7 @@ class TensorInfo:
     offset: int  # absolute byte offset in the file
     nbytes: int
     identity: tuple = ()  # the shard's (device, inode, size, mtime) when its header was read: mapped only as that
+    header_sha256: bytes = b""  # the digest of the header's JSON bytes: a shard only touched since is mapped if equal
 
 
 MAX_DIMS = 64  # NumPy's (and CuPy's) most dimensions an array has
@@ -153,6 +155,7 @@ def read_header(path: str) -> dict:
         raise CheckpointError(f"{path}: header must be a JSON object, got {type(header).__name__}")
     data_start = 8 + len(raw)
     data_len = size - data_start
+    digest = hashlib.sha256(raw).digest()
     infos = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -200,7 +203,7 @@ def read_header(path: str) -> dict:
         if end - begin != want:
             raise CheckpointError(
                 f"{where}: {end - begin} bytes on disk, but dtype {dtype} x shape {quoted(tuple(shape), 80)} needs {want}")
-        infos[name] = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, end - begin, ident)
+        infos[name] = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, end - begin, ident, digest)
     # The format indexes the data section whole, without holes or overlaps (so no bytes hide in it):
     # sorted by offset, each tensor starts where the one before ends, and the last ends at the file's end.
     end, prev = data_start, None
@@ -258,6 +261,26 @@ def _from_index(index_path):
             raise CheckpointError(f"{index_path}: tensor {quoted(name, 120)} maps to {quoted(shard, 120)}, which is not a file name "
                                   "inside the checkpoint directory")
     return None, {k: os.path.join(folder, v) for k, v in wm.items()}, index_path
+
+
+def _changed(file: str, info: TensorInfo, now: tuple) -> str | None:
+    """What changed in a shard whose identity is `now`, not the one its header was read with (info's), or None
+    where only the modification time moved and its header is byte for byte the one read: a touch, or a copy tool
+    restoring times: every name, dtype, shape and offset checked then still holds."""
+    then = info.identity
+    if now[:2] != then[:2]:
+        return "another file is under its name now"
+    if now[2] != then[2]:
+        return f"its size went from {then[2]} to {now[2]} bytes"
+    try:
+        raw, again = _raw_header(file)
+    except CheckpointError as e:
+        return f"its modification time moved and its header cannot be read again: {e}"
+    if again != now:  # written to again as it was read
+        return "its modification time moved, and it changed again as its header was read"
+    if hashlib.sha256(raw).digest() != info.header_sha256:
+        return "its modification time moved and its header is not the one read"
+    return None
 
 
 class WeightStore:
@@ -410,11 +433,11 @@ class WeightStore:
                 mm.close()
                 raise CheckpointError(f"{file}: shard shrank to {size} bytes since its header was read "
                                       f"(tensors need {end}); refusing to map it")
-            if mine and mine[0].identity and now != mine[0].identity:
+            changed = _changed(file, mine[0], now) if mine and mine[0].identity and now != mine[0].identity else None
+            if changed:
                 mm.close()
-                raise CheckpointError(f"{file}: the shard changed (another file under its name, or its "
-                                      "modification time moved) since its header was read; load the checkpoint "
-                                      "again once nothing is writing to it")
+                raise CheckpointError(f"{file}: the shard changed since its header was read ({changed}); load the "
+                                      "checkpoint again once nothing is writing to it")
             self._maps[file] = mm
         return mm
 
