@@ -410,7 +410,7 @@ def test_the_cpu_progress_bar_counts_each_image_with_an_eta(six, tmp_path, monke
 
 def test_the_exit_statuses_are_in_help_and_followed(folder, tmp_path, capsys):
     epilog = cli.parser().format_help()
-    for status in ("0 ", "1 ", "2 ", "3 ", "130 ", "143 "):
+    for status in ("0 ", "1 ", "2 ", "3 ", "130 ", "141 ", "143 "):
         assert f"\n  {status}" in epilog.split("exit status:")[1]
     out = tmp_path / "out"
     assert run(tmp_path / "nope.png", "--checkpoint", TOWER, "--out", out, "--cpu") == 2  # names nothing
@@ -446,6 +446,64 @@ def test_ctrl_c_before_encoding_is_130_and_one_line(folder, tmp_path, monkeypatc
     except KeyboardInterrupt:
         pytest.fail("Ctrl-C before encoding escaped glmvit-encode as a KeyboardInterrupt (a traceback)")
     assert capsys.readouterr().err.strip() == "glmvit-encode: interrupted before anything was encoded"
+
+
+def encode_in_a_process(folder, out, buffered=False, **streams):
+    """glmvit-encode on `folder` into `out` in a fresh interpreter, its stdout and stderr as `streams` says
+    (subprocess.run's keywords; PIPE by default), writing through to them unless `buffered`."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
+               PYTHONIOENCODING="utf-8:strict")
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.run([sys.executable, "-m", "glmvit_cupy.cli.main", str(folder), "--checkpoint", TOWER, "--out",
+                           str(out), "--cpu"], **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **streams},
+                          text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("buffered", [False, True], ids=["unbuffered", "buffered"])
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_a_reader_gone_from_stdout_or_stderr_stops_the_run_as_ctrl_c_does(folder, tmp_path, stream, buffered):
+    """`glmvit-encode ... | head -1`: a line written to a pipe whose reader went away ended the run in a traceback,
+    or as a failed write to the output folder (status 3, "fix it (free space, permissions)"), or, buffered, in
+    Python's "Exception ignored" at exit (status 120). It stops as Ctrl-C stops it: status 141 (128 + SIGPIPE),
+    one line where the other stream can say it, what finished saved and left as it is, and the same command
+    resumes."""
+    (folder / "broken.png").write_bytes(b"not an image")  # its line, on stdout, meets the pipe mid-run
+    out = tmp_path / "out"
+    reader, gone = os.pipe()
+    os.close(reader)
+    try:
+        r = encode_in_a_process(folder, out, buffered, **{stream: gone})
+    finally:
+        os.close(gone)
+    said = r.stderr if stream == "stdout" else r.stdout
+    assert r.returncode == 141 and "Traceback" not in said and "Exception ignored" not in said, said
+    if stream == "stdout":
+        assert any(line.startswith("glmvit-encode: stopped: the reader of its output went away (a broken pipe); ")
+                   for line in said.splitlines()), said
+    before = read_embeddings(out)[1]  # what the stopped run saved
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.FAILED  # broken.png, as ever
+    manifest, after = read_embeddings(out)
+    assert sorted(after) == sorted(image_key(folder / n) for n in ("a.png", "b.png"))
+    for key, emb in before.items():
+        assert np.array_equal(after[key].view(np.uint16), emb.view(np.uint16))
+    assert list(manifest["failed"]) == [image_key(folder / "broken.png")]
+
+
+@pytest.mark.parametrize("fd", [1, 2], ids=["stdout", "stderr"])
+def test_a_stdout_or_stderr_closed_from_the_start_is_no_error(folder, tmp_path, fd):
+    """`glmvit-encode ... 2>&-`: Python gives None for a stream closed from the start, and the progress bar's
+    first write to it ended the run, before any image, in an AttributeError (status 1). The run goes on, saying
+    nothing there, and ends as it would: status 1 for the file that fails, the other two saved."""
+    (folder / "broken.png").write_bytes(b"not an image")
+    out = tmp_path / "out"
+    r = encode_in_a_process(folder, out, preexec_fn=lambda: os.close(fd))
+    said = r.stderr if fd == 1 else r.stdout
+    assert r.returncode == cli.FAILED and "Traceback" not in said, said
+    manifest, embs = read_embeddings(out)
+    assert sorted(embs) == sorted(image_key(folder / n) for n in ("a.png", "b.png"))
+    assert list(manifest["failed"]) == [image_key(folder / "broken.png")]
 
 
 # -- 7. the image token limits -----------------------------------------------------------------------------

@@ -1,6 +1,14 @@
-"""What glmvit-encode's images and videos share: the exit statuses, counted nouns, and the --vllm-ec-dir writes."""
+"""What glmvit-encode's images and videos share: the exit statuses, stdout and stderr, counted nouns, and the
+--vllm-ec-dir writes."""
 
 from __future__ import annotations
+
+import _thread
+import contextlib
+import os
+import signal
+import sys
+import threading
 
 from ..errors import OutputError
 from ..output import shown
@@ -12,6 +20,7 @@ FAILED = 1       # some input files failed (each named; the manifest's "failed")
 USAGE = 2        # nothing was run: the arguments, the inputs, the checkpoint, the GPU or --out refused it
 WRITE = 3        # a write to the output folder or --vllm-ec-dir failed mid-run; it stopped, what was written stays
 INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it); what finished is saved
+OUTPUT_GONE = 141  # stdout's or stderr's reader went away (a broken pipe: `| head`; 128 + SIGPIPE), as Ctrl-C
 TERMINATED = 143   # SIGTERM (128 + 15), handled as Ctrl-C is
 
 
@@ -23,6 +32,125 @@ def stopped_by_sigterm(signum, frame):
     raise Terminated()
 
 
+class Disconnected(KeyboardInterrupt):
+    """The reader of stdout or stderr went away (a broken pipe), raised in the main thread (Streams) so that it
+    stops a run as Ctrl-C does."""
+
+
+class Streams:
+    """sys.stdout and sys.stderr while the command runs (a context manager), so that neither ends it in a
+    traceback. One closed from the start (`>&-`) is os.devnull, its descriptor too (no file the run opens takes
+    that number, where a library's own messages would land in it): the run goes on, saying nothing there. One
+    whose reader goes away (a broken pipe: `| head -1` has its line) is os.devnull from then on, so that nothing
+    said after it fails, nor Python's flush at exit, and the run stops as Ctrl-C stops it: Disconnected, raised
+    in the main thread by SIGPIPE's handler (installed while the command runs there) whichever thread was
+    writing (the writer thread's batch is saved all the same); in another thread, by flush() at the end."""
+
+    def __init__(self):
+        self.gone = False  # a reader went away
+        self._stopped = False  # Disconnected raised: once
+        self._armed, self._previous = False, None
+
+    def __enter__(self):
+        self._saved = sys.stdout, sys.stderr
+        self._guarded = [_Guarded(sys.stdout, 1, self), _Guarded(sys.stderr, 2, self)]
+        sys.stdout, sys.stderr = self._guarded
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGPIPE, self._on_sigpipe)
+            self._armed = True
+        return self
+
+    def __exit__(self, *exc):
+        if self._armed:  # first: a reader gone from here on stops nothing
+            self._armed = False
+            signal.signal(signal.SIGPIPE, self._previous)
+        for stream in self._guarded:
+            stream.flush()
+            stream.close_devnull()
+        sys.stdout, sys.stderr = self._saved
+
+    def went_away(self):
+        """A stream's reader went away: the run stops (in the main thread, through SIGPIPE's handler)."""
+        if not self.gone:
+            self.gone = True
+            if self._armed:
+                _thread.interrupt_main(signal.SIGPIPE)
+
+    def _on_sigpipe(self, signum, frame):
+        if self.gone:  # else a pipe not ours (a download's socket): its write fails, as when SIGPIPE is ignored
+            self.stop()
+
+    def stop(self):
+        if not self._stopped:
+            self._stopped = True
+            raise Disconnected()
+
+    def flush(self):
+        """Flush both streams (what a pipe's buffer holds: its reader gone shows here at the latest); Disconnected
+        if a reader went away and the run has not stopped for it yet."""
+        for stream in self._guarded:
+            stream.flush()
+        if self.gone:
+            self.stop()
+
+
+class _Guarded:
+    """One of Streams' streams: what is written goes to `stream` until a write finds its reader gone, then to
+    os.devnull (and so does `stream`'s own descriptor, where Python flushes what it still buffers at exit)."""
+
+    _stream = None
+
+    def __init__(self, stream, fd: int, streams: Streams):
+        self._streams, self._null = streams, None
+        if stream is None:  # Python's stand-in for a descriptor closed from the start (or a caller's choice)
+            if _closed(fd):
+                _to_devnull(fd)
+            stream = self._null = open(os.devnull, "w")
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def __getattr__(self, name):  # encoding, fileno, isatty: the stream's
+        return getattr(self._stream, name)
+
+    def _gone(self):
+        with contextlib.suppress(OSError, ValueError):  # a stream of no descriptor (a test's capture)
+            _to_devnull(self._stream.fileno())
+        self._stream = self._null = self._null or open(os.devnull, "w")
+        self._streams.went_away()
+
+    def close_devnull(self):
+        if self._null is not None:
+            self._null.close()
+
+
+def _closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
+def _to_devnull(fd: int) -> None:
+    """Descriptor `fd` opened on os.devnull (closed, or not, before)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    if null != fd:
+        os.dup2(null, fd)
+        os.close(null)
+
+
 def skipped(path, why) -> str:
     """The line that reports an input skipped, naming it once (the error may begin with its name too)."""
     return shown(f"skipped {path}: {str(why).removeprefix(f'{path}: ')}")
@@ -30,6 +158,8 @@ def skipped(path, why) -> str:
 
 def interruption(e: KeyboardInterrupt) -> tuple[str, int]:
     """What stopped the run, in a word, and the exit status for it."""
+    if isinstance(e, Disconnected):
+        return "stopped: the reader of its output went away (a broken pipe)", OUTPUT_GONE
     return ("terminated (SIGTERM)", TERMINATED) if isinstance(e, Terminated) else ("interrupted", INTERRUPTED)
 
 EXIT_STATUS = """exit status:
@@ -46,6 +176,8 @@ EXIT_STATUS = """exit status:
        --vllm-ec-dir file is named); the run stopped, what it wrote stays; fix it and re-run the same
        command to resume
   130  interrupted (Ctrl-C); what finished is saved; re-run the same command to resume
+  141  the reader of stdout or stderr went away (a broken pipe: `| head`): as 130 (a stream closed from the
+       start, `>&-`, is no error: the run goes on, saying nothing there)
   143  terminated (SIGTERM): as 130
 """
 

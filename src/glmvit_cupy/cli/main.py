@@ -41,8 +41,8 @@ from ..scheduling import feed
 from ..backend import Backend
 from ..scheduling.batching import pack, preparer
 from .. import vllm_ec
-from .common import (DONE, EXIT_STATUS, FAILED, USAGE, WRITE, counted, interruption, skipped,
-                     stopped_by_sigterm, write_vllm)
+from .common import (DONE, EXIT_STATUS, FAILED, USAGE, WRITE, Disconnected, Streams, counted, interruption,
+                     skipped, stopped_by_sigterm, write_vllm)
 from .inputs import (IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, NoSuchInput, expand_inputs, is_video, looks_like_an_image,
                      prepared)
 from .videos import encode_videos, file_sha256, video_settings
@@ -187,28 +187,35 @@ def _warning_above_the_bar(message, category, filename, lineno, file=None, line=
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
-    # SIGTERM (a scheduler stopping the job) stops the run as Ctrl-C does: what finished is saved, and said.
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, stopped_by_sigterm) if main_thread else None
-    pkg, handler = logging.getLogger("glmvit_cupy"), None
-    if not logging.getLogger().handlers and not pkg.handlers:  # logging left unset: Python's last resort
-        handler = _LogAboveTheBar(logging.WARNING)
-        pkg.addHandler(handler)
-    try:
-        with warnings.catch_warnings():  # the filters and showwarning are put back after the run
-            warnings.filterwarnings("always", module=r"PIL\.")  # each damaged image named, not only the first
-            warnings.showwarning = _warning_above_the_bar
-            return run(args)
-    except KeyboardInterrupt as e:  # before the encoding began (walking the inputs, loading the checkpoint)
-        word, status = interruption(e)
-        print(f"\nglmvit-encode: {word} before anything was encoded", file=sys.stderr)
-        return status
-    finally:
-        if handler is not None:
-            pkg.removeHandler(handler)
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+    with Streams() as streams:  # stdout or stderr closed, or its reader gone (a broken pipe): no traceback
+        # SIGTERM (a scheduler stopping the job) stops the run as Ctrl-C does: what finished is saved, and said.
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, stopped_by_sigterm) if main_thread else None
+        pkg, handler = logging.getLogger("glmvit_cupy"), None
+        if not logging.getLogger().handlers and not pkg.handlers:  # logging left unset: Python's last resort
+            handler = _LogAboveTheBar(logging.WARNING)
+            pkg.addHandler(handler)
+        try:
+            args = parse(argv)
+            with warnings.catch_warnings():  # the filters and showwarning are put back after the run
+                warnings.filterwarnings("always", module=r"PIL\.")  # each damaged image named, not only the first
+                warnings.showwarning = _warning_above_the_bar
+                status = run(args)
+            streams.flush()  # what a pipe's buffer still holds: a reader gone shows here at the latest
+            return status
+        except KeyboardInterrupt as e:  # before the encoding began (walking the inputs, loading the checkpoint)
+            word, status = interruption(e)
+            if isinstance(e, Disconnected):  # or as the run ended, its last lines unread
+                print(f"\nglmvit-encode: {word}; what finished is saved; re-run the same command to resume",
+                      file=sys.stderr)
+            else:
+                print(f"\nglmvit-encode: {word} before anything was encoded", file=sys.stderr)
+            return status
+        finally:
+            if handler is not None:
+                pkg.removeHandler(handler)
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
 
 
 def run(args) -> int:
