@@ -686,6 +686,24 @@ def test_a_file_changed_into_one_that_fails_has_no_embedding_left(folder, tmp_pa
     capsys.readouterr()
 
 
+def test_a_failed_file_removed_since_never_gets_its_old_embedding_back(folder, tmp_path, capsys):
+    """A file encoded, then changed into one that fails, then removed (or its mount gone): the resume after that
+    took its old embedding from the shard the manifest no longer listed, as the work of a run that stopped
+    before its manifest (nothing to compare a stamp with), and erased the failure: the folder gave the old
+    picture's embedding for a file that failed."""
+    out = tmp_path / "out"
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.DONE  # one shard each (--cpu)
+    (folder / "a.png").write_bytes(b"not an image any more")
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.FAILED
+    os.remove(folder / "a.png")
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.DONE  # b.png, done already
+    manifest, embs = read_embeddings(out)
+    key = image_key(folder / "a.png")
+    assert key not in embs and key not in manifest["images"] and key in manifest["failed"], manifest
+    assert list(embs) == [image_key(folder / "b.png")]
+    capsys.readouterr()
+
+
 def test_a_replaced_vllm_file_is_said_on_a_line_of_its_own(folder, tmp_path):
     """A vLLM file of another tower under an image's key is replaced, and glmvit-encode says so on a line of
     its own, not inside the progress bar."""

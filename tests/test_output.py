@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from glmvit_cupy.errors import OutputError
-from glmvit_cupy.output import LOCK, MANIFEST, Output, read_embeddings
+from glmvit_cupy.output import LOCK, LOST, MANIFEST, Output, read_embeddings
 from tests.conftest import module_rng, said_within
 
 SETTINGS = {"checkpoint": "/models/x", "min_image_tokens": 16, "max_image_tokens": 1024}
@@ -424,6 +424,27 @@ def test_earlier_failures_stay_in_the_manifest_until_encoded(tmp_path):
     again.add_batch(batch(["/img/later"]))
     again.flush()
     assert json.loads((tmp_path / "o" / MANIFEST).read_text())["failed"] == {"/img/bad": "cannot decode"}
+
+
+def test_an_older_shard_never_brings_back_an_entry_dropped_or_failed(tmp_path):
+    """/img/a encoded, encoded again (changed) into a later shard, and that shard lost: the resume drops its entry.
+    /img/c encoded, then failed (changed into a bad file). Either key's older shard, no longer listed, still
+    holds the embedding from before the file changed; with the file gone (no stamp to compare), the resume took
+    it back as current, and erased /img/c's failure; the reader took /img/a's as well, once the manifest dropped
+    it. The dropped entry is failed now, saying why."""
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=0)
+    for keys in (["/img/a"], ["/img/a"], ["/img/c"], ["/img/b"]):  # shards 1 to 4
+        out.add_batch(batch(keys))
+    out.fail("/img/c", "cannot decode")
+    out.flush()
+    out._lock.close()
+    os.remove(os.path.join(folder, "embeddings-00002.safetensors"))
+    again = Output(folder, SETTINGS)
+    again.flush()
+    assert again.done("/img/b") and not again.done("/img/a") and not again.done("/img/c")
+    manifest, embs = read_embeddings(folder)
+    assert list(embs) == ["/img/b"] and manifest["failed"] == {"/img/a": LOST, "/img/c": "cannot decode"}
 
 
 def test_two_processes_never_write_one_folder(tmp_path):

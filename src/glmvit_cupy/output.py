@@ -155,6 +155,9 @@ def _newer(entries: dict, found: dict) -> list:
     return put
 
 
+# Why a key whose manifest entry a resume drops is failed: its embedding is not in this folder any more.
+LOST = ("the shard its entry names no longer holds its embedding as the entry describes it (lost or damaged); a run "
+        "given the file encodes it again")
 STAGING = ".glmvit-encode.tmp"  # the folder in --out where a shard is written before it takes its name
 
 
@@ -320,6 +323,11 @@ class Output:
         if isinstance(failed, dict):
             self.manifest["failed"] = {k: v for k, v in failed.items()
                                        if isinstance(k, str) and isinstance(v, str) and k not in own}
+        # An entry dropped is failed, so that neither _recover nor read_embeddings takes its key from an older shard
+        # the manifest no longer lists, which may still hold the file's embedding from before it changed.
+        for key in images:
+            if key not in own:
+                self.manifest["failed"].setdefault(key, LOST)
         # What was dropped (an entry whose shard no longer holds it whole, a malformed one) leaves the manifest
         # at this run's flush, even a run with nothing to encode: read_embeddings then reads the folder again.
         self._dirty = (len(self.manifest["images"]) != len(images) or not isinstance(failed, dict)
@@ -329,10 +337,14 @@ class Output:
         """Images of shards the manifest does not list yet (the run before stopped before writing it)."""
         listed = {v.get("shard") for v in self.manifest["images"].values()}
         found = shard_entries(self.folder, skip=listed)
+        failed = self.manifest["failed"]
         changed = False
         for name, (header, images) in found.items():
             self._check(header, settings, name)
-            current = {k: e for k, e in images.items() if _still(k, e)}  # not a file's embedding from before it changed
+            # Not a file's embedding from before it changed. A key the manifest records as failed is taken only where
+            # the entry's stamp is the file's now, as read_embeddings takes it: a file that failed and is gone since
+            # (deleted, its mount away) has no stamp, and its older shard would bring back its old embedding.
+            current = {k: e for k, e in images.items() if _still(k, e, unknown=k not in failed)}
             for key in _newer(self.manifest["images"], current):
                 self.manifest["failed"].pop(key, None)
                 changed = True
