@@ -879,6 +879,32 @@ def test_a_glob_over_output_folders_takes_no_shard_manifest_or_lock(folder, tmp_
     assert manifest["failed"] == {} and len(manifest["images"]) == 2
 
 
+def test_a_double_star_glob_takes_the_files_a_folder_walk_takes(folder, tmp_path, capsys):
+    """`'S/**'` took every file below S: notes, a HEIC photo, the encoder_cache.safetensors files of a --vllm-ec-dir
+    in S; each failed to decode, went into `failed`, and every run exited 1 for them. A `**` takes what a walk of S
+    takes (image and video names), and the images it passes over are said, as a walk says them."""
+    from glmvit_cupy.cli.inputs import expand_inputs
+
+    (folder / "notes.txt").write_text("not an image")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "phone.heic").write_bytes(b"not read: HEIC is no format Pillow reads")
+    Image.fromarray(cases._smooth(40, 56, 7)).save(folder / "sub" / "c.png")
+    ec, out = folder / "ec", folder / "out"
+    pattern = str(folder / "**")
+    for _ in range(2):  # the second run's glob reaches out/ and ec/ as written by the first
+        assert run(pattern, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == cli.DONE
+        err = capsys.readouterr().err
+        assert "passed over 1 image file" in err and "phone.heic" in err, err
+    assert len(list(ec.glob("*/encoder_cache.safetensors"))) == 3
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["failed"] == {} and len(manifest["images"]) == 3
+    assert expand_inputs([pattern]) == expand_inputs([str(folder)])  # the walk's files, in the walk's order
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x")  # a ** that matches files, none of them images
+    assert run(tmp_path / "notes" / "**", "--checkpoint", TOWER, "--out", tmp_path / "o2", "--cpu") == cli.USAGE
+    assert "no images or videos found in" in capsys.readouterr().err
+
+
 def test_a_quoted_glob_that_matches_folders_walks_them_as_the_shell_would(tmp_path):
     """'photos-*' matching two folders was 'no such file, folder or matching glob', while the shell's own
     expansion of it walked them."""

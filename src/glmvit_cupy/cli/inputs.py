@@ -55,13 +55,19 @@ def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS, passed_
         elif os.path.lexists(item):  # a file, or a FIFO, device or broken link: reading it says which
             out.append(item)
         elif glob.has_magic(item):
-            # Not the shards, manifests and locks of output folders it reaches (`out/**`): they are never images.
             matches = sorted(expand_glob(item))
-            files = [p for p in matches if os.path.isfile(p) and not is_output_file(os.path.basename(p))]
+            if "**" in item:  # it walks: it takes the files a folder walk takes, by their names' extensions (never an
+                # output folder's shards, manifest and lock, nor a --vllm-ec-dir's files), and passes over the rest
+                found = [p for p in matches if not os.path.isdir(p)]
+                files = [p for p in found if p.lower().endswith(extensions)]
+                if passed_over is not None:
+                    passed_over += [p for p in found if not p.lower().endswith(extensions)]
+            else:  # not the shards, manifests and locks of output folders it reaches (`out/*`): they are never images
+                found = files = [p for p in matches if os.path.isfile(p) and not is_output_file(os.path.basename(p))]
             # Folders it matches are walked, as the shell's expansion would give them; a `**` reaches their files
             # itself.
             folders = [] if "**" in item else [p for p in matches if os.path.isdir(p)]
-            if not files and not folders:  # a mistyped glob among other inputs is as wrong as a mistyped path
+            if not found and not folders:  # a mistyped glob among other inputs is as wrong as a mistyped path
                 missing.append(item)
             out += files
             for folder in folders:
