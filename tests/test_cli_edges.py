@@ -448,6 +448,32 @@ def test_ctrl_c_before_encoding_is_130_and_one_line(folder, tmp_path, monkeypatc
     assert capsys.readouterr().err.strip() == "glmvit-encode: interrupted before anything was encoded"
 
 
+def test_ctrl_c_while_the_command_imports_is_130_and_one_line(folder, tmp_path):
+    """Ctrl-C while glmvit-encode imports (NumPy, Pillow, the checkpoint loader: a second or more from a cold
+    disk) ended in a KeyboardInterrupt traceback from the console script's import line, before main() had a
+    handler. The console script setup.cfg declares runs as pip writes it, its first import of NumPy interrupted."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(SRC, "..", "setup.cfg"))
+    scripts = dict(line.split(" = ") for line in cfg["options.entry_points"]["console_scripts"].split("\n") if line)
+    module, function = scripts["glmvit-encode"].split(":")
+    code = ("import sys\n"
+            "class CtrlC:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'numpy':\n"
+            "            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, CtrlC())\n"
+            f"from {module} import {function}\n"
+            f"sys.exit({function}())\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-c", code, str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 130, r.stderr[-3000:]
+    assert r.stderr.strip() == "glmvit-encode: interrupted before anything was encoded" and not out.exists()
+
+
 def encode_in_a_process(folder, out, buffered=False, **streams):
     """glmvit-encode on `folder` into `out` in a fresh interpreter, its stdout and stderr as `streams` says
     (subprocess.run's keywords; PIPE by default), writing through to them unless `buffered`."""
