@@ -931,6 +931,20 @@ def test_a_double_star_glob_takes_the_files_a_folder_walk_takes(folder, tmp_path
     assert "no images or videos found in" in capsys.readouterr().err
 
 
+def test_a_double_star_glob_naming_an_extension_takes_the_files_it_names(tmp_path, capsys):
+    """`'S/**/*.ppm'` names its files by their extension: a walk passes .ppm over, but this glob asks for them, and
+    a ** taking only a walk's files encoded none of them ("no images or videos found", exit 2)."""
+    from glmvit_cupy.cli.inputs import expand_inputs
+
+    (tmp_path / "S" / "sub").mkdir(parents=True)
+    Image.fromarray(cases._smooth(40, 56, 7)).save(tmp_path / "S" / "sub" / "c.ppm")
+    (tmp_path / "S" / "notes.txt").write_text("not asked for")
+    pattern = str(tmp_path / "S" / "**" / "*.ppm")
+    assert expand_inputs([pattern]) == [pattern.replace(os.path.join("**", "*.ppm"), os.path.join("sub", "c.ppm"))]
+    assert run(pattern, "--checkpoint", TOWER, "--out", tmp_path / "out", "--cpu") == cli.DONE
+    assert list(read_embeddings(tmp_path / "out")[1]) == [image_key(tmp_path / "S" / "sub" / "c.ppm")]
+
+
 def test_a_quoted_glob_that_matches_folders_walks_them_as_the_shell_would(tmp_path):
     """'photos-*' matching two folders was 'no such file, folder or matching glob', while the shell's own
     expansion of it walked them."""

@@ -56,8 +56,11 @@ def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS, passed_
             out.append(item)
         elif glob.has_magic(item):
             matches = sorted(expand_glob(item))
-            if "**" in item:  # it walks: it takes the files a folder walk takes, by their names' extensions (never an
-                # output folder's shards, manifest and lock, nor a --vllm-ec-dir's files), and passes over the rest
+            # A last part naming an extension (`S/**/*.ppm`) names its files as a glob without ** does: taken.
+            ext = os.path.splitext(os.path.basename(item))[1]
+            if "**" in item and not (ext and not glob.has_magic(ext)):  # it walks: it takes the files a folder walk
+                # takes, by their names' extensions (never an output folder's shards, manifest and lock, nor a
+                # --vllm-ec-dir's files), and passes over the rest
                 found = [p for p in matches if not os.path.isdir(p)]
                 files = [p for p in found if p.lower().endswith(extensions)]
                 if passed_over is not None:
