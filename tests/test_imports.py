@@ -142,6 +142,15 @@ def test_every_public_name_imports_from_the_package():
     assert callable(glmvit_cupy.reference.encode_pixels) and glmvit_cupy.client.Client
 
 
+def test_the_documented_subpackages_are_attributes_of_the_package():
+    """docs/API.md names bind_tower's result glmvit_cupy.checkpoint.TowerBinding: `import glmvit_cupy` alone made
+    checkpoint and config attributes, until the host names were imported on first use."""
+    code = ("import glmvit_cupy\n"
+            "print(glmvit_cupy.checkpoint.TowerBinding.__name__, glmvit_cupy.config.VisionGeometry.__name__)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["TowerBinding", "VisionGeometry"], r.stderr[-3000:]
+
+
 def test_preprocess_is_one_thing():
     """`glmvit_cupy.preprocess` is the function; its module lives under another name, so importing it
     never replaces the function on the package."""

@@ -42,7 +42,8 @@ _HOST = {"bind_tower": "checkpoint.bind", "inspect_checkpoint": "checkpoint.bind
          "Patching": "preprocessing.image", "preprocess": "preprocessing.image",
          "preprocess_video": "preprocessing.video"}
 # The public modules, named in the docs: attributes of the package, imported on first use (ray needs Ray).
-_MODULES = ("checks", "client", "output", "ray", "reference", "vllm_ec")
+# checkpoint and config hold the host names' classes (glmvit_cupy.checkpoint.TowerBinding).
+_MODULES = ("checkpoint", "checks", "client", "config", "output", "ray", "reference", "vllm_ec")
 
 
 def __getattr__(name):
