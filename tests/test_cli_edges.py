@@ -517,6 +517,22 @@ def test_a_reader_gone_from_stdout_or_stderr_stops_the_run_as_ctrl_c_does(folder
     assert list(manifest["failed"]) == [image_key(folder / "broken.png")]
 
 
+@pytest.mark.parametrize("what", [["--help"], ["--inspect", TOWER]], ids=["help", "inspect"])
+def test_a_reader_gone_from_a_run_that_encodes_nothing_says_nothing_of_resuming(what):
+    """`glmvit-encode --help | true`: the reader gone stops it with status 141, and its line says only that;
+    "what finished is saved; re-run the same command to resume" is for an encode."""
+    reader, gone = os.pipe()
+    os.close(reader)
+    try:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+        r = subprocess.run([sys.executable, "-m", "glmvit_cupy.cli.main", *what], stdout=gone,
+                           stderr=subprocess.PIPE, text=True, timeout=120, env=env)
+    finally:
+        os.close(gone)
+    assert r.returncode == 141 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == "glmvit-encode: stopped: the reader of its output went away (a broken pipe)"
+
+
 @pytest.mark.parametrize("fd", [1, 2], ids=["stdout", "stderr"])
 def test_a_stdout_or_stderr_closed_from_the_start_is_no_error(folder, tmp_path, fd):
     """`glmvit-encode ... 2>&-`: Python gives None for a stream closed from the start, and the progress bar's

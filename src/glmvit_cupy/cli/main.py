@@ -195,6 +195,7 @@ def main(argv=None) -> int:
         if not logging.getLogger().handlers and not pkg.handlers:  # logging left unset: Python's last resort
             handler = _LogAboveTheBar(logging.WARNING)
             pkg.addHandler(handler)
+        args = None
         try:
             args = parse(argv)
             with warnings.catch_warnings():  # the filters and showwarning are put back after the run
@@ -205,7 +206,9 @@ def main(argv=None) -> int:
             return status
         except KeyboardInterrupt as e:  # before the encoding began (walking the inputs, loading the checkpoint)
             word, status = interruption(e)
-            if isinstance(e, Disconnected):  # or as the run ended, its last lines unread
+            if isinstance(e, Disconnected) and (args is None or args.inspect):  # --help, --inspect: nothing to save
+                print(f"\nglmvit-encode: {word}", file=sys.stderr)
+            elif isinstance(e, Disconnected):  # or as the run ended, its last lines unread
                 print(f"\nglmvit-encode: {word}; what finished is saved; re-run the same command to resume",
                       file=sys.stderr)
             else:
