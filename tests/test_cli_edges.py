@@ -961,6 +961,29 @@ def test_a_double_star_glob_naming_an_extension_takes_the_files_it_names(tmp_pat
     assert list(read_embeddings(tmp_path / "out")[1]) == [image_key(tmp_path / "S" / "sub" / "c.ppm")]
 
 
+def test_a_double_star_glob_matching_folders_walks_them(tmp_path):
+    """`'photos/**/2024'` matches folders only, and was "no such file, folder or matching glob": a `**` did not walk
+    the folders it matched. It walks the outermost of them (a 2024 inside a 2024 once), and `'photos/**'` and
+    `'photos/**/*'` still take what a walk of photos takes, each file once."""
+    from glmvit_cupy.cli.inputs import expand_inputs
+
+    photos = tmp_path / "photos"
+    for sub in ("a/2024", "b/2024/2024", "b/2023", "2024"):
+        (photos / sub).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(photos / sub / "x.png")
+    (photos / "top.png").write_bytes((photos / "2024" / "x.png").read_bytes())
+    got = expand_inputs([str(photos / "**" / "2024")])
+    assert got == [str(photos / sub / "x.png") for sub in ("2024", "a/2024", "b/2024/2024")]
+    walked = expand_inputs([str(photos)])
+    assert len(walked) == 5
+    assert expand_inputs([str(photos / "**")]) == walked
+    assert sorted(expand_inputs([str(photos / "**" / "*")])) == sorted(walked)
+    passed = []
+    (photos / "b" / "2024" / "notes.txt").write_text("x")
+    expand_inputs([str(photos / "**" / "2024")], passed_over=passed)
+    assert passed == [str(photos / "b" / "2024" / "notes.txt")]  # said once, though two matched folders hold it
+
+
 def test_a_quoted_glob_that_matches_folders_walks_them_as_the_shell_would(tmp_path):
     """'photos-*' matching two folders was 'no such file, folder or matching glob', while the shell's own
     expansion of it walked them."""

@@ -60,16 +60,19 @@ def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS, passed_
             ext = os.path.splitext(os.path.basename(item))[1]
             if "**" in item and not (ext and not glob.has_magic(ext)):  # it walks: it takes the files a folder walk
                 # takes, by their names' extensions (never an output folder's shards, manifest and lock, nor a
-                # --vllm-ec-dir's files), and passes over the rest
-                found = [p for p in matches if not os.path.isdir(p)]
+                # --vllm-ec-dir's files), and passes over the rest. The outermost folders it matches are walked
+                # (`S/**` matches S; `photos/**/2024` only folders), the files it matches outside them taken.
+                folders = _outermost([p for p in matches if os.path.isdir(p)])  # matches are sorted: parents first
+                tops = {os.path.normpath(f) for f in folders}
+                found = [p for p in matches if not os.path.isdir(p) and not _inside(p, tops)]
                 files = [p for p in found if p.lower().endswith(extensions)]
                 if passed_over is not None:
                     passed_over += [p for p in found if not p.lower().endswith(extensions)]
             else:  # not the shards, manifests and locks of output folders it reaches (`out/*`): they are never images
                 found = files = [p for p in matches if os.path.isfile(p) and not is_output_file(os.path.basename(p))]
-            # Folders it matches are walked, as the shell's expansion would give them; a `**` reaches their files
-            # itself.
-            folders = [] if "**" in item else [p for p in matches if os.path.isdir(p)]
+                # Folders it matches are walked, as the shell's expansion would give them (a `**` naming an
+                # extension takes only the files it names).
+                folders = [] if "**" in item else [p for p in matches if os.path.isdir(p)]
             if not found and not folders:  # a mistyped glob among other inputs is as wrong as a mistyped path
                 missing.append(item)
             out += files
@@ -86,6 +89,26 @@ def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS, passed_
             seen.add(key)
             unique.append(_tidy(p))
     return unique
+
+
+def _outermost(folders: list[str]) -> list[str]:
+    """The folders not inside another of them (by their paths' text), in their order, a parent before its own."""
+    kept, tops = [], set()
+    for f in folders:
+        if not _inside(f, tops):
+            kept.append(f)
+            tops.add(os.path.normpath(f))
+    return kept
+
+
+def _inside(path: str, tops: set) -> bool:
+    """Whether `path` lies below one of the folders `tops` (normalised paths), by the text of their paths."""
+    parent, at = os.path.dirname(os.path.normpath(path)), None
+    while parent and parent != at:
+        if parent in tops:
+            return True
+        parent, at = os.path.dirname(parent), parent
+    return False
 
 
 def _tidy(path: str) -> str:
