@@ -114,14 +114,19 @@ def _held_in(found: dict, first: int = 3) -> str:
     return listed + (f" and {len(found) - first:,} more" if len(found) > first else "")
 
 
+def _list_them(n: int) -> str:
+    """What to do about `n` tower tensors that shards hold but the index does not list."""
+    return (f"the index must list every tower tensor (add {'them' if n > 1 else 'it'} to its weight_map, or save the "
+            "checkpoint again)")
+
+
 def _unlisted_note(store: WeightStore, unlisted: dict) -> str:
     """What to say of vision tensors that shards beside the index hold but the index maps to none ('' for none)."""
     if not unlisted:
         return ""
     n = len(unlisted)
     return (f"{store.index} maps no shard for {n:,} vision tensor{'s' if n > 1 else ''} that shards beside it hold "
-            f"({_held_in(unlisted)}): the index must list every tower tensor (add {'them' if n > 1 else 'it'} to its "
-            "weight_map, or save the checkpoint again)")
+            f"({_held_in(unlisted)}): {_list_them(n)}")
 
 
 def _missing_error(store: WeightStore, prefix: str, layout: dict, missing: list, alone: str) -> CheckpointError:
@@ -144,8 +149,7 @@ def _missing_error(store: WeightStore, prefix: str, layout: dict, missing: list,
         where = (f"it is in {os.path.basename(next(iter(held.values())))}" if len(missing) == 1 else
                  f"shards beside it hold {'all ' if not absent else ''}{len(held):,}{' of them' if absent else ''}: "
                  f"{_held_in(held)}")
-        says += (f"; {where}: the index must list every tower tensor (add {'them' if len(held) > 1 else 'it'} to "
-                 "its weight_map, or save the checkpoint again)")
+        says += f"; {where}: {_list_them(len(held))}"
     if absent:
         rest = ("it" if len(missing) == 1 else "any of them" if not held else
                 f"the other {absent:,}" if absent > 1 else "the other one")

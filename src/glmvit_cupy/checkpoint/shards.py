@@ -108,21 +108,15 @@ def _raw_header(path: str) -> tuple[bytes, tuple]:
 
 
 def read_metadata(path: str) -> dict:
-    """A shard's __metadata__ ({} where it has none), read as read_header reads a header; CheckpointError
-    for a file that is not a safetensors shard."""
-    raw, _ = _raw_header(path)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    """A shard's __metadata__ ({} where it has none), its header read and parsed as read_header does;
+    CheckpointError for a file that is not a safetensors shard."""
+    meta = _parsed(path, _raw_header(path)[0]).get("__metadata__")
     return meta if isinstance(meta, dict) else {}
 
 
-def read_header(path: str) -> dict:
-    """Parse and validate one shard's header; return {name: TensorInfo}. Touches no tensor data."""
-    raw, ident = _raw_header(path)
-    size = ident[2]
+def _parsed(path: str, raw: bytes) -> dict:
+    """A header's JSON object: CheckpointError for one that is not JSON, not an object, names a tensor twice, or
+    lists more tensors than MAX_TENSORS (counted before parsing, and as it parses)."""
     def too_many(lists: str) -> CheckpointError:
         return CheckpointError(f"{path}: the header lists {lists} a shard may hold here (a real shard holds a few "
                                "thousand); the file is damaged or not a checkpoint")
@@ -153,6 +147,13 @@ def read_header(path: str) -> dict:
         raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header must be a JSON object, got {type(header).__name__}")
+    return header
+
+
+def read_header(path: str) -> dict:
+    """Parse and validate one shard's header; return {name: TensorInfo}. Touches no tensor data."""
+    raw, ident = _raw_header(path)
+    header, size = _parsed(path, raw), ident[2]
     data_start = 8 + len(raw)
     data_len = size - data_start
     digest = hashlib.sha256(raw).digest()
