@@ -247,7 +247,7 @@ def main():
             there, here = context.Pipe(duplex=False)
             procs.append(context.Process(target=drive, args=(client.url, work, alone, mine, threads, args, here)))
             pipes.append(there)
-        cpu0, t0 = tree_cpu_s(proc.pid), time.perf_counter()
+        cpu0, eng0, t0 = tree_cpu_s(proc.pid), process_cpu_s(proc.pid), time.perf_counter()
         [p.start() for p in procs]
         slat, bad = [], []
         for there in pipes:
@@ -256,8 +256,9 @@ def main():
             bad += got_bad
         [p.join() for p in procs]
         srv_s = time.perf_counter() - t0
-        cpu1 = tree_cpu_s(proc.pid)
+        cpu1, eng1 = tree_cpu_s(proc.pid), process_cpu_s(proc.pid)
         srv_cpu = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
+        eng_cpu = None if eng0 is None or eng1 is None else eng1 - eng0  # the top process: the engine's
         passes = metric(client.url, "glmvit_forward_passes_total") - p0
         fill = (metric(client.url, "glmvit_forward_pass_fill_sum") - fill0[0]) / passes
         per_pass = (metric(client.url, "glmvit_forward_pass_images_sum") - fill0[1]) / passes
@@ -299,6 +300,10 @@ def main():
         # (one thread runs Python at a time) is the bound, and the CPU ms an image is what to cut.
         print(f"\nserver: {1e3 * srv_cpu / len(work):.2f} CPU ms an image (all its processes and threads, user + system), "
               f"{srv_cpu / srv_s:.2f} cores busy on average")
+    if eng_cpu is not None:
+        # The engine process alone (uploads, packing, launches, copies back, both ends of its socket; with one
+        # worker, HTTP too): near one core, its interpreter lock is what the requests wait on.
+        print(f"engine process: {1e3 * eng_cpu / len(work):.2f} CPU ms an image, {eng_cpu / srv_s:.2f} cores busy")
     name = "the tower replaced by zeros (--host-only)" if args.host_only else backend.name
     print(f"\n{name}; {len(images)} distinct JPEGs of {min(a.shape[0] for a in alone.values())}-"
           f"{max(a.shape[0] for a in alone.values())} tokens; served embeddings bit-equal to encoding alone: "
