@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import pickle
+import socket
 import struct
 
 import ml_dtypes  # noqa: F401 - registers bfloat16, the embeddings' type, with NumPy
@@ -39,6 +41,7 @@ class Link(asyncio.BufferedProtocol):
     Reading pauses while more than PAUSE_BYTES of frames wait to be read."""
 
     SCRATCH = 1 << 18
+    SOCKET_BYTES = 1 << 23
     PAUSE_BYTES = 1 << 26
 
     def __init__(self, on_connect=None):
@@ -56,6 +59,11 @@ class Link(asyncio.BufferedProtocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # room for a frame in the kernel: one send, not a turn of both loops per 200 KB
+            with contextlib.suppress(OSError):  # the system's cap (net.core.wmem_max / rmem_max) applies
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.SOCKET_BYTES)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.SOCKET_BYTES)
         if self.on_connect is not None:
             self.task = asyncio.ensure_future(self.on_connect(self))  # held: a task only weakly held may go
 
