@@ -417,3 +417,48 @@ def test_a_reply_left_unread_past_the_drain_ends_without_a_traceback(workers):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_the_engine_uploads_small_requests_on_its_loop_and_large_ones_on_a_thread():
+    """A request's decoded images of at most EngineServer.INLINE_BYTES together are uploaded on the engine's event
+    loop (no crossing to an upload thread and back); more go to an upload thread, so the loop keeps reading
+    frames meanwhile. An upload that fails is that request's error, on either path."""
+    import asyncio
+    import threading
+
+    from glmvit_cupy.serving.engine_server import EngineServer
+
+    where = []
+
+    class Uploader:
+        def ahead(self, item):
+            if item[2].get("fail"):
+                raise MemoryError("out of device memory for this upload")
+            where.append(threading.current_thread().name)
+            return item
+
+    class Queue:
+        def submit(self, items):
+            return [info["n"] for _, _, info in items]
+
+        def stop(self):
+            pass
+
+    limit = EngineServer.INLINE_BYTES
+    small = np.ones((limit // 3 - 7,), np.uint8)  # three of them are just under the limit, four over it
+    grid = (1, 2, 2)
+
+    async def go():
+        server = EngineServer(lambda: None, capacity_tokens=100, max_wait_ms=1.0, max_queue=8, metrics=None)
+        server.backend, server.batcher = Uploader(), Queue()
+        got = [await server._queue("images", (0, [(grid, {"n": i}) for i in range(3)]), [small] * 3),
+               await server._queue("images", (1, [(grid, {"n": i}) for i in range(4)]), [small] * 4)]
+        for n in (3, 4):
+            with pytest.raises(MemoryError, match="out of device memory"):
+                await server._queue("images", (2, [(grid, {"n": 0, "fail": True})] * n), [small] * n)
+        server.stop()
+        return got
+
+    assert asyncio.run(go()) == [[0, 1, 2], [0, 1, 2, 3]]
+    assert where[:3] == [threading.main_thread().name] * 3
+    assert len(where) == 7 and all(name.startswith("glmvit-upload") for name in where[3:])

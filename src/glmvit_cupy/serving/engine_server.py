@@ -29,7 +29,10 @@ class EngineServer:
     """load_backend() (on a thread) gives the Backend; workers connect to `path` and are served in turn by
     one Batcher. state: "loading", "ok" or "failed" (error: why); ready: set once it is known which."""
 
-    INLINE_BYTES = 1 << 20  # a request's decoded images up to this are uploaded on the event loop itself
+    # A request's decoded images up to this are uploaded on the event loop itself: a copy of ~0.1 ms costs less than
+    # a crossing to an upload thread and back (small images 743-758 images/s against 622-749 with every upload on
+    # a thread, H100, `benchmarks/bench_serve.py --small --requests 1440`).
+    INLINE_BYTES = 1 << 20
 
     def __init__(self, load_backend, *, capacity_tokens: int, max_wait_ms: float, max_queue: int, metrics,
                  fingerprint=lambda: None, log=print):
@@ -41,7 +44,8 @@ class EngineServer:
         self.started: set = set()  # the process ids of the workers that reached the engine
         self.links: dict = {}      # a connected worker's process id -> its stream
         self.drained: set = set()  # the workers that have answered everything they held, in a drain
-        # Uploads of what the workers decoded (Backend.ahead): off the event loop, which only reads and writes.
+        # Uploads of a request's decoded images over INLINE_BYTES (Backend.ahead): off the event loop, which reads
+        # and writes frames meanwhile.
         self._uploads = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="glmvit-upload")
 
     def start_loading(self) -> None:
@@ -157,11 +161,12 @@ class EngineServer:
         self.drained.clear()
 
     async def _queue(self, kind: str, fields: tuple, arrays: list) -> list:
-        """A worker's images (uploaded first, off the event loop) or videos queued: their futures."""
+        """A worker's images (uploaded first: on the loop up to INLINE_BYTES, else on an upload thread) or videos
+        queued: their futures."""
         if kind == "images":
             items = [(image, grid, info) for image, (grid, info) in zip(arrays, fields[1])]
             if sum(image.nbytes for image in arrays) <= self.INLINE_BYTES:
-                items = self._ahead(items)  # a copy of ~0.1 ms: less than two crossings of threads
+                items = self._ahead(items)
             else:
                 items = await asyncio.get_running_loop().run_in_executor(self._uploads, self._ahead, items)
             return self.batcher.submit(items)

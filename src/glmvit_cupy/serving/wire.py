@@ -38,6 +38,9 @@ class Link(asyncio.BufferedProtocol):
     than what the scratch holds is received straight into its own buffer: a 1 MB embedding is one copy out
     of the kernel, where asyncio's StreamReader makes three (0.33 CPU ms a frame against 0.13,
     tools/wire_bench.py).
+    Each end asks the kernel for SOCKET_BYTES of room each way (capped by net.core.wmem_max / rmem_max), so a
+    1.5 MB embedding is one send, not a turn of both event loops per 200 KB: the engine process's CPU 0.95 against
+    1.4 ms an image on a 2-core host (`benchmarks/bench_serve.py --host-only --small --workers 2`).
     Reading pauses while more than PAUSE_BYTES of frames wait to be read."""
 
     SCRATCH = 1 << 18
@@ -60,7 +63,7 @@ class Link(asyncio.BufferedProtocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         sock = transport.get_extra_info("socket")
-        if sock is not None:  # room for a frame in the kernel: one send, not a turn of both loops per 200 KB
+        if sock is not None:
             with contextlib.suppress(OSError):  # the system's cap (net.core.wmem_max / rmem_max) applies
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.SOCKET_BYTES)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.SOCKET_BYTES)
