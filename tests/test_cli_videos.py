@@ -230,3 +230,35 @@ def test_a_clip_too_short_to_sample_names_the_flag_that_helps(tmp_path):
     assert run(clip, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--video-fps", 0.5) == cli.FAILED
     (why,) = read_embeddings_manifest_failed(out)
     assert "raise --video-fps" in why and "sample=False" not in why, why
+
+
+def test_a_video_replaced_while_it_is_read_is_failed_not_misfiled(tmp_path, capsys, monkeypatch):
+    """A video is hashed through one open and decoded through another: one renamed over in between is failed,
+    naming it, not saved under the hash and stamp of the file it replaced; a run after encodes the new one."""
+    from glmvit_cupy.cli import videos
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_clip(folder / "a.mkv", seed=10)
+    write_clip(tmp_path / "other.mkv", n=11, seed=20)
+    hashed = videos._hashed
+
+    def then_replaced(path, max_bytes):
+        got = hashed(path, max_bytes)
+        if os.path.exists(tmp_path / "other.mkv"):
+            os.replace(tmp_path / "other.mkv", path)
+        return got
+
+    monkeypatch.setattr(videos, "_hashed", then_replaced)
+    out = tmp_path / "out"
+    assert run(folder, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", *LIMITS) == 1
+    assert "a.mkv: the file changed while it was read (replaced or rewritten)" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert not manifest["images"] and list(manifest["failed"]) == [str(folder / "a.mkv")]
+    assert run(folder, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", *LIMITS) == 0  # the new file, whole
+    manifest, embs = read_embeddings(out)
+    (key,) = manifest["images"]
+    tower = reference.Tower(reference.bind_tower(cases.TOWER_DIR))
+    want, grid, info = reference_of(folder / "a.mkv", tower, max_image_tokens=40, target_fps=4)
+    assert manifest["images"][key]["grid_thw"] == grid and manifest["images"][key]["tokens"] == info["tokens"]
+    assert np.array_equal(embs[key], want.astype(ml_dtypes.bfloat16))  # the new file's (11 frames), not the old's

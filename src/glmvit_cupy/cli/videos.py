@@ -40,6 +40,11 @@ def file_sha256(path, max_bytes: int | None = None) -> tuple[str, list]:
     """The file's sha256 hex, read in pieces (a video can be larger than memory), and its stamp as read
     (output.file_stamp); a FIFO is refused, and so is a file over max_bytes, from its size, before any of it
     is read."""
+    sha, st = _hashed(path, max_bytes)
+    return sha, file_stamp(st)
+
+
+def _hashed(path, max_bytes: int | None) -> tuple[str, os.stat_result]:
     h = hashlib.sha256()
     with open_regular(path, "the video", ImageError) as f:
         st = os.fstat(f.fileno())
@@ -47,7 +52,20 @@ def file_sha256(path, max_bytes: int | None = None) -> tuple[str, list]:
             check_size(path, st.st_size, max_bytes, "video")
         while piece := f.read(HASH_CHUNK):
             h.update(piece)
-    return h.hexdigest(), file_stamp(st)
+    return h.hexdigest(), st
+
+
+def _same_file(path, st: os.stat_result) -> None:
+    """The video is decoded through an open of its own: an ImageError if the path no longer names the file that was
+    hashed (renamed over, rewritten), whose hash and stamp would then go with another file's embedding."""
+    try:
+        now = os.stat(path)
+    except OSError:
+        now = None
+    if now is None or (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != \
+            (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
+        raise ImageError(f"{path}: the file changed while it was read (replaced or rewritten); not encoded: "
+                         "run again to encode it as it is now")
 
 
 def planned_videos(paths, workers: int, settings: dict, patching, capacity_tokens: int, max_video_pixels,
@@ -60,9 +78,10 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
 
     def job(i, path):
         try:
-            sha, stamp = file_sha256(path, max_bytes)
+            sha, st = _hashed(path, max_bytes)
             frames, grid, info = plan_video(VideoFile(path, max_video_pixels, max_pixels), i, name=path,
                                             patching=patching, **settings)
+            _same_file(path, st)
             checks.check_frame_group(path, grid[1], grid[2], patching.merge_size, capacity_tokens)
         except OSError as e:
             return path, unreadable(path, e)
@@ -70,7 +89,7 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
             return path, e.advised("raise --video-fps (a run's setting: into another --out)")
         except (ImageError, ValueError) as e:
             return path, e
-        entry = {"kind": "video", "source": image_key(path), "sha256": sha, "file": stamp,
+        entry = {"kind": "video", "source": image_key(path), "sha256": sha, "file": file_stamp(st),
                  "key": vllm_ec.video_key_of_shas([sha], None, None, settings, kind="file"), "size_hw": list(info["size"]),
                  "canvas_hw": list(info["canvas"]), "content": list(info["content"]), "grid_thw": list(grid),
                  "tokens": info["tokens"], "frame_tokens": info["frame_tokens"],
