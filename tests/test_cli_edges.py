@@ -548,6 +548,45 @@ def test_a_stdout_or_stderr_closed_from_the_start_is_no_error(folder, tmp_path, 
     assert list(manifest["failed"]) == [image_key(folder / "broken.png")]
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here (a device whose writes fail: ENOSPC)")
+@pytest.mark.parametrize("fd", [1, 2], ids=["stdout", "stderr"])
+def test_a_stdout_or_stderr_that_cannot_be_written_stops_nothing(folder, tmp_path, fd):
+    """`glmvit-encode ... > log` on a full disk: a write to stdout that failed ended the run as a failed write to
+    the output folder (status 3, "free space") or in a traceback, and on stderr, before anything was encoded,
+    in a traceback nobody saw (status 1, the output folder holding only its lock). The run goes on, its lines
+    there dropped, ends as it would (status 1 for the file that fails, the other two saved), and the other
+    stream says which stream could not be written and why."""
+    (folder / "broken.png").write_bytes(b"not an image")
+    out = tmp_path / "out"
+    with open("/dev/full", "w") as full:
+        r = encode_in_a_process(folder, out, buffered=True, **{"stdout" if fd == 1 else "stderr": full})
+    said = r.stderr if fd == 1 else r.stdout
+    name = "stdout" if fd == 1 else "stderr"
+    assert r.returncode == cli.FAILED and "Traceback" not in said and "Exception ignored" not in said, said
+    assert said.splitlines()[-1].startswith(f"glmvit-encode: {name} could not be written ([Errno 28] "), said
+    manifest, embs = read_embeddings(out)
+    assert sorted(embs) == sorted(image_key(folder / n) for n in ("a.png", "b.png"))
+    assert list(manifest["failed"]) == [image_key(folder / "broken.png")]
+
+
+def test_names_a_stream_cannot_encode_are_escaped_not_a_crash(folder, tmp_path):
+    """In an ASCII locale a file name outside ASCII, printed as it failed, ended the writer thread in a
+    UnicodeEncodeError (a folder left with a manifest and no shard), and a non-ASCII --out the final line, in a
+    traceback. Such a character is written as a backslash escape, and the run ends as it would."""
+    (folder / "b\u00e4d\U0001f600.png").write_bytes(b"not an image")
+    out = tmp_path / "s\u00e9"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
+               PYTHONIOENCODING="ascii:strict")
+    r = subprocess.run([sys.executable, "-m", "glmvit_cupy.cli", str(folder), "--checkpoint", TOWER, "--out", str(out),
+                        "--cpu"], capture_output=True, timeout=120, env=env)
+    said = r.stdout.decode("ascii") + r.stderr.decode("ascii")  # ASCII only, as the locale asks
+    assert r.returncode == cli.FAILED and "Traceback" not in said, said
+    assert "b\\xe4d\\U0001f600.png: cannot decode image" in said and "output in " + str(tmp_path) + "/s\\xe9" in said
+    manifest, embs = read_embeddings(out)
+    assert sorted(embs) == sorted(image_key(folder / n) for n in ("a.png", "b.png"))
+    assert list(manifest["failed"]) == [image_key(folder / "b\u00e4d\U0001f600.png")]
+
+
 # -- 7. the image token limits -----------------------------------------------------------------------------
 
 def test_min_above_max_image_tokens_is_refused_before_the_checkpoint_is_loaded(folder, tmp_path, capsys):

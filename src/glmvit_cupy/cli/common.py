@@ -44,7 +44,10 @@ class Streams:
     whose reader goes away (a broken pipe: `| head -1` has its line) is os.devnull from then on, so that nothing
     said after it fails, nor Python's flush at exit, and the run stops as Ctrl-C stops it: Disconnected, raised
     in the main thread by SIGPIPE's handler (installed while the command runs there) whichever thread was
-    writing (the writer thread's batch is saved all the same); in another thread, by flush() at the end."""
+    writing (the writer thread's batch is saved all the same); in another thread, by flush() at the end. One
+    that cannot be written (a full disk under `> log`, an I/O error) is os.devnull from then on and stops
+    nothing: the other stream says so at the end. A character the stream's encoding lacks (a file name in an
+    ASCII locale) is written as a backslash escape."""
 
     def __init__(self):
         self.gone = False  # a reader went away
@@ -53,7 +56,12 @@ class Streams:
 
     def __enter__(self):
         self._saved = sys.stdout, sys.stderr
-        self._guarded = [_Guarded(sys.stdout, 1, self), _Guarded(sys.stderr, 2, self)]
+        self._errors = []
+        for stream in self._saved:  # a name its encoding lacks is escaped, not a UnicodeEncodeError mid-run
+            with contextlib.suppress(AttributeError, ValueError, OSError):  # not a text file (a caller's capture)
+                self._errors.append((stream, stream.errors))
+                stream.reconfigure(errors="backslashreplace")
+        self._guarded = [_Guarded(sys.stdout, 1, self, "stdout"), _Guarded(sys.stderr, 2, self, "stderr")]
         sys.stdout, sys.stderr = self._guarded
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGPIPE, self._on_sigpipe)
@@ -66,8 +74,17 @@ class Streams:
             signal.signal(signal.SIGPIPE, self._previous)
         for stream in self._guarded:
             stream.flush()
+        for stream, other in zip(self._guarded, self._guarded[::-1]):
+            if stream.failure is not None:
+                print(f"glmvit-encode: {stream.name} could not be written ({stream.failure}); what was left to say "
+                      "there is lost (the run's work is as its exit status says)", file=other)
+                other.flush()
+        for stream in self._guarded:
             stream.close_devnull()
         sys.stdout, sys.stderr = self._saved
+        for stream, errors in self._errors:
+            with contextlib.suppress(AttributeError, ValueError, OSError):
+                stream.reconfigure(errors=errors)
 
     def went_away(self):
         """A stream's reader went away: the run stops (in the main thread, through SIGPIPE's handler)."""
@@ -100,8 +117,9 @@ class _Guarded:
 
     _stream = None
 
-    def __init__(self, stream, fd: int, streams: Streams):
-        self._streams, self._null = streams, None
+    def __init__(self, stream, fd: int, streams: Streams, name: str):
+        self._streams, self._null, self.name = streams, None, name
+        self.failure = None  # the error that made it unwritable (not a reader gone)
         if stream is None:  # Python's stand-in for a descriptor closed from the start (or a caller's choice)
             if _closed(fd):
                 _to_devnull(fd)
@@ -113,22 +131,34 @@ class _Guarded:
             return self._stream.write(text)
         except BrokenPipeError:
             self._gone()
-            return len(text)
+        except OSError as e:
+            self._failed(e)
+        return len(text)
 
     def flush(self):
         try:
             self._stream.flush()
         except BrokenPipeError:
             self._gone()
+        except OSError as e:
+            self._failed(e)
 
     def __getattr__(self, name):  # encoding, fileno, isatty: the stream's
         return getattr(self._stream, name)
 
     def _gone(self):
+        self._to_devnull()
+        self._streams.went_away()
+
+    def _failed(self, e: OSError):
+        self.failure = self.failure or e
+        self._to_devnull()
+
+    def _to_devnull(self):
+        """From now on to os.devnull, and so is the stream's descriptor (where Python flushes its buffer at exit)."""
         with contextlib.suppress(OSError, ValueError):  # a stream of no descriptor (a test's capture)
             _to_devnull(self._stream.fileno())
         self._stream = self._null = self._null or open(os.devnull, "w")
-        self._streams.went_away()
 
     def close_devnull(self):
         if self._null is not None:
@@ -177,7 +207,8 @@ EXIT_STATUS = """exit status:
        command to resume
   130  interrupted (Ctrl-C); what finished is saved; re-run the same command to resume
   141  the reader of stdout or stderr went away (a broken pipe: `| head`): as 130 (a stream closed from the
-       start, `>&-`, is no error: the run goes on, saying nothing there)
+       start, `>&-`, is no error: the run goes on, saying nothing there; nor is one that cannot be written,
+       a full disk under `> log`: its lines are dropped and the other stream says so at the end)
   143  terminated (SIGTERM): as 130
 """
 
