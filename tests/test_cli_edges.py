@@ -181,6 +181,19 @@ def test_not_utf8_names_through_a_strict_utf8_terminal(folder, tmp_path):
     assert "bad\\xff.png" in r.stdout and "out\\xfe" in r.stdout and "Traceback" not in r.stderr
 
 
+
+def test_a_checkpoint_whose_path_is_not_utf8_is_recorded_as_its_bytes(folder, tmp_path):
+    """The manifest's header recorded a checkpoint path that is not UTF-8 as a lone surrogate ("\\udcff"), which
+    no UTF-8 reader takes; it is the repr() of its bytes, as an image's key is, and the folder resumes."""
+    ckpt = os.fsdecode(os.fsencode(str(tmp_path)) + b"/tower\xff")
+    shutil.copytree(TOWER, ckpt)
+    out = tmp_path / "out"
+    assert run(folder, "--checkpoint", ckpt, "--out", out, "--cpu") == 0
+    text = (out / "manifest.json").read_bytes().decode("utf-8")
+    assert "\\udc" not in text
+    assert json.loads(text)["header"]["checkpoint"] == repr(os.fsencode(os.path.abspath(ckpt)))
+    assert run(folder, "--checkpoint", ckpt, "--out", out, "--cpu") == 0
+
 # -- 3. symbolic link loops --------------------------------------------------------------------------------
 
 @pytest.fixture

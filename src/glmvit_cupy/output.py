@@ -63,14 +63,18 @@ LIMITS = ("max_pixels", "max_video_pixels")
 
 
 def image_key(path) -> str:
-    """The file's resolved absolute path; for a path that is not valid UTF-8 (os.fsdecode's surrogateescape
+    """The file's resolved absolute path, as path_text gives it."""
+    return path_text(os.path.realpath(os.fsdecode(path)))  # a str, for a bytes path too
+
+
+def path_text(path: str) -> str:
+    """A path as a manifest stores it: itself; for one that is not valid UTF-8 (os.fsdecode's surrogateescape
     characters: bytes a file name may hold but safetensors and JSON text cannot), the repr() of its bytes."""
-    real = os.path.realpath(os.fsdecode(path))  # a str, for a bytes path too
     try:
-        real.encode("utf-8")
+        path.encode("utf-8")
     except UnicodeEncodeError:
-        return repr(os.fsencode(real))
-    return real
+        return repr(os.fsencode(path))
+    return path
 
 
 def key_path(key: str) -> str:

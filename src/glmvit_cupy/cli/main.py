@@ -34,7 +34,7 @@ from .. import gpu
 from ..checkpoint.bind import bind_tower, inspect_checkpoint
 from ..checks import DECODE, DEFAULT_MAX_IMAGE_TOKENS, RESIZE, TOKEN_LIMIT, device_list, embedding_problem
 from ..errors import CheckpointError, OutputError
-from ..output import Output, Writer, image_key, key_path, shown, stamp_of
+from ..output import Output, Writer, image_key, key_path, path_text, shown, stamp_of
 from ..preprocessing.image import Patching
 from ..preprocessing.video import MAX_FRAMES, MAX_VIDEO_TOKENS, MIN_VIDEO_TOKENS, TARGET_FPS
 from ..scheduling import feed
@@ -299,7 +299,7 @@ def run(args) -> int:
     per_video = video_settings(args)
     # What shapes an embedding, fixed for the folder. The pixel and size limits only accept or refuse a file,
     # so a re-run with a higher one resumes here and encodes what they refused.
-    settings = {"checkpoint": os.path.abspath(binding.path), "weights": binding.fingerprint,
+    settings = {"checkpoint": path_text(os.path.abspath(binding.path)), "weights": binding.fingerprint,
                 "geometry": dict(vars(binding.geometry)),
                 "min_image_tokens": args.min_image_tokens, "max_image_tokens": args.max_image_tokens,
                 "video": per_video}
