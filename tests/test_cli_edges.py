@@ -1013,6 +1013,20 @@ def test_a_double_star_glob_naming_an_extension_takes_the_files_it_names(tmp_pat
     assert list(read_embeddings(tmp_path / "out")[1]) == [image_key(tmp_path / "S" / "sub" / "c.ppm")]
 
 
+@pytest.mark.parametrize("pattern", ["*.png", os.path.join("**", "*.png")], ids=["glob", "double-star"])
+def test_a_glob_takes_a_broken_link_as_a_folder_walk_does(tmp_path, pattern, capsys):
+    """A broken symbolic link a glob matched was dropped (the shell's glob takes it): alone, the run ended in "no
+    such file, folder or matching glob" (exit 2); beside images, unnoticed. It is taken, and reading it fails,
+    naming it, as when a folder walk meets it."""
+    from glmvit_cupy.cli.inputs import expand_inputs
+
+    (tmp_path / "S").mkdir()
+    os.symlink(tmp_path / "moved-away.png", tmp_path / "S" / "gone.png")
+    assert expand_inputs([str(tmp_path / "S" / pattern)]) == [str(tmp_path / "S" / "gone.png")]
+    assert run(tmp_path / "S" / pattern, "--checkpoint", TOWER, "--out", tmp_path / "out", "--cpu") == cli.FAILED
+    assert f"{tmp_path / 'S' / 'gone.png'}: a broken symbolic link (to " in capsys.readouterr().out
+
+
 def test_a_double_star_glob_matching_folders_walks_them(tmp_path):
     """`'photos/**/2024'` matches folders only, and was "no such file, folder or matching glob": a `**` did not walk
     the folders it matched. It walks the outermost of them (a 2024 inside a 2024 once), and `'photos/**'` and

@@ -68,8 +68,9 @@ def expand_inputs(items, extensions=IMAGE_EXTENSIONS + VIDEO_EXTENSIONS, passed_
                 files = [p for p in found if p.lower().endswith(extensions)]
                 if passed_over is not None:
                     passed_over += [p for p in found if not p.lower().endswith(extensions)]
-            else:  # not the shards, manifests and locks of output folders it reaches (`out/*`): they are never images
-                found = files = [p for p in matches if os.path.isfile(p) and not is_output_file(os.path.basename(p))]
+            else:  # what is not a folder, as a folder walk takes it (a broken link: reading it says so), but not the
+                # shards, manifests and locks of output folders it reaches (`out/*`): they are never images
+                found = files = [p for p in matches if not os.path.isdir(p) and not is_output_file(os.path.basename(p))]
                 # Folders it matches are walked, as the shell's expansion would give them (a `**` naming an
                 # extension takes only the files it names).
                 folders = [] if "**" in item else [p for p in matches if os.path.isdir(p)]
