@@ -864,3 +864,16 @@ def test_a_file_that_starts_as_an_image_format_pillow_cannot_open_names_that_for
             preprocess(form)
     with pytest.raises(ImageError, match="not in an image format Pillow reads"):
         preprocess(b"hello, not an image")
+
+
+@pytest.mark.parametrize("resize", ["host", "gpu"])
+def test_an_image_pillow_cannot_resize_is_an_image_error(resize):
+    """A 68,000,000 x 1 image is within Pillow's pixel limit, but resizing it needs over 2 GiB of filter tables:
+    Pillow raised MemoryError (a 500 from glmvit-serve, a crash elsewhere), and the GPU path made the tables for
+    minutes. It is an ImageError naming the image, before any table is made."""
+    from glmvit_cupy.preprocessing.image import prepare_canvas
+
+    wide = np.zeros((1, 68_000_000, 3), np.uint8)
+    with pytest.raises(ImageError, match=r"^strip: resizing its 68000000 x 1 pixels to \d+ x \d+ needs filter "
+                                         r"tables of over 2 GiB, which Pillow \(the reference's resizer\) refuses"):
+        prepare_canvas(wide, resize=resize, name="strip")

@@ -85,6 +85,52 @@ def test_tables_are_normalised_fixed_point():
         resample.axis(0, 3)
 
 
+def test_tables_made_in_row_chunks_equal_pillow(monkeypatch):
+    """The weights are made CHUNK at a time: chunks that split a side's positions anywhere (7 weights: a row or
+    less at a time; 400: several rows) give the bits of one chunk, and Pillow's, a shrink of 200,000 columns to
+    28 (142,859 taps) and its transpose included."""
+    pairs = random_pairs(24) + [(1, 200_000, 1, 28), (200_000, 1, 28, 1), (3, 5_000, 2, 7)]
+    images = [image(h, w) for h, w, _, _ in pairs]
+    whole = [resample.pillow_tables(h, w, oh, ow) for h, w, oh, ow in pairs]
+    for chunk in (7, 400):
+        monkeypatch.setattr(resample, "CHUNK", chunk)
+        resample.pillow_tables.cache_clear()
+        for (h, w, oh, ow), img, one in zip(pairs, images, whole):
+            made = resample.pillow_tables(h, w, oh, ow)
+            for a, b in ((made.horizontal, one.horizontal), (made.vertical, one.vertical)):
+                assert (a is None) == (b is None)
+                assert a is None or all(np.array_equal(x, y) for x, y in ((a.first, b.first), (a.count, b.count),
+                                                                          (a.weights, b.weights)))
+            assert np.array_equal(resample.resize(img, oh, ow), pillow(img, oh, ow)), (h, w, oh, ow, chunk)
+        aten = resample.aten_axis(5_000, 7)
+        monkeypatch.setattr(resample, "CHUNK", 1 << 20)
+        assert np.array_equal(aten.weights, resample.aten_axis(5_000, 7).weights)
+
+
+def test_tables_past_the_cache_bytes_are_made_again_not_kept(monkeypatch):
+    """The tables of recent sizes are kept (photos repeat them), but at most CACHE_BYTES of them: those of an
+    image far from square (hundreds of MB) were kept for good, 256 sizes of them."""
+    resample.pillow_tables.cache_clear()
+    small = resample.pillow_tables(40, 50, 20, 30)
+    assert resample.pillow_tables(40, 50, 20, 30) is small
+    monkeypatch.setattr(resample, "CACHE_BYTES", 20_000)
+    big = resample.pillow_tables(1, 9_000, 1, 28)  # 28 x 1,287 int32 weights: past 20,000 bytes
+    assert resample.pillow_tables(1, 9_000, 1, 28) is not big
+    assert resample.pillow_tables(40, 50, 20, 30) is small
+    for k in range(40):  # more small ones than the bytes hold: the oldest go
+        resample.pillow_tables(40 + k, 50, 20, 30)
+    assert resample.pillow_tables(40, 50, 20, 30) is not small
+
+
+def test_the_sides_pillow_refuses_to_resize_are_refused_alike():
+    """Pillow refuses (MemoryError) a side whose double weights would pass INT_MAX bytes: a 68,000,000 x 1 image to
+    28 columns; pillow_refuses says so, and not for 66,000,000 (which Pillow resizes, with 2 GB of tables)."""
+    assert resample.pillow_refuses(68_000_000, 28) and not resample.pillow_refuses(66_000_000, 28)
+    assert not resample.pillow_refuses(68_000_000, 68_000_000) and not resample.pillow_refuses(28, 1_000_000)
+    with pytest.raises(MemoryError):
+        Image.new("L", (68_000_000, 1)).resize((28, 1), resample=Image.Resampling.BICUBIC)
+
+
 @pytest.mark.parametrize("max_tokens", [64, 1024, 8000])
 def test_a_photo_to_its_canvas_equals_pillow(max_tokens):
     rgb = np.asarray(Image.open(PHOTO).convert("RGB"))

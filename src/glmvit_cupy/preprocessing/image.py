@@ -241,6 +241,10 @@ def prepare_canvas(image, index: int = 0, *, min_image_tokens: int = 16, max_ima
     grid = (1, canvas[0] // patching.patch_size, canvas[1] // patching.patch_size)
     info = {"source": name, "size": (height, width), "canvas": canvas, "content": (ch, cw),
             "grid": grid, "tokens": grid[1] * grid[2] // patching.merge_size**2, "resize": resize}
+    if resample.pillow_refuses(width, cw) or resample.pillow_refuses(height, ch):
+        raise ImageError(f"{name}: resizing its {width} x {height} pixels to {cw} x {ch} needs filter tables of over "
+                         "2 GiB, which Pillow (the reference's resizer) refuses; an image this far from square "
+                         "cannot be encoded")
     if resize == "gpu":
         if (ch, cw) != (height, width):
             resample.pillow_tables(height, width, ch, cw)  # made here, on a decoding thread; the GPU's thread looks it up

@@ -24,13 +24,17 @@ weight of the side allows (at most 22), and always the horizontal pass first. `a
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import lru_cache, wraps
 
 import numpy as np
 
 PRECISION_BITS = 22  # 32 - 8 bits of result - 2 bits of headroom for the filter's negative lobes
 SUPPORT = 2.0  # bicubic
+CHUNK = 1 << 20  # weights made at a time (8 MiB of float64 an array)
+CACHE_BYTES = 256 << 20  # resize tables kept for their sizes' next images
 
 
 def _bicubic(x: np.ndarray) -> np.ndarray:
@@ -67,7 +71,8 @@ def _aten_bicubic(x: np.ndarray) -> np.ndarray:
 
 def _weights(in_size: int, out_size: int, scale: float, kernel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(first, count, float64 weights [out, taps]) of an antialiased bicubic side: Pillow's precompute_coeffs,
-    which ATen's _compute_indices_min_size_weights_aa repeats (the kernel aside)."""
+    which ATen's _compute_indices_min_size_weights_aa repeats (the kernel aside). Rows of positions at a time,
+    so that what is made beside the table stays bounded (a 1 x 20,000,000 image's side has 224,000 x 359 taps)."""
     if in_size < 1 or out_size < 1:
         raise ValueError(f"resize from {in_size} to {out_size} pixels: both sides must be at least 1")
     filterscale = max(scale, 1.0)
@@ -78,33 +83,47 @@ def _weights(in_size: int, out_size: int, scale: float, kernel) -> tuple[np.ndar
     first = np.maximum(np.trunc(center - support + 0.5), 0).astype(np.int64)   # C's (int) truncates
     last = np.minimum(np.trunc(center + support + 0.5), in_size).astype(np.int64)
     count = np.clip(last - first, 0, taps)  # ATen clips; Pillow's count never exceeds taps either
-    w = np.zeros((out_size, taps), dtype=np.float64)
-    total = np.zeros(out_size, dtype=np.float64)
-    for x in range(taps):  # column by column: the running sum adds in Pillow's order
-        live = x < count
-        wx = kernel(((x + first).astype(np.float64) - center + 0.5) * ss)
-        w[:, x] = np.where(live, wx, 0.0)
-        total = np.where(live, total + wx, total)
-    w = np.where((total != 0.0)[:, None], w / np.where(total != 0.0, total, 1.0)[:, None], w)
+    w = np.empty((out_size, taps), dtype=np.float64)
+    x = np.arange(taps, dtype=np.int64)
+    step = max(1, CHUNK // taps)
+    for a in range(0, out_size, step):
+        b = min(out_size, a + step)
+        live = x < count[a:b, None]
+        wx = np.where(live, kernel(((x + first[a:b, None]).astype(np.float64) - center[a:b, None] + 0.5) * ss), 0.0)
+        # The running sum adds in Pillow's order: cumsum is sequential, and the zeros past `count` add nothing.
+        total = np.cumsum(wx, axis=1)[:, -1]
+        w[a:b] = np.where((total != 0.0)[:, None], wx / np.where(total != 0.0, total, 1.0)[:, None], wx)
     return first, count, w
 
 
 def _fixed(w: np.ndarray, bits: int) -> np.ndarray:
     """Weights to fixed point with `bits` fractional bits, rounded half away from zero as C's (int)(v +- 0.5)."""
-    v = w * float(1 << bits)
-    return np.where(v < 0, np.trunc(-0.5 + v), np.trunc(0.5 + v)).astype(np.int32)
+    out = np.empty(w.shape, dtype=np.int32)
+    step = max(1, CHUNK // max(1, w.shape[1]))
+    for a in range(0, len(w), step):
+        v = w[a:a + step] * float(1 << bits)
+        out[a:a + step] = np.where(v < 0, np.trunc(-0.5 + v), np.trunc(0.5 + v))
+    return out
 
 
-@lru_cache(maxsize=256)
+def pillow_refuses(in_size: int, out_size: int) -> bool:
+    """Whether Pillow's precompute_coeffs refuses this side (MemoryError) before resizing: its double weights,
+    out_size x taps, would pass INT_MAX bytes (a 68,000,000 x 1 image to 28 x 28 is; 66,000,000 x 1 is not)."""
+    if in_size == out_size or in_size < 1 or out_size < 1:
+        return False
+    scale = float(np.float32(in_size)) / out_size
+    ksize = int(np.ceil(SUPPORT * max(scale, 1.0))) * 2 + 1
+    return out_size > (2**31 - 1) // (ksize * 8)
+
+
 def axis(in_size: int, out_size: int) -> Axis:
     """Pillow's precompute_coeffs + normalize_coeffs_8bpc for a whole side (box 0..in_size) read
-    as out_size positions. Cached: photos repeat their sizes."""
+    as out_size positions."""
     scale = float(np.float32(in_size)) / out_size if in_size >= 1 and out_size >= 1 else 0.0
     first, count, w = _weights(in_size, out_size, scale, _bicubic)  # Pillow: (double)(float in) / outSize
     return Axis(first.astype(np.int32), count.astype(np.int32), _fixed(w, PRECISION_BITS))
 
 
-@lru_cache(maxsize=256)
 def aten_axis(in_size: int, out_size: int) -> Axis:
     """ATen's uint8 antialiased bicubic weights for a side (_compute_index_ranges_int16_weights): the
     fractional bits are the first count p for which round(max weight * 2^(p + 1)) reaches 2^15 (so every
@@ -176,7 +195,41 @@ class ResizeTables:
     rows: int
 
 
-@lru_cache(maxsize=256)
+def _cached(make):
+    """make(*args), kept for the next call with those arguments: the last 256 tables made, at most CACHE_BYTES of
+    them (photos repeat their sizes; an image far from square has tables of hundreds of MB, made again rather than
+    kept). Safe across threads: the decoding threads make tables, the thread that drives the GPU looks them up."""
+    kept: OrderedDict = OrderedDict()  # args -> (tables, their bytes)
+    held = [0]  # bytes kept
+    lock = threading.Lock()
+
+    @wraps(make)
+    def cached(*args):
+        with lock:
+            if args in kept:
+                kept.move_to_end(args)
+                return kept[args][0]
+        tables = make(*args)
+        size = sum(a.first.nbytes + a.count.nbytes + a.weights.nbytes
+                   for a in (tables.horizontal, tables.vertical) if a is not None)
+        with lock:
+            if size <= CACHE_BYTES and args not in kept:
+                kept[args] = (tables, size)
+                held[0] += size
+                while len(kept) > 256 or held[0] > CACHE_BYTES:
+                    held[0] -= kept.popitem(last=False)[1][1]
+        return tables
+
+    def cache_clear():
+        with lock:
+            kept.clear()
+            held[0] = 0
+
+    cached.cache_clear = cache_clear
+    return cached
+
+
+@_cached
 def pillow_tables(height: int, width: int, out_h: int, out_w: int, vertical_first=None) -> ResizeTables:
     """vertical_first: a rule from ORDERS (default: the installed Pillow's, pass_order()). Cached: the
     decoding threads make the tables, the thread that drives the GPU looks them up."""
@@ -189,7 +242,7 @@ def pillow_tables(height: int, width: int, out_h: int, out_w: int, vertical_firs
                                                                                                out_w))
 
 
-@lru_cache(maxsize=256)
+@_cached
 def aten_tables(height: int, width: int, out_h: int, out_w: int) -> ResizeTables:
     """ATen's uint8 antialiased BICUBIC as ResizeTables: its weights, the horizontal pass first. Cached: a video's
     frames share one."""
