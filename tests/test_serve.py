@@ -940,3 +940,19 @@ def test_a_capacity_under_the_default_minimum_serves_requests_that_give_no_limit
 
     assert image_file_limits([], 8) == (8, 8) and image_file_limits([], 8000) == (16, 8000)
     assert image_file_limits([("min_image_tokens", "4")], 8) == (4, 8)
+
+
+def test_an_order_refused_for_a_default_limit_says_it_is_the_servers():
+    """A request giving only max_image_tokens=1 was told 'min_image_tokens=16 is above max_image_tokens=1', a 16
+    it never sent; the limit it did not give is named as the server's default."""
+    from glmvit_cupy.serving.requests import Refused, image_file_limits
+
+    with pytest.raises(Refused) as e:
+        image_file_limits([("max_image_tokens", "1")], 8000)
+    assert e.value.status == 400 and str(e.value).startswith(
+        "min_image_tokens=16 (the server's default: give it) is above max_image_tokens=1: an image is resized")
+    with pytest.raises(Refused) as e:
+        image_file_limits([("min_image_tokens", "100"), ("max_image_tokens", "50")], 8000)
+    assert str(e.value).startswith("min_image_tokens=100 is above max_image_tokens=50: ")
+    with pytest.raises(Refused, match=r"^min_image_tokens=9000 is above max_image_tokens=8000 \(the server's default"):
+        image_file_limits([("min_image_tokens", "9000")], 8000)
