@@ -542,6 +542,9 @@ def test_devices_with_cpu_is_refused_before_loading(capsys):
     (["--cache-mib", "-5"], "--cache-mib -5 must be a finite number of at least 0"),
     (["--max-body-mib", "0"], "--max-body-mib 0 must be a finite number above 0"),
     (["--max-image-mib", "nan"], "--max-image-mib nan must be a finite number above 0"),
+    # Bytes are counted whole: --max-body-mib 1e-9 is 0 bytes, and every request got 413 "over the 0 MiB limit".
+    (["--max-body-mib", "1e-9"], "--max-body-mib 1e-09 must be at least 1/1024 (1 KiB): every request would be over"),
+    (["--max-image-mib", "0.0005"], "--max-image-mib 0.0005 must be at least 1/1024 (1 KiB)"),
     (["--max-queue", "0"], "--max-queue 0 must be at least 1"),
     (["--max-video-pixels", "0"], "--max-video-pixels 0 must be at least 1"),
     (["--max-pixels-in-flight", "0"], "--max-pixels-in-flight 0 must be at least 1"),
