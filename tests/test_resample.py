@@ -207,3 +207,13 @@ def test_feed_starts_no_more_threads_than_items(monkeypatch):
     assert list(feed.in_order(lambda i, x: x, ["a"], 16)) == ["a"] and pools == []
     assert list(feed.in_order(lambda i, x: x, "abc", 16)) == list("abc") and pools == [3]
     assert list(feed.in_order(lambda i, x: x, iter("abcd"), 2)) == list("abcd") and pools == [3, 2]
+
+
+def test_table_bytes_are_the_tables_bytes():
+    """table_bytes (what glmvit-serve counts in flight for an image's resize, before decoding it) is what the
+    tables hold, for shrinks, stretches and sides that keep their size."""
+    pairs = [(h, oh) for h, _, oh, _ in random_pairs(30)] + [(w, ow) for _, w, _, ow in random_pairs(30)]
+    for in_size, out_size in pairs + [(200_000, 28), (28, 5_000)]:
+        ax = resample.axis(in_size, out_size)
+        want = 0 if in_size == out_size else ax.first.nbytes + ax.count.nbytes + ax.weights.nbytes
+        assert resample.table_bytes(in_size, out_size) == want, (in_size, out_size)

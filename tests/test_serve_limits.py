@@ -1315,3 +1315,18 @@ def test_malformed_requests_are_logged_sparsely(monkeypatch):
     late = record("Invalid HTTP request received.")
     assert sparse.filter(late) and late.getMessage() == ("Invalid HTTP request received. (and 49 more since the last "
                                                          "such line)")
+
+
+def test_an_image_far_from_square_counts_its_resize_tables_in_flight():
+    """A 1 x 20,000,000 image holds 20,000,000 pixels decoded and a 6,272,000-pixel canvas, but resizing it makes
+    323 MB of tables (80,864,000 pixels at 4 bytes): --max-pixels-in-flight counts the largest, so a few such
+    requests cannot take gigabytes past it. A photo's tables are far below its pixels: its count is unchanged."""
+    from glmvit_cupy.preprocessing import resample
+    from glmvit_cupy.preprocessing.image import Patching, content_size, smart_resize
+    from glmvit_cupy.serving.decoding import pixels_held
+
+    tall = pixels_held(20_000_000, (1, 20_000_000), 16, 8000, Patching())
+    ch, cw = content_size(20_000_000, 1, smart_resize(20_000_000, 1))
+    assert tall == (resample.table_bytes(20_000_000, ch) + resample.table_bytes(1, cw)) // 4 > 80_000_000
+    canvas = smart_resize(3000, 4000)
+    assert pixels_held(12_000_000, (4000, 3000), 16, 8000, Patching()) == 12_000_000 >= canvas[0] * canvas[1]

@@ -19,7 +19,8 @@ import warnings
 from ..errors import ImageError
 from ..preprocessing import decode
 from ..preprocessing.decode import header_size, is_ico
-from ..preprocessing.image import prepare_canvas, smart_resize
+from ..preprocessing import resample
+from ..preprocessing.image import content_size, prepare_canvas, smart_resize
 from ..preprocessing.video import plan_video, sample_frames
 from ..preprocessing.video_files import FrameFiles, VideoFile
 from .requests import Refused
@@ -110,18 +111,22 @@ def dims(n: int, size) -> str:
 
 
 def pixels_held(n: int, size, lo: int, hi: int, patching, frames: int | None = None) -> int:
-    """What an image (or `frames` frames of one size) holds from admission to its pass: the larger of its
-    decoded pixels (n) and its canvas's (the canvas is made while the decoded image is still there). frames:
-    a video's sampled frames (None: a still image)."""
+    """What an image (or `frames` frames of one size) holds from admission to its pass: the largest of its
+    decoded pixels (n), its canvas's (the canvas is made while the decoded image is still there) and its resize
+    tables' at 4 bytes a pixel (far below the image's own for a photo; 80,864,000 for a 1 x 20,000,000 image).
+    frames: a video's sampled frames (None: a still image)."""
     if size is None:
         return n
     w, h = size
     try:
-        ch, cw = smart_resize(h, w, min_image_tokens=lo, max_image_tokens=hi, factor=patching.factor,
+        canvas = smart_resize(h, w, min_image_tokens=lo, max_image_tokens=hi, factor=patching.factor,
+                              temporal_factor=patching.temporal_patch_size, num_frames=frames)
+        ch, cw = content_size(h, w, canvas, min_image_tokens=lo, factor=patching.factor,
                               temporal_factor=patching.temporal_patch_size, num_frames=frames)
     except ValueError:  # the decode refuses it, saying why
         return n
-    return max(n, ch * cw * (frames or 1))
+    tables = (resample.table_bytes(w, cw) + resample.table_bytes(h, ch)) // 4
+    return max(n, canvas[0] * canvas[1] * (frames or 1), tables)
 
 
 def sampled_frames(total: int, fps, duration, common: dict):
