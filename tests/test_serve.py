@@ -543,7 +543,7 @@ def test_devices_with_cpu_is_refused_before_loading(capsys):
     (["--max-body-mib", "0"], "--max-body-mib 0 must be a finite number above 0"),
     (["--max-image-mib", "nan"], "--max-image-mib nan must be a finite number above 0"),
     # Bytes are counted whole: --max-body-mib 1e-9 is 0 bytes, and every request got 413 "over the 0 MiB limit".
-    (["--max-body-mib", "1e-9"], "--max-body-mib 1e-09 must be at least 1/1024 (1 KiB): every request would be over"),
+    (["--max-body-mib", "1e-9"], "--max-body-mib 1e-09 must be at least 1/1024 (1 KiB)"),
     (["--max-image-mib", "0.0005"], "--max-image-mib 0.0005 must be at least 1/1024 (1 KiB)"),
     (["--max-queue", "0"], "--max-queue 0 must be at least 1"),
     (["--max-video-pixels", "0"], "--max-video-pixels 0 must be at least 1"),
@@ -958,4 +958,7 @@ def test_an_order_refused_for_a_default_limit_says_it_is_the_servers():
         image_file_limits([("min_image_tokens", "100"), ("max_image_tokens", "50")], 8000)
     assert str(e.value).startswith("min_image_tokens=100 is above max_image_tokens=50: ")
     with pytest.raises(Refused, match=r"^min_image_tokens=9000 is above max_image_tokens=8000 \(the server's default"):
+        image_file_limits([("min_image_tokens", "9000")], 16000)  # a maximum of up to 16,000 may be given
+    # Over the capacity, the maximum is not what to change: the capacity bounds both.
+    with pytest.raises(Refused, match=r"^min_image_tokens = 9000 exceeds the server's capacity of 8000 tokens per "):
         image_file_limits([("min_image_tokens", "9000")], 8000)

@@ -134,8 +134,8 @@ def check_settings(args) -> str | None:
                         ("--drain-timeout", args.drain_timeout)):
         if not (math.isfinite(value) and value > 0):
             return f"{flag} {value:g} must be a finite number above 0"
-        if flag.endswith("-mib") and value < 1 / 1024:  # bytes are counted whole: below 1 KiB everything is over it
-            return f"{flag} {value:g} must be at least 1/1024 (1 KiB): every request would be over it"
+        if flag.endswith("-mib") and value < 1 / 1024:  # bytes are counted whole: 1e-9 MiB is 0 bytes
+            return f"{flag} {value:g} must be at least 1/1024 (1 KiB)"
     for flag, most, what in (("--max-body-mib", args.max_body_mib, "body"), ("--max-reply-mib", args.max_reply_mib,
                                                                                 "reply")):
         if args.max_bodies_in_flight_mib < most:

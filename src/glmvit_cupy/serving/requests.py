@@ -244,6 +244,8 @@ def _limits(lo, hi, capacity: int) -> tuple[int, int]:
                                     ordered=False)
     except ValueError as e:
         raise Refused(400, str(e)) from None
+    if lo > capacity:
+        raise Refused(400, f"min_image_tokens = {lo} exceeds the server's capacity of {capacity} tokens per pass")
     if lo > hi:  # a limit not given is the server's default: the message says which, so that the client gives it
         note = " (the server's default: give it)"
         raise Refused(400, f"min_image_tokens={lo}{note if lo_default else ''} is above max_image_tokens={hi}"
