@@ -216,4 +216,5 @@ def test_table_bytes_are_the_tables_bytes():
     for in_size, out_size in pairs + [(200_000, 28), (28, 5_000)]:
         ax = resample.axis(in_size, out_size)
         want = 0 if in_size == out_size else ax.first.nbytes + ax.count.nbytes + ax.weights.nbytes
+        assert ax.nbytes == ax.first.nbytes + ax.count.nbytes + ax.weights.nbytes
         assert resample.table_bytes(in_size, out_size) == want, (in_size, out_size)

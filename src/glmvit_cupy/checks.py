@@ -44,20 +44,21 @@ def check_max_pixels(max_pixels):
     return max_pixels
 
 
-def check_token_limits(min_image_tokens, max_image_tokens, what: str = "image", ordered: bool = True
-                       ) -> tuple[int, int]:
+def check_token_limits(min_image_tokens, max_image_tokens, what: str = "image", ordered: bool = True,
+                       notes: tuple[str, str] = ("", "")) -> tuple[int, int]:
     """The per-image token limits as given, returned as ints: the minimum an integer >= 0 (0: no
     minimum, as the reference allows), the maximum a positive integer, the minimum not above the
     maximum (ordered; the video processor's per-frame limits are not: its smart_resize applies the maximum
-    first, as the reference's does, and its default minimum of 16 meets small maxima); a bool is neither."""
+    first, as the reference's does, and its default minimum of 16 meets small maxima); a bool is neither.
+    notes: what the ordering's message adds after each value (a caller's word that it is a default)."""
     lo, hi = f"min_{what}_tokens", f"max_{what}_tokens"
     for name, v, low in ((lo, min_image_tokens, 0), (hi, max_image_tokens, 1)):
         if not is_integer(v) or not low <= v <= TOKEN_LIMIT:
             raise ValueError(f"{name}={quoted(v)} must be an integer from {low} to {TOKEN_LIMIT:,}")
     if ordered and min_image_tokens > max_image_tokens:
         article = "an" if what[0] in "aeiou" else "a"
-        raise ValueError(f"{lo}={min_image_tokens} is above {hi}={max_image_tokens}: {article} {what} is resized "
-                         "to between the two, so the minimum must not exceed the maximum")
+        raise ValueError(f"{lo}={min_image_tokens}{notes[0]} is above {hi}={max_image_tokens}{notes[1]}: {article} "
+                         f"{what} is resized to between the two, so the minimum must not exceed the maximum")
     return int(min_image_tokens), int(max_image_tokens)
 
 

@@ -20,6 +20,11 @@ def kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
+def identity(st: os.stat_result) -> tuple:
+    """What tells a file changed since it was read: another file under its name, or the same one modified."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def not_regular(path) -> str | None:
     """What `path` is when it exists but is not a regular file (after symbolic links), or is a broken or
     looping symbolic link; None for a regular file or nothing there at all."""

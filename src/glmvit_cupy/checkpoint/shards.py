@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import CheckpointError, GpuUnavailable, quoted
-from ..files import not_regular, open_regular, read_json_file, repeated_key
+from ..files import identity, not_regular, open_regular, read_json_file, repeated_key
 
 # The safetensors dtype names this store can map (dtypes() gives their NumPy types).
 DTYPE_NAMES = ("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "U16", "I16", "F16", "BF16", "U32", "I32", "F32",
@@ -78,17 +78,12 @@ def _prod(shape) -> int:
     return n
 
 
-def _identity(st: os.stat_result) -> tuple:
-    """What tells a shard changed since it was read: another file under its name, or the same one modified."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
 def _raw_header(path: str) -> tuple[bytes, tuple]:
-    """The header's JSON bytes of a shard, and the file's _identity: CheckpointError for anything but a regular
+    """The header's JSON bytes of a shard, and the file's identity (files.identity): CheckpointError for anything but a regular
     file whose 8-byte length and header fit in it."""
     try:
         with open_regular(path, "the shard") as f:
-            ident = _identity(os.fstat(f.fileno()))
+            ident = identity(os.fstat(f.fileno()))
             size = ident[2]
             head = f.read(8)
             if len(head) < 8:
@@ -422,7 +417,7 @@ class WeightStore:
             mine = [i for i in self._infos.values() if i.file == file]
             try:  # opened as the header was (regular files only: a FIFO put in its place would block)
                 with open_regular(file, "the shard") as f:
-                    now = _identity(os.fstat(f.fileno()))
+                    now = identity(os.fstat(f.fileno()))
                     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except (OSError, ValueError) as e:  # CheckpointError (not a regular file) is a ValueError
                 raise CheckpointError(f"{file}: cannot memory-map shard ({e})") from None

@@ -19,7 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from .. import checks
 from ..errors import ImageError, TooShort
-from ..files import open_regular
+from ..files import identity, open_regular
 from ..output import Writer, file_stamp, image_key, shown
 from ..scheduling import feed
 from .. import vllm_ec
@@ -59,11 +59,10 @@ def _same_file(path, st: os.stat_result) -> None:
     """The video is decoded through an open of its own: an ImageError if the path no longer names the file that was
     hashed (renamed over, rewritten), whose hash and stamp would then go with another file's embedding."""
     try:
-        now = os.stat(path)
+        now = identity(os.stat(path))
     except OSError:
         now = None
-    if now is None or (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != \
-            (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
+    if now != identity(st):
         raise ImageError(f"{path}: the file changed while it was read (replaced or rewritten); not encoded: "
                          "run again to encode it as it is now")
 

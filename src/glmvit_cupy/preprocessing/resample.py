@@ -59,6 +59,10 @@ class Axis:
     def taps(self) -> int:
         return self.weights.shape[1]
 
+    @property
+    def nbytes(self) -> int:
+        return self.first.nbytes + self.count.nbytes + self.weights.nbytes
+
 
 def _aten_bicubic(x: np.ndarray) -> np.ndarray:
     """ATen's HelperInterpCubic::aa_filter (a = -0.5: antialias), elementwise, with its operations in its order."""
@@ -99,20 +103,24 @@ def _weights(in_size: int, out_size: int, scale: float, kernel) -> tuple[np.ndar
 def _fixed(w: np.ndarray, bits: int) -> np.ndarray:
     """Weights to fixed point with `bits` fractional bits, rounded half away from zero as C's (int)(v +- 0.5)."""
     out = np.empty(w.shape, dtype=np.int32)
-    step = max(1, CHUNK // max(1, w.shape[1]))
+    step = max(1, CHUNK // w.shape[1])  # w has at least one tap
     for a in range(0, len(w), step):
         v = w[a:a + step] * float(1 << bits)
         out[a:a + step] = np.where(v < 0, np.trunc(-0.5 + v), np.trunc(0.5 + v))
     return out
 
 
+def _pillow_taps(in_size: int, out_size: int) -> int:
+    """The taps of a side axis() makes: Pillow's ksize, from its scale (double)(float in) / out."""
+    return int(np.ceil(SUPPORT * max(float(np.float32(in_size)) / out_size, 1.0))) * 2 + 1
+
+
 def table_bytes(in_size: int, out_size: int) -> int:
-    """The bytes of one side's tables (int32 weights, first and count), 0 where the side keeps its size: what
-    resizing holds beside the image (1 x 20,000,000 pixels to its 8,000-token canvas: 323 MB)."""
+    """The bytes of one side's tables (Axis.nbytes), 0 where the side keeps its size: what resizing holds beside
+    the image (1 x 20,000,000 pixels to its 8,000-token canvas: 323 MB)."""
     if in_size == out_size or in_size < 1 or out_size < 1:
         return 0
-    taps = int(np.ceil(SUPPORT * max(float(np.float32(in_size)) / out_size, 1.0))) * 2 + 1  # as axis() makes them
-    return out_size * (taps + 2) * 4
+    return out_size * (_pillow_taps(in_size, out_size) + 2) * 4
 
 
 def pillow_refuses(in_size: int, out_size: int) -> bool:
@@ -120,9 +128,7 @@ def pillow_refuses(in_size: int, out_size: int) -> bool:
     out_size x taps, would pass INT_MAX bytes (a 68,000,000 x 1 image to 28 x 28 is; 66,000,000 x 1 is not)."""
     if in_size == out_size or in_size < 1 or out_size < 1:
         return False
-    scale = float(np.float32(in_size)) / out_size
-    ksize = int(np.ceil(SUPPORT * max(scale, 1.0))) * 2 + 1
-    return out_size > (2**31 - 1) // (ksize * 8)
+    return out_size > (2**31 - 1) // (_pillow_taps(in_size, out_size) * 8)
 
 
 def axis(in_size: int, out_size: int) -> Axis:
@@ -219,8 +225,7 @@ def _cached(make):
                 kept.move_to_end(args)
                 return kept[args][0]
         tables = make(*args)
-        size = sum(a.first.nbytes + a.count.nbytes + a.weights.nbytes
-                   for a in (tables.horizontal, tables.vertical) if a is not None)
+        size = sum(a.nbytes for a in (tables.horizontal, tables.vertical) if a is not None)
         with lock:
             if size <= CACHE_BYTES and args not in kept:
                 kept[args] = (tables, size)

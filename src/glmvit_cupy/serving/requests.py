@@ -238,19 +238,16 @@ def default_limits(capacity: int) -> tuple[int, int]:
 def _limits(lo, hi, capacity: int) -> tuple[int, int]:
     """(min, max image tokens) a request gives (None: the default), checked, or Refused (400)."""
     default_lo, default_hi = default_limits(capacity)
-    lo_default, hi_default = lo is None, hi is None
+    # A limit not given is the server's default: a refused order says which, so that the client gives it.
+    notes = tuple("" if v is not None else " (the server's default: give it)" for v in (lo, hi))
     try:
         lo, hi = check_token_limits(default_lo if lo is None else lo, default_hi if hi is None else hi,
                                     ordered=False)
+        if lo > capacity:
+            raise Refused(400, f"min_image_tokens = {lo} exceeds the server's capacity of {capacity} tokens per pass")
+        lo, hi = check_token_limits(lo, hi, notes=notes)
     except ValueError as e:
         raise Refused(400, str(e)) from None
-    if lo > capacity:
-        raise Refused(400, f"min_image_tokens = {lo} exceeds the server's capacity of {capacity} tokens per pass")
-    if lo > hi:  # a limit not given is the server's default: the message says which, so that the client gives it
-        note = " (the server's default: give it)"
-        raise Refused(400, f"min_image_tokens={lo}{note if lo_default else ''} is above max_image_tokens={hi}"
-                           f"{note if hi_default else ''}: an image is resized to between the two, so the minimum "
-                           "must not exceed the maximum")
     if hi > capacity:
         raise Refused(400, f"max_image_tokens = {hi} exceeds the server's capacity of {capacity} tokens per pass")
     return lo, hi
