@@ -230,6 +230,44 @@ def test_calls_from_one_thread_share_one_connection_and_a_closed_one_is_replaced
         server.close()
 
 
+def test_a_kept_connection_reset_at_the_next_request_is_replaced():
+    """A server that has closed a kept connection with unread bytes, or aborts it, answers the next request on it
+    with a reset (RST), not an end (FIN): the request was never answered, so it goes again once, on a new
+    connection. A connection reset at its first request is not retried: the error is the caller's."""
+    import struct
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            seen.append([])
+            with conn:
+                while conn.recv(65536):
+                    seen[-1].append(1)
+                    if len(seen[-1]) == 2 or len(seen) == 3:  # the kept connection's second request; a third one's first
+                        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        break  # closed with linger 0: a reset
+                    conn.sendall(b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n{"status":"ok"}')
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        client = Client(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=10)
+        assert client.health() == {"status": "ok"} and client.health() == {"status": "ok"}
+        assert [len(c) for c in seen] == [2, 1]  # the reset request went again, once, on a new connection
+        client._local.conn.close()
+        with pytest.raises(ConnectionResetError):
+            client.health()
+        assert [len(c) for c in seen] == [2, 1, 1]
+    finally:
+        listener.close()
+
+
 def test_a_plain_http_proxy_gets_the_whole_url(monkeypatch):
     server = _Counting()
     try:

@@ -222,7 +222,7 @@ class Client:
             except (http.client.HTTPException, OSError) as e:
                 if sent is not None and not isinstance(e, http.client.RemoteDisconnected):
                     raise sent from None
-                if kept and isinstance(e, http.client.RemoteDisconnected):  # a failed send too, unanswered
+                if kept and isinstance(e, _STALE):  # closed (FIN) or reset (RST) before any answer: unanswered
                     conn.close()
                     return self._exchange(method, path, data, headers)  # nothing was answered: once more
                 raise
