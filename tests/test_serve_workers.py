@@ -16,6 +16,8 @@ pytest.importorskip("uvicorn", reason="the serve extra is not installed")
 from tests.test_serve import TOWER, png, start, videos_beside_images  # noqa: E402
 
 from glmvit_cupy import bind_tower, preprocess_video, reference  # noqa: E402
+from glmvit_cupy.errors import ServerError  # noqa: E402
+from glmvit_cupy.serving.shares import Shares  # noqa: E402
 from glmvit_cupy.backend import Backend  # noqa: E402
 from glmvit_cupy.preprocessing.image import prepare_canvas  # noqa: E402
 
@@ -114,13 +116,30 @@ def test_workers_answer_bit_equal_to_the_reference_and_metrics_sum_every_process
 
 
 @needs_proc
-def test_a_killed_worker_is_replaced_and_the_server_keeps_answering(tmp_path):
+def test_a_killed_worker_is_replaced_and_the_server_keeps_answering(tmp_path, monkeypatch):
+    """The pixels in flight are the server's: while each worker's row holds half of them, either worker refuses
+    a request (429); a worker killed is replaced, and what it held is free again."""
+    short = tmp_path / "t"
+    short.mkdir()
+    monkeypatch.setenv("TMPDIR", str(short))
     proc, client = start(tmp_path, "--workers", 2)
     try:
         first = wait_for(lambda: len(workers_of(proc)) == 2 and workers_of(proc), 10, "two workers")
-        victim = min(first)
-        os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: victim not in workers_of(proc) and len(workers_of(proc)) == 2, 15, "a new worker")
+        (folder,) = short.iterdir()
+        half = 2**28 // 2  # --max-pixels-in-flight's default, half held by each worker
+        with Shares(str(folder / "shares")) as held:
+            for slot in range(held.slots):
+                held.take(slot, 0, half, 2**28)
+            for k in range(4):  # whichever worker the kernel gives each connection to
+                with pytest.raises(ServerError, match="268,435,456 of the 268,435,456 pixels the server holds") as e:
+                    client.encode([png(40, 50, 9 + k)])
+                assert e.value.status == 429
+            victim = min(first)
+            os.kill(victim, signal.SIGKILL)
+            wait_for(lambda: victim not in workers_of(proc) and len(workers_of(proc)) == 2, 15, "a new worker")
+            assert sorted(held.own(slot, 0) for slot in range(held.slots)) == [0, half]
+            for slot in range(held.slots):
+                held.give(slot, 0, held.own(slot, 0))
         for k in range(8):  # whichever worker the kernel gives each connection to
             embs, meta = client.encode([png(40, 40 + 14 * k, 60 + k)])
             assert embs[0].shape == (meta[0]["tokens"], 256) and np.isfinite(embs[0].astype(np.float32)).all()

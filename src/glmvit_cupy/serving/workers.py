@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import shutil
@@ -26,7 +27,7 @@ import threading
 import time
 import warnings
 
-from . import wire
+from . import shares, wire
 from .http_server import DRAIN
 from .metrics import multiprocess_into
 
@@ -155,12 +156,15 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
         return 2, False
     engine.start_loading()
     settings.cache_mib = args.cache_mib / args.workers
+    settings.shares = os.path.join(folder, "shares")  # the pixels and bodies in flight, held server-wide
+    shares.create(settings.shares, args.workers)
     context = multiprocessing.get_context("spawn")
     spawned: dict = {}  # worker slot -> when its process was last started
 
     def spawn(i: int):
         p = context.Process(target=worker_main, name=f"glmvit-serve-worker-{i}",
-                            args=(sock, path, args, settings, max_connections, backlog, os.getpid()))
+                            args=(sock, path, args, dataclasses.replace(settings, slot=i), max_connections, backlog,
+                                  os.getpid()))
         p.start()
         spawned[i] = time.monotonic()
         return p
@@ -231,6 +235,7 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
                 elif time.monotonic() - spawned[i] >= 1.0:  # at most one start a second a slot
                     log(f"HTTP worker {p.pid} ended ({_ended(p)}): starting another")
                     multiprocess.mark_process_dead(p.pid)
+                    shares.clear(settings.shares, i)  # what it held in flight is free again
                     workers[i] = spawn(i)
                     replaced.add(workers[i].pid)
             if early and replaced & engine.started:
