@@ -465,7 +465,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         data = bytes(held.pop())
         if not data:
             raise Refused(400, "the body is empty: send one image file (or JSON, as application/json)", 0)
-        if _JSON_START.match(data):  # no image format starts so: a JSON request sent as a file
+        # A JSON request sent as a file, unless Pillow reads an image's header there: a TGA has no magic
+        # number, and its first byte (the length of its ID field) may be "{" or "[".
+        if _JSON_START.match(data) and header_size(data)[0] == 0:
             raise Refused(415, "the body is JSON, sent as an image file: send JSON as application/json", 0)
         return [data], [vllm_ec.key_of(data)]
 
