@@ -2,6 +2,7 @@
 engine process answer as one process does, bit for bit, with /metrics summed over every process; a
 killed worker is replaced, SIGTERM drains them all, a killed server takes its workers with it."""
 
+import contextlib
 import os
 import signal
 import time
@@ -299,6 +300,56 @@ def test_one_sigterm_to_the_whole_group_drains_as_one_to_the_server():
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def listeners(pids, port: int) -> dict:
+    """{pid: whether it holds the socket listening on `port`} (from /proc/net/tcp and each /proc/PID/fd)."""
+    inode = None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+                    inode = fields[9]
+    held = {}
+    for pid in pids:
+        try:
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:
+            links = set()
+        held[pid] = inode is not None and f"socket:[{inode}]" in links
+    return held
+
+
+@needs_proc
+def test_a_drain_refuses_new_connections_once_the_last_worker_stops_accepting(tmp_path):
+    """The server process lets go of the listening socket as it tells the workers to drain: once the last worker
+    has closed its copy, a new connection is refused at once, even while the workers are still ending (here
+    frozen by SIGSTOP), instead of being queued until the server exits and then reset."""
+    import socket
+
+    proc, client = launch_alone("--workers", 2)
+    port = int(client.url.rsplit(":", 1)[1])
+    frozen = set()
+    try:
+        workers = wait_for(lambda: len(workers_of(proc)) == 2 and workers_of(proc), 10, "two workers")
+        assert all(listeners([proc.pid, *workers], port).values())
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while frozen != workers and time.monotonic() < deadline:  # each worker frozen once it stops listening
+            for pid, holds in listeners(workers - frozen, port).items():
+                if not holds:
+                    os.kill(pid, signal.SIGSTOP)
+                    frozen.add(pid)
+            time.sleep(0.001)
+        assert frozen == workers and not listeners([proc.pid], port)[proc.pid]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        assert proc.wait(30) == 0
 
 
 @needs_proc

@@ -245,6 +245,11 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
                 engine.release()
             if told and all(p.exitcode is not None for p in workers):
                 break
+            if told and sock.fileno() != -1:
+                # No worker is started any more: the workers' copies alone keep the socket listening, so the last
+                # one to stop accepting closes it, and a new connection is refused, not queued until this process
+                # exits and then reset.
+                sock.close()
             if drain_ends is not None and time.monotonic() > drain_ends:
                 stuck = [p for p in workers if p.exitcode is None]
                 log(f"HTTP workers {', '.join(str(p.pid) for p in stuck)} still running "
