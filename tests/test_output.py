@@ -521,7 +521,7 @@ def test_a_read_only_lock_file_says_to_make_it_writable(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("bad", ["relative/a.png", "", "b'a' b'c'", "b'/x' # c", "b'rel'", None, b"/x",
-                                 "b''+" + "-" * 200_000 + "1"])
+                                 "b''+" + "-" * 200_000 + "1", "/x\0y", repr(b"/x\0y")])
 def test_key_path_refuses_what_image_key_never_gives(bad):
     from glmvit_cupy.output import key_path
 
@@ -544,6 +544,20 @@ def test_read_embeddings_of_no_folder_is_an_output_error(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(OutputError, match="is not a folder"):
         read_embeddings(str(tmp_path / "f"))
+    with pytest.raises(TypeError, match="folder is a NoneType, not a path"):
+        read_embeddings(None)
+
+
+def test_read_embeddings_takes_a_folder_as_str_bytes_or_path(tmp_path):
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=0)
+    out.add_batch(batch(["/img/a", "/img/b"]))
+    out.flush()
+    manifest, embs = read_embeddings(folder)
+    assert sorted(embs) == ["/img/a", "/img/b"]
+    for same in (os.fsencode(folder), tmp_path / "o"):
+        m, e = read_embeddings(same)
+        assert m == manifest and all(np.array_equal(e[k].view(np.uint16), embs[k].view(np.uint16)) for k in embs)
 
 
 @pytest.mark.parametrize("tensor", [np.array(1.0, np.float32), np.zeros((3, 7), ml_dtypes.bfloat16),

@@ -266,6 +266,22 @@ def test_bad_image_file_requests(server, body, kind, query, status, says, index)
     assert got == status and says in err["error"] and err["index"] == index, err
 
 
+@pytest.mark.parametrize("id_length", [ord("{"), ord("[")])
+def test_a_tga_whose_first_byte_opens_json_is_an_image_file(server, tower, rng, id_length):
+    """A TGA has no magic number: its first byte is its ID field's length, which may read as JSON's "{" or "[".
+    Sent as the body it is the image Pillow reads, not a JSON request sent as a file."""
+    from glmvit_cupy.client import _bf16_tensors as load
+
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8)).save(buf, format="TGA",
+                                                                             id_section=b"x" * id_length)
+    data = buf.getvalue()
+    assert data[:1] == bytes([id_length])
+    got, raw = post(server[0], data, "image/x-tga", "?max_image_tokens=80")
+    assert got == 200, raw
+    assert np.array_equal(load(raw)["0"].view(np.uint16), reference_bf16(tower, data, max_image_tokens=80).view(np.uint16))
+
+
 def test_base64_as_clients_send_it_and_null_limits(server, tower, rng):
     """Wrapped lines (the base64 tool's 76 columns), the URL-safe alphabet and a data URL are the same
     image; a limit given as null is its default."""

@@ -2,6 +2,7 @@
 engine process answer as one process does, bit for bit, with /metrics summed over every process; a
 killed worker is replaced, SIGTERM drains them all, a killed server takes its workers with it."""
 
+import contextlib
 import os
 import signal
 import time
@@ -16,6 +17,8 @@ pytest.importorskip("uvicorn", reason="the serve extra is not installed")
 from tests.test_serve import TOWER, png, start, videos_beside_images  # noqa: E402
 
 from glmvit_cupy import bind_tower, preprocess_video, reference  # noqa: E402
+from glmvit_cupy.errors import ServerError  # noqa: E402
+from glmvit_cupy.serving.shares import Shares  # noqa: E402
 from glmvit_cupy.backend import Backend  # noqa: E402
 from glmvit_cupy.preprocessing.image import prepare_canvas  # noqa: E402
 
@@ -114,13 +117,30 @@ def test_workers_answer_bit_equal_to_the_reference_and_metrics_sum_every_process
 
 
 @needs_proc
-def test_a_killed_worker_is_replaced_and_the_server_keeps_answering(tmp_path):
+def test_a_killed_worker_is_replaced_and_the_server_keeps_answering(tmp_path, monkeypatch):
+    """The pixels in flight are the server's: while each worker's row holds half of them, either worker refuses
+    a request (429); a worker killed is replaced, and what it held is free again."""
+    short = tmp_path / "t"
+    short.mkdir()
+    monkeypatch.setenv("TMPDIR", str(short))
     proc, client = start(tmp_path, "--workers", 2)
     try:
         first = wait_for(lambda: len(workers_of(proc)) == 2 and workers_of(proc), 10, "two workers")
-        victim = min(first)
-        os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: victim not in workers_of(proc) and len(workers_of(proc)) == 2, 15, "a new worker")
+        (folder,) = short.iterdir()
+        half = 2**28 // 2  # --max-pixels-in-flight's default, half held by each worker
+        with Shares(str(folder / "shares")) as held:
+            for slot in range(held.slots):
+                held.take(slot, 0, half, 2**28)
+            for k in range(4):  # whichever worker the kernel gives each connection to
+                with pytest.raises(ServerError, match="268,435,456 of the 268,435,456 pixels the server holds") as e:
+                    client.encode([png(40, 50, 9 + k)])
+                assert e.value.status == 429
+            victim = min(first)
+            os.kill(victim, signal.SIGKILL)
+            wait_for(lambda: victim not in workers_of(proc) and len(workers_of(proc)) == 2, 15, "a new worker")
+            assert sorted(held.own(slot, 0) for slot in range(held.slots)) == [0, half]
+            for slot in range(held.slots):
+                held.give(slot, 0, held.own(slot, 0))
         for k in range(8):  # whichever worker the kernel gives each connection to
             embs, meta = client.encode([png(40, 40 + 14 * k, 60 + k)])
             assert embs[0].shape == (meta[0]["tokens"], 256) and np.isfinite(embs[0].astype(np.float32)).all()
@@ -280,6 +300,56 @@ def test_one_sigterm_to_the_whole_group_drains_as_one_to_the_server():
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def listeners(pids, port: int) -> dict:
+    """{pid: whether it holds the socket listening on `port`} (from /proc/net/tcp and each /proc/PID/fd)."""
+    inode = None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+                    inode = fields[9]
+    held = {}
+    for pid in pids:
+        try:
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:
+            links = set()
+        held[pid] = inode is not None and f"socket:[{inode}]" in links
+    return held
+
+
+@needs_proc
+def test_a_drain_refuses_new_connections_once_the_last_worker_stops_accepting(tmp_path):
+    """The server process lets go of the listening socket as it tells the workers to drain: once the last worker
+    has closed its copy, a new connection is refused at once, even while the workers are still ending (here
+    frozen by SIGSTOP), instead of being queued until the server exits and then reset."""
+    import socket
+
+    proc, client = launch_alone("--workers", 2)
+    port = int(client.url.rsplit(":", 1)[1])
+    frozen = set()
+    try:
+        workers = wait_for(lambda: len(workers_of(proc)) == 2 and workers_of(proc), 10, "two workers")
+        assert all(listeners([proc.pid, *workers], port).values())
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while frozen != workers and time.monotonic() < deadline:  # each worker frozen once it stops listening
+            for pid, holds in listeners(workers - frozen, port).items():
+                if not holds:
+                    os.kill(pid, signal.SIGSTOP)
+                    frozen.add(pid)
+            time.sleep(0.001)
+        assert frozen == workers and not listeners([proc.pid], port)[proc.pid]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        assert proc.wait(30) == 0
 
 
 @needs_proc

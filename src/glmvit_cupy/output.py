@@ -88,7 +88,7 @@ def key_path(key: str) -> str:
         except (ValueError, SyntaxError, MemoryError, RecursionError):
             raw = None
         path = os.fsdecode(raw) if isinstance(raw, bytes) and repr(raw) == key else None
-    if not isinstance(path, str) or not os.path.isabs(path):
+    if not isinstance(path, str) or not os.path.isabs(path) or "\0" in path:  # no path holds a NUL
         raise ValueError(f"{quoted(key)} is not a key glmvit-encode writes: a resolved absolute path, or b'...', the "
                          "repr() of one's bytes")
     return path
@@ -621,6 +621,10 @@ def read_embeddings(folder) -> tuple[dict, dict]:
     import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: safetensors.numpy needs it to read the shards)
     from safetensors.numpy import load_file
 
+    if not isinstance(folder, (str, bytes, os.PathLike)):
+        raise TypeError(f"read_embeddings: folder is a {type(folder).__name__}, not a path (str, bytes or "
+                        "os.PathLike): give the folder glmvit-encode wrote (its --out)")
+    folder = os.fsdecode(folder)  # bytes too (a name that is not UTF-8): the keys and shards' names are str
     if not os.path.isdir(folder):
         raise OutputError(f"{shown(folder)}: " + ("is not a folder" if os.path.lexists(folder) else "no such folder") +
                           "; give the folder glmvit-encode wrote (its --out)")

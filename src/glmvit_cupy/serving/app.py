@@ -87,6 +87,8 @@ class Settings:
     decode_workers: int = 8
     vllm_ec_dir: str | None = None
     weights: str | None = None      # the tower's fingerprint (TowerBinding.fingerprint), set at load for vllm_ec
+    shares: str | None = None       # with HTTP workers: the file of the server-wide budgets (shares.py)
+    slot: int = 0                   # and this worker's row in it
 
 
 # The scope of the request an endpoint is answering (its tasks inherit it): where its hold on the bodies in
@@ -142,8 +144,15 @@ def create_app(load_backend, settings: Settings) -> Starlette:
     # the large-image rule keeps a thread free for.
     off_process = OffProcess(settings.decode_workers)
     state["off_process"] = off_process  # main ends its processes on a second signal
-    budget = Budget(settings.max_pixels_in_flight)
-    bodies = Budget(int(settings.max_bodies_in_flight_mib * 2**20))  # bytes of bodies held by requests
+    budget_bytes = int(settings.max_bodies_in_flight_mib * 2**20)  # bytes of bodies held by requests
+    if settings.shares is None:
+        budget, bodies = Budget(settings.max_pixels_in_flight), Budget(budget_bytes)
+    else:  # with HTTP workers both are the server's, held across its workers (POSIX: flock)
+        from .shares import Shares, SharedBudget
+
+        held = Shares(settings.shares)
+        budget = SharedBudget(held, settings.slot, "pixels", settings.max_pixels_in_flight)
+        bodies = SharedBudget(held, settings.slot, "bodies", budget_bytes)
     limit = settings.max_pixels if settings.max_pixels is not None else Image.MAX_IMAGE_PIXELS
     flights = Flights(cache, lambda: state["batcher"])  # content being encoded now, by key
 
@@ -218,7 +227,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         if state["batcher"] is not None:
             metrics.queue.set(state["batcher"].depth)
         metrics.cache_bytes.set(cache.bytes)
-        metrics.pixels.set(budget.used)
+        metrics.pixels.set(budget.own)  # the gauge sums every worker's
 
     if metrics.shared:  # with HTTP workers, /metrics reads every worker's gauges: set on each tick (http_server.py)
         state["gauges"] = gauges
@@ -456,7 +465,9 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         data = bytes(held.pop())
         if not data:
             raise Refused(400, "the body is empty: send one image file (or JSON, as application/json)", 0)
-        if _JSON_START.match(data):  # no image format starts so: a JSON request sent as a file
+        # A JSON request sent as a file, unless Pillow reads an image's header there: a TGA has no magic
+        # number, and its first byte (the length of its ID field) may be "{" or "[".
+        if _JSON_START.match(data) and header_size(data)[0] == 0:
             raise Refused(415, "the body is JSON, sent as an image file: send JSON as application/json", 0)
         return [data], [vllm_ec.key_of(data)]
 

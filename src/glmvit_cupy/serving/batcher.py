@@ -516,6 +516,10 @@ class Budget:
     def give(self, n: int) -> None:
         self.used -= n
 
+    @property
+    def own(self) -> int:  # what this process holds: all of it (shares.SharedBudget's differs)
+        return self.used
+
 
 @dataclass(eq=False)
 class _Decode:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import shutil
@@ -26,7 +27,7 @@ import threading
 import time
 import warnings
 
-from . import wire
+from . import shares, wire
 from .http_server import DRAIN
 from .metrics import multiprocess_into
 
@@ -155,12 +156,15 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
         return 2, False
     engine.start_loading()
     settings.cache_mib = args.cache_mib / args.workers
+    settings.shares = os.path.join(folder, "shares")  # the pixels and bodies in flight, held server-wide
+    shares.create(settings.shares, args.workers)
     context = multiprocessing.get_context("spawn")
     spawned: dict = {}  # worker slot -> when its process was last started
 
     def spawn(i: int):
         p = context.Process(target=worker_main, name=f"glmvit-serve-worker-{i}",
-                            args=(sock, path, args, settings, max_connections, backlog, os.getpid()))
+                            args=(sock, path, args, dataclasses.replace(settings, slot=i), max_connections, backlog,
+                                  os.getpid()))
         p.start()
         spawned[i] = time.monotonic()
         return p
@@ -231,6 +235,7 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
                 elif time.monotonic() - spawned[i] >= 1.0:  # at most one start a second a slot
                     log(f"HTTP worker {p.pid} ended ({_ended(p)}): starting another")
                     multiprocess.mark_process_dead(p.pid)
+                    shares.clear(settings.shares, i)  # what it held in flight is free again
                     workers[i] = spawn(i)
                     replaced.add(workers[i].pid)
             if early and replaced & engine.started:
@@ -240,6 +245,11 @@ async def _serve(args, sock, settings, load_backend, max_connections, backlog, w
                 engine.release()
             if told and all(p.exitcode is not None for p in workers):
                 break
+            if told and sock.fileno() != -1:
+                # No worker is started any more: the workers' copies alone keep the socket listening, so the last
+                # one to stop accepting closes it, and a new connection is refused, not queued until this process
+                # exits and then reset.
+                sock.close()
             if drain_ends is not None and time.monotonic() > drain_ends:
                 stuck = [p for p in workers if p.exitcode is None]
                 log(f"HTTP workers {', '.join(str(p.pid) for p in stuck)} still running "
