@@ -7,6 +7,9 @@
 // MMAs keep the tensor cores busy. Registers move from the producer to the consumers (setmaxnreg).
 // S = Q K^T reads Q and K from 128B-swizzled shared memory (wgmma SS); O += P V takes P from
 // registers (wgmma RS) and V transposed from shared memory. Layouts and grid as attention_sm80.cu.
+// A segment of up to split_keys keys (one 448 x 448 image: 1,024) runs in query tiles of half the
+// rows, its K/V tiles shared out between two halves of the consumers, which merge O at the end: a
+// lone short segment then still has NC warpgroups an SM to hide the softmax behind.
 //
 // Why 4 consumer warpgroups of 64-key tiles: at head dim 64 the softmax's exps (MUFU, 16 a clock
 // per SM) cost as many clocks as the MMAs, and each SM sub-partition hides the latency of one

@@ -90,9 +90,10 @@ def padded_head_dim(d: int) -> int:
 SM80_HEAD_DIMS = range(4, 257, 4)
 
 
-# The H200's measured choices (docs/PERFORMANCE.md): four consumer warpgroups are fastest on long
-# segments and on batches of short ones; two on a lone short segment, where 256-row tiles leave SMs
-# idle. Both run the same operations on each row, so they give the same bits (tested): batching
+# The H200's measured choices (docs/PERFORMANCE.md): four consumer warpgroups, with a short segment's
+# keys split between their two halves (SPLIT_KEYS_SM90), on long segments, batches of short ones and a
+# lone short one alike; two where 256-row tiles would leave many SMs idle in the last wave (some lone
+# segments past the split). Both run the same operations on each row, so they give the same bits (tested): batching
 # images never changes an embedding. The _fixed pair drops the softmax's running max: 1.08x faster than
 # the online pair, which keeps it lazily (softmax.cuh; 16k keys on an H100: 624 against 580 TFLOP/s,
 # `python benchmarks/bench_kernels.py --attention-only`), at the same error against float64 (2.3e-3);
@@ -198,8 +199,9 @@ def check_variant(name, head_dim: int, compute_capability: str, score_bound: flo
 def pick_variant(names, seq_lens, heads: int, sms: int) -> str:
     """The variant with the least estimated time on these segments: waves of CTAs (one CTA per SM,
     as their shared memory allows) times the mean CTA's work (its padded query rows x its keys) over
-    the variant's speed. 1,024 keys x 16 heads: 64 CTAs of 256 rows (half a wave) against 128 of
-    128 rows, so two warpgroups win; at 4,096 keys and past, or 16 segments of 1,024, four do."""
+    the variant's speed. 1,024 keys x 16 heads, split: 128 CTAs of 128 rows and 4 warpgroups (one
+    wave) against 256 of 64 rows and 2 (two waves), so four warpgroups win; past the split, 1,536
+    keys: 96 CTAs of 256 rows against 192 of 128, and four win again."""
     def cost(name):
         v = VARIANTS[name]
         rows = [v.tile_rows(int(n)) for n in seq_lens]
