@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
 
     const auto [h, s0, s1, q0, ld] = query_tile(cu, tile_seg, tile_q0, heads, D);
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-    const int ntiles = (s1 - s0 + BNW - 1) / BNW;
+    const int keys = s1 - s0, ntiles = (keys + BNW - 1) / BNW;  // (a lambda cannot capture s0, s1)
     // A segment of up to split_keys keys splits its keys between two halves of the consumers: its
     // query tile is BM / 2 rows, warpgroups wg and wg + NC / 2 share 64 of them, the first takes the
     // even K/V tiles and the second the odd ones, and the two merge O at the end. So a lone short
@@ -236,11 +236,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
         int i = 0;
         if constexpr (ONLINE) {
             for (; first + i * stride < ntiles - 1; ++i) step(first + i * stride, i, BNW);
-            if (first + i * stride == ntiles - 1) step(ntiles - 1, i++, s1 - (s0 + (ntiles - 1) * BNW));
+            if (first + i * stride == ntiles - 1) step(ntiles - 1, i++, keys - (ntiles - 1) * BNW);
         } else {  // not peeled: peeling costs the fixed-offset kernels 3-7% (docs/PERFORMANCE.md)
             for (; first + i * stride < ntiles; ++i) {
                 const int it = first + i * stride;
-                step(it, i, s1 - (s0 + it * BNW));
+                step(it, i, keys - it * BNW);
             }
         }
         if (i < steps) pass();
