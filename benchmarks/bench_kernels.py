@@ -181,7 +181,7 @@ def bench_attention():
             qkv, o = rnd((n, 3 * H), BF), rnd((n, H), BF)  # q, k, v where the engine has them: the QKV output
             q, k, val = qkv[:, :H], qkv[:, H:2 * H], qkv[:, 2 * H:]
             cu_h = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-            ts, tq = (cupy.asarray(a) for a in tiles(cu_h, v.rows, v.split_keys))
+            ts, tq = (cupy.asarray(a) for a in tiles(cu_h, v.rows))
             cu = cupy.asarray(cu_h)
             ms = kernel_ms(lambda: ops.flash_attention(v, q, k, val, o, cu, ts, tq, 16))
             fl = 4 * sum(x * x for x in lens) * H

@@ -7,9 +7,6 @@
 // MMAs keep the tensor cores busy. Registers move from the producer to the consumers (setmaxnreg).
 // S = Q K^T reads Q and K from 128B-swizzled shared memory (wgmma SS); O += P V takes P from
 // registers (wgmma RS) and V transposed from shared memory. Layouts and grid as attention_sm80.cu.
-// A segment of up to split_keys keys (one 448 x 448 image: 1,024) runs in query tiles of half the
-// rows, its K/V tiles shared out between two halves of the consumers, which merge O at the end: a
-// lone short segment then still has NC warpgroups an SM to hide the softmax behind.
 //
 // Why 4 consumer warpgroups of 64-key tiles: at head dim 64 the softmax's exps (MUFU, 16 a clock
 // per SM) cost as many clocks as the MMAs, and each SM sub-partition hides the latency of one
@@ -62,16 +59,11 @@ __device__ __forceinline__ void load_tile_sw(unsigned char* s, const bf16* g, in
     }
 }
 
-template <bool B>
-struct Flag {
-    static constexpr bool value = B;
-};
-
 template <int NC, int STAGES, bool ONLINE = true>
 __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                                   bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
                                   const int* __restrict__ tile_q0, int heads, int ldi, float scale_log2,
-                                  int split_keys, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
+                                  const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                                   const __grid_constant__ TmaMap tv) {
     constexpr int D = 64, BNW = 64, BM = 64 * NC, TILE = BNW * 128;
     static_assert(BM <= 256, "Q comes in one TMA box, and a box has at most 256 rows");
@@ -86,21 +78,14 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
 
     const auto [h, s0, s1, q0, ld] = query_tile(cu, tile_seg, tile_q0, heads, D);
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-    const int keys = s1 - s0, ntiles = (keys + BNW - 1) / BNW;  // (a lambda cannot capture s0, s1)
-    // A segment of up to split_keys keys splits its keys between two halves of the consumers: its
-    // query tile is BM / 2 rows, warpgroups wg and wg + NC / 2 share 64 of them, the first takes the
-    // even K/V tiles and the second the odd ones, and the two merge O at the end. So a lone short
-    // segment still puts NC warpgroups on each SM it reaches. The choice depends on the segment
-    // alone, so a row's bits do not depend on the batch or the variant.
-    const bool split = NC % 2 == 0 && s1 - s0 <= split_keys;
-    const int consumers = split ? NC / 2 : NC;  // warpgroups that read each K/V slot
+    const int ntiles = (s1 - s0 + BNW - 1) / BNW;
 
     if (threadIdx.x == 0) {
         mbar_init(qbar, 1);
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) {
             mbar_init(full0 + 8 * i, 1);
-            mbar_init(empty0 + 8 * i, consumers * 4);
+            mbar_init(empty0 + 8 * i, NC * 4);
         }
     }
     __syncthreads();
@@ -141,14 +126,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
     const int g = lane >> 2, t = lane & 3;
     const int turn = 1 + wg, next = 1 + (wg + 1) % NC;  // named barriers 1..NC: whose turn to issue
     const int vote = 1 + NC + wg;                         // NC + 1..2 NC: the lazy softmax's votes
-    const int rb = split ? wg % (NC / 2) : wg;            // this warpgroup's 64 rows of the query tile
-    const int half = split ? wg / (NC / 2) : 0;          // its K/V tiles: half, half + 2, ... if split
-    const int steps = split ? (ntiles + 1) / 2 : ntiles;  // turns each warpgroup takes (tiles or passes)
-    const int row0 = q0 + rb * 64 + warp * 16 + g;        // this thread's rows: row0 and row0 + 8
+    const int row0 = q0 + wg * 64 + warp * 16 + g;        // this thread's rows: row0 and row0 + 8
     const bool live0 = row0 < s1, live1 = row0 + 8 < s1;
     if (NC > 1 && wg == NC - 1) named_arrive(1, 256);    // warpgroup 0 goes first
     mbar_wait(qbar, 0);
-    const unsigned long long dq = sw128_desc(sQ + rb * 64 * 128);
+    const unsigned long long dq = sw128_desc(sQ + wg * 64 * 128);
 
     float acc[32];
     float s[BNW / 2];
@@ -174,8 +156,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
     // running max it is a step of its own: in the loop kvalid is the constant BNW and the masking
     // compiles away (left to a runtime test, nvcc predicates it into 32 FSEL and their compares on
     // every tile, which costs the online kernels 1-2%).
-    // Step i of this warpgroup on K/V tile it. The last warpgroup's last step hands no turn on.
-    auto step = [&](int it, int i, int kvalid) __attribute__((always_inline)) {
+    auto step = [&](int it, int kvalid) __attribute__((always_inline)) {
         const int st = it % STAGES;
         mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
         // A partial tile's V came by cp.async (the generic proxy); wgmma reads through the async one.
@@ -184,7 +165,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
         wgmma_fence();
         issue_s(st);
         wgmma_commit();
-        if (NC > 1 && !(wg == NC - 1 && i == steps - 1)) named_arrive(next, 256);
+        if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
         wgmma_wait0();
         if constexpr (ONLINE) {
             // Past the first tile, lazily (softmax_tile_lazy): a warp keeps its offsets unless a live
@@ -195,7 +176,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
             // bit, depends on the segment alone. Voting per warp rather than per warpgroup: 1.5-2% on
             // sm90_4wg and 4-8% on sm90_2wg (docs/PERFORMANCE.md).
             float r0, r1;
-            const bool lazy = i > 0 && __all_sync(0xffffffffu, softmax_tile_lazy<BNW>(s, m0, m1, r0, r1, kvalid, t,
+            const bool lazy = it > 0 && __all_sync(0xffffffffu, softmax_tile_lazy<BNW>(s, m0, m1, r0, r1, kvalid, t,
                                                                                           scale_log2, live0, live1));
             if (lazy) {
                 l0 += r0;
@@ -203,83 +184,28 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
                 pack_p<BNW>(s, pa);
             }
             if (!named_all(vote, 128, lazy)) {
-                if (i > 0) {
+                if (it > 0) {
                     wgmma_fence();
                     issue_s(st);
                     wgmma_commit();
                     wgmma_wait0();
                 }
-                if (!lazy) softmax_tile<BNW, 32, true>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, i > 0);
+                if (!lazy) softmax_tile<BNW, 32, true>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, it > 0);
             }
         } else {
             softmax_tile<BNW, 32, false>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, false);
         }
         wgmma_fence();
-        issue_pv(st, i > 0);
+        issue_pv(st, it > 0);
         wgmma_commit();
         wgmma_wait0();
         if (lane == 0) mbar_arrive(empty0 + 8 * st);  // both wgmmas that read the slot are done
     };
-    // A split segment's odd half has one tile fewer when ntiles is odd: it takes that turn empty-handed,
-    // so every warpgroup takes `steps` turns.
-    auto pass = [&]() {
-        if (NC > 1) {
-            named_sync(turn, 256);
-            if (wg != NC - 1) named_arrive(next, 256);
-        }
-    };
-    // The loop over this warpgroup's tiles, compiled apart for split segments (tiles half, half + 2,
-    // ...) and whole ones (0, 1, ...), so the whole segments' loop is the same code as without splits.
-    auto run = [&](auto split_c) __attribute__((always_inline)) {
-        constexpr int stride = decltype(split_c)::value ? 2 : 1;
-        const int first = stride == 2 ? half : 0;
-        int i = 0;
-        if constexpr (ONLINE) {
-            for (; first + i * stride < ntiles - 1; ++i) step(first + i * stride, i, BNW);
-            if (first + i * stride == ntiles - 1) step(ntiles - 1, i++, keys - (ntiles - 1) * BNW);
-        } else {  // not peeled: peeling costs the fixed-offset kernels 3-7% (docs/PERFORMANCE.md)
-            for (; first + i * stride < ntiles; ++i) {
-                const int it = first + i * stride;
-                step(it, i, keys - it * BNW);
-            }
-        }
-        if (i < steps) pass();
-    };
-    if (split)
-        run(Flag<true>{});
-    else
-        run(Flag<false>{});
-    if (split) {
-        // The odd half hands its O, offsets and row sums over through shared memory (thread-major:
-        // conflict-free), and the even half rescales both to the larger offset and adds them.
-        float* x = reinterpret_cast<float*>(sV + STAGES * TILE) + rb * (36 * 128) + (threadIdx.x & 127);
-        const int merged = 1 + 2 * NC + rb;  // named barriers 2 NC + 1..2 NC + NC / 2
-        if (half == 1) {
-            if (ntiles > 1) {
-#pragma unroll
-                for (int j = 0; j < 32; ++j) x[j * 128] = acc[j];
-                x[32 * 128] = m0, x[33 * 128] = m1, x[34 * 128] = l0, x[35 * 128] = l1;
-            }
-            named_arrive(merged, 256);
-            return;
-        }
-        named_sync(merged, 256);
-        if (ntiles > 1) {
-            float a0 = 1.f, a1 = 1.f, b0 = 1.f, b1 = 1.f;
-            if constexpr (ONLINE) {
-                const float n0 = fmaxf(m0, x[32 * 128]), n1 = fmaxf(m1, x[33 * 128]);
-                a0 = ex2(m0 - n0), a1 = ex2(m1 - n1), b0 = ex2(x[32 * 128] - n0), b1 = ex2(x[33 * 128] - n1);
-            }
-            l0 = l0 * a0 + x[34 * 128] * b0;
-            l1 = l1 * a1 + x[35 * 128] * b1;
-#pragma unroll
-            for (int j = 0; j < 32; j += 4) {
-                acc[j] = acc[j] * a0 + x[j * 128] * b0;
-                acc[j + 1] = acc[j + 1] * a0 + x[(j + 1) * 128] * b0;
-                acc[j + 2] = acc[j + 2] * a1 + x[(j + 2) * 128] * b1;
-                acc[j + 3] = acc[j + 3] * a1 + x[(j + 3) * 128] * b1;
-            }
-        }
+    if constexpr (ONLINE) {
+        for (int it = 0; it < ntiles - 1; ++it) step(it, BNW);
+        step(ntiles - 1, s1 - (s0 + (ntiles - 1) * BNW));
+    } else {  // not peeled: peeling costs the fixed-offset kernels 3-7% (docs/PERFORMANCE.md)
+        for (int it = 0; it < ntiles; ++it) step(it, s1 - (s0 + it * BNW));
     }
     store_o<64>(o, acc, l0, l1, row0, s1, ld, h * D, t);
 }

@@ -1,6 +1,5 @@
 """Each kernel in cuda/ against a NumPy float32 reference, with poisoned outputs and fresh random inputs."""
 
-import dataclasses
 import math
 
 import ml_dtypes
@@ -14,8 +13,7 @@ cupy = gpu_or_skip()
 
 from glmvit_cupy import KernelError  # noqa: E402
 from glmvit_cupy.engine import gemm_sm90, ops  # noqa: E402
-from glmvit_cupy.engine.attention import (FIXED_OFFSET_LIMIT, SPLIT_KEYS_SM90, VARIANTS,  # noqa: E402
-                                          default_variants, tiles)
+from glmvit_cupy.engine.attention import FIXED_OFFSET_LIMIT, VARIANTS, default_variants, tiles  # noqa: E402
 from glmvit_cupy.engine.gemm import gemm  # noqa: E402
 from glmvit_cupy.engine.kernels import kernel  # noqa: E402
 
@@ -345,7 +343,7 @@ def run_attention(lengths, heads=16, d=64, variant=None, sample=None, packed=Tru
     v = VARIANTS[variant or default_variants(d, cupy.cuda.Device().compute_capability)[0]]
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     n = int(cu[-1])
-    tile_seg, tile_q0 = tiles(cu, v.rows, v.split_keys)
+    tile_seg, tile_q0 = tiles(cu, v.rows)
     q, k, val = (rng.standard_normal((n, heads, d), dtype=np.float32).astype(BF) for _ in range(3))
     q = (q.astype(np.float32) * 2).astype(BF)  # peakier softmax than unit scores
     o = poison((n, heads * d))
@@ -373,8 +371,7 @@ ATTN_TOL = 3e-3
 
 
 @pytest.mark.parametrize("variant", D64)
-@pytest.mark.parametrize("lengths", [[1], [7], [63], [64], [65], [129], [1000], [1, 7, 63, 64, 65, 1000],
-                                     [SPLIT_KEYS_SM90, SPLIT_KEYS_SM90 + 1]])
+@pytest.mark.parametrize("lengths", [[1], [7], [63], [64], [65], [1000], [1, 7, 63, 64, 65, 1000]])
 def test_attention_small_segments(lengths, variant):
     assert run_attention(lengths, variant=variant) <= ATTN_TOL
 
@@ -429,7 +426,7 @@ def test_attention_idle_tiles_write_nothing(variant):
     v, heads = VARIANTS[variant], 4
     cu = np.array([0, 300, 317, 767], np.int32)
     q, k, val = (dev(rng.standard_normal((1024, heads * 64), dtype=np.float32).astype(BF) * 2) for _ in range(3))
-    seg, q0 = tiles(cu, v.rows, v.split_keys)
+    seg, q0 = tiles(cu, v.rows)
     outs = []
     for pad in (0, 29):
         o = poison((1024, heads * 64))
@@ -461,7 +458,7 @@ def test_attention_fixed_offset_at_its_limit(variant):
     q, k, val = q.astype(BF), k.astype(BF), rng.standard_normal((n, heads, d)).astype(BF)
     s_log2 = np.einsum("nhd,mhd->hnm", q[:300].astype(np.float64), k[:300].astype(np.float64)) * math.log2(math.e) / 8
     assert 0.95 * FIXED_OFFSET_LIMIT < np.abs(s_log2).max() <= FIXED_OFFSET_LIMIT  # the edge is reached
-    tile_seg, tile_q0 = tiles(cu, v.rows, v.split_keys)
+    tile_seg, tile_q0 = tiles(cu, v.rows)
     o = poison((n, heads * d))
     ops.flash_attention(v, dev(q.reshape(n, -1)), dev(k.reshape(n, -1)), dev(val.reshape(n, -1)), o, dev(cu),
                         dev(tile_seg), dev(tile_q0), heads)
@@ -471,19 +468,15 @@ def test_attention_fixed_offset_at_its_limit(variant):
     assert rel(got, ref) <= ATTN_TOL
 
 
-@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("variant", D64)
-def test_attention_reads_nothing_past_its_segment(variant, split):
+def test_attention_reads_nothing_past_its_segment(variant):
     """Tiles that straddle a segment's end see other rows: the next segment's, or a token budget's stale
     padding, which may hold anything. NaN there (q, k and v) must change no bit of any real row: keys
     past the end are masked, and V past it must come as zeros (0 * NaN is NaN). 300 and 317 end
-    segments mid-tile for 64-key tiles and for every query-tile height; with the Hopper kernels'
-    split of short segments' keys, and without it."""
+    segments mid-tile for 64-key tiles and for every query-tile height."""
     v, heads, n = VARIANTS[variant], 4, 1024
-    if not split:
-        v = dataclasses.replace(v, split_keys=0)
     cu = np.array([0, 300, 317, 767], np.int32)
-    seg, q0 = tiles(cu, v.rows, v.split_keys)
+    seg, q0 = tiles(cu, v.rows)
     base = [rng.standard_normal((n, heads * 64), dtype=np.float32).astype(BF) * 2 for _ in range(3)]
     outs = []
     for poisoned in (None, slice(767, n), slice(300, 317)):
@@ -516,10 +509,9 @@ def growing_scores(n, heads, jumps, d=64):
 
 
 def attend(name, q, k, val, cu, heads):
-    """One launch of variant `name` (a name, or a Variant) on q, k, v [n, heads, d]; o as stored."""
-    v = VARIANTS[name] if isinstance(name, str) else name
+    v = VARIANTS[name]
     n = q.shape[0]
-    tile_seg, tile_q0 = tiles(cu, v.rows, v.split_keys)
+    tile_seg, tile_q0 = tiles(cu, v.rows)
     o = poison((n, heads * q.shape[2]))
     ops.flash_attention(v, *(dev(a.reshape(n, -1)) for a in (q, k, val)), o, dev(cu), dev(tile_seg),
                         dev(tile_q0), heads)
@@ -544,8 +536,7 @@ def test_attention_online_follows_scores_that_grow(variant):
 @pytest.mark.skipif(not SM90, reason="GPU test: the lazy softmax is the sm_90a kernels'")
 @pytest.mark.parametrize("variant", [name for name in D64 if VARIANTS[name].arch == "sm90" and VARIANTS[name].online])
 def test_attention_online_tiles_past_the_first_are_lazy(variant):
-    """Shows the lazy step runs: where every score of a segment's first two tiles is 0 (their keys are
-    0; each is the first of one half where a segment's keys are split, as 700 are and 1,300 are not),
+    """Shows the lazy step runs: where every score of a segment's first tile is 0 (its keys are 0),
     the running max starts at 0, and while later scores stay within 16 log2 units a lazy tile computes
     exactly what the kernel without a running max does, bit for bit. An exact step on any later tile
     would move the offset to that tile's positive max and change the bits."""
@@ -554,7 +545,7 @@ def test_attention_online_tiles_past_the_first_are_lazy(variant):
     n = int(cu[-1])
     q, k, val = (rng.standard_normal((n, heads, 64)) for _ in range(3))
     for s0 in cu[:-1]:
-        k[s0:s0 + 128] = 0.0  # the first tile of each half of a split segment's keys, and the next
+        k[s0:s0 + 64] = 0.0
     q, k, val = (0.7 * q).astype(BF), k.astype(BF), val.astype(BF)
     s_log2 = np.einsum("nhd,mhd->hnm", q[:700].astype(np.float64), k[:700].astype(np.float64)) * math.log2(math.e) / 8
     assert 2.0 < s_log2.max() < 12.0  # later tiles rise above the first's 0, within the lazy limit
@@ -568,7 +559,7 @@ def test_attention_online_tiles_past_the_first_are_lazy(variant):
 def test_attention_online_votes_per_warp(variant):
     """Each warp votes on its own 16 rows: where one warp of every warpgroup must take the exact step
     and the other three need not, those three stay lazy. As in the test above, the segments' first
-    two tiles have zero keys, so a lazy row equals the kernel without a running max bit for bit; the warp
+    tiles have zero keys, so a lazy row equals the kernel without a running max bit for bit; the warp
     whose q is large (scores 20+ log2 units above the first tile's) moves its offsets and matches
     float64. A vote per warpgroup would drag the lazy rows into the exact step and change their bits."""
     heads, lengths = 4, [700, 1300]
@@ -578,7 +569,7 @@ def test_attention_online_votes_per_warp(variant):
     rows = np.arange(n) - np.repeat(cu[:-1], lengths)  # a row's place in its segment
     sharp = (rows // 16) % 4 == 1                      # the second warp of every warpgroup
     for s0 in cu[:-1]:
-        k[s0:s0 + 128] = 0.0  # the first tile of each half of a split segment's keys, and the next
+        k[s0:s0 + 64] = 0.0
     q = np.where(sharp[:, None, None], 6.0, 0.7) * q
     q, k, val = q.astype(BF), k.astype(BF), val.astype(BF)
     s_log2 = np.einsum("nhd,mhd->hnm", q[:700].astype(np.float64), k[:700].astype(np.float64)) * math.log2(math.e) / 8
@@ -606,32 +597,6 @@ def test_default_variants_agree_bit_for_bit():
         for qkv in (random, growing) if VARIANTS[names[0]].online else (random,):
             outs = [attend(name, *qkv, cu, heads).view(np.uint16) for name in names]
             assert all(np.array_equal(outs[0], x) for x in outs[1:]), names
-
-
-@pytest.mark.skipif(not SM90, reason="GPU test: the split of a short segment's keys is the sm_90a kernels'")
-@pytest.mark.parametrize("variant", [name for name in D64 if VARIANTS[name].arch == "sm90"])
-def test_attention_split_segments_merge_both_halves(variant):
-    """A segment of up to split_keys keys has its even and odd K/V tiles taken by two warpgroups that
-    merge O at the end; a longer one is not split. Against the same kernel with no split: the short
-    segments' bits change (the split runs) and the long one's do not, and both match float64. Scores
-    jump 40 log2 units in tile 3 of the 700-key segment, so with the running max its halves' offsets
-    differ by ~40 and the merge's rescale decides the result (an unscaled sum would weigh the even half
-    2^40 too much), and 40 then 25 in later tiles of the long one. 700 keys: 11 tiles, the odd half
-    takes one turn without a tile; 64: one tile, the odd half has none."""
-    heads, lengths = 4, [700, 64, SPLIT_KEYS_SM90 + 300]
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    n = int(cu[-1])
-    q, k, val = growing_scores(n, heads, {3: 40.0, (764 // 64) + 5: 40.0, (764 // 64) + 8: 25.0})
-    v = VARIANTS[variant]
-    split = attend(v, q, k, val, cu, heads)
-    whole = attend(dataclasses.replace(v, split_keys=0), q, k, val, cu, heads)
-    short, long = slice(0, 764), slice(764, n)
-    assert not np.array_equal(split[short].view(np.uint16), whole[short].view(np.uint16))
-    assert np.array_equal(split[long].view(np.uint16), whole[long].view(np.uint16))
-    ref = attention_ref(*(a.astype(np.float64) for a in (q, k, val)), cu, np.arange(n))
-    for got in (split, whole):
-        got = got.astype(np.float32).reshape(q.shape)
-        assert np.isfinite(got).all() and rel(got, ref) <= ATTN_TOL
 
 
 @pytest.mark.parametrize("d", [32, 128])

@@ -50,10 +50,7 @@ def test_every_kernel_file_opens_with_its_napkin_math():
 def test_variant_table_derives_entries_and_sizes():
     v = VARIANTS["sm90_4wg"]
     assert v.entry == "flash_fwd_sm90<4, 4>" and v.rows == 256 and v.threads == 640
-    # Q, 4 K and V slots, alignment, and the odd warpgroups' O, offsets and sums that a split hands over
-    assert v.shared_bytes == 256 * 128 + 4 * 2 * 64 * 128 + 1024 + 2 * 128 * 36 * 4
-    assert v.split_keys == 1024 and v.min_rows == 128 and v.tile_rows(1024) == 128 and v.tile_rows(1025) == 256
-    assert VARIANTS["sm80_d64"].split_keys == 0 and VARIANTS["sm80_d64"].tile_rows(1) == 64
+    assert v.shared_bytes == 256 * 128 + 4 * 2 * 64 * 128 + 1024
     assert VARIANTS["sm90_2wg"].entry == "flash_fwd_sm90<2, 4>"
     assert VARIANTS["sm80_d128"].entry == "flash_fwd_sm80<128, 4>"
     assert VARIANTS["sm80_d64"].shared_bytes == (64 + 4 * 64) * 72 * 2
@@ -177,13 +174,11 @@ def test_good_attention_variants_pass():
 
 
 def test_attention_variant_per_shape():
-    """Four warpgroups, at every length (132 SMs, 16 heads)."""
+    """A lone short segment takes 128-row tiles; long ones, and batches of short ones, 256-row tiles
+    (132 SMs, 16 heads)."""
     both = default_variants(64, "90")
-    # 1,024 keys, split: 8 tiles of 128 rows x 16 heads = 128 CTAs of 4 warpgroups, against 256 CTAs
-    # (two waves) of 2.
-    assert pick_variant(both, [1024], 16, 132) == "sm90_4wg"
-    # 1,536 keys, not split: 6 x 16 = 96 CTAs of 256 rows (one wave) against 12 x 16 = 192 of 128 (two).
-    assert pick_variant(both, [1536], 16, 132) == "sm90_4wg"
+    # 1,024 keys: 1024 / 256 = 4 tiles x 16 heads = 64 CTAs, 68 of 132 SMs idle; 8 x 16 = 128 fill them.
+    assert pick_variant(both, [1024], 16, 132) == "sm90_2wg"
     # 16 segments of 1,024: 1,024 CTAs (8 waves) against 2,048 (16 waves) of half the rows.
     assert pick_variant(both, [1024] * 16, 16, 132) == "sm90_4wg"
     # 32,000 keys: 125 x 16 = 2,000 CTAs (16 waves) against 250 x 16 = 4,000 (31 waves) of half the rows.
@@ -195,8 +190,6 @@ def test_tiles_cover_every_segment_row_once():
     cu = [0, 1, 193, 193 + 500]
     seg, q0 = tiles(cu, 192)
     assert seg.tolist() == [0, 1, 2, 2, 2] and q0.tolist() == [0, 1, 193, 385, 577]
-    seg, q0 = tiles(cu, 192, split_keys=192)  # segments of up to 192 keys in tiles of 96 rows
-    assert seg.tolist() == [0, 1, 1, 2, 2, 2] and q0.tolist() == [0, 1, 97, 193, 385, 577]
 
 
 def test_budgets_hold_their_batch_with_at_most_a_quarter_padding():

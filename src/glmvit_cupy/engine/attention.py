@@ -14,9 +14,6 @@ import numpy as np
 
 KEYS_PER_TILE_SM90 = 64   # K/V tile rows of attention_sm90.cu (its BNW)
 KEYS_PER_TILE_SM80 = 64   # and of attention_sm80.cu (its BN)
-# attention_sm90.cu splits the keys of a segment of up to this many between two halves of its
-# consumer warpgroups, in query tiles of half the rows (a 448 x 448 image is 1,024 patches).
-SPLIT_KEYS_SM90 = 1024
 
 
 @dataclass(frozen=True)
@@ -26,9 +23,7 @@ class Variant:
     sm90 (attention_sm90.cu, Hopper only, head dim 64): `warpgroups` consumer warpgroups of 64 query
     rows plus one producer, `stages` K/V slots. sm80 (attention_sm80.cu, any sm_80+): `warps` warps
     of 16 query rows. `speed`: TFLOP/s on long segments (the fixed pair's measured on the H200, the
-    online pair's on an H100), which the per-shape choice weighs within a pair. `split_keys` (sm90): a
-    segment of up to this many keys has its keys split between two halves of the warpgroups, in tiles
-    of rows / 2 query rows."""
+    online pair's on an H100), which the per-shape choice weighs within a pair."""
 
     name: str
     arch: str                 # "sm90" or "sm80"
@@ -38,7 +33,6 @@ class Variant:
     warps: int = 0
     speed: float = 1.0
     online: bool = True       # sm90: False, P = exp2(S * scale) with no running max (score_bound_log2)
-    split_keys: int = 0
 
     @property
     def module(self) -> str:
@@ -56,27 +50,16 @@ class Variant:
         return 64 * self.warpgroups if self.arch == "sm90" else 16 * self.warps
 
     @property
-    def min_rows(self) -> int:
-        """Query rows of the smallest tile: what bounds a batch's tile count."""
-        return self.rows // 2 if self.split_keys else self.rows
-
-    def tile_rows(self, keys: int) -> int:
-        """Query rows per tile of a segment of this many keys."""
-        return self.rows // 2 if keys <= self.split_keys else self.rows
-
-    @property
     def threads(self) -> int:
         return 128 * (self.warpgroups + 1) if self.arch == "sm90" else 32 * self.warps
 
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory: sm90, the Q tile and `stages` K and V tiles of 64-key rows of 128 bytes,
-        128B-swizzled from a 1024-byte boundary (+1024 to align), and where segments split, the odd half's
-        O (32 floats a thread), offsets and row sums (4) that it hands over; sm80, Q and two K and V tiles
-        in rows padded by 8 bf16 (ldmatrix's banks)."""
+        128B-swizzled from a 1024-byte boundary (+1024 to align); sm80, Q and two K and V tiles in rows padded
+        by 8 bf16 (ldmatrix's banks)."""
         if self.arch == "sm90":
-            handover = self.warpgroups // 2 * 128 * 36 * 4 if self.split_keys else 0
-            return self.rows * 128 + self.stages * 2 * KEYS_PER_TILE_SM90 * 128 + 1024 + handover
+            return self.rows * 128 + self.stages * 2 * KEYS_PER_TILE_SM90 * 128 + 1024
         return (self.rows + 4 * KEYS_PER_TILE_SM80) * (padded_head_dim(self.head_dim) + 8) * 2
 
 
@@ -90,10 +73,9 @@ def padded_head_dim(d: int) -> int:
 SM80_HEAD_DIMS = range(4, 257, 4)
 
 
-# The H200's measured choices (docs/PERFORMANCE.md): four consumer warpgroups, with a short segment's
-# keys split between their two halves (SPLIT_KEYS_SM90), on long segments, batches of short ones and a
-# lone short one alike; two where 256-row tiles would leave many SMs idle in the last wave (some lone
-# segments past the split). Both run the same operations on each row, so they give the same bits (tested): batching
+# The H200's measured choices (docs/PERFORMANCE.md): four consumer warpgroups are fastest on long
+# segments and on batches of short ones; two on a lone short segment, where 256-row tiles leave SMs
+# idle. Both run the same operations on each row, so they give the same bits (tested): batching
 # images never changes an embedding. The _fixed pair drops the softmax's running max: 1.08x faster than
 # the online pair, which keeps it lazily (softmax.cuh; 16k keys on an H100: 624 against 580 TFLOP/s,
 # `python benchmarks/bench_kernels.py --attention-only`), at the same error against float64 (2.3e-3);
@@ -101,12 +83,10 @@ SM80_HEAD_DIMS = range(4, 257, 4)
 # FIXED_OFFSET_LIMIT). The online pair's speeds are the H100's, the fixed pair's the H200's: the
 # choice only weighs a pair against itself.
 VARIANTS = {v.name: v for v in (
-    Variant("sm90_4wg", "sm90", 64, warpgroups=4, stages=4, speed=580.0, split_keys=SPLIT_KEYS_SM90),
-    Variant("sm90_2wg", "sm90", 64, warpgroups=2, stages=4, speed=374.0, split_keys=SPLIT_KEYS_SM90),
-    Variant("sm90_4wg_fixed", "sm90", 64, warpgroups=4, stages=4, speed=590.0, online=False,
-            split_keys=SPLIT_KEYS_SM90),
-    Variant("sm90_2wg_fixed", "sm90", 64, warpgroups=2, stages=4, speed=445.0, online=False,
-            split_keys=SPLIT_KEYS_SM90),
+    Variant("sm90_4wg", "sm90", 64, warpgroups=4, stages=4, speed=580.0),
+    Variant("sm90_2wg", "sm90", 64, warpgroups=2, stages=4, speed=374.0),
+    Variant("sm90_4wg_fixed", "sm90", 64, warpgroups=4, stages=4, speed=590.0, online=False),
+    Variant("sm90_2wg_fixed", "sm90", 64, warpgroups=2, stages=4, speed=445.0, online=False),
 )} | {f"sm80_d{d}": Variant(f"sm80_d{d}", "sm80", d, warps=4) for d in SM80_HEAD_DIMS}
 CHOICES = ", ".join(k for k, v in VARIANTS.items() if v.arch == "sm90") + \
     f", sm80_d<head dim> (a multiple of 4 up to {SM80_HEAD_DIMS[-1]})"  # what errors list
@@ -199,27 +179,23 @@ def check_variant(name, head_dim: int, compute_capability: str, score_bound: flo
 def pick_variant(names, seq_lens, heads: int, sms: int) -> str:
     """The variant with the least estimated time on these segments: waves of CTAs (one CTA per SM,
     as their shared memory allows) times the mean CTA's work (its padded query rows x its keys) over
-    the variant's speed. 1,024 keys x 16 heads, split: 128 CTAs of 128 rows and 4 warpgroups (one
-    wave) against 256 of 64 rows and 2 (two waves), so four warpgroups win; past the split, 1,536
-    keys: 96 CTAs of 256 rows against 192 of 128, and four win again."""
+    the variant's speed. 1,024 keys x 16 heads: 64 CTAs of 256 rows (half a wave) against 128 of
+    128 rows, so two warpgroups win; at 4,096 keys and past, or 16 segments of 1,024, four do."""
     def cost(name):
         v = VARIANTS[name]
-        rows = [v.tile_rows(int(n)) for n in seq_lens]
-        tiles = [-(-int(n) // r) for n, r in zip(seq_lens, rows)]
+        tiles = [-(-int(n) // v.rows) for n in seq_lens]
         ctas = sum(tiles) * heads
-        work = sum(t * r * int(n) for t, r, n in zip(tiles, rows, seq_lens)) * heads
+        work = sum(t * v.rows * int(n) for t, n in zip(tiles, seq_lens)) * heads
         return -(-ctas // sms) * (work / ctas) / v.speed
     return min(names, key=cost)
 
 
-def tiles(cu_seqlens: np.ndarray, rows: int, split_keys: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(segment, first query row) of every CTA's query tile of `rows` rows (rows / 2 in a segment of up
-    to split_keys keys, Variant.tile_rows): what the kernels' scheduler (cuda/attention_scheduler.cuh)
-    reads."""
+def tiles(cu_seqlens: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(segment, first query row) of every CTA's query tile of `rows` rows: what the kernels'
+    scheduler (cuda/attention_scheduler.cuh) reads."""
     seg, q0 = [], []
     for s in range(len(cu_seqlens) - 1):
-        a, b = int(cu_seqlens[s]), int(cu_seqlens[s + 1])
-        starts = range(a, b, rows // 2 if b - a <= split_keys else rows)
+        starts = range(int(cu_seqlens[s]), int(cu_seqlens[s + 1]), rows)
         seg.extend([s] * len(starts))
         q0.extend(starts)
     return np.array(seg, np.int32), np.array(q0, np.int32)

@@ -103,13 +103,12 @@ def meta_offsets(budget_patches: int, tiles: int, merge: int) -> tuple[int, ...]
     return tuple(offs)
 
 
-def meta(grid, budget_patches: int, rows: int, tiles: int, merge: int, split_keys: int = 0) -> np.ndarray:
+def meta(grid, budget_patches: int, rows: int, tiles: int, merge: int) -> np.ndarray:
     """A call's int32 meta for a plan of this budget and tile count: the real rows' positions (zeros past
-    them), segment bounds (the last repeated), the real tiles (then idle ones: segment -1); tiles of
-    `rows` query rows, rows / 2 in segments of up to split_keys keys (attention.tiles)."""
+    them), segment bounds (the last repeated), the real tiles (then idle ones: segment -1)."""
     seg_lens = [h * w for t, h, w in grid for _ in range(t)]  # each frame is its own attention segment
     cu = np.concatenate([[0], np.cumsum(seg_lens)]).astype(np.int32)
-    seg, q0 = attention.tiles(cu, rows, split_keys)
+    seg, q0 = attention.tiles(cu, rows)
     o = meta_offsets(budget_patches, tiles, merge)
     out = np.zeros(o[-1], np.int32)
     out[:2 * int(cu[-1])] = positions(grid, merge).reshape(-1)

@@ -228,7 +228,7 @@ def flash_attention(variant: Variant, q, k, v, o, cu_seqlens, tile_seg, tile_q0,
     """o = softmax(q k^T / sqrt(D)) v within each segment of cu_seqlens [S + 1]; q, k, v bf16 [N, heads * D]
     with one row stride (a 16-byte multiple, 8 for sm80 at a D that 8 does not divide: the engine's are
     column blocks of the QKV GEMM's output), o contiguous bf16 [N, heads * D]; one CTA per (query tile,
-    head), tiles from attention.tiles(cu, variant.rows, variant.split_keys)."""
+    head), tiles from attention.tiles(cu, variant.rows)."""
     shape, ld = o.shape, q.strides[0]
     align = 8 if variant.arch == "sm80" and variant.head_dim % 8 else 16  # bytes a copy moves (sm80: 8 or 16)
     if (any(a.shape != shape or a.strides != (ld, 2) or a.dtype != o.dtype or a.data.ptr % align for a in (q, k, v))
@@ -243,7 +243,6 @@ def flash_attention(variant: Variant, q, k, v, o, cu_seqlens, tile_seg, tile_q0,
     fn = attention_kernel(variant)
     args = (q, k, v, o, cu_seqlens, tile_seg, tile_q0, np.int32(heads), np.int32(ld // 2), scale_log2)
     if variant.arch == "sm90":  # its TMA producer reads Q, K and V through tensor maps
-        args += (np.int32(variant.split_keys), tensor_map(q, variant.rows), tensor_map(k, KEYS_PER_TILE_SM90),
-                 tensor_map(v, KEYS_PER_TILE_SM90))
+        args += (tensor_map(q, variant.rows), tensor_map(k, KEYS_PER_TILE_SM90), tensor_map(v, KEYS_PER_TILE_SM90))
     launch(f"flash attention ({variant.name})", flop, lambda: fn(
         (len(tile_q0), heads), (variant.threads,), args, shared_mem=variant.shared_bytes))

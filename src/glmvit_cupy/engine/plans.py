@@ -69,8 +69,8 @@ class PlanCache:
         seg_lens = [h * w for t, h, w in grid for _ in range(t)]
         b = budget(sum(seg_lens), self.capacity_patches)
         name = attention.pick_variant(self.variants, seg_lens, self.heads, self.sms)
-        v = attention.VARIANTS[name]
-        return b, name, tile_count(sum(-(-n // v.tile_rows(n)) for n in seg_lens), b, v.min_rows)
+        rows = attention.VARIANTS[name].rows
+        return b, name, tile_count(sum(-(-n // rows) for n in seg_lens), b, rows)
 
     def __contains__(self, grid) -> bool:
         return self.key(grid) in self._plans
@@ -99,13 +99,13 @@ class PlanCache:
         built if need be, nothing uploaded: for capturing its graph before any such batch comes."""
         frame = min(image_patches, budget_patches)
         name = attention.pick_variant(self.variants, [frame] * (budget_patches // frame), self.heads, self.sms)
-        return self._plan((budget_patches, name, standard_tiles(budget_patches, attention.VARIANTS[name].min_rows)))
+        return self._plan((budget_patches, name, standard_tiles(budget_patches, attention.VARIANTS[name].rows)))
 
     def ahead(self, budget_patches: int) -> list[Plan]:
         """The plans of this budget known before any batch (each variant's tile_counts_ahead), built if need
         be, nothing uploaded: a service captures their graphs at load."""
         return [self._plan((budget_patches, name, tiles)) for name in self.variants
-                for tiles in tile_counts_ahead(budget_patches, attention.VARIANTS[name].min_rows)]
+                for tiles in tile_counts_ahead(budget_patches, attention.VARIANTS[name].rows)]
 
     def _plan(self, key) -> Plan:
         """The plan of this key, built on first use; the least recently used dropped past `size`."""
@@ -123,8 +123,7 @@ class PlanCache:
         hit = self._grids.get(g)
         if hit is None:
             key = self.key(g)
-            v = attention.VARIANTS[key[1]]
-            hit = (key, meta(g, key[0], v.rows, key[2], self.merge, v.split_keys),
+            hit = (key, meta(g, key[0], attention.VARIANTS[key[1]].rows, key[2], self.merge),
                    4 * sum(h * w * h * w * t for t, h, w in g) * self.hidden)
             self._grids[g] = hit
             while len(self._grids) > self.GRIDS:
