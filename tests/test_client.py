@@ -43,6 +43,18 @@ def test_bytes_arrays_and_frames_are_named_by_kind(monkeypatch, rng):
     assert e.value.source is None and str(e.value) == "HTTP 422: the queue is full"
 
 
+def test_no_images_or_a_missing_file_are_refused_naming_them(tmp_path, monkeypatch):
+    """An empty list is refused before anything is sent, in the caller's terms (not the wire's base64); a
+    path that does not open names the image's place in the list and the path."""
+    monkeypatch.setattr(Client, "_exchange", Answer())
+    for call in (lambda: Client().encode([]), lambda: Client().encode_video(())):
+        with pytest.raises(ValueError, match=r"(images|videos): none given; give one or more"):
+            call()
+    with pytest.raises(FileNotFoundError, match=r"image 1: No such file or directory: '.*nope\.jpg'") as e:
+        Client().encode([b"abcd", tmp_path / "nope.jpg"])
+    assert e.value.filename == str(tmp_path / "nope.jpg")
+
+
 def test_a_path_that_is_not_a_regular_file_is_refused_unread(tmp_path, monkeypatch):
     """A FIFO would block the client forever, /dev/zero read without end: both refused by what they are,
     before anything is sent; an empty array names the image too."""

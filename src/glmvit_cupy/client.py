@@ -363,13 +363,16 @@ def _object(value) -> dict:
 
 
 def _listed(items, what: str, expected: str) -> list:
-    """items as a list, or ValueError naming what was given instead of a sequence."""
+    """items as a non-empty list, or ValueError naming what was given instead."""
     if isinstance(items, dict):  # its keys are no images
         raise ValueError(f"{what}: a dict is not {expected}, nor a sequence of them")
     try:
-        return list(items)
+        items = list(items)
     except TypeError:
         raise ValueError(f"{what}: {type(items).__name__} is not {expected}, nor a sequence of them") from None
+    if not items:
+        raise ValueError(f"{what}: none given; give one or more {expected}")
+    return items
 
 
 def _one_file(item) -> bool:
@@ -410,8 +413,13 @@ def _file_bytes(frame, what: str) -> bytes:
         from .files import open_regular
 
         # A regular file only: a FIFO would wait for a writer forever, a device such as /dev/zero read without end.
-        with open_regular(frame, what, error=OSError) as f:
-            frame = f.read()
+        try:
+            with open_regular(frame, what, error=OSError) as f:
+                frame = f.read()
+        except OSError as e:
+            if e.errno is None:  # open_regular's own, naming the path and `what` already
+                raise
+            raise type(e)(e.errno, f"{what}: {e.strerror}", os.fspath(frame)) from None
     elif hasattr(frame, "read"):  # a file object: the rest of it, from where it stands
         import io
 
