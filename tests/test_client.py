@@ -3,6 +3,7 @@
 import base64
 import io
 import json
+import os
 import re
 import socket
 
@@ -505,6 +506,56 @@ def test_informational_answers_before_the_final_one_are_read_past(close):
         assert client.health() == {"status": "ok"} and client.health() == {"status": "ok"}
     finally:
         server.close()
+
+
+def test_endless_informational_answers_are_an_oserror_not_a_wait():
+    """A server that sends 1xx answers without end would restart the read timeout with each: past
+    INFORMATIONAL_LIMIT of them the client gives up."""
+    from glmvit_cupy.client import INFORMATIONAL_LIMIT
+
+    server = _Junk(b"HTTP/1.1 103 Early Hints\r\nLink: </s.css>; rel=preload\r\n\r\n" * (INFORMATIONAL_LIMIT + 1))
+    try:
+        with pytest.raises(OSError, match=rf"sent {INFORMATIONAL_LIMIT} informational \(1xx\) answers and no final"):
+            Client(server.url, timeout=10).health()
+    finally:
+        server.close()
+
+
+def test_an_error_answer_of_json_nested_past_the_stack_is_a_server_error():
+    """json.loads raises RecursionError on JSON nested deeper than Python's stack: still a ServerError with the
+    answer's status and the start of its text."""
+    nested = b"[" * 100_000 + b"]" * 100_000
+    server = _Junk(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: %d\r\n\r\n" % len(nested) + nested)
+    try:
+        with pytest.raises(ServerError, match=r"HTTP 500: \[\[\[") as e:
+            Client(server.url, timeout=10).health()
+        assert e.value.status == 500
+    finally:
+        server.close()
+
+
+def test_a_kept_connection_past_descriptor_1023_is_checked_and_reused():
+    """Before a request the client checks whether its kept connection has anything to read; select() refuses
+    a descriptor past 1023, which any process with many files open gives its next socket."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open {hard} files; the test needs 1,200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200) if hard == resource.RLIM_INFINITY else
+                                                min(max(soft, 1200), hard), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    server = _Junk(b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n{"status":"ok"}')
+    try:
+        client = Client(server.url, timeout=10)
+        assert client.health() == {"status": "ok"}
+        assert client._local.conn.sock.fileno() > 1023
+        assert client.health() == {"status": "ok"}
+    finally:
+        server.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_an_encode_answered_with_no_safetensors_file_is_an_oserror():

@@ -186,7 +186,7 @@ class Client:
         try:
             err = json.loads(raw)
             error, index = err.get("error", ""), err.get("index")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested past Python's stack
             text = raw[:2000].decode(errors="replace")  # a proxy's page, say: its start says what it is
             raise ServerError(status, text + (f" ... ({len(raw):,} bytes in all)" if len(raw) > 2000 else ""),
                               None) from None
@@ -207,7 +207,7 @@ class Client:
         if getattr(local, "conn", None) is None or local.pid != os.getpid():
             local.conn, local.pid = self._connect(), os.getpid()
         conn = local.conn
-        if conn.sock is not None and select.select([conn.sock], [], [], 0)[0]:
+        if conn.sock is not None and _readable(conn.sock):
             conn.close()  # closed by the server while idle, or holding bytes nobody asked for: a new socket
         kept = conn.sock is not None  # a socket that served an earlier call (http.client opens one as needed)
         try:
@@ -287,11 +287,31 @@ class Client:
         return via + p.path.rstrip("/") + path
 
 
+INFORMATIONAL_LIMIT = 64  # 1xx answers read past before the final one; a proxy sends one or two
+
+
+def _readable(sock) -> bool:
+    """Whether a socket has anything to read now (or is closed): poll, not select, which refuses a
+    descriptor number past 1023 (a process with many files open)."""
+    if hasattr(select, "poll"):
+        p = select.poll()
+        p.register(sock, select.POLLIN)
+        return bool(p.poll(0))
+    return bool(select.select([sock], [], [], 0)[0])
+
+
 def _final(conn: http.client.HTTPConnection, r: http.client.HTTPResponse, method: str) -> http.client.HTTPResponse:
     """The final answer behind any informational ones (1xx but 101: 103 Early Hints from a proxy, say), which
     a client reads past (RFC 9110, 15.2); http.client itself reads past 100 Continue only. Each next answer
-    is read from the same buffered reader, which may hold its first bytes already."""
+    is read from the same buffered reader, which may hold its first bytes already. Past INFORMATIONAL_LIMIT of
+    them the server is not one to wait on (each one would restart the read timeout): OSError."""
+    seen = 0
     while 100 < r.status < 200 and r.status != 101:
+        seen += 1
+        if seen > INFORMATIONAL_LIMIT:
+            conn.close()
+            raise OSError(f"the server sent {INFORMATIONAL_LIMIT} informational (1xx) answers and no final one; is the "
+                          "URL right?")
         final = conn.response_class(conn.sock, method=method)
         final.fp, r.fp = r.fp, None  # the reader moves on: the 1xx answer, let go, must not close it
         final.begin()

@@ -93,8 +93,9 @@ def parser() -> argparse.ArgumentParser:
                     help="HTTP worker processes (default: half the CPUs, at most 8, on the GPU; 1 with --cpu). With "
                          "N > 1 the workers answer HTTP, decode and reply on N cores, and this process only runs the "
                          "engine; with 1, one process does both. Each worker holds its own "
-                         "--max-queue, --max-pixels-in-flight, --max-bodies-in-flight-mib, --max-connections and "
-                         "--decode-workers; --cache-mib is shared out between them")
+                         "--max-queue, --max-connections and --decode-workers; --max-pixels-in-flight and "
+                         "--max-bodies-in-flight-mib hold for the whole server, and --cache-mib is shared out "
+                         "between the workers")
     ap.add_argument("--vllm-ec-dir", default=None, metavar="DIR",
                     help="also write each embedding as DIR/<key>/encoder_cache.safetensors for vLLM (the key: the "
                          "image's sha256, with its token limits where they are not the defaults; docs/SERVING.md)")
