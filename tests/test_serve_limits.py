@@ -899,6 +899,43 @@ def test_a_slow_steady_reader_keeps_its_connection():
     assert "--reply-timeout" not in proc.stdout.read()
 
 
+def test_a_reply_left_under_the_high_water_mark_is_watched_too():
+    """A reply whose last bytes stay in the transport's buffer, under its high-water mark (the kernel's send
+    queue full of the rest), never pauses writing: the protocol watches it once the reply ends all the same,
+    and aborts the connection when its client took nothing for --reply-timeout; an empty buffer is not
+    watched."""
+    import asyncio
+
+    from glmvit_cupy.serving.http_server import _Counted, protocol
+
+    class Stuck:  # a client that reads nothing: 100 bytes stay unsent until the connection is aborted
+        aborted = False
+
+        def get_write_buffer_size(self):
+            return 0 if self.aborted else self.left
+
+        def get_extra_info(self, name):
+            return None
+
+        def abort(self):
+            self.aborted = True
+
+    loop = asyncio.new_event_loop()
+    try:
+        for left in (100, 0):
+            p = object.__new__(protocol(8, 5.0, None, reply_timeout=0.05))
+            stuck = Stuck()
+            stuck.left = left
+            p.loop, p.transport = loop, _Counted(stuck)
+            p.transport.written = 1000
+            p._watch_unsent()
+            assert (p.reply_timer is not None) == (left > 0)
+            loop.run_until_complete(asyncio.sleep(0.3))
+            assert stuck.aborted == (left > 0)
+    finally:
+        loop.close()
+
+
 def test_sigterm_lets_a_reply_being_read_finish():
     """SIGTERM while a client reads a 16 MiB reply at ~3 MB/s (64 KiB every 20 ms, ~5 s): the drain waits
     until the reply has left the server's buffers (more than the kernel's hold), so the client gets all of

@@ -69,10 +69,11 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
     deadline for each request's headers (408 and closed: uvicorn itself waits for them without end), and
     one for the rest of a body answered before it was read (body_timeout, max_body_bytes: then closed), and
     one for a reply the client stops reading: once writing pauses (the transport's buffer over its
-    high-water mark), a connection whose client took nothing more for reply_timeout seconds (bytes
-    written less _unsent) is aborted, which lets its reply go (a client that never reads would otherwise hold it, up to --max-reply-mib, for as long as it
-    stays connected, even past a close, which waits for the buffer to drain). A slow reader makes
-    progress and keeps its connection."""
+    high-water mark), or a reply ends with bytes left in that buffer, a connection whose client took nothing
+    more for reply_timeout seconds (bytes written less _unsent) is aborted, which lets its reply go (a client
+    that never reads would otherwise hold it, up to --max-reply-mib, for as long as it stays connected, even
+    past a close, which waits for the buffer to drain). A slow reader makes progress and keeps its
+    connection."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -135,6 +136,7 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
 
         def on_response_complete(self):
             super().on_response_complete()
+            self._watch_unsent()
             if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
                 # Answered before its body was read (/health, a 404, a refusal): uvicorn reads and drops the rest,
                 # restarting its keep-alive timer on each piece, however slow or long. The rest may take what
@@ -164,6 +166,13 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
         def pause_writing(self):
             super().pause_writing()
             if self.reply_timer is None:
+                self._watch_reply(None)
+
+        def _watch_unsent(self):
+            """A reply whose last bytes wait in the transport's buffer under its high-water mark (the kernel's
+            send queue full, pause_writing never called) is watched as a paused one is: a client that never
+            reads would otherwise hold it, and its room in --max-bodies-in-flight-mib, for good."""
+            if self.reply_timer is None and self.transport.get_write_buffer_size() > 0:
                 self._watch_reply(None)
 
         def _watch_reply(self, before):
