@@ -47,7 +47,7 @@ def test_a_file_gives_the_frames_the_array_path_samples(tmp_path, ext, codec, pi
     frames = clip(95)  # 95 frames at 30 fps: 3.17 s, ~6 sampled at 2 fps
     path = write(tmp_path / f"clip.{ext}", frames, codec=codec, pix=pix)
     fps = 95 / duration
-    assert video_files.probe(path) == (95, fps, duration)
+    assert video_files.probe(path) == (58, 42, 95, fps, duration)
     got, grid, info = plan_video(path, max_image_tokens=400)
     want, wgrid, winfo = plan_video(frames, fps=fps, duration=duration, max_image_tokens=400)
     assert grid == wgrid and info == winfo and len(got) == len(want)
@@ -167,7 +167,7 @@ def test_clips_read_as_the_reference_processor_reads_them(name):
     torchcodec's 15 / 0.5005), and the cover picture read as a 1-frame video (FFmpeg's best stream is the
     clip)."""
     want, path = CLIPS[name], GOLDEN / name
-    assert video_files.probe(path) == (want["frames"], want["fps"], want["duration"])
+    assert video_files.probe(path)[2:] == (want["frames"], want["fps"], want["duration"])
     frames, meta = video_files.load_video(path, lambda total, fps, duration: np.arange(total))
     got = np.stack(frames)
     assert list(got.shape) == want["shape"] and hashlib.sha256(got.tobytes()).hexdigest() == want["sha256"]
@@ -278,6 +278,49 @@ def test_a_callers_fps_or_duration_reads_a_file_whose_packets_span_no_time(tmp_p
     for duration in (float("nan"), float("inf")):  # the caller's duration is named, not the fps it gave none of
         with pytest.raises(ValueError, match=rf"duration={duration!r} is not a finite number of seconds"):
             preprocess_video(str(timed), duration=duration)
+
+
+def test_the_service_counts_a_file_whose_packets_span_no_time_as_it_reads_it(tmp_path):
+    """glmvit-serve admits a video against --max-pixels-in-flight by the pixels it will decode, read from its
+    container before decoding (decoding.video_pixels). A file whose packets span no time is read with the
+    request's fps or duration, so it is counted with them too, as the same frames timed are: not as 0."""
+    import fractions
+
+    from glmvit_cupy.preprocessing.image import REFERENCE
+    from glmvit_cupy.serving.decoding import video_pixels
+
+    untimed = write(tmp_path / "still.mkv", clip(20), fps=fractions.Fraction(10**9, 1)).read_bytes()
+    timed = write(tmp_path / "timed.mkv", clip(20), fps=2).read_bytes()
+    common = {"sample": True, "target_fps": 2, "max_frames": 2048, "max_duration": 0, "min_image_tokens": 16,
+              "max_image_tokens": 4096}
+
+    def held(data, fps=None, duration=None):
+        video = {"frames": None, "file": data, "fps": fps, "duration": duration}
+        return video_pixels(video, 0, common, 10**8, 10**9, REFERENCE)
+
+    assert held(untimed) == 0  # no timing: refused, saying why, when it is read
+    assert held(untimed, fps=2.0) == held(untimed, duration=10.0) == held(timed) > 20 * 42 * 58
+
+
+def test_a_frame_past_max_pixels_is_refused_before_it_is_decoded_though_not_sampled(tmp_path):
+    """A stream of 64x64 frames (its header's size, which the limits check) holding a 3000x3000 frame
+    between the sampled ones: FFmpeg refuses that frame before allocating it (max_pixels, set at open), so
+    it is never decoded in full; the refusal names the limit. The same file decodes under a limit it fits."""
+    from PIL import Image
+
+    def png(w, h):
+        buf = io.BytesIO()
+        Image.new("L", (w, h), 9).save(buf, "PNG")
+        return buf.getvalue()
+
+    small, large = png(64, 64), png(3000, 3000)
+    video = b"".join(small if i % 10 == 0 else large for i in range(21))  # a PNG pipe: images as frames
+    sampled = lambda total, fps, duration: np.array([0, 10, 20])  # noqa: E731
+    with pytest.raises(ImageError, match=r"failed at frame 1 .*a frame larger than the 1,000,000 pixels a decoded "
+                                         r"image may have \(max_pixels"):
+        video_files.load_video(video, sampled, fps=20.0, max_pixels=1_000_000)
+    frames, meta = video_files.load_video(video, sampled, fps=20.0, max_pixels=10_000_000)
+    assert [f.shape for f in frames] == [(64, 64, 3)] * 3 and meta["frames_indices"] == [0, 10, 20]
 
 
 def test_a_raw_elementary_stream_is_refused_saying_what_it_is(tmp_path):

@@ -36,7 +36,7 @@ def reference(path):
 
 
 def ours(path):
-    total, fps, duration = video_files.probe(path)
+    _, _, total, fps, duration = video_files.probe(path)
     frames, meta = video_files.load_video(path, lambda t, f, d: np.arange(t))
     return np.stack(frames), total, fps, duration
 

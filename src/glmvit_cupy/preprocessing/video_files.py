@@ -15,6 +15,7 @@ durations), torchcodec on another FFmpeg can differ too. HF's load_video(backend
 
 from __future__ import annotations
 
+import errno
 import io
 import math
 import numbers
@@ -68,6 +69,11 @@ def _open(source, name: str, max_pixels: int | None = None):
         raise ImageError(f"{name}: {label} has {stream.width}x{stream.height} frames, over the {limit:,} pixels a "
                          "decoded image may have (max_pixels, the images' decompression-bomb guard: the "
                          "commands' --max-pixels raises it)")
+    # And every frame it decodes, sampled or not, whatever its header declared: FFmpeg refuses a larger one
+    # before it allocates it (a stream of 64x64 frames can hold a 15000x15000 one). FFmpeg checks its own
+    # buffer's size, rows padded to up to 64 pixels: the slack keeps the declared size, within the limit, in.
+    slack = 64 * max(stream.width + stream.height, 16384)
+    stream.codec_context.options = {**stream.codec_context.options, "max_pixels": str(limit + slack)}
     return container
 
 
@@ -82,12 +88,17 @@ def _stream(container):
     return container.streams.best("video") or container.streams.video[0]
 
 
-def probe(source, name: str = "video", max_pixels: int | None = None) -> tuple[int, float, float]:
-    """(frames, fps, duration in seconds) of a video file's video stream (_stream), as the reference processor's
-    decoder reads them (torchcodec, seek_mode="exact"): a scan of the stream's packets, nothing decoded. Frames
-    over max_pixels (None: Pillow's limit) are refused as the decode refuses them."""
+def probe(source, name: str = "video", max_pixels: int | None = None, fps=None, duration=None
+          ) -> tuple[int, int, int, float | None, float]:
+    """(width, height, frames, fps, duration in seconds) of a video file's video stream (_stream), as the
+    reference processor's decoder reads them (torchcodec, seek_mode="exact"): a scan of the stream's packets,
+    nothing decoded. Frames over max_pixels (None: Pillow's limit) are refused as the decode refuses them. fps /
+    duration: a caller's, as load_video takes them: where one is given, packets that span no time are read
+    (fps None), as load_video reads them."""
     with _open(source, name, max_pixels) as container:
-        return _probe(container, _stream(container), source, name)
+        stream = _stream(container)
+        return (stream.width, stream.height,
+                *_probe(container, stream, source, name, _positive(fps) or _positive(duration)))
 
 
 def _probe(container, stream, source, name, timing_given: bool = False):
@@ -156,12 +167,12 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
             raise ImageError(f"{name}: its {unique} sampled frames have {unique * declared[0] * declared[1]:,} "
                              f"pixels, over the limit of {max_total_pixels:,} (the commands' --max-video-pixels); a shorter "
                              "or smaller video fits")
-        kept, decoded = _decode(container, stream, source, name, indices, declared)
+        kept, decoded = _decode(container, stream, source, name, indices, declared, max_pixels)
         if len(kept) < unique and decoded < total:  # the count was high: pick again from what is there
             total = decoded
             duration = total / fps if own_duration else duration
             indices = pick(total, fps, duration)
-            kept, _ = _decode(container, stream, source, name, indices, declared)
+            kept, _ = _decode(container, stream, source, name, indices, declared, max_pixels)
     missing = sorted(set(int(i) for i in indices) - set(kept))
     if missing:  # the file decodes differently from one pass to the next
         raise ImageError(f"{name}: decoding {_label(source)} gave no frame {missing[0]} of the {total} it has")
@@ -184,9 +195,10 @@ class VideoFile:
                           max_total_pixels=self.max_total_pixels, max_pixels=self.max_pixels)
 
 
-def _decode(container, stream, source, name, indices, declared) -> tuple[dict, int]:
+def _decode(container, stream, source, name, indices, declared, max_pixels) -> tuple[dict, int]:
     """({index: HxWx3 uint8} for the wanted indices that decoding reached, frames decoded), one sequential
-    pass from the start, stopping after the last wanted frame; each kept frame converted by _RGB."""
+    pass from the start, stopping after the last wanted frame; each kept frame converted by _RGB. max_pixels:
+    the frame limit _open gave FFmpeg (None: Pillow's), which an error names."""
     av = _av()
     wanted, kept, last, i = set(int(j) for j in indices), {}, int(indices[-1]), -1
     rgb = _RGB(av, name, source)
@@ -204,6 +216,11 @@ def _decode(container, stream, source, name, indices, declared) -> tuple[dict, i
             if i >= last:
                 break
     except (av.FFmpegError, OSError, ValueError) as e:
+        if getattr(e, "errno", None) == errno.EINVAL:  # as FFmpeg refuses a frame past max_pixels (_open)
+            limit = pillow_limit() if max_pixels is None else max_pixels
+            raise ImageError(f"{name}: decoding {_label(source)} failed at frame {i + 1} ({e}): a frame larger than "
+                             f"the {limit:,} pixels a decoded image may have (max_pixels, the commands' "
+                             "--max-pixels), or a damaged one") from None
         raise ImageError(f"{name}: decoding {_label(source)} failed after {i + 1} frames ({e})") from None
     if changed is not None and changed != first:
         raise ImageError(f"{name}: {_label(source)} changes its frame size mid-stream ({first[0]}x{first[1]} and "

@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import functools
 import io
+import math
 import multiprocessing
 import os
 import signal
@@ -150,20 +151,17 @@ def video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pi
     gets one entry per sampled frame that is an ICO file (counted at --max-pixels: its header may understate
     it)."""
     if video["file"] is not None:
-        try:
-            import av
-
-            from ..preprocessing.video_files import probe
-
-            with av.open(io.BytesIO(video["file"])) as c:
-                stream = c.streams.best("video") or c.streams.video[0]
-                w, h = stream.width, stream.height
-            total, file_fps, file_duration = probe(video["file"], f"video {index}", limit)  # the decode's limit
-        except Exception:  # noqa: BLE001
-            return 0
         fps, duration = video["fps"], video["duration"]
         try:
-            if duration is None:  # as load_video reads them
+            from ..preprocessing.video_files import probe
+
+            w, h, total, file_fps, file_duration = probe(video["file"], f"video {index}", limit, fps, duration)
+        except Exception:  # noqa: BLE001
+            return 0
+        try:  # as load_video reads them
+            if file_fps is None:  # packets spanning no time: the request's fps or duration stands for the file's
+                fps = fps if fps is not None and math.isfinite(fps) and fps > 0 else total / duration
+            if duration is None:
                 duration = file_duration if fps is None else total / fps
         except (ZeroDivisionError, TypeError):  # fps 0: refused, saying why, when the video is read
             return 0
