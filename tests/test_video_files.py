@@ -179,6 +179,16 @@ def test_clips_read_as_the_reference_processor_reads_them(name):
     assert digest(pixels) == hf["sha256"]
 
 
+def test_a_damaged_container_with_no_readable_packet_is_said_to_be_damaged():
+    """An MKV of 4 FFV1 frames with 40 bytes flipped (numpy's default_rng(1) over bytes 100 and on): no packet
+    demuxes and it cannot seek back. It is said to be damaged, not taken for a raw stream that needs a
+    container."""
+    path = Path(__file__).parent / "golden" / "video_files_refused" / "ffv1_damaged.mkv"
+    with pytest.raises(ImageError, match=r"ffv1_damaged.mkv' holds no video packet that can be read .*: the file is "
+                                         r"damaged or empty"):
+        video_files.probe(path)
+
+
 def test_a_rotation_the_frames_cannot_take_and_a_size_change_are_refused(tmp_path):
     """A display matrix of 45 degrees (FFmpeg writes any angle), and a stream whose frames change size (two
     MPEG-TS files joined): each refused by name, not encoded skewed or half-resized."""
@@ -300,6 +310,36 @@ def test_the_service_counts_a_file_whose_packets_span_no_time_as_it_reads_it(tmp
 
     assert held(untimed) == 0  # no timing: refused, saying why, when it is read
     assert held(untimed, fps=2.0) == held(untimed, duration=10.0) == held(timed) > 20 * 42 * 58
+
+
+def test_the_service_counts_each_video_frame_beside_its_pixels():
+    """A frame costs the server more than its pixels (its array, the decoder's objects, its patch rows): 50,000
+    8 x 8 frames once took 2.2 GB while counted as their 16-token canvases, 39,200,000 pixels. Each sampled
+    frame now counts FRAME_OVERHEAD_PIXELS more, so such a request is refused at --max-pixels-in-flight's
+    default (2^28), and a frame's own pixels still count: a larger one counts more."""
+    from PIL import Image
+
+    from glmvit_cupy.preprocessing.image import REFERENCE
+    from glmvit_cupy.serving.decoding import FRAME_OVERHEAD_PIXELS, pixels_held, video_pixels
+
+    def frames(side, n):
+        buf = io.BytesIO()
+        Image.new("RGB", (side, side), (1, 2, 3)).save(buf, "PNG")
+        return [buf.getvalue()] * n
+
+    common = {"sample": False, "target_fps": 2, "max_frames": 2048, "max_duration": 0, "min_image_tokens": 16,
+              "max_image_tokens": 4096}
+
+    def held(video_frames):
+        return video_pixels({"frames": video_frames, "file": None, "fps": 2.0, "duration": None}, 0, common,
+                            10**8, 10**12, REFERENCE)
+
+    small = held(frames(8, 1000))
+    assert small == 1000 * (28 * 28 + FRAME_OVERHEAD_PIXELS)  # a 28 x 28 canvas a frame, and the overhead
+    assert 50_000 * small // 1000 > 2**28
+    large = held(frames(300, 1000))
+    assert large == pixels_held(1000 * 300 * 300, (300, 300), 16, 4096, REFERENCE, 1000) + \
+        1000 * FRAME_OVERHEAD_PIXELS > 1000 * 300 * 300
 
 
 def test_a_frame_past_max_pixels_is_refused_before_it_is_decoded_though_not_sampled(tmp_path):

@@ -121,6 +121,9 @@ def _probe(container, stream, source, name, timing_given: bool = False):
     try:
         container.seek(0)
     except (av.FFmpegError, OSError, ValueError) as e:  # a raw stream (an H.264 elementary stream, say)
+        if frames == 0:  # or nothing readable at all
+            raise ImageError(f"{name}: {_label(source)} holds no video packet that can be read ({e} going back to "
+                             "its start): the file is damaged or empty") from None
         raise ImageError(f"{name}: {_label(source)} read to its end ({frames} packets) but cannot go back to its "
                          f"start ({e}): a raw stream without a container? Put it in one (MP4, MKV)") from None
     kind = container.format  # an image reader (png_pipe, jpeg_pipe, image2) reads concatenated images as frames
