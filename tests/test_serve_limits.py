@@ -181,12 +181,13 @@ def test_an_icon_counts_as_the_decode_limit_since_its_header_can_understate(serv
 
 
 def test_a_videos_icon_frames_are_named_in_its_refusal_and_a_frame_over_the_limit_counts_as_failed(server):
-    """Two ICO frames of a video count 16,000,000 pixels each: 413 saying so (it named no ICO before); a frame
+    """Two ICO frames of a video count 16,000,000 pixels each, and 16,384 more each (a frame's own memory):
+    413 saying so (it named no ICO before); a frame
     over --max-pixels is refused 422 at admission and counted as a failed video, as its decode would count it."""
     _, client = server
     icons = [b64(ico_holding(flat_png(60, 50, (10 + i, 20, 30)))) for i in range(2)]
     got, err = post_video(client, {"videos": [{"frames": icons, "fps": 2}], "sample": False})
-    assert got == 413 and "need 32,000,000 pixels decoded and resized at once (2 of their frames ICO files, counted at " \
+    assert got == 413 and "need 32,032,768 pixels decoded and resized at once (2 of their frames ICO files, counted at " \
         "--max-pixels, 16,000,000 pixels, each" in err["error"], err
     failed = metric(client, 'glmvit_videos_total{outcome="failed"}')
     got, err = post_video(client, {"videos": [{"frames": [b64(png_header(5000, 4000))] * 2, "fps": 2}]})
