@@ -138,6 +138,18 @@ def _probe(container, stream, source, name, timing_given: bool = False):
     return frames, (frames / duration if duration > 0 else None), duration
 
 
+def timing(total: int, file_fps, file_duration: float, fps=None, duration=None) -> tuple:
+    """(fps, duration) a video is sampled by: the caller's where given, else the file's (probe's); a caller's
+    fps alone gives duration = frames / fps, and where the file's packets span no time (file_fps None) the
+    caller's fps or duration stands for its own. ZeroDivisionError or TypeError for a caller's fps of 0 or
+    a missing timing, which load_video refuses before it gets here."""
+    if file_fps is None:
+        fps = fps if _positive(fps) else total / duration
+    if duration is None:
+        duration = file_duration if fps is None else total / fps
+    return (file_fps if fps is None else fps), duration
+
+
 def load_video(source, pick, *, fps=None, duration=None, name: str = "video", max_total_pixels: int | None = None,
                max_pixels: int | None = None):
     """A video file (path or bytes) -> (frames: HxWx3 uint8 arrays, those at pick(total, fps, duration)'s
@@ -152,12 +164,9 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
         stream = _stream(container)
         declared = (stream.width, stream.height)  # as _open checked it; a scan of the packets can change it
         total, file_fps, file_duration = _probe(container, stream, source, name, _positive(fps) or _positive(duration))
-        if file_fps is None:  # packets spanning no time: the caller's fps or duration stands for the file's
-            fps = fps if _positive(fps) else total / duration
         stream.thread_type = "AUTO"  # frame threads: decoding is the cost
         own_duration = duration is None  # the file's, or frames / the caller's fps
-        duration = (file_duration if fps is None else total / fps) if own_duration else duration
-        fps = file_fps if fps is None else fps
+        fps, duration = timing(total, file_fps, file_duration, fps, duration)
         if not math.isfinite(duration) and not own_duration:
             raise ValueError(f"{name}: duration={duration!r} is not a finite number of seconds; give the video's "
                              "real duration (or leave it out: the file's own)")

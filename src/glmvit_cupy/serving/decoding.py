@@ -9,7 +9,6 @@ import concurrent.futures
 import contextlib
 import functools
 import io
-import math
 import multiprocessing
 import os
 import signal
@@ -157,21 +156,14 @@ def video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pi
     --max-pixels is refused here (422). icons: gets one entry per sampled frame that is an ICO file (counted at
     --max-pixels: its header may understate it)."""
     if video["file"] is not None:
-        fps, duration = video["fps"], video["duration"]
         try:
-            from ..preprocessing.video_files import probe
+            from ..preprocessing.video_files import probe, timing
 
-            w, h, total, file_fps, file_duration = probe(video["file"], f"video {index}", limit, fps, duration)
-        except Exception:  # noqa: BLE001
+            w, h, total, file_fps, file_duration = probe(video["file"], f"video {index}", limit, video["fps"],
+                                                         video["duration"])
+            fps, duration = timing(total, file_fps, file_duration, video["fps"], video["duration"])  # as read
+        except Exception:  # noqa: BLE001  (fps 0, say: refused, saying why, when the video is read)
             return 0
-        try:  # as load_video reads them
-            if file_fps is None:  # packets spanning no time: the request's fps or duration stands for the file's
-                fps = fps if fps is not None and math.isfinite(fps) and fps > 0 else total / duration
-            if duration is None:
-                duration = file_duration if fps is None else total / fps
-        except (ZeroDivisionError, TypeError):  # fps 0: refused, saying why, when the video is read
-            return 0
-        fps = file_fps if fps is None else fps
         picked = sampled_frames(total, fps, duration, common)
         if picked is None:
             return 0

@@ -11,6 +11,7 @@ give costs one lock and a read of the counts: ~2.2 µs each with 8 workers (time
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -43,36 +44,38 @@ class Shares:
         self.counts = memoryview(self.map).cast("q")
         self.slots = len(self.counts) // len(COLUMNS)
 
-    def take(self, slot: int, column: int, n: int, total: int) -> bool:
+    @contextlib.contextmanager
+    def _locked(self):
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
-            if self._sum(column) + n > total:
-                return False
-            self.counts[slot * len(COLUMNS) + column] += n
-            return True
+            yield
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
 
+    def _at(self, slot: int, column: int) -> int:
+        return slot * len(COLUMNS) + column
+
+    def take(self, slot: int, column: int, n: int, total: int) -> bool:
+        with self._locked():
+            if self._sum(column) + n > total:
+                return False
+            self.counts[self._at(slot, column)] += n
+            return True
+
     def give(self, slot: int, column: int, n: int) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        try:
-            self.counts[slot * len(COLUMNS) + column] -= n
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        with self._locked():
+            self.counts[self._at(slot, column)] -= n
 
     def used(self, column: int) -> int:
         return self._sum(column)  # a reading: no lock (each count is one aligned 8-byte word)
 
     def own(self, slot: int, column: int) -> int:
-        return self.counts[slot * len(COLUMNS) + column]
+        return self.counts[self._at(slot, column)]
 
     def clear(self, slot: int) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        try:
+        with self._locked():
             for c in range(len(COLUMNS)):
-                self.counts[slot * len(COLUMNS) + c] = 0
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+                self.counts[self._at(slot, c)] = 0
 
     def _sum(self, column: int) -> int:
         return sum(self.counts[column::len(COLUMNS)])
