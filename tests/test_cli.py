@@ -313,7 +313,7 @@ def test_inspect_prints_a_hostile_prefix_escaped(capsys, tmp_path, prefix, shows
 def test_inspect_and_usage(capsys, tmp_path):
     assert run(["--inspect", cases.TOWER_DIR]) == 0
     text = capsys.readouterr().out
-    assert "model.visual." in text and "39 (" in text
+    assert "model.visual." in text and "39 (1.1 M parameters, 2.0 MiB BF16)" in text
     assert run(["--inspect", tmp_path]) == 2
     assert "empty directory" in capsys.readouterr().err
     assert run(["--inspect", cases.TOWER_DIR, str(tmp_path), "--out", str(tmp_path / "o")]) == 2

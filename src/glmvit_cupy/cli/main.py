@@ -134,6 +134,14 @@ def parse(argv):
     return args
 
 
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit they reach: '1.05 GiB' for the official tower, '2.0 MiB' for the test tower."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.{2 if shift == 30 else 1}f} {unit}"
+    return f"{n} bytes"
+
+
 def inspect(path) -> int:
     try:
         s = inspect_checkpoint(path)  # every load-time check, the weights' values included
@@ -141,7 +149,7 @@ def inspect(path) -> int:
         return fail(e)
     g = s["geometry"]
     print(f"checkpoint  {shown(s['path'])}\nprefix      {shown(s['prefix'])}\ntensors     {s['tensors']} "
-          f"({s['parameters'] / 1e6:.1f} M parameters, {s['bytes'] / 2**30:.2f} GiB BF16)\n"
+          f"({s['parameters'] / 1e6:.1f} M parameters, {_size(s['bytes'])} BF16)\n"
           f"shards      {', '.join(shown(x) for x in s['shards'])}\ngeometry    depth {g.depth}, hidden {g.hidden_size}, "
           f"heads {g.num_heads}, mlp {g.intermediate_size}, out {g.out_hidden_size}, merger "
           f"{g.projection_intermediate_size}, patch {g.patch_size}x{g.temporal_patch_size}")
