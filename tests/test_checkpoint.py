@@ -662,3 +662,16 @@ def test_the_fingerprint_follows_the_tower_not_its_path(tmp_path):
     where["swiglu_limit"] = where.get("swiglu_limit", 10.0) + 1
     (copy / "config.json").write_text(json.dumps(cfg))
     assert bind_tower(copy).fingerprint != here
+
+
+def test_random_checkpoint_command_refuses_a_negative_seed(tmp_path, capsys):
+    """--seed -1 is a usage error (exit status 2, one line), said before the banner and anything written:
+    NumPy's generators take non-negative seeds only."""
+    from glmvit_cupy.checkpoint import synthetic
+
+    with pytest.raises(SystemExit) as exit_:
+        synthetic.main([str(tmp_path / "rnd"), "--seed", "-1"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--seed -1: a seed is a non-negative integer" in err and "RANDOM WEIGHTS" not in err, err
+    assert not (tmp_path / "rnd").exists() and not (tmp_path / "rnd.tmp").exists()

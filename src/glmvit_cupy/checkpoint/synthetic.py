@@ -189,6 +189,8 @@ def main(argv=None) -> int:
                                 "it is)")
     ap.add_argument("--seed", type=int, default=None, help="the weights' random seed (default 0)")
     args = ap.parse_args(argv)
+    if args.seed is not None and args.seed < 0:  # NumPy's generators take non-negative seeds only
+        ap.error(f"--seed {args.seed}: a seed is a non-negative integer (0, 1, 2, ...)")
     path = os.path.abspath(args.dir)
     seed = 0 if args.seed is None else args.seed
     if os.path.exists(os.path.join(path, "config.json")):
