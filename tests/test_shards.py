@@ -143,6 +143,27 @@ def test_a_header_whose_keys_are_escaped_is_counted_as_it_is_parsed(tmp_path, mo
     assert len(read_header(str(p))) == 1_000
 
 
+def test_a_header_of_too_many_other_objects_is_refused_as_it_is_parsed(tmp_path, monkeypatch):
+    """A 100 MB header of 33 million empty objects in one entry took 35 s and 2.6 GB: objects are counted as
+    they are parsed (one per tensor, the header and its __metadata__), and parsing stops past the limit."""
+    from glmvit_cupy.checkpoint import shards
+
+    monkeypatch.setattr(shards, "MAX_TENSORS", 1_000)
+    calls = []
+    repeated_key = shards.repeated_key
+    monkeypatch.setattr(shards, "repeated_key", lambda pairs: calls.append(1) or repeated_key(pairs))
+    raw = ('{"junk": [' + ", ".join(["{}"] * 100_000) + "]}").encode()
+    p = tmp_path / "objects.safetensors"
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(CheckpointError, match="holds more than 1,002 JSON objects"):
+        read_header(str(p))
+    assert len(calls) <= 1_002
+    entries = ", ".join(f'"t{i}": {{"dtype": "BF16", "shape": [0], "data_offsets": [0, 0]}}' for i in range(1_000))
+    raw = ('{"__metadata__": {"format": "pt"}, ' + entries + "}").encode()  # 1,000 tensors: taken
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    assert len(read_header(str(p))) == 1_000
+
+
 def test_truncated_shard_is_refused_before_mapping(tmp_path):
     data = bytes(20)
     p = shard(tmp_path / "t.safetensors", ok_header(), data)

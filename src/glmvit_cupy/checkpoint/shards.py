@@ -120,15 +120,21 @@ def _parsed(path: str, raw: bytes) -> dict:
     if count > MAX_TENSORS:
         raise too_many(f"{count:,} tensors, more than the {MAX_TENSORS:,}")
 
-    entries = 0
+    entries = objects = 0
 
     def unique(pairs):
         # A repeated name would shadow the first entry's bytes: refuse it (JSON alone keeps the last). Entries are
         # counted as they are parsed too: JSON may spell "data_offsets" with escapes the byte count above misses.
-        nonlocal entries
+        # So is every object: a header holds one per tensor, itself and its __metadata__; millions of others
+        # (empty ones in a list) would take gigabytes and half a minute through this hook.
+        nonlocal entries, objects
         entries += any(k == "data_offsets" for k, _ in pairs)
+        objects += 1
         if entries > MAX_TENSORS:
             raise too_many(f"more than the {MAX_TENSORS:,} tensors")
+        if objects > MAX_TENSORS + 2:
+            raise CheckpointError(f"{path}: the header holds more than {MAX_TENSORS + 2:,} JSON objects (one per "
+                                  "tensor, the header and its __metadata__); the file is damaged or not a checkpoint")
         twice = repeated_key(pairs)
         if twice is not None:
             raise CheckpointError(f"{path}: the header names tensor {quoted(twice, 120)} twice; each name must be unique")
