@@ -332,6 +332,22 @@ def test_part_of_a_tower_is_incomplete_not_absent(tmp_path, tensors, caplog):
         assert not isinstance(e.value, AbsentTower)
 
 
+def test_an_index_listing_none_of_the_tower_its_shards_hold_is_not_an_absent_tower(tmp_path, tensors, caplog):
+    """An index whose weight_map lists no vision tensor, beside shards holding the whole tower, was AbsentTower
+    ("the shards hold no tower to load"), and probe_tower served text-only: the error names the index and the
+    shards holding what it leaves out."""
+    path = write_checkpoint(tmp_path, GEO, tensors=tensors)
+    held = _unindex(tmp_path, *tensors)
+    for probe in (inspect_checkpoint, probe_tower):
+        with pytest.raises(CheckpointError) as e:
+            probe(path)
+        assert not isinstance(e.value, AbsentTower)
+        assert str(e.value).startswith(
+            f"{path}: the index lists no vision tensor; {tmp_path / 'model.safetensors.index.json'} maps no shard for "
+            f"{len(held)} vision tensors that shards beside it hold ("), str(e.value)
+        assert "the index must list every tower tensor" in str(e.value)
+
+
 def test_empty_directory_and_missing_path(tmp_path):
     with pytest.raises(CheckpointError, match="empty directory"):
         inspect_checkpoint(tmp_path)

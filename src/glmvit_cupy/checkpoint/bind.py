@@ -216,6 +216,9 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
             f"vision tensors (e.g. {some}) but no '*visual.patch_embed.proj.weight'; "
             + (_unlisted_note(store, store.unindexed(is_vision_name)) or "a shard holding the rest of the tower is "
                f"missing{alone or ', or the index does not list its tensors'}"))
+    unlisted = store.unindexed(is_vision_name) if not prefixes else {}
+    if unlisted:  # an index that lists none of the tower the shards beside it hold: not a tower absent
+        raise CheckpointError(f"{path}: the index lists no vision tensor; {_unlisted_note(store, unlisted)}")
     if not prefixes:
         raise AbsentTower(
             f"{path}: config.json declares a vision tower, but no '*visual.patch_embed.proj.weight' is in the "
