@@ -319,6 +319,10 @@ def test_inspect_and_usage(capsys, tmp_path):
     assert run(["--inspect", cases.TOWER_DIR, str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "--inspect CHECKPOINT runs alone: leave out images or videos and --out" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+    # An empty one (--inspect "$UNSET") is the checkpoint path said empty, not images, --checkpoint and --out missing.
+    assert run(["--inspect", ""]) == 2
+    err = capsys.readouterr().err
+    assert "the checkpoint path is empty" in err and "missing" not in err, err
     assert run(["--inspect", os.path.join(cases.TOWER_DIR, "config.json")]) == 2
     assert f"is the model's config; give its folder ({cases.TOWER_DIR})" in capsys.readouterr().err
     # --inspect runs every load-time check, the weights' values too: a NaN in a norm weight is refused.

@@ -214,7 +214,7 @@ def main(argv=None) -> int:
             return status
         except KeyboardInterrupt as e:  # before the encoding began (walking the inputs, loading the checkpoint)
             word, status = interruption(e)
-            if isinstance(e, Disconnected) and (args is None or args.inspect):  # --help, --inspect: nothing to save
+            if isinstance(e, Disconnected) and (args is None or args.inspect is not None):  # --help, --inspect: nothing to save
                 print(f"\nglmvit-encode: {word}", file=sys.stderr)
             elif isinstance(e, Disconnected):  # or as the run ended, its last lines unread
                 print(f"\nglmvit-encode: {word}; what finished is saved; re-run the same command to resume",
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    if args.inspect:
+    if args.inspect is not None:  # an empty one (an unset variable) too: inspect says so
         extra = [what for what, given in (("images or videos", args.inputs), ("--checkpoint", args.checkpoint),
                                           ("--out", args.out)) if given]
         if extra:
