@@ -585,3 +585,25 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_same_command_resumes(tmp_
     assert run(args) == 0
     manifest, tensors = load_all(out)
     assert len(manifest["images"]) == len(tensors) == 6
+
+
+def test_a_shard_changed_after_binding_is_refused_by_name(tmp_path, images, monkeypatch, capsys):
+    """A shard that changes between its header being read and the tower's fingerprint (a copy or download still
+    writing it) is one line naming the shard and exit status 2, not a traceback; nothing is created."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(cases.TOWER_DIR, ckpt)
+    shard = ckpt / "model-00002-of-00002.safetensors"
+
+    def bind_then_grow(path):
+        binding = bind_tower(path)
+        with open(shard, "ab") as f:
+            f.write(b"\0" * 16)
+        return binding
+
+    monkeypatch.setattr(cli, "bind_tower", bind_then_grow)
+    assert run([images, "--checkpoint", ckpt, "--out", tmp_path / "out", "--cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"{shard}: the shard changed since its header was read (its size went from" in err, err
+    assert not (tmp_path / "out").exists()

@@ -305,9 +305,13 @@ def run(args) -> int:
         except OutputError as e:
             return fail(e)
     per_video = video_settings(args)
+    try:  # reads the whole tower: a shard rewritten since its header was read is refused here, by name
+        weights = binding.fingerprint
+    except CheckpointError as e:
+        return fail(e)
     # What shapes an embedding, fixed for the folder. The pixel and size limits only accept or refuse a file,
     # so a re-run with a higher one resumes here and encodes what they refused.
-    settings = {"checkpoint": path_text(os.path.abspath(binding.path)), "weights": binding.fingerprint,
+    settings = {"checkpoint": path_text(os.path.abspath(binding.path)), "weights": weights,
                 "geometry": dict(vars(binding.geometry)),
                 "min_image_tokens": args.min_image_tokens, "max_image_tokens": args.max_image_tokens,
                 "video": per_video}
