@@ -459,3 +459,13 @@ def test_unindexed_names_the_shard_holding_what_the_index_leaves_out(tmp_path):
     assert store.unindexed(lambda n: n == "c") == {"c": str(tmp_path / "s2.safetensors")}
     alone = WeightStore.open(tmp_path / "s1.safetensors")
     assert alone.index is None and alone.unindexed(lambda n: True) == {}
+
+
+def test_a_broken_link_among_a_folders_shards_is_named_as_one(tmp_path):
+    """A folder without an index whose *.safetensors include a broken symbolic link: the link is named as one,
+    not "No such file or directory" for a name the folder lists."""
+    shard(tmp_path / "a.safetensors", ok_header(), bytes(20))
+    (tmp_path / "b.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    with pytest.raises(CheckpointError) as e:
+        WeightStore.open(str(tmp_path))
+    assert str(e.value) == f"{tmp_path / 'b.safetensors'}: the shard is a broken symbolic link"

@@ -97,6 +97,10 @@ def _raw_header(path: str) -> tuple[bytes, tuple]:
                 raise CheckpointError(
                     f"{path}: header length {hlen} runs past the end of the {size}-byte file (truncated?)")
             raw = f.read(hlen)
+    except FileNotFoundError as e:  # a folder's listing holds a broken symbolic link by name: said as one
+        broken = not_regular(path)
+        raise CheckpointError(f"{path}: the shard is {broken}" if broken else f"{path}: cannot read shard ({e})") \
+            from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read shard ({e})") from None
     return raw, ident
