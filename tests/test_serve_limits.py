@@ -1282,6 +1282,17 @@ def test_a_body_outside_the_requests_form_is_400_before_any_work(server, body, s
     assert status == 400 and says in err["error"], err
 
 
+def test_an_escaped_backslash_before_u_is_no_escape_of_a_character_outside_ascii():
+    """JSON's "\\\\u00e9" is an escaped backslash, then the ASCII text "u00e9": parsed (and refused later for
+    what it is, not base64), not refused as an escape of a character outside ASCII; one more backslash makes
+    it such an escape, named where it is."""
+    from glmvit_cupy.serving.requests import Refused, parse_images
+
+    assert parse_images(b'{"images": ["\\\\u00e9QQ=="]}', 8000)[0] == ["\\u00e9QQ=="]
+    with pytest.raises(Refused, match=re.escape("escapes a character outside ASCII at offset 15 (\\u00e9)")):
+        parse_images(b'{"images": ["\\\\\\u00e9QQ=="]}', 8000)
+
+
 def test_a_body_with_a_utf8_byte_order_mark_is_read(server):
     """Some clients (.NET, PowerShell) start a UTF-8 body with a byte-order mark: skipped, not refused."""
     _, client = server

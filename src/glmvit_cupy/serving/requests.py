@@ -150,7 +150,9 @@ def _check_items(body: bytes, most: int, what: str, advice: str) -> None:
                            f"{most:,}: {advice}")
 
 
-_NON_ASCII_ESCAPE = re.compile(rb"\\u(?!00[0-7][0-9a-fA-F])")
+# A \u escape of a character outside ASCII: a "\u" after an even run of backslashes (JSON's "\\u00e9" is an
+# escaped backslash, then the ASCII text "u00e9").
+_NON_ASCII_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*(\\u)(?!00[0-7][0-9a-fA-F])")
 
 
 def _text(body) -> str:
@@ -169,8 +171,9 @@ def _text(body) -> str:
     if b"\\u" in body:
         found = _NON_ASCII_ESCAPE.search(body)
         if found:
-            raise Refused(400, f"the body escapes a character outside ASCII at offset {found.start():,} "
-                               f"({bytes(body[found.start():found.start() + 6]).decode()}): a request is ASCII JSON "
+            at = found.start(1)
+            raise Refused(400, f"the body escapes a character outside ASCII at offset {at:,} "
+                               f"({bytes(body[at:at + 6]).decode()}): a request is ASCII JSON "
                                "(base64 text, numbers and field names)")
     return str(body, "ascii")
 
