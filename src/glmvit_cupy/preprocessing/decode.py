@@ -377,17 +377,16 @@ def _onto_white(img: Image.Image) -> np.ndarray:
 
 
 def _from_pil(img: Image.Image, name) -> np.ndarray:
-    """RGB uint8 HxWx3 from a PIL image, compositing transparency onto white as the reference does: an alpha
-    band (premultiplied too), an RGBA palette, or a transparent colour."""
+    """RGB uint8 HxWx3 from a PIL image, compositing transparency onto white as the reference does: a band
+    named "A" or a transparent colour. Alpha in no band so named (premultiplied RGBa, a P image's RGBA palette
+    without a transparency entry) is dropped by convert("RGB"), as the reference's convert_to_rgb drops it."""
     loaded = getattr(img, "_im", None) is not None or vars(img).get("im") is not None  # Pillow 11's name; 10's
     fp = getattr(img, "fp", "")
     closed = not loaded and (fp is None or bool(getattr(fp, "closed", False)))  # lazy, and its file gone or closed
     try:
         img.load()
         closed = False
-        palette = img.palette.mode if img.mode == "P" and img.palette is not None else ""
-        if "A" in img.getbands() or img.mode in ("RGBa", "La") or palette.endswith("A") \
-                or img.info.get("transparency") is not None:
+        if "A" in img.getbands() or img.info.get("transparency") is not None:
             return _onto_white(img)
         return np.asarray(img.convert("RGB"))
     except (OSError, ValueError, SyntaxError, EOFError, MemoryError, Image.DecompressionBombError,
