@@ -642,6 +642,28 @@ def test_one_image_is_one_image(folder, tmp_path, capsys):
     assert summary.startswith("glmvit-encode: 1 image, ")
 
 
+def test_a_damaged_avif_in_a_folder_fails_alone(folder, tmp_path, capsys):
+    """Pillow's AVIF reader raises a plain RuntimeError on a damaged file, which stopped the run with a
+    traceback and nothing saved: the file is skipped by name, the images beside it saved, exit status 1."""
+    import io
+
+    from PIL import features
+
+    if not features.check("avif"):
+        pytest.skip("this Pillow reads no AVIF")
+    buf = io.BytesIO()
+    Image.new("RGB", (30, 20), (10, 200, 30)).save(buf, "AVIF")
+    data = buf.getvalue()
+    at = data.find(b"mdat") + 4
+    (folder / "bad.avif").write_bytes(data[:at] + bytes(len(data) - at))
+    out = tmp_path / "out"
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 1
+    assert f"skipped {folder / 'bad.avif'}: cannot decode image (RuntimeError: " in capsys.readouterr().out
+    manifest, embs = read_embeddings(out)
+    assert sorted(map(os.path.basename, embs)) == ["a.png", "b.png"]
+    assert list(map(os.path.basename, manifest["failed"])) == ["bad.avif"]
+
+
 def test_no_install_hint_names_a_package_no_index_has():
     import pathlib
 

@@ -878,3 +878,27 @@ def test_an_image_pillow_cannot_resize_is_an_image_error(resize):
     with pytest.raises(ImageError, match=r"^strip: resizing its 68000000 x 1 pixels to \d+ x \d+ needs filter "
                                          r"tables of over 2 GiB, which Pillow \(the reference's resizer\) refuses"):
         prepare_canvas(wide, resize=resize, name="strip")
+
+
+def _damaged_avif(rng) -> bytes:
+    """An AVIF file whose coded data is zeroed: libavif opens it and fails on its colour planes."""
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)).save(buf, "AVIF")
+    data = buf.getvalue()
+    at = data.find(b"mdat") + 4
+    return data[:at] + bytes(len(data) - at)
+
+
+def test_a_damaged_avif_is_an_image_error_naming_it(rng):
+    """Pillow's AVIF reader raises a plain RuntimeError on a damaged file: refused by name, as other formats'
+    damage is, never the whole call (glmvit-encode stopped with a traceback)."""
+    from PIL import features
+
+    if not features.check("avif"):
+        pytest.skip("this Pillow reads no AVIF")
+    data, ok = _damaged_avif(rng), np.zeros((4, 4, 3), np.uint8)
+    with pytest.raises(ImageError, match=r"image 1 \(bytes\): cannot decode image \(RuntimeError: .*\); the file is "
+                                         r"damaged"):
+        preprocess([ok, data])
+    with pytest.raises(ImageError, match=r"image 1 \(AvifImageFile\): cannot convert PIL image to RGB \(RuntimeError"):
+        preprocess([ok, Image.open(io.BytesIO(data))])

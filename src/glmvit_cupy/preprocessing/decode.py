@@ -356,6 +356,10 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
         # the image is refused by name, never the whole call. Not a catch-all: a server's Refused (503, the
         # decoding processes shut down) and a GPU's errors on the page-locked buffer pass as they are.
         raise ImageError(f"{name}: cannot decode image ({type(e).__name__}: {e}); the file is damaged") from None
+    except RuntimeError as e:  # Pillow's AVIF reader (libavif) on a damaged file: "Failed to decode image: ..."
+        if type(e) is not RuntimeError:  # a GPU's errors (CuPy's CUDARuntimeError) are subclasses: they pass
+            raise
+        raise ImageError(f"{name}: cannot decode image (RuntimeError: {e}); the file is damaged") from None
 
 
 STRIP_PIXELS = 1 << 22  # pixels composited at a time: 16 MB of RGBA
@@ -391,7 +395,7 @@ def _from_pil(img: Image.Image, name) -> np.ndarray:
         return np.asarray(img.convert("RGB"))
     except (OSError, ValueError, SyntaxError, EOFError, MemoryError, Image.DecompressionBombError,
             Image.DecompressionBombWarning, AssertionError, TypeError, AttributeError, struct.error, IndexError,
-            KeyError) as e:  # a damaged image's own failures, and Pillow's bomb guard
+            KeyError, RuntimeError) as e:  # a damaged image's own failures (AVIF's: RuntimeError), Pillow's bomb guard
         hint = ("; its file was closed before its pixels were read: call im.load() while the file is open"
                 if closed else "")
         raise ImageError(f"{name}: cannot convert PIL image to RGB ({type(e).__name__}: {e}){hint}") from None
