@@ -234,7 +234,10 @@ def test_a_body_refused_before_it_is_read_reaches_the_client_as_its_status(serve
             client.encode(big)
         assert e.value.status == 413, e.value
     assert "images[0] is 2,000,000 bytes, over the 0.5 MiB limit per image" in str(client_error(client))
-    assert metric(client, 'glmvit_requests_total{status="413"}') == before + 5
+    with pytest.raises(ServerError) as e:  # a JSON body under --max-body-mib holding one image over the limit
+        client.encode([b"\x89PNG", b"\x89PNG" * 150_000])  # two images: JSON, not one file as the body
+    assert e.value.status == 413 and "images[1] is 600,000 bytes, over the 0.5 MiB limit" in str(e.value), e.value
+    assert metric(client, 'glmvit_requests_total{status="413"}') == before + 6
 
 
 def client_error(client):

@@ -488,7 +488,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             if not data:  # "data:image/png;base64," or "====": no bytes once decoded
                 raise Refused(400, f"images[{i}] is empty: give each image as its file's bytes in base64", i)
             if len(data) > settings.max_image_mib * 2**20:
-                raise Refused(413, f"images[{i}] is {len(data)} bytes, over the {settings.max_image_mib:g} MiB limit "
+                raise Refused(413, f"images[{i}] is {len(data):,} bytes, over the {settings.max_image_mib:g} MiB limit "
                                    "per image (--max-image-mib)", i)
             blobs.append(data)
         return blobs, [vllm_ec.key_of(d) for d in blobs], lo, hi

@@ -372,5 +372,5 @@ def decode_frames(videos: list[dict], max_image_mib: float) -> None:
                 raise Refused(400, f"videos[{i}].frames[{j}] is empty: give each frame as its file's bytes in "
                                    "base64", i)
             if len(v["frames"][j]) > max_image_mib * 2**20:
-                raise Refused(413, f"videos[{i}].frames[{j}] is {len(v['frames'][j])} bytes, over the "
+                raise Refused(413, f"videos[{i}].frames[{j}] is {len(v['frames'][j]):,} bytes, over the "
                                    f"{max_image_mib:g} MiB limit per image", i)
