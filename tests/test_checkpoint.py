@@ -409,6 +409,8 @@ def test_the_seed_of_a_folder_is_read_from_a_shard_that_is_checked_first(tmp_pat
     index["weight_map"]["lm_head.weight"] = "../a-text.safetensors"
     (tmp_path / "c" / "model.safetensors.index.json").write_text(json.dumps(index))
     assert synthetic.written_seed(path) is None
+    (tmp_path / "c" / "model.safetensors.index.json").write_text("[" * 100_000 + "]" * 100_000)  # past the stack
+    assert synthetic.written_seed(path) is None
 
 
 def _config(path, change):

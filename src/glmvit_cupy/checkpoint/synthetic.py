@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 
 from ..config import VisionGeometry
 from ..errors import CheckpointError
-from ..files import open_regular
+from ..files import read_json_file
 from .names import module_shapes, tower_layout
 
 BF16 = ml_dtypes.bfloat16
@@ -143,8 +143,8 @@ def written_seed(path: str) -> int | None:
     from .shards import read_metadata
 
     try:
-        with open_regular(os.path.join(path, "model.safetensors.index.json"), "the index") as f:
-            first = sorted(set(json.load(f)["weight_map"].values()))[0]
+        index = read_json_file(os.path.join(path, "model.safetensors.index.json"), "the index")  # bounded, any JSON
+        first = sorted(set(index["weight_map"].values()))[0]
         if os.path.basename(first) != first:
             return None
         return int(read_metadata(os.path.join(path, first))["glmvit_random_seed"])
