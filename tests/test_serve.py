@@ -377,6 +377,11 @@ def test_too_large_and_undecodable(server):
                                                    base64.b64encode(b"not an image").decode()]}).encode())
     assert got == 422 and err["index"] == 1 and "cannot decode" in err["error"]
     assert metric(client, "glmvit_forward_passes_total") == before  # nothing of that request was encoded
+    failed = metric(client, 'glmvit_images_total{outcome="failed"}')
+    got, err = post(client, json.dumps({"images": [base64.b64encode(b"not an image %d" % i).decode()
+                                                   for i in range(3)]}).encode())
+    assert got == 422 and err["index"] == 0, err  # the first is named; all three count as failed
+    assert metric(client, 'glmvit_images_total{outcome="failed"}') == failed + 3
 
 
 def test_concurrent_requests_and_the_cache(server, tower):

@@ -388,13 +388,13 @@ def create_app(load_backend, settings: Settings) -> Starlette:
 
     def decode_failures(indices, results, failed):
         """The first failure of a request's decoding jobs as a 422 naming its index (an ImageError or
-        ValueError, counted in `failed`), anything else raised as it is (a Refused: the server shutting down
-        cut a decode short)."""
+        ValueError), anything else raised as it is (a Refused: the server shutting down cut a decode short).
+        Every job that failed counts in `failed`, not only the first."""
+        failed.inc(sum(isinstance(g, BaseException) and not isinstance(g, Refused) for g in results))
         for i, g in zip(indices, results):
             if isinstance(g, Refused):
                 raise Refused(g.status, g.error, i, g.close)
             if isinstance(g, BaseException):
-                failed.inc()
                 if isinstance(g, (ImageError, ValueError)):
                     raise Refused(422, str(g), i)
                 raise g
