@@ -361,6 +361,12 @@ def test_bad_settings_are_refused_by_name():
         preprocess_video(v, fps=10.0, max_duration=-3)
     with pytest.raises(ValueError, match="fps has 3 values for 2 videos"):
         preprocess_video([v, v], fps=[1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="fps has 3 values for 2 videos"):
+        preprocess_video([v, v], fps=np.array([1.0, 2.0, 3.0]))
+    # An array of fps is one a video (or, 0-d, one for all), as a list or a number is.
+    want = preprocess_video([v, v], fps=[2.0, 4.0])[1]
+    assert np.array_equal(preprocess_video([v, v], fps=np.array([2.0, 4.0]))[1], want)
+    assert np.array_equal(preprocess_video([v], fps=np.array(2.0))[1], want[:1])
     with pytest.raises(ValueError, match="video 1: sample_frames: a 4-frame video at 60.0 fps lasts"):
         preprocess_video([v, v], fps=[2.0, 60.0], target_fps=0.5)
     with pytest.raises(ValueError, match="video 0: max_image_tokens=1 is too small"):

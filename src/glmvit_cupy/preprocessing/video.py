@@ -298,6 +298,8 @@ def plan_videos(videos, *, fps=None, sample: bool = True, duration=None, target_
     n = len(videos)
 
     def per_video(name, v):
+        if isinstance(v, np.ndarray):  # one value a video, or one for all (0-d), as a list or a scalar would be
+            v = v.tolist() if v.ndim == 1 else v[()] if v.ndim == 0 else v
         if isinstance(v, (list, tuple)):
             if len(v) != n:
                 raise ValueError(f"preprocess_video: {name} has {len(v)} values for {n} videos")
