@@ -471,6 +471,35 @@ def test_two_processes_never_write_one_folder(tmp_path):
     Output(folder, SETTINGS).add_batch(batch(["/img/a"]))  # the kill let it go
 
 
+def test_a_run_that_ends_as_another_starts_is_never_undone_by_it(tmp_path, monkeypatch):
+    """A run read the manifest before it took the folder's lock: a run writing the folder that ended between the two
+    (failing /img/a, changed into a bad file) left a manifest the second run never read, and the second took
+    /img/a's older embedding as done and wrote it back as its entry. The folder is locked before its manifest is
+    read."""
+    import glmvit_cupy.output as output
+
+    folder = str(tmp_path / "o")
+    first = Output(folder, SETTINGS, flush_seconds=0)
+    first.add_batch(batch(["/img/a"]))
+    real = output._lock_folder
+
+    def the_first_ends_meanwhile(where):
+        if first._lock is not None:
+            first.fail("/img/a", "cannot decode")
+            first.flush()
+            first._lock.close()
+            first._lock = None
+        return real(where)
+
+    monkeypatch.setattr(output, "_lock_folder", the_first_ends_meanwhile)
+    second = Output(folder, SETTINGS)
+    second.add_batch(batch(["/img/b"]))
+    second.flush()
+    assert not second.done("/img/a") and second.manifest["failed"] == {"/img/a": "cannot decode"}
+    manifest, embs = read_embeddings(folder)
+    assert list(embs) == ["/img/b"] and manifest["failed"] == {"/img/a": "cannot decode"}
+
+
 def test_a_lock_file_that_is_not_a_file_is_named_never_waited_on(tmp_path):
     if not hasattr(os, "mkfifo"):
         pytest.skip("no FIFOs on this OS")

@@ -255,18 +255,30 @@ class Output:
         self.manifest = {"header": dict(settings, key=KEY), "images": {}, "failed": {}}
         self.flush_seconds = flush_seconds
         self._written, self._dirty = time.monotonic(), False
-        if os.path.exists(path):
-            self._resume(path, settings)
+        # An existing folder is locked before its manifest is read: a run writing it may end meanwhile, rewriting
+        # the manifest (a file it failed, an entry it dropped) after this one has read it.
+        made = not os.path.lexists(os.path.join(folder, LOCK))  # a refused run leaves no lock file it made
+        self._lock = _lock_folder(folder) if os.path.isdir(folder) else None
         try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as e:
-            if os.path.islink(folder) and not os.path.exists(folder):  # a broken link, or a loop of links
-                raise OutputError(f"cannot create the output folder {shown(folder)}: it is a symbolic link to "
-                                  f"{shown(os.readlink(folder))}, which leads nowhere; remove the link or make "
-                                  "what it points to") from None
-            raise OutputError(f"cannot create the output folder {shown(folder)}: {_reason(e)}") from None
-        self._lock = _lock_folder(folder)
-        self._recover(settings)
+            if os.path.exists(path):
+                self._resume(path, settings)
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError as e:
+                if os.path.islink(folder) and not os.path.exists(folder):  # a broken link, or a loop of links
+                    raise OutputError(f"cannot create the output folder {shown(folder)}: it is a symbolic link to "
+                                      f"{shown(os.readlink(folder))}, which leads nowhere; remove the link or make "
+                                      "what it points to") from None
+                raise OutputError(f"cannot create the output folder {shown(folder)}: {_reason(e)}") from None
+            self._lock = self._lock or _lock_folder(folder)
+            self._recover(settings)
+        except BaseException:
+            if self._lock is not None:
+                self._lock.close()
+                if made:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(folder, LOCK))
+            raise
         self.next_shard = max([0, *map(_shard_number, os.listdir(folder))]) + 1  # a leftover .tmp's number too
         self._clear_temporaries()
         if self.next_shard > LAST_SHARD:
