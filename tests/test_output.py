@@ -515,6 +515,20 @@ def test_a_lock_file_that_is_not_a_file_is_named_never_waited_on(tmp_path):
         Output(str(folder), SETTINGS)
 
 
+def test_a_lock_file_that_is_a_link_is_named_never_followed(tmp_path):
+    """A symbolic link planted as the lock file was opened with O_CREAT, which made (and locked) an empty file
+    wherever it pointed, outside the folder: a link there is refused, naming it, and nothing is made."""
+    folder = tmp_path / "o"
+    folder.mkdir()
+    (folder / LOCK).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OutputError, match=r"\.glmvit-encode\.lock is a symbolic link \(to .*elsewhere\), not the lock "
+                                          r"file glmvit-encode makes: remove it"):
+        Output(str(folder), SETTINGS)
+    assert not (tmp_path / "elsewhere").exists()
+    (folder / LOCK).unlink()
+    Output(str(folder), SETTINGS).add_batch(batch(["/img/a"]))
+
+
 def test_the_manifest_is_never_written_through_a_link_under_its_temporary_name(tmp_path):
     """A symbolic link planted as manifest.json.tmp had the manifest written into its target, outside the
     folder, and manifest.json became a link to it."""

@@ -214,12 +214,15 @@ def _lock_folder(folder: str):
     import fcntl
 
     path = os.path.join(folder, LOCK)
-    try:  # without blocking: a FIFO planted under the name would wait for a writer
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0), 0o666)
+    try:  # without blocking: a FIFO planted under the name would wait for a writer; never through a link
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0), 0o666)
     except IsADirectoryError:
         raise OutputError(f"{shown(path)} is a folder, not the lock file glmvit-encode makes: remove it, or give "
                           "another --out") from None
     except OSError as e:
+        if os.path.islink(path):  # O_CREAT through it would make (and lock) a file wherever it points
+            raise OutputError(f"{shown(path)} is a symbolic link (to {shown(os.readlink(path))}), not the lock file "
+                              "glmvit-encode makes: remove it, or give another --out") from None
         if isinstance(e, PermissionError) and os.path.isfile(path):  # there, not writable (copied read-only)
             raise OutputError(f"{shown(path)} cannot be opened for writing ({_reason(e)}); glmvit-encode locks that "
                               "file while it writes the folder: make it writable (chmod u+w) or remove it") from None
