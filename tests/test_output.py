@@ -529,6 +529,26 @@ def test_a_lock_file_that_is_a_link_is_named_never_followed(tmp_path):
     Output(str(folder), SETTINGS).add_batch(batch(["/img/a"]))
 
 
+@pytest.mark.parametrize("name, make, there", [
+    (".glmvit-encode.tmp", lambda p: p.touch(), "a file"),
+    (".glmvit-encode.tmp", lambda p: p.symlink_to(p.parent.parent / "nowhere"), "a symbolic link"),
+    (".glmvit-encode.tmp", os.mkfifo, "a FIFO"),
+    ("manifest.json.tmp", lambda p: p.mkdir(), "a folder")])
+def test_a_temporary_name_taken_by_something_else_is_named_at_the_start(tmp_path, name, make, there):
+    """Something else under the name a shard is written in (a file, a link) or the manifest's temporary (a folder)
+    failed every write, said as 'cannot write embeddings-00001.safetensors: File exists' (or 'manifest.json: Is a
+    directory') with the advice to free space, and a re-run failed the same way. The start refuses, naming it."""
+    folder = tmp_path / "o"
+    folder.mkdir()
+    make(folder / name)
+    with pytest.raises(OutputError, match=rf"{re.escape(name)} is {there}.*, where glmvit-encode makes .*: remove it"):
+        Output(str(folder), SETTINGS)
+    (os.rmdir if there == "a folder" else os.unlink)(folder / name)
+    out = Output(str(folder), SETTINGS, flush_seconds=0)
+    out.add_batch(batch(["/img/a"]))
+    assert list(read_embeddings(str(folder))[1]) == ["/img/a"]
+
+
 def test_the_manifest_is_never_written_through_a_link_under_its_temporary_name(tmp_path):
     """A symbolic link planted as manifest.json.tmp had the manifest written into its target, outside the
     folder, and manifest.json became a link to it."""

@@ -275,6 +275,7 @@ class Output:
                 raise OutputError(f"cannot create the output folder {shown(folder)}: {_reason(e)}") from None
             self._lock = self._lock or _lock_folder(folder)
             self._recover(settings)
+            self._check_temporaries()
         except BaseException:
             if self._lock is not None:
                 self._lock.close()
@@ -288,6 +289,23 @@ class Output:
             raise OutputError(f"{shown(folder)} holds shard {LAST_SHARD:,}, the last number a shard may have; "
                               "give another --out")
         self.mode = _umask_mode()
+
+    def _check_temporaries(self) -> None:
+        """OutputError unless the names this run writes under before renaming are free for it: STAGING absent or a
+        folder, the manifest's temporary anything but a folder (a file or link there is replaced). Else every write
+        would fail, and a re-run the same way."""
+        for name, what, ok in ((STAGING, "the folder each shard is written in before it takes its name", stat.S_ISDIR),
+                               (MANIFEST + ".tmp", "the manifest's temporary file",
+                                lambda mode: not stat.S_ISDIR(mode))):
+            path = os.path.join(self.folder, name)
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                continue
+            if not ok(mode):
+                there = ("a symbolic link" if stat.S_ISLNK(mode) else "a file" if stat.S_ISREG(mode) else kind(mode))
+                raise OutputError(f"{shown(path)} is {there}, where glmvit-encode makes {what}: remove it, or give "
+                                  "another --out")
 
     def _clear_temporaries(self) -> None:
         """Remove what a run stopped mid-write left in STAGING (files never renamed into place: nothing refers to
