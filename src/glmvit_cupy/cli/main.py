@@ -214,7 +214,8 @@ def main(argv=None) -> int:
             return status
         except KeyboardInterrupt as e:  # before the encoding began (walking the inputs, loading the checkpoint)
             word, status = interruption(e)
-            if isinstance(e, Disconnected) and (args is None or args.inspect is not None):  # --help, --inspect: nothing to save
+            nothing_to_save = args is None or args.inspect is not None  # --help, --inspect
+            if isinstance(e, Disconnected) and nothing_to_save:
                 print(f"\nglmvit-encode: {word}", file=sys.stderr)
             elif isinstance(e, Disconnected):  # or as the run ended, its last lines unread
                 print(f"\nglmvit-encode: {word}; what finished is saved; re-run the same command to resume",
