@@ -583,6 +583,24 @@ def test_a_read_only_lock_file_says_to_make_it_writable(tmp_path, monkeypatch):
     Output(str(folder), SETTINGS).add_batch(batch(["/img/a"]))
 
 
+def test_a_folder_that_cannot_be_written_says_out_must_be_writable(tmp_path, monkeypatch):
+    """A read-only mount (EROFS; root too) refuses the lock file: the error says --out must be writable, and how
+    to read such a folder."""
+    folder = tmp_path / "o"
+    folder.mkdir()
+    real_open = os.open
+
+    def read_only(path, flags, *a):
+        if str(path).endswith(".glmvit-encode.lock"):
+            raise OSError(30, "Read-only file system", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(OutputError, match=r"\.glmvit-encode\.lock: Read-only file system; glmvit-encode locks the "
+                                          r"folder it writes, so --out must be a folder it can write in"):
+        Output(str(folder), SETTINGS)
+
+
 @pytest.mark.parametrize("bad", ["relative/a.png", "", "b'a' b'c'", "b'/x' # c", "b'rel'", None, b"/x",
                                  "b''+" + "-" * 200_000 + "1", "/x\0y", repr(b"/x\0y")])
 def test_key_path_refuses_what_image_key_never_gives(bad):

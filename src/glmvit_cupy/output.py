@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -226,6 +227,10 @@ def _lock_folder(folder: str):
         if isinstance(e, PermissionError) and os.path.isfile(path):  # there, not writable (copied read-only)
             raise OutputError(f"{shown(path)} cannot be opened for writing ({_reason(e)}); glmvit-encode locks that "
                               "file while it writes the folder: make it writable (chmod u+w) or remove it") from None
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # a folder this process cannot write in
+            raise OutputError(f"cannot create {shown(path)}: {_reason(e)}; glmvit-encode locks the folder it writes, "
+                              "so --out must be a folder it can write in (read_embeddings reads a read-only one)") \
+                from None
         raise OutputError(f"cannot create {shown(path)}: {_reason(e)}") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
