@@ -563,19 +563,25 @@ def test_the_manifest_is_never_written_through_a_link_under_its_temporary_name(t
     assert not (folder / "manifest.json").is_symlink() and "/img/a" in (folder / "manifest.json").read_text()
 
 
+def _lock_open_fails(monkeypatch, error: OSError, when=lambda path: True):
+    """os.open of the lock file raises `error` (with the path) where when(path): as for a user, or on a read-only
+    mount; every other open is the real one."""
+    real_open = os.open
+
+    def failing(path, flags, *a):
+        if str(path).endswith(".glmvit-encode.lock") and when(path):
+            raise type(error)(error.errno, error.strerror, str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", failing)
+
+
 def test_a_read_only_lock_file_says_to_make_it_writable(tmp_path, monkeypatch):
     """Opening a read-only file for writing is EACCES, except for root: os.open is made to answer as for a user."""
     folder = tmp_path / "o"
     folder.mkdir()
     (folder / ".glmvit-encode.lock").touch(mode=0o444)
-    real_open = os.open
-
-    def as_a_user(path, flags, *a):
-        if str(path).endswith(".glmvit-encode.lock") and not os.stat(path).st_mode & 0o200:
-            raise PermissionError(13, "Permission denied", str(path))
-        return real_open(path, flags, *a)
-
-    monkeypatch.setattr(os, "open", as_a_user)
+    _lock_open_fails(monkeypatch, PermissionError(13, "Permission denied"), lambda p: not os.stat(p).st_mode & 0o200)
     with pytest.raises(OutputError, match=r"\.glmvit-encode\.lock cannot be opened for writing \(Permission denied\); "
                                           r"glmvit-encode locks that file .*make it writable \(chmod u\+w\) or remove it"):
         Output(str(folder), SETTINGS)
@@ -588,14 +594,7 @@ def test_a_folder_that_cannot_be_written_says_out_must_be_writable(tmp_path, mon
     to read such a folder."""
     folder = tmp_path / "o"
     folder.mkdir()
-    real_open = os.open
-
-    def read_only(path, flags, *a):
-        if str(path).endswith(".glmvit-encode.lock"):
-            raise OSError(30, "Read-only file system", str(path))
-        return real_open(path, flags, *a)
-
-    monkeypatch.setattr(os, "open", read_only)
+    _lock_open_fails(monkeypatch, OSError(30, "Read-only file system"))
     with pytest.raises(OutputError, match=r"\.glmvit-encode\.lock: Read-only file system; glmvit-encode locks the "
                                           r"folder it writes, so --out must be a folder it can write in"):
         Output(str(folder), SETTINGS)
