@@ -209,14 +209,14 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
     alone = ("; only this shard was given, and no index beside it lists it: if the tower is in other shards, "
              "give the checkpoint's folder or its index") if source.endswith(".safetensors") else ""
     prefixes = tower_prefixes(store.names())
+    unlisted = store.unindexed(is_vision_name) if not prefixes else {}  # vision tensors the index leaves out
     if not prefixes and len(store):  # a part of a tower: a shard missing, not a text-only checkpoint
         some = ", ".join(quoted(n, 120) for n in sorted(store.names())[:3])
         raise CheckpointError(
             f"{path}: the tower is incomplete: {'this shard holds' if alone else 'the shards hold'} {len(store):,} "
             f"vision tensors (e.g. {some}) but no '*visual.patch_embed.proj.weight'; "
-            + (_unlisted_note(store, store.unindexed(is_vision_name)) or "a shard holding the rest of the tower is "
+            + (_unlisted_note(store, unlisted) or "a shard holding the rest of the tower is "
                f"missing{alone or ', or the index does not list its tensors'}"))
-    unlisted = store.unindexed(is_vision_name) if not prefixes else {}
     if unlisted:  # an index that lists none of the tower the shards beside it hold: not a tower absent
         raise CheckpointError(f"{path}: the index lists no vision tensor; {_unlisted_note(store, unlisted)}")
     if not prefixes:
