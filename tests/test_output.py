@@ -66,6 +66,86 @@ def test_a_shard_of_another_folder_copied_in_is_refused_by_the_reader(tmp_path, 
     assert sorted(read_embeddings(mine)[1]) == ["/img/a", "/img/b"]
 
 
+def _foreign_copy(tmp_path, theirs_settings, sha="theirs"):
+    """(mine, its first batch): a folder whose shard 1 was replaced by another folder's shard 1, which holds the same
+    keys encoded from other files (`sha`) or under other settings."""
+    import shutil
+
+    mine, theirs = str(tmp_path / "mine"), str(tmp_path / "theirs")
+    first = [(k, dict(info, sha256="mine"), emb) for k, info, emb in batch(["/img/a", "/img/b"])]
+    out = Output(mine, SETTINGS, flush_seconds=0)
+    out.add_batch(first)
+    out._lock.close()
+    other = Output(theirs, theirs_settings, flush_seconds=0)
+    other.add_batch([(k, dict(info, sha256=sha), emb) for k, info, emb in batch(["/img/a", "/img/b"])])
+    other._lock.close()
+    shutil.copy(os.path.join(theirs, "embeddings-00001.safetensors"), os.path.join(mine, "embeddings-00001.safetensors"))
+    return mine, first
+
+
+def test_a_shard_of_another_folder_under_a_listed_name_is_named_and_never_mixed_in(tmp_path, caplog):
+    """Another folder's shard 1 (same settings, the same keys from other files) copied over this folder's shard 1:
+    read_embeddings returned its embeddings as this folder's, and a resume counted them done. The reader now
+    names the shard, the key and what its own metadata records otherwise; a resume encodes those images again
+    (saying why), never takes the shard's embeddings for them, and deletes nothing."""
+    import logging
+
+    mine, first = _foreign_copy(tmp_path, SETTINGS)
+    shard = os.path.join(mine, "embeddings-00001.safetensors")
+    with pytest.raises(OutputError, match=re.escape(shard) + r" is not the shard manifest.json in .* lists under that "
+                       r"name \(copied in from another folder\?\): its own metadata records /img/a otherwise: "
+                       r"sha256 = 'theirs' \(the manifest: 'mine'\); put back"):
+        read_embeddings(mine)
+    with caplog.at_level(logging.WARNING, logger="glmvit_cupy"):
+        again = Output(mine, SETTINGS, flush_seconds=0)
+    assert not again.done("/img/a") and not again.done("/img/b")
+    assert "not the shard manifest.json lists under that name" in caplog.text and "its 2 images" in caplog.text
+    assert "sha256 = 'theirs' (the manifest: 'mine')" in again.manifest["failed"]["/img/a"]
+    again.flush()
+    assert read_embeddings(mine)[1] == {}  # failed, and the shard's embeddings not taken for them
+    again.add_batch(first)  # the run given the files encodes them again, into shard 2
+    again.flush()
+    again._lock.close()
+    manifest, embs = read_embeddings(mine)
+    assert os.path.exists(shard) and manifest["failed"] == {} and sorted(embs) == ["/img/a", "/img/b"]
+    for key, _, emb in first:
+        assert np.array_equal(embs[key].view(np.uint16), emb.view(np.uint16))
+    assert all(Output(mine, SETTINGS).done(k) for k in ("/img/a", "/img/b"))
+
+
+def test_a_shard_of_other_settings_under_a_listed_name_is_refused_by_name(tmp_path):
+    """Another tower's shard (other settings) copied over a shard the manifest lists: the reader and a resume
+    refuse, naming the shard and the setting, as for an unlisted one; moved away, its images are encoded again."""
+    mine, _ = _foreign_copy(tmp_path, dict(SETTINGS, max_image_tokens=64), sha="mine")
+    shard = os.path.join(mine, "embeddings-00001.safetensors")
+    says = (re.escape(shard) + r" was written with other settings than the manifest \(manifest.json\) in .*: "
+            r"max_image_tokens = 64 \(there: 1024\); the manifest lists 2 images in it.*move it away")
+    with pytest.raises(OutputError, match=says):
+        read_embeddings(mine)
+    with pytest.raises(OutputError, match=says):
+        Output(mine, SETTINGS)
+    os.rename(shard, str(tmp_path / "away.safetensors"))
+    again = Output(mine, SETTINGS)
+    assert not again.done("/img/a") and again.manifest["failed"]["/img/a"] == LOST
+
+
+def test_a_listed_shard_of_an_earlier_version_resumes_from_a_moved_checkpoint(tmp_path):
+    """A shard written before the folder recorded the weights' fingerprint names the checkpoint's path alone; once
+    the folder records the fingerprint, the same weights moved elsewhere resume it (its shards are its own)."""
+    folder = str(tmp_path / "o")
+    old = Output(folder, SETTINGS, flush_seconds=0)
+    old.add_batch(batch(["/img/a"]))
+    old._lock.close()
+    newer = Output(folder, dict(SETTINGS, weights="f" * 64), flush_seconds=0)
+    newer.add_batch(batch(["/img/b"]))
+    newer._lock.close()
+    moved = Output(folder, dict(SETTINGS, checkpoint="/elsewhere/x", weights="f" * 64), flush_seconds=0)
+    assert moved.done("/img/a") and moved.done("/img/b")
+    moved.add_batch(batch(["/img/c"]))
+    moved._lock.close()
+    assert sorted(read_embeddings(folder)[1]) == ["/img/a", "/img/b", "/img/c"]
+
+
 def test_the_reader_names_what_differs_inside_a_setting_and_ignores_the_key_wording(tmp_path):
     """A shard whose video settings differ in one field is named with that field; a shard written under
     another wording of `key` (an earlier version's manifest, resumed) is the folder's own, as a resume says."""

@@ -16,7 +16,9 @@ temporary name and renamed, so a shard is whole or absent. The manifest is rewri
 most every few seconds and when the run ends: rewriting it after every batch cost a millions-of-images
 run time quadratic in its length. A run stopped before its manifest caught up loses nothing: its
 shards name their own images, and resuming (or read_embeddings) takes them from there. A re-run with
-the same settings skips what is done. Files get the usual mode for new files (0666 less the umask).
+the same settings skips what is done. A shard the manifest lists counts only where its own metadata records
+what the manifest does: another folder's shard copied in under its name is named, never taken for this
+folder's. Files get the usual mode for new files (0666 less the umask).
 
 A write that fails (a full disk, lost permissions) raises OutputError naming the file and the reason;
 the shards written before it stay.
@@ -163,6 +165,10 @@ def _newer(entries: dict, found: dict) -> list:
 # Why a key whose manifest entry a resume drops is failed: its embedding is not in this folder any more.
 LOST = ("the shard its entry names no longer holds its embedding as the entry describes it (lost or damaged); a run "
         "given the file encodes it again")
+# ... and why where the shard under its name is not the one the manifest lists (its own metadata records the key
+# otherwise).
+FOREIGN = ("not the shard the manifest lists under that name (copied in from another folder?), so not this file's "
+           "embedding; a run given the file encodes it again")
 STAGING = ".glmvit-encode.tmp"  # the folder in --out where a shard is written before it takes its name
 
 
@@ -357,8 +363,17 @@ class Output:
                               "done. Move it away and run again: what the shards here hold (their own metadata) is "
                               "kept and the rest encoded; or use another --out") from None
         self._check(header, settings, MANIFEST)
-        # Keep only entries whose shard reads whole and holds them: a shard lost or damaged since is encoded again.
-        own = _own_shards(self.folder, images, _expect(settings))
+        # Keep only entries whose shard reads whole and holds them as its own metadata records them: a shard lost or
+        # damaged since, or replaced by another folder's of the same name, is encoded again. A shard of other
+        # settings under a listed name is refused, as an unlisted one is (_recover).
+        foreign: dict = {}
+        own = _own_shards(self.folder, images, _expect(settings), {k: v for k, v in header.items() if k != "key"},
+                          foreign)
+        for shard in sorted({images[k]["shard"] for k in foreign}):
+            keys = [k for k in foreign if images[k]["shard"] == shard]
+            log.warning("%s: not the shard %s lists under that name (copied in from another folder?): %s; its %d "
+                        "image%s listed there %s encoded again", shown(os.path.join(self.folder, shard)), MANIFEST,
+                        foreign[keys[0]], len(keys), "s" if len(keys) != 1 else "", "are" if len(keys) != 1 else "is")
         self.manifest["images"] = {k: v for k, v in images.items() if k in own}
         # Earlier failures stay failures until encoded (a run that tries one again replaces its reason).
         failed = old.get("failed", {})
@@ -368,7 +383,9 @@ class Output:
         # An entry dropped is failed, so that neither _recover nor read_embeddings takes its key from an older shard
         # the manifest no longer lists, which may still hold the file's embedding from before it changed.
         for key in images:
-            if key not in own:
+            if key in foreign:
+                self.manifest["failed"][key] = shown(f"{images[key]['shard']}: {foreign[key]}; {FOREIGN}")
+            elif key not in own:
                 self.manifest["failed"].setdefault(key, LOST)
         # What was dropped (an entry whose shard no longer holds it whole, a malformed one) leaves the manifest
         # at this run's flush, even a run with nothing to encode: read_embeddings then reads the folder again.
@@ -550,17 +567,25 @@ def _described(f) -> dict:
     return {k: (t.get_dtype(), list(t.get_shape())) for k, t in slices.items()}
 
 
-def _shard_tensors(path) -> dict | None:
-    """{image key: (dtype, shape)} of a shard's tensors; None if it is missing or cannot be read whole (truncated
-    or damaged: safetensors checks that its header covers the file exactly)."""
+def _shard_tensors(path) -> tuple[dict, dict | None] | None:
+    """({image key: (dtype, shape)} of a shard's tensors, its own metadata: {"header": its run's settings, "images":
+    {key: entry}}, or None for a shard that records none (an earlier version's)); None if it is missing or cannot
+    be read whole (truncated or damaged: safetensors checks that its header covers the file exactly; or metadata
+    that is not what this module writes)."""
     from safetensors import safe_open
 
     if not_regular(path):  # a FIFO or a device named like a shard: never opened (a FIFO would block)
         return None
     try:
         with safe_open(path, framework="numpy") as f:
-            return _described(f)
-    except Exception:  # SafetensorError (damaged), OSError (missing): either way, not done
+            tensors, meta = _described(f), (f.metadata() or {}).get("glmvit")
+        if meta is not None:
+            meta = json.loads(meta)
+            if not (isinstance(meta, dict) and isinstance(meta.get("header"), dict)
+                    and isinstance(meta.get("images"), dict)):
+                return None
+        return tensors, meta
+    except Exception:  # SafetensorError (damaged), OSError (missing), ValueError (metadata): either way, not done
         return None
 
 
@@ -593,36 +618,98 @@ def _embedding_problem(key, entry, have, expect) -> str | None:
     return None
 
 
-def _own_shards(folder, images: dict, expect: tuple) -> set:
+def _entry_problem(key, entry, meta) -> str | None:
+    """What a shard's own metadata (`meta`: _shard_tensors) records of `key` otherwise than its manifest entry says,
+    or None (also for a shard that records nothing). The two are written together from one entry: a field both
+    record with other values means the file under the shard's name is not the shard the manifest lists (copied in
+    from another folder). A field one of them lacks (a manifest an earlier version wrote, or edited) is no sign."""
+    if meta is None:
+        return None
+    own = meta["images"].get(key)
+    if not isinstance(own, dict):
+        return f"it holds a tensor named {shown(key)}, but its own metadata lists no such image"
+    entry = {k: v for k, v in entry.items() if k != "shard"}
+    parts = sorted(k for k in set(own) & set(entry) if not _same(own[k], entry[k]))
+    if not parts:
+        return None
+    differs = ", ".join(f"{k} = {quoted(own[k], 80)} (the manifest: {quoted(entry[k], 80)})" for k in parts[:3])
+    return f"its own metadata records {shown(key)} otherwise: {differs}"
+
+
+def _same(a, b) -> bool:
+    """Whether two values read from JSON are the same as written (a NaN read back equals itself so); a value nested
+    too deep to compare is not."""
+    try:
+        return a == b or json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    except (RecursionError, ValueError, TypeError):
+        return False
+
+
+def _listed_difference(header: dict, reference: dict) -> str | None:
+    """_difference of a listed shard's header from the manifest's: a shard of an earlier version, which recorded no
+    weights' fingerprint, was taken by its checkpoint's path when the folder was resumed, and the path the manifest
+    records since is that of the latest run (the same weights, wherever they lie now)."""
+    if "weights" in reference and "weights" not in header:
+        reference = {k: v for k, v in reference.items() if k != "checkpoint"}
+    return _difference(header, reference)
+
+
+def _own_shards(folder, images: dict, expect: tuple, reference: dict | None = None, foreign: dict | None = None) -> set:
     """The keys of manifest entries whose shard is a file of this folder by a name this module writes (nothing
     outside the folder, nothing else in it) that reads whole and holds the key's embedding as the entry describes
-    it (bf16 [tokens, width], grid_thw making the tokens; `expect`: _expect); each shard's header is read once."""
+    it (bf16 [tokens, width], grid_thw making the tokens; `expect`: _expect), its own metadata recording the same
+    entry; each shard's header is read once. A shard whose own metadata records other settings than `reference`
+    (the manifest's header) is an OutputError naming it and the setting: it is not this folder's shard of that
+    name, and nothing of it is taken."""
     found: dict = {}
 
     def own(key, entry):
         shard = entry.get("shard") if isinstance(entry, dict) else None
         if not isinstance(shard, str) or SHARD.fullmatch(shard) is None:
             return False
+        path = os.path.join(folder, shard)
         if shard not in found:
-            found[shard] = _shard_tensors(os.path.join(folder, shard))
-            if found[shard] is None and os.path.exists(os.path.join(folder, shard)):
-                log.warning("%s: cannot be read whole (truncated or damaged); its images are not counted as done",
-                            os.path.join(folder, shard))
-        tensors = found[shard] or {}
-        return key in tensors and _embedding_problem(key, entry, tensors[key], expect) is None
+            found[shard] = _shard_tensors(path)
+            if found[shard] is None and os.path.exists(path):
+                log.warning("%s: cannot be read whole (truncated or damaged, or its metadata is not what glmvit-encode "
+                            "writes); its images are not counted as done", path)
+            meta = found[shard][1] if found[shard] is not None else None
+            if meta is not None and reference is not None:
+                name = _listed_difference(meta["header"], reference)
+                if name is not None:
+                    listed = sum(isinstance(e, dict) and e.get("shard") == shard for e in images.values())
+                    raise OutputError(
+                        f"{shown(path)} was written with other settings than the manifest ({MANIFEST}) in "
+                        f"{shown(folder)}: {_what_differs(name, meta['header'].get(name), reference[name])}; the "
+                        f"manifest lists {listed} image{'s' if listed != 1 else ''} in it, so it is not this folder's "
+                        "shard of that name (copied in from another folder?): move it away (a re-run then encodes "
+                        "those images again), or put back this folder's own")
+        if found[shard] is None:
+            return False
+        tensors, meta = found[shard]
+        if key not in tensors or _embedding_problem(key, entry, tensors[key], expect) is not None:
+            return False
+        problem = _entry_problem(key, entry, meta)
+        if problem is not None and foreign is not None:
+            foreign[key] = problem
+        return problem is None
 
     return {k for k, e in images.items() if own(k, e)}
 
 
-def _not_own(folder, key, entry, expect) -> str:
-    """Why `key`'s manifest entry is not one of _own_shards."""
+def _not_own(folder, key, entry, expect) -> tuple[str, bool]:
+    """Why `key`'s manifest entry is not one of _own_shards, and whether it is because the shard's own metadata
+    records the key otherwise (the shard is another folder's)."""
     shard = entry.get("shard") if isinstance(entry, dict) else None
-    tensors = None
+    read = None
     if isinstance(shard, str) and SHARD.fullmatch(shard):
-        tensors = _shard_tensors(os.path.join(folder, shard))
-    if tensors and key in tensors:
-        return f"{_embedding_problem(key, entry, tensors[key], expect)} (in {shard})"
-    return f"its entry {key!r} names no shard of this folder that reads whole and holds it"
+        read = _shard_tensors(os.path.join(folder, shard))
+    if read is not None and key in read[0]:
+        problem = _embedding_problem(key, entry, read[0][key], expect)
+        if problem is not None:
+            return f"{problem} (in {shard})", False
+        return _entry_problem(key, entry, read[1]), True
+    return f"its entry {key!r} names no shard of this folder that reads whole and holds it", False
 
 
 def _difference(header: dict, settings: dict) -> str | None:
@@ -676,11 +763,22 @@ def read_embeddings(folder) -> tuple[dict, dict]:
                     and isinstance(manifest.get("failed", {}), dict)):
                 raise TypeError("it is not an object with an 'images' object and a 'failed' object")
             expect = _expect(manifest.get("header"))
-            own = _own_shards(folder, manifest["images"], expect)
+            header = manifest.get("header")
+            own = _own_shards(folder, manifest["images"], expect,
+                              {k: v for k, v in header.items() if k != "key"} if isinstance(header, dict) else None)
             bad = next((k for k in manifest["images"] if k not in own), None)
             if bad is not None:
-                raise ValueError(_not_own(folder, bad, manifest["images"][bad], expect))
+                why, foreign = _not_own(folder, bad, manifest["images"][bad], expect)
+                if foreign:  # the manifest is sound; the shard under the name it gives is another folder's
+                    raise OutputError(
+                        f"{shown(os.path.join(folder, manifest['images'][bad]['shard']))} is not the shard {MANIFEST} "
+                        f"in {shown(folder)} lists under that name (copied in from another folder?): {why}; put "
+                        "back this folder's own shard, or re-run glmvit-encode into the folder: given their files, "
+                        "it encodes the images the manifest lists there again")
+                raise ValueError(why)
             listed = {e["shard"] for e in manifest["images"].values()}
+        except OutputError:  # a shard, named; the manifest is not to blame
+            raise
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise OutputError(f"{path} is unreadable or not a glmvit-encode manifest ({type(e).__name__}: {e}); "
                               "move it away to read the shards alone") from None
