@@ -288,3 +288,64 @@ def test_a_cache_folder_that_is_a_link_is_used(tmp_path, rng):
     (tmp_path / "ec").symlink_to(tmp_path / "disk")
     vllm_ec.write(str(tmp_path / "ec"), KEY, embedding(rng))
     assert os.listdir(tmp_path / "disk" / KEY) == [FILE]
+
+
+def _writer_paused_before_its_rename(folder, key):
+    """A process writing `key` (1024 x 256) that stops once its temporary file is whole (in its fsync) and goes on,
+    renaming it into place, when a line comes on its stdin; returned once its temporary file is there."""
+    code = """if True:
+        import os, sys
+        import ml_dtypes, numpy as np
+        from glmvit_cupy import vllm_ec
+        real = os.fsync
+        def paused(fd):
+            print("written", flush=True)
+            sys.stdin.readline()
+            real(fd)
+        os.fsync = paused
+        vllm_ec.write(sys.argv[1], sys.argv[2], np.ones((1024, 256), ml_dtypes.bfloat16))
+        print("done", flush=True)"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", code, str(folder), key], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline() == "written\n", proc.communicate(timeout=60)
+    return proc
+
+
+def _age(path, seconds):
+    then = os.stat(path).st_mtime - seconds
+    os.utime(path, (then, then))
+
+
+def test_a_writer_killed_mid_write_leaves_a_temporary_file_the_next_write_removes(tmp_path, rng):
+    """kill -9 between a file's bytes and its rename left encoder_cache.safetensors.<pid>.<random>.tmp in the key's
+    folder for good: no later write looked at it. The next write of the key now removes it once it is
+    STALE_SECONDS old (its writer's lock went with the process); a younger one, and any other file, stays."""
+    proc = _writer_paused_before_its_rename(tmp_path, KEY)
+    proc.kill()
+    proc.wait(30)
+    (left,) = os.listdir(tmp_path / KEY)
+    assert vllm_ec.TEMPORARY.fullmatch(left) and os.path.getsize(tmp_path / KEY / left) > 1024 * 256 * 2
+    (tmp_path / KEY / "notes.tmp").write_text("someone else's")
+    vllm_ec.write(str(tmp_path), KEY, embedding(rng))
+    assert sorted(os.listdir(tmp_path / KEY)) == sorted([FILE, left, "notes.tmp"])  # young: may be a live one's
+    _age(tmp_path / KEY / left, vllm_ec.STALE_SECONDS + 1)
+    _age(tmp_path / KEY / "notes.tmp", vllm_ec.STALE_SECONDS + 1)
+    vllm_ec.write(str(tmp_path), KEY, embedding(rng))  # the file is there: kept, and the leftover removed
+    assert sorted(os.listdir(tmp_path / KEY)) == [FILE, "notes.tmp"]
+
+
+def test_a_live_writers_temporary_file_is_never_removed_however_old(tmp_path, rng):
+    """A writer slow past STALE_SECONDS (a hung network file system) still holds its temporary file locked: another
+    process's write of the key leaves it, and the slow writer's rename then succeeds."""
+    proc = _writer_paused_before_its_rename(tmp_path, KEY)
+    try:
+        (temporary,) = os.listdir(tmp_path / KEY)
+        _age(tmp_path / KEY / temporary, vllm_ec.STALE_SECONDS + 1)
+        vllm_ec.write(str(tmp_path), KEY, embedding(rng))
+        assert sorted(os.listdir(tmp_path / KEY)) == sorted([FILE, temporary])
+        out, err = proc.communicate("go\n", timeout=60)
+        assert proc.returncode == 0 and out == "done\n", err
+        assert os.listdir(tmp_path / KEY) == [FILE]
+    finally:
+        proc.kill()

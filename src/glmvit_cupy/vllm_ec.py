@@ -6,7 +6,9 @@ vLLM's ECExampleConnector (ECSharedStorageConnector in earlier vLLM releases) lo
 bytes under the reference processor's default token limits, else of that and its limits), a video by
 video_key_of (whether it came as frames or a video file, those files, and the settings that shape
 its embedding), and write under a
-temporary name of our own, fsync it, then rename it into place, so vLLM never reads half a file. The
+temporary name of our own (locked while it is written), fsync it, then rename it into place, so vLLM never
+reads half a file; a temporary file that a writer killed mid-write left is removed by the next write of its key
+once it is STALE_SECONDS old and unlocked. The
 language-only vLLM is started with --ec-transfer-config '{"ec_connector": "ECExampleConnector", "ec_role":
 "ec_consumer", "ec_connector_extra_config": {"shared_storage_path": DIR}}' and each request passes that key
 as the image's uuid (docs/SERVING.md, "Handing embeddings to vLLM").
@@ -31,6 +33,7 @@ import re
 import secrets
 import stat
 import struct
+import time
 
 import numpy as np
 
@@ -44,6 +47,10 @@ FILE = "encoder_cache.safetensors"
 TENSOR = "ec_cache"
 WEIGHTS = "glmvit_weights"  # the file's metadata key for the fingerprint of the tower that made it
 KEY = re.compile(r"[0-9a-f]{64}")  # what key_of and video_key_of give: a sha256's lowercase hex
+TEMPORARY = re.compile(re.escape(FILE) + r"\.(\d+)\.[0-9a-f]{16}\.tmp")  # _write_file's: FILE.<pid>.<random>.tmp
+# A temporary file untouched this long, that no writer holds locked, was left by one that died mid-write (kill -9, a
+# crash, a power cut): a live writer's is written to, fsync'd and renamed in seconds, and locked all the while.
+STALE_SECONDS = 600
 
 CHUNK = 1 << 30  # bytes per os.write (Linux moves at most ~2 GiB per call)
 _DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -158,11 +165,53 @@ def write(folder: str, key: str, embedding: np.ndarray, weights: str | None = No
     finally:
         os.close(top)
     try:
+        _clear_stale(here, os.path.join(folder, key))
         if not _finished(here, target, weights):
             _write_file(here, target, data)
     finally:
         os.close(here)
     return target
+
+
+def _clear_stale(here: int, where: str) -> None:
+    """Remove the temporary files in the key's folder (open as `here`) that writers killed mid-write left: named as
+    _write_file names them, by another process, a plain file untouched for STALE_SECONDS and not locked (a live
+    writer holds its own locked from its creation to its rename; where the file system has no locks, the age alone
+    tells). Nothing else is touched, and nothing that fails here stops the write."""
+    import fcntl  # here, as in _locked: the keys (key_of, key_for_image) are any platform's
+
+    try:
+        names = os.listdir(here)
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        m = TEMPORARY.fullmatch(name)
+        if m is None or int(m.group(1)) == os.getpid():  # this process's own may be in a thread's hands
+            continue
+        try:
+            st = os.stat(name, dir_fd=here, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < STALE_SECONDS:
+                continue
+            # Read-write: an NFS client takes flock as a POSIX write lock, which a read-only descriptor cannot.
+            fd = os.open(name, os.O_RDWR | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0),
+                         dir_fd=here)
+        except OSError:  # gone meanwhile, or another user's we cannot open: left alone
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live writer's (its file system slow): left alone
+                continue
+            except OSError:  # no locks on this file system
+                pass
+            if (os.fstat(fd).st_ino, os.fstat(fd).st_dev) == (st.st_ino, st.st_dev):
+                os.unlink(name, dir_fd=here)
+                log.info("%s: removed %s, the temporary file of a writer that stopped mid-write", where, name)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def holds(folder: str, key: str, weights: str | None = None) -> bool:
@@ -338,6 +387,7 @@ def _write_file(here: int, target: str, data: bytes) -> None:
         fd = os.open(name, flags, 0o666, dir_fd=here)  # the kernel takes the umask off 0666
     except OSError as e:
         raise _failed(f"cannot write {target}", e) from e
+    held = _locked(fd)
     try:
         try:
             _write_all(fd, data)
@@ -354,3 +404,22 @@ def _write_file(here: int, target: str, data: bytes) -> None:
         if isinstance(e, OSError):
             raise _failed(f"cannot write {target}", e) from e
         raise
+    finally:
+        if held is not None:
+            os.close(held)
+
+
+def _locked(fd: int) -> int | None:
+    """A second descriptor of the temporary file open as `fd`, holding a lock on it (flock) until it is closed, past
+    fd's close and the rename: _clear_stale never takes a live writer's file. None where it cannot be had."""
+    import fcntl
+
+    try:
+        held = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a file system without locks: the file's age alone tells a stale one
+        pass
+    return held
