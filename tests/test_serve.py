@@ -436,6 +436,52 @@ def test_other_token_limits_hand_vllm_another_key(server):
     assert got[64] != got[1000]
 
 
+def test_something_in_the_way_of_one_vllm_key_is_a_409_naming_that_image_alone(server):
+    """A folder where one image's vLLM file goes (and a file where another's key folder goes) made the whole request
+    a 500 naming no image, and the files of the images after it were never written. Now: a 409 naming the first
+    blocked image (its index and the path in the way) and how many more; every other image's file is written, the
+    embeddings are kept (a retry once the way is clear is served from the cache), the server stays up, and
+    glmvit_vllm_files_total counts each key's outcome."""
+    import shutil
+
+    client, ec = server
+    blocked, free, other = png(41, 57, 61), png(43, 59, 62), png(45, 61, 63)
+    keys = [vllm_ec_key(d) for d in (blocked, free, other)]
+    (ec / keys[0] / "encoder_cache.safetensors").mkdir(parents=True)
+    (ec / keys[2]).write_bytes(b"not the cache's")
+    before = {o: metric(client, f'glmvit_vllm_files_total{{outcome="{o}"}}') for o in ("written", "blocked", "failed")}
+    conflicts = metric(client, 'glmvit_requests_total{status="409"}')
+    body = json.dumps({"images": [base64.b64encode(d).decode() for d in (blocked, free, blocked, other)]}).encode()
+    status, err = post(client, body)
+    assert status == 409 and err["index"] == 0, err
+    assert err["error"].startswith(f"images[0]: its embedding is computed, but its file in the vLLM encoder cache "
+                                   f"cannot be written: {ec / keys[0] / 'encoder_cache.safetensors'} is not a plain "
+                                   "file"), err
+    assert "so is the file of 1 more of this request's images (images[3])" in err["error"], err
+    assert "the files of the request's other images are written" in err["error"], err
+    assert (ec / keys[1] / "encoder_cache.safetensors").is_file() and client.health()["status"] == "ok"
+    after = {o: metric(client, f'glmvit_vllm_files_total{{outcome="{o}"}}') for o in before}
+    assert {o: after[o] - before[o] for o in before} == {"written": 1, "blocked": 2, "failed": 0}
+    assert metric(client, 'glmvit_requests_total{status="409"}') == conflicts + 1
+    hits = metric(client, "glmvit_cache_hits_total")
+    shutil.rmtree(ec / keys[0])
+    (ec / keys[2]).unlink()
+    embs, meta = client.encode([blocked, free, blocked, other])
+    assert [m["key"] for m in meta] == [keys[0], keys[1], keys[0], keys[2]] and all(m["cached"] for m in meta)
+    assert metric(client, "glmvit_cache_hits_total") == hits + 4  # nothing encoded again
+    from safetensors.numpy import load_file
+
+    for k, emb in zip(keys, (embs[0], embs[1], embs[3])):
+        assert np.array_equal(load_file(str(ec / k / "encoder_cache.safetensors"))["ec_cache"].view(np.uint16),
+                              emb.view(np.uint16))
+
+
+def vllm_ec_key(data: bytes) -> str:
+    from glmvit_cupy.vllm_ec import key_for_image, key_of
+
+    return key_for_image(key_of(data), 16, 8000)
+
+
 def test_a_client_that_goes_away_breaks_nothing(server, tower):
     client, _ = server
     gone, kept = png(96, 64, 70), png(64, 120, 71)

@@ -349,3 +349,30 @@ def test_a_live_writers_temporary_file_is_never_removed_however_old(tmp_path, rn
         assert os.listdir(tmp_path / KEY) == [FILE]
     finally:
         proc.kill()
+
+
+@pytest.mark.parametrize("code,alone", [(errno.EACCES, True), (errno.EPERM, True), (errno.ENOSPC, False),
+                                        (errno.EROFS, False)])
+def test_a_keys_folder_this_user_may_not_write_blocks_that_key_alone(tmp_path, monkeypatch, rng, code, alone):
+    """The key's folder refusing this user (another user's, or made read-only: EACCES, EPERM) is InTheWay, that key
+    alone, naming the folder to fix, so that glmvit-encode and glmvit-serve write the other keys; a full disk or a
+    read-only mount stays the whole folder's OutputError."""
+    real_open = os.open
+
+    def refused(path, *a, **k):
+        if isinstance(path, str) and vllm_ec.TEMPORARY.fullmatch(path):
+            raise OSError(code, os.strerror(code))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(os, "open", refused)
+    with pytest.raises(OutputError) as got:
+        vllm_ec.write(str(tmp_path), KEY, embedding(rng))
+    monkeypatch.undo()
+    assert isinstance(got.value, vllm_ec.InTheWay) == alone, got.value
+    message = str(got.value)
+    assert message.startswith(f"cannot write {tmp_path / KEY / FILE}: {os.strerror(code)} ({errno.errorcode[code]})")
+    if alone:
+        assert message.endswith(f"let this user write {tmp_path / KEY}, or remove that folder (it is made again)")
+    assert os.listdir(tmp_path / KEY) == []
+    vllm_ec.write(str(tmp_path), KEY, embedding(rng))  # the way clear: written
+    assert os.listdir(tmp_path / KEY) == [FILE]

@@ -239,8 +239,19 @@ def _failed(what: str, e: BaseException) -> OutputError:
 
 
 class InTheWay(OutputError):
-    """Something not the cache's own at one key (a file or a link where its folder goes, a FIFO where its file
-    goes): that key alone cannot be written; the others can."""
+    """Something not the cache's own at one key (a file or a link where its folder goes, a FIFO or a folder where its
+    file goes), or a key's folder this user may not write (another user's, or made read-only): that key alone
+    cannot be written; the others can."""
+
+
+def _key_failed(what: str, where: str, e: OSError) -> OutputError:
+    """_failed, but InTheWay where the OS refuses this user the key's own folder `where` (EACCES, EPERM), which the
+    cache folder's other keys do not share; anything else (a full disk, a read-only mount) is the whole folder's."""
+    if getattr(e, "errno", None) not in (errno.EACCES, errno.EPERM):
+        return _failed(what, e)
+    reason = f"{e.strerror or e} ({errno.errorcode[e.errno]})"
+    return InTheWay(" ".join(f"{what}: {reason}; let this user write {where}, or remove that folder (it is made "
+                             "again)".splitlines()))
 
 
 def _link_error(path: str, dir_fd: int, name: str) -> InTheWay:
@@ -316,7 +327,7 @@ def _open_key_folder(top: int, folder: str, key: str) -> int:
         if mode is not None and not stat.S_ISDIR(mode):
             raise InTheWay(f"{where} is not a folder; remove it and the embedding is written there "
                            "again") from None
-        raise _failed(f"cannot open {where}", e) from e
+        raise _key_failed(f"cannot open {where}", where, e) from e
 
 
 def _finished(here: int, target: str, weights: str | None = None, quiet: bool = False) -> bool:
@@ -327,7 +338,7 @@ def _finished(here: int, target: str, weights: str | None = None, quiet: bool = 
     except FileNotFoundError:
         return False
     except OSError as e:
-        raise _failed(f"cannot look at {target}", e) from e
+        raise _key_failed(f"cannot look at {target}", os.path.dirname(target), e) from e
     if stat.S_ISREG(st.st_mode):
         made_by, whole = _weights_of(here, st.st_size) if weights else (weights, True)
         if made_by != weights:
@@ -386,7 +397,7 @@ def _write_file(here: int, target: str, data: bytes) -> None:
     try:
         fd = os.open(name, flags, 0o666, dir_fd=here)  # the kernel takes the umask off 0666
     except OSError as e:
-        raise _failed(f"cannot write {target}", e) from e
+        raise _key_failed(f"cannot write {target}", os.path.dirname(target), e) from e
     held = _locked(fd)
     try:
         try:
@@ -402,7 +413,7 @@ def _write_file(here: int, target: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(name, dir_fd=here)
         if isinstance(e, OSError):
-            raise _failed(f"cannot write {target}", e) from e
+            raise _key_failed(f"cannot write {target}", os.path.dirname(target), e) from e
         raise
     finally:
         if held is not None:

@@ -196,8 +196,9 @@ EXIT_STATUS = """exit status:
   0    every input file is in the output folder (encoded by this run or an earlier one)
   1    some input files failed, each named (and recorded in manifest.json's "failed"); the rest are
        saved. A re-run tries the failed files again, so it exits 1 again while any of them still fails.
-       Also: something not the cache's own in the way of one file's --vllm-ec-dir entry (named; its
-       embedding is saved in the output folder, and a re-run writes the entry once it is gone)
+       Also: something not the cache's own in the way of one file's --vllm-ec-dir entry, or its folder
+       this user may not write (named; its embedding is saved in the output folder, and a re-run writes
+       the entry once it is gone)
   2    nothing was run: a usage error or bad argument, an input that names nothing, no image or video
        found, videos without PyAV, a checkpoint that fails its checks, no usable GPU, a --vllm-ec-dir
        that cannot be written, an --out that cannot be created, is a file, was written with other

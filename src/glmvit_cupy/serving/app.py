@@ -19,9 +19,10 @@
 
 Errors are JSON {"error": why, "index": the image's (or video's) position or null}: 400 malformed request, 408
 the body too slow, 413 too large (a body, an image file, more images than the queue holds, more pixels than
---max-pixels-in-flight), 415 neither JSON nor an image file, 422 an image that cannot be decoded (nothing of
-that request is encoded), 429 the queue or the pixels in flight full now, 501 a video file on a server without
-PyAV, 503 loading or shutting down, 500 the engine failed.
+--max-pixels-in-flight), 415 neither JSON nor an image file, 409 something in the way of one image's (or video's)
+vLLM file (the others are written), 422 an image that cannot be decoded (nothing of that request is encoded),
+429 the queue or the pixels in flight full now, 501 a video file on a server without PyAV, 503 loading or
+shutting down, 500 the engine failed, or the vLLM folder refused the writes.
 
 A request is admitted before any image of it is decoded: its images counted against the queue's room, then
 their pixels, read from the files' headers, against the pixels in flight; only then are they decoded, on
@@ -263,7 +264,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 except Refused as e:  # a body too slow or too large: the rest is not read, and the connection closes
                     response = JSONResponse({"error": e.error, "index": e.index}, status_code=e.status,
                                             headers={"Connection": "close"} if e.close else None)
-                    if e.status == 500:  # the server's own failure (a write, the model): the operator is told
+                    if e.status in (409, 500):  # the server's own failure (a write, the model): the operator is told
                         state.get("log", lambda message: None)(f"{request.url.path}: 500: {e.error}")
                 except (ClientGone, ClientDisconnect):
                     response = Response(status_code=499)
@@ -400,20 +401,46 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                 raise g
 
     async def hand_to_vllm(keys, out, what: str) -> bool:
-        """The embeddings written for vLLM (with --vllm-ec-dir), checked first; True if they were (checked)."""
+        """The embeddings written for vLLM (with --vllm-ec-dir), checked first; True if they were (checked). Something
+        in the way of one key (vllm_ec.InTheWay: a file or folder not the cache's own, a key's folder this user may
+        not write) blocks that key alone: the others are written, then a 409 names the first image (or video) it
+        blocked. A failure of the folder itself (a full disk, the folder gone) stops the writes: a 500."""
         if not settings.vllm_ec_dir:
             return False
+        blocked: dict = {}  # key: (the first index of it, why)
 
         def write():
             _check_finite(out, what)  # nothing unusable reaches vLLM
-            for i, k in enumerate(keys):
-                vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)], settings.weights)
+            done: set = set()
+            try:
+                for i, k in enumerate(keys):
+                    if k in done or k in blocked:  # a repeat in the request: one file
+                        continue
+                    try:
+                        vllm_ec.write(settings.vllm_ec_dir, k, out[str(i)], settings.weights)
+                        done.add(k)
+                    except vllm_ec.InTheWay as e:
+                        blocked[k] = (i, str(e))
+            finally:
+                metrics.vllm_files.labels("written").inc(len(done))
+                metrics.vllm_files.labels("blocked").inc(len(blocked))
+                metrics.vllm_files.labels("failed").inc(len(set(keys)) - len(done) - len(blocked))
 
         try:
             await asyncio.get_running_loop().run_in_executor(None, write)
         except (OSError, OutputError) as e:  # a full disk, the folder gone: the request fails, saying where
             raise Refused(500, f"the embeddings were computed, but writing them to the vLLM encoder cache "
                                f"{settings.vllm_ec_dir} failed: {e}") from None
+        if blocked:
+            (i, why), *more = sorted(blocked.values())
+            also = ""
+            if more:
+                named = ", ".join(f"{what}[{j}]" for j, _ in more[:5]) + (", ..." if len(more) > 5 else "")
+                also = f"; so is the file of {len(more)} more of this request's {what} ({named})"
+            others = f"the files of the request's other {what} are written; " if len(blocked) < len(set(keys)) else ""
+            raise Refused(409, f"{what}[{i}]: its embedding is computed, but its file in the vLLM encoder cache cannot "
+                               f"be written: {why}{also}; {others}send the request again once the server's operator "
+                               "has cleared the way (with the cache on, it is not encoded again)", i)
         return True
 
     async def reply(out: dict, what: str, meta: list, checked: bool = False) -> Response:

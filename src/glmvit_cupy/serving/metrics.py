@@ -64,6 +64,12 @@ class Metrics:
                             "their passes", registry=r, multiprocess_mode="livesum")
         self.connections = Gauge("glmvit_connections", "Open HTTP connections", registry=r,
                                  multiprocess_mode="livesum")
+        self.vllm_files = Counter("glmvit_vllm_files", "Files handed to vLLM (--vllm-ec-dir), one a distinct key of a "
+                                  "request, by outcome: written (there now, written or kept), blocked (something in "
+                                  "the way of that key alone: the request is a 409), failed (the folder refused: the "
+                                  "request is a 500)", ["outcome"], registry=r)
+        for outcome in ("written", "blocked", "failed"):
+            self.vllm_files.labels(outcome)
         self.cache_hits = Counter("glmvit_cache_hits", "Images and videos served from the cache", registry=r)
         self.cache_bytes = Gauge("glmvit_cache_bytes", "Bytes the cache holds: embeddings, their metadata and keys",
                                  registry=r, multiprocess_mode="livesum")
