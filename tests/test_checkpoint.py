@@ -305,7 +305,7 @@ def test_text_only_and_absent_tower_are_distinct(tmp_path, tensors, caplog):
     with pytest.raises(NoVisionConfig, match="text-only"):
         inspect_checkpoint(text)
     absent = tmp_path / "absent"
-    write_checkpoint(absent, GEO, tensors=tensors, prefix="model.other.")
+    write_checkpoint(absent, GEO, tensors={})  # the text stand-ins alone
     with pytest.raises(AbsentTower, match="declares a vision tower"):
         inspect_checkpoint(absent)
     with caplog.at_level(logging.WARNING, logger="glmvit_cupy"):
@@ -313,6 +313,51 @@ def test_text_only_and_absent_tower_are_distinct(tmp_path, tensors, caplog):
         assert not caplog.records
         assert probe_tower(absent) is None
         assert "text-only" in caplog.text
+
+
+@pytest.mark.parametrize("prefix", ["model.vision_tower.", "vision_model.", "encoder."])
+@pytest.mark.parametrize("layout", ["index", "shards", "one shard"])
+def test_a_whole_tower_under_a_prefix_not_ending_in_visual_is_named_not_absent(tmp_path, tensors, prefix, layout):
+    """A whole tower under another prefix was AbsentTower ("no tower to load"), and probe_tower served text-only:
+    the error names the prefix it is under and the one a tower is loaded under."""
+    path = write_checkpoint(tmp_path, GEO, tensors=tensors, prefix=prefix, shards=1 if layout == "one shard" else 2)
+    given = path
+    if layout != "index":
+        os.remove(tmp_path / "model.safetensors.index.json")
+    if layout == "one shard":
+        given = str(next(tmp_path.glob("*.safetensors")))
+    for probe in (bind_tower, probe_tower):
+        with pytest.raises(CheckpointError) as e:
+            probe(given)
+        assert not isinstance(e.value, AbsentTower)
+        assert str(e.value).startswith(
+            f"{given}: the checkpoint holds the vision tower's 39 tensors under {prefix!r} (e.g. "
+            f"'{prefix}patch_embed.proj.weight'), but a tower is loaded only under a prefix ending in the module name "
+            "'visual.' (model.visual., "), str(e.value)
+        assert "rename its tensors to 'model.visual.'" in str(e.value)
+
+
+def test_towers_under_other_prefixes_are_all_named_and_part_of_one_is_no_tower(tmp_path, tensors, caplog):
+    """Two whole towers elsewhere are both named; a tensor or two of the tower's names elsewhere (another module
+    may share them), or a tower short of one tensor, leave the tower absent."""
+    from safetensors.numpy import save_file
+
+    write_checkpoint(tmp_path, GEO, tensors=tensors, prefix="b.tower.")
+    _add_tower(tmp_path, tensors, "a.tower.", "extra-1.safetensors")
+    with pytest.raises(CheckpointError, match=r"tower's 39 tensors under each of 'a\.tower\.', 'b\.tower\.' \(e\.g\. "
+                                              r"'a\.tower\.patch_embed\.proj\.weight'\).* rename one tower's tensors"):
+        bind_tower(tmp_path)
+    short = tmp_path / "short"
+    write_checkpoint(short, GEO, tensors={k: v for k, v in tensors.items() if k != "merger.proj.weight"},
+                     prefix="model.vision_tower.")
+    few = tmp_path / "few"
+    write_checkpoint(few, GEO, tensors={})
+    save_file({"model.audio.patch_embed.proj.weight": tensors["patch_embed.proj.weight"],
+               "model.audio.blocks.0.norm1.weight": tensors["blocks.0.norm1.weight"]}, few / "audio.safetensors")
+    os.remove(few / "model.safetensors.index.json")
+    for path in (short, few):
+        with pytest.raises(AbsentTower, match="declares a vision tower"):
+            bind_tower(path)
 
 
 def test_part_of_a_tower_is_incomplete_not_absent(tmp_path, tensors, caplog):

@@ -59,6 +59,15 @@ def test_hub_id_fetches_only_vision_shards(fake_hub):
     assert not [f for f in fake_hub if f.startswith("text-")]
 
 
+def test_a_tower_under_another_prefix_is_named_from_the_index_alone(fake_hub, tmp_path):
+    """No shard of it is fetched (the download takes `*visual.*` shards): the index's names say where it is."""
+    shutil.rmtree(tmp_path / "repo")
+    write_checkpoint(tmp_path / "repo", cases.GEOMETRY, tensors=random_tower(cases.GEOMETRY, 9), prefix="vision_model.")
+    with pytest.raises(CheckpointError, match=r"holds the vision tower's 39 tensors under 'vision_model\.'"):
+        inspect_checkpoint("zai-org/GLM-5.3-Flash-test")
+    assert fake_hub == ["config.json", "model.safetensors.index.json"]
+
+
 def test_hub_errors_are_checkpoint_errors(fake_hub, monkeypatch):
     def broken(*a, **kw):
         raise OSError("connection refused")

@@ -21,7 +21,7 @@ from ..config import VisionGeometry, read_config
 from ..errors import AbsentTower, CheckpointError, NoVisionConfig, quoted
 from ..files import not_regular, read_json_file
 from .hub import resolve
-from .names import VISION_PREFIXES, is_vision_name, module_shapes, tower_layout, tower_prefixes
+from .names import VISION_PREFIXES, is_vision_name, module_shapes, tower_layout, tower_prefixes, towers_elsewhere
 from .shards import INDEX_NAME, WeightStore
 
 log = logging.getLogger("glmvit_cupy")
@@ -173,6 +173,24 @@ def _index_listing(shard: str) -> str | None:
                               f"known ({why}); repair or remove {index}, or give the checkpoint's folder") from None
 
 
+def _refuse_towers_elsewhere(path: str, store: WeightStore, geo: VisionGeometry) -> None:
+    """CheckpointError where the checkpoint holds a whole tower under a prefix that does not end in `visual.`:
+    not an absent tower (probe_tower would serve text-only), nor one to take (the reference model, its servers
+    and the Hub download find the tower by that module name)."""
+    found = towers_elsewhere(store.every_name(), geo)
+    if not found:
+        return
+    whose = "its" if len(found) == 1 else "one tower's"
+    listed = ", ".join(quoted(p, 80) for p in found[:8]) + (f" and {len(found) - 8:,} more" if len(found) > 8 else "")
+    raise CheckpointError(
+        f"{path}: the checkpoint holds the vision tower's {geo.tensor_count:,} tensors under "
+        f"{'each of ' if len(found) > 1 else ''}{listed} (e.g. {quoted(found[0] + 'patch_embed.proj.weight', 120)}), "
+        f"but a tower is loaded only under a prefix ending in the module name 'visual.' ({', '.join(VISION_PREFIXES)}, "
+        "or a wrapper's such as 'base_model.model.model.visual.'), as the reference model names it: rename "
+        f"{whose} tensors to 'model.visual.' and the same suffixes "
+        f"(e.g. 'model.visual.patch_embed.proj.weight') and save the checkpoint again")
+
+
 def bind_tower(path: str | os.PathLike) -> TowerBinding:
     """Validate a checkpoint's vision tower without a GPU.
 
@@ -220,6 +238,7 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
     if unlisted:  # an index that lists none of the tower the shards beside it hold: not a tower absent
         raise CheckpointError(f"{path}: the index lists no vision tensor; {_unlisted_note(store, unlisted)}")
     if not prefixes:
+        _refuse_towers_elsewhere(path, store, geo)
         raise AbsentTower(
             f"{path}: config.json declares a vision tower, but no '*visual.patch_embed.proj.weight' is in the "
             f"checkpoint (looked under {', '.join(VISION_PREFIXES)} and any other prefix ending in 'visual.'); "

@@ -29,6 +29,19 @@ def tower_prefixes(names) -> list[str]:
     return [p for p in VISION_PREFIXES if p in found] + sorted(found.difference(VISION_PREFIXES))
 
 
+def towers_elsewhere(names, geo: VisionGeometry) -> list[str]:
+    """The prefixes not ending in `visual.` under which `names` (a set) hold every tensor of the tower `geo`
+    describes, sorted: a whole tower, renamed, that the loader does not take (the reference model's names and the
+    Hub download's rule are `*visual.*`). Part of one is not counted: another module may share a name or two."""
+    under = {n[:-len(_ANCHOR)] for n in names if n.endswith(_ANCHOR)}
+    under = sorted(p for p in under if not (p == "visual." or p.endswith(".visual.")))
+    if not under or geo.tensor_count > len(names):  # a depth past the names: no whole tower, nor a layout to build
+        return []
+    layout = tower_layout(geo)
+    # Each check stops at the first name missing: the work is bounded by the names themselves.
+    return [p for p in under if all(p + s in names for s in layout)]
+
+
 def module_shapes(geo: VisionGeometry) -> dict[str, tuple]:
     """The two convolutions' weights in their modules' own shapes, as the reference stores them: the patch-embed
     Conv3d [hidden, channels, temporal, patch, patch] and the downsample Conv2d [out, hidden, merge, merge]."""

@@ -294,7 +294,9 @@ class WeightStore:
 
     def __init__(self, infos: dict, display: str, index: str | None = None, listed: frozenset = frozenset()):
         self._infos, self.display = infos, display
-        self.index, self._listed = index, listed  # the index that chose the shards (or None), and every name it maps
+        # The index that chose the shards (or None), and every name it maps (without one, every name the shards'
+        # headers hold): the names `only` passed over included.
+        self.index, self._listed = index, listed
         self._maps: dict[str, mmap.mmap] = {}
 
     @classmethod
@@ -327,16 +329,24 @@ class WeightStore:
                         raise CheckpointError(f"tensor {quoted(name, 120)} appears in both {infos[name].file} and "
                                               f"{other} (the index names the first); a tensor is held in one shard")
         else:
+            every = set()
             for shard in files:
                 for name, info in read_header(shard).items():
+                    every.add(name)
                     if only is not None and not only(name):
                         continue
                     if name in infos:
                         raise CheckpointError(f"tensor {quoted(name, 120)} appears in both {infos[name].file} and {shard}")
                     infos[name] = info
         if weight_map is None:
-            return cls(infos, display)
+            return cls(infos, display, listed=frozenset(every))
         return cls(infos, display, display, frozenset(weight_map))
+
+    def every_name(self) -> frozenset:
+        """Every tensor name the checkpoint holds as opening it read them, the ones `only` passed over included:
+        the index's, or without one every name in the headers of the shards opened. Names only: the shards an
+        index names for the others need not exist."""
+        return self._listed
 
     def unindexed(self, wanted: Callable[[str], bool]) -> dict[str, str]:
         """{name: shard file} of the tensors `wanted` accepts that a shard in the index's folder holds but the index
