@@ -149,6 +149,8 @@ def test_a_header_of_too_many_other_objects_is_refused_as_it_is_parsed(tmp_path,
     from glmvit_cupy.checkpoint import shards
 
     monkeypatch.setattr(shards, "MAX_TENSORS", 1_000)
+    # Past the values counted first (a header declaring 250,000 tensors may hold 3 million, 1.5 million objects).
+    monkeypatch.setattr(shards, "SPARE_VALUES", 10**9)
     calls = []
     repeated_key = shards.repeated_key
     monkeypatch.setattr(shards, "repeated_key", lambda pairs: calls.append(1) or repeated_key(pairs))
@@ -162,6 +164,49 @@ def test_a_header_of_too_many_other_objects_is_refused_as_it_is_parsed(tmp_path,
     raw = ('{"__metadata__": {"format": "pt"}, ' + entries + "}").encode()  # 1,000 tensors: taken
     p.write_bytes(struct.pack("<Q", len(raw)) + raw)
     assert len(read_header(str(p))) == 1_000
+
+
+@pytest.mark.parametrize("junk", [b"[]", b"0", b"[[[[[[[[]]]]]]]]", b'"ab"'])
+def test_a_header_of_more_values_than_its_tensors_take_is_refused_before_it_is_parsed(tmp_path, monkeypatch, junk):
+    """100 MB of empty lists beside one tensor took 14 s and 2.7 GB to parse, nested ones 48 s and 5 GB: the values
+    (commas and opening brackets) are counted first, against 12 a tensor and 65,536 for the metadata."""
+    from glmvit_cupy.checkpoint import shards
+
+    tensor = b'"t": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}'
+    raw = b'{' + tensor + b', "__metadata__": {"junk": [' + b", ".join([junk] * 70_000) + b"]}}"
+    p = tmp_path / "junk.safetensors"
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw + b"x")
+    loads = shards.json.loads
+    monkeypatch.setattr(shards.json, "loads", lambda *a, **k: pytest.fail("parsed before counting"))
+    with pytest.raises(CheckpointError, match=r"junk.safetensors: the header holds up to [\d,]+ JSON values \(its commas "
+                                              r"and opening brackets, counted before parsing\), more than the 65,548 its 1 "
+                                              r"tensors take \(12 each at most, and 65,536 for its __metadata__\)"):
+        read_header(str(p))
+    monkeypatch.setattr(shards.json, "loads", loads)
+    entries = ", ".join(f'"t{i}": {{"dtype": "U8", "shape": [1, 1, 1, 1, 1], "data_offsets": [{i}, {i + 1}]}}'
+                        for i in range(20_000))  # 12 values a tensor, no spare: taken
+    raw = ('{"__metadata__": {"format": "pt"}, ' + entries + "}").encode()
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(20_000))
+    assert len(read_header(str(p))) == 20_000
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_json_files_of_more_values_than_a_checkpoint_holds_are_refused_before_parsing(tmp_path, monkeypatch, name):
+    """64 MiB of empty objects as an index took 13 s and 1.8 GB to parse (of nested lists 15 s and 3.4 GB): a
+    config.json or index of more than a million values (commas and opening brackets) is refused unparsed."""
+    from glmvit_cupy import bind_tower, files
+    from glmvit_cupy.checkpoint.synthetic import write_checkpoint
+    from tests.golden import cases
+
+    write_checkpoint(tmp_path, cases.GEOMETRY)
+    (tmp_path / name).write_bytes(b'{"weight_map": {}, "junk": [' + b"{}," * 1_000_000 + b"{}]}")
+    loads = files.json.loads
+    monkeypatch.setattr(files.json, "loads", lambda text, **k: pytest.fail("parsed before counting")
+                        if len(text) > 1_000_000 else loads(text, **k))
+    with pytest.raises(CheckpointError, match=rf"{name}: .* holds up to 2,000,00\d JSON values \(its commas and opening "
+                                              r"brackets, counted before parsing\), more than the 1,000,000 a "
+                                              r"checkpoint's JSON file holds"):
+        bind_tower(tmp_path)
 
 
 def test_truncated_shard_is_refused_before_mapping(tmp_path):

@@ -66,23 +66,43 @@ def repeated_key(pairs: list):
 
 
 def _one_of_each(path, what, pairs):
-    """A JSON object's pairs as a dict, refusing a key given twice."""
-    twice = repeated_key(pairs)
+    """A JSON object's pairs as a dict, refusing a key given twice (looked for where the dict is shorter)."""
+    obj = dict(pairs)
+    twice = repeated_key(pairs) if len(obj) < len(pairs) else None
     if twice is not None:
         raise CheckpointError(f"{path}: {what} gives {quoted(twice, 80)} twice in one object; which one is meant is "
                               "not clear: keep one")
-    return dict(pairs)
+    return obj
+
+
+# The JSON values a checkpoint's JSON file may hold: an index holds one per tensor (a whole GLM-5.3 checkpoint's
+# some tens of thousands, 64 MiB of names at most), a config.json some hundreds. Python's parser makes an object of
+# each, and of a million parses in about a second; 64 MiB of empty lists or objects took 10-15 s and 2-3 GB.
+MAX_JSON_VALUES = 1_000_000
+
+
+def json_values(raw: bytes) -> int:
+    """A bound on the values and object members JSON text holds, counted without parsing it: each but the first
+    of an array or object follows a comma, each first an opening bracket. Those inside strings count too: the
+    bound is never short of what json.loads would make."""
+    return raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
 
 
 def read_json_file(path, what: str, limit: int = 64 << 20, missing: str | None = None):
-    """A checkpoint's JSON file (config.json, the index) parsed; missing, unreadable, not a regular file or not
-    JSON: CheckpointError."""
+    """A checkpoint's JSON file (config.json, the index) parsed; missing, unreadable, not a regular file, not
+    JSON, or of more than MAX_JSON_VALUES values (counted before parsing): CheckpointError."""
     try:
         with open_regular(path, what) as f:
             text = f.read(limit + 1)
         if len(text) > limit:
             raise CheckpointError(f"{path}: {what} is over {limit >> 20} MiB, more than a checkpoint's JSON file "
                                   "holds; is it the right file?")
+        values = json_values(text)
+        if values > MAX_JSON_VALUES:
+            raise CheckpointError(f"{path}: {what} holds up to {values:,} JSON values (its commas and opening brackets, "
+                                  f"counted before parsing), more than the {MAX_JSON_VALUES:,} a checkpoint's JSON file "
+                                  "holds (an index lists one per tensor, a config.json some hundreds); is it the right "
+                                  "file?")
         return json.loads(text, object_pairs_hook=functools.partial(_one_of_each, path, what))
     except CheckpointError:  # a ValueError too: said as it is, not as "not valid JSON"
         raise

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import CheckpointError, GpuUnavailable, quoted
-from ..files import identity, not_regular, open_regular, read_json_file, repeated_key
+from ..files import identity, json_values, not_regular, open_regular, read_json_file, repeated_key
 
 # The safetensors dtype names this store can map (dtypes() gives their NumPy types).
 DTYPE_NAMES = ("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "U16", "I16", "F16", "BF16", "U32", "I32", "F32",
@@ -51,6 +51,11 @@ MAX_DIM = 2**40  # NumPy refuses an array whose dimension times its itemsize pas
 # A shard of a whole GLM-5.3 checkpoint names a few thousand tensors; a 100 MB header of a million empty ones
 # takes ~1 GB and ~20 s to parse. Counted before parsing (each entry has one "data_offsets" key).
 MAX_TENSORS = 250_000
+# A tensor's entry holds 7 JSON values and its shape's sizes (4 or 5 dimensions at most in a real checkpoint);
+# beyond what its tensors take, a header holds its __metadata__'s few. Counted before parsing (files.json_values): 100 MB of
+# empty lists beside one tensor took 14 s and 2.7 GB to parse, nested ones 48 s and 5 GB.
+VALUES_PER_TENSOR = 12
+SPARE_VALUES = 65_536
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -123,6 +128,12 @@ def _parsed(path: str, raw: bytes) -> dict:
     count = raw.count(b'"data_offsets"')
     if count > MAX_TENSORS:
         raise too_many(f"{count:,} tensors, more than the {MAX_TENSORS:,}")
+    values, most = json_values(raw), VALUES_PER_TENSOR * count + SPARE_VALUES
+    if values > most:
+        raise CheckpointError(f"{path}: the header holds up to {values:,} JSON values (its commas and opening brackets, "
+                              f"counted before parsing), more than the {most:,} its {count:,} tensors take "
+                              f"({VALUES_PER_TENSOR} each at most, and {SPARE_VALUES:,} for its __metadata__); the file "
+                              "is damaged or not a checkpoint")
 
     entries = objects = 0
 
@@ -132,17 +143,18 @@ def _parsed(path: str, raw: bytes) -> dict:
         # So is every object: a header holds one per tensor, itself and its __metadata__; millions of others
         # (empty ones in a list) would take gigabytes and half a minute through this hook.
         nonlocal entries, objects
-        entries += any(k == "data_offsets" for k, _ in pairs)
+        obj = dict(pairs)  # a repeated key leaves it shorter: looked for only then (the header's own has 250,000)
+        entries += "data_offsets" in obj
         objects += 1
         if entries > MAX_TENSORS:
             raise too_many(f"more than the {MAX_TENSORS:,} tensors")
         if objects > MAX_TENSORS + 2:
             raise CheckpointError(f"{path}: the header holds more than {MAX_TENSORS + 2:,} JSON objects (one per "
                                   "tensor, the header and its __metadata__); the file is damaged or not a checkpoint")
-        twice = repeated_key(pairs)
+        twice = repeated_key(pairs) if len(obj) < len(pairs) else None
         if twice is not None:
             raise CheckpointError(f"{path}: the header names tensor {quoted(twice, 120)} twice; each name must be unique")
-        return dict(pairs)
+        return obj
 
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique)
