@@ -68,6 +68,17 @@ def test_a_tower_under_another_prefix_is_named_from_the_index_alone(fake_hub, tm
     assert fake_hub == ["config.json", "model.safetensors.index.json"]
 
 
+def test_the_hubs_index_is_read_bounded_before_any_shard_is_fetched(fake_hub, tmp_path):
+    """The Hub's index was parsed whole, of any size, with a tensor given twice taken as its last: it is read as
+    the binder reads it, and refused before a shard is downloaded."""
+    index = tmp_path / "repo" / "model.safetensors.index.json"
+    index.write_text(index.read_text()[:-1] + ', "junk": [' + "0," * 1_000_000 + "0]}")
+    with pytest.raises(CheckpointError, match=r"^zai-org/GLM-5.3-Flash-test: model.safetensors.index.json has no usable "
+                                              r"weight_map \(.*index.json: the index holds up to 1,000,\d+ JSON values"):
+        inspect_checkpoint("zai-org/GLM-5.3-Flash-test")
+    assert fake_hub == ["config.json", "model.safetensors.index.json"]
+
+
 def test_hub_errors_are_checkpoint_errors(fake_hub, monkeypatch):
     def broken(*a, **kw):
         raise OSError("connection refused")

@@ -7,7 +7,6 @@ its shards. config.json and the shard index come first, then only the shards tha
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
@@ -72,7 +71,7 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     except EntryNotFoundError:
         raise CheckpointError(f"{repo_id}: the repository has no config.json{local}") from None
     folder = os.path.dirname(config)
-    cfg = read_json_file(config, "config.json")
+    cfg = read_json_file(config, "config.json", 16 << 20)  # as read_config reads it
     if isinstance(cfg, dict) and cfg.get("vision_config") is None and "vision" not in str(cfg.get("model_type")):
         return folder  # text-only: nothing to fetch; bind_tower says so
     try:
@@ -84,11 +83,12 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
             raise CheckpointError(f"{repo_id}: neither {INDEX_NAME} nor model.safetensors is in the repository") \
                 from None
         return folder
-    try:
-        with open(index, "rb") as f:
-            weight_map = json.load(f)["weight_map"]
+    try:  # read as the binder reads it: bounded in bytes and values, a regular file, no key given twice
+        weight_map = read_json_file(index, "the index")["weight_map"]
         shards = vision_shards(weight_map)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+    except CheckpointError as e:
+        raise CheckpointError(f"{repo_id}: {INDEX_NAME} has no usable weight_map ({e})") from None
+    except (KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{repo_id}: {INDEX_NAME} has no usable weight_map ({type(e).__name__}: {e})") from None
     for shard in shards:
         try:
