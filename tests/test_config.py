@@ -189,3 +189,20 @@ def test_a_bytes_path_reads_as_bind_tower_takes_it(tmp_path):
     v = {"model_type": "glm_ocr_vision", "out_hidden_size": 4096, "num_attention_heads": 16,
          "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0}}
     assert read_config(os.fsencode(write(tmp_path, v))) == VisionGeometry.official()
+
+
+@pytest.mark.parametrize("key", ["depth", "model_type", "hidden_act", "rope_parameters", "attention_bias",
+                                 "patch_size", "rms_norm_eps", "swiglu_limit", "rope_type", "top"])
+def test_a_huge_value_is_quoted_short(tmp_path, key):
+    """A megabyte string in config.json made a megabyte error line (its repr whole): quoted to 80 characters and
+    counted, as the shards' errors are."""
+    big = "x" * 1_000_000
+    if key == "top":
+        cfg = {"model_type": big}
+    elif key == "rope_type":
+        cfg = {"model_type": "glm5_next", "vision_config": {"rope_parameters": {"rope_type": big}}}
+    else:
+        cfg = {"model_type": "glm5_next", "vision_config": {key: [big] if key == "patch_size" else big}}
+    with pytest.raises(CheckpointError, match=r"\.\.\. \(1,000,00\d characters\)") as e:
+        read_config(write(tmp_path, cfg))
+    assert len(str(e.value)) < 1_000

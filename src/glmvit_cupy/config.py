@@ -87,7 +87,7 @@ class VisionGeometry:
         """Reject geometries the encoder cannot compute, saying why."""
 
         def bad(field, value, why):
-            raise CheckpointError(f"{where}: {field} = {value!r} cannot work: {why}")
+            raise CheckpointError(f"{where}: {field} = {quoted(value, 80)} cannot work: {why}")
 
         for field in ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size",
                       "projection_intermediate_size", "in_channels"):
@@ -143,7 +143,7 @@ def _as_int_size(field, value, where):
     # HF allows patch_size as [14, 14]; the tower only supports square patches.
     if isinstance(value, (list, tuple)):
         if len(value) == 0 or any(not isinstance(v, int) or isinstance(v, bool) for v in value) or len(set(value)) != 1:
-            raise CheckpointError(f"{where}: {field} = {value!r} cannot work: only square patches are supported")
+            raise CheckpointError(f"{where}: {field} = {quoted(value, 80)} cannot work: only square patches are supported")
         value = value[0]
     return value
 
@@ -163,7 +163,7 @@ def geometry_from_dict(vision: dict, *, text_hidden_size=None, where: str = "vis
     mt = vision.get("model_type")
     if mt is not None and mt not in VISION_MODEL_TYPES:
         raise CheckpointError(
-            f"{where}: model_type = {mt!r} is not a GLM vision tower (expected one of {VISION_MODEL_TYPES})")
+            f"{where}: model_type = {quoted(mt, 80)} is not a GLM vision tower (expected one of {VISION_MODEL_TYPES})")
     kw = {}
     aliases = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
     for alias, name in aliases.items():
@@ -181,10 +181,10 @@ def geometry_from_dict(vision: dict, *, text_hidden_size=None, where: str = "vis
     rope = vision.get("rope_parameters")
     rope = {} if rope is None else rope
     if not isinstance(rope, dict):
-        raise CheckpointError(f"{where}: rope_parameters = {rope!r} must be an object")
+        raise CheckpointError(f"{where}: rope_parameters = {quoted(rope, 80)} must be an object")
     rope_type = rope.get("rope_type", "axial")
     if rope_type != "axial":
-        raise CheckpointError(f"{where}: rope_parameters.rope_type = {rope_type!r} cannot work: "
+        raise CheckpointError(f"{where}: rope_parameters.rope_type = {quoted(rope_type, 80)} cannot work: "
                               "the GLM tower's rotary embedding is axial (h, w) only")
     theta = rope.get("rope_theta", vision.get("rope_theta", 10000.0))
     for key in ("rms_norm_eps", "swiglu_limit"):
@@ -195,12 +195,12 @@ def geometry_from_dict(vision: dict, *, text_hidden_size=None, where: str = "vis
     kw["rope_theta"] = _as_float("rope_theta", theta, where)
     for key in ("rms_norm_eps", "swiglu_limit"):
         if key in kw and (not isinstance(kw[key], float)):
-            raise CheckpointError(f"{where}: {key} = {kw[key]!r} must be a number")
+            raise CheckpointError(f"{where}: {key} = {quoted(kw[key], 80)} must be a number")
     if vision.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{where}: hidden_act = {vision['hidden_act']!r} cannot work: "
+        raise CheckpointError(f"{where}: hidden_act = {quoted(vision['hidden_act'], 80)} cannot work: "
                               "the tower's SwiGLU kernels compute silu")
     if vision.get("attention_bias", True) is not True:
-        raise CheckpointError(f"{where}: attention_bias = {vision['attention_bias']!r} is not supported: "
+        raise CheckpointError(f"{where}: attention_bias = {quoted(vision['attention_bias'], 80)} is not supported: "
                               "GLM-5.3-Flash's qkv, proj and MLP projections all carry biases")
     geo = VisionGeometry(**kw).validate(where)
     if text_hidden_size is not None and (not isinstance(text_hidden_size, int) or isinstance(text_hidden_size, bool)):
@@ -230,7 +230,7 @@ def read_config(path: str | os.PathLike) -> VisionGeometry:
         return geometry_from_dict(cfg, where=f"{path}")
     if "vision_config" not in cfg or cfg["vision_config"] is None:
         raise NoVisionConfig(
-            f"{path}: text-only checkpoint (model_type {cfg.get('model_type')!r} has no vision_config); "
+            f"{path}: text-only checkpoint (model_type {quoted(cfg.get('model_type'), 80)} has no vision_config); "
             "it has no vision tower to load")
     text = cfg.get("text_config")
     if text is not None and not isinstance(text, dict):
