@@ -206,3 +206,16 @@ def test_a_huge_value_is_quoted_short(tmp_path, key):
     with pytest.raises(CheckpointError, match=r"\.\.\. \(1,000,00\d characters\)") as e:
         read_config(write(tmp_path, cfg))
     assert len(str(e.value)) < 1_000
+
+
+@pytest.mark.parametrize("field", ["depth", "hidden_size", "out_hidden_size", "patch_size", "temporal_patch_size",
+                                   "spatial_merge_size"])
+def test_a_size_past_any_tensors_is_refused_not_printed(tmp_path, field):
+    """JSON gives integers of 4,000 digits: patch_size = 10**4000 raised a bare ValueError (its token size could not
+    be printed), and the others made errors of 4,000 digits further on. Sizes past 2**40 are refused by name."""
+    (tmp_path / "config.json").write_text('{"model_type": "glm5_next", "vision_config": {"%s": 1%s}}'
+                                          % (field, "0" * 4_000))
+    with pytest.raises(CheckpointError, match=rf"vision_config: {field} = 1000.*\(4,001 characters\) cannot work: it "
+                                              r"is past 2\*\*40 \(1,099,511,627,776\)") as e:
+        read_config(tmp_path)
+    assert len(str(e.value)) < 1_000

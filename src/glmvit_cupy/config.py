@@ -24,6 +24,9 @@ FLOAT32_MAX = 3.4028234663852886e38  # float32's largest value: past it a settin
 # 4,704 in GLM-5.3-Flash. The token limits bound tokens, so this bounds an image's canvas: 8,000 tokens of this
 # many values are 4.2 GB in float32.
 MAX_VALUES_PER_TOKEN = 1 << 17
+# The largest size a geometry's integer field takes: a shard's header refuses a tensor dimension past it
+# (shards.MAX_DIM), and past 4,300 digits an integer cannot even be printed in an error (JSON gives 4,000).
+MAX_SIZE = 2**40
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,12 @@ class VisionGeometry:
         if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
             bad("spatial_merge_size", m, "the downsample merges m x m patches into a token (a Conv2d of kernel "
                 "and stride m), so m must be a positive integer")
+        for field in ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size",
+                      "projection_intermediate_size", "in_channels", "patch_size", "temporal_patch_size",
+                      "spatial_merge_size"):
+            if getattr(self, field) > MAX_SIZE:
+                bad(field, getattr(self, field), f"it is past 2**40 ({MAX_SIZE:,}), more than any tensor's dimension "
+                    "or a checkpoint's blocks")
         per_token = self.in_channels * self.temporal_patch_size * (self.patch_size * m) ** 2
         if per_token > MAX_VALUES_PER_TOKEN:
             bad("spatial_merge_size", m,
@@ -208,7 +217,7 @@ def geometry_from_dict(vision: dict, *, text_hidden_size=None, where: str = "vis
                               "width of a text embedding row, which out_hidden_size must equal)")
     if text_hidden_size is not None and text_hidden_size != geo.out_hidden_size:
         raise CheckpointError(
-            f"{where}: out_hidden_size = {geo.out_hidden_size} but {text_key} = {text_hidden_size}; "
+            f"{where}: out_hidden_size = {geo.out_hidden_size} but {text_key} = {quoted(text_hidden_size, 80)}; "
             "each image token's embedding replaces one text embedding row, so the widths must be equal")
     return geo
 
