@@ -567,6 +567,72 @@ def test_an_encode_answered_with_no_safetensors_file_is_an_oserror():
         server.close()
 
 
+class _Slow:
+    """A server that reads a request's headers, then either trickles an answer a byte every 0.2 s for up to
+    `lasts` seconds ("trickle") or never reads the body, holding the connection open that long ("unread")."""
+
+    def __init__(self, how: str, lasts: float = 20.0):
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.how, self.lasts, self.stop = how, lasts, threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        import time
+
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return
+        with conn:
+            conn.recv(1024)
+            answer = b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n" + b"x" * 1_000_000
+            end = time.monotonic() + self.lasts
+            try:
+                for i in range(len(answer)):
+                    if self.stop.is_set() or time.monotonic() > end:
+                        return
+                    if self.how == "trickle":
+                        conn.sendall(answer[i:i + 1])
+                    time.sleep(0.2)
+            except OSError:
+                pass
+
+    def close(self):
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.mark.parametrize("how", ["trickle", "unread"])
+def test_a_call_ends_by_its_total_timeout_however_the_server_paces_it(how):
+    """A server that sends a byte every 0.2 s restarts the per-read timeout (5 s) with each, and one that never
+    reads a large body lets each send wait that long again: the call ends by total_timeout (1 s), with a
+    TimeoutError saying what took too long and which setting to change."""
+    import time
+
+    server = _Slow(how)
+    try:
+        client = Client(server.url, timeout=5, total_timeout=1)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=re.escape(f"POST /v1/encode to the server at {server.url} took over 1 s "
+                                                         "in all (the Client's total_timeout)")) as e:
+            client._send("POST", "/v1/encode", bytes(64 << 20), "application/octet-stream", [b""])
+        assert "give Client a larger total_timeout, or None for no limit" in str(e.value)
+        assert time.monotonic() - t0 < 4.0  # well short of the 5 s of one read, let alone 20 s of trickling
+    finally:
+        server.close()
+
+
+def test_total_timeout_must_be_positive_seconds_or_none():
+    for bad in (0, -1, float("inf"), "5", True):
+        with pytest.raises(ValueError, match="total_timeout=.* must be a positive number of seconds"):
+            Client("http://127.0.0.1:1", total_timeout=bad)
+    assert Client("http://127.0.0.1:1", total_timeout=None).total_timeout is None
+    assert Client("http://127.0.0.1:1").total_timeout == 3600.0
+
+
 def test_a_server_that_closes_without_answering_is_a_connection_error():
     server = _Junk(b"")
     try:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import base64
 import http.client
+import io
 import json
 import numbers
 import os
 import select
 import ssl
 import threading
+import time
 import urllib.parse
 import urllib.request
 
@@ -37,25 +39,29 @@ _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
 
 
 class Client:
-    def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 600.0, max_answer_mib: float = 4096.0):
+    def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 600.0, max_answer_mib: float = 4096.0,
+                 total_timeout: float = 3600.0):
         """url: the server's (http or https, with any path the server sits under); timeout: seconds a call
-        waits for the server to connect, or to send the next part of its answer. ValueError for a url that is
-        not http(s)://host[:port][/path], or a timeout that is not a positive number of seconds. max_answer_mib:
-        the largest answer read (glmvit-serve's own limit, --max-reply-mib, is 1024 by default); a larger one is
-        an OSError, not read into memory."""
+        waits for the server to connect, or to send the next part of its answer; total_timeout: seconds a
+        call may take in all, however the server paces its answer (a TimeoutError past it). ValueError for a
+        url that is not http(s)://host[:port][/path], or a timeout that is not a positive number of seconds.
+        max_answer_mib: the largest answer read (glmvit-serve's own limit, --max-reply-mib, is 1024 by
+        default); a larger one is an OSError, not read into memory."""
         if not isinstance(url, str):
             raise ValueError(f"Client: the url must be a string such as 'http://127.0.0.1:8000', got "
                              f"{type(url).__name__}")
-        if timeout is not None and (isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, numbers.Real)
-                                    or not 0 < timeout < 2**31):
-            raise ValueError(f"Client: timeout={timeout!r} must be a positive number of seconds (below 2**31), "
-                             "or None to wait without end")
+        for name, value in (("timeout", timeout), ("total_timeout", total_timeout)):
+            if value is not None and (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real)
+                                      or not 0 < value < 2**31):
+                raise ValueError(f"Client: {name}={value!r} must be a positive number of seconds (below 2**31), "
+                                 "or None to wait without end")
         if isinstance(max_answer_mib, (bool, np.bool_)) or not isinstance(max_answer_mib, numbers.Real) \
                 or not 1 / 1024 <= max_answer_mib <= 2**40:
             raise ValueError(f"Client: max_answer_mib={max_answer_mib!r} must be a number of MiB from 1/1024 (1 KiB: "
                              "every answer would be refused below it) to 2^40")
         self.url, self.max_answer = url.rstrip("/"), int(max_answer_mib * 2**20)
         self.timeout = None if timeout is None else float(timeout)
+        self.total_timeout = None if total_timeout is None else float(total_timeout)
         try:
             parts = urllib.parse.urlsplit(self.url)
             port = parts.port
@@ -196,13 +202,17 @@ class Client:
             index = None  # glmvit-serve names an image by its position or not at all
         raise ServerError(status, error, index)
 
-    def _exchange(self, method, path, data, headers) -> tuple[int, bytes]:
+    def _exchange(self, method, path, data, headers, deadline: float | None = None) -> tuple[int, bytes]:
         """(status, body) of one request on this thread's connection, opened if it has none (or if it was
         opened by the process this one forked from: the two would read each other's answers). A kept connection
         that has anything to read before the request (the server closed it, or left an unasked answer) is
         replaced first. A server may answer before the body is all sent (413: over its limit) and close: that
         answer is read. A kept connection that fails while the request is sent, or closes with no answer at
-        all (_STALE), is replaced and the request sent again, once; nothing else is sent twice."""
+        all (_STALE), is replaced and the request sent again, once; nothing else is sent twice. The whole of it
+        (the retry too) is done by `deadline` (time.monotonic(); total_timeout from now if None), or
+        TimeoutError."""
+        if deadline is None and self.total_timeout is not None:
+            deadline = time.monotonic() + self.total_timeout
         local = self._local
         if getattr(local, "conn", None) is None or local.pid != os.getpid():
             local.conn, local.pid = self._connect(), os.getpid()
@@ -211,6 +221,14 @@ class Client:
             conn.close()  # closed by the server while idle, or holding bytes nobody asked for: a new socket
         kept = conn.sock is not None  # a socket that served an earlier call (http.client opens one as needed)
         try:
+            # Each wait (connecting, sending, each read of the answer) ends by the deadline: a server trickling
+            # a byte at a time would otherwise restart `timeout` with each.
+            wait = _wait(self.timeout, deadline)
+            conn.timeout = wait
+            if kept:
+                conn.sock.settimeout(wait)
+            conn.response_class = lambda sock, **kw: http.client.HTTPResponse(
+                _Metered(sock, self.timeout, deadline), **kw)
             try:
                 conn.request(method, self._target(path), body=data, headers={**headers, **self._proxy_headers})
             except _STALE as e:
@@ -222,18 +240,25 @@ class Client:
             except (http.client.HTTPException, OSError) as e:
                 if sent is not None and not isinstance(e, http.client.RemoteDisconnected):
                     raise sent from None
-                if kept and isinstance(e, _STALE):  # closed (FIN) or reset (RST) before any answer: unanswered
-                    conn.close()
-                    return self._exchange(method, path, data, headers)  # nothing was answered: once more
-                raise
-            r = _final(conn, r, method)
-            return r.status, self._read(r)
+                if not (kept and isinstance(e, _STALE)):
+                    raise
+                conn.close()  # closed (FIN) or reset (RST) before any answer: unanswered, sent again below
+            else:
+                r = _final(conn, r, method)
+                return r.status, self._read(r)
         except http.client.HTTPException as e:  # not HTTP: a status line, a header or a chunk that is not one
             conn.close()
             if isinstance(e, OSError):  # RemoteDisconnected: closed with no answer, a ConnectionError as it is
                 raise
             raise OSError(f"the server at {self.url} did not answer in HTTP ({type(e).__name__}: {e!s:.200})") \
                 from None
+        except TimeoutError as e:
+            conn.close()
+            if not isinstance(e, _Late) and (deadline is None or time.monotonic() < deadline):
+                raise  # `timeout`: no part of the answer came in time
+            raise TimeoutError(f"{method} {path} to the server at {self.url} took over {self.total_timeout:g} s "
+                               "in all (the Client's total_timeout): the server answered too slowly, or not at "
+                               "all; give Client a larger total_timeout, or None for no limit") from None
         except ConnectionRefusedError as e:  # nothing listens there: say where, and what would
             conn.close()
             if self._proxy is not None:  # the connection was the proxy's
@@ -245,6 +270,7 @@ class Client:
         except BaseException:
             conn.close()
             raise
+        return self._exchange(method, path, data, headers, deadline)  # nothing was answered: once more
 
     def _read(self, r) -> bytes:
         """The answer's body, read a MiB at a time up to max_answer_mib (OSError past it: a Content-Length or
@@ -288,6 +314,52 @@ class Client:
 
 
 INFORMATIONAL_LIMIT = 64  # 1xx answers read past before the final one; a proxy sends one or two
+
+
+def _wait(timeout: float | None, deadline: float | None) -> float | None:
+    """The longest one wait may take: `timeout`, or less where the deadline comes first (_Late past it)."""
+    if deadline is None:
+        return timeout
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _Late()
+    return left if timeout is None else min(timeout, left)
+
+
+class _Late(TimeoutError):
+    """A call's deadline passed (Client.total_timeout); _exchange says which call, and how long it had."""
+
+
+class _Metered(io.RawIOBase):
+    """What an HTTPResponse reads a socket through: each read waits at most the call's `timeout` and ends by
+    its `deadline` (time.monotonic(), or None: _Late past it). Holds the socket open as sock.makefile does,
+    until closed."""
+
+    def __init__(self, sock, timeout: float | None, deadline: float | None):
+        super().__init__()
+        self.sock, self.timeout, self.deadline = sock, timeout, deadline
+        self.raw = sock.makefile("rb", buffering=0)
+
+    def makefile(self, mode: str, *args, **kwargs):  # HTTPResponse's own: its buffered reader over this
+        return io.BufferedReader(self)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int | None:
+        wait = _wait(self.timeout, self.deadline)
+        self.sock.settimeout(wait)
+        try:
+            return self.raw.readinto(b)
+        except TimeoutError:
+            if wait != self.timeout:  # the deadline's wait, not `timeout`'s, ran out
+                raise _Late() from None
+            raise
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+        super().close()
 
 
 def _readable(sock) -> bool:
