@@ -633,6 +633,18 @@ def test_total_timeout_must_be_positive_seconds_or_none():
     assert Client("http://127.0.0.1:1").total_timeout == 3600.0
 
 
+def test_a_chunk_of_negative_size_is_not_read_to_the_end_of_the_stream():
+    """http.client reads a chunk of size -1 as "the rest of the stream", all of it, past max_answer_mib (200 MiB
+    held for a limit of 8): the bytes read for one answer stop at twice the limit and 16 MiB."""
+    server = _Junk(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n" + bytes(200 << 20))
+    try:
+        with pytest.raises(OSError, match=r"sent over 33,554,432 bytes for one answer \(headers, framing and body\), "
+                                          r"past what an answer within the client's limit of 8,388,608 bytes"):
+            Client(server.url, timeout=10, max_answer_mib=8).health()
+    finally:
+        server.close()
+
+
 def test_a_server_that_closes_without_answering_is_a_connection_error():
     server = _Junk(b"")
     try:

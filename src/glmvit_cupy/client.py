@@ -210,7 +210,8 @@ class Client:
         answer is read. A kept connection that fails while the request is sent, or closes with no answer at
         all (_STALE), is replaced and the request sent again, once; nothing else is sent twice. The whole of it
         (the retry too) is done by `deadline` (time.monotonic(); total_timeout from now if None), or
-        TimeoutError."""
+        TimeoutError; an answer takes at most twice max_answer_mib and 16 MiB from the socket (headers,
+        chunks' framing), or OSError."""
         if deadline is None and self.total_timeout is not None:
             deadline = time.monotonic() + self.total_timeout
         local = self._local
@@ -228,7 +229,7 @@ class Client:
             if kept:
                 conn.sock.settimeout(wait)
             conn.response_class = lambda sock, **kw: http.client.HTTPResponse(
-                _Metered(sock, self.timeout, deadline), **kw)
+                _Metered(sock, self.timeout, deadline, 2 * self.max_answer + (16 << 20)), **kw)
             try:
                 conn.request(method, self._target(path), body=data, headers={**headers, **self._proxy_headers})
             except _STALE as e:
@@ -259,6 +260,11 @@ class Client:
             raise TimeoutError(f"{method} {path} to the server at {self.url} took over {self.total_timeout:g} s "
                                "in all (the Client's total_timeout): the server answered too slowly, or not at "
                                "all; give Client a larger total_timeout, or None for no limit") from None
+        except _Overfed as e:
+            conn.close()
+            raise OSError(f"the server at {self.url} sent over {e.args[0]:,} bytes for one answer (headers, framing "
+                          f"and body), past what an answer within the client's limit of {self.max_answer:,} bytes "
+                          "(max_answer_mib) takes; is the URL right?") from None
         except ConnectionRefusedError as e:  # nothing listens there: say where, and what would
             conn.close()
             if self._proxy is not None:  # the connection was the proxy's
@@ -330,14 +336,19 @@ class _Late(TimeoutError):
     """A call's deadline passed (Client.total_timeout); _exchange says which call, and how long it had."""
 
 
+class _Overfed(OSError):
+    """More bytes came for one answer than any answer within the client's limit takes (args[0]: that many)."""
+
+
 class _Metered(io.RawIOBase):
     """What an HTTPResponse reads a socket through: each read waits at most the call's `timeout` and ends by
-    its `deadline` (time.monotonic(), or None: _Late past it). Holds the socket open as sock.makefile does,
-    until closed."""
+    its `deadline` (time.monotonic(), or None: _Late past it), and the bytes read for the answer stop at
+    `most` (_Overfed): http.client reads some answers whole, unmetered by Client._read (a chunk of negative
+    size: the rest of the stream). Holds the socket open as sock.makefile does, until closed."""
 
-    def __init__(self, sock, timeout: float | None, deadline: float | None):
+    def __init__(self, sock, timeout: float | None, deadline: float | None, most: int):
         super().__init__()
-        self.sock, self.timeout, self.deadline = sock, timeout, deadline
+        self.sock, self.timeout, self.deadline, self.most, self.got = sock, timeout, deadline, most, 0
         self.raw = sock.makefile("rb", buffering=0)
 
     def makefile(self, mode: str, *args, **kwargs):  # HTTPResponse's own: its buffered reader over this
@@ -347,14 +358,18 @@ class _Metered(io.RawIOBase):
         return True
 
     def readinto(self, b) -> int | None:
+        if self.got > self.most:
+            raise _Overfed(self.most)
         wait = _wait(self.timeout, self.deadline)
         self.sock.settimeout(wait)
         try:
-            return self.raw.readinto(b)
+            n = self.raw.readinto(memoryview(b)[:self.most + 1 - self.got])
         except TimeoutError:
             if wait != self.timeout:  # the deadline's wait, not `timeout`'s, ran out
                 raise _Late() from None
             raise
+        self.got += n or 0
+        return n
 
     def close(self) -> None:
         if not self.closed:
