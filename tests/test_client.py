@@ -482,6 +482,8 @@ class _Junk:
     (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort", False, "closed its answer after 5 of the 100 bytes"),
     (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]", False, "not glmvit-serve's answer (ValueError: a JSON list"),
     (b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!", False, "not glmvit-serve's answer (JSONDecodeError"),
+    # A Content-Length of a digit outside ASCII (latin-1 superscript two): no length, the answer read to its end
+    (b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n[]", False, "not glmvit-serve's answer (ValueError: a JSON list"),
 ])
 def test_an_answer_that_is_not_glmvit_serves_is_an_oserror_read_within_a_limit(answer, endless, says):
     server = _Junk(answer, endless)

@@ -284,7 +284,7 @@ class Client:
         if r.status in (204, 304) or 100 <= r.status < 200:  # no body, whatever a Content-Length says
             return b""
         declared = (r.getheader("Content-Length") or "").strip()
-        announced = int(declared) if declared.isdigit() else None
+        announced = int(declared) if declared.isascii() and declared.isdigit() else None
         if announced is not None and announced > self.max_answer:
             raise OSError(f"the server at {self.url} announces an answer of {announced:,} bytes, over the "
                           f"client's limit of {self.max_answer:,} (max_answer_mib)")
