@@ -318,6 +318,30 @@ def test_a_body_framed_both_ways_is_refused_and_the_connection_closed(server):
     assert metric(client, 'glmvit_requests_total{status="400"}') == before + 1  # the encoder's, counted as its own
 
 
+CHUNKED = b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize("rest, declared", [
+    (b"fffffffffff\r\n", "17,592,186,044,415"),  # a size line, then nothing: no bytes to wait for
+    (b"ffffffffffffffffffff\r\n", "1,208,925,819,614,629,174,706,175"),  # 20 hex digits, h11's most: 2^80 - 1
+    (b"20000000;name=value\r\n{\"images\": [", "536,870,912"),  # with a chunk extension, and a start of its bytes
+    (b"5\r\n{\"ima\r\n10000000\r\n", "268,435,461"),  # a first chunk within the limit, the second past it
+])
+def test_a_chunked_body_declaring_more_than_the_limit_is_413_at_once(server, rest, declared):
+    """A chunk's size line over --max-body-mib (256 MiB) is refused when it arrives, 413 naming the size and the
+    flag, the connection closed: not a wait for bytes that may never come until --body-timeout (408)."""
+    _, client = server
+    before = metric(client, 'glmvit_requests_total{status="413"}')
+    t0 = time.monotonic()
+    reply = raw_request(client, CHUNKED + rest, 10.0)
+    assert reply.startswith(b"HTTP/1.1 413") and b"connection: close" in reply.lower(), reply
+    err = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err.startswith(f"the body's chunks (Transfer-Encoding: chunked) declare {declared} bytes, over the 256 "
+                          "MiB limit (--max-body-mib)"), err
+    assert time.monotonic() - t0 < 5.0
+    assert metric(client, 'glmvit_requests_total{status="413"}') == before + 1
+
+
 def test_headers_that_do_not_arrive_in_time_get_408(server):
     _, client = server
     t0 = time.monotonic()

@@ -73,7 +73,8 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
     more for reply_timeout seconds (bytes written less _unsent) is aborted, which lets its reply go (a client
     that never reads would otherwise hold it, up to --max-reply-mib, for as long as it stays connected, even
     past a close, which waits for the buffer to drain). A slow reader makes progress and keeps its
-    connection."""
+    connection. A chunked body whose chunks declare more than max_body_bytes is refused as soon as a chunk's
+    size line says so (413, not a wait for bytes that may never come)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -82,12 +83,36 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
         return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n"
                 f"content-length: {len(body)}\r\n\r\n").encode() + body
 
+    class Connection(h11.Connection):
+        """h11's connection, counting how many body bytes a request's chunks declare so far (those that came,
+        and the rest of the chunk under way, which h11 reads as it comes)."""
+        came = 0
+
+        def next_event(self):
+            event = super().next_event()
+            if isinstance(event, h11.Request):
+                self.came = 0
+            elif isinstance(event, h11.Data):
+                self.came += len(event.data)
+            return event
+
+        @property
+        def declared(self) -> int:
+            # h11's ChunkedReader keeps the bytes left of the chunk under way; other readers have no such count
+            return self.came + getattr(self._reader, "_bytes_in_chunk", 0) if self.their_state is h11.SEND_BODY \
+                else self.came
+
     class Protocol(H11Protocol):
         refused = False
         headers_timer = None
         reply_timer = None
         drop_timer = None  # while the rest of an answered request's body is read and dropped
         dropped = 0
+
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            most = config.h11_max_incomplete_event_size  # None: h11's default, as uvicorn reads it
+            self.conn = Connection(h11.SERVER) if most is None else Connection(h11.SERVER, most)
 
         def connection_made(self, transport):
             if len(self.connections) >= max_connections:
@@ -118,8 +143,21 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
                     self.transport.close()
                     return
             super().data_received(data)
+            if self.transport.is_closing():  # answered and closed (a request that is not HTTP)
+                return
+            if self.drop_timer is not None and self.conn.declared > max_body_bytes:
+                self._stop_dropping()  # the rest of an answered body declares more than a body may be: not waited on
+                self.transport.close()
+                return
             if self.drop_timer is not None and self.conn.their_state is not h11.SEND_BODY:
                 self._stop_dropping()  # the answered request's body has all been read and dropped
+            if self.cycle is not None and not self.cycle.response_complete and self.conn.declared > self.conn.came:
+                declared = self.conn.declared
+                if declared > self.cycle.scope.get("glmvit.body_declared", 0):
+                    # A chunk's size line came ahead of its bytes: the body's reader (requests.read_body) learns
+                    # what it declares now, and refuses a body over its limit without waiting for them.
+                    self.cycle.scope["glmvit.body_declared"] = declared
+                    self.cycle.message_event.set()
             if self.cycle is not None:  # what the app's replies wait on (app.Releasing)
                 self.cycle.scope["glmvit.transport"] = self.transport
             if self.conn.their_state is not h11.IDLE:

@@ -29,13 +29,16 @@ BODY_LIMIT = ("the body", "limit (--max-body-mib)", None)  # what read_body's 41
 
 
 async def read_body(request, limit: int, timeout: float, room=None, over: tuple = BODY_LIMIT) -> bytearray:
-    """The body, or Refused: over `limit` bytes (413, from Content-Length when it says so: the rest is left
-    unread and the connection closes), more than `room` (a batcher.Budget of bytes, server-wide) has free
+    """The body, or Refused: over `limit` bytes (413, from Content-Length when it says so, or from what a
+    chunked body's chunks declare so far, as http_server's protocol counts them: the rest is left unread and
+    the connection closes), more than `room` (a batcher.Budget of bytes, server-wide) has free
     (429, once the body has arrived: it is read and dropped as it comes, so the client, which may send before
     it reads, gets the answer), or not all there within `timeout` seconds of its headers (408). A body holds
     `room` for the bytes that have arrived, as they arrive (headers that declare a size hold nothing). A body
     read holds len(body) of it, for the caller to give back; a refusal gives back what it took. `over`: (what
     the body is, the limit's name, the image's position or None) as the 413 says them."""
+    from starlette.requests import ClientDisconnect  # here: the base install (the CLI's video settings) has none
+
     what, named, index = over
     declared = request.headers.get("content-length")
     declared = int(declared) if declared and declared.isdigit() else None
@@ -63,11 +66,20 @@ async def read_body(request, limit: int, timeout: float, room=None, over: tuple 
 
     async def read():
         nonlocal got
-        async for chunk in request.stream():
+        more = True
+        while more:
+            message = await request.receive()  # an empty one when a chunk's size line came ahead of its bytes
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            chunk, more = message.get("body", b""), message.get("more_body", False)
             got += len(chunk)
             if got > limit:
                 raise Refused(413, f"{what} is over the {limit / 2**20:g} MiB {named}", index, close=True)
-            if full is None:
+            coming = request.scope.get("glmvit.body_declared", 0)
+            if coming > limit:
+                raise Refused(413, f"{what}'s chunks (Transfer-Encoding: chunked) declare {coming:,} bytes, over the "
+                                   f"{limit / 2**20:g} MiB {named}; {got:,} of them came", index, close=True)
+            if full is None and chunk:
                 body.extend(chunk)
                 if len(body) > held:  # what has arrived, as it comes
                     hold(len(body) - held)
