@@ -342,6 +342,58 @@ def test_a_chunked_body_declaring_more_than_the_limit_is_413_at_once(server, res
     assert metric(client, 'glmvit_requests_total{status="413"}') == before + 1
 
 
+@pytest.mark.parametrize("rest, says", [
+    (b"-5\r\nhello\r\n0\r\n\r\n", "illegal chunk header"),  # negative
+    (b"fffffffffffffffffffff\r\n", "illegal chunk header"),  # 21 hex digits: past h11's most
+    (b"0x5\r\nhello\r\n0\r\n\r\n", "illegal chunk header"),
+    (b"5\n{\"ima\r\n0\r\n\r\n", "illegal chunk header"),  # a bare LF after the size
+    (b"2\r\n{}XX0\r\n\r\n", "malformed chunk footer"),  # no CRLF after the chunk's bytes
+    (b"1" * 20000, "Receive buffer too long"),  # a size line without end
+])
+def test_a_malformed_chunk_is_a_json_400_saying_what_and_counted_so(server, rest, says):
+    """A chunk that is not HTTP/1.1 gets a JSON 400 naming what h11 found and how a chunk is framed, the
+    connection closed, and the encode counts it as 400 (not as a client gone, 499)."""
+    _, client = server
+    before = {s: metric(client, f'glmvit_requests_total{{status="{s}"}}') for s in (400, 499)}
+    reply = raw_request(client, CHUNKED + rest, 10.0)
+    assert reply.startswith(b"HTTP/1.1 400") and b"connection: close" in reply.lower(), reply
+    err = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+    assert err["error"].startswith(f"the request is not valid HTTP/1.1 ({says}") and err["index"] is None, err
+    assert "chunk" not in says or "a chunk is its size in hexadecimal digits and CRLF" in err["error"], err
+    time.sleep(0.2)  # the endpoint counts once it sees the connection go
+    assert {s: metric(client, f'glmvit_requests_total{{status="{s}"}}') for s in (400, 499)} == \
+        {400: before[400] + 1, 499: before[499]}
+
+
+def test_a_bad_or_huge_chunk_after_an_early_answer_closes_at_once_without_a_traceback():
+    """The rest of a chunked body answered before it was read (/health, a 415, a 404) is read and dropped: a
+    malformed chunk there made uvicorn answer a second time, which h11 refused with a traceback in the log
+    ("Fatal error on transport"), and a chunk declaring more than --max-body-mib was waited on for all of
+    --body-timeout (30 s here). Both now close the connection at once."""
+    proc, client = launch("--body-timeout", 30)
+    try:
+        for head, rest in [(b"GET /health", b"5\r\nhello\r\n-5\r\n"),
+                           (b"POST /v1/encode", b"5\r\nhello\r\nzz\r\n"),
+                           (b"GET /nowhere", b"ffffffffff\r\n")]:
+            s = socket.create_connection(("127.0.0.1", int(client.url.rsplit(":", 1)[1])), timeout=15)
+            t0 = time.monotonic()
+            s.sendall(head + b" HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n")
+            time.sleep(0.3)  # answered before the rest comes
+            s.sendall(rest)
+            reply = b""
+            while got := s.recv(65536):
+                reply += got
+            s.close()
+            assert reply.startswith((b"HTTP/1.1 200", b"HTTP/1.1 415", b"HTTP/1.1 404")), reply
+            assert reply.count(b"HTTP/1.1") == 1, reply
+            assert time.monotonic() - t0 < 10.0, head  # closed, not left for --body-timeout
+        assert client.health()["status"] == "ok"
+    finally:
+        stop(proc)
+    out = proc.stdout.read()
+    assert "Traceback" not in out and "Fatal error" not in out, out
+
+
 def test_headers_that_do_not_arrive_in_time_get_408(server):
     _, client = server
     t0 = time.monotonic()

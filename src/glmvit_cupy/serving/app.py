@@ -267,7 +267,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                     if e.status in (409, 500):  # the server's own failure (a write, the model): the operator is told
                         state.get("log", lambda message: None)(f"{request.url.path}: 500: {e.error}")
                 except (ClientGone, ClientDisconnect):
-                    response = Response(status_code=499)
+                    # 499: nobody reads the answer; or the HTTP layer's own, for a body that is not HTTP (400)
+                    response = Response(status_code=request.scope.get("glmvit.answered", 499))
                 except asyncio.CancelledError:  # the drain ran out, or a second signal: a short answer, no traceback
                     response = JSONResponse({"error": "the server stopped before this request was answered "
                                              "(its --drain-timeout ran out, or a second signal stopped it); send it "

@@ -74,7 +74,9 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
     that never reads would otherwise hold it, up to --max-reply-mib, for as long as it stays connected, even
     past a close, which waits for the buffer to drain). A slow reader makes progress and keeps its
     connection. A chunked body whose chunks declare more than max_body_bytes is refused as soon as a chunk's
-    size line says so (413, not a wait for bytes that may never come)."""
+    size line says so (413, not a wait for bytes that may never come), and a request that is not valid
+    HTTP/1.1 (a malformed chunk, say) gets a JSON 400 naming what h11 found wrong, counted as the encode's
+    status where it was one."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -84,12 +86,18 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
                 f"content-length: {len(body)}\r\n\r\n").encode() + body
 
     class Connection(h11.Connection):
-        """h11's connection, counting how many body bytes a request's chunks declare so far (those that came,
-        and the rest of the chunk under way, which h11 reads as it comes)."""
+        """h11's connection, keeping what uvicorn's handling of it drops: the error that made a request invalid,
+        and how many body bytes its chunks declare so far (those that came, and the rest of the chunk under
+        way, which h11 reads as it comes)."""
+        error = None
         came = 0
 
         def next_event(self):
-            event = super().next_event()
+            try:
+                event = super().next_event()
+            except h11.RemoteProtocolError as e:
+                self.error = e
+                raise
             if isinstance(event, h11.Request):
                 self.came = 0
             elif isinstance(event, h11.Data):
@@ -143,7 +151,7 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
                     self.transport.close()
                     return
             super().data_received(data)
-            if self.transport.is_closing():  # answered and closed (a request that is not HTTP)
+            if self.transport.is_closing():  # answered and closed (a request that is not HTTP: send_400_response)
                 return
             if self.drop_timer is not None and self.conn.declared > max_body_bytes:
                 self._stop_dropping()  # the rest of an answered body declares more than a body may be: not waited on
@@ -171,6 +179,23 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
                 # piece of such a body and does not set it again).
                 self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                                     self.timeout_keep_alive_handler)
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request that is not valid HTTP/1.1 (a malformed request line, header or
+            chunk): a JSON 400 saying what h11 found wrong, and the connection closed. A request already
+            answered (the rest of its body being dropped, its reply under way) can be told nothing more: its
+            connection just closes (uvicorn's own answer there would raise h11's LocalProtocolError)."""
+            if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+                self.transport.close()
+                return
+            why = str(self.conn.error or msg)[:300]
+            advice = ("a chunk is its size in hexadecimal digits and CRLF, then that many bytes and CRLF; a chunk "
+                      "of size 0 ends the body" if "chunk" in why else
+                      "send a request line, headers and body framed as HTTP/1.1 frames them")
+            if self.cycle is not None:  # an encode reading its body: counted with this answer, not as gone (499)
+                self.cycle.scope["glmvit.answered"] = 400
+            self.transport.write(raw("400 Bad Request", f"the request is not valid HTTP/1.1 ({why}): {advice}"))
+            self.transport.close()
 
         def on_response_complete(self):
             super().on_response_complete()
