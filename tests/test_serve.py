@@ -476,6 +476,24 @@ def test_something_in_the_way_of_one_vllm_key_is_a_409_naming_that_image_alone(s
                               emb.view(np.uint16))
 
 
+def test_a_blocked_vllm_key_is_logged_with_its_own_status(tmp_path):
+    """The operator's log line of a 409 (something in the way of one image's vLLM file) said 500, the status of
+    the folder's own failure: it names the status the client got."""
+    ec = tmp_path / "ec"
+    proc, client = start(tmp_path, "--vllm-ec-dir", ec)
+    try:
+        blocked = png(41, 57, 64)
+        (ec / vllm_ec_key(blocked) / "encoder_cache.safetensors").mkdir(parents=True)
+        status, err = post(client, json.dumps({"images": [base64.b64encode(blocked).decode()]}).encode())
+        assert status == 409 and err["index"] == 0, err
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    logged = proc.stdout.read()
+    assert "glmvit-serve: /v1/encode: 409: images[0]: its embedding is computed, but its file" in logged, logged
+    assert ": 500: " not in logged, logged
+
+
 def vllm_ec_key(data: bytes) -> str:
     from glmvit_cupy.vllm_ec import key_for_image, key_of
 

@@ -265,7 +265,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                     response = JSONResponse({"error": e.error, "index": e.index}, status_code=e.status,
                                             headers={"Connection": "close"} if e.close else None)
                     if e.status in (409, 500):  # the server's own failure (a write, the model): the operator is told
-                        state.get("log", lambda message: None)(f"{request.url.path}: 500: {e.error}")
+                        state.get("log", lambda message: None)(f"{request.url.path}: {e.status}: {e.error}")
                 except (ClientGone, ClientDisconnect):
                     # 499: nobody reads the answer; or the HTTP layer's own, for a body that is not HTTP (400)
                     response = Response(status_code=request.scope.get("glmvit.answered", 499))
