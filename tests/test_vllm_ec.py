@@ -2,6 +2,7 @@
 files get the umask's mode; a write the disk refuses is one OutputError line with no temporary file left;
 nothing is written outside the cache folder, whatever the key or the links planted in it."""
 
+import contextlib
 import errno
 import json
 import os
@@ -376,3 +377,80 @@ def test_a_keys_folder_this_user_may_not_write_blocks_that_key_alone(tmp_path, m
     assert os.listdir(tmp_path / KEY) == []
     vllm_ec.write(str(tmp_path), KEY, embedding(rng))  # the way clear: written
     assert os.listdir(tmp_path / KEY) == [FILE]
+
+
+def test_a_key_folder_refused_in_a_cache_folder_refused_too_is_the_whole_folders(tmp_path, monkeypatch, rng):
+    """A key's folder refusing this user (EACCES) where the cache folder refuses it too (the whole folder made
+    read-only, or another user's) was InTheWay, that key alone: glmvit-serve answered 409 'let this user write
+    DIR/<key>, or remove that folder' (which the folder itself forbids) and glmvit-encode failed the file alone.
+    It is the whole folder's OutputError, naming the cache folder; where the cache folder is writable, the key
+    alone stays blocked."""
+    real_open, real_access = os.open, os.access
+
+    def refused(path, *a, **k):
+        if isinstance(path, str) and vllm_ec.TEMPORARY.fullmatch(path):
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+        return real_open(path, *a, **k)
+
+    def access(path, mode, **k):
+        return False if os.fspath(path) == str(tmp_path) else real_access(path, mode, **k)
+
+    monkeypatch.setattr(os, "open", refused)
+    monkeypatch.setattr(os, "access", access)
+    with pytest.raises(OutputError) as got:
+        vllm_ec.write(str(tmp_path), KEY, embedding(rng))
+    assert not isinstance(got.value, vllm_ec.InTheWay), got.value
+    assert str(got.value).startswith(f"cannot write {tmp_path / KEY / FILE} (nor may this user write the vLLM "
+                                     f"encoder cache folder {tmp_path}): {os.strerror(errno.EACCES)} (EACCES)")
+    monkeypatch.setattr(os, "access", real_access)
+    with pytest.raises(vllm_ec.InTheWay):
+        vllm_ec.write(str(tmp_path), KEY, embedding(rng))
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv"),
+                    reason="runs a writer as the user nobody (needs root and setpriv)")
+def test_a_read_only_cache_folder_is_the_whole_folders_as_another_user_finds_it(rng):
+    """As the user nobody: a cache folder made read-only with its keys (chmod -R a-w) refuses the write of a key
+    whose folder is there as the whole folder's OutputError, naming the cache folder, as it refuses a new key; a
+    key's folder alone made read-only in a writable cache folder is InTheWay."""
+    import pwd
+    import shutil
+    import tempfile
+
+    try:
+        nobody = pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        pytest.skip("no user nobody")
+    top = tempfile.mkdtemp()  # in the system's temporary folder: a path the user nobody can reach
+    ec = os.path.join(top, "ec")
+    try:
+        os.mkdir(ec)
+        vllm_ec.write(ec, KEY, embedding(rng), "old weights")
+        for path in (top, ec, os.path.join(ec, KEY), os.path.join(ec, KEY, FILE)):
+            os.chown(path, nobody, -1)
+        os.chmod(top, 0o755)
+        code = (f"import sys; sys.path.insert(0, {SRC!r}); import numpy as np, ml_dtypes\n"
+                "from glmvit_cupy import vllm_ec\n"
+                f"try:\n    vllm_ec.write({ec!r}, {KEY!r}, np.ones((2, 4), ml_dtypes.bfloat16), 'new weights')\n"
+                "except vllm_ec.InTheWay as e:\n    print('key', e)\n"
+                "except vllm_ec.OutputError as e:\n    print('folder', e)\n")
+
+        def as_nobody() -> str:
+            run = subprocess.run(["/usr/bin/setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups",
+                                  sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+            assert run.returncode == 0, run.stderr
+            return run.stdout.strip()
+
+        os.chmod(os.path.join(ec, KEY), 0o555)
+        os.chmod(ec, 0o555)
+        said = as_nobody()
+        assert said.startswith(f"folder cannot write {os.path.join(ec, KEY, FILE)} (nor may this user write the vLLM "
+                               f"encoder cache folder {ec}): "), said
+        os.chmod(ec, 0o755)
+        said = as_nobody()
+        assert said.startswith(f"key cannot write {os.path.join(ec, KEY, FILE)}: "), said
+    finally:
+        for path in (ec, os.path.join(ec, KEY)):
+            with contextlib.suppress(OSError):
+                os.chmod(path, 0o755)
+        shutil.rmtree(top, ignore_errors=True)

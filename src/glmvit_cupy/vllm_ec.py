@@ -246,12 +246,26 @@ class InTheWay(OutputError):
 
 def _key_failed(what: str, where: str, e: OSError) -> OutputError:
     """_failed, but InTheWay where the OS refuses this user the key's own folder `where` (EACCES, EPERM), which the
-    cache folder's other keys do not share; anything else (a full disk, a read-only mount) is the whole folder's."""
+    cache folder's other keys do not share; anything else (a full disk, a read-only mount), or a cache folder this
+    user may not write either (made read-only with all its keys, say), is the whole folder's."""
     if getattr(e, "errno", None) not in (errno.EACCES, errno.EPERM):
         return _failed(what, e)
+    cache = os.path.dirname(where)
+    if not _writable(cache):  # no key could be made there either: not this key's alone
+        return _failed(f"{what} (nor may this user write the vLLM encoder cache folder {cache})", e)
     reason = f"{e.strerror or e} ({errno.errorcode[e.errno]})"
     return InTheWay(" ".join(f"{what}: {reason}; let this user write {where}, or remove that folder (it is made "
                              "again)".splitlines()))
+
+
+def _writable(folder: str) -> bool:
+    """Whether this user (its effective ids, where the OS tells them apart) may make files in `folder`."""
+    try:
+        if os.access in os.supports_effective_ids:
+            return os.access(folder, os.W_OK | os.X_OK, effective_ids=True)
+        return os.access(folder, os.W_OK | os.X_OK)
+    except OSError:
+        return False
 
 
 def _link_error(path: str, dir_fd: int, name: str) -> InTheWay:
