@@ -129,6 +129,49 @@ def test_a_shard_of_other_settings_under_a_listed_name_is_refused_by_name(tmp_pa
     assert not again.done("/img/a") and again.manifest["failed"]["/img/a"] == LOST
 
 
+def test_a_lost_shard_keeps_its_name_while_the_manifest_lists_it(tmp_path, caplog):
+    """The last shard lost (moved away), its file changed and encoded again by a run stopped before its manifest
+    caught up: that run took the lost shard's number, so the manifest on disk listed the file's old entry under the
+    name of a shard holding its new one, and read_embeddings and the next resume took this folder's own shard for
+    another folder's ('copied in from another folder?'). A new shard now takes a number past every one the
+    manifest names; the resume takes it, quietly, and encodes nothing again."""
+    import logging
+
+    from glmvit_cupy.output import file_stamp
+
+    folder = str(tmp_path / "o")
+    files = {n: tmp_path / f"{n}.png" for n in "ab"}
+    for n, path in files.items():
+        path.write_bytes(n.encode())
+
+    def entry(n, sha):
+        (key, info, emb), = batch([str(files[n])])
+        return key, dict(info, sha256=sha, file=file_stamp(os.stat(files[n]))), emb
+
+    first = Output(folder, SETTINGS, flush_seconds=0)
+    first.add_batch([entry("b", "b1")])
+    first.add_batch([entry("a", "a1")])
+    first._lock.close()
+    os.rename(os.path.join(folder, "embeddings-00002.safetensors"), str(tmp_path / "lost.safetensors"))
+    files["a"].write_bytes(b"a, changed")
+    stopped = Output(folder, SETTINGS, flush_seconds=3600)
+    again = entry("a", "a2")
+    stopped.add_batch([again])  # never flushed: the run is killed here
+    stopped._lock.close()
+    with pytest.raises(OutputError) as e:
+        read_embeddings(folder)  # the manifest lists a shard lost since: said so, not taken for another folder's
+    assert "copied in" not in str(e.value) and "names no shard of this folder" in str(e.value)
+    with caplog.at_level(logging.WARNING, logger="glmvit_cupy"):
+        resumed = Output(folder, SETTINGS, flush_seconds=0)
+    assert "copied in" not in caplog.text
+    assert resumed.done(again[0], file_stamp(os.stat(files["a"]))) and resumed.manifest["failed"] == {}
+    resumed.flush()
+    resumed._lock.close()
+    manifest, embs = read_embeddings(folder)
+    assert manifest["images"][again[0]]["shard"] == "embeddings-00003.safetensors"  # past the lost shard's number
+    assert np.array_equal(embs[again[0]].view(np.uint16), again[2].view(np.uint16))
+
+
 def test_a_listed_shard_of_an_earlier_version_resumes_from_a_moved_checkpoint(tmp_path):
     """A shard written before the folder recorded the weights' fingerprint names the checkpoint's path alone; once
     the folder records the fingerprint, the same weights moved elsewhere resume it (its shards are its own)."""

@@ -269,6 +269,7 @@ class Output:
         self.manifest = {"header": dict(settings, key=KEY), "images": {}, "failed": {}}
         self.flush_seconds = flush_seconds
         self._written, self._dirty = time.monotonic(), False
+        self._named = 0  # the last shard number the manifest on disk names (_resume)
         # An existing folder is locked before its manifest is read: a run writing it may end meanwhile, rewriting
         # the manifest (a file it failed, an entry it dropped) after this one has read it.
         made = not os.path.lexists(os.path.join(folder, LOCK))  # a refused run leaves no lock file it made
@@ -294,7 +295,10 @@ class Output:
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(folder, LOCK))
             raise
-        self.next_shard = max([0, *map(_shard_number, os.listdir(folder))]) + 1  # a leftover .tmp's number too
+        # Past every shard here (a leftover .tmp's number too) and every one the manifest on disk names: a shard
+        # lost since keeps its name until the manifest no longer lists it, else a run stopped before its manifest
+        # caught up would leave another shard under a name the manifest lists for other entries.
+        self.next_shard = max([0, self._named, *map(_shard_number, os.listdir(folder))]) + 1
         self._clear_temporaries()
         if self.next_shard > LAST_SHARD:
             raise OutputError(f"{shown(folder)} holds shard {LAST_SHARD:,}, the last number a shard may have; "
@@ -363,6 +367,9 @@ class Output:
                               "done. Move it away and run again: what the shards here hold (their own metadata) is "
                               "kept and the rest encoded; or use another --out") from None
         self._check(header, settings, MANIFEST)
+        self._named = max([0, *(_shard_number(e["shard"]) for e in images.values()
+                                if isinstance(e, dict) and isinstance(e.get("shard"), str)
+                                and SHARD.fullmatch(e["shard"]))])
         # Keep only entries whose shard reads whole and holds them as its own metadata records them: a shard lost or
         # damaged since, or replaced by another folder's of the same name, is encoded again. A shard of other
         # settings under a listed name is refused, as an unlisted one is (_recover).
