@@ -415,3 +415,15 @@ def test_a_video_files_pixels_are_counted_at_the_servers_limit_not_pillows(tmp_p
     held = video_pixels(video, 0, common, 10**6, 10**9, Patching())
     assert held >= 8 * 42 * 58
     assert video_pixels(video, 0, common, 1000, 10**9, Patching()) == 0  # over the server's own: its decode refuses
+
+
+@pytest.mark.parametrize("name", ["take:2.mkv", "http:clip.mkv", "subfile,,start,0,end,9,,:c.mkv"])
+def test_a_relative_path_with_a_colon_is_the_file_not_a_protocol_url(tmp_path, monkeypatch, name):
+    """FFmpeg reads a name before a colon as a protocol (http:, concat:, subfile,...:): a file in the working
+    folder named so is read as the file, as any other path."""
+    frames = clip(6)
+    write(tmp_path / name, frames, fps=10)
+    monkeypatch.chdir(tmp_path)
+    got, meta = video_files.load_video(name, lambda total, fps, duration: np.arange(total))
+    assert np.array_equal(np.stack(got), frames) and meta["total_frames"] == 6
+    assert video_files.probe(name)[:3] == (58, 42, 6)

@@ -52,7 +52,9 @@ def _open(source, name: str, max_pixels: int | None = None):
     if not is_bytes and not os.path.isfile(source):
         raise ImageError(f"{name}: {label} is not a file")
     try:
-        container = av.open(io.BytesIO(bytes(source)) if is_bytes else os.fspath(source))
+        # A path is made absolute: FFmpeg reads "take:2.mp4" or "http:x.mp4" as a protocol's URL, "/.../take:2.mp4"
+        # as the file.
+        container = av.open(io.BytesIO(bytes(source)) if is_bytes else os.path.abspath(os.fspath(source)))
     except (av.FFmpegError, OSError, ValueError) as e:
         raise ImageError(f"{name}: cannot open {label} as a video ({e})") from None
     if not container.streams.video:
