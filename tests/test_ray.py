@@ -300,3 +300,23 @@ def test_a_row_without_file_bytes_fails_alone(folder):
     for i, held in ((1, "NoneType None"), (2, "str 'a string'"), (3, "float nan")):
         assert out["error"].iloc[i] == f"{'bcd'[i - 1]}: the bytes column holds {held}, not a file's bytes", \
             out["error"].iloc[i]
+
+
+def test_a_video_too_short_to_sample_says_what_encode_video_dataset_offers(tmp_path):
+    """A clip too short for target_fps fails its row with the pipeline's own setting to change (target_fps), not
+    preprocess_video's sample=False, which encode_video_dataset has no way to pass."""
+    pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
+    import pandas as pd
+
+    from tests.test_cli_videos import write_clip
+
+    from glmvit_cupy.preprocessing.image import REFERENCE
+    from glmvit_cupy.ray import PrepareVideo
+
+    path = write_clip(tmp_path / "short.mkv", n=2, h=40, w=60, fps=10)
+    settings = {"target_fps": 2.0, "max_frames": 2048, "min_image_tokens": 16, "max_image_tokens": 400}
+    out = PrepareVideo("bytes", settings, None, REFERENCE, 8000)(
+        pd.DataFrame({"bytes": [open(path, "rb").read()], "path": ["short.mkv"]}))
+    error = out["error"].iloc[0]
+    assert error.startswith("short.mkv: sample_frames: a 2-frame video at 10.0 fps lasts 0.2 s") and out["tokens"][0] == 0
+    assert error.endswith("; raise encode_video_dataset's target_fps to sample it") and "sample=False" not in error

@@ -32,7 +32,7 @@ import io
 import numpy as np
 
 from .checks import embedding_problem, image_limits
-from .errors import ImageError, quoted
+from .errors import ImageError, TooShort, quoted
 from .preprocessing.image import REFERENCE, Patching, prepare_canvas
 
 
@@ -158,6 +158,8 @@ class PrepareVideo:
                        "timestamps": np.array(info["timestamps"], np.float64), "error": None,
                        **{k: np.array(info[k.removesuffix("_hw")], np.int64) for k in _VIDEO_INFO}}
             except (ImageError, ValueError) as e:  # a failed row: empty arrays (one type per column)
+                if isinstance(e, TooShort):  # the sampler's advice names preprocess_video's sample=, not offered here
+                    e = e.advised("raise encode_video_dataset's target_fps to sample it")
                 got = {"frames": np.zeros((0, 0, 0, 3), np.uint8), "grid_thw": np.zeros(3, np.int64), "tokens": 0,
                        "frames_indices": np.zeros(0, np.int64), "timestamps": np.zeros(0), "fps": float("nan"),
                        "error": str(e), **{k: np.zeros(2, np.int64) for k in _VIDEO_INFO}}
