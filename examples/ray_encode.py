@@ -30,14 +30,21 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".
 
 def local_files(spec):
     """The image files of a folder or glob as resolved absolute paths (a resume finds them however the input
-    is spelled), or None for a cloud prefix (Ray lists those itself)."""
+    is spelled), or None for a cloud prefix (Ray lists those itself). Entries that are not regular files
+    this user can read (a broken symbolic link, a FIFO, a device, a file without read permission) are passed
+    over, naming the first and counting them: Ray would fail the whole job on one (a FIFO's read never
+    ends)."""
     if "://" in spec:
         return None
     if os.path.isdir(spec):
-        found = (os.path.join(r, f) for r, _, fs in os.walk(spec) for f in fs if f.lower().endswith(IMAGE_EXTENSIONS))
+        found = [os.path.join(r, f) for r, _, fs in os.walk(spec) for f in fs if f.lower().endswith(IMAGE_EXTENSIONS)]
     else:
-        found = (p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
-    return sorted({os.path.realpath(p) for p in found})
+        found = [p for p in glob.glob(spec, recursive=True) if not os.path.isdir(p)]
+    odd = sorted(p for p in found if not os.path.isfile(p) or not os.access(p, os.R_OK))
+    if odd:
+        print(f"ray_encode: passed over {len(odd)} of the inputs that are not regular files this user can read "
+              f"(a broken symbolic link, a FIFO, a device, no read permission), e.g. {odd[0]}")
+    return sorted({os.path.realpath(p) for p in found}.difference(os.path.realpath(p) for p in odd))
 
 
 def done_paths(out) -> tuple[set, set]:

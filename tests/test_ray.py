@@ -320,3 +320,25 @@ def test_a_video_too_short_to_sample_says_what_encode_video_dataset_offers(tmp_p
     error = out["error"].iloc[0]
     assert error.startswith("short.mkv: sample_frames: a 2-frame video at 10.0 fps lasts 0.2 s") and out["tokens"][0] == 0
     assert error.endswith("; raise encode_video_dataset's target_fps to sample it") and "sample=False" not in error
+
+
+def test_example_passes_over_entries_that_are_not_readable_files(local_ray, folder, tmp_path, capsys):
+    """A broken symbolic link or a FIFO among the images: Ray fails the whole job on one (FileNotFoundError
+    naming the path, nothing encoded); the example passes over them, saying so, and encodes the rest."""
+    import pyarrow.parquet as pq
+    import ray_encode
+
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    good = sorted(folder.glob("img*.png"))[0]
+    (mixed / "good.png").write_bytes(good.read_bytes())
+    (mixed / "gone.png").symlink_to(tmp_path / "no-such-file.png")
+    os.mkfifo(mixed / "pipe.jpg")
+    for spec in (str(mixed), str(mixed / "*")):
+        out = tmp_path / f"out{len(spec)}"
+        assert ray_encode.main([spec, "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
+        said = capsys.readouterr().out
+        assert "passed over 2 of the inputs that are not regular files this user can read" in said, said
+        assert f"e.g. {mixed / 'gone.png'}" in said and "ray_encode: 1 images in" in said
+        rows = [r for f in out.glob("*.parquet") for r in pq.read_table(f, columns=["path", "error"]).to_pylist()]
+        assert rows == [{"path": str(mixed / "good.png"), "error": None}]
