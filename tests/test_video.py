@@ -355,7 +355,7 @@ def test_bad_settings_are_refused_by_name():
         with pytest.raises(ValueError, match=r"video 0: fps=.* must be a positive finite number"):
             preprocess_video(v, fps=bad)
     for bad in (-1.0, float("inf")):
-        with pytest.raises(ValueError, match=r"video 0: sample_frames: duration=.* must be a positive finite"):
+        with pytest.raises(ValueError, match=r"video 0: duration=.* must be a positive finite"):
             preprocess_video(v, fps=10.0, duration=bad)
     with pytest.raises(ValueError, match=r"max_duration=-3 must be a positive finite number"):
         preprocess_video(v, fps=10.0, max_duration=-3)
@@ -440,3 +440,23 @@ def test_image_file_paths_given_as_a_video_are_refused_saying_how_to_give_frames
     with pytest.raises(ValueError, match=r"video 0: .*f0.png is an image file, and a path is a video file: give a "
                                          r"video's frames decoded, as a list of HxWx3 uint8 arrays"):
         preprocess_video([str(p) for p in paths], fps=10)
+
+
+def test_settings_past_any_float_or_unsampled_are_refused_and_a_fraction_is_a_rate():
+    """An integer past any float (10**400) as fps, duration, target_fps or max_duration is a ValueError naming it,
+    not an OverflowError; a duration is checked with sample=False too (info records it: never -5 or NaN); a
+    Fraction, as PyAV gives a stream's rate, is a number of frames a second like its float."""
+    from fractions import Fraction
+
+    v = np.zeros((20, 28, 28, 3), np.uint8) + 9
+    for name in ("fps", "duration", "target_fps", "max_duration"):
+        with pytest.raises(ValueError, match=rf"video 0: (sample_frames.*: )?{name}=1000.*\(401 characters\) must be a "
+                                             "positive finite number"):
+            preprocess_video(v, **{"fps": 10, name: 10**400})
+    for bad in (-5, float("nan"), "abc", 10**400):
+        with pytest.raises(ValueError, match=r"video 0: duration=.* must be a positive finite number"):
+            preprocess_video(v, fps=10, duration=bad, sample=False)
+    assert preprocess_video(v, fps=10, duration=0, sample=False)[2][0]["duration"] == 0.0  # 0: unknown
+    rate = Fraction(30000, 1001)
+    got, want = preprocess_video(v, fps=rate), preprocess_video(v, fps=float(rate))
+    assert np.array_equal(got[0], want[0]) and got[2] == want[2] and got[2][0]["fps"] == float(rate)

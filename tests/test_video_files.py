@@ -286,7 +286,7 @@ def test_a_callers_fps_or_duration_reads_a_file_whose_packets_span_no_time(tmp_p
         preprocess_video(str(path), fps=1e-308)
     timed = write(tmp_path / "timed.mkv", clip(20), fps=10)
     for duration in (float("nan"), float("inf")):  # the caller's duration is named, not the fps it gave none of
-        with pytest.raises(ValueError, match=rf"duration={duration!r} is not a finite number of seconds"):
+        with pytest.raises(ValueError, match=rf"video 0: duration={duration!r} must be a positive finite number"):
             preprocess_video(str(timed), duration=duration)
 
 

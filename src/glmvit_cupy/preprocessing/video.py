@@ -17,6 +17,7 @@ it.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -56,10 +57,17 @@ def value_table() -> np.ndarray:
 
 
 def _positive_number(name: str, v, where: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v) \
-            or v <= 0:
+    """v as a positive finite int, or float (any other real number: a Fraction, as PyAV gives a stream's rate),
+    else ValueError naming it: also an integer past any float (10**400), which float arithmetic cannot take."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
         raise ValueError(f"{where}: {name}={quoted(v)} must be a positive finite number")
-    return float(v) if isinstance(v, (float, np.floating)) else int(v)
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f) or f <= 0:
+        raise ValueError(f"{where}: {name}={quoted(v)} must be a positive finite number")
+    return int(v) if isinstance(v, numbers.Integral) else f
 
 
 def _spread(start: int, end: int, want: int) -> list[int]:
@@ -174,6 +182,8 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
         raise ValueError(f"{name}: {e}") from None
     if fps is not None:
         fps = _positive_number("fps", fps, name)
+    if duration is not None and (isinstance(duration, (bool, np.bool_)) or duration != 0):  # 0: unknown
+        duration = _positive_number("duration", duration, name)  # checked sampled or not: info records it
     def pick(total, fps, duration):  # the frames to use out of `total`
         if not sample:
             return np.arange(total, dtype=np.int64)

@@ -80,8 +80,12 @@ def _open(source, name: str, max_pixels: int | None = None):
 
 
 def _positive(v) -> bool:
-    """A caller's fps or duration that can stand for a file's (0 means "unknown", as sample_frames takes it)."""
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    """A caller's fps or duration that can stand for a file's (0 means "unknown", as sample_frames takes it; an
+    integer past any float is none)."""
+    try:
+        return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    except OverflowError:
+        return False
 
 
 def _stream(container):
