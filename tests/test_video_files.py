@@ -427,3 +427,33 @@ def test_a_relative_path_with_a_colon_is_the_file_not_a_protocol_url(tmp_path, m
     got, meta = video_files.load_video(name, lambda total, fps, duration: np.arange(total))
     assert np.array_equal(np.stack(got), frames) and meta["total_frames"] == 6
     assert video_files.probe(name)[:3] == (58, 42, 6)
+
+
+def test_the_pixel_cap_holds_on_the_frames_decoded_not_the_size_declared(tmp_path, monkeypatch):
+    """A stream that declares 0x0 frames (its header's size, which the cap was checked by before decoding)
+    holding 64x48 ones: the kept frames are counted at their decoded size, and decoding stops before the
+    frame that passes max_total_pixels is kept, naming the file, the cap and the setting; under a cap they
+    fit, the frames are the file's."""
+    frames = clip(12, 48, 64)
+    path = write(tmp_path / "p.mov", frames, fps=10, codec="png", pix="rgb24")  # PNG frames carry their size
+    real = video_files._stream
+
+    def zero_declared(container):  # as a header of 0x0 gives it
+        stream = real(container)
+        stream.codec_context.width = stream.codec_context.height = 0
+        return stream
+
+    monkeypatch.setattr(video_files, "_stream", zero_declared)
+    every = lambda total, fps, duration: np.arange(total)  # noqa: E731
+    converted, rgb = [], video_files._RGB.__call__
+    monkeypatch.setattr(video_files._RGB, "__call__", lambda self, frame: converted.append(1) or rgb(self, frame))
+    with pytest.raises(ImageError, match=r"video: '.*p.mov''s sampled frames pass the limit of 15,359 pixels "
+                                         r"together at frame 4: 5 of 64x48 hold 15,360, though its stream declares "
+                                         r"0x0 frames \(max_total_pixels: the commands' --max-video-pixels raises it\)"):
+        video_files.load_video(path, every, max_total_pixels=5 * 64 * 48 - 1)
+    assert len(converted) == 4  # the frames within the cap, and no more, were made RGB and kept
+    got, meta = video_files.load_video(path, every, max_total_pixels=12 * 64 * 48)
+    assert np.array_equal(np.stack(got), frames) and meta["total_frames"] == 12
+    monkeypatch.setattr(video_files, "_stream", real)  # declared as decoded: refused before decoding, as ever
+    with pytest.raises(ImageError, match=r"its 12 sampled frames have 36,864 pixels, over the limit of 15,359"):
+        video_files.load_video(path, every, max_total_pixels=5 * 64 * 48 - 1)

@@ -162,8 +162,9 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
     indices, in its order; meta: {"fps", "duration", "total_frames", "frames_indices"}). fps / duration: the
     caller's where the file's are wrong (None: the file's, as _probe reads them; a caller's fps alone gives
     duration = frames / fps).
-    max_total_pixels: a cap on the picked frames' pixels together, checked before decoding; max_pixels: one
-    frame's (None: Pillow's MAX_IMAGE_PIXELS). A container
+    max_total_pixels: a cap on the picked frames' pixels together, checked before decoding by the stream's
+    declared size and while decoding by each kept frame's own (a header of 0x0, or smaller than its frames,
+    cannot let more through); max_pixels: one frame's (None: Pillow's MAX_IMAGE_PIXELS). A container
     whose frame count is more than it holds is picked from again over the frames it holds. ImageError
     naming the file for anything that cannot be read; pick's own errors pass through."""
     with _open(source, name, max_pixels) as container:  # one open: probed, then decoded (twice if the count was high)
@@ -185,12 +186,13 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
             raise ImageError(f"{name}: its {unique} sampled frames have {unique * declared[0] * declared[1]:,} "
                              f"pixels, over the limit of {max_total_pixels:,} (the commands' --max-video-pixels); a shorter "
                              "or smaller video fits")
-        kept, decoded = _decode(container, stream, source, name, indices, declared, max_pixels)
+        kept, decoded = _decode(container, stream, source, name, indices, declared, max_pixels, max_total_pixels)
         if len(kept) < unique and decoded < total:  # the count was high: pick again from what is there
             total = decoded
             duration = total / fps if own_duration else duration
             indices = pick(total, fps, duration)
-            kept, _ = _decode(container, stream, source, name, indices, declared, max_pixels)
+            kept = None  # the first pass's frames let go of before the second's are kept
+            kept, _ = _decode(container, stream, source, name, indices, declared, max_pixels, max_total_pixels)
     missing = sorted(set(int(i) for i in indices) - set(kept))
     if missing:  # the file decodes differently from one pass to the next
         raise ImageError(f"{name}: decoding {_label(source)} gave no frame {missing[0]} of the {total} it has")
@@ -213,14 +215,18 @@ class VideoFile:
                           max_total_pixels=self.max_total_pixels, max_pixels=self.max_pixels)
 
 
-def _decode(container, stream, source, name, indices, declared, max_pixels) -> tuple[dict, int]:
+def _decode(container, stream, source, name, indices, declared, max_pixels, max_total_pixels=None
+            ) -> tuple[dict, int]:
     """({index: HxWx3 uint8} for the wanted indices that decoding reached, frames decoded), one sequential
     pass from the start, stopping after the last wanted frame; each kept frame converted by _RGB. max_pixels:
-    the frame limit _open gave FFmpeg (None: Pillow's), which an error names."""
+    the frame limit _open gave FFmpeg (None: Pillow's), which an error names; max_total_pixels: the kept
+    frames' pixels together, counted at their decoded size (None: no cap), refused before the frame that
+    passes it is kept."""
     av = _av()
     wanted, kept, last, i = set(int(j) for j in indices), {}, int(indices[-1]), -1
     rgb = _RGB(av, name, source)
     (dw, dh), first, changed = declared, None, None  # the header's size, which the limits were checked by
+    held, over = 0, False  # the kept frames' pixels as decoded: a header of 0x0 checked nothing before
     try:
         container.seek(0)
         for i, frame in enumerate(container.decode(stream)):
@@ -229,6 +235,10 @@ def _decode(container, stream, source, name, indices, declared, max_pixels) -> t
                 first = first or size
                 if size != first or (dw * dh and size[0] * size[1] > dw * dh):
                     changed = size
+                    break
+                held += size[0] * size[1]
+                if max_total_pixels is not None and held > max_total_pixels:
+                    over = True
                     break
                 kept[i] = rgb(frame)
             if i >= last:
@@ -240,6 +250,12 @@ def _decode(container, stream, source, name, indices, declared, max_pixels) -> t
                              f"the {limit:,} pixels a decoded image may have (max_pixels, the commands' "
                              "--max-pixels), or a damaged one") from None
         raise ImageError(f"{name}: decoding {_label(source)} failed after {i + 1} frames ({e})") from None
+    if over:
+        said = "" if first == (dw, dh) else f", though its stream declares {dw}x{dh} frames"
+        raise ImageError(f"{name}: {_label(source)}'s sampled frames pass the limit of {max_total_pixels:,} pixels "
+                         f"together at frame {i}: {len(kept) + 1} of {first[0]}x{first[1]} hold {held:,}{said} "
+                         "(max_total_pixels: the commands' --max-video-pixels raises it); a shorter or smaller video "
+                         "fits")
     if changed is not None and changed != first:
         raise ImageError(f"{name}: {_label(source)} changes its frame size mid-stream ({first[0]}x{first[1]} and "
                          f"{changed[0]}x{changed[1]} among the sampled frames); a video's frames share one size")
