@@ -262,3 +262,19 @@ def test_a_video_replaced_while_it_is_read_is_failed_not_misfiled(tmp_path, caps
     want, grid, info = reference_of(folder / "a.mkv", tower, max_image_tokens=40, target_fps=4)
     assert manifest["images"][key]["grid_thw"] == grid and manifest["images"][key]["tokens"] == info["tokens"]
     assert np.array_equal(embs[key], want.astype(ml_dtypes.bfloat16))  # the new file's (11 frames), not the old's
+
+
+def test_a_file_whose_packets_span_no_time_says_what_this_command_can_do(tmp_path):
+    """Every packet at pts 0: the reader's advice (a video's fps=, duration=) is none this command takes. The
+    video fails saying so, that --video-fps is the rate sampled, how to give the file timestamps (ffmpeg's
+    setts, its frames copied), and the Python call that takes an fps."""
+    import fractions
+
+    clip = write_clip(tmp_path / "still.mkv", n=12, fps=fractions.Fraction(10**9, 1))  # Matroska's ms: all at 0
+    out = tmp_path / "out"
+    assert run(clip, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", *LIMITS) == cli.FAILED
+    (why,) = read_embeddings_manifest_failed(out)
+    assert why.startswith(f"{clip}: '{clip}' holds 12 video frames over 0 s; cannot sample it; glmvit-encode takes "
+                          "no video's own fps (--video-fps is the rate it samples at): give the file timestamps"), why
+    assert "ffmpeg -i IN -c copy -bsf:v 'setts=ts=N/(FPS*TB):duration=1/(FPS*TB)' OUT.mkv" in why, why
+    assert why.endswith("GlmVit.encode_video(path, fps=FPS)") and "(fps= or duration=)" not in why, why

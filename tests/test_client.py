@@ -442,6 +442,17 @@ def test_too_short_pickles_as_itself():
     assert type(back) is TooShort and str(back) == str(e) and (back.what, back.advice) == (e.what, e.advice)
 
 
+def test_untimed_pickles_as_itself():
+    import pickle
+
+    from glmvit_cupy import ImageError, Untimed
+
+    e = Untimed("clip.mkv: 20 frames over 0 s")
+    back = pickle.loads(pickle.dumps(e.advised("re-mux it")))
+    assert type(back) is Untimed and isinstance(back, ImageError) and str(back) == "clip.mkv: 20 frames over 0 s; re-mux it"
+    assert str(e) == f"clip.mkv: 20 frames over 0 s; {Untimed.ADVICE}"
+
+
 class _Junk:
     """A server that answers every request with the same raw bytes (then, with `endless`, a chunk a read
     forever), then closes."""

@@ -342,3 +342,29 @@ def test_example_passes_over_entries_that_are_not_readable_files(local_ray, fold
         assert f"e.g. {mixed / 'gone.png'}" in said and "ray_encode: 1 images in" in said
         rows = [r for f in out.glob("*.parquet") for r in pq.read_table(f, columns=["path", "error"]).to_pylist()]
         assert rows == [{"path": str(mixed / "good.png"), "error": None}]
+
+
+def test_a_video_whose_packets_span_no_time_says_what_the_pipeline_can_do(tmp_path):
+    """Every packet at pts 0: the row fails with what encode_video_dataset can do (target_fps is the rate
+    sampled, so not it: give the file timestamps, or encode it with an fps in Python), not preprocess_video's
+    fps= / duration=, which the pipeline has no way to pass."""
+    pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
+    import fractions
+
+    import pandas as pd
+
+    from tests.test_cli_videos import write_clip
+
+    from glmvit_cupy.preprocessing.image import REFERENCE
+    from glmvit_cupy.ray import PrepareVideo
+
+    path = write_clip(tmp_path / "still.mkv", n=12, h=40, w=60, fps=fractions.Fraction(10**9, 1))  # all at pts 0
+    settings = {"target_fps": 2.0, "max_frames": 2048, "min_image_tokens": 16, "max_image_tokens": 400}
+    out = PrepareVideo("bytes", settings, None, REFERENCE, 8000)(
+        pd.DataFrame({"bytes": [open(path, "rb").read()], "path": ["still.mkv"]}))
+    error = out["error"].iloc[0]
+    assert error.startswith("still.mkv: the video file of ") and out["tokens"][0] == 0, error
+    assert "holds 12 video frames over 0 s; cannot sample it; encode_video_dataset takes no video's own fps " \
+           "(target_fps is the rate it samples at): give the file timestamps" in error, error
+    assert "-bsf:v 'setts=ts=N/(FPS*TB):duration=1/(FPS*TB)'" in error and "(fps= or duration=)" not in error, error
+    assert error.endswith("or encode it with GlmVit.encode_video(path, fps=FPS)"), error

@@ -270,14 +270,19 @@ def test_frames_larger_than_declared_are_refused_before_they_are_kept(tmp_path):
 
 
 def test_a_callers_fps_or_duration_reads_a_file_whose_packets_span_no_time(tmp_path):
-    """Every packet at pts 0: the file's own timing cannot be told (refused, saying to give fps), and a
-    caller's fps= or duration= stands for it, as for any file."""
+    """Every packet at pts 0: the file's own timing cannot be told (Untimed, an ImageError, saying to give fps;
+    its .advice what glmvit-encode and Ray reword), and a caller's fps= or duration= stands for it, as for any
+    file."""
     import fractions
+
+    from glmvit_cupy import Untimed
 
     path = write(tmp_path / "still.mkv", clip(20), fps=fractions.Fraction(10**9, 1))  # Matroska's ms: all at 0
     for unknown in ({}, {"duration": 0}):  # duration 0: unknown, as sample_frames takes it
-        with pytest.raises(ImageError, match=r"over 0 s; cannot sample it; give its fps \(fps= or duration=\)"):
+        with pytest.raises(Untimed, match=r"over 0 s; cannot sample it; give its fps \(fps= or duration=\)") as e:
             preprocess_video(str(path), **unknown)
+        assert isinstance(e.value, ImageError) and e.value.advice == Untimed.ADVICE
+        assert e.value.what.endswith("still.mkv' holds 20 video frames over 0 s; cannot sample it"), e.value.what
     by_fps = preprocess_video(str(path), fps=2.0)
     by_duration = preprocess_video(str(path), duration=10.0)  # 20 frames: the same timing
     assert np.array_equal(by_fps[0], by_duration[0]) and by_fps[1].tolist() == by_duration[1].tolist()

@@ -15,7 +15,7 @@ import os
 from typing import TYPE_CHECKING
 
 from .errors import (AbsentTower, CheckpointError, GpuOutOfMemory, GpuUnavailable, ImageError, KernelError,
-                     NoVisionConfig, OutputError, ServerError, TooShort)
+                     NoVisionConfig, OutputError, ServerError, TooShort, Untimed)
 
 __version__ = "0.2.0.dev0"
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # for type checkers only: at run time these are imported on f
 
 __all__ = [
     "AbsentTower", "CheckpointError", "GlmVit", "GpuOutOfMemory", "GpuUnavailable", "ImageError", "KernelError",
-    "NoVisionConfig", "OutputError", "Patching", "Replicas", "ServerError", "TooShort", "VisionGeometry",
+    "NoVisionConfig", "OutputError", "Patching", "Replicas", "ServerError", "TooShort", "Untimed", "VisionGeometry",
     "WeightStore", "bind_tower", "inspect_checkpoint", "load_vision_tower", "preprocess", "preprocess_video",
     "probe_tower", "read_config",
 ]

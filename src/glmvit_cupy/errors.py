@@ -28,25 +28,43 @@ class ImageError(ValueError):
     """
 
 
-class TooShort(ValueError):
+class _Advised:
+    """An error said as `what` was wrong and `advice`, what the caller can change, in the caller's own terms
+    (ADVICE: the Python API's): a command rewords the advice for its options (advised)."""
+
+    ADVICE = ""
+
+    def __init__(self, what: str, advice: str | None = None):
+        advice = self.ADVICE if advice is None else advice
+        super().__init__(f"{what}; {advice}")
+        self.what, self.advice = what, advice
+
+    def __reduce__(self):  # pickled (a process pool, Ray) as what and advice, not the joined message
+        return type(self), (self.what, self.advice)
+
+    def within(self, name: str):
+        """The same error, said of `name` (the video)."""
+        return type(self)(f"{name}: {self.what}", self.advice)
+
+    def advised(self, advice: str):
+        return type(self)(self.what, advice)
+
+
+class TooShort(_Advised, ValueError):
     """A video too short to sample any frame at the target rate. `what` says so; `advice`, what the caller can
     change, in the caller's own terms: a command rewords it for its options (advised)."""
 
     ADVICE = "raise target_fps or pass sample=False to encode the frames as given"
 
-    def __init__(self, what: str, advice: str = ADVICE):
-        super().__init__(f"{what}; {advice}")
-        self.what, self.advice = what, advice
 
-    def __reduce__(self):  # pickled (a process pool, Ray) as what and advice, not the joined message
-        return TooShort, (self.what, self.advice)
+class Untimed(_Advised, ImageError):
+    """A video file whose packets span no time (all at one timestamp, or none with one): its fps cannot be read
+    from it. `what` says so; `advice`, what the caller can give instead: a command without a video's own fps
+    rewords it (advised), REMUX being what mends the file."""
 
-    def within(self, name: str) -> "TooShort":
-        """The same error, said of `name` (the video)."""
-        return TooShort(f"{name}: {self.what}", self.advice)
-
-    def advised(self, advice: str) -> "TooShort":
-        return TooShort(self.what, advice)
+    ADVICE = "give its fps (fps= or duration=) to read it"
+    REMUX = ("give the file timestamps at its frame rate FPS, its frames copied as they are (FFmpeg 4.4 or later): "
+             "ffmpeg -i IN -c copy -bsf:v 'setts=ts=N/(FPS*TB):duration=1/(FPS*TB)' OUT.mkv")
 
 
 class OutputError(ValueError):

@@ -32,7 +32,7 @@ import io
 import numpy as np
 
 from .checks import embedding_problem, image_limits
-from .errors import ImageError, TooShort, quoted
+from .errors import ImageError, TooShort, Untimed, quoted
 from .preprocessing.image import REFERENCE, Patching, prepare_canvas
 
 
@@ -160,6 +160,8 @@ class PrepareVideo:
             except (ImageError, ValueError) as e:  # a failed row: empty arrays (one type per column)
                 if isinstance(e, TooShort):  # the sampler's advice names preprocess_video's sample=, not offered here
                     e = e.advised("raise encode_video_dataset's target_fps to sample it")
+                elif isinstance(e, Untimed):  # the reader's advice is a video's fps=, which the pipeline takes none of
+                    e = e.advised(UNTIMED)
                 got = {"frames": np.zeros((0, 0, 0, 3), np.uint8), "grid_thw": np.zeros(3, np.int64), "tokens": 0,
                        "frames_indices": np.zeros(0, np.int64), "timestamps": np.zeros(0), "fps": float("nan"),
                        "error": str(e), **{k: np.zeros(2, np.int64) for k in _VIDEO_INFO}}
@@ -170,6 +172,10 @@ class PrepareVideo:
         return batch
 
 
+# A file whose packets span no time: the pipeline has no video's own fps to read it by (target_fps is the rate
+# sampled).
+UNTIMED = (f"encode_video_dataset takes no video's own fps (target_fps is the rate it samples at): {Untimed.REMUX}; "
+           "or encode it with GlmVit.encode_video(path, fps=FPS)")
 _VIDEO_INFO = ("size_hw", "canvas_hw", "content_hw")  # what the actor's resize needs besides the frames
 
 

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from .. import checks
-from ..errors import ImageError, TooShort
+from ..errors import ImageError, TooShort, Untimed
 from ..files import identity, open_regular
 from ..output import Writer, file_stamp, image_key, shown
 from ..scheduling import feed
@@ -26,6 +26,10 @@ from .. import vllm_ec
 from .common import DONE, FAILED, counted, skipped, write_vllm
 from .inputs import check_size, unreadable
 
+# A file whose packets span no time: this command has no video's own fps to read it by (--video-fps is the
+# rate sampled).
+UNTIMED = (f"glmvit-encode takes no video's own fps (--video-fps is the rate it samples at): {Untimed.REMUX}; or "
+           "encode it in Python with GlmVit.encode_video(path, fps=FPS)")
 VIDEO_WORKERS = 4  # videos decoding at once: each decode already runs on FFmpeg's frame threads
 HASH_CHUNK = 1 << 20
 
@@ -86,6 +90,8 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
             return path, unreadable(path, e)
         except TooShort as e:  # the sampler's advice names its Python arguments; this command's is --video-fps
             return path, e.advised("raise --video-fps (a run's setting: into another --out)")
+        except Untimed as e:  # the reader's advice is a video's fps=, which this command takes none of
+            return path, e.advised(UNTIMED)
         except (ImageError, ValueError) as e:
             return path, e
         entry = {"kind": "video", "source": image_key(path), "sha256": sha, "file": file_stamp(st),

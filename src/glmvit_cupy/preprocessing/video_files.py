@@ -25,7 +25,7 @@ from fractions import Fraction
 import numpy as np
 from PIL import Image
 
-from ..errors import ImageError
+from ..errors import ImageError, Untimed
 from .decode import header_size, pillow_limit
 
 
@@ -139,8 +139,8 @@ def _probe(container, stream, source, name, timing_given: bool = False):
     tb = stream.time_base  # each end in seconds, then subtracted: the reference's float64 steps, bit for bit
     duration = end * tb.numerator / tb.denominator - first * tb.numerator / tb.denominator if first is not None else 0.0
     if frames <= 0 or (duration <= 0 and not timing_given):
-        raise ImageError(f"{name}: {_label(source)} holds {frames} video frames over {duration:g} s; cannot "
-                         "sample it" + ("; give its fps (fps= or duration=) to read it" if frames > 0 else ""))
+        said = f"{name}: {_label(source)} holds {frames} video frames over {duration:g} s; cannot sample it"
+        raise Untimed(said) if frames > 0 else ImageError(said)
     return frames, (frames / duration if duration > 0 else None), duration
 
 
