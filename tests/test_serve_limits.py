@@ -841,8 +841,8 @@ def test_sigterm_drains_with_503_then_exits_saying_so(sig, workers):
 def test_jpeg_2000_is_decoded_in_another_process_and_the_server_keeps_answering(server):
     """Pillow's JPEG 2000 decoder holds the GIL for the whole decode (0.4 s for 16 MP here; an 81 MP file
     froze the server 12 s): two 3800x2600 JPEG 2000 files are decoded in a process of their own while
-    /health answers within 0.3 s throughout (decoded in the server: 0.5 s), and their embeddings equal
-    those of the same pixels as PNG."""
+    /health answers within 0.45 s throughout (decoded on two threads of one process they hold its lock for
+    0.94 s here), and their embeddings equal those of the same pixels as PNG."""
     from PIL import features
 
     if not features.check("jpg_2000"):
@@ -873,7 +873,7 @@ def test_jpeg_2000_is_decoded_in_another_process_and_the_server_keeps_answering(
     finally:
         done.set()
         t.join()
-    assert worst[0] < 0.3, worst
+    assert worst[0] < 0.45, worst  # a loaded 2-core runner has taken 0.31 s
     want, _ = client.encode(pngs, max_image_tokens=256)
     assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(embs, want))
 
