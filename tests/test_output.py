@@ -841,3 +841,194 @@ def test_an_entry_whose_grid_contradicts_its_tokens_is_refused_and_encoded_again
         read_embeddings(folder)
     again = Output(folder, settings)
     assert again.done("/img/a") and not again.done("/img/b")
+
+
+def _folder_id_of(path) -> str | None:
+    """The folder id a manifest (a path ending in manifest.json) or a shard records."""
+    from safetensors import safe_open
+
+    if str(path).endswith(MANIFEST):
+        return json.loads(open(path).read())["header"].get("folder_id")
+    with safe_open(str(path), "numpy") as f:
+        return json.loads(f.metadata()["glmvit"])["header"].get("folder_id")
+
+
+def _as_an_earlier_version_wrote(folder):
+    """The folder's manifest and shards without the folder id, as a version that recorded none wrote them."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    path = os.path.join(folder, MANIFEST)
+    if os.path.exists(path):
+        manifest = json.loads(open(path).read())
+        del manifest["header"]["folder_id"]
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            shard = os.path.join(folder, name)
+            with safe_open(shard, "numpy") as f:
+                meta = json.loads(f.metadata()["glmvit"])
+            del meta["header"]["folder_id"]
+            save_file(load_file(shard), shard, metadata={"glmvit": json.dumps(meta)})
+
+
+def _same_bits(embs, written):
+    for key, _, emb in written:
+        assert np.array_equal(embs[key].view(np.uint16), emb.view(np.uint16)), key
+
+
+def test_another_folders_shard_of_the_same_settings_under_a_new_number_is_passed_over(tmp_path, caplog):
+    """Another folder's shard (the same settings; one key this folder holds, encoded from another file, and one it
+    lacks) copied in under a number the manifest does not list was taken as a newer encode: read_embeddings
+    replaced this folder's embedding with it, and a resume counted its images done. Each folder now records an id,
+    in its manifest and its shards: the shard is passed over by both, named with both ids."""
+    import logging
+    import shutil
+
+    mine, theirs = str(tmp_path / "mine"), str(tmp_path / "theirs")
+    first = batch(["/img/a"])
+    out = Output(mine, SETTINGS, flush_seconds=0)
+    out.add_batch(first)
+    out._lock.close()
+    other = Output(theirs, SETTINGS, flush_seconds=0)
+    other.add_batch(batch(["/img/a", "/img/z"]))
+    other._lock.close()
+    ids = _folder_id_of(os.path.join(mine, MANIFEST)), _folder_id_of(os.path.join(theirs, MANIFEST))
+    assert re.fullmatch("[0-9a-f]{32}", ids[0]) and ids[0] != ids[1]
+    assert _folder_id_of(os.path.join(mine, "embeddings-00001.safetensors")) == ids[0]
+    copied = os.path.join(mine, "embeddings-00007.safetensors")
+    shutil.copy(os.path.join(theirs, "embeddings-00001.safetensors"), copied)
+    says = (f"{copied}: written into another output folder (its folder_id is {ids[1]}; this folder's is {ids[0]}, "
+            "recorded in manifest.json) and not listed in manifest.json (copied in from another folder?): passed "
+            "over, its 2 images not taken for this folder's; move it out of the folder")
+    with caplog.at_level(logging.WARNING, logger="glmvit_cupy"):
+        manifest, embs = read_embeddings(mine)
+    assert says in caplog.text and sorted(embs) == ["/img/a"]
+    assert manifest["images"]["/img/a"]["shard"] == "embeddings-00001.safetensors"
+    _same_bits(embs, first)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="glmvit_cupy"):
+        again = Output(mine, SETTINGS, flush_seconds=0)
+    assert says in caplog.text
+    assert again.done("/img/a") and not again.done("/img/z") and again.next_shard == 8  # its number stays taken
+    assert again.manifest["images"]["/img/a"]["shard"] == "embeddings-00001.safetensors"
+    assert again.manifest["header"]["folder_id"] == ids[0]
+
+
+def test_an_earlier_versions_folder_resumes_whole_and_records_an_id_before_any_shard(tmp_path, caplog):
+    """A folder an earlier version wrote (no id in its manifest nor its shards; one shard its manifest does not
+    list, from a stopped run) resumes as before, its old shards all its own; the resume records an id in the
+    manifest before it writes a shard, so a shard of that id its next stop leaves unlisted is its own, while one
+    recording another id (copied in) is not."""
+    import logging
+    import shutil
+
+    folder = str(tmp_path / "o")
+    old = Output(folder, SETTINGS, flush_seconds=3600)
+    written = batch(["/img/a"])
+    old.add_batch(written)
+    old.flush()
+    written += batch(["/img/b"])
+    old.add_batch(written[1:])  # unlisted: the run stopped before its manifest caught up
+    old._lock.close()
+    _as_an_earlier_version_wrote(folder)
+    other = Output(str(tmp_path / "theirs"), SETTINGS, flush_seconds=0)
+    other.add_batch(batch(["/img/z"]))
+    other._lock.close()
+    shutil.copy(str(tmp_path / "theirs" / "embeddings-00001.safetensors"),
+                os.path.join(folder, "embeddings-00003.safetensors"))
+    assert sorted(read_embeddings(folder)[1]) == ["/img/a", "/img/b"]  # the manifest records no id: none is this's
+    with caplog.at_level(logging.WARNING, logger="glmvit_cupy"):
+        resumed = Output(folder, SETTINGS, flush_seconds=3600)
+    assert "embeddings-00003.safetensors: written into another output folder" in caplog.text
+    assert "earlier version wrote records none" in caplog.text
+    assert resumed.done("/img/a") and resumed.done("/img/b") and not resumed.done("/img/z")
+    own = _folder_id_of(os.path.join(folder, MANIFEST))  # written at the start, before any shard
+    assert own is not None and own == resumed.manifest["header"]["folder_id"]
+    written += batch(["/img/c"])
+    resumed.add_batch(written[2:])  # shard 4, never listed: killed here
+    resumed._lock.close()
+    assert _folder_id_of(os.path.join(folder, "embeddings-00004.safetensors")) == own
+    again = Output(folder, SETTINGS, flush_seconds=0)  # the old shards, listed, are not refused for lacking the id
+    assert all(again.done(k) for k in ("/img/a", "/img/b", "/img/c")) and not again.done("/img/z")
+    again.flush()
+    again._lock.close()
+    manifest, embs = read_embeddings(folder)
+    assert sorted(embs) == ["/img/a", "/img/b", "/img/c"] and manifest["header"]["folder_id"] == own
+    _same_bits(embs, written)
+    assert Output(folder, SETTINGS).manifest["header"]["folder_id"] == own
+
+
+@pytest.mark.parametrize("manifest", ["deleted", "unreadable"])
+def test_a_folder_without_its_manifest_takes_the_id_its_shards_record(tmp_path, caplog, manifest):
+    """No manifest (deleted, or unreadable and moved away as the refusal says): the folder's id is the one its
+    shards record (shards of an earlier version, recording none, are taken too), and every shard is taken. Shards
+    recording two ids are refused by both the reader and a resume, naming each id and its shards: nothing tells
+    which are this folder's."""
+    import shutil
+
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=0)
+    written = batch(["/img/a"])
+    out.add_batch(written)
+    out._lock.close()
+    _as_an_earlier_version_wrote(folder)  # shard 1: an earlier version's
+    out = Output(folder, SETTINGS, flush_seconds=3600)
+    own = out.manifest["header"]["folder_id"]
+    written += batch(["/img/b"]) + batch(["/img/c"])
+    out.add_batch(written[1:2])
+    out.flush()
+    out.add_batch(written[2:])
+    out._lock.close()
+    path = os.path.join(folder, MANIFEST)
+    if manifest == "deleted":
+        os.remove(path)
+    else:
+        with open(path, "r+") as f:
+            f.truncate(20)
+        with pytest.raises(OutputError, match="unreadable"):
+            Output(folder, SETTINGS)
+        os.rename(path, str(tmp_path / "manifest.away"))
+    manifest_read, embs = read_embeddings(folder)
+    assert sorted(embs) == ["/img/a", "/img/b", "/img/c"] and manifest_read["header"]["folder_id"] == own
+    _same_bits(embs, written)
+    other = Output(str(tmp_path / "theirs"), SETTINGS, flush_seconds=0)
+    other.add_batch(batch(["/img/z"]))
+    other._lock.close()
+    theirs = other.manifest["header"]["folder_id"]
+    copied = os.path.join(folder, "embeddings-00009.safetensors")
+    shutil.copy(str(tmp_path / "theirs" / "embeddings-00001.safetensors"), copied)
+    says = (re.escape(folder) + r" has no manifest.json, and its shards were written into 2 output folders \(folder_id "
+            f"{own}: embeddings-00002.safetensors, embeddings-00003.safetensors \\(2 shards\\); folder_id {theirs}: "
+            r"embeddings-00009.safetensors \(1 shard\)\).*Move the shards copied in from another folder out of it")
+    with pytest.raises(OutputError, match=says):
+        read_embeddings(folder)
+    with pytest.raises(OutputError, match=says):
+        Output(folder, SETTINGS)
+    os.remove(copied)
+    resumed = Output(folder, SETTINGS, flush_seconds=0)
+    assert resumed.manifest["header"]["folder_id"] == own and len(resumed) == 3
+    resumed.flush()
+    assert _folder_id_of(path) == own
+
+
+def test_a_folder_copied_whole_is_its_own_and_resumes(tmp_path):
+    """A folder copied whole elsewhere keeps its id: the copy's unlisted shards (a stopped run's) are its own."""
+    import shutil
+
+    folder, copy = str(tmp_path / "o"), str(tmp_path / "copy")
+    out = Output(folder, SETTINGS, flush_seconds=3600)
+    written = batch(["/img/a"])
+    out.add_batch(written)
+    out.flush()
+    written += batch(["/img/b"])
+    out.add_batch(written[1:])  # unlisted
+    out._lock.close()
+    shutil.copytree(folder, copy)
+    manifest, embs = read_embeddings(copy)
+    assert sorted(embs) == ["/img/a", "/img/b"]
+    _same_bits(embs, written)
+    resumed = Output(copy, SETTINGS)
+    assert resumed.done("/img/a") and resumed.done("/img/b")
+    assert resumed.manifest["header"]["folder_id"] == manifest["header"]["folder_id"]

@@ -1,8 +1,15 @@
 """The output folder of glmvit-encode, written and read back.
 
     embeddings-NNNNN.safetensors   one bf16 tensor [tokens, out_hidden] per image, named by its key; its
-                                   metadata "glmvit" holds the run's settings and its images' entries
+                                   metadata "glmvit" holds the manifest's header and its images' entries
     manifest.json                  {"header": settings, "images": {key: entry}, "failed": {key: why}}
+
+The header also holds "folder_id", the folder's identity: 32 random hex digits drawn when the folder is made (or
+first resumed by a version that records one), kept for its life and never a setting. A shard the manifest does not
+list is taken only where it records this folder's id, or none (an earlier version's shard): another folder's shard
+copied in under a new number is passed over, named in a warning, by a resume and by read_embeddings. With no
+manifest, the folder's id is the one its shards record; shards recording several are refused (OutputError), as
+nothing tells which folder's they are.
 
 "images" holds videos too: a video's entry has "kind": "video" (and its grid_thw [t, h, w], frames_indices,
 timestamps, fps); an image's has no "kind".
@@ -41,6 +48,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import stat
 import time
 
@@ -63,6 +71,16 @@ FLUSH_SECONDS = 5.0  # the manifest is rewritten at most this often while a run 
 ADDED = ("video", "weights")
 # Limits an earlier version recorded that shape no embedding (they only accept or refuse a file): ignored.
 LIMITS = ("max_pixels", "max_video_pixels")
+# The header's folder identity (not a setting: never compared with a run's); one of FOLDER_ID_FORM, or absent
+# (a folder or shard of an earlier version).
+FOLDER_ID = "folder_id"
+FOLDER_ID_FORM = re.compile(r"[0-9a-f]{32}")
+
+
+def _folder_id(header) -> str | None:
+    """The folder id a header (a manifest's or a shard's) records, or None where it records none or another value."""
+    value = header.get(FOLDER_ID) if isinstance(header, dict) else None
+    return value if isinstance(value, str) and FOLDER_ID_FORM.fullmatch(value) else None
 
 
 def image_key(path) -> str:
@@ -212,6 +230,48 @@ def shard_entries(folder: str, skip=()) -> dict[str, tuple[dict, dict]]:
     return out
 
 
+def _counted_shards(names: list) -> str:
+    shown_names = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"{shown_names} ({len(names)} shard{'s' if len(names) != 1 else ''})"
+
+
+def _shards_id(folder: str, found: dict) -> str | None:
+    """The folder id of a folder with no manifest, as its shards (`found`: shard_entries) record it: the one id they
+    record, or None where none records one (an earlier version's shards). OutputError where they record several,
+    naming the shards of each: with no manifest, nothing tells which of them are this folder's."""
+    ids: dict = {}
+    for name, (header, _) in found.items():
+        if _folder_id(header) is not None:
+            ids.setdefault(_folder_id(header), []).append(name)
+    if len(ids) > 1:
+        each = "; ".join(f"folder_id {i}: {_counted_shards(names)}" for i, names in ids.items())
+        raise OutputError(f"{shown(folder)} has no {MANIFEST}, and its shards were written into {len(ids)} output "
+                          f"folders ({each}): with no manifest to say which is this folder's, none is taken for "
+                          f"another's. Move the shards copied in from another folder out of it (or put back this "
+                          f"folder's {MANIFEST}), then run again")
+    return next(iter(ids), None)
+
+
+def _this_folders(folder: str, found: dict, own: str | None, where: str, quiet=()) -> dict:
+    """`found` (shard_entries: shards the manifest does not list) less those written into another output folder:
+    a shard recording a folder id other than `own` (this folder's; None: it has none, `where` says why). Such a
+    shard's embeddings are another folder's, however alike its settings: it is passed over, named in a warning
+    (except those in `quiet`, already named). A shard recording no id (an earlier version's) is kept."""
+    kept = {}
+    for name, (header, images) in found.items():
+        if FOLDER_ID not in header or (own is not None and _folder_id(header) == own):
+            kept[name] = (header, images)
+        elif name not in quiet:
+            theirs = _folder_id(header) or quoted(header[FOLDER_ID])
+            log.warning("%s: written into another output folder (its folder_id is %s; this folder's %s) and not "
+                        "listed in %s (copied in from another folder?): passed over, its %d image%s not taken for "
+                        "this folder's; move it out of the folder (a run given their files encodes those this "
+                        "folder lacks)", shown(os.path.join(folder, name)), theirs,
+                        f"is {own}, {where}" if own is not None else where, MANIFEST, len(images),
+                        "s" if len(images) != 1 else "")
+    return kept
+
+
 LOCK = ".glmvit-encode.lock"  # held by the process writing a folder: two runs into one --out would overwrite shards
 
 
@@ -270,6 +330,10 @@ class Output:
         self.flush_seconds = flush_seconds
         self._written, self._dirty = time.monotonic(), False
         self._named = 0  # the last shard number the manifest on disk names (_resume)
+        self._listed_id: str | None = None  # the folder id the manifest on disk records (_resume)
+        self._on_disk: set | None = None  # the shards the manifest on disk lists; None: there is none (_resume)
+        self._record_id = False  # the manifest on disk records no id: written with this folder's before any shard
+        self.mode = _umask_mode()
         # An existing folder is locked before its manifest is read: a run writing it may end meanwhile, rewriting
         # the manifest (a file it failed, an entry it dropped) after this one has read it.
         made = not os.path.lexists(os.path.join(folder, LOCK))  # a refused run leaves no lock file it made
@@ -288,6 +352,8 @@ class Output:
             self._lock = self._lock or _lock_folder(folder)
             self._recover(settings)
             self._check_temporaries()
+            if self._record_id:  # before any shard records the id: an unlisted shard of it is then this folder's
+                self.flush()
         except BaseException:
             if self._lock is not None:
                 self._lock.close()
@@ -303,7 +369,6 @@ class Output:
         if self.next_shard > LAST_SHARD:
             raise OutputError(f"{shown(folder)} holds shard {LAST_SHARD:,}, the last number a shard may have; "
                               "give another --out")
-        self.mode = _umask_mode()
 
     def _check_temporaries(self) -> None:
         """OutputError unless the names this run writes under before renaming are free for it: STAGING absent or a
@@ -367,6 +432,8 @@ class Output:
                               "done. Move it away and run again: what the shards here hold (their own metadata) is "
                               "kept and the rest encoded; or use another --out") from None
         self._check(header, settings, MANIFEST)
+        self._listed_id = _folder_id(header)
+        self._on_disk = {e["shard"] for e in images.values() if isinstance(e, dict) and isinstance(e.get("shard"), str)}
         self._named = max([0, *(_shard_number(e["shard"]) for e in images.values()
                                 if isinstance(e, dict) and isinstance(e.get("shard"), str)
                                 and SHARD.fullmatch(e["shard"]))])
@@ -400,13 +467,27 @@ class Output:
                        or len(self.manifest["failed"]) != len(failed))
 
     def _recover(self, settings):
-        """Images of shards the manifest does not list yet (the run before stopped before writing it)."""
+        """Images of shards the manifest does not list yet (the run before stopped before writing it), those of this
+        folder's id (or none); and the folder's id: the manifest's, else the one its shards record, else a new one."""
         listed = {v.get("shard") for v in self.manifest["images"].values()}
         found = shard_entries(self.folder, skip=listed)
+        for name, (header, _) in found.items():  # another tower's shard is refused, whatever id it records
+            self._check(header, settings, name)
+        if self._on_disk is not None:
+            own, where = self._listed_id, f"recorded in {MANIFEST}"
+            if own is None:  # an earlier version's manifest (or one edited): the id is recorded from this run on
+                own, where = secrets.token_hex(16), (f"recorded in {MANIFEST} from this run on: the {MANIFEST} an "
+                                                     "earlier version wrote records none")
+                self._record_id = self._dirty = True
+        else:
+            own, where = _shards_id(self.folder, found), "as its other shards record it"
+            if own is None:
+                own, where = secrets.token_hex(16), "new: none of its shards records one"
+        self.manifest["header"][FOLDER_ID] = own
+        found = _this_folders(self.folder, found, own, where, quiet=self._on_disk or ())
         failed = self.manifest["failed"]
         changed = False
         for name, (header, images) in found.items():
-            self._check(header, settings, name)
             # Not a file's embedding from before it changed. A key the manifest records as failed is taken only where
             # the entry's stamp is the file's now, as read_embeddings takes it: a file that failed and is gone since
             # (deleted, its mount away) has no stamp, and its older shard would bring back its old embedding.
@@ -728,6 +809,8 @@ def _difference(header: dict, settings: dict) -> str | None:
     for name, value in settings.items():
         if name in LIMITS or (name in ADDED and name not in header):  # written before the setting was
             continue
+        if name == FOLDER_ID:  # which folder, not a setting: a listed shard written before the folder had one lacks it
+            continue
         if name == "checkpoint" and "weights" in header and "weights" in settings:
             continue  # the weights' fingerprint says which tower wrote the folder, wherever it lies now
         if isinstance(value, dict):
@@ -762,7 +845,8 @@ def read_embeddings(folder) -> tuple[dict, dict]:
                           "; give the folder glmvit-encode wrote (its --out)")
     path = os.path.join(folder, MANIFEST)
     manifest = {"header": None, "images": {}, "failed": {}}
-    if os.path.exists(path):
+    has_manifest = os.path.exists(path)
+    if has_manifest:
         try:
             with open_regular(path, "the manifest", OutputError) as f:  # a FIFO or /dev/zero: refused, not read
                 manifest = json.loads(f.read())
@@ -796,7 +880,8 @@ def read_embeddings(folder) -> tuple[dict, dict]:
     reference, where = None, f"the manifest ({MANIFEST})"
     if isinstance(manifest.get("header"), dict):
         reference = {k: v for k, v in manifest["header"].items() if k != "key"}
-    for shard, (header, images) in shard_entries(folder, skip=listed).items():
+    found = shard_entries(folder, skip=listed)
+    for shard, (header, images) in found.items():
         if reference is None:
             manifest["header"], where = header, shard
             reference = {k: v for k, v in header.items() if k != "key"}
@@ -806,6 +891,20 @@ def read_embeddings(folder) -> tuple[dict, dict]:
                               f"{where} in {shown(folder)}: {_what_differs(name, header.get(name), reference[name])}"
                               "; one folder holds one tower's embeddings at one setting: move away the shard(s) "
                               "not of this folder")
+    # Of the same settings, another folder's shard is told by its folder id (the manifest's; with none, the one the
+    # shards record): passed over, as a resume passes it over, named in a warning.
+    if has_manifest:
+        own = _folder_id(manifest.get("header"))
+        where = (f"recorded in {MANIFEST}" if own is not None else
+                 f"{MANIFEST} records none: an earlier version wrote it, and a later one records the id there before "
+                 "it writes a shard")
+    else:
+        own, where = _shards_id(folder, found), "as its other shards record it"
+        if own is not None:
+            manifest["header"] = dict(manifest["header"], **{FOLDER_ID: own})
+        else:
+            where = "shards record none"
+    for shard, (header, images) in _this_folders(folder, found, own, where).items():
         # A key the manifest records as failed is taken from an unlisted shard only where the entry's stamp is the
         # file's now (encoded after it was fixed); else that is its embedding from before it changed and failed.
         failed = manifest.get("failed", {})
