@@ -29,6 +29,15 @@ MAX_VALUES_PER_TOKEN = 1 << 17
 MAX_SIZE = 2**40
 
 
+# A geometry's integer fields, each a positive integer, and why where it is not.
+_PATCH = "a patch needs a non-zero integer size (the Conv3d kernel is this big)"
+_SIZES = {**dict.fromkeys(("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size",
+                           "projection_intermediate_size", "in_channels"), "it must be a positive integer"),
+          "patch_size": _PATCH, "temporal_patch_size": _PATCH,
+          "spatial_merge_size": "the downsample merges m x m patches into a token (a Conv2d of kernel and stride m), "
+                                "so m must be a positive integer"}
+
+
 @dataclass(frozen=True)
 class VisionGeometry:
     """Glm5NextVisionConfig's fields that decide what the tower computes.
@@ -92,25 +101,15 @@ class VisionGeometry:
         def bad(field, value, why):
             raise CheckpointError(f"{where}: {field} = {quoted(value, 80)} cannot work: {why}")
 
-        for field in ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size",
-                      "projection_intermediate_size", "in_channels"):
+        for field, why in _SIZES.items():
             v = getattr(self, field)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                bad(field, v, "it must be a positive integer")
-        for field in ("patch_size", "temporal_patch_size"):
-            v = getattr(self, field)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                bad(field, v, "a patch needs a non-zero integer size (the Conv3d kernel is this big)")
-        m = self.spatial_merge_size
-        if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
-            bad("spatial_merge_size", m, "the downsample merges m x m patches into a token (a Conv2d of kernel "
-                "and stride m), so m must be a positive integer")
-        for field in ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size",
-                      "projection_intermediate_size", "in_channels", "patch_size", "temporal_patch_size",
-                      "spatial_merge_size"):
+                bad(field, v, why)
+        for field in _SIZES:
             if getattr(self, field) > MAX_SIZE:
                 bad(field, getattr(self, field), f"it is past 2**40 ({MAX_SIZE:,}), more than any tensor's dimension "
                     "or a checkpoint's blocks")
+        m = self.spatial_merge_size
         per_token = self.in_channels * self.temporal_patch_size * (self.patch_size * m) ** 2
         if per_token > MAX_VALUES_PER_TOKEN:
             bad("spatial_merge_size", m,
