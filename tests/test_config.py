@@ -219,3 +219,13 @@ def test_a_size_past_any_tensors_is_refused_not_printed(tmp_path, field):
                                               r"is past 2\*\*40 \(1,099,511,627,776\)") as e:
         read_config(tmp_path)
     assert len(str(e.value)) < 1_000
+
+
+@pytest.mark.parametrize("value", [[14, 14, 14], [2, 14, 14], [14]])
+def test_a_patch_size_list_is_a_height_and_a_width(value):
+    """A patch_size list gives a patch's [height, width]: one of another length (a Conv3d kernel's three sizes)
+    is refused, not read as its first value."""
+    assert geometry_from_dict({"patch_size": [7, 7]}).patch_size == 7
+    with pytest.raises(CheckpointError, match=re.escape(f"patch_size = {value} cannot work: a list gives a patch's "
+                                                        "[height, width]")):
+        geometry_from_dict({"patch_size": value})

@@ -148,10 +148,15 @@ class VisionGeometry:
 
 
 def _as_int_size(field, value, where):
-    # HF allows patch_size as [14, 14]; the tower only supports square patches.
+    # HF allows patch_size as [14, 14], a patch's height and width; the tower only supports square patches.
+    # A list of another length ([2, 14, 14]: a Conv3d kernel's) is no patch side, whatever its values.
     if isinstance(value, (list, tuple)):
-        if len(value) == 0 or any(not isinstance(v, int) or isinstance(v, bool) for v in value) or len(set(value)) != 1:
-            raise CheckpointError(f"{where}: {field} = {quoted(value, 80)} cannot work: only square patches are supported")
+        sides = field != "patch_size" or len(value) == 2
+        if not sides or len(value) == 0 or any(not isinstance(v, int) or isinstance(v, bool) for v in value) \
+                or len(set(value)) != 1:
+            why = ("a list gives a patch's [height, width], and only square patches are supported"
+                   if field == "patch_size" else "a list must hold one size (the frames a patch spans)")
+            raise CheckpointError(f"{where}: {field} = {quoted(value, 80)} cannot work: {why}")
         value = value[0]
     return value
 
