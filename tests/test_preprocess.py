@@ -839,6 +839,27 @@ def test_a_progressive_jpeg_of_too_many_scans_is_refused_before_it_is_decoded(tm
             decode.load(given, "many.jpg")
 
 
+@pytest.mark.parametrize("where", ["in its ICC profile", "after its end"])
+def test_bytes_reading_as_scan_markers_outside_the_scans_count_for_none(where, rng):
+    """Only the scans libjpeg decodes count against MAX_JPEG_SCANS: FF DA inside a segment's payload (a large
+    binary ICC profile) or after the end of the image (a Motion Photo's video) is no scan, and such a valid
+    progressive JPEG is decoded as Pillow (the reference) decodes it, not refused."""
+    from glmvit_cupy.preprocessing import decode
+
+    blob = bytearray(rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes())
+    for at in sorted(rng.choice(len(blob) - 2, 2 * decode.MAX_JPEG_SCANS, replace=False)):
+        blob[at:at + 2] = b"\xff\xda"
+    im = Image.fromarray(rng.integers(0, 256, (int(rng.integers(20, 90)), int(rng.integers(20, 90)), 3),
+                                      dtype=np.uint8))
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", progressive=True, **({"icc_profile": bytes(blob)} if where.startswith("in") else {}))
+    data = buf.getvalue() + (bytes(blob) if where.startswith("after") else b"")
+    assert data.count(b"\xff\xda") > decode.MAX_JPEG_SCANS
+    with Image.open(io.BytesIO(data)) as f:
+        want = np.asarray(f.convert("RGB"))
+    assert np.array_equal(load_rgb(data), want)
+
+
 def test_an_eps_file_is_refused_never_handed_to_ghostscript(tmp_path, monkeypatch):
     """Pillow opens an EPS header itself but decodes the file by running Ghostscript on it: an untrusted file
     is refused by what it is, before anything runs (Ghostscript called here would fail the test)."""

@@ -45,6 +45,9 @@ offload = None  # offload(file bytes, name, max_pixels) -> HxWx3 uint8 array, or
 # A progressive JPEG is decoded once per scan: a 156 KB 16 MP file of its last scan repeated 2,000 times takes
 # ~24 s to decode. Encoders write about 10 scans (Pillow and libjpeg 10, mozjpeg up to ~20).
 MAX_JPEG_SCANS = 64
+# Segments a JPEG's markers are walked through to count its scans (a Python step each): encoders write some
+# tens, a file with a large ICC profile or XMP block some hundreds (one a 64 KB piece).
+MAX_JPEG_SEGMENTS = 1 << 16
 # Formats Pillow decodes by running an outside program on the file (EPS: Ghostscript, a PostScript interpreter):
 # refused, so an untrusted file is never handed to one.
 RUNS_A_PROGRAM = frozenset({"EPS"})
@@ -199,15 +202,36 @@ def _bytes_io(data) -> io.BytesIO:
     return io.BytesIO(data.tobytes() if isinstance(data, memoryview) and not data.c_contiguous else data)
 
 
+# A marker that has a length: FF then none of 00 (a stuffed FF in entropy-coded data), FF (fill), 01 or D0-D7
+# (TEM, RST0-7: markers without a length, which a scan's data holds); one FF, so a run of them never backtracks.
+_MARKER = re.compile(rb"\xff([^\x00\x01\xd0-\xd7\xff])")
+
+
 def _scans(fp) -> int:
-    """The start-of-scan markers (FF DA) in a JPEG file: entropy-coded data stuffs a 00 after each FF, so
-    only a marker (or an embedded thumbnail's) reads so."""
+    """The scans libjpeg decodes in a JPEG file: its start-of-scan markers (FF DA) up to the end of the image
+    (FF D9), found as libjpeg finds markers. Each segment's payload is skipped by its length, so bytes that
+    read FF DA inside one (an ICC profile, an EXIF block and its thumbnail) or after the end of the image (a
+    Motion Photo's video, an MPO's other images) are not counted: libjpeg never decodes them as scans. The
+    markers are walked only where the file holds more FF DA pairs than MAX_JPEG_SCANS, and at most
+    MAX_JPEG_SEGMENTS of them: past that, every pair counts."""
     at = fp.tell()
     try:
         fp.seek(0)
-        return fp.read().count(b"\xff\xda")
+        data = fp.read()
     finally:
         fp.seek(at)
+    pairs = data.count(b"\xff\xda")
+    if pairs <= MAX_JPEG_SCANS:  # no fewer than its scans: within the limit whatever they are
+        return pairs
+    scans, at = 0, 2  # after SOI
+    for _ in range(MAX_JPEG_SEGMENTS):
+        found = _MARKER.search(data, at)
+        if found is None or found[1][0] == 0xD9:  # the end of the file, or of the image (EOI)
+            return scans
+        at = found.end()
+        scans += found[1][0] == 0xDA
+        at += int.from_bytes(data[at:at + 2], "big")  # a segment's length counts its own two bytes
+    return pairs
 
 
 def _file_bytes(image) -> bytes:
