@@ -7,6 +7,8 @@
 // MMAs keep the tensor cores busy. Registers move from the producer to the consumers (setmaxnreg).
 // S = Q K^T reads Q and K from 128B-swizzled shared memory (wgmma SS); O += P V takes P from
 // registers (wgmma RS) and V transposed from shared memory. Layouts and grid as attention_sm80.cu.
+// OVERLAP (FlashAttention-3's intra-warpgroup overlap): a turn issues tile it's Q K^T and then tile
+// it - 1's P V, so a warpgroup's softmax runs beside its own P V too, not only beside the others' MMAs.
 //
 // Why 4 consumer warpgroups of 64-key tiles: at head dim 64 the softmax's exps (MUFU, 16 a clock
 // per SM) cost as many clocks as the MMAs, and each SM sub-partition hides the latency of one
@@ -24,8 +26,11 @@
 // 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on an H100 SXM (python
 // benchmarks/bench_kernels.py --attention-only, kernels back to back; TFLOP/s at one segment of 4,096 /
 // 16,384 / 32,000 keys and 16 segments of 1,024): without the running max (the fixed offset, where the
-// weights bound every score) 562 / 624 / 584 / 414; with it (ONLINE: lazy past the first tile, the last
-// one peeled) 516 / 580 / 560 / 426; cuDNN (torch SDPA) in the same run 464 / 504 / 486 / 440.
+// weights bound every score; overlapped) 579 / 645 / 619 / 468; with it (ONLINE: lazy past the first
+// tile, the last one peeled; not overlapped) 525 / 587 / 559 / 430; cuDNN (torch SDPA) in the same run
+// 470 / 504 / 490 / 440. OVERLAP is worth 4% to the four-warpgroup fixed kernel at 16,384 keys and 11% /
+// 7% to the two-warpgroup pair (one 1,024-key segment: 14.1 / 15.6 us, SDPA 14.2), and costs the
+// four-warpgroup online one 2%.
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "attention_sm90.cu needs sm_90a (wgmma, setmaxnreg): compile it for compute capability 9.0 only"
 #endif
@@ -59,7 +64,7 @@ __device__ __forceinline__ void load_tile_sw(unsigned char* s, const bf16* g, in
     }
 }
 
-template <int NC, int STAGES, bool ONLINE = true>
+template <int NC, int STAGES, bool ONLINE = true, bool OVERLAP = false>
 __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                                   bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
                                   const int* __restrict__ tile_q0, int heads, int ldi, float scale_log2,
@@ -149,14 +154,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
         for (int kk = 0; kk < BNW / 16; ++kk) wgmma_rs_n64_tb(acc, pa[kk], dv + kk * (2048 >> 4), accumulate || kk > 0);
     };
 
-    // A turn is one warpgroup issuing its Q K^T; its softmax and P V follow outside the turn, while
-    // the next warpgroup's Q K^T runs. (FA3's intra-warpgroup overlap, this warpgroup's previous P V
-    // issued beside its softmax, is slower here: docs/PERFORMANCE.md.)
-    // kvalid: the tile's keys inside the segment. Only the last tile can be partial, so with the
-    // running max it is a step of its own: in the loop kvalid is the constant BNW and the masking
-    // compiles away (left to a runtime test, nvcc predicates it into 32 FSEL and their compares on
-    // every tile, which costs the online kernels 1-2%).
-    auto step = [&](int it, int kvalid) __attribute__((always_inline)) {
+    // A turn is one warpgroup issuing its Q K^T (and with OVERLAP the last tile's P V); its softmax
+    // follows outside the turn, while the next warpgroup's MMAs run.
+    auto begin_tile = [&](int it, int kvalid) __attribute__((always_inline)) {
         const int st = it % STAGES;
         mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
         // A partial tile's V came by cp.async (the generic proxy); wgmma reads through the async one.
@@ -165,47 +165,118 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
         wgmma_fence();
         issue_s(st);
         wgmma_commit();
+    };
+    auto end_turn = [&](int it) __attribute__((always_inline)) {
         if (NC > 1 && !(wg == NC - 1 && it == ntiles - 1)) named_arrive(next, 256);
+    };
+    auto release = [&](int it) __attribute__((always_inline)) {
+        if (lane == 0) mbar_arrive(empty0 + 8 * (it % STAGES));  // both wgmmas that read the slot are done
+    };
+    if constexpr (OVERLAP) {
+        // Tile it's softmax runs while tile it - 1's P V does; only what writes P and O (packing P, the
+        // rescale, an exact step's S issued again) waits for it. Every row sees the same operations in
+        // the same order as without OVERLAP, so the bits are the same (tested).
+        const int kvalid0 = s1 - s0 < BNW ? s1 - s0 : BNW;
+        begin_tile(0, kvalid0);
+        end_turn(0);
         wgmma_wait0();
-        if constexpr (ONLINE) {
-            // Past the first tile, lazily (softmax_tile_lazy): a warp keeps its offsets unless a live
-            // row's scores grew past them. Each warp votes for its own 16 rows; if any warp of the
-            // warpgroup must take the exact step, S comes again for all four (wgmma is per warpgroup,
-            // and the slot is still held), and only the warps that voted no rescale. The 16-row groups
-            // count from the segment's start in every variant and batch, so the choice, and so every
-            // bit, depends on the segment alone. Voting per warp rather than per warpgroup: 1.5-2% on
-            // sm90_4wg and 4-8% on sm90_2wg (docs/PERFORMANCE.md).
-            float r0, r1;
-            const bool lazy = it > 0 && __all_sync(0xffffffffu, softmax_tile_lazy<BNW>(s, m0, m1, r0, r1, kvalid, t,
-                                                                                          scale_log2, live0, live1));
-            if (lazy) {
-                l0 += r0;
-                l1 += r1;
-                pack_p<BNW>(s, pa);
-            }
-            if (!named_all(vote, 128, lazy)) {
-                if (it > 0) {
+        softmax_tile<BNW, 32, ONLINE>(s, pa, acc, m0, m1, l0, l1, kvalid0, t, scale_log2, false);
+        auto step = [&](int it, int kvalid) __attribute__((always_inline)) {
+            begin_tile(it, kvalid);
+            issue_pv((it - 1) % STAGES, it > 1);
+            wgmma_commit();
+            end_turn(it);
+            wgmma_wait1();  // this tile's S; the last tile's P V may still run
+            if constexpr (ONLINE) {  // as below, with P packed and O rescaled once the P V is done
+                float r0, r1;
+                const bool lazy = __all_sync(0xffffffffu, softmax_tile_lazy<BNW>(s, m0, m1, r0, r1, kvalid, t,
+                                                                                 scale_log2, live0, live1));
+                const bool all_lazy = named_all(vote, 128, lazy);
+                wgmma_wait0();
+                release(it - 1);
+                if (lazy) {
+                    l0 += r0;
+                    l1 += r1;
+                    pack_p<BNW>(s, pa);
+                }
+                if (!all_lazy) {
                     wgmma_fence();
-                    issue_s(st);
+                    issue_s(it % STAGES);
                     wgmma_commit();
                     wgmma_wait0();
+                    if (!lazy) softmax_tile<BNW, 32, true>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, true);
                 }
-                if (!lazy) softmax_tile<BNW, 32, true>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, it > 0);
+            } else {
+                float r0, r1;
+                mask_keys<BNW>(s, kvalid, t);
+                exp2_rows<BNW>(s, scale_log2, 0.f, 0.f, r0, r1);
+                l0 += r0;
+                l1 += r1;
+                wgmma_wait0();
+                release(it - 1);
+                pack_p<BNW>(s, pa);
             }
+        };
+        if constexpr (ONLINE) {
+            for (int it = 1; it < ntiles - 1; ++it) step(it, BNW);
+            if (ntiles > 1) step(ntiles - 1, s1 - (s0 + (ntiles - 1) * BNW));
         } else {
-            softmax_tile<BNW, 32, false>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, false);
+            for (int it = 1; it < ntiles; ++it) step(it, s1 - (s0 + it * BNW));
         }
         wgmma_fence();
-        issue_pv(st, it > 0);
+        issue_pv((ntiles - 1) % STAGES, ntiles > 1);
         wgmma_commit();
         wgmma_wait0();
-        if (lane == 0) mbar_arrive(empty0 + 8 * st);  // both wgmmas that read the slot are done
-    };
-    if constexpr (ONLINE) {
-        for (int it = 0; it < ntiles - 1; ++it) step(it, BNW);
-        step(ntiles - 1, s1 - (s0 + (ntiles - 1) * BNW));
-    } else {  // not peeled: peeling costs the fixed-offset kernels 3-7% (docs/PERFORMANCE.md)
-        for (int it = 0; it < ntiles; ++it) step(it, s1 - (s0 + it * BNW));
+        release(ntiles - 1);
+    } else {
+        // kvalid: the tile's keys inside the segment. Only the last tile can be partial, so with the
+        // running max it is a step of its own: in the loop kvalid is the constant BNW and the masking
+        // compiles away (left to a runtime test, nvcc predicates it into 32 FSEL and their compares on
+        // every tile, which costs the online kernels 1-2%).
+        auto step = [&](int it, int kvalid) __attribute__((always_inline)) {
+            begin_tile(it, kvalid);
+            end_turn(it);
+            wgmma_wait0();
+            if constexpr (ONLINE) {
+                // Past the first tile, lazily (softmax_tile_lazy): a warp keeps its offsets unless a live
+                // row's scores grew past them. Each warp votes for its own 16 rows; if any warp of the
+                // warpgroup must take the exact step, S comes again for all four (wgmma is per warpgroup,
+                // and the slot is still held), and only the warps that voted no rescale. The 16-row groups
+                // count from the segment's start in every variant and batch, so the choice, and so every
+                // bit, depends on the segment alone. Voting per warp rather than per warpgroup: 1.5-2% on
+                // sm90_4wg and 4-8% on sm90_2wg (docs/PERFORMANCE.md).
+                float r0, r1;
+                const bool lazy = it > 0 && __all_sync(0xffffffffu, softmax_tile_lazy<BNW>(s, m0, m1, r0, r1, kvalid, t,
+                                                                                              scale_log2, live0, live1));
+                if (lazy) {
+                    l0 += r0;
+                    l1 += r1;
+                    pack_p<BNW>(s, pa);
+                }
+                if (!named_all(vote, 128, lazy)) {
+                    if (it > 0) {
+                        wgmma_fence();
+                        issue_s(it % STAGES);
+                        wgmma_commit();
+                        wgmma_wait0();
+                    }
+                    if (!lazy) softmax_tile<BNW, 32, true>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, it > 0);
+                }
+            } else {
+                softmax_tile<BNW, 32, false>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, false);
+            }
+            wgmma_fence();
+            issue_pv(it % STAGES, it > 0);
+            wgmma_commit();
+            wgmma_wait0();
+            release(it);
+        };
+        if constexpr (ONLINE) {
+            for (int it = 0; it < ntiles - 1; ++it) step(it, BNW);
+            step(ntiles - 1, s1 - (s0 + (ntiles - 1) * BNW));
+        } else {  // not peeled: peeling costs the fixed-offset kernels 3-7% (docs/PERFORMANCE.md)
+            for (int it = 0; it < ntiles; ++it) step(it, s1 - (s0 + it * BNW));
+        }
     }
     store_o<64>(o, acc, l0, l1, row0, s1, ld, h * D, t);
 }

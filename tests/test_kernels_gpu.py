@@ -1,5 +1,6 @@
 """Each kernel in cuda/ against a NumPy float32 reference, with poisoned outputs and fresh random inputs."""
 
+import dataclasses
 import math
 
 import ml_dtypes
@@ -509,7 +510,7 @@ def growing_scores(n, heads, jumps, d=64):
 
 
 def attend(name, q, k, val, cu, heads):
-    v = VARIANTS[name]
+    v = VARIANTS[name] if isinstance(name, str) else name
     n = q.shape[0]
     tile_seg, tile_q0 = tiles(cu, v.rows)
     o = poison((n, heads * q.shape[2]))
@@ -597,6 +598,26 @@ def test_default_variants_agree_bit_for_bit():
         for qkv in (random, growing) if VARIANTS[names[0]].online else (random,):
             outs = [attend(name, *qkv, cu, heads).view(np.uint16) for name in names]
             assert all(np.array_equal(outs[0], x) for x in outs[1:]), names
+
+
+@pytest.mark.skipif(not SM90, reason="GPU test: the intra-warpgroup overlap is the sm_90a kernels'")
+@pytest.mark.parametrize("variant", [name for name, v in VARIANTS.items() if v.overlap])
+def test_attention_overlap_keeps_every_bit(variant):
+    """The overlapped kernels (a tile's softmax beside the last tile's P V) run every row's operations in
+    the order the plain template does, so they give its bits: on segments of one tile (1, 64 rows), a
+    partial second tile (65), partial query tiles (700, 1,300), and for the running max on scores whose
+    exact steps fire."""
+    v, heads = VARIANTS[variant], 16
+    plain = dataclasses.replace(v, overlap=False)
+    assert plain.entry != v.entry
+    cu = np.concatenate([[0], np.cumsum([1, 64, 65, 700, 1300])]).astype(np.int32)
+    n = int(cu[-1])
+    random = tuple(rng.standard_normal((n, heads, 64), dtype=np.float32).astype(BF) * 2 for _ in range(3))
+    growing = growing_scores(n, heads, {2: 20.0, 9: 45.0, 14: 300.0, 25: 25.0})
+    for qkv in (random, growing) if v.online else (random,):
+        got, want = (attend(x, *qkv, cu, heads) for x in (v, plain))
+        assert np.isfinite(got.astype(np.float32)).all()
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
 @pytest.mark.parametrize("d", [32, 128])

@@ -1,6 +1,7 @@
 """The kernel registry's view of cuda/ and the attention variant table (no GPU needed): every kernel the
 engine launches exists, and every variant is derived consistently and refused where it cannot run."""
 
+import dataclasses
 import math
 import pathlib
 import re
@@ -51,7 +52,8 @@ def test_variant_table_derives_entries_and_sizes():
     v = VARIANTS["sm90_4wg"]
     assert v.entry == "flash_fwd_sm90<4, 4>" and v.rows == 256 and v.threads == 640
     assert v.shared_bytes == 256 * 128 + 4 * 2 * 64 * 128 + 1024
-    assert VARIANTS["sm90_2wg"].entry == "flash_fwd_sm90<2, 4>"
+    assert VARIANTS["sm90_2wg"].entry == "flash_fwd_sm90<2, 4, true, true>"  # overlapped
+    assert dataclasses.replace(VARIANTS["sm90_2wg"], overlap=False).entry == "flash_fwd_sm90<2, 4>"
     assert VARIANTS["sm80_d128"].entry == "flash_fwd_sm80<128, 4>"
     assert VARIANTS["sm80_d64"].shared_bytes == (64 + 4 * 64) * 72 * 2
     assert VARIANTS["sm80_d36"].entry == "flash_fwd_sm80<36, 4>"  # any multiple of 4: the MMAs over 48 columns
@@ -94,7 +96,8 @@ def test_fixed_offset_variants_only_where_the_weights_bound_every_score():
     assert default_variants(64, "90", large, 0.0) == default_variants(64, "90") == ("sm90_4wg", "sm90_2wg")
     assert default_variants(64, "90", math.nan) == ("sm90_4wg", "sm90_2wg")  # no bound: the online ones
     assert default_variants(64, "80", small) == ("sm80_d64",)
-    assert VARIANTS["sm90_4wg_fixed"].entry == "flash_fwd_sm90<4, 4, false>"
+    assert VARIANTS["sm90_4wg_fixed"].entry == "flash_fwd_sm90<4, 4, false, true>"
+    assert dataclasses.replace(VARIANTS["sm90_4wg_fixed"], overlap=False).entry == "flash_fwd_sm90<4, 4, false>"
     assert check_variant("sm90_4wg_fixed", 64, "90", small, 0.0).name == "sm90_4wg_fixed"
     with pytest.raises(ValueError, match=r"running max.* allow 139\.9: use sm90_4wg$"):
         check_variant("sm90_4wg_fixed", 64, "90", large)

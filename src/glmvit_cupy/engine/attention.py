@@ -21,9 +21,10 @@ class Variant:
     """One attention kernel configuration.
 
     sm90 (attention_sm90.cu, Hopper only, head dim 64): `warpgroups` consumer warpgroups of 64 query
-    rows plus one producer, `stages` K/V slots. sm80 (attention_sm80.cu, any sm_80+): `warps` warps
-    of 16 query rows. `speed`: TFLOP/s on long segments (the fixed pair's measured on the H200, the
-    online pair's on an H100), which the per-shape choice weighs within a pair."""
+    rows plus one producer, `stages` K/V slots, `overlap`: a warpgroup's softmax of one tile runs beside
+    its P V of the last (FlashAttention-3's intra-warpgroup overlap; the same bits). sm80
+    (attention_sm80.cu, any sm_80+): `warps` warps of 16 query rows. `speed`: TFLOP/s at 16,384 keys,
+    all four measured in one run on an H100, which the per-shape choice weighs within a pair."""
 
     name: str
     arch: str                 # "sm90" or "sm80"
@@ -33,6 +34,7 @@ class Variant:
     warps: int = 0
     speed: float = 1.0
     online: bool = True       # sm90: False, P = exp2(S * scale) with no running max (score_bound_log2)
+    overlap: bool = False     # sm90: a turn issues this tile's Q K^T, then the last tile's P V
 
     @property
     def module(self) -> str:
@@ -41,7 +43,9 @@ class Variant:
     @property
     def entry(self) -> str:
         if self.arch == "sm90":
-            return f"flash_fwd_sm90<{self.warpgroups}, {self.stages}" + (">" if self.online else ", false>")
+            flags = (["true" if self.online else "false"] if self.overlap or not self.online else []) + \
+                (["true"] if self.overlap else [])
+            return f"flash_fwd_sm90<{', '.join(map(str, [self.warpgroups, self.stages] + flags))}>"
         return f"flash_fwd_sm80<{self.head_dim}, {self.warps}>"
 
     @property
@@ -73,20 +77,20 @@ def padded_head_dim(d: int) -> int:
 SM80_HEAD_DIMS = range(4, 257, 4)
 
 
-# The H200's measured choices (docs/PERFORMANCE.md): four consumer warpgroups are fastest on long
-# segments and on batches of short ones; two on a lone short segment, where 256-row tiles leave SMs
-# idle. Both run the same operations on each row, so they give the same bits (tested): batching
-# images never changes an embedding. The _fixed pair drops the softmax's running max: 1.08x faster than
-# the online pair, which keeps it lazily (softmax.cuh; 16k keys on an H100: 624 against 580 TFLOP/s,
-# `python benchmarks/bench_kernels.py --attention-only`), at the same error against float64 (2.3e-3);
-# a model uses them where its norm weights bound every score (score_bound_log2 within
-# FIXED_OFFSET_LIMIT). The online pair's speeds are the H100's, the fixed pair's the H200's: the
-# choice only weighs a pair against itself.
+# The measured choices (docs/PERFORMANCE.md): four consumer warpgroups are fastest on long segments
+# and on batches of short ones; two on a lone short segment, where 256-row tiles leave SMs idle. Both
+# run the same operations on each row, so they give the same bits (tested): batching images never
+# changes an embedding. The _fixed pair drops the softmax's running max: 1.10x faster than the online
+# pair, which keeps it lazily (softmax.cuh; 16k keys on an H100: 645 against 587 TFLOP/s, `python
+# benchmarks/bench_kernels.py --attention-only`), at the same error against float64 (2.3e-3); a model
+# uses them where its norm weights bound every score (score_bound_log2 within FIXED_OFFSET_LIMIT). All
+# but sm90_4wg overlap a tile's softmax with the last tile's P V: at 16k keys +4% for sm90_4wg_fixed,
+# +11% / +7% for the two-warpgroup pair; sm90_4wg is 2% slower with it.
 VARIANTS = {v.name: v for v in (
-    Variant("sm90_4wg", "sm90", 64, warpgroups=4, stages=4, speed=580.0),
-    Variant("sm90_2wg", "sm90", 64, warpgroups=2, stages=4, speed=374.0),
-    Variant("sm90_4wg_fixed", "sm90", 64, warpgroups=4, stages=4, speed=590.0, online=False),
-    Variant("sm90_2wg_fixed", "sm90", 64, warpgroups=2, stages=4, speed=445.0, online=False),
+    Variant("sm90_4wg", "sm90", 64, warpgroups=4, stages=4, speed=587.0),
+    Variant("sm90_2wg", "sm90", 64, warpgroups=2, stages=4, speed=432.0, overlap=True),
+    Variant("sm90_4wg_fixed", "sm90", 64, warpgroups=4, stages=4, speed=654.0, online=False, overlap=True),
+    Variant("sm90_2wg_fixed", "sm90", 64, warpgroups=2, stages=4, speed=496.0, online=False, overlap=True),
 )} | {f"sm80_d{d}": Variant(f"sm80_d{d}", "sm80", d, warps=4) for d in SM80_HEAD_DIMS}
 CHOICES = ", ".join(k for k, v in VARIANTS.items() if v.arch == "sm90") + \
     f", sm80_d<head dim> (a multiple of 4 up to {SM80_HEAD_DIMS[-1]})"  # what errors list

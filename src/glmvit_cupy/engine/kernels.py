@@ -1,7 +1,7 @@
 """Kernel registry: cuda/*.cu compiled with cupy.RawModule once per device, kernels fetched by name.
 
     k = kernel("norms", "rmsnorm_residual")                 # an extern "C" kernel
-    k = kernel("attention_sm90", "flash_fwd_sm90<4, 4, false>")  # one instance of a template kernel
+    k = kernel("attention_sm90", "flash_fwd_sm90<4, 4, false, true>")  # one instance of a template kernel
 
 A module is one .cu file (one kernel family). A template kernel is instantiated by name (NVRTC
 name expressions), so its instances are listed once, by whoever launches them (attention.py's
@@ -79,7 +79,7 @@ def _compile(module: str, device, name_expressions=()):
 
 def kernel(module: str, name: str):
     """The compiled kernel `name` of cuda/<module>.cu for the current device (cached). A template
-    kernel's instance is named with its arguments, e.g. "flash_fwd_sm90<4, 4, false>"."""
+    kernel's instance is named with its arguments, e.g. "flash_fwd_sm90<4, 4, false, true>"."""
     import cupy
 
     key = (cupy.cuda.runtime.getDevice(), module, name)  # every launch asks: keep the hit path short
