@@ -57,3 +57,45 @@ def test_a_fifo_path_is_left_to_pillows_path_not_read(tmp_path):
     t.start()
     t.join(20)
     assert not t.is_alive() and got == [None]
+
+
+def test_a_progressive_jpeg_of_too_many_scans_is_left_to_pillows_refusal(rng):
+    """nvImageCodec decodes a progressive JPEG once per scan too, so one of more scans than MAX_JPEG_SCANS is
+    declined (None: the Pillow path refuses it by name) and never reaches it; Pillow's own progressive
+    JPEGs (10 scans) and baseline ones do. A stand-in for nvImageCodec records what reaches it."""
+    import threading
+    import types
+
+    from glmvit_cupy.preprocessing import decode
+    from glmvit_cupy.preprocessing.gpu_decode import Decoder
+
+    pixels = rng.integers(0, 256, (60, 80, 3), dtype=np.uint8)
+    reached = []
+
+    class Stream:
+        def __init__(self, data):
+            reached.append(data)
+            self.width, self.height = 80, 60
+
+    class NvDecoder:
+        def decode(self, stream, params=None):
+            return types.SimpleNamespace(cpu=lambda: pixels)
+
+    decoder = Decoder.__new__(Decoder)
+    decoder._nv = types.SimpleNamespace(CodeStream=Stream, Decoder=NvDecoder, DecodeParams=lambda **kw: None)
+    decoder._local, decoder.max_pixels = threading.local(), None
+    files = {}
+    for kind, kw in (("baseline", {}), ("progressive", {"progressive": True})):
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, "JPEG", quality=90, **kw)
+        files[kind] = buf.getvalue()
+    data = files["progressive"]
+    last = data[data.rfind(b"\xff\xda"):-2]  # the last scan, up to the end marker
+    many = data[:-2] + last * decode.MAX_JPEG_SCANS + b"\xff\xd9"
+    assert decode.jpeg_scans(io.BytesIO(many)) > decode.MAX_JPEG_SCANS
+    assert decoder.decode(many) is None and reached == []
+    with pytest.raises(ImageError, match="a progressive JPEG of .* scans, more than the 64"):
+        decode.load(many, "many.jpg")
+    for kind, data in files.items():
+        assert np.array_equal(decoder.decode(data), pixels), kind
+    assert reached == [files["baseline"], files["progressive"]]

@@ -207,7 +207,7 @@ def _bytes_io(data) -> io.BytesIO:
 _MARKER = re.compile(rb"\xff([^\x00\x01\xd0-\xd7\xff])")
 
 
-def _scans(fp) -> int:
+def jpeg_scans(fp) -> int:
     """The scans libjpeg decodes in a JPEG file: its start-of-scan markers (FF DA) up to the end of the image
     (FF D9), found as libjpeg finds markers. Each segment's payload is skipped by its length, so bytes that
     read FF DA inside one (an ICC profile, an EXIF block and its thumbnail) or after the end of the image (a
@@ -321,7 +321,7 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
         if limit is not None and w * h > limit:
             raise ImageError(f"{bomb} (it is {w} x {h} = {w * h:,})")
         if img.format in ("JPEG", "MPO") and img.info.get("progressive"):
-            scans = _scans(img.fp)
+            scans = jpeg_scans(img.fp)
             if scans > MAX_JPEG_SCANS:
                 raise ImageError(f"{name}: a progressive JPEG of {scans:,} scans, more than the {MAX_JPEG_SCANS} "
                                  "an image may have here (encoders write about 10; each scan decodes the whole "

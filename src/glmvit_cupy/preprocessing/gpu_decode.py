@@ -9,6 +9,7 @@ usual, so the same inputs are accepted and refused with the same errors.
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from ..errors import ImageError
 from ..files import open_regular
-from .decode import ENCODED_BYTES, pillow_limit
+from .decode import ENCODED_BYTES, MAX_JPEG_SCANS, jpeg_scans, pillow_limit
 
 _JPEG = b"\xff\xd8\xff"
 
@@ -51,8 +52,11 @@ class Decoder:
             data = bytes(image)
         else:
             return None
-        if not data.startswith(_JPEG) or components(data) != 3:
+        frame = frame_header(data) if data.startswith(_JPEG) else None
+        if frame is None or frame[1] != 3:
             return None  # grey (1) and CMYK (4) JPEGs convert as Pillow does
+        if frame[0] in _PROGRESSIVE and jpeg_scans(io.BytesIO(data)) > MAX_JPEG_SCANS:
+            return None  # each scan decodes the whole image again: Pillow's path refuses it by name
         try:
             stream = self._nv.CodeStream(data)
             if self.max_pixels is not None and stream.width * stream.height > self.max_pixels:
@@ -68,13 +72,22 @@ class Decoder:
         return np.ascontiguousarray(rgb)
 
 
-# Start-of-frame markers (SOF0-SOF15 but DHT, JPG and DAC, which share the range).
+# Start-of-frame markers (SOF0-SOF15 but DHT, JPG and DAC, which share the range), and the progressive ones
+# (SOF2, 6, 10, 14: Pillow's "progressive").
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_PROGRESSIVE = frozenset({0xC2, 0xC6, 0xCA, 0xCE})
 
 
 def components(data: bytes) -> int | None:
     """The colour components of a JPEG, from its frame header (3: Pillow's "RGB", 1: "L", 4: "CMYK"), read by
     walking the markers up to the frame, without decoding; None if the bytes do not get there."""
+    frame = frame_header(data)
+    return None if frame is None else frame[1]
+
+
+def frame_header(data: bytes) -> tuple[int, int] | None:
+    """(start-of-frame marker, colour components) of a JPEG, as components() reads them; None if the bytes do
+    not get there."""
     i = 2
     while i + 4 <= len(data):
         if data[i] != 0xFF:
@@ -87,6 +100,6 @@ def components(data: bytes) -> int | None:
             i += 2
             continue
         if marker in _SOF:  # length (2), precision (1), height (2), width (2), components (1)
-            return data[i + 9] if i + 9 < len(data) else None
+            return (marker, data[i + 9]) if i + 9 < len(data) else None
         i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
     return None
