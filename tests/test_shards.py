@@ -514,3 +514,17 @@ def test_a_broken_link_among_a_folders_shards_is_named_as_one(tmp_path):
     with pytest.raises(CheckpointError) as e:
         WeightStore.open(str(tmp_path))
     assert str(e.value) == f"{tmp_path / 'b.safetensors'}: the shard is a broken symbolic link"
+
+
+def test_a_shard_listed_twice_is_named_as_one_file(tmp_path):
+    """One file given twice (or under a link) would read as each of its tensors held in two shards: the error
+    says the list names one file twice. Two distinct shards of other tensors open together."""
+    rng = np.random.default_rng()
+    p = shard(tmp_path / "x.safetensors", ok_header(), rng.bytes(20))
+    (tmp_path / "link.safetensors").symlink_to(p)
+    for given in ([p, p], [p, str(tmp_path / "link.safetensors")]):
+        with pytest.raises(CheckpointError, match=r"are one file, listed twice; give each shard once"):
+            WeightStore.open(given)
+    other = shard(tmp_path / "y.safetensors", {"c": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}},
+                  rng.bytes(2))
+    assert WeightStore.open([p, other]).get("c").shape == (1,)

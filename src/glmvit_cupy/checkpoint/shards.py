@@ -246,6 +246,13 @@ def _shard_list(path) -> tuple[list[str], dict | None, str]:
         files = [os.fspath(p) for p in path]
         if not files:
             raise CheckpointError("WeightStore.open: an empty list of shards")
+        seen = {}
+        for f in files:  # the same file twice would read as every tensor held twice
+            key = os.path.realpath(f)
+            if key in seen:
+                raise CheckpointError(f"WeightStore.open: {seen[key]} and {f} are one file, listed twice; "
+                                      "give each shard once")
+            seen[key] = f
         return files, None, ", ".join(files)
     path = os.fspath(path)
     if os.path.isfile(path):
