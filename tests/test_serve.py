@@ -332,6 +332,27 @@ def test_a_compressed_body_is_refused_by_its_encoding(server):
         "Content-Encoding 'gzip': send the body uncompressed (identity)")
 
 
+
+def test_a_second_content_encoding_header_is_read_too(server):
+    """Content-Encoding given twice, identity then gzip, is the list 'identity, gzip': the body is compressed, and
+    refused by its encoding as the one header saying so is, not read as it came (a confusing non-ASCII 400)."""
+    import gzip
+
+    client, _ = server
+    rng = np.random.default_rng()
+    body = gzip.compress(json.dumps({"images": [base64.b64encode(png(20, 20, int(rng.integers(1 << 30)))).decode()]})
+                         .encode())
+    head = (f"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Encoding: identity\r\n"
+            f"Content-Encoding: gzip\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", int(client.url.rsplit(":", 1)[1])), timeout=30) as s:
+        s.sendall(head + body)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    status, _, reply = answer.partition(b"\r\n\r\n")
+    assert status.split()[1] == b"415", answer
+    assert json.loads(reply)["error"] == "Content-Encoding 'identity, gzip': send the body uncompressed (identity)"
+
 @pytest.mark.parametrize("method,path,status,says", [
     ("GET", "/v1/encode", 405, "GET /v1/encode: method not allowed; this server has GET /health, GET /metrics, "
                                "POST /v1/encode, POST /v1/encode_video"),

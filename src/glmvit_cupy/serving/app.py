@@ -309,7 +309,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             raise Refused(415, f"{f'Content-Type {kind!r}' if kind else 'no Content-Type'}: send " + (
                 "application/json, or one image file as image/* or application/octet-stream" if IMAGE_FILE in kinds
                 else "application/json"))
-        coding = request.headers.get("content-encoding", "identity").strip().lower()
+        # Every Content-Encoding header, as one list (RFC 9110 5.3): a second one naming gzip is not left unread.
+        coding = ", ".join(v.strip() for v in request.headers.getlist("content-encoding")).lower() or "identity"
         if coding not in ("", "identity"):  # read as it came, a gzip body would be refused as non-ASCII
             raise Refused(415, f"Content-Encoding {quoted(coding)}: send the body uncompressed (identity)")
         if kind == JSON:
