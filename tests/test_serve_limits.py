@@ -365,6 +365,23 @@ def test_a_malformed_chunk_is_a_json_400_saying_what_and_counted_so(server, rest
         {400: before[400] + 1, 499: before[499]}
 
 
+
+@pytest.mark.parametrize("coding, says", [
+    (b"gzip, chunked", "Only Transfer-Encoding: chunked is supported"),
+    (b"chunked, chunked", "Only Transfer-Encoding: chunked is supported"),
+])
+def test_a_transfer_coding_other_than_chunked_is_told_what_to_send(server, coding, says):
+    """A Transfer-Encoding that h11 does not take is told to send chunked alone, not how a chunk is framed (its
+    message names "chunked", which once picked the advice for a malformed chunk)."""
+    _, client = server
+    body = json.dumps({"images": [base64.b64encode(os.urandom(24)).decode()]}).encode()
+    head = CHUNKED.replace(b"chunked", coding) + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    reply = raw_request(client, head, 10.0)
+    assert reply.startswith(b"HTTP/1.1 400") and b"connection: close" in reply.lower(), reply
+    err = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err.startswith(f"the request is not valid HTTP/1.1 ({says}") and "a chunk is its size" not in err, err
+    assert "send one Transfer-Encoding header saying chunked alone" in err, err
+
 def test_a_bad_or_huge_chunk_after_an_early_answer_closes_at_once_without_a_traceback():
     """The rest of a chunked body answered before it was read (/health, a 415, a 404) is read and dropped: a
     malformed chunk there made uvicorn answer a second time, which h11 refused with a traceback in the log

@@ -189,7 +189,9 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
                 self.transport.close()
                 return
             why = str(self.conn.error or msg)[:300]
-            advice = ("a chunk is its size in hexadecimal digits and CRLF, then that many bytes and CRLF; a chunk "
+            advice = ("send one Transfer-Encoding header saying chunked alone (or a Content-Length), the body "
+                      "uncompressed" if "Transfer-Encoding" in why else  # h11's "Only Transfer-Encoding: chunked ..."
+                      "a chunk is its size in hexadecimal digits and CRLF, then that many bytes and CRLF; a chunk "
                       "of size 0 ends the body" if "chunk" in why else
                       "send a request line, headers and body framed as HTTP/1.1 frames them")
             if self.cycle is not None:  # an encode reading its body: counted with this answer, not as gone (499)
