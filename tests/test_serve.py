@@ -332,6 +332,18 @@ def test_a_compressed_body_is_refused_by_its_encoding(server):
         "Content-Encoding 'gzip': send the body uncompressed (identity)")
 
 
+def raw_request(client, head: bytes, body: bytes) -> tuple[int, dict | bytes]:
+    """(status, answer) of one request sent as these bytes, on its own connection: a refusal's JSON, or the
+    answer's bytes as they came."""
+    with socket.create_connection(("127.0.0.1", int(client.url.rsplit(":", 1)[1])), timeout=30) as s:
+        s.sendall(head + body)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    status, _, reply = answer.partition(b"\r\n\r\n")
+    code = int(status.split()[1])
+    return code, json.loads(reply) if code >= 400 else reply
+
 
 def test_a_second_content_encoding_header_is_read_too(server):
     """Content-Encoding given twice, identity then gzip, is the list 'identity, gzip': the body is compressed, and
@@ -344,14 +356,25 @@ def test_a_second_content_encoding_header_is_read_too(server):
                          .encode())
     head = (f"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Encoding: identity\r\n"
             f"Content-Encoding: gzip\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-    with socket.create_connection(("127.0.0.1", int(client.url.rsplit(":", 1)[1])), timeout=30) as s:
-        s.sendall(head + body)
-        answer = b""
-        while chunk := s.recv(65536):
-            answer += chunk
-    status, _, reply = answer.partition(b"\r\n\r\n")
-    assert status.split()[1] == b"415", answer
-    assert json.loads(reply)["error"] == "Content-Encoding 'identity, gzip': send the body uncompressed (identity)"
+    status, reply = raw_request(client, head, body)
+    assert status == 415 and reply["error"] == ("Content-Encoding 'identity, gzip': send the body uncompressed "
+                                                "(identity)")
+
+
+def test_two_content_types_are_refused_saying_so(server):
+    """Content-Type given twice, as JSON and as an image, would be read as the first: the request is refused (400)
+    naming both. The same type given twice is one type, and the image is encoded."""
+    client, _ = server
+    image = png(20, 20, int(np.random.default_rng().integers(1 << 30)))
+    for types, status in ((("application/json", "image/png"), 400), (("image/png", "image/png; q=1"), 200)):
+        head = (f"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: {types[0]}\r\nContent-Type: {types[1]}\r\n"
+                f"Content-Length: {len(image)}\r\nConnection: close\r\n\r\n").encode()
+        got, reply = raw_request(client, head, image)
+        assert got == status, reply
+        if status == 400:
+            assert reply["error"] == ("Content-Type given as 'application/json' and 'image/png': send one "
+                                      "Content-Type header")
+
 
 @pytest.mark.parametrize("method,path,status,says", [
     ("GET", "/v1/encode", 405, "GET /v1/encode: method not allowed; this server has GET /health, GET /metrics, "

@@ -304,7 +304,11 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         (415), a query string that gives a JSON request's limits (400: they are fields of its body)."""
         if state["status"] != "ok":
             raise Refused(503, not_ready())
-        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        given = sorted({v.split(";")[0].strip().lower() for v in request.headers.getlist("content-type")})
+        if len(given) > 1:  # one would be read and the body taken for it: which one is meant?
+            raise Refused(400, f"Content-Type given as {' and '.join(quoted(k, 80) for k in given)}: send one "
+                               "Content-Type header")
+        kind = given[0] if given else ""
         if kind not in kinds and not (IMAGE_FILE in kinds and kind.startswith("image/")):
             raise Refused(415, f"{f'Content-Type {kind!r}' if kind else 'no Content-Type'}: send " + (
                 "application/json, or one image file as image/* or application/octet-stream" if IMAGE_FILE in kinds
