@@ -980,6 +980,37 @@ def test_replies_being_sent_are_held_within_the_bodies_in_flight():
         stop(proc)
 
 
+def test_a_pipelined_reply_is_held_within_the_bodies_in_flight_too():
+    """A request pipelined behind another on one connection is read only once the first is answered, outside
+    the socket's data callback: its large reply holds its 8 MiB until the client has it as the first request's
+    would (the protocol puts the transport in each request's scope), so another such request meanwhile is
+    429, and answered once the reply is read."""
+    proc, client = launch("--max-bodies-in-flight-mib", 12, "--max-reply-mib", 10, "--max-body-mib", 1,
+                          "--cache-mib", 64)
+    try:
+        small = json.dumps({"images": [b64(png(9, 7, int(np.random.default_rng().integers(1 << 30))))]}).encode()
+        big = json.dumps({"images": [b64(png(1, 1, 431))] * 16, "min_image_tokens": 1024,
+                          "max_image_tokens": 1024}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", int(client.url.rsplit(":", 1)[1])))
+        s.sendall(b"".join(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + close +
+                           b"Content-Length: %d\r\n\r\n" % len(body) + body
+                           for body, close in ((small, b""), (big, b"Connection: close\r\n"))))
+        s.settimeout(30)
+        got = b""
+        while got.count(b"HTTP/1.1 200") < 2:  # the first answer, then the start of the pipelined one's
+            got += s.recv(256)
+        time.sleep(0.5)  # the rest of its reply stuck in the buffers
+        status, err = post(client, big)
+        assert status == 429 and "--max-bodies-in-flight-mib" in err["error"], err
+        assert read_all(s) > (8 << 20) - 64
+        time.sleep(0.2)
+        assert post(client, big)[0] == 200
+    finally:
+        stop(proc)
+
+
 def test_a_slow_steady_reader_keeps_its_connection():
     """A client reading a 3 MiB reply 16 KiB every 20 ms (about 4 s in all, against --reply-timeout 1) is
     making progress: it gets the whole reply."""

@@ -166,8 +166,6 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
                     # what it declares now, and refuses a body over its limit without waiting for them.
                     self.cycle.scope["glmvit.body_declared"] = declared
                     self.cycle.message_event.set()
-            if self.cycle is not None:  # what the app's replies wait on (app.Releasing)
-                self.cycle.scope["glmvit.transport"] = self.transport
             if self.conn.their_state is not h11.IDLE:
                 self._disarm()  # a request's headers are in (or the rest of an answered one's body is read and dropped)
             elif self.conn.trailing_data[0]:
@@ -198,6 +196,12 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
                 self.cycle.scope["glmvit.answered"] = 400
             self.transport.write(raw("400 Bad Request", f"the request is not valid HTTP/1.1 ({why}): {advice}"))
             self.transport.close()
+
+        def handle_events(self):
+            super().handle_events()
+            if self.cycle is not None:  # what the app's replies wait on (app.Releasing)
+                # Here, not in data_received: a pipelined request's cycle begins in on_response_complete.
+                self.cycle.scope["glmvit.transport"] = self.transport
 
         def on_response_complete(self):
             super().on_response_complete()
