@@ -164,6 +164,38 @@ def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch, c
     assert len(manifest["images"]) == 2 and len(tensors) == 2
 
 
+def test_ctrl_c_leaves_the_interruption_as_the_last_line_not_the_progress_bar(tmp_path, monkeypatch, capsys):
+    """The progress bar is closed when the run stops, not left for Python to print at exit (or whenever it is
+    collected): there it came after the line saying the run was interrupted and how to resume."""
+    import gc
+
+    rng = np.random.default_rng()
+    files = []
+    for i in range(2):
+        files.append(tmp_path / f"r{i}.png")
+        Image.fromarray(rng.integers(0, 256, (int(rng.integers(40, 90)), int(rng.integers(40, 90)), 3),
+                                     dtype=np.uint8)).save(files[-1])
+    real, calls = cli.Backend.__init__, {"n": 0}
+
+    def init(self, *a, **kw):
+        real(self, *a, **kw)
+        inner = self.launch
+
+        def launch_once(batches):  # Ctrl-C as the second image is launched
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt
+            return inner(batches)
+
+        self.launch = launch_once
+
+    monkeypatch.setattr(cli.Backend, "__init__", init)
+    assert run([*files, "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "out", "--cpu"]) == 130
+    gc.collect()  # a bar left open prints itself once collected
+    err = capsys.readouterr().err
+    assert err.rstrip().splitlines()[-1].startswith("glmvit-encode: interrupted; 1 file saved this run"), err[-300:]
+
+
 def test_ctrl_c_just_after_a_batch_is_handed_to_the_writer_saves_it_once(images, tmp_path, monkeypatch, capsys):
     """Ctrl-C between the hand-over of a computed batch to the writer and the note that it was handed over:
     the interrupted run's cleanup hands the same batch over again, and it must be written once (the same

@@ -554,8 +554,8 @@ def encode_all(args, todo, enc, out) -> int:
             with contextlib.suppress(Exception):
                 collect(running)
         writer.close()  # what was computed is written
+        bar.close()  # now: not at exit, after the line saying why the run stopped
     writer.check()
-    bar.close()
     dt = time.perf_counter() - t0
     failed += len(unusable)
     print(f"glmvit-encode: {counted(len(todo) - failed, 'image')}, {tokens_done} tokens in {dt:.1f} s "

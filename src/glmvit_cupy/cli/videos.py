@@ -189,8 +189,8 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
                     running.pop(fut, None)
         gpu.shutdown(wait=True)
         writer.close()  # what was computed is written
+        bar.close()  # now: not at exit, after the line saying why the run stopped
     writer.check()
-    bar.close()
     dt = time.perf_counter() - t0
     encoded, failed, tokens = encoded - len(unusable), failed + len(unusable), tokens - sum(unusable)
     print(f"glmvit-encode: {counted(encoded, 'video')}, {tokens} tokens in {dt:.1f} s ({encoded / dt:.2f} videos/s, "
