@@ -875,6 +875,34 @@ def test_a_rerun_with_vllm_ec_dir_writes_the_files_of_what_was_encoded_before(fo
     assert not ec.exists() or not any(ec.iterdir())
 
 
+def test_a_link_in_the_way_of_an_earlier_files_vllm_entry_is_named_as_when_it_is_written(tmp_path, capsys):
+    """A re-run filling --vllm-ec-dir from --out that finds a symbolic link where one file's entry goes names it
+    as a run writing it does (`no --vllm-ec-dir file for PATH: ...`, its embedding saved), not as `skipped`, a
+    failed file; the link and what it points to stay as they are, and the status is 1."""
+    import hashlib
+
+    from glmvit_cupy import vllm_ec
+
+    rng = np.random.default_rng()
+    folder, out, ec = tmp_path / "imgs", tmp_path / "out", tmp_path / "ec"
+    folder.mkdir()
+    for name in ("a.png", "b.png"):
+        Image.fromarray(rng.integers(0, 256, (int(rng.integers(30, 80)), int(rng.integers(30, 80)), 3),
+                                     dtype=np.uint8)).save(folder / name)
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == cli.DONE
+    key = vllm_ec.key_for_image(hashlib.sha256((folder / "a.png").read_bytes()).hexdigest(), 16, 8000)
+    (ec / key).mkdir(parents=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not the cache's")
+    (ec / key / "encoder_cache.safetensors").symlink_to(victim)
+    capsys.readouterr()
+    assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu", "--vllm-ec-dir", ec) == cli.FAILED
+    err = capsys.readouterr().err
+    assert f"no --vllm-ec-dir file for {os.path.realpath(folder / 'a.png')}: " in err, err
+    assert "its embedding is saved in --out" in err and "skipped" not in err, err
+    assert victim.read_text() == "not the cache's" and len(read_embeddings(out)[1]) == 2
+
+
 def test_something_in_the_way_of_one_vllm_key_fails_that_input_alone(folder, tmp_path, capsys):
     """A file of someone else's where one image's --vllm-ec-dir folder goes: its embedding is still saved in
     --out, the other images get their vLLM files, the line names the image and the obstacle, and the status

@@ -219,6 +219,12 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def no_vllm_file(source, e) -> str:
+    """The line that names a file whose --vllm-ec-dir entry something not the cache's own keeps from being
+    written (vllm_ec.InTheWay `e`)."""
+    return shown(f"no --vllm-ec-dir file for {source}: {e} (its embedding is saved in --out; a re-run writes the file)")
+
+
 def write_vllm(folder: str, key: str, embedding, weights: str | None, source, say) -> bool:
     """vllm_ec.write (whose own failures are OutputErrors naming the file), any other OSError from it as an
     OutputError naming --vllm-ec-dir. Something in the way of this key alone (vllm_ec.InTheWay) stops
@@ -228,8 +234,7 @@ def write_vllm(folder: str, key: str, embedding, weights: str | None, source, sa
         vllm_ec.write(folder, key, embedding, weights)
         return True
     except vllm_ec.InTheWay as e:
-        say(shown(f"no --vllm-ec-dir file for {source}: {e} (its embedding is saved in --out; a re-run writes "
-                  "the file)"))
+        say(no_vllm_file(source, e))
         return False
     except OSError as e:
         reason = e.strerror or " ".join(str(e).split())

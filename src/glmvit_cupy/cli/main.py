@@ -42,7 +42,7 @@ from ..backend import Backend
 from ..scheduling.batching import pack, preparer
 from .. import vllm_ec
 from .common import (DONE, EXIT_STATUS, FAILED, USAGE, WRITE, Disconnected, Streams, counted, interruption,
-                     skipped, stopped_by_sigterm, write_vllm)
+                     no_vllm_file, skipped, stopped_by_sigterm, write_vllm)
 from .inputs import (IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, NoSuchInput, expand_inputs, is_video, looks_like_an_image,
                      prepared)
 from .videos import encode_videos, file_sha256, video_settings
@@ -417,9 +417,11 @@ def backfill_vllm(args, out, done: list) -> tuple[int, int]:
                 ec_key = vllm_ec.key_for_image(sha, args.min_image_tokens, args.max_image_tokens)
             if not vllm_ec.holds(args.vllm_ec_dir, ec_key, weights):
                 missing.setdefault(entry["shard"], []).append((key, ec_key))
-        except (ValueError, OSError) as e:  # the file gone or unreadable (ImageError), a damaged entry, InTheWay
+        except vllm_ec.InTheWay as e:  # as when it is written: named, its embedding saved in --out
+            print(no_vllm_file(key_path(key), e), file=sys.stderr)
+            in_the_way += 1
+        except (ValueError, OSError) as e:  # the file gone or unreadable (ImageError), a damaged entry
             print(skipped(key, f"no --vllm-ec-dir file written for it: {e}"), file=sys.stderr)
-            in_the_way += isinstance(e, vllm_ec.InTheWay)
     written, blocked = 0, in_the_way
     for shard, items in sorted(missing.items()):
         with safe_open(os.path.join(out.folder, shard), "numpy") as f:
