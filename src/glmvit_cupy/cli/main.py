@@ -556,7 +556,7 @@ def encode_all(args, todo, enc, out) -> int:
             with contextlib.suppress(Exception):
                 collect(running)
         writer.close()  # what was computed is written
-        bar.close()  # now: not at exit, after the line saying why the run stopped
+        bar.close()  # here: left to exit, it would print after the line saying why a run stopped
     writer.check()
     dt = time.perf_counter() - t0
     failed += len(unusable)

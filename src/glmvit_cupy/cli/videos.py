@@ -189,7 +189,7 @@ def encode_videos(args, todo, enc, out, settings: dict) -> int:
                     running.pop(fut, None)
         gpu.shutdown(wait=True)
         writer.close()  # what was computed is written
-        bar.close()  # now: not at exit, after the line saying why the run stopped
+        bar.close()  # here: left to exit, it would print after the line saying why a run stopped
     writer.check()
     dt = time.perf_counter() - t0
     encoded, failed, tokens = encoded - len(unusable), failed + len(unusable), tokens - sum(unusable)
