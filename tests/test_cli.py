@@ -130,16 +130,16 @@ def test_resume_skips_finished_images(images, tmp_path, capsys):
     assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))[: len(shards)] == shards
 
 
-def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch, capsys):
-    out = tmp_path / "out"
-    calls = {"n": 0}
-    real = cli.Backend.__init__
+def interrupt_the_second_launch(monkeypatch):
+    """Backends whose second launch raises KeyboardInterrupt (Ctrl-C as a batch goes to the GPU); returns the
+    real Backend.__init__, to put back."""
+    real, calls = cli.Backend.__init__, {"n": 0}
 
     def init(self, *a, **kw):
         real(self, *a, **kw)
         inner = self.launch
 
-        def launch_once(batches):  # Ctrl-C while the second batch is launched: the first is on the "GPU"
+        def launch_once(batches):
             calls["n"] += 1
             if calls["n"] == 2:
                 raise KeyboardInterrupt
@@ -148,6 +148,12 @@ def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch, c
         self.launch = launch_once
 
     monkeypatch.setattr(cli.Backend, "__init__", init)
+    return real
+
+
+def test_interrupted_run_keeps_finished_batches(images, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    real = interrupt_the_second_launch(monkeypatch)  # the first batch is on the "GPU" then
     # 16-token minimum images: a.png has 8x12 patches = 24 tokens; one image per batch at 30 tokens.
     args = [images / "a.png", images / "c.jpg", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu",
             "--capacity-tokens", 30, "--max-image-tokens", 30]
@@ -175,21 +181,7 @@ def test_ctrl_c_leaves_the_interruption_as_the_last_line_not_the_progress_bar(tm
         files.append(tmp_path / f"r{i}.png")
         Image.fromarray(rng.integers(0, 256, (int(rng.integers(40, 90)), int(rng.integers(40, 90)), 3),
                                      dtype=np.uint8)).save(files[-1])
-    real, calls = cli.Backend.__init__, {"n": 0}
-
-    def init(self, *a, **kw):
-        real(self, *a, **kw)
-        inner = self.launch
-
-        def launch_once(batches):  # Ctrl-C as the second image is launched
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise KeyboardInterrupt
-            return inner(batches)
-
-        self.launch = launch_once
-
-    monkeypatch.setattr(cli.Backend, "__init__", init)
+    interrupt_the_second_launch(monkeypatch)
     assert run([*files, "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "out", "--cpu"]) == 130
     gc.collect()  # a bar left open prints itself once collected
     err = capsys.readouterr().err
