@@ -232,6 +232,18 @@ def test_a_clip_too_short_to_sample_names_the_flag_that_helps(tmp_path):
     assert "raise --video-fps" in why and "sample=False" not in why, why
 
 
+def test_a_video_token_budget_too_small_names_the_flag(tmp_path, capsys):
+    """--max-video-tokens below what one aligned patch of each frame takes: the video fails naming this
+    command's flag, not the Python API's max_image_tokens=."""
+    clip = write_clip(tmp_path / "clip.mkv", n=40, seed=int(np.random.default_rng().integers(1000)))  # 14 frames sampled
+    out = tmp_path / "out"
+    assert run(clip, "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--min-video-tokens", 0,
+               "--max-video-tokens", 1) == cli.FAILED
+    (why,) = read_embeddings_manifest_failed(out)
+    assert "--max-video-tokens 1 is too small" in why and "max_image_tokens" not in why, why
+    assert "--max-video-tokens 1 is too small" in capsys.readouterr().out
+
+
 def test_a_video_replaced_while_it_is_read_is_failed_not_misfiled(tmp_path, capsys, monkeypatch):
     """A video is hashed through one open and decoded through another: one renamed over in between is failed,
     naming it, not saved under the hash and stamp of the file it replaced; a run after encodes the new one."""

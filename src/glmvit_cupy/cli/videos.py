@@ -92,8 +92,11 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
             return path, e.advised("raise --video-fps (a run's setting: into another --out)")
         except Untimed as e:  # the reader's advice is a video's fps=, which this command takes none of
             return path, e.advised(UNTIMED)
-        except (ImageError, ValueError) as e:
+        except ImageError as e:
             return path, e
+        except ValueError as e:  # the sampler's limits are named as the Python API's arguments: here, the flags
+            return path, ValueError(str(e).replace("max_image_tokens=", "--max-video-tokens ")
+                                    .replace("min_image_tokens=", "--min-video-tokens "))
         entry = {"kind": "video", "source": image_key(path), "sha256": sha, "file": file_stamp(st),
                  "key": vllm_ec.video_key_of_shas([sha], None, None, settings, kind="file"), "size_hw": list(info["size"]),
                  "canvas_hw": list(info["canvas"]), "content": list(info["content"]), "grid_thw": list(grid),
