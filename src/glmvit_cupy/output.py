@@ -241,8 +241,8 @@ def _shards_id(folder: str, found: dict) -> str | None:
     naming the shards of each: with no manifest, nothing tells which of them are this folder's."""
     ids: dict = {}
     for name, (header, _) in found.items():
-        if _folder_id(header) is not None:
-            ids.setdefault(_folder_id(header), []).append(name)
+        if (recorded := _folder_id(header)) is not None:
+            ids.setdefault(recorded, []).append(name)
     if len(ids) > 1:
         each = "; ".join(f"folder_id {i}: {_counted_shards(names)}" for i, names in ids.items())
         raise OutputError(f"{shown(folder)} has no {MANIFEST}, and its shards were written into {len(ids)} output "
@@ -434,9 +434,7 @@ class Output:
         self._check(header, settings, MANIFEST)
         self._listed_id = _folder_id(header)
         self._on_disk = {e["shard"] for e in images.values() if isinstance(e, dict) and isinstance(e.get("shard"), str)}
-        self._named = max([0, *(_shard_number(e["shard"]) for e in images.values()
-                                if isinstance(e, dict) and isinstance(e.get("shard"), str)
-                                and SHARD.fullmatch(e["shard"]))])
+        self._named = max([0, *(_shard_number(s) for s in self._on_disk if SHARD.fullmatch(s))])
         # Keep only entries whose shard reads whole and holds them as its own metadata records them: a shard lost or
         # damaged since, or replaced by another folder's of the same name, is encoded again. A shard of other
         # settings under a listed name is refused, as an unlisted one is (_recover).

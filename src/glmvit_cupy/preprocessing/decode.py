@@ -208,18 +208,22 @@ _MARKER = re.compile(rb"\xff([^\x00\x01\xd0-\xd7\xff])")
 
 
 def jpeg_scans(fp) -> int:
-    """The scans libjpeg decodes in a JPEG file: its start-of-scan markers (FF DA) up to the end of the image
-    (FF D9), found as libjpeg finds markers. Each segment's payload is skipped by its length, so bytes that
+    """jpeg_scans_in the whole of a JPEG file object, its position kept."""
+    at = fp.tell()
+    try:
+        fp.seek(0)
+        return jpeg_scans_in(fp.read())
+    finally:
+        fp.seek(at)
+
+
+def jpeg_scans_in(data: bytes) -> int:
+    """The scans libjpeg decodes in a JPEG file's bytes: its start-of-scan markers (FF DA) up to the end of the
+    image (FF D9), found as libjpeg finds markers. Each segment's payload is skipped by its length, so bytes that
     read FF DA inside one (an ICC profile, an EXIF block and its thumbnail) or after the end of the image (a
     Motion Photo's video, an MPO's other images) are not counted: libjpeg never decodes them as scans. The
     markers are walked only where the file holds more FF DA pairs than MAX_JPEG_SCANS, and at most
     MAX_JPEG_SEGMENTS of them: past that, every pair counts."""
-    at = fp.tell()
-    try:
-        fp.seek(0)
-        data = fp.read()
-    finally:
-        fp.seek(at)
     pairs = data.count(b"\xff\xda")
     if pairs <= MAX_JPEG_SCANS:  # no fewer than its scans: within the limit whatever they are
         return pairs

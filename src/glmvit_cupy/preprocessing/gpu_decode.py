@@ -9,7 +9,6 @@ usual, so the same inputs are accepted and refused with the same errors.
 
 from __future__ import annotations
 
-import io
 import os
 import threading
 
@@ -17,7 +16,7 @@ import numpy as np
 
 from ..errors import ImageError
 from ..files import open_regular
-from .decode import ENCODED_BYTES, MAX_JPEG_SCANS, jpeg_scans, pillow_limit
+from .decode import ENCODED_BYTES, MAX_JPEG_SCANS, jpeg_scans_in, pillow_limit
 
 _JPEG = b"\xff\xd8\xff"
 
@@ -55,7 +54,7 @@ class Decoder:
         frame = frame_header(data) if data.startswith(_JPEG) else None
         if frame is None or frame[1] != 3:
             return None  # grey (1) and CMYK (4) JPEGs convert as Pillow does
-        if frame[0] in _PROGRESSIVE and jpeg_scans(io.BytesIO(data)) > MAX_JPEG_SCANS:
+        if frame[0] in _PROGRESSIVE and jpeg_scans_in(data) > MAX_JPEG_SCANS:
             return None  # each scan decodes the whole image again: Pillow's path refuses it by name
         try:
             stream = self._nv.CodeStream(data)
