@@ -64,6 +64,27 @@ __device__ __forceinline__ void load_tile_sw(unsigned char* s, const bf16* g, in
     }
 }
 
+// S = Q K^T for one warp's 16 query rows by mma.sync, from the 128B-swizzled Q rows (q16: the warp's
+// first row) and K slot the wgmmas read: the exact step for scores that grew too far past their offsets
+// for lift_offsets (softmax.cuh), which needs no warpgroup to join it. The m16n8 accumulators lie in
+// this warp's registers as the m64n64 wgmma lays out its 16 rows.
+__device__ __forceinline__ void warp_qk(float* s, const unsigned char* q16, const unsigned char* kt, int lane) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] = 0.f;
+#pragma unroll 1
+    for (int kk = 0; kk < 4; ++kk) {  // not unrolled: few registers beside the softmax's live ones
+        unsigned qf[4];
+        ldsm_x4(qf[0], qf[1], qf[2], qf[3], q16 + sw128((lane & 7) + ((lane >> 3) & 1) * 8, 2 * kk + (lane >> 4)));
+#pragma unroll
+        for (int j = 0; j < 8; j += 2) {
+            unsigned b0, b1, b2, b3;
+            ldsm_x4(b0, b1, b2, b3, kt + sw128(j * 8 + (lane & 7) + (lane >> 4) * 8, 2 * kk + ((lane >> 3) & 1)));
+            mma16816(s + 4 * j, qf, b0, b1);
+            mma16816(s + 4 * (j + 1), qf, b2, b3);
+        }
+    }
+}
+
 template <int NC, int STAGES, bool ONLINE = true, bool OVERLAP = false>
 __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                                   bf16* __restrict__ o, const int* __restrict__ cu, const int* __restrict__ tile_seg,
@@ -130,7 +151,6 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(consumer_registers(NC)) : "memory");
     const int g = lane >> 2, t = lane & 3;
     const int turn = 1 + wg, next = 1 + (wg + 1) % NC;  // named barriers 1..NC: whose turn to issue
-    const int vote = 1 + NC + wg;                         // NC + 1..2 NC: the lazy softmax's votes
     const int row0 = q0 + wg * 64 + warp * 16 + g;        // this thread's rows: row0 and row0 + 8
     const bool live0 = row0 < s1, live1 = row0 + 8 < s1;
     if (NC > 1 && wg == NC - 1) named_arrive(1, 256);    // warpgroup 0 goes first
@@ -172,6 +192,27 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
     auto release = [&](int it) __attribute__((always_inline)) {
         if (lane == 0) mbar_arrive(empty0 + 8 * (it % STAGES));  // both wgmmas that read the slot are done
     };
+    // The running max past a segment's first tile (softmax.cuh): lazily, each warp voting for its own
+    // 16 rows; where a warp's vote fails, that warp alone takes the exact step: lift_offsets from P, or,
+    // for a score over ~120 log2 units past its offset, S again by mma.sync and softmax_tile. No step
+    // waits for the warpgroup, so a lazy tile costs a vote and a compare over the fixed-offset kernel's.
+    // The 16-row groups count from the segment's start in every variant and batch, so the choice, and
+    // so every bit, depends on the segment alone. O must be free (its last P V done) before online_exact.
+    auto online_vote = [&](int kvalid, float& r0, float& r1) __attribute__((always_inline)) {
+        return __all_sync(0xffffffffu, softmax_tile_lazy<BNW>(s, m0, m1, r0, r1, kvalid, t, scale_log2, live0, live1));
+    };
+    auto online_finish = [&](int it, int kvalid, bool lazy, float r0, float r1) __attribute__((always_inline)) {
+        if (lazy) {
+            l0 += r0;
+            l1 += r1;
+            pack_p<BNW>(s, pa);
+        } else if (!__any_sync(0xffffffffu, (live0 && !(r0 < LIFT_SUM_LIMIT)) || (live1 && !(r1 < LIFT_SUM_LIMIT)))) {
+            lift_offsets<BNW, 32>(s, pa, acc, m0, m1, l0, l1, r0, r1);
+        } else {
+            warp_qk(s, sQ + (wg * 64 + warp * 16) * 128, sK + (it % STAGES) * TILE, lane);
+            softmax_tile<BNW, 32, true>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, true);
+        }
+    };
     if constexpr (OVERLAP) {
         // Tile it's softmax runs while tile it - 1's P V does; only what writes P and O (packing P, the
         // rescale, an exact step's S issued again) waits for it. Every row sees the same operations in
@@ -187,25 +228,12 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
             wgmma_commit();
             end_turn(it);
             wgmma_wait1();  // this tile's S; the last tile's P V may still run
-            if constexpr (ONLINE) {  // as below, with P packed and O rescaled once the P V is done
+            if constexpr (ONLINE) {  // the vote beside the P V; P packed and O rescaled once it is done
                 float r0, r1;
-                const bool lazy = __all_sync(0xffffffffu, softmax_tile_lazy<BNW>(s, m0, m1, r0, r1, kvalid, t,
-                                                                                 scale_log2, live0, live1));
-                const bool all_lazy = named_all(vote, 128, lazy);
+                const bool lazy = online_vote(kvalid, r0, r1);
                 wgmma_wait0();
                 release(it - 1);
-                if (lazy) {
-                    l0 += r0;
-                    l1 += r1;
-                    pack_p<BNW>(s, pa);
-                }
-                if (!all_lazy) {
-                    wgmma_fence();
-                    issue_s(it % STAGES);
-                    wgmma_commit();
-                    wgmma_wait0();
-                    if (!lazy) softmax_tile<BNW, 32, true>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, true);
-                }
+                online_finish(it, kvalid, lazy, r0, r1);
             } else {
                 float r0, r1;
                 mask_keys<BNW>(s, kvalid, t);
@@ -238,29 +266,12 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
             end_turn(it);
             wgmma_wait0();
             if constexpr (ONLINE) {
-                // Past the first tile, lazily (softmax_tile_lazy): a warp keeps its offsets unless a live
-                // row's scores grew past them. Each warp votes for its own 16 rows; if any warp of the
-                // warpgroup must take the exact step, S comes again for all four (wgmma is per warpgroup,
-                // and the slot is still held), and only the warps that voted no rescale. The 16-row groups
-                // count from the segment's start in every variant and batch, so the choice, and so every
-                // bit, depends on the segment alone. Voting per warp rather than per warpgroup: 1.5-2% on
-                // sm90_4wg and 4-8% on sm90_2wg (docs/PERFORMANCE.md).
-                float r0, r1;
-                const bool lazy = it > 0 && __all_sync(0xffffffffu, softmax_tile_lazy<BNW>(s, m0, m1, r0, r1, kvalid, t,
-                                                                                              scale_log2, live0, live1));
-                if (lazy) {
-                    l0 += r0;
-                    l1 += r1;
-                    pack_p<BNW>(s, pa);
-                }
-                if (!named_all(vote, 128, lazy)) {
-                    if (it > 0) {
-                        wgmma_fence();
-                        issue_s(it % STAGES);
-                        wgmma_commit();
-                        wgmma_wait0();
-                    }
-                    if (!lazy) softmax_tile<BNW, 32, true>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, it > 0);
+                if (it == 0) {
+                    softmax_tile<BNW, 32, true>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, false);
+                } else {
+                    float r0, r1;
+                    const bool lazy = online_vote(kvalid, r0, r1);
+                    online_finish(it, kvalid, lazy, r0, r1);
                 }
             } else {
                 softmax_tile<BNW, 32, false>(s, pa, acc, m0, m1, l0, l1, kvalid, t, scale_log2, false);

@@ -114,14 +114,56 @@ __device__ __forceinline__ void softmax_tile(float* s, unsigned (*pa)[4], float*
 // by more than log2(LAZY_SUM_LIMIT): then every P <= 2^16, and the softmax is exact whatever the
 // offset (O and l share it). Returns whether that holds for this thread's live rows (NaN compares
 // false). The kernel votes on it across each warp: all true, and the warp adds r to l and packs P;
-// else its warpgroup recomputes S and the warp runs softmax_tile, which moves the offsets to the true
-// max. What a lazy tile
-// saves against softmax_tile: the max's 32 FMNMX and its shuffles, two exps and the 32-float rescale
-// of O.
+// else the warp takes the exact step, lift_offsets. What a lazy tile saves against softmax_tile: the
+// max's 32 FMNMX and its shuffles, two exps and the 32-float rescale of O.
 template <int BNW>
 __device__ __forceinline__ bool softmax_tile_lazy(float* s, float m0, float m1, float& r0, float& r1, int kvalid,
                                                   int t, float scale_log2, bool live0, bool live1) {
     mask_keys<BNW>(s, kvalid, t);
     exp2_rows<BNW>(s, scale_log2, m0, m1, r0, r1);
     return (!live0 || r0 <= LAZY_SUM_LIMIT) && (!live1 || r1 <= LAZY_SUM_LIMIT);
+}
+
+// Below this a thread's part of a lazy row sum leaves every P of the row a float that lift_offsets can
+// scale back to [1, 2) by a power of two; at or past it (or inf: a score more than 128 log2 units past
+// its offset, or NaN) S must come again.
+#define LIFT_SUM_LIMIT 0x1p120f
+
+// The exact step from a lazy tile's P, where the warp's vote failed but every P is a float (this
+// thread's r0, r1 < LIFT_SUM_LIMIT on live rows): each row's offset rises by e, the exponent of its
+// largest P (0 where that is below 2), and its P, l and NACC floats of O scale by 2^-e, which is exact.
+// The row's largest P is then in [1, 2), as after softmax_tile. The warp needs neither S again nor
+// its warpgroup: no barrier a tile. Then P is packed as softmax_tile packs it.
+template <int BNW, int NACC>
+__device__ __forceinline__ void lift_offsets(float* s, unsigned (*pa)[4], float* acc, float& m0, float& m1,
+                                             float& l0, float& l1, float r0, float r1) {
+    float mx0 = 0.f, mx1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < BNW / 8; ++j) {
+        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    // A row not live may hold inf or NaN: its exponent is clamped, and its output is never stored.
+    const int e0 = min(max((__float_as_int(mx0) >> 23) - 127, 0), 126);
+    const int e1 = min(max((__float_as_int(mx1) >> 23) - 127, 0), 126);
+    const float f0 = __int_as_float((127 - e0) << 23), f1 = __int_as_float((127 - e1) << 23);
+    m0 += static_cast<float>(e0);
+    m1 += static_cast<float>(e1);
+    l0 = l0 * f0 + r0 * f0;
+    l1 = l1 * f1 + r1 * f1;
+#pragma unroll
+    for (int j = 0; j < BNW / 8; ++j) {
+        s[4 * j] *= f0; s[4 * j + 1] *= f0;
+        s[4 * j + 2] *= f1; s[4 * j + 3] *= f1;
+    }
+#pragma unroll
+    for (int j = 0; j < NACC / 4; ++j) {
+        acc[4 * j] *= f0; acc[4 * j + 1] *= f0;
+        acc[4 * j + 2] *= f1; acc[4 * j + 3] *= f1;
+    }
+    pack_p<BNW>(s, pa);
 }
