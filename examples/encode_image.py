@@ -64,6 +64,18 @@ def check_save(path):
                          "can write") from None
 
 
+MIN_IMAGE_TOKENS = 16  # the reference processor's per-image minimum, which this example keeps
+
+
+def check_max_tokens(max_image_tokens: int):
+    """--max-image-tokens, checked before any work and named as the flag: ValueError saying what is wrong."""
+    from glmvit_cupy.checks import TOKEN_LIMIT
+
+    if not MIN_IMAGE_TOKENS <= max_image_tokens <= TOKEN_LIMIT:
+        raise ValueError(f"--max-image-tokens {max_image_tokens} must be an integer from {MIN_IMAGE_TOKENS} (the "
+                         f"fewest tokens an image is resized to, the reference processor's minimum) to {TOKEN_LIMIT:,}")
+
+
 def guarded(run, argv, prog: str) -> int:
     """run(argv), or 2 with one line on stderr for a bad input, checkpoint, flag or an unusable GPU; 130 with
     one line on Ctrl-C."""
@@ -107,7 +119,8 @@ def run(argv) -> int:
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference even if a GPU exists")
     ap.add_argument("--max-image-tokens", type=int, default=8000, help="per-image token limit (default 8000)")
     args = ap.parse_args(argv)
-    if args.save:  # said before any work, not after it
+    check_max_tokens(args.max_image_tokens)  # said before any work, not after it
+    if args.save:
         check_save(args.save)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     images = args.images or [PHOTO]
@@ -116,7 +129,8 @@ def run(argv) -> int:
 
     t = time.perf_counter()
     patching = Patching.of(binding.geometry)  # the checkpoint's patch size, merge and frames
-    prepared = [prepare(im, i, max_image_tokens=args.max_image_tokens, patching=patching)
+    prepared = [prepare(im, i, min_image_tokens=MIN_IMAGE_TOKENS, max_image_tokens=args.max_image_tokens,
+                        patching=patching)
                 for i, im in enumerate(images)]
     t_pre = time.perf_counter() - t
     for _, grid, info in prepared:
@@ -143,7 +157,8 @@ def run(argv) -> int:
         print(f"!! the GPU engine cannot run here: {why} !!")
         print("!! so the float32 NumPy reference runs on the CPU instead: slow (30-70 s for one photo at the "
               "official geometry on 2 cores) !!")
-        pv, grid = preprocess(images, max_image_tokens=args.max_image_tokens, patching=patching)
+        pv, grid = preprocess(images, min_image_tokens=MIN_IMAGE_TOKENS, max_image_tokens=args.max_image_tokens,
+                              patching=patching)
         t = time.perf_counter()
         ref = reference.encode_pixels(binding, pv, grid)
         print(f"CPU reference: {time.perf_counter() - t:.1f} s")

@@ -52,7 +52,7 @@ def test_cpu_run_saves_what_the_reference_computes(images, tmp_path, capsys):
 @pytest.mark.parametrize("argv, says", [
     (["/nonexistent.jpg"], "/nonexistent.jpg: no such file"),
     (["README.md"], "README.md: cannot decode image"),
-    (["{img}", "--max-image-tokens", "0"], "max_image_tokens=0 must be an integer from 1"),
+    (["{img}", "--max-image-tokens", "0"], "--max-image-tokens 0 must be an integer from 16"),
     (["{img}", "--checkpoint", "/nonexistent"], "/nonexistent: no such file or directory"),
     (["{img}", "--save", "/nonexistent-dir/e.npy"], "No such file or directory"),
 ])
@@ -77,6 +77,17 @@ def test_a_bad_save_is_refused_before_any_work(images, capsys, tmp_path, save, s
     assert encode_image.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("encode_image.py: ") and says in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("limit", ["5", "15", "0", "2147483648"])
+def test_a_token_limit_below_the_minimum_is_the_flag_before_any_work(images, capsys, limit):
+    """--max-image-tokens under 16 printed an image of fewer tokens than 16, then failed naming
+    min_image_tokens and max_image_tokens, the library's arguments, not the flag; now one line before any
+    work, naming the flag and the range it takes."""
+    assert encode_image.main([images[0], "--checkpoint", TOWER, "--cpu", "--max-image-tokens", limit]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"encode_image.py: --max-image-tokens {limit} must be an integer from 16 (the fewest "
+                                 "tokens an image is resized to, the reference processor's minimum) to 2,147,483,647\n")
 
 
 def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
