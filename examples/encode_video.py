@@ -13,6 +13,7 @@ with --cpu) the float32 NumPy reference runs on the CPU instead: slowly, and it 
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -68,9 +69,10 @@ def run(argv) -> int:
         pv, grid, (info,) = preprocess_video(frames, **settings)
     except ValueError as e:  # the library names its arguments; here they are flags
         flags = str(e).replace("max_image_tokens=", "--max-video-tokens ").replace("target_fps=", "--target-fps ")
+        flags = re.sub(r"\bfps=", "--fps ", flags)
         raise ValueError(flags) from None
     source = args.video or f"{len(frames)} frames"
-    rate = f"{fps:g} fps" if fps else "its fps"
+    rate = f"{info['fps']:g} fps" if info["fps"] else "an unknown frame rate"  # a file's: its container's
     print(f"{source} of {info['size'][1]}x{info['size'][0]} px at {rate} -> frames "
           f"{info['frames_indices']} -> canvas {info['canvas'][1]}x{info['canvas'][0]}, grid {tuple(info['grid'])}, "
           f"{info['tokens']} tokens ({info['frame_tokens']} a group of {binding.geometry.temporal_patch_size} "

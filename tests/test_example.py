@@ -120,7 +120,7 @@ def test_video_example_on_the_cpu_saves_what_the_reference_computes(tmp_path, ca
     got = load_file(out)["video"]
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
     assert encode_video.main(paths + ["--fps", "-1", "--checkpoint", TOWER, "--cpu"]) == 2
-    assert "fps=-1.0 must be a positive finite number" in capsys.readouterr().err
+    assert "video 0: --fps -1.0 must be a positive finite number" in capsys.readouterr().err  # the flag's name
     assert encode_video.main(paths + ["--max-video-tokens", "1", "--checkpoint", TOWER, "--cpu"]) == 2
     assert "video 0: --max-video-tokens 1 is too small" in capsys.readouterr().err  # the flag, not the library's name
     av = pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
@@ -134,7 +134,7 @@ def test_video_example_on_the_cpu_saves_what_the_reference_computes(tmp_path, ca
         for pkt in s.encode():
             c.mux(pkt)
     assert encode_video.main(["--video", clip, "--checkpoint", TOWER, "--cpu", "--save", out]) == 0
-    assert f"{clip} of" in capsys.readouterr().out
+    assert f"{clip} of 80x100 px at 4 fps ->" in capsys.readouterr().out  # the file's rate, not "its fps"
     pv, grid, _ = preprocess_video(frames, fps=4.0, duration=6 / 4, max_image_tokens=4000)  # a file's: frames / fps
     want = reference.encode_pixels(bind_tower(TOWER), pv, grid).astype(ml_dtypes.bfloat16)
     assert np.array_equal(load_file(out)["video"].view(np.uint16), want.view(np.uint16))
