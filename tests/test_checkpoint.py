@@ -744,3 +744,20 @@ def test_random_checkpoint_command_refuses_a_negative_seed(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--seed -1: a seed is a non-negative integer" in err and "RANDOM WEIGHTS" not in err, err
     assert not (tmp_path / "rnd").exists() and not (tmp_path / "rnd.tmp").exists()
+
+
+@pytest.mark.parametrize("lost", [1, 2, 3])
+def test_a_folder_without_an_index_missing_a_numbered_shard_names_that_shard(tmp_path, tensors, lost):
+    """Shards named model-0000k-of-0000n.safetensors, no index, one of them gone (a download cut short): the error
+    named the config as wrong ("the config does not describe this checkpoint") or an index there is none of; it
+    names the shard missing."""
+    path = write_checkpoint(tmp_path, GEO, tensors=tensors, shards=3)
+    (tmp_path / "model.safetensors.index.json").unlink()
+    gone = f"model-0000{lost}-of-00003.safetensors"
+    (tmp_path / gone).unlink()
+    with pytest.raises(CheckpointError) as e:
+        bind_tower(path)
+    said = str(e.value).replace(str(tmp_path), "FOLDER")
+    assert f"FOLDER holds 2 of the 3 shards their names count: no {gone}; a shard is missing" in said, said
+    assert "does not describe" not in said and "index" not in said, said
+    assert not isinstance(e.value, AbsentTower)

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -129,7 +130,37 @@ def _unlisted_note(store: WeightStore, unlisted: dict) -> str:
             f"({_held_in(unlisted)}): {_list_them(n)}")
 
 
-def _missing_error(store: WeightStore, prefix: str, layout: dict, missing: list, alone: str) -> CheckpointError:
+# transformers' shard names: model-00002-of-00003.safetensors. A folder's shards so named tell how many it should hold.
+_NUMBERED = re.compile(r"(.*)-(\d{1,9})-of-(\d{1,9})\.safetensors")
+
+
+def _numbered_gap(folder: str) -> str:
+    """Where `folder`'s shards are named PREFIX-0000k-of-0000n.safetensors and some k of 1..n is not there (a
+    download cut short, a file deleted): which, as '{folder} holds 2 of the 3 shards their names count: no
+    model-00002-of-00003.safetensors; ...'. '' where none is missing or the names count nothing."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return ""
+    groups: dict = {}
+    for n in names:
+        m = _NUMBERED.fullmatch(n)
+        if m and 0 < int(m[2]) <= int(m[3]) <= 99_999:
+            groups.setdefault((m[1], m[3]), set()).add(int(m[2]))
+    said = []
+    for (prefix, total), held in sorted(groups.items()):
+        absent = [f"{prefix}-{k:0{len(total)}d}-of-{total}.safetensors" for k in range(1, int(total) + 1)
+                  if k not in held]
+        if absent:
+            said.append(f"{folder} holds {len(held):,} of the {int(total):,} shards their names count: no "
+                        f"{', '.join(absent[:3])}{f' and {len(absent) - 3:,} more' if len(absent) > 3 else ''}")
+    if not said:
+        return ""
+    return "; ".join(said) + "; a shard is missing (a download cut short?): download it again"
+
+
+def _missing_error(store: WeightStore, prefix: str, layout: dict, missing: list, alone: str,
+                   gap: str = "") -> CheckpointError:
     """The error for tower tensors the store lacks: the first few by name and shape, and a count. Where an index
     chose the shards, it says so, and names the shard holding each one that a shard beside the index holds."""
     named = ", ".join(f"{quoted(n, 200)} (shape {list(layout[n[len(prefix):]])})" for n in missing[:3])
@@ -139,7 +170,7 @@ def _missing_error(store: WeightStore, prefix: str, layout: dict, missing: list,
         what = (f"{len(missing):,} of the {len(layout):,} tower tensors the encoder needs: {named}"
                 + (f" and {len(missing) - 3:,} more" if len(missing) > 3 else ""))
     if store.index is None:
-        return CheckpointError(f"{store.display}: missing {what}{alone}")
+        return CheckpointError(f"{store.display}: missing {what}{alone}" + (f"; {gap}" if gap else ""))
     found = store.unindexed(set(missing).__contains__)
     held = {n: found[n] for n in missing if n in found}  # in the layout's order
     absent = len(missing) - len(held)
@@ -226,6 +257,10 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
     # A shard given alone, which no index beside it lists: the tower may lie in shards not given.
     alone = ("; only this shard was given, and no index beside it lists it: if the tower is in other shards, "
              "give the checkpoint's folder or its index") if source.endswith(".safetensors") else ""
+
+    def gap() -> str:  # a folder's shards, without an index: the ones their names count and it lacks
+        return _numbered_gap(path) if store.index is None and not alone and os.path.isdir(path) else ""
+
     prefixes = tower_prefixes(store.names())
     unlisted = store.unindexed(is_vision_name) if not prefixes else {}  # vision tensors the index leaves out
     if not prefixes and len(store):  # a part of a tower: a shard missing, not a text-only checkpoint
@@ -233,8 +268,8 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
         raise CheckpointError(
             f"{path}: the tower is incomplete: {'this shard holds' if alone else 'the shards hold'} {len(store):,} "
             f"vision tensors (e.g. {some}) but no '*visual.patch_embed.proj.weight'; "
-            + (_unlisted_note(store, unlisted) or "a shard holding the rest of the tower is "
-               f"missing{alone or ', or the index does not list its tensors'}"))
+            + (_unlisted_note(store, unlisted) or gap() or "a shard holding the rest of the tower is "
+               f"missing{alone or (', or the index does not list its tensors' if store.index else '')}"))
     if unlisted:  # an index that lists none of the tower the shards beside it hold: not a tower absent
         raise CheckpointError(f"{path}: the index lists no vision tensor; {_unlisted_note(store, unlisted)}")
     if not prefixes:
@@ -261,12 +296,12 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
         raise CheckpointError(
             f"{path}: vision_config declares depth = {geo.depth} blocks of 14 tensors, but "
             f"{'this shard holds' if alone else 'the shards hold'} {len(store):,} vision tensors in all{blocks}"
-            + (alone or "; " + (_unlisted_note(store, store.unindexed(is_vision_name))
+            + (alone or "; " + (_unlisted_note(store, store.unindexed(is_vision_name)) or gap()
                                 or "the config does not describe this checkpoint")))
     layout, modules = tower_layout(geo), module_shapes(geo)
     missing = [prefix + s for s in layout if prefix + s not in store]
     if missing:
-        raise _missing_error(store, prefix, layout, missing, alone)
+        raise _missing_error(store, prefix, layout, missing, alone, gap())
     for suffix, want in layout.items():
         name = prefix + suffix
         store.require_bf16(name)
