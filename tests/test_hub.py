@@ -157,3 +157,21 @@ def test_unreachable_hub_answers_within_seconds(tmp_path, endpoint):
         server.close()
     assert "the Hub cannot be reached" in r.stdout and "config.json is not in the local" in r.stdout, r.stdout + r.stderr
     assert took < 15, f"{took:.1f} s"  # about 2-3 s: the interpreter's start, the 1.5 s probe, the cache lookup
+
+
+@pytest.mark.parametrize("shard", ["../model-00001-of-00002.safetensors", "sub/model-00001-of-00002.safetensors",
+                                   "/abs/model-00001-of-00002.safetensors", ".."])
+def test_an_index_naming_a_shard_outside_the_repository_folder_is_refused_before_any_shard_is_fetched(
+        fake_hub, tmp_path, shard):
+    """The binder refuses an index whose shard names are paths, not file names in the checkpoint's folder; the Hub
+    download fetched such shards first (from another folder of the repository, or into one beside the snapshot),
+    to have them refused after."""
+    index = tmp_path / "repo" / "model.safetensors.index.json"
+    listed = json.loads(index.read_text())
+    listed["weight_map"]["model.visual.blocks.0.norm1.weight"] = shard
+    index.write_text(json.dumps(listed))
+    with pytest.raises(CheckpointError) as e:
+        inspect_checkpoint("zai-org/GLM-5.3-Flash-test")
+    assert "tensor 'model.visual.blocks.0.norm1.weight' maps to" in str(e.value), str(e.value)
+    assert "which is not a file name inside the checkpoint directory" in str(e.value), str(e.value)
+    assert fake_hub == ["config.json", "model.safetensors.index.json"]

@@ -17,7 +17,7 @@ import urllib.request
 from ..errors import CheckpointError
 from ..files import read_json_file
 from .names import is_vision_name
-from .shards import INDEX_NAME
+from .shards import INDEX_NAME, checked_weight_map
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -83,13 +83,11 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
             raise CheckpointError(f"{repo_id}: neither {INDEX_NAME} nor model.safetensors is in the repository") \
                 from None
         return folder
-    try:  # read as the binder reads it: bounded in bytes and values, a regular file, no key given twice
-        weight_map = read_json_file(index, "the index")["weight_map"]
-        shards = vision_shards(weight_map)
+    try:  # read and checked as the binder reads it (bounded, a regular file, no key given twice, shard names in
+        # its folder), before any shard is fetched: a path there would fetch a file the binder then refuses
+        shards = vision_shards(checked_weight_map(read_json_file(index, "the index"), index))
     except CheckpointError as e:
         raise CheckpointError(f"{repo_id}: {INDEX_NAME} has no usable weight_map ({e})") from None
-    except (KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{repo_id}: {INDEX_NAME} has no usable weight_map ({type(e).__name__}: {e})") from None
     for shard in shards:
         try:
             get(shard)

@@ -275,16 +275,22 @@ def _shard_list(path) -> tuple[list[str], dict | None, str]:
     return files, None, path
 
 
-def _from_index(index_path):
-    index = read_json_file(index_path, "the index")
+def checked_weight_map(index, index_path) -> dict:
+    """An index's (parsed JSON) weight_map, checked: an object of tensor name -> the name of a shard file in the
+    index's own folder (no path: a shard elsewhere, or a folder, is refused), else CheckpointError."""
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise CheckpointError(f"{index_path}: index needs a 'weight_map' object of tensor name -> shard file name")
-    folder = os.path.dirname(index_path)
     for name, shard in wm.items():
         if os.path.basename(shard) != shard or shard in ("", ".", "..") or "\0" in shard:
             raise CheckpointError(f"{index_path}: tensor {quoted(name, 120)} maps to {quoted(shard, 120)}, which is not a file name "
                                   "inside the checkpoint directory")
+    return wm
+
+
+def _from_index(index_path):
+    wm = checked_weight_map(read_json_file(index_path, "the index"), index_path)
+    folder = os.path.dirname(index_path)
     return None, {k: os.path.join(folder, v) for k, v in wm.items()}, index_path
 
 
