@@ -528,3 +528,17 @@ def test_a_shard_listed_twice_is_named_as_one_file(tmp_path):
     other = shard(tmp_path / "y.safetensors", {"c": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}},
                   rng.bytes(2))
     assert WeightStore.open([p, other]).get("c").shape == (1,)
+
+
+def test_a_git_lfs_pointer_in_place_of_a_shard_says_so(tmp_path):
+    """A checkpoint cloned with git but without Git LFS holds, in place of each shard, a pointer of some 130
+    bytes naming the shard's digest and size: it was refused as a header length of 2.3e18 bytes, "not a
+    safetensors file"; the error says what the file is and how to fetch the shard."""
+    p = tmp_path / "model-00001-of-00002.safetensors"
+    p.write_text("version https://git-lfs.github.com/spec/v1\n"
+                 "oid sha256:58e9751f804f45ef6f8c932d4cb1e9a216fe1fe808881b0f6b9cbd90fe93ab1e\nsize 5368709120\n")
+    with pytest.raises(CheckpointError) as e:
+        WeightStore.open(str(p))
+    said = str(e.value)
+    assert said.startswith(f"{p}: is a Git LFS pointer file (") and "5,368,709,120-byte shard" in said, said
+    assert "git lfs pull" in said and "header length" not in said, said

@@ -13,6 +13,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import struct
 import types
 from dataclasses import dataclass
@@ -83,6 +84,20 @@ def _prod(shape) -> int:
     return n
 
 
+# What a Git LFS pointer file starts with: a repository cloned without Git LFS holds one, of some 130 bytes, in
+# place of each large file (its shards).
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def _lfs_pointer(path: str, pointer: bytes) -> str:
+    """The error for a Git LFS pointer file where a shard should be: what it is and how to fetch the shard."""
+    m = re.search(rb"^size (\d{1,20})$", pointer, re.M)
+    stands_for = f" for a {int(m[1]):,}-byte shard" if m else ""
+    return (f"{path}: is a Git LFS pointer file ({len(pointer)} bytes{stands_for}), not the shard: the checkpoint was "
+            "cloned without Git LFS, so its shards were never downloaded; run 'git lfs install' and 'git lfs pull' "
+            "in the clone, or download the checkpoint with huggingface_hub (or give its Hub id)")
+
+
 def _raw_header(path: str) -> tuple[bytes, tuple]:
     """The header's JSON bytes of a shard, and the file's identity (files.identity): CheckpointError for anything but a regular
     file whose 8-byte length and header fit in it."""
@@ -94,6 +109,10 @@ def _raw_header(path: str) -> tuple[bytes, tuple]:
             if len(head) < 8:
                 raise CheckpointError(f"{path}: file is {size} bytes, too short for the 8-byte safetensors header length")
             (hlen,) = struct.unpack("<Q", head)
+            if head == LFS_POINTER[:8] and size <= 1024:  # 'version ': a length of 2.3e18, past the limit below
+                pointer = head + f.read(1024)
+                if pointer.startswith(LFS_POINTER):
+                    raise CheckpointError(_lfs_pointer(path, pointer))
             if hlen > MAX_HEADER_BYTES:
                 raise CheckpointError(
                     f"{path}: header length {hlen} exceeds the {MAX_HEADER_BYTES}-byte limit; "
