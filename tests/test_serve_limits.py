@@ -1397,6 +1397,11 @@ def test_a_body_of_many_json_items_is_refused_before_it_is_parsed(server, body, 
     (b'{"videos": [{"frames": ["QQ=="], "fps": 2}], "target_fps": 9%s}' % (b"9" * 400), "'target_fps' = 999999"),
     (b'{"videos": [{"frames": ["QQ=="], "fps": 2}], "max_duration": %d}' % 2**1100, "'max_duration' = "),
     (b'{"videos": [{"frames": ["QQ=="], "fps": 2}], "max_frames": %d}' % 2**1100, "'max_frames' = "),
+    # A number in a float's form past any float: json.loads reads it as infinity (once a 500 from the video's key)
+    (b'{"videos": [{"frames": ["QQ=="], "fps": 1e999}]}', "videos[0].fps is past any float (read as inf)"),
+    (b'{"videos": [{"frames": ["QQ=="], "fps": 2, "duration": -1E400}]}', "videos[0].duration is past any float"),
+    (b'{"videos": [{"frames": ["QQ=="], "fps": 2}], "target_fps": -1e999}', "'target_fps' is past any float"),
+    (b'{"videos": [{"frames": ["QQ=="], "fps": 2}], "max_duration": 1e999}', "'max_duration' is past any float"),
 ])
 def test_a_body_outside_the_requests_form_is_400_before_any_work(server, body, says):
     """A request is ASCII JSON: one non-ASCII character (or an escape of one) would make every string of the

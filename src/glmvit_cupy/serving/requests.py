@@ -8,6 +8,7 @@ import asyncio
 import base64
 import binascii
 import json
+import math
 import re
 
 from ..checks import DEFAULT_MAX_IMAGE_TOKENS, check_token_limits
@@ -349,8 +350,11 @@ def parse_videos(body: bytes) -> tuple[list[dict], dict]:
 
 
 def _within_float(name: str, x, index: int | None = None) -> None:
-    """Refused (400) for an integer no float can hold (past 2**1024): the frame sampling's float math cannot
-    take it."""
+    """Refused (400) for an integer no float can hold (past 2**1024), or a number in a float's form past any
+    float (JSON's 1e999, which json.loads reads as infinity): the frame sampling's float math cannot take it."""
+    if isinstance(x, float) and not math.isfinite(x):
+        raise Refused(400, f"{name} is past any float (read as {x}): give a finite number, below 1.8e308 in size",
+                      index)
     if isinstance(x, int) and not isinstance(x, bool):
         try:
             float(x)
