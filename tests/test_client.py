@@ -706,3 +706,28 @@ def test_an_answer_that_does_not_match_the_request_is_an_oserror(monkeypatch, te
     monkeypatch.setattr(Client, "_exchange", lambda self, method, path, data, headers: (200, ok))
     embs, metas = Client().encode([b"a"])
     assert embs[0].shape == (2, 3) and metas == [{"tokens": 2}]
+
+
+@pytest.mark.parametrize("size", [b"-5", b"-2"])
+def test_a_chunk_of_a_negative_size_below_minus_one_is_an_oserror_not_a_value_error(size):
+    """http.client reads a chunk of size -5 as a read of -5 bytes, which raises ValueError ("read length must be
+    non-negative or -1"): the client's word for a bad argument, not for a server that does not answer in HTTP."""
+    server = _Junk(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + size + b"\r\n" + b"x" * 100)
+    try:
+        with pytest.raises(OSError, match=re.escape("did not answer in HTTP (HTTPException: a chunk's size is not one")):
+            Client(server.url, timeout=10).health()
+    finally:
+        server.close()
+
+
+def test_a_server_that_never_answers_is_a_timeout_naming_the_call_and_the_setting():
+    """A server that takes the request and sends nothing: once `timeout` passes, a TimeoutError that names the
+    call, the server and the setting, not the socket's bare "timed out"."""
+    server = _Slow("unread", lasts=10)
+    try:
+        with pytest.raises(TimeoutError, match=re.escape(f"GET /health to the server at {server.url}: nothing came "
+                                                         "for 0.5 s (the Client's timeout")) as e:
+            Client(server.url, timeout=0.5).health()
+        assert "give Client a larger timeout, or None for no limit" in str(e.value)
+    finally:
+        server.close()

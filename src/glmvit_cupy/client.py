@@ -245,8 +245,11 @@ class Client:
                     raise
                 conn.close()  # closed (FIN) or reset (RST) before any answer: unanswered, sent again below
             else:
-                r = _final(conn, r, method)
-                return r.status, self._read(r)
+                try:
+                    r = _final(conn, r, method)
+                    return r.status, self._read(r)
+                except ValueError as e:  # http.client on a chunk size below -1 (it reads a negative length)
+                    raise http.client.HTTPException(f"a chunk's size is not one ({e})") from None
         except http.client.HTTPException as e:  # not HTTP: a status line, a header or a chunk that is not one
             conn.close()
             if isinstance(e, OSError):  # RemoteDisconnected: closed with no answer, a ConnectionError as it is
@@ -255,8 +258,14 @@ class Client:
                 from None
         except TimeoutError as e:
             conn.close()
-            if not isinstance(e, _Late) and (deadline is None or time.monotonic() < deadline):
-                raise  # `timeout`: no part of the answer came in time
+            if not isinstance(e, _Late) and self.timeout is not None and (deadline is None or
+                                                                          time.monotonic() < deadline):
+                # `timeout`: no part of the answer came in time (the socket's own message is just "timed out")
+                raise TimeoutError(f"{method} {path} to the server at {self.url}: nothing came for {self.timeout:g} s "
+                                   "(the Client's timeout: the longest wait to connect, to send, or for the next "
+                                   "part of the answer); the server is stalled or overloaded, or the URL reaches "
+                                   "something that does not answer; give Client a larger timeout, or None for no "
+                                   "limit") from None
             raise TimeoutError(f"{method} {path} to the server at {self.url} took over {self.total_timeout:g} s "
                                "in all (the Client's total_timeout): the server answered too slowly, or not at "
                                "all; give Client a larger total_timeout, or None for no limit") from None
