@@ -23,14 +23,13 @@
 // costs 256 MMA FLOP; an SM's tensor cores do 4,096 FLOP a clock (16 scores) and its MUFU 16 ex2
 // a clock: the exp unit caps attention at the tensor rate, ~1,070 TFLOP/s at 1.98 GHz on 132 SMs,
 // and without overlap of softmax and MMA at half that. Bytes are small beside it (q, k, v, o
-// 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on an H100 SXM (python
-// benchmarks/bench_kernels.py --attention-only, kernels back to back; TFLOP/s at one segment of 4,096 /
+// 262 MB at 32,000 rows; K/V re-read per query tile from L2). Measured on an H100 SXM, one run, kernels
+// back to back as `python benchmarks/bench_kernels.py --attention-only` times them (TFLOP/s at 4,096 /
 // 16,384 / 32,000 keys and 16 segments of 1,024): without the running max (the fixed offset, where the
-// weights bound every score; overlapped) 579 / 645 / 619 / 468; with it (ONLINE: lazy past the first
-// tile, the last one peeled; not overlapped) 525 / 587 / 559 / 430; cuDNN (torch SDPA) in the same run
-// 470 / 504 / 490 / 440. OVERLAP is worth 4% to the four-warpgroup fixed kernel at 16,384 keys and 11% /
-// 7% to the two-warpgroup pair (one 1,024-key segment: 14.1 / 15.6 us, SDPA 14.2), and costs the
-// four-warpgroup online one 2%.
+// weights bound every score) 580 / 648 / 595 / 461; with it (ONLINE: lazy past the first tile, the
+// last one peeled, the exact step a warp's own) 548 / 608 / 574 / 436; cuDNN (torch SDPA) in the same
+// run 470 / 497 / 479 / 436. OVERLAP is worth 4% / 7% to the four-warpgroup fixed / online kernels at
+// 16,384 keys and 7-11% to the two-warpgroup pair (one 1,024-key segment: 14.3 / 15.4 us, SDPA 14.3).
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "attention_sm90.cu needs sm_90a (wgmma, setmaxnreg): compile it for compute capability 9.0 only"
 #endif

@@ -36,10 +36,3 @@ __device__ __forceinline__ void named_sync(int id, int count) {
 __device__ __forceinline__ void named_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
-// A vote at named barrier `id` of `count` threads: whether `pred` holds on every one of them.
-__device__ __forceinline__ bool named_all(int id, int count, bool pred) {
-    unsigned r;
-    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, %2, %3, p;\n"
-                 " selp.u32 %0, 1, 0, q;\n}\n" : "=r"(r) : "r"((unsigned)pred), "r"(id), "r"(count) : "memory");
-    return r != 0;
-}

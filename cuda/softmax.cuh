@@ -3,8 +3,9 @@
 #pragma once
 #include "ptx.cuh"
 
-// 2^x on the special-function unit; x <= 16 with the running max (a lazy tile's offset trails it by
-// up to log2(LAZY_SUM_LIMIT)), |x| <= FIXED_OFFSET_LIMIT without it; -inf (a masked key) -> 0.
+// 2^x on the special-function unit; x <= 16 with the running max where a tile is kept lazy (its offset
+// trails the max by up to log2(LAZY_SUM_LIMIT); a tile past that is rescaled or comes again), |x| <=
+// FIXED_OFFSET_LIMIT without it; -inf (a masked key) -> 0; x >= 128 -> inf.
 __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

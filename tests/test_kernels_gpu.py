@@ -522,9 +522,10 @@ def attend(name, q, k, val, cu, heads):
 @pytest.mark.parametrize("variant", [name for name in D64 if VARIANTS[name].online])
 def test_attention_online_follows_scores_that_grow(variant):
     """The running max as the Hopper kernels keep it (softmax.cuh softmax_tile_lazy): offsets stay put
-    until a row's scores grow past them by 16 log2 units; then S comes again and the exact step moves
-    them. Scores that jump 20, 45 and 300 log2 units in later tiles (300: a tile left lazy would give
-    P = inf and rows of NaN), in a segment and in one that starts mid-warpgroup; against float64."""
+    until a row's scores grow past them by 16 log2 units; then the warp's exact step moves them. Scores
+    that jump 20, 45 and 30 log2 units in later tiles (the offsets lifted from P, lift_offsets) and 300
+    (P = inf: the warp's S again by mma.sync, warp_qk; a tile left lazy would give rows of NaN), in a
+    segment and in one that starts mid-warpgroup; against float64."""
     heads, lengths = 4, [1300, 450]
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     q, k, val = growing_scores(int(cu[-1]), heads, {3: 20.0, 9: 45.0, 17: 300.0, 23: 30.0, 26: 300.0})

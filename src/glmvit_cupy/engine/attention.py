@@ -80,17 +80,17 @@ SM80_HEAD_DIMS = range(4, 257, 4)
 # The measured choices (docs/PERFORMANCE.md): four consumer warpgroups are fastest on long segments
 # and on batches of short ones; two on a lone short segment, where 256-row tiles leave SMs idle. Both
 # run the same operations on each row, so they give the same bits (tested): batching images never
-# changes an embedding. The _fixed pair drops the softmax's running max: 1.10x faster than the online
-# pair, which keeps it lazily (softmax.cuh; 16k keys on an H100: 645 against 587 TFLOP/s, `python
-# benchmarks/bench_kernels.py --attention-only`), at the same error against float64 (2.3e-3); a model
+# changes an embedding. The _fixed pair drops the softmax's running max: 1.07x faster than the online
+# pair, which keeps it lazily (softmax.cuh; 16k keys on an H100: 648 against 608 TFLOP/s, timed as `python
+# benchmarks/bench_kernels.py --attention-only` times them), at the same error against float64 (2.3e-3); a model
 # uses them where its norm weights bound every score (score_bound_log2 within FIXED_OFFSET_LIMIT). All
-# but sm90_4wg overlap a tile's softmax with the last tile's P V: at 16k keys +4% for sm90_4wg_fixed,
-# +11% / +7% for the two-warpgroup pair; sm90_4wg is 2% slower with it.
+# four overlap a tile's softmax with the last tile's P V: at 16k keys +4% / +7% for the four-warpgroup
+# fixed / online kernels, +7-11% for the two-warpgroup ones.
 VARIANTS = {v.name: v for v in (
     Variant("sm90_4wg", "sm90", 64, warpgroups=4, stages=4, speed=608.0, overlap=True),
     Variant("sm90_2wg", "sm90", 64, warpgroups=2, stages=4, speed=452.0, overlap=True),
-    Variant("sm90_4wg_fixed", "sm90", 64, warpgroups=4, stages=4, speed=654.0, online=False, overlap=True),
-    Variant("sm90_2wg_fixed", "sm90", 64, warpgroups=2, stages=4, speed=496.0, online=False, overlap=True),
+    Variant("sm90_4wg_fixed", "sm90", 64, warpgroups=4, stages=4, speed=648.0, online=False, overlap=True),
+    Variant("sm90_2wg_fixed", "sm90", 64, warpgroups=2, stages=4, speed=491.0, online=False, overlap=True),
 )} | {f"sm80_d{d}": Variant(f"sm80_d{d}", "sm80", d, warps=4) for d in SM80_HEAD_DIMS}
 CHOICES = ", ".join(k for k, v in VARIANTS.items() if v.arch == "sm90") + \
     f", sm80_d<head dim> (a multiple of 4 up to {SM80_HEAD_DIMS[-1]})"  # what errors list
