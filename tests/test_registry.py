@@ -50,7 +50,8 @@ def test_every_kernel_file_opens_with_its_napkin_math():
 
 def test_variant_table_derives_entries_and_sizes():
     v = VARIANTS["sm90_4wg"]
-    assert v.entry == "flash_fwd_sm90<4, 4>" and v.rows == 256 and v.threads == 640
+    assert v.entry == "flash_fwd_sm90<4, 4, true, true>" and v.rows == 256 and v.threads == 640  # overlapped
+    assert dataclasses.replace(v, overlap=False).entry == "flash_fwd_sm90<4, 4>"
     assert v.shared_bytes == 256 * 128 + 4 * 2 * 64 * 128 + 1024
     assert VARIANTS["sm90_2wg"].entry == "flash_fwd_sm90<2, 4, true, true>"  # overlapped
     assert dataclasses.replace(VARIANTS["sm90_2wg"], overlap=False).entry == "flash_fwd_sm90<2, 4>"
