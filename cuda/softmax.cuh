@@ -133,8 +133,9 @@ __device__ __forceinline__ bool softmax_tile_lazy(float* s, float m0, float m1, 
 // The exact step from a lazy tile's P, where the warp's vote failed but every P is a float (this
 // thread's r0, r1 < LIFT_SUM_LIMIT on live rows): each row's offset rises by e, the exponent of its
 // largest P (0 where that is below 2), and its P, l and NACC floats of O scale by 2^-e, which is exact.
-// The row's largest P is then in [1, 2), as after softmax_tile. The warp needs neither S again nor
-// its warpgroup: no barrier a tile. Then P is packed as softmax_tile packs it.
+// A row whose largest P reached 2 then has it in [1, 2) (softmax_tile makes it 1: bf16's rounding of
+// it is what this step adds to the error on sharp rows); the others stay as they are. The warp needs
+// neither S again nor its warpgroup: no barrier a tile. Then P is packed as softmax_tile packs it.
 template <int BNW, int NACC>
 __device__ __forceinline__ void lift_offsets(float* s, unsigned (*pa)[4], float* acc, float& m0, float& m1,
                                              float& l0, float& l1, float r0, float r1) {
