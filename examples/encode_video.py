@@ -25,9 +25,10 @@ sys.path.insert(0, HERE)
 
 from encode_image import PHOTO, check_save, checkpoint, guarded, save  # noqa: E402
 
-from glmvit_cupy import bind_tower, gpu, preprocess_video  # noqa: E402
+from glmvit_cupy import TooShort, bind_tower, gpu, preprocess_video  # noqa: E402
 from glmvit_cupy.preprocessing.decode import load_rgb  # noqa: E402
 from glmvit_cupy.preprocessing.image import Patching  # noqa: E402
+from glmvit_cupy.preprocessing.video import STILL_IMAGES  # noqa: E402
 
 
 def pan(frames: int = 16):
@@ -57,6 +58,10 @@ def run(argv) -> int:
         check_save(args.save)
     if args.video and args.frames:
         ap.error("give frame files or --video, not both")
+    if args.video and os.path.splitext(args.video)[1].lower() in STILL_IMAGES:  # said before any work
+        raise ValueError(f"--video {args.video}: is an image file, not a video; give a video's frames as image "
+                         f"files in order, without --video, and their rate as --fps (e.g. encode_video.py "
+                         f"{args.video} f1.png ... --fps 24)")
     frames = args.video or ([load_rgb(f, i) for i, f in enumerate(args.frames)] if args.frames else pan())
     fps = args.fps if args.fps is not None or args.video else 8.0
     binding = bind_tower(checkpoint(args.checkpoint))
@@ -67,8 +72,11 @@ def run(argv) -> int:
                     patching=Patching.of(binding.geometry))
     try:
         pv, grid, (info,) = preprocess_video(frames, **settings)
-    except ValueError as e:  # the library names its arguments; here they are flags
-        flags = str(e).replace("max_image_tokens=", "--max-video-tokens ").replace("target_fps=", "--target-fps ")
+    except ValueError as e:  # the library names its arguments and functions; here they are flags
+        if isinstance(e, TooShort):  # its advice names sample=False, which this script has no flag for
+            e = e.advised("raise --target-fps")
+        flags = str(e).replace("sample_frames: ", "")  # the library's function, no part of this script
+        flags = flags.replace("max_image_tokens=", "--max-video-tokens ").replace("target_fps=", "--target-fps ")
         flags = re.sub(r"\bfps=", "--fps ", flags)
         raise ValueError(flags) from None
     source = args.video or f"{len(frames)} frames"

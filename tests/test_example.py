@@ -142,6 +142,24 @@ def test_video_example_on_the_cpu_saves_what_the_reference_computes(tmp_path, ca
     assert "none.mp4' is not a file" in capsys.readouterr().err
 
 
+def test_video_example_mistakes_are_said_in_the_scripts_terms(capsys):
+    """examples/encode_video.py: a bad --target-fps names the flag, not the library's sample_frames; an image
+    given as --video says it is an image and how the script takes frames (files, without --video)."""
+    import encode_video
+
+    assert encode_video.main(["--target-fps", "0", "--checkpoint", TOWER, "--cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "video 0: --target-fps 0.0 must be a positive finite number" in err and "sample_frames" not in err
+    assert encode_video.main(["--target-fps", "0.01", "--checkpoint", TOWER, "--cpu"]) == 2
+    err = capsys.readouterr().err  # too short: advice in flags, not sample=False
+    assert "video 0: a 16-frame video" in err and err.rstrip().endswith("; raise --target-fps"), err
+    photo = encode_video.PHOTO
+    assert encode_video.main(["--video", photo, "--checkpoint", TOWER, "--cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"--video {photo}: is an image file, not a video; give a video's frames as image files" in err
+    assert "without --video" in err and "HxWx3" not in err
+
+
 def test_the_ray_example_without_the_ray_extra_is_one_line_and_status_2(monkeypatch, capsys, tmp_path):
     """Without Ray it raised ModuleNotFoundError with a traceback; now it names the extra, leaving no --out."""
     import ray_encode
