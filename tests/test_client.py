@@ -6,6 +6,7 @@ import json
 import os
 import re
 import socket
+import urllib.parse
 
 import numpy as np
 import pytest
@@ -731,3 +732,36 @@ def test_a_server_that_never_answers_is_a_timeout_naming_the_call_and_the_settin
         assert "give Client a larger timeout, or None for no limit" in str(e.value)
     finally:
         server.close()
+
+
+def _not_found(self, method, path, data, headers):
+    """glmvit-serve's 404, for the path the request asked for (the URL's path and the route)."""
+    return 404, json.dumps({"error": f"{method} {self._target(path)}: not found; this server has GET /health, "
+                                     "POST /v1/encode", "index": None}).encode()
+
+
+@pytest.mark.parametrize("url, route, base", [
+    ("http://127.0.0.1:18301/v1/encode", "/v1/encode", "http://127.0.0.1:18301"),
+    ("http://127.0.0.1:18301/under/v1/encode_video/", "/v1/encode_video", "http://127.0.0.1:18301/under"),
+    ("http://127.0.0.1:18301/health", "/health", "http://127.0.0.1:18301"),
+])
+def test_a_404_for_a_url_that_ends_in_a_route_says_to_give_the_base_url(monkeypatch, url, route, base):
+    """Client(".../v1/encode") asked for /v1/encode/v1/encode and said only that it was not found: the 404 now
+    says the URL already ends in the route the client adds, and which base URL to give."""
+    monkeypatch.setattr(Client, "_exchange", _not_found)
+    for call in (lambda c: c.encode([b"abcd"]), lambda c: c.encode([b"ab", b"cd"]), lambda c: c.health()):
+        with pytest.raises(ServerError) as e:
+            call(Client(url))
+        assert e.value.status == 404 and f"{urllib.parse.urlsplit(url).path.rstrip('/')}/" in e.value.error
+        assert e.value.error.endswith(f"; the Client's URL {url.rstrip('/')} already ends in {route}, which the client "
+                                      f"adds itself: give Client the server's base URL, {base}"), e.value.error
+    monkeypatch.setattr(Client, "_exchange", lambda *request: (404, b"<html>no such page</html>"))  # not JSON
+    with pytest.raises(ServerError, match=f"HTTP 404: <html>no such page</html>; the Client's URL .* base URL, {base}$"):
+        Client(url).health()
+
+
+def test_a_404_for_a_base_url_says_nothing_of_routes(monkeypatch):
+    monkeypatch.setattr(Client, "_exchange", _not_found)
+    with pytest.raises(ServerError) as e:
+        Client("http://127.0.0.1:18301/encode").encode([b"abcd"])
+    assert e.value.error == "POST /encode/v1/encode: not found; this server has GET /health, POST /v1/encode"

@@ -194,13 +194,23 @@ class Client:
             error, index = err.get("error", ""), err.get("index")
         except (ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested past Python's stack
             text = raw[:2000].decode(errors="replace")  # a proxy's page, say: its start says what it is
-            raise ServerError(status, text + (f" ... ({len(raw):,} bytes in all)" if len(raw) > 2000 else ""),
-                              None) from None
+            raise ServerError(status, text + (f" ... ({len(raw):,} bytes in all)" if len(raw) > 2000 else "")
+                              + (self._doubled() if status == 404 else ""), None) from None
         if not isinstance(error, str):
             error = json.dumps(error)[:2000]
         if not isinstance(index, int) or isinstance(index, bool):
             index = None  # glmvit-serve names an image by its position or not at all
-        raise ServerError(status, error, index)
+        raise ServerError(status, error + (self._doubled() if status == 404 else ""), index)
+
+    def _doubled(self) -> str:
+        """For a 404: where the URL's path already ends in a route the client appends (Client(".../v1/encode")
+        asks for /v1/encode/v1/encode), the advice to give the server's base URL; else nothing. Said on a 404,
+        not refused when built: a server may sit under any path, even one that ends so."""
+        for route in ROUTES:
+            if self._parts.path.endswith(route):
+                return (f"; the Client's URL {self.url} already ends in {route}, which the client adds itself: give "
+                        f"Client the server's base URL, {self.url[:-len(route)]}")
+        return ""
 
     def _exchange(self, method, path, data, headers, deadline: float | None = None) -> tuple[int, bytes]:
         """(status, body) of one request on this thread's connection, opened if it has none (or if it was
@@ -328,6 +338,7 @@ class Client:
         return via + p.path.rstrip("/") + path
 
 
+ROUTES = ("/v1/encode_video", "/v1/encode", "/health", "/metrics")  # glmvit-serve's, which the client appends
 INFORMATIONAL_LIMIT = 64  # 1xx answers read past before the final one; a proxy sends one or two
 
 
