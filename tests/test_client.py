@@ -765,3 +765,66 @@ def test_a_404_for_a_base_url_says_nothing_of_routes(monkeypatch):
     with pytest.raises(ServerError) as e:
         Client("http://127.0.0.1:18301/encode").encode([b"abcd"])
     assert e.value.error == "POST /encode/v1/encode: not found; this server has GET /health, POST /v1/encode"
+
+
+class _Resetting:
+    """A server that reads each request, sends `first` (its answer's start, or nothing) and resets the connection
+    (RST: closed with linger 0)."""
+
+    def __init__(self, first: bytes = b""):
+        import struct
+        import threading
+        import time
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+        def serve():
+            while True:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(first)
+                    time.sleep(0.2 if first else 0)  # the start read before the reset, not lost to it
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.mark.parametrize("first, says", [
+    (b"", "without answering"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort", "before its answer ended"),
+])
+def test_a_new_connection_reset_names_the_call_and_the_server(first, says):
+    """A connection the server resets at its first request was a bare "[Errno 104] Connection reset by peer":
+    now the same ConnectionResetError (callers catch ConnectionError) saying which call to which server."""
+    import errno
+
+    server = _Resetting(first)
+    try:
+        with pytest.raises(ConnectionResetError) as e:
+            Client(server.url, timeout=10).health()
+        assert e.value.errno == errno.ECONNRESET and isinstance(e.value, ConnectionError)
+        assert str(e.value).startswith(f"[Errno {errno.ECONNRESET}] GET /health to the server at {server.url}: the "
+                                       f"server closed the connection {says} (Connection reset by peer)"), str(e.value)
+    finally:
+        server.close()
+
+
+def test_a_new_connection_closed_without_an_answer_names_the_call_and_the_server():
+    import http.client
+
+    server = _Junk(b"")
+    try:
+        with pytest.raises(http.client.RemoteDisconnected) as e:  # a ConnectionResetError, as http.client has it
+            Client(server.url, timeout=10).encode([b"abcd"])
+        assert str(e.value).startswith(f"POST /v1/encode to the server at {server.url}: the server closed the "
+                                       "connection without answering (Remote end closed connection without response)")
+    finally:
+        server.close()

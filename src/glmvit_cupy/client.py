@@ -231,6 +231,7 @@ class Client:
         if conn.sock is not None and _readable(conn.sock):
             conn.close()  # closed by the server while idle, or holding bytes nobody asked for: a new socket
         kept = conn.sock is not None  # a socket that served an earlier call (http.client opens one as needed)
+        r = None  # the answer, once its status line came
         try:
             # Each wait (connecting, sending, each read of the answer) ends by the deadline: a server trickling
             # a byte at a time would otherwise restart `timeout` with each.
@@ -263,7 +264,7 @@ class Client:
         except http.client.HTTPException as e:  # not HTTP: a status line, a header or a chunk that is not one
             conn.close()
             if isinstance(e, OSError):  # RemoteDisconnected: closed with no answer, a ConnectionError as it is
-                raise
+                raise self._unanswered(e, method, path, r is not None) from None
             raise OSError(f"the server at {self.url} did not answer in HTTP ({type(e).__name__}: {e!s:.200})") \
                 from None
         except TimeoutError as e:
@@ -284,6 +285,9 @@ class Client:
             raise OSError(f"the server at {self.url} sent over {e.args[0]:,} bytes for one answer (headers, framing "
                           f"and body), past what an answer within the client's limit of {self.max_answer:,} bytes "
                           "(max_answer_mib) takes; is the URL right?") from None
+        except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError) as e:  # on a new connection: no retry
+            conn.close()
+            raise self._unanswered(e, method, path, r is not None) from None
         except ConnectionRefusedError as e:  # nothing listens there: say where, and what would
             conn.close()
             if self._proxy is not None:  # the connection was the proxy's
@@ -296,6 +300,17 @@ class Client:
             conn.close()
             raise
         return self._exchange(method, path, data, headers, deadline)  # nothing was answered: once more
+
+    def _unanswered(self, e: OSError, method: str, path: str, begun: bool) -> OSError:
+        """A connection the server closed or reset before its answer ended (begun: after its status line), said
+        as the same ConnectionError (callers retry on its type) naming the call and the server: the socket's own
+        is a bare "[Errno 104] Connection reset by peer"."""
+        said = (f"{method} {path} to the server at {self.url}: the server closed the connection "
+                f"{'before its answer ended' if begun else 'without answering'} ({e.strerror or e}); it may have "
+                "stopped or restarted, or the URL reaches something that is not glmvit-serve")
+        if isinstance(e, http.client.RemoteDisconnected):
+            return http.client.RemoteDisconnected(said)
+        return type(e)(e.errno, said) if e.errno is not None else type(e)(said)
 
     def _read(self, r) -> bytes:
         """The answer's body, read a MiB at a time up to max_answer_mib (OSError past it: a Content-Length or
