@@ -299,6 +299,25 @@ def test_index_naming_missing_or_wrong_shard(tmp_path):
         WeightStore.open(tmp_path)
 
 
+def test_an_index_mapping_tensors_to_a_file_that_is_no_shard_names_them(tmp_path):
+    """An index that maps tensors to config.json, or to itself, was refused naming only the file ("header length
+    ... exceeds"): the error now names a tensor the index put there, and how many more."""
+    shard(tmp_path / "s1.safetensors", ok_header(), bytes(20))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm"}))
+    index = tmp_path / "model.safetensors.index.json"
+    for target, more in (("config.json", " (and 1 more)"), ("model.safetensors.index.json", " (and 1 more)")):
+        index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "v.b": target, "v.c": target}}))
+        with pytest.raises(CheckpointError) as e:
+            WeightStore.open(tmp_path)
+        assert str(e.value).startswith(f"{index}: tensor 'v.b'{more} is indexed in shard '{target}', which cannot be "
+                                       f"read as one: {tmp_path / target}: header length "), str(e.value)
+        assert "this is not a safetensors file" in str(e.value)
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "v.b": "config.json"}}))
+    with pytest.raises(CheckpointError, match=r"tensor 'v\.b' is indexed in shard 'config\.json', which cannot be read"):
+        WeightStore.open(tmp_path)
+    assert WeightStore.open(tmp_path, only=lambda n: n == "a").get("a").shape  # a shard `only` passes over: unread
+
+
 def test_unreadable_index_says_so_not_bad_json(tmp_path, monkeypatch):
     from glmvit_cupy import files
 

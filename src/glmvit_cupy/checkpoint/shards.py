@@ -362,7 +362,14 @@ class WeightStore:
                         raise CheckpointError(f"{display}: tensor {quoted(name, 120)} is indexed in shard "
                                               f"{quoted(os.path.basename(shard), 120)}, which " +
                                               (f"is {what}" if what else "does not exist"))
-                    headers[shard] = read_header(shard)
+                    try:
+                        headers[shard] = read_header(shard)
+                    except CheckpointError as e:  # the index maps names to a file that is no shard: which ones
+                        mapped = sum(f == shard for f in wanted.values())
+                        more = f" (and {mapped - 1:,} more)" if mapped > 1 else ""
+                        raise CheckpointError(f"{display}: tensor {quoted(name, 120)}{more} is indexed in shard "
+                                              f"{quoted(os.path.basename(shard), 120)}, which cannot be read as one: "
+                                              f"{e}") from None
                 if name not in headers[shard]:
                     raise CheckpointError(f"{display}: the index puts tensor {quoted(name, 120)} in {shard}, "
                                           "but that shard's header does not hold it")
