@@ -142,6 +142,17 @@ def test_every_public_name_imports_from_the_package():
     assert callable(glmvit_cupy.reference.encode_pixels) and glmvit_cupy.client.Client
 
 
+def test_the_package_lists_its_public_names_not_its_own_imports():
+    """dir(glmvit_cupy) listed os, annotations (the __future__ import) and TYPE_CHECKING beside the API: it lists
+    the public names, the documented modules and the dunders; every name it lists is there."""
+    listed = set(dir(glmvit_cupy))
+    assert not {"os", "annotations", "TYPE_CHECKING", "_ENGINE", "_HOST", "_MODULES"} & listed, sorted(listed)
+    assert set(glmvit_cupy.__all__) | set(glmvit_cupy._MODULES) | {"__version__", "__all__"} <= listed
+    for name in listed - {"ray"}:  # ray: the extra may be missing
+        getattr(glmvit_cupy, name)
+    assert not hasattr(glmvit_cupy, "os")
+
+
 def test_the_documented_subpackages_are_attributes_of_the_package():
     """docs/API.md names bind_tower's result glmvit_cupy.checkpoint.TowerBinding: `import glmvit_cupy` alone made
     checkpoint and config attributes, until the host names were imported on first use."""

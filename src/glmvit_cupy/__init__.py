@@ -11,7 +11,6 @@ its own handler (cli.command), not a traceback.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from .errors import (AbsentTower, CheckpointError, GpuOutOfMemory, GpuUnavailable, ImageError, KernelError,
@@ -20,6 +19,8 @@ from .errors import (AbsentTower, CheckpointError, GpuOutOfMemory, GpuUnavailabl
 __version__ = "0.2.0.dev0"
 
 if TYPE_CHECKING:  # for type checkers only: at run time these are imported on first use
+    import os
+
     from .checkpoint.bind import bind_tower, inspect_checkpoint, probe_tower
     from .checkpoint.shards import WeightStore
     from .config import VisionGeometry, read_config
@@ -71,7 +72,10 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__) | set(_MODULES))
+    """The public names, the documented modules and the dunders: not what this file itself imports to be written
+    (TYPE_CHECKING; `annotations`, the __future__ import) nor its private tables."""
+    own = {n for n in globals() if n.startswith("__") or not n.startswith("_")} - {"TYPE_CHECKING", "annotations"}
+    return sorted(own | set(__all__) | set(_MODULES))
 
 
 def load_vision_tower(path: str | os.PathLike, **kw) -> GlmVit | None:
