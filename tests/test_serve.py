@@ -180,6 +180,11 @@ def test_a_request_decoding_in_a_second_round_is_timed_to_its_last_decode():
     (b'{"images": ["aGVsbG8=", ""]}', "application/json", 400, "images[1] is empty", 1),
     (b'{"images": ["aGVsbG8=", "data:image/png;base64,"]}', "application/json", 400, "images[1] is empty", 1),
     (b'{"images": ["aGVsbG8=", "!!!"]}', "application/json", 400, "images[1] is not valid base64", 1),
+    (b'{"images": ["aGVsbG8=", "/tmp/x.jpg"]}', "application/json", 400, "images[1] is not valid base64 ('.', "
+     "character 6 once whitespace is left out, is not base64: A-Z, a-z, 0-9, + and / (or - and _), and = only at the "
+     "end); '/tmp/x.jpg' looks like a file path, which the server does not open: give the image file's bytes in "
+     "base64 (or as a data URL, data:<media type>;base64,<data>), not its path", 1),  # a path: said to be one
+    (b'{"images": ["photo.png"]}', "application/json", 400, "'photo.png' looks like a file path", 0),
     (b'{"images": ["aGVsbG8="], "max_image_tokens": 0}', "application/json", 400, "integer from 1 to 2,147,483,647", None),
     (b'{"images": ["aGVsbG8="], "min_image_tokens": "16"}', "application/json", 400, "integer from 0 to 2,147,483,647", None),
     (b'{"images": ["aGVsbG8="], "max_image_tokens": 9000}', "application/json", 400, "capacity of 8000", None),
@@ -998,6 +1003,11 @@ def test_a_video_file_whose_stream_declares_no_size_is_a_422(server, tmp_path):
     ({"videos": [{"fps": 2}]}, 400, "videos[0] needs 'frames'", 0),
     ({"videos": [{"file": 7}]}, 400, "videos[0].file must be a base64 string (a video file)", 0),
     ({"videos": [{"file": "!!"}]}, 400, "videos[0].file is not valid base64", 0),
+    ({"videos": [{"file": "clip.mp4"}]}, 400, "'clip.mp4' looks like a file path, which the server does not open: "
+                                              "give the video file's bytes in base64", 0),
+    ({"videos": [{"frames": ["F", "f1.png"]}]}, 400, "videos[0].frames[1] is not valid base64 ('.', character 2 "
+     "once whitespace is left out, is not base64: A-Z, a-z, 0-9, + and / (or - and _), and = only at the end); "
+     "'f1.png' looks like a file path, which the server does not open: give each frame as its image file's bytes", 0),
     ({"videos": [{"file": "aGVsbG8="}]}, 422, "video 0: cannot open the video file of 5 bytes as a video", 0),
 ])
 def test_video_requests_refused_by_name(server, body, status, says, index):

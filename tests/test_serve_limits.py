@@ -1247,6 +1247,27 @@ def test_base64_decoded_piece_by_piece_equals_decoding_at_once(rng):
             requests.b64decode(odd)
 
 
+def test_text_that_is_no_base64_but_a_path_or_url_is_said_to_be_one():
+    """A client that sent "/tmp/x.jpg" as an image heard only that '.' is not base64: text that reads as a file
+    path or URL is now said to be one, and what to send instead; base64 cut short (a JPEG's begins with '/'),
+    or text of other characters, is not taken for one."""
+    from glmvit_cupy.serving import requests
+
+    for text, looks in (("/tmp/x.jpg", "file path"), ("photo.png", "file path"), ("./a/b.webp", "file path"),
+                        ("~/a", "file path"), ("C:\\pics\\a.jpg", "file path"), ("https://example.com/a.jpg", "URL")):
+        with pytest.raises(requests.Refused) as e:
+            requests.decoded(text, "images[2]", 2, "the image file's bytes")
+        assert e.value.status == 400 and e.value.index == 2 and e.value.error.startswith("images[2] is not valid base64 (")
+        assert e.value.error.endswith(f"); {text!r} looks like a {looks}, which the server does not open: give the image "
+                                      "file's bytes in base64 (or as a data URL, data:<media type>;base64,<data>), not its "
+                                      f"{'URL' if looks == 'URL' else 'path'}"), e.value.error
+    for text in ("/9j/4AAQSkZJRgABA", "!!!", "QUJD*", "a.b c.jpg\n" * 500):
+        with pytest.raises(requests.Refused) as e:
+            requests.decoded(text, "images[0]", 0, "the image file's bytes")
+        assert "looks like" not in e.value.error, e.value.error
+    assert requests.decoded("aGVsbG8=", "images[0]", 0, "the image file's bytes") == b"hello"
+
+
 def test_the_cache_counts_what_its_entries_hold():
     """Many small embeddings in a 100 kB cache: what the cache holds, measured, stays within its bound (keys,
     metadata and array headers count, not only the arrays' bytes)."""

@@ -35,7 +35,6 @@ dropped before its pass.
 from __future__ import annotations
 
 import asyncio
-import binascii
 import concurrent.futures
 import contextlib
 import contextvars
@@ -67,7 +66,7 @@ from .decoding import (LARGE_IMAGE_PIXELS, OffProcess, dims, have_pyav, header_s
                        prepare_video, video_pixels)
 from .flights import Flights
 from .metrics import Metrics
-from .requests import (BODY_LIMIT, LIMIT_FIELDS, Refused, b64decode, decode_frames, image_file_limits,
+from .requests import (BODY_LIMIT, LIMIT_FIELDS, Refused, decode_frames, decoded, image_file_limits,
                        parse_images, parse_videos, read_body)
 
 @dataclass
@@ -514,10 +513,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         blobs = []
         for i, text in enumerate(images):
             images[i] = None
-            try:
-                data = b64decode(text)
-            except (binascii.Error, ValueError) as e:
-                raise Refused(400, f"images[{i}] is not valid base64 ({e})", i) from None
+            data = decoded(text, f"images[{i}]", i, "the image file's bytes")
             if not data:  # "data:image/png;base64," or "====": no bytes once decoded
                 raise Refused(400, f"images[{i}] is empty: give each image as its file's bytes in base64", i)
             if len(data) > settings.max_image_mib * 2**20:

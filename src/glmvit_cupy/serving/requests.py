@@ -149,6 +149,34 @@ def b64decode(text: str) -> bytes:
     return b"".join(out)
 
 
+def decoded(text: str, where: str, index: int, what: str) -> bytes:
+    """b64decode(text) of the request's `where` (images[0], videos[1].frames[2]), or Refused (400) saying it is
+    not base64 and, for text that reads as a file path or URL (a caller's "/tmp/x.jpg" or "photo.png"), that
+    the server takes `what` (the image file's bytes) in base64, not a path to open."""
+    try:
+        return b64decode(text)
+    except (binascii.Error, ValueError) as e:
+        looks = _path_or_url(text)
+        hint = "" if looks is None else (
+            f"; {quoted(text, 80)} looks like a {looks}, which the server does not open: give {what} in base64 (or "
+            f"as a data URL, data:<media type>;base64,<data>), not its {'URL' if looks == 'URL' else 'path'}")
+        raise Refused(400, f"{where} is not valid base64 ({e}){hint}", index) from None
+
+
+def _path_or_url(text: str) -> str | None:
+    """"file path" or "URL" for short text that reads as one, else None. Only text that is not base64 is asked,
+    and each form holds a character base64 has not ('.', ':', '~' or a backslash): base64 that begins with '/'
+    (a JPEG's does) and is cut short is not taken for a path."""
+    if len(text) > 4096 or not text.isprintable():
+        return None
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", text):
+        return "URL"
+    if (text.startswith(("./", "../", "~", "\\")) or re.match(r"[A-Za-z]:[\\/]", text)
+            or (text.startswith("/") and "." in text) or re.search(r"\.[A-Za-z][A-Za-z0-9]{0,4}$", text)):
+        return "file path"
+    return None
+
+
 # JSON strings, arrays, objects and commas a video request may hold (frames: a string and a comma each).
 MAX_VIDEO_ITEMS = 1_000_000
 
@@ -372,18 +400,12 @@ def decode_frames(videos: list[dict], max_image_mib: float) -> None:
     (400), a frame over the per-image limit (413; a video file has the body's limit)."""
     for i, v in enumerate(videos):
         if v["file"] is not None:
-            try:
-                v["file"] = b64decode(v["file"])
-            except (binascii.Error, ValueError) as e:
-                raise Refused(400, f"videos[{i}].file is not valid base64 ({e})", i) from None
+            v["file"] = decoded(v["file"], f"videos[{i}].file", i, "the video file's bytes")
             if not v["file"]:
                 raise Refused(400, f"videos[{i}].file is empty: give the video file's bytes in base64", i)
             continue
         for j, text in enumerate(v["frames"]):
-            try:
-                v["frames"][j] = b64decode(text)
-            except (binascii.Error, ValueError) as e:
-                raise Refused(400, f"videos[{i}].frames[{j}] is not valid base64 ({e})", i) from None
+            v["frames"][j] = decoded(text, f"videos[{i}].frames[{j}]", i, "each frame as its image file's bytes")
             if not v["frames"][j]:
                 raise Refused(400, f"videos[{i}].frames[{j}] is empty: give each frame as its file's bytes in "
                                    "base64", i)
