@@ -487,6 +487,32 @@ def test_ctrl_c_while_the_command_imports_is_130_and_one_line(folder, tmp_path):
     assert r.stderr.strip() == "glmvit-encode: interrupted before anything was encoded" and not out.exists()
 
 
+@pytest.mark.parametrize("stops_at", ["argparse", "glmvit_cupy.serving.main"])
+def test_ctrl_c_while_glmvit_serve_imports_is_130_and_one_line(stops_at):
+    """glmvit-serve's console script imported glmvit_cupy.serving.main (argparse, socket, threading: a cold disk
+    makes it long) on its own import line, before main() had a handler: Ctrl-C there was a traceback. It now
+    imports the command inside its entry point, as glmvit-encode's does (the test above): one line, status 130."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(SRC, "..", "setup.cfg"))
+    scripts = dict(line.split(" = ") for line in cfg["options.entry_points"]["console_scripts"].split("\n") if line)
+    module, function = scripts["glmvit-serve"].split(":")
+    code = ("import sys\n"
+            "class CtrlC:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            f"        if name == {stops_at!r}:\n"
+            "            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, CtrlC())\n"
+            f"from {module} import {function}\n"
+            f"sys.exit({function}())\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code, "--checkpoint", TOWER, "--cpu", "--port", "18377"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
+    assert r.stderr.strip() == "glmvit-serve: interrupted while starting (exit 130)", r.stderr[-3000:]
+
+
 def encode_in_a_process(folder, out, buffered=False, **streams):
     """glmvit-encode on `folder` into `out` in a fresh interpreter, its stdout and stderr as `streams` says
     (subprocess.run's keywords; PIPE by default), writing through to them unless `buffered`."""

@@ -13,4 +13,21 @@
     remote     a worker's side: the engine in another process, as the app's backend and batcher
     wire       the frames between them: a pickled header, the arrays' bytes beside it
     main       the glmvit-serve command
+
+command() here is the console script's entry point: it imports the command where Ctrl-C meets a handler, not
+a traceback, as glmvit_cupy.cli.command does for glmvit-encode.
 """
+
+import sys
+
+INTERRUPTED = 130  # what main.main returns on Ctrl-C while starting
+
+
+def command(argv=None) -> int:
+    """glmvit-serve (main.main), imported here."""
+    try:
+        from .main import main
+    except KeyboardInterrupt:  # while the command imports, before main's own handler
+        print("\nglmvit-serve: interrupted while starting (exit 130)", file=sys.stderr)
+        return INTERRUPTED
+    return main(argv)
