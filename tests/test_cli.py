@@ -334,6 +334,31 @@ def test_inspect_prints_a_hostile_prefix_escaped(capsys, tmp_path, prefix, shows
     out.encode("utf-8")  # strictly: no lone surrogate reached the output
 
 
+def test_inspect_shows_the_merge_and_what_a_later_step_refuses(capsys, tmp_path):
+    """--inspect printed no spatial_merge_size, and passed silently over a tower glmvit-encode refuses once it
+    runs (in_channels other than 3) or that the GPU engine refuses (head_dim past its kernels' 256): it shows
+    the merge and channels, and a `refused` line for each, saying what still runs the tower."""
+    import dataclasses
+
+    from glmvit_cupy.checkpoint.synthetic import write_checkpoint
+
+    assert run(["--inspect", cases.TOWER_DIR]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == ("geometry    depth 2, hidden 128, heads 2, mlp 256, out 256, merger 512, "
+                                    "patch 14x2, merge 2x2, channels 3") and "refused" not in out, out
+    geo = dataclasses.replace(cases.GEOMETRY, depth=1, hidden_size=512, num_heads=1, intermediate_size=64,
+                              in_channels=1, spatial_merge_size=3)
+    assert run(["--inspect", write_checkpoint(tmp_path / "odd", geo, seed=2)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-3].endswith("patch 14x2, merge 3x3, channels 1"), lines
+    assert lines[-2] == ("refused     images and videos: in_channels = 1, but images and video frames are RGB (3 "
+                         "channels), so glmvit-encode, glmvit-serve and encode(images) refuse this tower; only "
+                         "encode_pixels, given pixel_values of that many channels, runs it")
+    assert lines[-1] == ("refused     the GPU: head_dim = 512 / 1 = 512, but the GPU engine's attention kernels take "
+                         "head dims that are multiples of 4 up to 256; only the float32 reference runs this tower "
+                         "(glmvit-encode --cpu)")
+
+
 def test_inspect_and_usage(capsys, tmp_path):
     assert run(["--inspect", cases.TOWER_DIR]) == 0
     text = capsys.readouterr().out

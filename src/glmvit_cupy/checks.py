@@ -29,6 +29,12 @@ TOKEN_LIMIT = 2**31 - 1  # past any image or video: a larger limit would only ov
 
 RESIZE = ("host", "gpu")  # who resizes: Pillow here, or the GPU bit for bit alike
 
+# The head dims the GPU engine's attention kernels take (engine.attention's SM80_HEAD_DIMS, the Hopper variants'
+# 64 among them): here, so the host half says which towers the GPU would refuse (--inspect) without the engine.
+# attention_sm80.cu takes any multiple of 4 (the axial RoPE's own condition) up to 256 (its registers and shared
+# memory: 169 KB at 256).
+GPU_HEAD_DIMS = range(4, 257, 4)
+
 
 def check_resize(resize) -> str:
     if resize not in RESIZE:

@@ -32,7 +32,8 @@ import warnings
 
 from .. import gpu
 from ..checkpoint.bind import bind_tower, inspect_checkpoint
-from ..checks import DECODE, DEFAULT_MAX_IMAGE_TOKENS, RESIZE, TOKEN_LIMIT, device_list, embedding_problem
+from ..checks import (DECODE, DEFAULT_MAX_IMAGE_TOKENS, GPU_HEAD_DIMS, RESIZE, TOKEN_LIMIT, device_list,
+                      embedding_problem)
 from ..errors import CheckpointError, OutputError
 from ..output import Output, Writer, image_key, key_path, path_text, shown, stamp_of
 from ..preprocessing.image import Patching
@@ -152,8 +153,29 @@ def inspect(path) -> int:
           f"({s['parameters'] / 1e6:.1f} M parameters, {_size(s['bytes'])} BF16)\n"
           f"shards      {', '.join(shown(x) for x in s['shards'])}\ngeometry    depth {g.depth}, hidden {g.hidden_size}, "
           f"heads {g.num_heads}, mlp {g.intermediate_size}, out {g.out_hidden_size}, merger "
-          f"{g.projection_intermediate_size}, patch {g.patch_size}x{g.temporal_patch_size}")
+          f"{g.projection_intermediate_size}, patch {g.patch_size}x{g.temporal_patch_size}, merge "
+          f"{g.spatial_merge_size}x{g.spatial_merge_size}, channels {g.in_channels}")
+    for note in refusals(g):  # the checks above pass, but a later step would refuse: said now, not at that step
+        print(f"refused     {note}")
     return 0
+
+
+def refusals(g) -> list[str]:
+    """What the encoder refuses later of a geometry the load-time checks pass: images and video frames for a tower
+    whose patches are not RGB (Patching.of), the GPU engine for a head dim its attention kernels do not take
+    (engine.attention.default_variants)."""
+    said = []
+    try:
+        Patching.of(g)
+    except ValueError:
+        said.append(f"images and videos: in_channels = {g.in_channels}, but images and video frames are RGB (3 "
+                    "channels), so glmvit-encode, glmvit-serve and encode(images) refuse this tower; only "
+                    "encode_pixels, given pixel_values of that many channels, runs it")
+    if g.head_dim not in GPU_HEAD_DIMS:
+        said.append(f"the GPU: head_dim = {g.hidden_size} / {g.num_heads} = {g.head_dim}, but the GPU engine's "
+                    f"attention kernels take head dims that are multiples of 4 up to {GPU_HEAD_DIMS[-1]}; only the "
+                    "float32 reference runs this tower (glmvit-encode --cpu)")
+    return said
 
 
 def fail(message) -> int:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import GPU_HEAD_DIMS
+
 KEYS_PER_TILE_SM90 = 64   # K/V tile rows of attention_sm90.cu (its BNW)
 KEYS_PER_TILE_SM80 = 64   # and of attention_sm80.cu (its BN)
 
@@ -73,8 +75,8 @@ def padded_head_dim(d: int) -> int:
 
 
 # attention_sm80.cu takes any head dim that is a multiple of 4 (the axial RoPE's own condition) up to
-# 256 (its registers and shared memory: 169 KB at 256).
-SM80_HEAD_DIMS = range(4, 257, 4)
+# 256 (its registers and shared memory: 169 KB at 256): checks.GPU_HEAD_DIMS, which the host half reads too.
+SM80_HEAD_DIMS = GPU_HEAD_DIMS
 
 
 # The measured choices (docs/PERFORMANCE.md): four consumer warpgroups are fastest on long segments
