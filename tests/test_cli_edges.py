@@ -461,25 +461,31 @@ def test_ctrl_c_before_encoding_is_130_and_one_line(folder, tmp_path, monkeypatc
     assert capsys.readouterr().err.strip() == "glmvit-encode: interrupted before anything was encoded"
 
 
-def test_ctrl_c_while_the_command_imports_is_130_and_one_line(folder, tmp_path):
-    """Ctrl-C while glmvit-encode imports (NumPy, Pillow, the checkpoint loader: a second or more from a cold
-    disk) ended in a KeyboardInterrupt traceback from the console script's import line, before main() had a
-    handler. The console script setup.cfg declares runs as pip writes it, its first import of NumPy interrupted."""
+def interrupted_script(name: str, stops_at: str) -> tuple[str, dict]:
+    """Python code running console script `name` as setup.cfg declares it (as pip writes it) with Ctrl-C
+    pressed as it first imports module `stops_at`, and the environment that finds this checkout's package."""
     import configparser
 
     cfg = configparser.ConfigParser()
     cfg.read(os.path.join(SRC, "..", "setup.cfg"))
     scripts = dict(line.split(" = ") for line in cfg["options.entry_points"]["console_scripts"].split("\n") if line)
-    module, function = scripts["glmvit-encode"].split(":")
+    module, function = scripts[name].split(":")
     code = ("import sys\n"
             "class CtrlC:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name == 'numpy':\n"
+            f"        if name == {stops_at!r}:\n"
             "            raise KeyboardInterrupt\n"
             "sys.meta_path.insert(0, CtrlC())\n"
             f"from {module} import {function}\n"
             f"sys.exit({function}())\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    return code, dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+
+
+def test_ctrl_c_while_the_command_imports_is_130_and_one_line(folder, tmp_path):
+    """Ctrl-C while glmvit-encode imports (NumPy, Pillow, the checkpoint loader: a second or more from a cold
+    disk) ended in a KeyboardInterrupt traceback from the console script's import line, before main() had a
+    handler. The console script setup.cfg declares runs as pip writes it, its first import of NumPy interrupted."""
+    code, env = interrupted_script("glmvit-encode", "numpy")
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-c", code, str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"],
                        capture_output=True, text=True, timeout=120, env=env)
@@ -492,21 +498,7 @@ def test_ctrl_c_while_glmvit_serve_imports_is_130_and_one_line(stops_at):
     """glmvit-serve's console script imported glmvit_cupy.serving.main (argparse, socket, threading: a cold disk
     makes it long) on its own import line, before main() had a handler: Ctrl-C there was a traceback. It now
     imports the command inside its entry point, as glmvit-encode's does (the test above): one line, status 130."""
-    import configparser
-
-    cfg = configparser.ConfigParser()
-    cfg.read(os.path.join(SRC, "..", "setup.cfg"))
-    scripts = dict(line.split(" = ") for line in cfg["options.entry_points"]["console_scripts"].split("\n") if line)
-    module, function = scripts["glmvit-serve"].split(":")
-    code = ("import sys\n"
-            "class CtrlC:\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            f"        if name == {stops_at!r}:\n"
-            "            raise KeyboardInterrupt\n"
-            "sys.meta_path.insert(0, CtrlC())\n"
-            f"from {module} import {function}\n"
-            f"sys.exit({function}())\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    code, env = interrupted_script("glmvit-serve", stops_at)
     r = subprocess.run([sys.executable, "-c", code, "--checkpoint", TOWER, "--cpu", "--port", "18377"],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
