@@ -264,6 +264,28 @@ def test_a_fixed_file_a_stopped_run_encoded_is_taken_by_the_next_and_by_the_read
     assert key in read_embeddings(str(out))[1]
 
 
+def test_a_resume_with_other_settings_names_each_setting_and_its_flag(images, tmp_path, capsys):
+    """A folder resumed with other settings is refused naming the setting and the flag that gives it: of the video
+    settings, only the parts that differ (not the whole dict), and for max_image_tokens that --capacity-tokens
+    lowers its default."""
+    out = tmp_path / "out"
+    assert run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu"]) == 0
+    capsys.readouterr()
+    assert run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--video-fps", "4",
+                "--max-frames", "9"]) == 2
+    err = capsys.readouterr().err
+    assert ("was written with video.max_frames = 2048, this run asks for 9 (--max-frames); video.target_fps = 2, "
+            "this run asks for 4.0 (--video-fps) (the settings are recorded in manifest.json)") in err
+    assert "'sample'" not in err and len(err.strip().splitlines()) == 1
+    assert run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--capacity-tokens",
+                "1000"]) == 2
+    assert ("was written with max_image_tokens = 8000, this run asks for 1000 (--max-image-tokens; its default is "
+            "8000, or --capacity-tokens if lower) (the setting is recorded") in capsys.readouterr().err
+    assert run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", out, "--cpu", "--min-image-tokens",
+                "4"]) == 2
+    assert "min_image_tokens = 16, this run asks for 4 (--min-image-tokens)" in capsys.readouterr().err
+
+
 def test_batches_respect_the_token_budget(images, tmp_path):
     out = tmp_path / "out"
     run([images / "a.png", images / "c.jpg", images / "sub", "--checkpoint", cases.TOWER_DIR, "--out", out,

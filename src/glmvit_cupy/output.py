@@ -414,9 +414,16 @@ class Output:
                               f"holds now ({settings[name][:12]}...): one folder holds one tower's embeddings (use "
                               "another --out, or the checkpoint that wrote it)")
         if name is not None:
-            raise OutputError(f"{self.folder} was written with {name} = {header.get(name)!r}, this run asks for "
-                              f"{settings[name]!r} (the setting is recorded in {where}); one folder holds one setting "
-                              "(use another --out, or the same settings to resume)")
+            have, want = header.get(name), settings[name]
+            if isinstance(have, dict) and isinstance(want, dict):  # the video settings: the parts that differ, by flag
+                parts = sorted(k for k in set(have) | set(want) if k not in LIMITS and have.get(k) != want.get(k))
+                differs = [(f"{name}.{k}", have.get(k), want.get(k)) for k in parts] or [(name, have, want)]
+            else:
+                differs = [(name, have, want)]
+            said = "; ".join(f"{n} = {have_!r}, this run asks for {want_!r}{_flag(n)}" for n, have_, want_ in differs)
+            recorded = "the setting is" if len(differs) == 1 else "the settings are"
+            raise OutputError(f"{self.folder} was written with {said} ({recorded} recorded in {where}); one folder "
+                              "holds one setting (use another --out, or the same settings to resume)")
 
     def _resume(self, path, settings):
         try:
@@ -816,6 +823,19 @@ def _difference(header: dict, settings: dict) -> str | None:
         if header.get(name) != value:
             return name
     return None
+
+
+# The glmvit-encode flag that gives each setting a folder records (a video's, under "video."): named where a resume
+# is refused for it.
+FLAGS = {"min_image_tokens": "--min-image-tokens",
+         "max_image_tokens": "--max-image-tokens; its default is 8000, or --capacity-tokens if lower",
+         "video.target_fps": "--video-fps", "video.max_frames": "--max-frames",
+         "video.min_image_tokens": "--min-video-tokens", "video.max_image_tokens": "--max-video-tokens"}
+
+
+def _flag(name: str) -> str:
+    """' (--flag)' for a setting a glmvit-encode flag gives, else ''."""
+    return f" ({FLAGS[name]})" if name in FLAGS else ""
 
 
 def _what_differs(name: str, have, want) -> str:
