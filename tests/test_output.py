@@ -424,6 +424,35 @@ def test_a_damaged_shard_the_manifest_lists_is_encoded_again(tmp_path, cut, capl
     assert "embeddings-00002.safetensors: cannot be read whole" in caplog.text
 
 
+@pytest.mark.parametrize("damage, state", [
+    ("truncate", "embeddings-00002.safetensors cannot be read whole (truncated or damaged)"),
+    ("remove", "embeddings-00002.safetensors is missing"),
+    ("folder", "embeddings-00002.safetensors is a folder, not a file"),
+])
+def test_read_embeddings_blames_a_damaged_shard_not_the_manifest(tmp_path, damage, state):
+    """A listed shard lost or damaged since: read_embeddings names the shard and what is wrong with it, and says
+    that a re-run encodes its files again; it does not call the manifest unreadable (it reads)."""
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=0)
+    out.add_batch(batch(["/img/a"]))
+    out.add_batch(batch(["/img/b"]))
+    out.flush()
+    out._lock.close()
+    path = os.path.join(folder, "embeddings-00002.safetensors")
+    if damage == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(10)
+    else:
+        os.remove(path)
+        if damage == "folder":
+            os.mkdir(path)
+    with pytest.raises(OutputError) as e:
+        read_embeddings(folder)
+    said = str(e.value)
+    assert "'/img/b' names no shard of this folder that reads whole" in said and f"({state})" in said
+    assert "unreadable or not a glmvit-encode manifest" not in said and "re-run glmvit-encode into" in said
+
+
 def test_an_entry_its_shard_does_not_hold_is_not_done(tmp_path):
     folder = str(tmp_path / "o")
     out = Output(folder, SETTINGS, flush_seconds=0)

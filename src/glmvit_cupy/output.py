@@ -802,7 +802,19 @@ def _not_own(folder, key, entry, expect) -> tuple[str, bool]:
         if problem is not None:
             return f"{problem} (in {shard})", False
         return _entry_problem(key, entry, read[1]), True
-    return f"its entry {key!r} names no shard of this folder that reads whole and holds it", False
+    if not isinstance(entry, dict):
+        state = f"the entry is {quoted(entry, 80)}, not an object"
+    elif not (isinstance(shard, str) and SHARD.fullmatch(shard)):
+        state = f"its shard is {quoted(shard, 80)}, not a shard's name"
+    elif not os.path.lexists(os.path.join(folder, shard)):
+        state = f"{shard} is missing"
+    elif (odd := not_regular(os.path.join(folder, shard))) is not None:
+        state = f"{shard} is {odd}, not a file"
+    elif read is None:
+        state = f"{shard} cannot be read whole (truncated or damaged)"
+    else:
+        state = f"{shard} holds no tensor of that name"
+    return f"its entry {key!r} names no shard of this folder that reads whole and holds it ({state})", False
 
 
 def _difference(header: dict, settings: dict) -> str | None:
@@ -884,7 +896,11 @@ def read_embeddings(folder) -> tuple[dict, dict]:
                         f"in {shown(folder)} lists under that name (copied in from another folder?): {why}; put "
                         "back this folder's own shard, or re-run glmvit-encode into the folder: given their files, "
                         "it encodes the images the manifest lists there again")
-                raise ValueError(why)
+                # The manifest reads; what it lists is not there as it says (a shard lost, damaged or swapped since,
+                # or an entry edited): a resume drops such an entry and encodes its file again.
+                raise OutputError(f"{shown(path)}: {shown(why)}; re-run glmvit-encode into {shown(folder)} with the same "
+                                  "inputs (it counts such an entry as not done and encodes its file again), or move "
+                                  f"{MANIFEST} away to read the shards alone")
             listed = {e["shard"] for e in manifest["images"].values()}
         except OutputError:  # a shard, named; the manifest is not to blame
             raise
