@@ -9,6 +9,7 @@ import threading
 import time
 import warnings
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -924,6 +925,21 @@ def test_a_file_that_starts_as_an_image_format_pillow_cannot_open_names_that_for
             preprocess(form)
     with pytest.raises(ImageError, match="not in an image format Pillow reads"):
         preprocess(b"hello, not an image")
+
+
+def test_a_video_file_given_as_an_image_is_said_as_a_video(tmp_path):
+    """An MP4 or WebM under an image's name (or its bytes given as an image) was "not in an image format Pillow
+    reads": it is said to be a video, and how a video is read; an AVIF (an ftyp box too) is still an image."""
+    videos = Path(__file__).parent / "golden" / "video_files"
+    for source, kind in (("h264_2997.mp4", "MP4/QuickTime"), ("vp9_10bit.webm", "Matroska/WebM")):
+        renamed = tmp_path / f"{source}.png"
+        renamed.write_bytes((videos / source).read_bytes())
+        for form in (str(renamed), renamed.read_bytes()):
+            with pytest.raises(ImageError, match=re.escape(f"cannot decode image: it is a video file ({kind}), not an "
+                                                           "image; a video is read as one by its name's extension")):
+                preprocess(form)
+    with pytest.raises(ImageError, match="not in an image format Pillow reads"):
+        preprocess(b"\0\0\0\x18ftypheic" + bytes(20))  # a HEIC's box: an image format Pillow lacks, not a video
 
 
 @pytest.mark.parametrize("resize", ["host", "gpu"])

@@ -93,6 +93,11 @@ def test_files_that_cannot_be_read_are_refused_by_name(tmp_path, monkeypatch):
     (tmp_path / "text.mp4").write_text("not a video at all")
     with pytest.raises(ImageError, match=r"video 0: cannot open '.*text.mp4' as a video"):
         plan_video(tmp_path / "text.mp4")
+    (tmp_path / "empty.mkv").write_bytes(b"")  # FFmpeg's "Invalid data found" named what it is, as for an image
+    with pytest.raises(ImageError, match=r"video 0: '.*empty.mkv' is empty \(0 bytes\); a video file was expected"):
+        plan_video(tmp_path / "empty.mkv")
+    with pytest.raises(ImageError, match=r"video 0: the video file of 0 bytes is empty \(0 bytes\)"):
+        plan_video(video_files.VideoFile(b""))
     short = write(tmp_path / "short.mkv", clip(2), fps=30)
     with pytest.raises(ValueError, match=r"video 1: sample_frames: a 2-frame video at 30\.30[0-9]* fps lasts 0\.066 s, "
                                          r".* gives no frame"):  # mkv's millisecond timestamps: 2 frames in 66 ms

@@ -191,6 +191,21 @@ def _starts_as(image) -> str | None:
     return next((kind for magic, kind in _MAGIC if head.startswith(magic)), None)
 
 
+def _video_kind(image) -> str | None:
+    """The video container an undecodable image file's first bytes name (MP4/QuickTime, Matroska/WebM, AVI), if any:
+    a video under an image's name, said as one."""
+    head = _head(image, 12)
+    if head is None:
+        return None
+    if head[4:8] == b"ftyp" and head[8:12] not in (b"avif", b"avis", b"heic", b"heix", b"mif1", b"msf1"):
+        return "MP4/QuickTime"  # an ftyp box, but not an image's (AVIF, HEIC)
+    if head[:4] == b"\x1a\x45\xdf\xa3":
+        return "Matroska/WebM"
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "AVI"
+    return None
+
+
 def _is_empty(image) -> bool:
     """Whether an image file (its bytes, a path or a seekable file object) holds no bytes at all."""
     return _head(image, 1) == b""
@@ -367,6 +382,11 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
     except Image.UnidentifiedImageError:  # Pillow's own message names only its file object
         if _is_empty(image):
             raise ImageError(f"{name}: the file is empty (0 bytes); an image file was expected") from None
+        video = _video_kind(image)
+        if video:
+            raise ImageError(f"{name}: cannot decode image: it is a video file ({video}), not an image; a video is "
+                             "read as one by its name's extension (.mp4, .mkv, .webm, ...) in glmvit-encode, or with "
+                             "encode_video in Python") from None
         kind = _starts_as(image)
         if kind:
             raise ImageError(f"{name}: cannot decode image: it starts as a {kind} file, but Pillow cannot open it "

@@ -56,6 +56,12 @@ def _open(source, name: str, max_pixels: int | None = None):
         # as the file.
         container = av.open(io.BytesIO(bytes(source)) if is_bytes else os.path.abspath(os.fspath(source)))
     except (av.FFmpegError, OSError, ValueError) as e:
+        try:
+            empty = len(memoryview(source).cast("B")) == 0 if is_bytes else os.path.getsize(source) == 0
+        except (OSError, TypeError, ValueError):
+            empty = False
+        if empty:  # FFmpeg says only "Invalid data found when processing input"
+            raise ImageError(f"{name}: {label} is empty (0 bytes); a video file was expected") from None
         raise ImageError(f"{name}: cannot open {label} as a video ({e})") from None
     if not container.streams.video:
         container.close()
