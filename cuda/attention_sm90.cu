@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) flash_fwd_sm90(const bf16* 
     // for a score over ~120 log2 units past its offset, S again by mma.sync and softmax_tile. No step
     // waits for the warpgroup, so a lazy tile costs a vote and a compare over the fixed-offset kernel's.
     // The 16-row groups count from the segment's start in every variant and batch, so the choice, and
-    // so every bit, depends on the segment alone. O must be free (its last P V done) before online_exact.
+    // so every bit, depends on the segment alone. O must be free (its last P V done) before online_finish.
     auto online_vote = [&](int kvalid, float& r0, float& r1) __attribute__((always_inline)) {
         return __all_sync(0xffffffffu, softmax_tile_lazy<BNW>(s, m0, m1, r0, r1, kvalid, t, scale_log2, live0, live1));
     };
