@@ -52,12 +52,13 @@ def done_paths(out) -> tuple[set, set]:
     that cannot be read (Ray writes under the final name, so a run killed mid-write leaves one cut short;
     or a damaged page) is moved aside as .NAME.unreadable (a hidden name, which Parquet readers pass over),
     saying so: its rows are encoded again. A Parquet file without a text path column is not one of ours:
-    passed over, saying so."""
+    passed over, saying so. Paths held by more than one row (two runs at once where the folder cannot be
+    locked, or a killed run's workers finishing their last writes during a re-run) are counted and said."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     files = glob.glob(os.path.join(out, "*.parquet")) if os.path.isdir(out) else []
-    paths, foreign = set(), set()
+    paths, foreign, rows = set(), set(), 0
     for f in files:
         try:
             schema = pq.read_schema(f)
@@ -67,7 +68,9 @@ def done_paths(out) -> tuple[set, set]:
                       "example's files: passed over")
                 foreign.add(f)
                 continue
-            paths.update(pq.read_table(f, columns=["path"]).column("path").to_pylist())
+            found = [p for p in pq.read_table(f, columns=["path"]).column("path").to_pylist() if p is not None]
+            paths.update(found)
+            rows += len(found)
         except (pa.ArrowException, OSError) as e:  # no footer (cut short), or a damaged page
             why = " ".join(str(e).split())[:160]
             aside = os.path.join(out, f".{os.path.basename(f)}.unreadable")
@@ -78,8 +81,48 @@ def done_paths(out) -> tuple[set, set]:
                                  f"({moved.strerror}): remove it, and re-run") from None
             print(f"ray_encode: {f} cannot be read ({why}); moved aside as {os.path.basename(aside)}, its rows "
                   "are encoded again")
-    paths.discard(None)
+    if rows > len(paths):
+        n = rows - len(paths)
+        print(f"ray_encode: {n} {'row' if n == 1 else 'rows'} of {out} {'repeats' if n == 1 else 'repeat'} a path "
+              "that another row there holds (two runs "
+              "into it at once: a cloud --out, or a file system without locks; or the Ray workers of a killed "
+              "run finishing their last writes during a re-run): the repeats hold the same file's embedding; "
+              "keep one row a path when reading (pandas: drop_duplicates('path'))")
     return paths | {os.path.realpath(p) for p in paths if "://" not in p}, foreign  # other spellings too
+
+
+LOCK = ".ray_encode.lock"  # in --out (a hidden name, which Parquet readers pass over)
+
+
+def lock_out(out):
+    """The open lock file of a local --out, locked (flock) for this run: a second run into the same folder
+    while one writes would encode every file the first has not finished again, so it is refused, naming the
+    pid that holds it. None where no lock file can be made (an --out this user may not write, or a platform
+    without flock); the file, unlocked, where the file system has no locks."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        f = open(os.path.join(out, LOCK), "a+")
+    except OSError:  # an --out this user may not write: what needs writing there fails, saying so
+        return None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise ValueError(f"--out {out} is being written by another ray_encode run (pid {holder}): wait for it to "
+                         "end, then re-run to encode what it left (two runs at once would encode the same files "
+                         "twice), or give another --out") from None
+    except OSError:  # a file system without locks
+        return f
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def main(argv=None) -> int:
@@ -130,7 +173,17 @@ def run(argv) -> int:
         if os.path.lexists(args.out) and not os.path.isdir(args.out):
             raise ValueError(f"--out {args.out} is a file, not a folder; give a folder (it is created if absent)")
         os.makedirs(args.out, exist_ok=True)
+        lock = lock_out(args.out)  # held until this run ends (closed when run returns, or the process dies)
+    else:
+        lock = None
+    try:
+        return encode(args, ray)
+    finally:
+        if lock is not None:
+            lock.close()
 
+
+def encode(args, ray) -> int:
     import glmvit_cupy.ray as gvr
 
     files = local_files(args.input)
@@ -157,9 +210,10 @@ def run(argv) -> int:
     dt = time.perf_counter() - t0
     import pyarrow.parquet as pq
 
-    rows = [r for f in glob.glob(os.path.join(args.out, "*.parquet")) if f not in foreign
-            for r in pq.read_table(f, columns=["path", "error"]).to_pylist() if r["path"] not in done]
-    failed = sum(r["error"] is not None for r in rows)
+    # One a path: a path's repeats (another run's rows of it) are not images of this run.
+    rows = {r["path"]: r["error"] for f in glob.glob(os.path.join(args.out, "*.parquet")) if f not in foreign
+            for r in pq.read_table(f, columns=["path", "error"]).to_pylist() if r["path"] not in done}
+    failed = sum(e is not None for e in rows.values())
     print(f"ray_encode: {len(rows)} images in {dt:.1f} s ({len(rows) / dt:.1f} images/s), {failed} failed; "
           f"{len(done)} were already done; output in {args.out}")
     return 0

@@ -368,3 +368,42 @@ def test_a_video_whose_packets_span_no_time_says_what_the_pipeline_can_do(tmp_pa
            "(target_fps is the rate it samples at): give the file timestamps" in error, error
     assert "-bsf:v 'setts=ts=N/(FPS*TB):duration=1/(FPS*TB)'" in error and "(fps= or duration=)" not in error, error
     assert error.endswith("or encode it with GlmVit.encode_video(path, fps=FPS)"), error
+
+
+def test_example_refuses_a_second_run_into_the_same_out(folder, tmp_path, capsys):
+    """Two runs into one --out at once would each encode every file the other had not finished: the second
+    is refused before Ray starts, naming the pid that holds the folder; once the first ends, it runs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray_encode
+
+    out = tmp_path / "out"
+    out.mkdir()
+    paths = sorted(str(p) for p in folder.iterdir())
+    pq.write_table(pa.table({"path": paths, "error": [None] * len(paths)}), out / "done.parquet")
+    held = ray_encode.lock_out(str(out))
+    try:
+        assert ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out} is being written by another ray_encode run (pid {os.getpid()})" in err, err
+    finally:
+        held.close()
+    assert ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
+    assert "already in" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == [".ray_encode.lock", "done.parquet"]
+    assert len(pq.read_table(out)) == len(paths)  # the lock file is hidden from Parquet readers
+
+
+def test_example_says_when_a_path_is_held_by_several_rows(tmp_path, capsys):
+    """Two runs at once into a folder that cannot be locked write a path twice: the next run counts the
+    repeated rows and says how to read past them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray_encode
+
+    pq.write_table(pa.table({"path": ["/x/a.png", "/x/b.png"]}), tmp_path / "one.parquet")
+    pq.write_table(pa.table({"path": ["/x/b.png", None]}), tmp_path / "two.parquet")
+    done, foreign = ray_encode.done_paths(str(tmp_path))
+    assert {"/x/a.png", "/x/b.png"} <= done and None not in done and not foreign
+    said = capsys.readouterr().out
+    assert f"1 row of {tmp_path} repeats a path" in said and "drop_duplicates('path')" in said, said
