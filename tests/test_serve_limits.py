@@ -382,6 +382,31 @@ def test_a_transfer_coding_other_than_chunked_is_told_what_to_send(server, codin
     assert err.startswith(f"the request is not valid HTTP/1.1 ({says}") and "a chunk is its size" not in err, err
     assert "send one Transfer-Encoding header saying chunked alone" in err, err
 
+def test_an_absolute_form_target_is_served_as_its_path_and_query(server):
+    """GET http://HOST:PORT/health HTTP/1.1 (absolute-form, which a server must accept: RFC 9112 3.2.2) was a 404
+    for the path "http://...": it is served as /health, its query kept, the target's host taking the Host
+    header's place; an absolute URL with no host or with user info, or of another scheme, is a 400 saying so."""
+    _, client = server
+    port = int(client.url.rsplit(":", 1)[1])
+    for target in (b"http://127.0.0.1:%d/health" % port, b"HTTP://elsewhere.example/health"):
+        reply = raw_request(client, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 10.0)
+        assert reply.startswith(b"HTTP/1.1 200") and json.loads(reply.split(b"\r\n\r\n", 1)[1])["status"] == "ok", \
+            (target, reply)
+    body = png(40, 40, 7)
+    reply = raw_request(client, b"POST http://127.0.0.1:%d/v1/encode?max_image_tokens=x HTTP/1.1\r\nHost: x\r\n"
+                                b"Content-Type: image/png\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                        % (port, len(body)) + body, 10.0)
+    assert reply.startswith(b"HTTP/1.1 400") and b"max_image_tokens='x'" in reply, reply  # the query reached it
+    for target, says in ((b"http:///health", "an absolute URL with no host"),
+                         (b"http://u@127.0.0.1/health", "an absolute URL with user info"),
+                         (b"ftp://127.0.0.1/health", "neither a path (/PATH?QUERY) nor an absolute http(s)://")):
+        reply = raw_request(client, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n", 10.0)
+        assert reply.startswith(b"HTTP/1.1 400") and b"connection: close" in reply.lower(), (target, reply)
+        err = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+        assert f"the request target {target!r} is {says}" in err, err
+    assert client.health()["status"] == "ok"
+
+
 def test_a_bad_or_huge_chunk_after_an_early_answer_closes_at_once_without_a_traceback():
     """The rest of a chunked body answered before it was read (/health, a 415, a 404) is read and dropped: a
     malformed chunk there made uvicorn answer a second time, which h11 refused with a traceback in the log

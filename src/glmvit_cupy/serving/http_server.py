@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import signal
 import struct
 import sys
@@ -100,9 +101,32 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
                 raise
             if isinstance(event, h11.Request):
                 self.came = 0
+                if not event.target.startswith(b"/") and event.target != b"*":
+                    event = self.origin_form(event)
             elif isinstance(event, h11.Data):
                 self.came += len(event.data)
             return event
+
+        def origin_form(self, event):
+            """A request whose target is absolute-form (http://HOST[:PORT]/PATH?QUERY), which a server must accept
+            (RFC 9112 3.2.2), as the same request to /PATH?QUERY, its Host the target's authority (the Host header
+            is ignored then, or added for HTTP/1.0); a target that is neither is a RemoteProtocolError (400)."""
+            target = event.target
+            scheme, sep, rest = target.partition(b"://")
+            if not sep or scheme.lower() not in (b"http", b"https"):
+                self.error = h11.RemoteProtocolError(f"the request target {target[:100]!r} is neither a path "
+                                                     "(/PATH?QUERY) nor an absolute http(s)://HOST/PATH URL")
+                raise self.error
+            authority = re.match(rb"[^/?#]*", rest).group()
+            if not authority or b"@" in authority:  # RFC 9110 4.2.1 (an empty host), 4.2.4 (user info)
+                self.error = h11.RemoteProtocolError(f"the request target {target[:100]!r} is an absolute URL with "
+                                                     f"{'user info' if authority else 'no host'}: give http(s)://HOST"
+                                                     "[:PORT]/PATH, or the path alone with a Host header")
+                raise self.error
+            path = rest[len(authority):].partition(b"#")[0]
+            headers = [(name, value) for name, value in event.headers if name != b"host"]
+            return h11.Request(method=event.method, target=path if path.startswith(b"/") else b"/" + path,
+                               headers=[(b"host", authority), *headers], http_version=event.http_version)
 
         @property
         def declared(self) -> int:
