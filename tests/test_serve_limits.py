@@ -342,6 +342,44 @@ def test_a_chunked_body_declaring_more_than_the_limit_is_413_at_once(server, res
     assert metric(client, 'glmvit_requests_total{status="413"}') == before + 1
 
 
+def test_what_a_chunked_body_declares_is_counted_without_h11s_internals():
+    """The bytes a chunked body's size lines declare (the rest of the chunk under way too: a 413 at once, not a
+    wait for them) were read from h11's private ChunkedReader._bytes_in_chunk, and were 0 for an h11 keeping
+    that count under another name. They are read from the bytes fed to h11: here its reader is one whose state
+    is out of sight, called as h11 calls it."""
+    import h11
+
+    from glmvit_cupy.serving.http_server import protocol
+
+    conn = protocol(8, 1.0, None).h11_connection(h11.SERVER)
+
+    def data() -> bytes:
+        got = b""
+        while (event := conn.next_event()) is not h11.NEED_DATA:
+            got += event.data if isinstance(event, h11.Data) else b""
+        return got
+
+    class Opaque:  # h11's reader as h11 uses it (called, read_eof), its own attributes not to be had
+        __slots__ = ()
+
+        def __call__(self, buf):
+            return opaque_reader(buf)
+
+        def read_eof(self):
+            return opaque_reader.read_eof()
+
+    conn.receive_data(CHUNKED + b"5\r\nhel")
+    assert isinstance(conn.next_event(), h11.Request)
+    opaque_reader, conn._reader = conn._reader, Opaque()
+    assert data() == b"hel" and conn.declared == 5  # the rest of the chunk under way counts
+    conn.receive_data(b"lo\r\n1")  # a size line not ended yet does not
+    assert data() == b"lo" and conn.declared == 5
+    conn.receive_data(b"0000000;name=value\r\n{\"images\": [")
+    assert data() == b'{"images": [' and conn.declared == 5 + 0x10000000
+    conn.receive_data(b"x" * (0x10000000 - 12) + b"\r\n0\r\n\r\n")
+    assert len(data()) == 0x10000000 - 12 and conn.their_state is h11.DONE and conn.declared == conn.came
+
+
 @pytest.mark.parametrize("rest, says", [
     (b"-5\r\nhello\r\n0\r\n\r\n", "illegal chunk header"),  # negative
     (b"fffffffffffffffffffff\r\n", "illegal chunk header"),  # 21 hex digits: past h11's most

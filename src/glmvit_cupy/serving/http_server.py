@@ -64,6 +64,44 @@ def _unsent(transport) -> int:
     return left
 
 
+class _Chunks:
+    """What a chunked body's size lines declare in all, read from its bytes as they are fed to h11 (which checks
+    them: a line that is not a size stops the count here, and h11 refuses it). A size line counts once its
+    LF came, as h11 reads it; only its first 64 bytes are kept."""
+
+    __slots__ = ("declared", "left", "line", "state")
+
+    def __init__(self):
+        self.declared, self.left, self.line, self.state = 0, 0, b"", "size"
+
+    def feed(self, data: bytes) -> None:
+        i, n = 0, len(data)
+        while i < n and self.state != "end":
+            if self.state == "data":  # a chunk's bytes
+                take = min(self.left, n - i)
+                self.left, i = self.left - take, i + take
+                if self.left == 0:
+                    self.state = "crlf"
+                continue
+            end = data.find(b"\n", i)
+            if self.state == "size":
+                self.line = (self.line + data[i:n if end < 0 else end])[:64]
+            if end < 0:
+                return
+            i = end + 1
+            if self.state == "crlf":  # the CRLF after a chunk's bytes
+                self.state = "size"
+                continue
+            size = re.match(rb"[0-9A-Fa-f]{1,20}", self.line)
+            self.line = b""
+            if size is None:
+                self.state = "end"
+                return
+            self.left = int(size.group(), 16)
+            self.declared += self.left
+            self.state = "data" if self.left else "end"  # size 0: the last chunk (trailers follow)
+
+
 def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout: float = 60.0,
              body_timeout: float = 60.0, max_body_bytes: int = 64 << 20):
     """uvicorn's h11 protocol with a cap on connections (one over it is answered 503 and closed at once), a
@@ -89,9 +127,16 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
     class Connection(h11.Connection):
         """h11's connection, keeping what uvicorn's handling of it drops: the error that made a request invalid,
         and how many body bytes its chunks declare so far (those that came, and the rest of the chunk under
-        way, which h11 reads as it comes)."""
+        way, which h11 reads as it comes: its size line read by _Chunks from the bytes fed to h11, since h11's
+        events do not give a chunk's size before its bytes)."""
         error = None
         came = 0
+        chunks = None  # the chunked body under way's size lines, read as its bytes are fed
+
+        def receive_data(self, data):
+            if self.chunks is not None:
+                self.chunks.feed(bytes(data))
+            super().receive_data(data)
 
         def next_event(self):
             try:
@@ -101,6 +146,10 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
                 raise
             if isinstance(event, h11.Request):
                 self.came = 0
+                # h11 takes Transfer-Encoding: chunked alone; its body starts with the bytes h11 has not read yet
+                self.chunks = _Chunks() if any(name == b"transfer-encoding" for name, _ in event.headers) else None
+                if self.chunks is not None:
+                    self.chunks.feed(self.trailing_data[0])
                 if not event.target.startswith(b"/") and event.target != b"*":
                     event = self.origin_form(event)
             elif isinstance(event, h11.Data):
@@ -130,11 +179,11 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
 
         @property
         def declared(self) -> int:
-            # h11's ChunkedReader keeps the bytes left of the chunk under way; other readers have no such count
-            return self.came + getattr(self._reader, "_bytes_in_chunk", 0) if self.their_state is h11.SEND_BODY \
-                else self.came
+            return max(self.came, self.chunks.declared) if self.chunks is not None and \
+                self.their_state is h11.SEND_BODY else self.came
 
     class Protocol(H11Protocol):
+        h11_connection = Connection
         refused = False
         headers_timer = None
         reply_timer = None
