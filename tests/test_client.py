@@ -204,7 +204,8 @@ class _Counting:
 
             def do_GET(self):
                 body = json.dumps({"status": "ok", "connection": self.number, "path": self.path,
-                                   "proxy_auth": self.headers.get("Proxy-Authorization")}).encode()
+                                   "proxy_auth": self.headers.get("Proxy-Authorization"),
+                                   "host": self.headers.get("Host")}).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -827,4 +828,54 @@ def test_a_new_connection_closed_without_an_answer_names_the_call_and_the_server
         assert str(e.value).startswith(f"POST /v1/encode to the server at {server.url}: the server closed the "
                                        "connection without answering (Remote end closed connection without response)")
     finally:
+        server.close()
+
+
+def _stuck_lookups(monkeypatch, names: dict):
+    """socket.getaddrinfo as a DNS server that never answers for any host but `names` (host -> the address it
+    stands for, looked up at once): the stuck lookups wait until released (then fail)."""
+    import threading
+
+    release, real = threading.Event(), socket.getaddrinfo
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host in names:
+            return real(names[host], port, *args, **kwargs)
+        release.wait(10)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return release
+
+
+@pytest.mark.parametrize("timeout, total, says", [
+    (0.5, 3600, ": nothing came for 0.5 s (the Client's timeout: the longest wait to connect"),
+    (30, 0.5, " took over 0.5 s in all (the Client's total_timeout)"),
+    (None, 0.5, " took over 0.5 s in all (the Client's total_timeout)"),
+])
+def test_a_name_lookup_that_never_ends_is_bounded_by_the_timeouts(monkeypatch, timeout, total, says):
+    """socket.create_connection waits in getaddrinfo for as long as a DNS server takes not to answer, past
+    timeout and total_timeout: the lookup now ends within them, with the TimeoutError of any other wait; a
+    proxy's name alike. A name looked up in time is still the one the request names (its Host header)."""
+    import time
+
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    server = _Counting()
+    release = _stuck_lookups(monkeypatch, {"glmvit.test": "127.0.0.1"})
+    try:
+        for proxy in (None, "http://stuck-proxy.invalid:3128"):
+            if proxy:
+                monkeypatch.setenv("http_proxy", proxy)
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError, match=re.escape("GET /health to the server at http://stuck.invalid:8000"
+                                                             + says)):
+                Client("http://stuck.invalid:8000", timeout=timeout, total_timeout=total).health()
+            assert time.monotonic() - t0 < 2.0, proxy
+        monkeypatch.delenv("http_proxy")
+        port = server.url.rsplit(":", 1)[1]
+        got = Client(f"http://glmvit.test:{port}", timeout=timeout, total_timeout=total).health()
+        assert got["status"] == "ok" and got["host"] == f"glmvit.test:{port}", got
+    finally:
+        release.set()
         server.close()

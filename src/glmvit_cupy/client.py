@@ -21,6 +21,7 @@ import json
 import numbers
 import os
 import select
+import socket
 import ssl
 import threading
 import time
@@ -340,10 +341,15 @@ class Client:
         p = self._parts
         kind = http.client.HTTPSConnection if p.scheme == "https" else http.client.HTTPConnection
         if self._proxy is None:
-            return kind(p.hostname, p.port, timeout=self.timeout)
-        conn = kind(self._proxy.hostname, self._proxy.port, timeout=self.timeout)
-        if p.scheme == "https":
-            conn.set_tunnel(p.hostname, p.port, headers=self._tunnel_headers)
+            conn = kind(p.hostname, p.port, timeout=self.timeout)
+        else:
+            conn = kind(self._proxy.hostname, self._proxy.port, timeout=self.timeout)
+            if p.scheme == "https":
+                conn.set_tunnel(p.hostname, p.port, headers=self._tunnel_headers)
+        # http.client's hook for opening the socket (its connect() calls it with the connection's timeout, which
+        # _exchange bounds by the call's deadline): the name looked up within that wait too. The connection
+        # keeps the host's name for its Host header and TLS (SNI, the certificate's name).
+        conn._create_connection = _open
         return conn
 
     def _target(self, path: str) -> str:
@@ -355,6 +361,62 @@ class Client:
 
 ROUTES = ("/v1/encode_video", "/v1/encode", "/health", "/metrics")  # glmvit-serve's, which the client appends
 INFORMATIONAL_LIMIT = 64  # 1xx answers read past before the final one; a proxy sends one or two
+
+
+def _open(address, timeout=None, source_address=None) -> socket.socket:
+    """socket.create_connection, but its name lookup too ends within `timeout` (getaddrinfo blocks without a
+    limit of its own on a DNS server that does not answer): looked up on a helper thread, waited on for
+    `timeout`, then each address tried with what is left of it; past it, a TimeoutError, as a connect's own
+    timeout raises. A lookup that outlasts its wait ends on its own thread, its answer dropped."""
+    host, port = address
+    started = time.monotonic()
+    if timeout is None or _numeric(host):  # nothing to wait on: no limit, or no DNS (an address)
+        found = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+    else:
+        answer = []
+        done = threading.Event()
+
+        def look_up():
+            try:
+                answer.append(socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
+            except BaseException as e:  # noqa: BLE001 - the caller's to raise (socket.gaierror, mostly)
+                answer.append(e)
+            done.set()
+
+        threading.Thread(target=look_up, name=f"glmvit-client lookup of {host}", daemon=True).start()
+        if not done.wait(timeout):
+            raise TimeoutError(f"looking up {host} took over {timeout:g} s")
+        if isinstance(answer[0], BaseException):
+            raise answer[0]
+        found = answer[0]
+    error = None
+    for family, kind, proto, _, addr in found:
+        left = None if timeout is None else timeout - (time.monotonic() - started)
+        if left is not None and left <= 0:
+            raise TimeoutError(f"connecting to {host} took over {timeout:g} s")
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left)
+            if source_address:
+                sock.bind(source_address)
+            sock.connect(addr)
+            sock.settimeout(timeout)
+            return sock
+        except OSError as e:
+            sock.close()
+            error = e
+    raise error if error is not None else OSError(f"getaddrinfo found no address for {host}")
+
+
+def _numeric(host: str) -> bool:
+    """Whether a host is an IPv4 or IPv6 address, which getaddrinfo reads without a lookup."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host.split("%", 1)[0])
+            return True
+        except (OSError, ValueError):
+            pass
+    return False
 
 
 def _wait(timeout: float | None, deadline: float | None) -> float | None:
