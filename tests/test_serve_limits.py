@@ -474,6 +474,62 @@ def test_a_bad_or_huge_chunk_after_an_early_answer_closes_at_once_without_a_trac
     assert "Traceback" not in out and "Fatal error" not in out, out
 
 
+def answer_then_send(port: int, head: bytes, more: bytes = b"") -> bytes:
+    """What the server answers to `head` and `more`, both sent whole (or as far as the server takes them) before
+    the answer is read; ConnectionResetError where the server reset the connection instead."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(head)
+            s.sendall(more)
+        reply = b""
+        while got := s.recv(65536):
+            reply += got
+        return reply
+
+
+def test_an_answer_given_while_the_client_still_sends_reaches_it(server):
+    """A header section past h11's limit (16 KiB), or a body whose Content-Length is over --max-body-mib, is
+    answered (400, 413) while the client is still sending: the server closed at once, and the client's next
+    bytes made the kernel reset the connection (RST), the answer lost. The connection lingers: the answer,
+    then the end of the stream, what the client still sends read and dropped."""
+    _, client = server
+    port = int(client.url.rsplit(":", 1)[1])
+    for _ in range(5):
+        reply = answer_then_send(port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (1 << 20) + b"\r\n\r\n")
+        assert reply.startswith(b"HTTP/1.1 400") and b"connection: close" in reply.lower(), reply[:300]
+        assert b"Receive buffer too long" in reply, reply
+        reply = answer_then_send(port, b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                       b"Content-Length: 400000000\r\n\r\n", os.urandom(2 << 20))
+        assert reply.startswith(b"HTTP/1.1 413") and b"--max-body-mib" in reply, reply[:300]
+    assert client.health()["status"] == "ok"
+
+
+@pytest.mark.parametrize("pace", ["flood", "trickle"])
+def test_a_connection_lingering_after_its_answer_is_closed_within_its_bounds(server, pace):
+    """A client that goes on sending after an early answer (here a 400 for headers past the limit) without
+    ever closing is read and dropped for at most LINGER_S seconds and LINGER_BYTES bytes, then closed."""
+    from glmvit_cupy.serving.http_server import LINGER_BYTES, LINGER_S
+
+    _, client = server
+    with socket.create_connection(("127.0.0.1", int(client.url.rsplit(":", 1)[1])), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (64 << 10))
+        t0 = time.monotonic()
+        reply = b""
+        while got := s.recv(65536):  # the answer, then the end of the stream at once: not left for the bound
+            reply += got
+        assert reply.startswith(b"HTTP/1.1 400") and time.monotonic() - t0 < 1.0, reply
+        sent = 0
+        with pytest.raises(OSError):
+            while time.monotonic() - t0 < 30:
+                s.sendall(bytes(1 << 20) if pace == "flood" else b"x")
+                sent += 1 << 20 if pace == "flood" else 1
+                if pace == "trickle":
+                    time.sleep(0.1)
+        assert time.monotonic() - t0 < LINGER_S + 1.5
+        assert sent <= LINGER_BYTES + (32 << 20), sent  # and what the sockets' buffers held
+    assert client.health()["status"] == "ok"
+
+
 def test_headers_that_do_not_arrive_in_time_get_408(server):
     _, client = server
     t0 = time.monotonic()

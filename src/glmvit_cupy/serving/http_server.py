@@ -26,19 +26,38 @@ def log(message: str) -> None:
     sys.stderr.flush()
 
 
+# A connection closed after an answer while its client may still be sending (a request refused before its
+# body or headers were all read, or not valid HTTP/1.1) lingers: its side shut for writing once the answer is
+# out, what the client still sends read and dropped until the client closes, up to these. Closed at once, its
+# socket would be reset (RST) on the client's next bytes, which loses the answer the client has not read yet.
+LINGER_S = 2.0
+LINGER_BYTES = 4 << 20
+
+
 class _Counted:
     """A connection's transport whose write() counts the bytes written: those written less those unsent are what
     the client took. A wrapper, since uvloop's transports (uvicorn's loop where uvloop is installed) do not let
-    write be replaced; every other attribute is the transport's own."""
+    write be replaced; every other attribute is the transport's own. close() is `on_close` (the protocol's
+    close after an answer, which may linger) unless it lingers already or the transport is closing; while it
+    lingers the connection is closing to everything that asks (is_closing)."""
 
-    __slots__ = ("transport", "written")
+    __slots__ = ("lingering", "on_close", "transport", "written")
 
-    def __init__(self, transport):
-        self.transport, self.written = transport, 0
+    def __init__(self, transport, on_close=None):
+        self.transport, self.written, self.on_close, self.lingering = transport, 0, on_close, False
 
     def write(self, data) -> None:
         self.written += len(data)
         self.transport.write(data)
+
+    def close(self) -> None:
+        if self.on_close is None or self.lingering or self.transport.is_closing():
+            self.transport.close()
+        else:
+            self.on_close()
+
+    def is_closing(self) -> bool:
+        return self.lingering or self.transport.is_closing()
 
     def __getattr__(self, name):
         return getattr(self.transport, name)
@@ -103,7 +122,8 @@ class _Chunks:
 
 
 def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout: float = 60.0,
-             body_timeout: float = 60.0, max_body_bytes: int = 64 << 20):
+             body_timeout: float = 60.0, max_body_bytes: int = 64 << 20, linger_s: float = LINGER_S,
+             linger_bytes: int = LINGER_BYTES):
     """uvicorn's h11 protocol with a cap on connections (one over it is answered 503 and closed at once), a
     deadline for each request's headers (408 and closed: uvicorn itself waits for them without end), and
     one for the rest of a body answered before it was read (body_timeout, max_body_bytes: then closed), and
@@ -115,7 +135,10 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
     connection. A chunked body whose chunks declare more than max_body_bytes is refused as soon as a chunk's
     size line says so (413, not a wait for bytes that may never come), and a request that is not valid
     HTTP/1.1 (a malformed chunk, say) gets a JSON 400 naming what h11 found wrong, counted as the encode's
-    status where it was one."""
+    status where it was one. Every answer that closes its connection while the client may still be sending
+    (those, a 408, an app's refusal with Connection: close) lingers (LINGER_S, LINGER_BYTES): up to
+    max_connections connections at once, not counted against that cap (they hold no request); past that,
+    one closes at once."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -182,9 +205,13 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
             return max(self.came, self.chunks.declared) if self.chunks is not None and \
                 self.their_state is h11.SEND_BODY else self.came
 
+    lingering = set()  # connections lingering after their answer: out of uvicorn's set, closing within linger_s
+
     class Protocol(H11Protocol):
         h11_connection = Connection
         refused = False
+        linger_timer = None
+        linger_left = 0  # bytes still read and dropped while lingering
         headers_timer = None
         reply_timer = None
         drop_timer = None  # while the rest of an answered request's body is read and dropped
@@ -205,7 +232,8 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
             super().connection_made(transport)
             metrics.connections.set(len(self.connections))
             self._arm()
-            self.transport = _Counted(transport)  # what the request cycles and the app's replies write through
+            # What the request cycles and the app's replies write through, and close through (_close).
+            self.transport = _Counted(transport, self._close)
 
         def connection_lost(self, exc):
             if self.refused:
@@ -213,22 +241,31 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
             self._disarm()
             self._unarm_reply()
             self._stop_dropping()
+            if self.linger_timer is not None:
+                self.linger_timer.cancel()
+                self.linger_timer = None
+            lingering.discard(self)
             super().connection_lost(exc)
             metrics.connections.set(len(self.connections))
 
         def data_received(self, data):
+            if self.transport.lingering:  # answered and closing: read and dropped, up to linger_bytes
+                self.linger_left -= len(data)
+                if self.linger_left < 0:
+                    self._linger_end()
+                return
             if self.drop_timer is not None:
                 self.dropped += len(data)
                 if self.dropped > max_body_bytes:
                     self._stop_dropping()
-                    self.transport.close()
+                    self.transport.transport.close()  # past the body's limit, long after its answer: no lingering
                     return
             super().data_received(data)
             if self.transport.is_closing():  # answered and closed (a request that is not HTTP: send_400_response)
                 return
             if self.drop_timer is not None and self.conn.declared > max_body_bytes:
                 self._stop_dropping()  # the rest of an answered body declares more than a body may be: not waited on
-                self.transport.close()
+                self.transport.transport.close()
                 return
             if self.drop_timer is not None and self.conn.their_state is not h11.SEND_BODY:
                 self._stop_dropping()  # the answered request's body has all been read and dropped
@@ -257,7 +294,7 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
             answered (the rest of its body being dropped, its reply under way) can be told nothing more: its
             connection just closes (uvicorn's own answer there would raise h11's LocalProtocolError)."""
             if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-                self.transport.close()
+                self.transport.transport.close()
                 return
             why = str(self.conn.error or msg)[:300]
             advice = ("send one Transfer-Encoding header saying chunked alone (or a Content-Length), the body "
@@ -290,7 +327,40 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
         def _drop_late(self):
             self.drop_timer = None
             if self.conn.their_state is h11.SEND_BODY:
-                self.transport.close()
+                self.transport.transport.close()
+
+        def _close(self):
+            """The connection closed after an answer (a 400, a 408, the app's refusal with Connection: close):
+            at once where the client has sent all it meant to (a request read whole, an idle connection), else
+            lingering: the answer sent and this side shut for writing (the client reads the answer, then the
+            end of the stream), what the client still sends read and dropped until it closes, for at most
+            linger_s seconds and linger_bytes bytes (then closed, or aborted where the answer is still unsent).
+            Past max_connections lingering at once, closed at once."""
+            conn, transport = self.conn, self.transport.transport
+            if (conn.their_state not in (h11.SEND_BODY, h11.ERROR) and conn.error is None
+                    and not conn.trailing_data[0]) or len(lingering) >= max_connections:
+                transport.close()
+                return
+            self.transport.lingering = True
+            lingering.add(self)
+            self.connections.discard(self)  # holds no request: not one of the --max-connections, nor drained
+            metrics.connections.set(len(self.connections))
+            self._disarm()
+            self._stop_dropping()
+            self._unset_keepalive_if_required()
+            self.linger_left = linger_bytes
+            self.linger_timer = self.loop.call_later(linger_s, self._linger_end)
+            transport.resume_reading()  # uvicorn pauses reading while a body's bytes wait for the app
+            if transport.can_write_eof():  # once the answer in the buffer is out
+                transport.write_eof()
+
+        def _linger_end(self):
+            self.linger_timer = None
+            transport = self.transport.transport
+            if transport.get_write_buffer_size() > 0:
+                transport.abort()  # a client that neither reads its answer nor stops sending holds nothing more
+            else:
+                transport.close()
 
         def _stop_dropping(self):
             if self.drop_timer is not None:
