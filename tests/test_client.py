@@ -477,11 +477,14 @@ class _Junk:
             with conn:
                 conn.recv(65536)
                 try:
-                    conn.sendall(self.answer)
-                    while self.endless and not self.stop.is_set():
-                        conn.sendall(b"100000\r\n" + b"x" * 0x100000 + b"\r\n")
+                    self._answer(conn)
                 except OSError:
                     pass
+
+    def _answer(self, conn):
+        conn.sendall(self.answer)
+        while self.endless and not self.stop.is_set():
+            conn.sendall(b"100000\r\n" + b"x" * 0x100000 + b"\r\n")
 
     def close(self):
         self.stop.set()
@@ -768,34 +771,20 @@ def test_a_404_for_a_base_url_says_nothing_of_routes(monkeypatch):
     assert e.value.error == "POST /encode/v1/encode: not found; this server has GET /health, POST /v1/encode"
 
 
-class _Resetting:
+class _Resetting(_Junk):
     """A server that reads each request, sends `first` (its answer's start, or nothing) and resets the connection
     (RST: closed with linger 0)."""
 
     def __init__(self, first: bytes = b""):
+        super().__init__(first)
+
+    def _answer(self, conn):
         import struct
-        import threading
         import time
 
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-
-        def serve():
-            while True:
-                try:
-                    conn, _ = self.sock.accept()
-                except OSError:
-                    return
-                with conn:
-                    conn.recv(65536)
-                    conn.sendall(first)
-                    time.sleep(0.2 if first else 0)  # the start read before the reset, not lost to it
-                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-
-        threading.Thread(target=serve, daemon=True).start()
-
-    def close(self):
-        self.sock.close()
+        conn.sendall(self.answer)
+        time.sleep(0.2 if self.answer else 0)  # the start read before the reset, not lost to it
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 @pytest.mark.parametrize("first, says", [
