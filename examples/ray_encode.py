@@ -156,7 +156,12 @@ def run(argv) -> int:
     ap.add_argument("--capacity-tokens", type=int, default=8000, help="tokens per forward pass (default 8000)")
     ap.add_argument("--max-image-tokens", type=int, default=None,
                     help="per-image token limit (default 8000, lowered to --capacity-tokens)")
+    ap.add_argument("--max-pixels", type=int, default=None, metavar="N",
+                    help="pixels an image may have before it is refused as a decompression bomb (default: "
+                         "Pillow's limit, 89,478,485)")
     args = ap.parse_args(argv)
+    if args.max_pixels is not None and args.max_pixels < 1:
+        ap.error(f"--max-pixels {args.max_pixels}: give a positive number of pixels")
     if args.cpu and args.num_gpus is not None:
         ap.error("--num-gpus with --cpu: the float32 reference runs in CPU actors that use no GPU; drop one of them")
     if args.num_gpus is not None and not 0 < args.num_gpus < float("inf"):
@@ -204,7 +209,8 @@ def encode(args, ray) -> int:
     if files is None and done:
         ds = ds.filter(lambda row: row["path"] not in done)
     out = gvr.encode_dataset(ds, args.checkpoint, cpu=args.cpu, num_gpus=args.num_gpus, concurrency=args.concurrency,
-                             capacity_tokens=args.capacity_tokens, max_image_tokens=args.max_image_tokens)
+                             capacity_tokens=args.capacity_tokens, max_image_tokens=args.max_image_tokens,
+                             max_pixels=args.max_pixels)
     t0 = time.perf_counter()
     out.map_batches(gvr.embedding_bytes, batch_format="pandas").write_parquet(args.out)
     dt = time.perf_counter() - t0

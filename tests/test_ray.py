@@ -141,10 +141,24 @@ def test_encode_dataset_checks_its_arguments(local_ray, tmp_path):
 def test_example_refuses_num_gpus_with_cpu(capsys):
     import ray_encode
 
-    for argv, says in ((["--cpu", "--num-gpus", "1"], "--num-gpus with --cpu"), (["--num-gpus", "0"], "above 0")):
+    for argv, says in ((["--cpu", "--num-gpus", "1"], "--num-gpus with --cpu"), (["--num-gpus", "0"], "above 0"),
+                       (["--max-pixels", "0"], "--max-pixels 0: give a positive number of pixels")):
         with pytest.raises(SystemExit) as e:
             ray_encode.main(["imgs", "--checkpoint", TOWER, "--out", "out"] + argv)
         assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_example_passes_max_pixels_to_the_pipeline(local_ray, folder, tmp_path):
+    """--max-pixels is the pipeline's decompression-bomb limit, which its refusals name: a 64 x 64 image (4,096
+    pixels) passes 5,000, the 100 x 150 one (15,000) is a failed row saying why."""
+    import pyarrow.parquet as pq
+    import ray_encode
+
+    out = tmp_path / "out"
+    assert ray_encode.main([str(folder / "img[01].png"), "--checkpoint", TOWER, "--out", str(out), "--cpu",
+                            "--max-pixels", "5000"]) == 0
+    rows = {os.path.basename(r["path"]): r["error"] for r in pq.read_table(out, columns=["path", "error"]).to_pylist()}
+    assert rows["img1.png"] is None and "over the limit of 5,000 pixels" in rows["img0.png"], rows
 
 
 def test_example_writes_parquet_and_resumes(local_ray, folder, tmp_path, capsys):
