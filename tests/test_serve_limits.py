@@ -504,6 +504,27 @@ def test_an_answer_given_while_the_client_still_sends_reaches_it(server):
     assert client.health()["status"] == "ok"
 
 
+def test_an_app_answering_after_the_400_of_a_lingering_connection_logs_no_traceback():
+    """A request h11 took (its handler started: a 404, /health, an encode) whose next bytes are not HTTP (a
+    malformed chunk) is answered 400 by the HTTP layer and lingers, its side shut for writing; the handler's
+    own answer came after that and raised "Cannot call write() after write_eof()" with a traceback in the log,
+    then closed the connection at once. What is written to a lingering connection is dropped."""
+    proc, client = launch()
+    try:
+        port = int(client.url.rsplit(":", 1)[1])
+        for head in (b"GET /nowhere", b"GET /health", b"POST /v1/encode", b"GET /metrics"):
+            reply = answer_then_send(port, head + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                           b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n")
+            assert reply.startswith(b"HTTP/1.1 400") and b"illegal chunk header" in reply, (head, reply)
+            assert reply.count(b"HTTP/1.1 4") == 1, reply  # the one answer (a 404 after it: two)
+        time.sleep(0.5)  # the handlers' answers, after the 400s
+        assert client.health()["status"] == "ok"
+    finally:
+        stop(proc)
+    out = proc.stdout.read()
+    assert "Traceback" not in out and "write_eof" not in out, out
+
+
 @pytest.mark.parametrize("pace", ["flood", "trickle"])
 def test_a_connection_lingering_after_its_answer_is_closed_within_its_bounds(server, pace):
     """A client that goes on sending after an early answer (here a 400 for headers past the limit) without

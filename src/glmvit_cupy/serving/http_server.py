@@ -39,7 +39,8 @@ class _Counted:
     the client took. A wrapper, since uvloop's transports (uvicorn's loop where uvloop is installed) do not let
     write be replaced; every other attribute is the transport's own. close() is `on_close` (the protocol's
     close after an answer, which may linger) unless it lingers already or the transport is closing; while it
-    lingers the connection is closing to everything that asks (is_closing)."""
+    lingers the connection is closing to everything that asks (is_closing), and what is written is dropped: its
+    answer is out, its side shut for writing (an app answering after the HTTP layer's 400 would raise)."""
 
     __slots__ = ("lingering", "on_close", "transport", "written")
 
@@ -47,6 +48,8 @@ class _Counted:
         self.transport, self.written, self.on_close, self.lingering = transport, 0, on_close, False
 
     def write(self, data) -> None:
+        if self.lingering:
+            return
         self.written += len(data)
         self.transport.write(data)
 
