@@ -89,7 +89,9 @@ def _unsent(transport) -> int:
 class _Chunks:
     """What a chunked body's size lines declare in all, read from its bytes as they are fed to h11 (which checks
     them: a line that is not a size stops the count here, and h11 refuses it). A size line counts once its
-    LF came, as h11 reads it; only its first 64 bytes are kept."""
+    LF came, as h11 reads it; only its first 64 bytes are kept. After a chunk's bytes, the next two are its
+    CRLF, skipped as h11 skips them (h11 before 0.16 without looking at them: a line end searched for there
+    instead would take the next size line for them, and miss what it declares)."""
 
     __slots__ = ("declared", "left", "line", "state")
 
@@ -99,21 +101,17 @@ class _Chunks:
     def feed(self, data: bytes) -> None:
         i, n = 0, len(data)
         while i < n and self.state != "end":
-            if self.state == "data":  # a chunk's bytes
+            if self.state in ("data", "crlf"):  # a chunk's bytes, then the two h11 reads after them (its CRLF)
                 take = min(self.left, n - i)
                 self.left, i = self.left - take, i + take
                 if self.left == 0:
-                    self.state = "crlf"
+                    self.state, self.left = ("crlf", 2) if self.state == "data" else ("size", 0)
                 continue
-            end = data.find(b"\n", i)
-            if self.state == "size":
-                self.line = (self.line + data[i:n if end < 0 else end])[:64]
+            end = data.find(b"\n", i)  # a size line
+            self.line = (self.line + data[i:n if end < 0 else end])[:64]
             if end < 0:
                 return
             i = end + 1
-            if self.state == "crlf":  # the CRLF after a chunk's bytes
-                self.state = "size"
-                continue
             size = re.match(rb"[0-9A-Fa-f]{1,20}", self.line)
             self.line = b""
             if size is None:
