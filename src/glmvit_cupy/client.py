@@ -196,18 +196,18 @@ class Client:
         except (ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested past Python's stack
             text = raw[:2000].decode(errors="replace")  # a proxy's page, say: its start says what it is
             raise ServerError(status, text + (f" ... ({len(raw):,} bytes in all)" if len(raw) > 2000 else "")
-                              + (self._doubled() if status == 404 else ""), None) from None
+                              + self._doubled(status), None) from None
         if not isinstance(error, str):
             error = json.dumps(error)[:2000]
         if not isinstance(index, int) or isinstance(index, bool):
             index = None  # glmvit-serve names an image by its position or not at all
-        raise ServerError(status, error + (self._doubled() if status == 404 else ""), index)
+        raise ServerError(status, error + self._doubled(status), index)
 
-    def _doubled(self) -> str:
+    def _doubled(self, status: int) -> str:
         """For a 404: where the URL's path already ends in a route the client appends (Client(".../v1/encode")
         asks for /v1/encode/v1/encode), the advice to give the server's base URL; else nothing. Said on a 404,
         not refused when built: a server may sit under any path, even one that ends so."""
-        for route in ROUTES:
+        for route in ROUTES if status == 404 else ():
             if self._parts.path.endswith(route):
                 return (f"; the Client's URL {self.url} already ends in {route}, which the client adds itself: give "
                         f"Client the server's base URL, {self.url[:-len(route)]}")

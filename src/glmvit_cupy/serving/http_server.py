@@ -62,6 +62,11 @@ class _Counted:
     def is_closing(self) -> bool:
         return self.lingering or self.transport.is_closing()
 
+    def close_now(self) -> None:
+        """Closed without lingering: what the client still sends is past any answer's (a body's rest dropped
+        beyond its limits, long after that answer)."""
+        self.transport.close()
+
     def __getattr__(self, name):
         return getattr(self.transport, name)
 
@@ -259,14 +264,14 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
                 self.dropped += len(data)
                 if self.dropped > max_body_bytes:
                     self._stop_dropping()
-                    self.transport.transport.close()  # past the body's limit, long after its answer: no lingering
+                    self.transport.close_now()  # past the body's limit, long after its answer: no lingering
                     return
             super().data_received(data)
             if self.transport.is_closing():  # answered and closed (a request that is not HTTP: send_400_response)
                 return
             if self.drop_timer is not None and self.conn.declared > max_body_bytes:
                 self._stop_dropping()  # the rest of an answered body declares more than a body may be: not waited on
-                self.transport.transport.close()
+                self.transport.close_now()
                 return
             if self.drop_timer is not None and self.conn.their_state is not h11.SEND_BODY:
                 self._stop_dropping()  # the answered request's body has all been read and dropped
@@ -295,7 +300,7 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
             answered (the rest of its body being dropped, its reply under way) can be told nothing more: its
             connection just closes (uvicorn's own answer there would raise h11's LocalProtocolError)."""
             if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-                self.transport.transport.close()
+                self.transport.close_now()
                 return
             why = str(self.conn.error or msg)[:300]
             advice = ("send one Transfer-Encoding header saying chunked alone (or a Content-Length), the body "
@@ -328,7 +333,7 @@ def protocol(max_connections: int, header_timeout: float, metrics, reply_timeout
         def _drop_late(self):
             self.drop_timer = None
             if self.conn.their_state is h11.SEND_BODY:
-                self.transport.transport.close()
+                self.transport.close_now()
 
         def _close(self):
             """The connection closed after an answer (a 400, a 408, the app's refusal with Connection: close):
