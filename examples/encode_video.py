@@ -13,7 +13,6 @@ with --cpu) the float32 NumPy reference runs on the CPU instead: slowly, and it 
 
 import argparse
 import os
-import re
 import sys
 import time
 
@@ -26,6 +25,7 @@ sys.path.insert(0, HERE)
 from encode_image import PHOTO, check_save, checkpoint, guarded, save  # noqa: E402
 
 from glmvit_cupy import TooShort, bind_tower, gpu, preprocess_video  # noqa: E402
+from glmvit_cupy.checks import in_flags  # noqa: E402
 from glmvit_cupy.preprocessing.decode import load_rgb  # noqa: E402
 from glmvit_cupy.preprocessing.image import Patching  # noqa: E402
 from glmvit_cupy.preprocessing.video import STILL_IMAGES  # noqa: E402
@@ -75,9 +75,8 @@ def run(argv) -> int:
     except ValueError as e:  # the library names its arguments and functions; here they are flags
         if isinstance(e, TooShort):  # its advice names sample=False, which this script has no flag for
             e = e.advised("raise --target-fps")
-        flags = str(e).replace("sample_frames: ", "")  # the library's function, no part of this script
-        flags = flags.replace("max_image_tokens=", "--max-video-tokens ").replace("target_fps=", "--target-fps ")
-        flags = re.sub(r"\bfps=", "--fps ", flags)
+        flags = in_flags(str(e).replace("sample_frames: ", ""),  # the library's function, no part of this script
+                         {"max_image_tokens": "--max-video-tokens", "target_fps": "--target-fps", "fps": "--fps"})
         raise ValueError(flags) from None
     source = args.video or f"{len(frames)} frames"
     rate = f"{info['fps']:g} fps" if info["fps"] else "an unknown frame rate"  # a file's: its container's

@@ -12,6 +12,7 @@ from it); `max_image_tokens` is the per-image resize limit of the reference proc
 from __future__ import annotations
 
 import argparse
+import re
 
 import numpy as np
 
@@ -34,6 +35,12 @@ RESIZE = ("host", "gpu")  # who resizes: Pillow here, or the GPU bit for bit ali
 # attention_sm80.cu takes any multiple of 4 (the axial RoPE's own condition) up to 256 (its registers and shared
 # memory: 169 KB at 256).
 GPU_HEAD_DIMS = range(4, 257, 4)
+
+
+def in_flags(message: str, flags: dict) -> str:
+    """A library message that names its arguments (max_image_tokens=5) said with a command's flags for them
+    instead (--max-video-tokens 5), for the commands and scripts that take those arguments as flags."""
+    return re.sub(r"\b(" + "|".join(map(re.escape, flags)) + r")=", lambda m: flags[m[1]] + " ", message)
 
 
 def check_resize(resize) -> str:

@@ -95,8 +95,8 @@ def planned_videos(paths, workers: int, settings: dict, patching, capacity_token
         except ImageError as e:
             return path, e
         except ValueError as e:  # the sampler's limits are named as the Python API's arguments: here, the flags
-            return path, ValueError(str(e).replace("max_image_tokens=", "--max-video-tokens ")
-                                    .replace("min_image_tokens=", "--min-video-tokens "))
+            return path, ValueError(checks.in_flags(str(e), {"max_image_tokens": "--max-video-tokens",
+                                                             "min_image_tokens": "--min-video-tokens"}))
         entry = {"kind": "video", "source": image_key(path), "sha256": sha, "file": file_stamp(st),
                  "key": vllm_ec.video_key_of_shas([sha], None, None, settings, kind="file"), "size_hw": list(info["size"]),
                  "canvas_hw": list(info["canvas"]), "content": list(info["content"]), "grid_thw": list(grid),
