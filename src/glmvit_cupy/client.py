@@ -272,6 +272,11 @@ class Client:
             conn.close()
             if not isinstance(e, _Late) and self.timeout is not None and (deadline is None or
                                                                           time.monotonic() < deadline):
+                if isinstance(e, _SlowLookup):
+                    raise TimeoutError(f"{method} {path} to the server at {self.url}: looking up the name "
+                                       f"{e.args[0]} took over {self.timeout:g} s (the Client's timeout); the "
+                                       "name server (DNS) is slow or does not answer: check the host name, give "
+                                       "an IP address, or give Client a larger timeout") from None
                 # `timeout`: no part of the answer came in time (the socket's own message is just "timed out")
                 raise TimeoutError(f"{method} {path} to the server at {self.url}: nothing came for {self.timeout:g} s "
                                    "(the Client's timeout: the longest wait to connect, to send, or for the next "
@@ -385,7 +390,7 @@ def _open(address, timeout=None, source_address=None) -> socket.socket:
 
         threading.Thread(target=look_up, name=f"glmvit-client lookup of {host}", daemon=True).start()
         if not done.wait(timeout):
-            raise TimeoutError(f"looking up {host} took over {timeout:g} s")
+            raise _SlowLookup(host)
         if isinstance(answer[0], BaseException):
             raise answer[0]
         found = answer[0]
@@ -431,6 +436,10 @@ def _wait(timeout: float | None, deadline: float | None) -> float | None:
 
 class _Late(TimeoutError):
     """A call's deadline passed (Client.total_timeout); _exchange says which call, and how long it had."""
+
+
+class _SlowLookup(TimeoutError):
+    """The name lookup of args[0] (the server's host or its proxy's) did not end within the wait it had."""
 
 
 class _Overfed(OSError):
