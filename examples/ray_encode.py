@@ -17,6 +17,7 @@ import argparse
 import glob
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -103,10 +104,20 @@ def lock_out(out):
         import fcntl
     except ImportError:
         return None
-    try:
-        f = open(os.path.join(out, LOCK), "a+")
-    except OSError:  # an --out this user may not write: what needs writing there fails, saying so
-        return None
+    path = os.path.join(out, LOCK)
+    try:  # never through a link (it would truncate what it points to), nor waiting on a FIFO for a writer
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    except OSError:
+        if os.path.islink(path) or os.path.isdir(path):
+            raise ValueError(f"{path} is a {'symbolic link' if os.path.islink(path) else 'folder'}, not the lock "
+                             "file ray_encode makes: remove it, or give another --out") from None
+        return None  # an --out this user may not write: what needs writing there fails, saying so
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path} is not a regular file (a FIFO, socket or device), not the lock file ray_encode "
+                         "makes: remove it, or give another --out")
+    os.set_blocking(fd, True)
+    f = os.fdopen(fd, "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -3,6 +3,7 @@ folder with a broken file and a text file named .jpg; outputs equal the referenc
 failures are recorded per row, other columns pass through, and the example resumes."""
 
 import os
+import re
 import sys
 
 import numpy as np
@@ -406,6 +407,34 @@ def test_example_refuses_a_second_run_into_the_same_out(folder, tmp_path, capsys
     assert "already in" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == [".ray_encode.lock", "done.parquet"]
     assert len(pq.read_table(out)) == len(paths)  # the lock file is hidden from Parquet readers
+
+
+def test_example_lock_is_never_a_link_a_fifo_or_a_folder(tmp_path):
+    """The lock file is opened without following a link (it would truncate the file it points to and write a
+    pid there) and without waiting on a FIFO for a writer: each planted under its name is refused, saying
+    what it is, and what it points to keeps its bytes."""
+    import ray_encode
+
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me\n")
+    for plant, says in (("link", "is a symbolic link"), ("fifo", "is not a regular file"), ("folder", "is a folder")):
+        out = tmp_path / plant
+        out.mkdir()
+        lock = out / ray_encode.LOCK
+        if plant == "link":
+            lock.symlink_to(victim)
+        elif plant == "fifo":
+            os.mkfifo(lock)
+        else:
+            lock.mkdir()
+        with pytest.raises(ValueError, match=re.escape(f"{lock} {says}")):
+            ray_encode.lock_out(str(out))
+    assert victim.read_text() == "keep me\n"
+    held = ray_encode.lock_out(str(tmp_path))  # a plain folder: locked, the pid written
+    try:
+        assert (tmp_path / ray_encode.LOCK).read_text() == f"{os.getpid()}\n"
+    finally:
+        held.close()
 
 
 def test_example_says_when_a_path_is_held_by_several_rows(tmp_path, capsys):
