@@ -125,17 +125,25 @@ __device__ __forceinline__ bool softmax_tile_lazy(float* s, float m0, float m1, 
     return (!live0 || r0 <= LAZY_SUM_LIMIT) && (!live1 || r1 <= LAZY_SUM_LIMIT);
 }
 
-// Below this a thread's part of a lazy row sum leaves every P of the row a float that lift_offsets can
-// scale back to [1, 2) by a power of two; at or past it (or inf: a score more than 128 log2 units past
-// its offset, or NaN) S must come again.
+// Below this a thread's part of a lazy row sum leaves every P of the row a finite float that lift_offsets
+// can scale back to 1; at or past it (or inf: a score more than 128 log2 units past its offset, or NaN)
+// S must come again.
 #define LIFT_SUM_LIMIT 0x1p120f
 
+// log2(x) on the special-function unit (absolute error ~2^-22 for x in [1, 2^120]).
+__device__ __forceinline__ float lg2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // The exact step from a lazy tile's P, where the warp's vote failed but every P is a float (this
-// thread's r0, r1 < LIFT_SUM_LIMIT on live rows): each row's offset rises by e, the exponent of its
-// largest P (0 where that is below 2), and its P, l and NACC floats of O scale by 2^-e, which is exact.
-// A row whose largest P reached 2 then has it in [1, 2) (softmax_tile makes it 1: bf16's rounding of
-// it is what this step adds to the error on sharp rows); the others stay as they are. The warp needs
-// neither S again nor its warpgroup: no barrier a tile. Then P is packed as softmax_tile packs it.
+// thread's r0, r1 < LIFT_SUM_LIMIT on live rows): each row whose largest P passed 1 moves its offset up
+// to that P's score (by lg2 of it) and scales its P, l and NACC floats of O by ex2 of the offset's
+// change, as softmax_tile does with the new max: its largest P becomes 1 to float rounding (bf16 packs
+// it as exactly 1), so a row one key dominates gets that key's v exactly. The others stay as they are.
+// The warp needs neither S again nor its warpgroup: no barrier a tile. Then P is packed as softmax_tile
+// packs it.
 template <int BNW, int NACC>
 __device__ __forceinline__ void lift_offsets(float* s, unsigned (*pa)[4], float* acc, float& m0, float& m1,
                                              float& l0, float& l1, float r0, float r1) {
@@ -149,12 +157,12 @@ __device__ __forceinline__ void lift_offsets(float* s, unsigned (*pa)[4], float*
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    // A row not live may hold inf or NaN: its exponent is clamped, and its output is never stored.
-    const int e0 = min(max((__float_as_int(mx0) >> 23) - 127, 0), 126);
-    const int e1 = min(max((__float_as_int(mx1) >> 23) - 127, 0), 126);
-    const float f0 = __int_as_float((127 - e0) << 23), f1 = __int_as_float((127 - e1) << 23);
-    m0 += static_cast<float>(e0);
-    m1 += static_cast<float>(e1);
+    // A row not live may hold inf or NaN (the compares are false): it stays put, and is never stored.
+    const float n0 = mx0 > 1.f && mx0 <= 0x1p127f ? m0 + lg2(mx0) : m0;
+    const float n1 = mx1 > 1.f && mx1 <= 0x1p127f ? m1 + lg2(mx1) : m1;
+    const float f0 = ex2(m0 - n0), f1 = ex2(m1 - n1);  // from the rounded offsets, as softmax_tile's c0, c1
+    m0 = n0;
+    m1 = n1;
     l0 = l0 * f0 + r0 * f0;
     l1 = l1 * f1 + r1 * f1;
 #pragma unroll

@@ -584,6 +584,32 @@ def test_attention_online_votes_per_warp(variant):
     assert rel(got.astype(np.float32).reshape(q.shape)[sharp], ref) <= ATTN_TOL
 
 
+@pytest.mark.parametrize("log2_units,low", [(100.0, 0.5), (300.0, 0.2)])
+@pytest.mark.parametrize("variant", [name for name in D64 if VARIANTS[name].online])
+def test_attention_one_dominant_key_gives_its_v_exactly(variant, log2_units, low):
+    """A row that one key dominates by 40+ log2 units must come out as that key's v, bit for bit: the
+    exact step moves the row's offset to the key's score, so its P is 1, which bf16 holds exactly (an
+    offset moved by a power of two would leave that P in [1, 2), which bf16 rounds up to 2^-9 off). The
+    key lies in a later, full tile of a 700-row segment and in the last, partial tile of a 200-row one,
+    with NaN in every row past that segment. Its score is `log2_units` above 0 for even rows and `low`
+    of that for odd ones, so every warp mixes both: 100 / 50 lifts the offsets from P (lift_offsets);
+    300 / 60 runs the warp's S again (warp_qk) for all its rows."""
+    heads, lengths, n = 4, [700, 200], 960
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    keys = [5 * 64 + 17, 700 + 3 * 64 + 3]  # tile 5 of the first segment; the second's last, 8-key tile
+    u = rng.standard_normal((heads, 64))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    q = 8 * u * np.where(np.arange(n) % 2, low, 1.0)[:, None, None]
+    k, val = rng.standard_normal((n, heads, 64)), rng.standard_normal((n, heads, 64))
+    k[keys] = log2_units / math.log2(math.e) * u  # q . k * log2(e) / 8 = log2_units for an even row
+    q, k, val = (a.astype(BF) for a in (q, k, val))
+    for a in (q, k, val):
+        a[cu[-1]:] = np.nan
+    got = attend(variant, q, k, val, cu, heads).view(np.uint16).reshape(n, heads, 64)
+    for a, b, key in zip(cu[:-1], cu[1:], keys):
+        assert np.array_equal(got[a:b], np.broadcast_to(val[key].view(np.uint16), (b - a, heads, 64))), (a, b)
+
+
 @pytest.mark.skipif(not SM90, reason="GPU test: the per-shape choice is between sm_90a kernels")
 def test_default_variants_agree_bit_for_bit():
     """The model picks a variant per input shape, so an image batched with others may run on a
