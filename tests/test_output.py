@@ -1,16 +1,19 @@
 """glmvit-encode's output folder: shards that name their own images, a manifest rewritten at most every few
 seconds, and nothing finished lost when a run stops before its manifest caught up."""
 
+import errno
 import json
+import logging
 import os
 import re
+import shutil
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from glmvit_cupy.errors import OutputError
-from glmvit_cupy.output import LOCK, LOST, MANIFEST, Output, read_embeddings
+from glmvit_cupy.output import LOCK, LOST, MANIFEST, Output, file_stamp, read_embeddings
 from tests.conftest import module_rng, said_within
 
 SETTINGS = {"checkpoint": "/models/x", "min_image_tokens": 16, "max_image_tokens": 1024}
@@ -1061,3 +1064,165 @@ def test_a_folder_copied_whole_is_its_own_and_resumes(tmp_path):
     resumed = Output(copy, SETTINGS)
     assert resumed.done("/img/a") and resumed.done("/img/b")
     assert resumed.manifest["header"]["folder_id"] == manifest["header"]["folder_id"]
+
+
+# -- unlucky folders: a shard that cannot be opened for now, a folder that cannot be listed, a stale sibling --
+
+def _embedding(seed):
+    return np.random.default_rng(seed).standard_normal((3, 8)).astype(ml_dtypes.bfloat16)
+
+
+def _stamped_entry(stamp):
+    return {"tokens": 3, "grid_thw": [1, 2, 6], "file": stamp}
+
+
+def test_a_shard_that_cannot_be_opened_for_a_moment_is_not_dropped_for_good(tmp_path, monkeypatch):
+    """A listed shard, whole, that a resume cannot open for now (EACCES: shards another user wrote under umask 077;
+    EIO on a network mount) stops the run with an OutputError naming it; its entries are never dropped as lost,
+    which, once the shard read again, would leave its images out of read_embeddings and the resume for good
+    wherever their input files are no longer reachable."""
+    import safetensors
+
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=0)
+    out.add_batch(batch(["/img/a", "/img/b"]))
+    out._lock.close()
+    real = safetensors.safe_open
+
+    def denied(path, *a, **k):
+        if str(path).endswith("embeddings-00001.safetensors"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(safetensors, "safe_open", denied)
+    for call in (lambda: Output(folder, SETTINGS, flush_seconds=0), lambda: read_embeddings(folder)):
+        with pytest.raises(OutputError) as refused:
+            call()
+        said = str(refused.value)
+        assert said.startswith("cannot open ") and "embeddings-00001.safetensors" in said, said
+        assert "Permission denied" in said and "make it readable" in said, said
+    monkeypatch.setattr(safetensors, "safe_open", real)  # the shard reads again
+    assert {"/img/a", "/img/b"} <= set(read_embeddings(folder)[1])
+    again = Output(folder, SETTINGS)
+    assert again.done("/img/a") and again.done("/img/b")
+
+
+@pytest.mark.parametrize("how", ["restored", "sibling"])
+def test_the_reader_never_gives_an_embedding_the_resume_rejects_as_another_files(tmp_path, how):
+    """An unlisted shard holding a key's embedding of another version of the file than the one there now (its
+    recorded stamp differs) is passed over by read_embeddings as by a resume, which keep the manifest's:
+    `restored` - the file was changed, encoded again by a run stopped before its manifest caught up, then restored
+    from a backup with its time kept (cp -p, rsync -a); `sibling` - a whole copy of the folder (the same folder_id)
+    encoded its own, different file at that path, and its shard was copied in under a new number. Taking it would
+    give the embedding of content the file no longer (or never) had, against the manifest on disk."""
+    img = tmp_path / "a.jpg"
+    img.write_bytes(b"version 1")
+    st = os.stat(img)
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=3600)
+    mine = _embedding(1)
+    out.add_batch([(str(img), _stamped_entry(file_stamp(st)), mine)])
+    out.flush()
+    other = [len(b"another version"), st.st_mtime_ns + 10**9]
+    if how == "restored":
+        out.add_batch([(str(img), _stamped_entry(other), _embedding(2))])  # shard 2, unlisted: the run stopped here
+        out._lock.close()
+    else:
+        out._lock.close()
+        copy = str(tmp_path / "copy")
+        shutil.copytree(folder, copy)
+        theirs = Output(copy, SETTINGS, flush_seconds=0)
+        theirs.add_batch([(str(img), _stamped_entry(other), _embedding(2))])  # the copy's own file at that path
+        theirs._lock.close()
+        shutil.copy(os.path.join(copy, "embeddings-00002.safetensors"),
+                    os.path.join(folder, "embeddings-00007.safetensors"))
+    assert file_stamp(os.stat(img)) == file_stamp(st)  # the file there is the one shard 1 encoded
+    resumed = Output(folder, SETTINGS, flush_seconds=0)
+    assert resumed.done(str(img), file_stamp(os.stat(img)))
+    assert resumed.manifest["images"][str(img)]["shard"] == "embeddings-00001.safetensors"
+    resumed.flush()
+    resumed._lock.close()
+    manifest, embs = read_embeddings(folder)
+    assert manifest["images"][str(img)]["shard"] == "embeddings-00001.safetensors"
+    assert np.array_equal(embs[str(img)].view(np.uint16), mine.view(np.uint16))
+
+
+@pytest.mark.parametrize("manifest", [True, False])
+def test_the_reader_names_an_unlisted_shard_it_cannot_read(tmp_path, caplog, manifest):
+    """An unlisted shard (a stopped run's; or every shard, with the manifest moved away as the reader's own message
+    advises) that is damaged is named, in a warning or an OutputError: a caller told nothing would take fewer
+    embeddings than the folder holds for all of them."""
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=3600)
+    out.add_batch(batch(["/img/a"]))
+    out.flush()
+    out.add_batch(batch(["/img/b", "/img/c"]))  # unlisted: the run stopped before its manifest caught up
+    out._lock.close()
+    if not manifest:
+        os.remove(os.path.join(folder, MANIFEST))
+    shard = os.path.join(folder, "embeddings-00002.safetensors")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) - 1)
+    with caplog.at_level(logging.WARNING, logger="glmvit_cupy"):
+        try:
+            read_embeddings(folder)
+        except OutputError as e:
+            assert "embeddings-00002.safetensors" in str(e)
+            return
+    assert "embeddings-00002.safetensors" in caplog.text, "two images left out without a word"
+
+
+@pytest.mark.parametrize("call", ["read_embeddings", "Output"])
+def test_a_folder_that_cannot_be_listed_is_an_output_error(tmp_path, monkeypatch, call):
+    """--out (or the folder read) that can be entered but not listed (chmod a-r, as a non-root user; or EIO) is an
+    OutputError naming it, which glmvit-encode reports in one line, not a PermissionError's traceback."""
+    folder = str(tmp_path / "o")
+    out = Output(folder, SETTINGS, flush_seconds=0)
+    out.add_batch(batch(["/img/a"]))
+    out._lock.close()
+    real = os.listdir
+
+    def listdir(path="."):
+        if os.path.abspath(path) == folder:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    with pytest.raises(OutputError):
+        read_embeddings(folder) if call == "read_embeddings" else Output(folder, SETTINGS)
+
+
+def test_a_refused_run_unlinks_the_lock_file_it_made_while_it_holds_it(tmp_path, monkeypatch):
+    """A run refused after locking a folder that had no lock file (one the user made) removes the file it made,
+    and does so while it still holds the lock. Closed first, a run that took the lock between the close and the
+    unlink would hold it on an unlinked file; a third run would make a new lock file, lock it and write the folder
+    beside the second: both writing shard 2, the last manifest written winning. discard() likewise."""
+    import glmvit_cupy.output as output
+
+    folder = str(tmp_path / "o")
+    first = Output(folder, SETTINGS, flush_seconds=0)
+    first.add_batch(batch(["/img/a"]))
+    first._lock.close()
+    os.remove(os.path.join(folder, LOCK))
+    events = []
+    real_lock, real_unlink = output._lock_folder, os.unlink
+
+    def lock_folder(path):
+        f = real_lock(path)
+        close = f.close
+        f.close = lambda: (events.append("close"), close())
+        return f
+
+    def unlink(path, *a, **k):
+        if str(path).endswith(LOCK):
+            events.append("unlink")
+        return real_unlink(path, *a, **k)
+
+    monkeypatch.setattr(output, "_lock_folder", lock_folder)
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(OutputError, match="max_image_tokens"):
+        Output(folder, dict(SETTINGS, max_image_tokens=64))
+    assert events == ["unlink", "close"] and not os.path.lexists(os.path.join(folder, LOCK))
+    events.clear()
+    Output(str(tmp_path / "new"), SETTINGS).discard()
+    assert events == ["unlink", "close"] and not os.path.exists(tmp_path / "new")

@@ -167,6 +167,14 @@ def _still(key: str, entry: dict, unknown: bool = True) -> bool:
     return entry["file"] == now
 
 
+def _current(images: dict, failed) -> dict:
+    """Of an unlisted shard's entries, those a resume and read_embeddings take: each of the file as it is now (its
+    stamp the file's, or taken as it is where the file cannot be reached), and a key the manifest records as
+    failed only where the stamp is the file's now: a file that failed and is gone since (deleted, its mount away)
+    has no stamp, and its older shard would bring back its old embedding."""
+    return {k: e for k, e in images.items() if _still(k, e, unknown=k not in failed)}
+
+
 def _newer(entries: dict, found: dict) -> list:
     """found's entries (keys of one shard) put into `entries` where that shard is later than the one the key's
     entry names (a file encoded again is in a later shard, and an older shard still holds its old
@@ -210,7 +218,7 @@ def shard_entries(folder: str, skip=()) -> dict[str, tuple[dict, dict]]:
     from safetensors import safe_open
 
     out = {}
-    for name in sorted(os.listdir(folder), key=_shard_number):
+    for name in sorted(_listed(folder), key=_shard_number):
         path = os.path.join(folder, name)
         if not SHARD.match(name) or name in skip or not_regular(path):  # a FIFO named like one is never opened
             continue
@@ -224,10 +232,24 @@ def shard_entries(folder: str, skip=()) -> dict[str, tuple[dict, dict]]:
             entries = {k: dict(v, shard=name) for k, v in images.items() if k in tensors}  # TypeError: not ours
             entries = {k: e for k, e in entries.items()  # only what the shard holds as its entry describes it
                        if _embedding_problem(k, e, tensors[k], _expect(header)) is None}
-        except Exception:  # no metadata (an older run's shard, listed in its manifest), unreadable, or not ours
+        except Exception as e:  # no metadata (an older run's shard, listed in its manifest), unreadable, or not ours
+            log.warning("%s: cannot be read whole (truncated or damaged: %s), or its metadata does not name its "
+                        "images; none of them is taken from it (a resume encodes them again)", path,
+                        " ".join(str(e).split())[:160] or type(e).__name__)
             continue
         out[name] = (header, entries)
     return out
+
+
+def _listed(folder: str) -> list[str]:
+    """The names in `folder`, or OutputError saying why it cannot be listed (no read permission, an I/O error):
+    which shards it holds decides what is done."""
+    try:
+        return os.listdir(folder)
+    except OSError as e:
+        raise OutputError(f"cannot list the output folder {shown(folder)}: {_reason(e)}; glmvit-encode reads which "
+                          "shards it holds to know what is done: make it readable (chmod u+r), or give another "
+                          "--out") from None
 
 
 def _counted_shards(names: list) -> str:
@@ -356,15 +378,15 @@ class Output:
                 self.flush()
         except BaseException:
             if self._lock is not None:
-                self._lock.close()
-                if made:
+                if made:  # while still locked: a run that locks it after the close must not lose it to this unlink
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(folder, LOCK))
+                self._lock.close()
             raise
         # Past every shard here (a leftover .tmp's number too) and every one the manifest on disk names: a shard
         # lost since keeps its name until the manifest no longer lists it, else a run stopped before its manifest
         # caught up would leave another shard under a name the manifest lists for other entries.
-        self.next_shard = max([0, self._named, *map(_shard_number, os.listdir(folder))]) + 1
+        self.next_shard = max([0, self._named, *map(_shard_number, _listed(folder))]) + 1
         self._clear_temporaries()
         if self.next_shard > LAST_SHARD:
             raise OutputError(f"{shown(folder)} holds shard {LAST_SHARD:,}, the last number a shard may have; "
@@ -401,9 +423,10 @@ class Output:
 
     def discard(self) -> None:
         """Remove the folder this Output made, before anything was written to it (its lock file alone)."""
+        with contextlib.suppress(OSError):  # unlinked while still locked, as __init__ does on a refusal
+            os.unlink(os.path.join(self.folder, LOCK))
         self._lock.close()
         with contextlib.suppress(OSError):  # something else put there meanwhile stays, and so does the folder
-            os.unlink(os.path.join(self.folder, LOCK))
             os.rmdir(self.folder)
 
     def _check(self, header: dict, settings: dict, where: str):
@@ -493,11 +516,7 @@ class Output:
         failed = self.manifest["failed"]
         changed = False
         for name, (header, images) in found.items():
-            # Not a file's embedding from before it changed. A key the manifest records as failed is taken only where
-            # the entry's stamp is the file's now, as read_embeddings takes it: a file that failed and is gone since
-            # (deleted, its mount away) has no stamp, and its older shard would bring back its old embedding.
-            current = {k: e for k, e in images.items() if _still(k, e, unknown=k not in failed)}
-            for key in _newer(self.manifest["images"], current):
+            for key in _newer(self.manifest["images"], _current(images, failed)):  # as read_embeddings takes them
                 self.manifest["failed"].pop(key, None)
                 changed = True
         self._dirty = self._dirty or changed
@@ -678,7 +697,16 @@ def _shard_tensors(path) -> tuple[dict, dict | None] | None:
                     and isinstance(meta.get("images"), dict)):
                 return None
         return tensors, meta
-    except Exception:  # SafetensorError (damaged), OSError (missing), ValueError (metadata): either way, not done
+    except FileNotFoundError:  # missing: not done
+        return None
+    except OSError as e:  # no permission, an I/O error: the shard may well be whole; dropping it would lose it
+        if os.path.isdir(path):  # a folder in its place: not a shard
+            return None
+        raise OutputError(f"cannot open {shown(path)}: {_reason(e)}; glmvit-encode reads every shard to know which "
+                          "images are done and drops none it cannot open for a reason that may pass: make it "
+                          "readable (chmod u+r, or check the mount), or move it away so that its images are encoded "
+                          "again") from None
+    except Exception:  # SafetensorError (damaged), ValueError (metadata): not done
         return None
 
 
@@ -939,11 +967,8 @@ def read_embeddings(folder) -> tuple[dict, dict]:
         else:
             where = "shards record none"
     for shard, (header, images) in _this_folders(folder, found, own, where).items():
-        # A key the manifest records as failed is taken from an unlisted shard only where the entry's stamp is the
-        # file's now (encoded after it was fixed); else that is its embedding from before it changed and failed.
         failed = manifest.get("failed", {})
-        for key in _newer(manifest["images"],
-                          {k: e for k, e in images.items() if k not in failed or _still(k, e, unknown=False)}):
+        for key in _newer(manifest["images"], _current(images, failed)):  # what a resume takes, and only that
             failed.pop(key, None)
     by_shard = {shard: load_file(os.path.join(folder, shard))
                 for shard in sorted({e["shard"] for e in manifest["images"].values()})}
