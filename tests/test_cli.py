@@ -477,6 +477,30 @@ def test_min_image_tokens_zero_is_no_minimum(images, tmp_path, capsys, rng):
         assert entry["tokens"] == tokens
 
 
+def test_a_capacity_below_the_default_image_limit_is_said_to_lower_it(images, tmp_path, capsys):
+    """--capacity-tokens below 8000 lowers --max-image-tokens' default, which changes the embeddings of larger
+    images: said on stderr, naming both flags; not said where --max-image-tokens is given or not lowered."""
+    said = "images of over 100 tokens are resized down to fit one pass (--max-image-tokens defaults to " \
+           "--capacity-tokens 100 where that is below 8000); give --max-image-tokens to set it"
+    assert run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "a", "--cpu",
+                "--capacity-tokens", 100]) == 0
+    assert said in capsys.readouterr().err
+    for more in (["--max-image-tokens", 100], []):
+        assert run([images / "a.png", "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / f"b{len(more)}", "--cpu",
+                    "--capacity-tokens", 100 if more else 8000, *more]) == 0
+        assert "resized down to fit one pass" not in capsys.readouterr().err
+
+
+def test_both_commands_say_their_version(capsys):
+    from glmvit_cupy import __version__
+    from glmvit_cupy.serving.main import parser as serve_parser
+
+    for parse, prog in ((cli.parse, "glmvit-encode"), (serve_parser().parse_args, "glmvit-serve")):
+        with pytest.raises(SystemExit) as done:
+            parse(["--version"])
+        assert done.value.code == 0 and capsys.readouterr().out == f"{prog} {__version__}\n"
+
+
 def test_devices_flag_parses_ordinals():
     assert cli.parse(["--devices", "0,1"]).devices == [0, 1]
     assert cli.parse(["--devices", "3"]).devices == [3]

@@ -30,7 +30,7 @@ import threading
 import time
 import warnings
 
-from .. import gpu
+from .. import __version__, gpu
 from ..checkpoint.bind import bind_tower, inspect_checkpoint
 from ..checks import (DECODE, DEFAULT_MAX_IMAGE_TOKENS, GPU_HEAD_DIMS, RESIZE, TOKEN_LIMIT, device_list,
                       embedding_problem)
@@ -67,6 +67,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="glmvit-encode", description=__doc__, epilog=EXIT_STATUS,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="*", help="image and video files, folders (walked for both) or globs")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("--checkpoint", help="checkpoint folder, shard or index, or Hub id (org/name)")
     ap.add_argument("--out", help="output folder (created; re-running the same command resumes)")
     ap.add_argument("--inspect", metavar="CHECKPOINT", help="print what the load-time checks find, then exit")
@@ -460,6 +461,10 @@ def token_limits(args) -> str | None:
     given = args.max_image_tokens is not None
     if not given:
         args.max_image_tokens = min(DEFAULT_MAX_IMAGE_TOKENS, args.capacity_tokens)
+        if args.max_image_tokens < DEFAULT_MAX_IMAGE_TOKENS:  # it changes the embeddings: said, not done quietly
+            print(f"glmvit-encode: images of over {args.max_image_tokens} tokens are resized down to fit one pass "
+                  f"(--max-image-tokens defaults to --capacity-tokens {args.capacity_tokens} where that is below "
+                  f"{DEFAULT_MAX_IMAGE_TOKENS}); give --max-image-tokens to set it", file=sys.stderr)
     elif args.max_image_tokens > args.capacity_tokens:
         return (f"--max-image-tokens {args.max_image_tokens} is above --capacity-tokens {args.capacity_tokens}: the "
                 "largest image must fit one pass; lower --max-image-tokens or raise --capacity-tokens")

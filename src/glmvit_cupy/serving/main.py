@@ -20,6 +20,8 @@ import threading
 import time
 import warnings
 
+from .. import __version__
+
 MAX_CONNECTIONS = 512
 MAX_WORKERS = 256
 BACKLOG = 2048  # connections the kernel holds for accepting (uvicorn's default)
@@ -39,6 +41,7 @@ EXIT_STATUS = """exit status:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="glmvit-serve", description=__doc__, epilog=EXIT_STATUS,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("--checkpoint", required=True, help="checkpoint folder, shard or index, or Hub id (org/name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
