@@ -761,3 +761,25 @@ def test_a_folder_without_an_index_missing_a_numbered_shard_names_that_shard(tmp
     assert f"FOLDER holds 2 of the 3 shards their names count: no {gone}; a shard is missing" in said, said
     assert "does not describe" not in said and "index" not in said, said
     assert not isinstance(e.value, AbsentTower)
+
+
+def test_embeddings_given_as_a_checkpoint_are_named_as_such(tmp_path):
+    """glmvit-encode's output folder (manifest.json and shards), or an embeddings .safetensors file with no
+    config.json beside it, given where a checkpoint goes: the error says what was given, not only that a
+    config.json is missing from a folder the user never named."""
+    from safetensors.numpy import save_file
+
+    out = tmp_path / "embeddings"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")
+    save_file({"a.jpg": np.zeros((4, 8), np.float32)}, str(out / "embeddings-00001.safetensors"))
+    with pytest.raises(CheckpointError, match=re.escape(f"{out}: a folder of embeddings (glmvit-encode's output")):
+        bind_tower(out)
+    lone = tmp_path / "answer.safetensors"
+    save_file({"embeddings": np.zeros((4, 8), np.float32)}, str(lone))
+    for given in (lone, out / "embeddings-00001.safetensors"):
+        with pytest.raises(CheckpointError, match=re.escape(f"{given}: no config.json beside it, so it is not a shard")):
+            bind_tower(given)
+    for given in (lone, out):
+        with pytest.raises(CheckpointError, match="a Hub id"):
+            inspect_checkpoint(given)

@@ -222,6 +222,22 @@ def _refuse_towers_elsewhere(path: str, store: WeightStore, geo: VisionGeometry)
         f"(e.g. 'model.visual.patch_embed.proj.weight') and save the checkpoint again")
 
 
+def _geometry_beside(folder: str, given: str):
+    """read_config(folder), where the checkpoint `given` (that folder, or a file in it) has its config.json; where
+    there is none, an error that says what was given instead: an output folder of embeddings, or a lone file."""
+    if not os.path.lexists(os.path.join(folder, "config.json")):
+        if os.path.isdir(given) and os.path.isfile(os.path.join(given, "manifest.json")):
+            raise CheckpointError(f"{given}: a folder of embeddings (glmvit-encode's output: manifest.json and "
+                                  "shards), not a checkpoint; give the checkpoint's folder (config.json and "
+                                  "*.safetensors), one of its shards, its index .json, or a Hub id")
+        if not os.path.isdir(given):
+            raise CheckpointError(f"{given}: no config.json beside it, so it is not a shard or index in its "
+                                  "checkpoint's folder (an embeddings file from glmvit-encode or glmvit-serve is not "
+                                  "a checkpoint); give the checkpoint's folder (config.json and *.safetensors), one "
+                                  "of its shards or its index .json there, or a Hub id")
+    return read_config(folder)
+
+
 def bind_tower(path: str | os.PathLike) -> TowerBinding:
     """Validate a checkpoint's vision tower without a GPU.
 
@@ -239,7 +255,7 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
                                   "folder holding config.json and *.safetensors shards") from None
         if not listing:
             raise CheckpointError(f"{path}: empty directory; expected config.json and *.safetensors shards")
-        geo = read_config(path)
+        geo = _geometry_beside(path, path)
         source = path
     elif os.path.isfile(path):
         if not path.endswith((".safetensors", ".json")):
@@ -247,7 +263,7 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
                                   "of its .safetensors shards, its index .json, or a Hub id")
         # A bare shard or index: the config sits beside it. A shard that the index beside it lists is one part
         # of that checkpoint, whose tower may span several shards: the index is read.
-        geo = read_config(os.path.dirname(path) or ".")
+        geo = _geometry_beside(os.path.dirname(path) or ".", path)
         source = _index_listing(path) or path
     else:
         what = not_regular(path)
