@@ -201,7 +201,7 @@ def test_example_writes_parquet_and_resumes(local_ray, folder, tmp_path, capsys)
     Image.fromarray(cases._smooth(64, 96, 299)).save(tmp_path / "more" / "new.png")
     assert ray_encode.main([str(tmp_path / "more"), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
     said = capsys.readouterr().out
-    assert "ints.parquet has no path column of text (int64)" in said and "ray_encode: 1 images in" in said, said
+    assert "ints.parquet has no path column of text (int64)" in said and "ray_encode: 1 image in" in said, said
     # A file whose footer reads but whose pages do not: moved aside, naming it; its rows are encoded again.
     ours = next(f for f in out.glob("*.parquet") if f.name not in ("theirs.parquet", "ints.parquet")
                 and "new.png" in str(pq.read_table(f, columns=["path"])))
@@ -211,7 +211,7 @@ def test_example_writes_parquet_and_resumes(local_ray, folder, tmp_path, capsys)
     ours.write_bytes(bytes(data))
     assert ray_encode.main([str(tmp_path / "more"), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
     said = capsys.readouterr().out
-    assert f"{ours} cannot be read (" in said and "ray_encode: 1 images in" in said, said
+    assert f"{ours} cannot be read (" in said and "ray_encode: 1 image in" in said, said
 
 
 def test_prepare_hands_contiguous_decoded_images_for_the_gpu(folder):
@@ -354,7 +354,7 @@ def test_example_passes_over_entries_that_are_not_readable_files(local_ray, fold
         assert ray_encode.main([spec, "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
         said = capsys.readouterr().out
         assert "passed over 2 of the inputs that are not regular files this user can read" in said, said
-        assert f"e.g. {mixed / 'gone.png'}" in said and "ray_encode: 1 images in" in said
+        assert f"e.g. {mixed / 'gone.png'}" in said and "ray_encode: 1 image in" in said
         rows = [r for f in out.glob("*.parquet") for r in pq.read_table(f, columns=["path", "error"]).to_pylist()]
         assert rows == [{"path": str(mixed / "good.png"), "error": None}]
 
