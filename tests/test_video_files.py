@@ -220,6 +220,31 @@ def test_a_rotation_the_frames_cannot_take_and_a_size_change_are_refused(tmp_pat
         plan_video(path, sample=False)
 
 
+def test_a_display_matrix_that_is_no_rotation_is_named_as_such(tmp_path):
+    """An all-zero display matrix (PyAV reads its NaN rotation as INT_MIN): refused as a matrix that is no
+    rotation, the file named once, not as a wish to turn the frames by -2147483648 degrees."""
+    import struct
+
+    data = (GOLDEN / "h264_10bit_rot90.mp4").read_bytes()
+    at = data.index(b"tkhd") + 4
+    matrix = at + (40 if data[at] == 0 else 52)  # the 3 x 3 display matrix of a version 0 / 1 track header
+    path = tmp_path / "zero.mp4"
+    path.write_bytes(data[:matrix] + struct.pack(">9i", 0, 0, 0, 0, 0, 0, 0, 0, 1 << 30) + data[matrix + 36:])
+    with pytest.raises(ImageError) as refused:
+        plan_video(path)
+    said = str(refused.value)
+    assert "display matrix is not a rotation" in said and "2147483648 degrees;" not in said, said
+    assert said.count("zero.mp4") == 1, said
+
+
+def test_a_duration_of_0_takes_the_files_own(tmp_path):
+    """duration=0 means unknown: a file's own duration (30 frames at 10 fps: 3 s) stands, as with none given."""
+    path = write(tmp_path / "a.mkv", clip(30), fps=10)
+    _, _, (own,) = preprocess_video(str(path))
+    _, _, (zero,) = preprocess_video(str(path), duration=0)
+    assert zero["frames_indices"] == own["frames_indices"] and zero["duration"] == own["duration"] > 2.9, zero
+
+
 def test_damaged_files_are_refused_by_name_never_crash():
     """Truncated and byte-flipped copies of a golden clip (seeded): each decodes or is refused with an
     ImageError (or the sampling's ValueError) naming the video; none raises anything else (not an

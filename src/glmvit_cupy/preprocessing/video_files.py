@@ -157,7 +157,7 @@ def timing(total: int, file_fps, file_duration: float, fps=None, duration=None) 
     a missing timing, which load_video refuses before it gets here."""
     if file_fps is None:
         fps = fps if _positive(fps) else total / duration
-    if duration is None:
+    if duration is None or (duration == 0 and fps is None):  # 0: unknown, as sample_frames takes it
         duration = file_duration if fps is None else total / fps
     return (file_fps if fps is None else fps), duration
 
@@ -249,6 +249,8 @@ def _decode(container, stream, source, name, indices, declared, max_pixels, max_
                 kept[i] = rgb(frame)
             if i >= last:
                 break
+    except ImageError:  # a frame refused by name (_RGB): said as it is
+        raise
     except (av.FFmpegError, OSError, ValueError) as e:
         if getattr(e, "errno", None) == errno.EINVAL:  # as FFmpeg refuses a frame past max_pixels (_open)
             limit = pillow_limit() if max_pixels is None else max_pixels
@@ -305,6 +307,9 @@ class _RGB:
         self.graph.push(frame)
         out = self.graph.pull().to_ndarray()
         rotation = getattr(frame, "rotation", 0) or 0  # degrees counter-clockwise
+        if not -360 <= rotation <= 360:  # PyAV's INT_MIN for a matrix that is no rotation (all zeros, say)
+            raise ImageError(f"{self.name}: {_label(self.source)}'s display matrix is not a rotation (PyAV reads it "
+                             f"as {rotation} degrees): fix or drop it (ffmpeg -display_rotation 0 -i FILE ...)")
         if rotation % 90:
             raise ImageError(f"{self.name}: {_label(self.source)} asks for its frames to be shown rotated by "
                              f"{rotation} degrees; only multiples of 90 can be applied")
