@@ -231,8 +231,8 @@ def encode(args, ray) -> int:
     rows = {r["path"]: r["error"] for f in glob.glob(os.path.join(args.out, "*.parquet")) if f not in foreign
             for r in pq.read_table(f, columns=["path", "error"]).to_pylist() if r["path"] not in done}
     failed = sum(e is not None for e in rows.values())
-    print(f"ray_encode: {len(rows)} image{'s' if len(rows) != 1 else ''} in {dt:.1f} s ({len(rows) / dt:.1f} images/s), {failed} failed; "
-          f"{len(done)} were already done; output in {args.out}")
+    print(f"ray_encode: {len(rows)} image{'s' if len(rows) != 1 else ''} in {dt:.1f} s ({len(rows) / dt:.1f} "
+          f"images/s), {failed} failed; {len(done)} were already done; output in {args.out}")
     return 0
 
 

@@ -309,7 +309,8 @@ class _RGB:
         rotation = getattr(frame, "rotation", 0) or 0  # degrees counter-clockwise
         if not -360 <= rotation <= 360:  # PyAV's INT_MIN for a matrix that is no rotation (all zeros, say)
             raise ImageError(f"{self.name}: {_label(self.source)}'s display matrix is not a rotation (PyAV reads it "
-                             f"as {rotation} degrees): fix or drop it (ffmpeg -display_rotation 0 -i FILE ...)")
+                             f"as {rotation} degrees): write it again with a rotation (FFmpeg 6 and up: ffmpeg "
+                             "-display_rotation 0 -i FILE -c copy OUT)")
         if rotation % 90:
             raise ImageError(f"{self.name}: {_label(self.source)} asks for its frames to be shown rotated by "
                              f"{rotation} degrees; only multiples of 90 can be applied")
