@@ -17,7 +17,6 @@ import argparse
 import glob
 import os
 import signal
-import stat
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout without installing
 from glmvit_cupy.cli.common import interruption, stopped_by_sigterm  # noqa: E402 - Ctrl-C and SIGTERM as glmvit-encode
+from glmvit_cupy.files import open_lock_file  # noqa: E402 - a lock file never opened through a link
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -105,19 +105,14 @@ def lock_out(out):
     except ImportError:
         return None
     path = os.path.join(out, LOCK)
-    try:  # never through a link (it would truncate what it points to), nor waiting on a FIFO for a writer
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    try:  # never through a link (a pid written over what it points to), nor waiting on a FIFO for a writer
+        f = open_lock_file(path, lambda what: ValueError(f"{path} is not a regular file ({what}), not the lock file "
+                                                         "ray_encode makes: remove it, or give another --out"), "r+")
     except OSError:
         if os.path.islink(path) or os.path.isdir(path):
             raise ValueError(f"{path} is a {'symbolic link' if os.path.islink(path) else 'folder'}, not the lock "
                              "file ray_encode makes: remove it, or give another --out") from None
         return None  # an --out this user may not write: what needs writing there fails, saying so
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ValueError(f"{path} is not a regular file (a FIFO, socket or device), not the lock file ray_encode "
-                         "makes: remove it, or give another --out")
-    os.set_blocking(fd, True)
-    f = os.fdopen(fd, "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -56,6 +56,22 @@ def open_regular(path, what: str, error=CheckpointError):
         raise
 
 
+def open_lock_file(path, error, mode: str = "r+b"):
+    """`path` opened for reading and writing, created if absent: never through a symbolic link (O_CREAT would
+    make, and then lock, a file wherever it points) and without waiting on a FIFO for a writer; error(what is
+    there) where that is not a regular file, os.open's OSError where it cannot be opened."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    try:
+        st_mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(st_mode):
+            raise error(kind(st_mode))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def repeated_key(pairs: list):
     """The first key a JSON object's (key, value) pairs give twice, or None: json.loads keeps the last of a
     repeated key without a word (an object_pairs_hook sees them all)."""

@@ -56,7 +56,7 @@ import numpy as np
 
 from .checks import is_integer
 from .errors import OutputError, quoted
-from .files import kind, not_regular, open_regular
+from .files import kind, not_regular, open_lock_file, open_regular
 
 log = logging.getLogger("glmvit_cupy")
 
@@ -303,8 +303,9 @@ def _lock_folder(folder: str):
     import fcntl
 
     path = os.path.join(folder, LOCK)
-    try:  # without blocking: a FIFO planted under the name would wait for a writer; never through a link
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    try:
+        f = open_lock_file(path, lambda what: OutputError(f"{shown(path)} is {what}, not the lock file glmvit-encode "
+                                                          "makes: remove it, or give another --out"))
     except IsADirectoryError:
         raise OutputError(f"{shown(path)} is a folder, not the lock file glmvit-encode makes: remove it, or give "
                           "another --out") from None
@@ -320,13 +321,6 @@ def _lock_folder(folder: str):
                               "so --out must be a folder it can write in (read_embeddings reads a read-only one)") \
                 from None
         raise OutputError(f"cannot create {shown(path)}: {_reason(e)}") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise OutputError(f"{shown(path)} is {kind(mode)}, not the lock file glmvit-encode makes: remove it, or give "
-                          "another --out")
-    os.set_blocking(fd, True)
-    f = os.fdopen(fd, "r+b")
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
