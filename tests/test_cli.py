@@ -702,3 +702,23 @@ def test_a_shard_changed_after_binding_is_refused_by_name(tmp_path, images, monk
     err = capsys.readouterr().err
     assert f"{shard}: the shard changed since its header was read (its size went from" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_warning_about_a_hostile_checkpoint_path_is_printed_escaped(capsys, tmp_path, monkeypatch):
+    """The bind's warnings (here: tensors a shallower config leaves unread) name the checkpoint's path; the
+    handler glmvit-encode installs printed it raw, so a newline or terminal escape in a folder name forged a
+    line of output, as fail() and the summary no longer do."""
+    import logging
+    import shutil
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # logging left unset, as in a shell: the CLI's handler
+
+    folder = tmp_path / "t\nglmvit-encode: \x1b[31mFORGED"
+    shutil.copytree(cases.TOWER_DIR, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["vision_config"]["depth"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    assert run(["--inspect", folder]) == 0
+    err = capsys.readouterr().err
+    assert "tower tensors are not read" in err and "\x1b" not in err and "\nglmvit-encode: \\x1b" not in err, err
+    assert "t\\x0aglmvit-encode: \\x1b[31mFORGED" in err, err

@@ -175,3 +175,28 @@ def test_an_index_naming_a_shard_outside_the_repository_folder_is_refused_before
     assert "tensor 'model.visual.blocks.0.norm1.weight' maps to" in str(e.value), str(e.value)
     assert "which is not a file name inside the checkpoint directory" in str(e.value), str(e.value)
     assert fake_hub == ["config.json", "model.safetensors.index.json"]
+
+
+def test_an_unsharded_checkpoint_in_the_cache_loads_offline(tmp_path, monkeypatch):
+    """Offline, huggingface_hub raises LocalEntryNotFoundError for any file not in the cache, the absent index
+    of an unsharded repository included: a cached config.json and model.safetensors were refused as 'not in the
+    local Hugging Face cache', naming the index the repository never had."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cached = tmp_path / "cache" / "snapshots" / "abc"
+    write_checkpoint(cached, cases.GEOMETRY, tensors=random_tower(cases.GEOMETRY, 9), shards=1)
+    (cached / "model.safetensors.index.json").unlink()
+    (cached / "model-00001-of-00001.safetensors").rename(cached / "model.safetensors")
+
+    def offline(repo_id, filename, **kw):
+        if not (cached / filename).exists():
+            raise LocalEntryNotFoundError(f"{filename} is not cached and local_files_only=True")
+        return str(cached / filename)
+
+    monkeypatch.setattr(hub, "hf_hub_download", offline)
+    monkeypatch.setattr("glmvit_cupy.checkpoint.hub.reachable", lambda *a, **kw: False)
+    assert inspect_checkpoint("zai-org/GLM-5.3-Flash-test")["tensors"] == 2 * 14 + 11
+    (cached / "model.safetensors").unlink()  # nothing of the weights cached: said of both files
+    with pytest.raises(CheckpointError, match="Hub cannot be reached .*neither model.safetensors.index.json nor "
+                                              "model.safetensors is in the local Hugging Face cache"):
+        inspect_checkpoint("zai-org/GLM-5.3-Flash-test")

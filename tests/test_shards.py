@@ -561,3 +561,27 @@ def test_a_git_lfs_pointer_in_place_of_a_shard_says_so(tmp_path):
     said = str(e.value)
     assert said.startswith(f"{p}: is a Git LFS pointer file (") and "5,368,709,120-byte shard" in said, said
     assert "git lfs pull" in said and "header length" not in said, said
+
+
+def test_a_zero_size_tensor_numpy_cannot_shape_is_refused_by_name(tmp_path):
+    """[0, 2**40, 2**40] holds no byte, so no size check caught it, but NumPy refuses that shape ('array is too
+    big'): get() raised NumPy's bare ValueError, naming neither file nor tensor."""
+    p = shard(tmp_path / "z.safetensors", {"z": {"dtype": "BF16", "shape": [0, 2**40, 2**40], "data_offsets": [0, 0]}})
+    with pytest.raises(CheckpointError, match=r"z\.safetensors.*tensor 'z'"):
+        WeightStore.open(p).get("z")
+
+
+def test_a_folder_that_cannot_be_listed_is_a_checkpoint_error_for_the_store_too(tmp_path, monkeypatch):
+    """bind_tower says so (test_checkpoint); WeightStore.open let os.listdir's PermissionError through."""
+    import os
+
+    real = os.listdir
+
+    def refused(path):
+        if os.fspath(path) == str(tmp_path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", refused)
+    with pytest.raises(CheckpointError, match="cannot be listed .*Permission denied"):
+        WeightStore.open(tmp_path)

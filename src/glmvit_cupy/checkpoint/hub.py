@@ -52,14 +52,21 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     # 'org/name' is also how a mistyped relative folder reads: say that no local one exists.
     local = f"; nor is {repo_id} a local folder or file (looked from {os.getcwd()})"
 
-    def get(name):
+    def not_cached(absent):
+        return CheckpointError(f"{repo_id}: the Hub cannot be reached (offline, not answering {constants.ENDPOINT} "
+                               f"within 1.5 s, or HF_HUB_OFFLINE is set) and {absent} in the local Hugging Face "
+                               f"cache{local}; connect once, or give a local checkpoint folder")
+
+    uncached = []  # files looked for that neither the cache held nor the Hub could be asked for
+
+    def get(name, cached_only_ok=False):
         try:
             return hf_hub_download(repo_id, name, revision=revision, cache_dir=cache_dir, local_files_only=offline)
         except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: test it first
-            raise CheckpointError(f"{repo_id}: the Hub cannot be reached (offline, not answering {constants.ENDPOINT} "
-                                  f"within 1.5 s, or HF_HUB_OFFLINE is set) and "
-                                  f"{name} is not in the local Hugging Face cache{local}; connect once, or give a "
-                                  "local checkpoint folder") from None
+            if cached_only_ok:  # offline, a file the repository may not have: absent from the cache, as from it
+                uncached.append(name)
+                raise EntryNotFoundError(name) from None
+            raise not_cached(f"{name} is not") from None
         except EntryNotFoundError:
             raise
         except Exception as e:  # network, auth, missing repo: say which file of which repo
@@ -74,12 +81,14 @@ def fetch_vision_checkpoint(repo_id: str, *, revision: str | None = None, cache_
     cfg = read_json_file(config, "config.json", 16 << 20)  # as read_config reads it
     if isinstance(cfg, dict) and cfg.get("vision_config") is None and "vision" not in str(cfg.get("model_type")):
         return folder  # text-only: nothing to fetch; bind_tower says so
-    try:
-        index = get(INDEX_NAME)
+    try:  # offline, an unsharded checkpoint's index is not in the cache either: model.safetensors is looked for
+        index = get(INDEX_NAME, cached_only_ok=True)
     except EntryNotFoundError:
         try:
-            get("model.safetensors")  # an unsharded checkpoint
+            get("model.safetensors", cached_only_ok=True)  # an unsharded checkpoint
         except EntryNotFoundError:
+            if uncached:
+                raise not_cached(f"neither {INDEX_NAME} nor model.safetensors is") from None
             raise CheckpointError(f"{repo_id}: neither {INDEX_NAME} nor model.safetensors is in the repository") \
                 from None
         return folder

@@ -229,6 +229,9 @@ def read_header(path: str) -> dict:
                 f"{where}: data_offsets {quoted(offs, 80)} lie outside the {data_len}-byte data section "
                 "(the shard is truncated or its header is wrong)")
         bits = dtypes()[dtype].itemsize * 8 if dtype in DTYPE_NAMES else UNMAPPED_BITS[dtype]
+        if bits * _prod(d for d in shape if d) >= 8 << 63:  # NumPy sizes a shape by its non-zero dimensions alone
+            raise CheckpointError(f"{where}: dtype {dtype} x shape {quoted(tuple(shape), 80)} is past the 2**63 bytes an "
+                                  "array may span, even with no element; the header is damaged")
         want, spare = divmod(bits * _prod(shape), 8)
         if spare:
             raise CheckpointError(f"{where}: dtype {dtype} x shape {quoted(tuple(shape), 80)} is not a whole number of "
@@ -288,7 +291,12 @@ def _shard_list(path) -> tuple[list[str], dict | None, str]:
     index = os.path.join(path, INDEX_NAME)
     if os.path.lexists(index):  # a FIFO or broken link there is refused by name, not passed over
         return _from_index(index)
-    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    try:
+        listing = os.listdir(path)
+    except OSError as e:  # no permission to list it, an I/O error
+        raise CheckpointError(f"{path}: the checkpoint folder cannot be listed ({e}); it must be a readable folder "
+                              f"holding *.safetensors shards (or {INDEX_NAME})") from None
+    files = sorted(os.path.join(path, f) for f in listing if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"{path}: the directory holds no *.safetensors shards and no {INDEX_NAME}")
     return files, None, path

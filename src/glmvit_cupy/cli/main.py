@@ -193,7 +193,7 @@ class _LogAboveTheBar(logging.Handler):
         from tqdm import tqdm
 
         try:
-            tqdm.write(f"glmvit-encode: {record.getMessage()}", file=sys.stderr)
+            tqdm.write(f"glmvit-encode: {shown(record.getMessage())}", file=sys.stderr)
         except Exception:  # noqa: BLE001 - stderr gone (a closed pipe): logging's own way, never the write's failure
             self.handleError(record)
 
