@@ -1104,3 +1104,17 @@ def test_an_order_refused_for_a_default_limit_says_it_is_the_servers():
     # Over the capacity, the maximum is not what to change: the capacity bounds both.
     with pytest.raises(Refused, match=r"^min_image_tokens = 9000 exceeds the server's capacity of 8000 tokens per "):
         image_file_limits([("min_image_tokens", "9000")], 8000)
+
+
+def test_a_file_that_is_no_image_is_refused_as_one_whether_sent_alone_or_not(server, tmp_path):
+    """A file starting as JSON does ({ or [) sent alone goes as the body, and the server's 415 told the caller
+    to "send JSON as application/json"; beside a second image the same file was a 422 "cannot decode image".
+    One file, one answer: the 422, naming it."""
+    client, _ = server
+    path = tmp_path / "package.json"
+    path.write_text('{"name": "x"}\n')
+    for images in ([path], [path, path]):
+        with pytest.raises(ServerError) as e:
+            client.encode(images)
+        assert e.value.status == 422 and "cannot decode image" in e.value.error and e.value.source == str(path), \
+            (images, e.value)

@@ -33,9 +33,9 @@ from glmvit_cupy import ServerError  # noqa: E402
 from glmvit_cupy.client import Client  # noqa: E402
 
 
-def launch(*flags, checkpoint=TOWER, data_limit=None, prelude="pass", wait_s=20.0):
+def launch(*flags, checkpoint=TOWER, data_limit=None, prelude="pass", wait_s=20.0, cwd=None):
     """glmvit-serve --cpu in a subprocess (its memory capped at data_limit bytes of RLIMIT_DATA; `prelude`:
-    Python run before main): (process, client), once /health says ok."""
+    Python run before main; cwd: its working folder): (process, client), once /health says ok."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
 
@@ -48,7 +48,7 @@ def launch(*flags, checkpoint=TOWER, data_limit=None, prelude="pass", wait_s=20.
     code = f"import sys; {prelude}; from glmvit_cupy.serving.main import main; sys.exit(main())"
     proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", checkpoint, "--cpu", "--port", str(port),
                              *map(str, flags)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=cap)
+                            preexec_fn=cap, cwd=cwd)
     return proc, healthy(proc, Client(f"http://127.0.0.1:{port}", timeout=60), wait_s)
 
 
@@ -1685,3 +1685,65 @@ def test_an_image_far_from_square_counts_its_resize_tables_in_flight():
     assert tall == (resample.table_bytes(20_000_000, ch) + resample.table_bytes(1, cw)) // 4 > 80_000_000
     canvas = smart_resize(3000, 4000)
     assert pixels_held(12_000_000, (4000, 3000), 16, 8000, Patching()) == 12_000_000 >= canvas[0] * canvas[1]
+
+
+GOLDEN_CLIP = os.path.join(os.path.dirname(__file__), "golden", "video_files", "h264_2997.mp4")
+
+
+def test_a_client_cannot_have_the_server_encode_or_probe_its_own_files(tmp_path):
+    """A "video file" that is FFmpeg's concat script (probed from its first line) naming secret.mp4 in the
+    server's working folder was a 200 with that file's embedding; one naming a missing file said "No such
+    file or directory" (a probe of the server's files). Both are a 422 saying the same."""
+    pytest.importorskip("av", reason="the video extra (PyAV) is not installed")
+    import shutil
+
+    shutil.copy(GOLDEN_CLIP, tmp_path / "secret.mp4")
+    proc, client = launch(checkpoint=os.path.abspath(TOWER), cwd=tmp_path)
+    try:
+        answers = [post_video(client, {"videos": [{"file": base64.b64encode(
+            b"ffconcat version 1.0\nfile %s.mp4\n" % name).decode()}], "max_image_tokens": 256})
+            for name in (b"secret", b"absent")]
+    finally:
+        stop(proc)
+    for status, err in answers:
+        assert status == 422 and err["index"] == 0, err
+    assert answers[0][1]["error"] == answers[1][1]["error"] and "No such file" not in answers[1][1]["error"], answers
+
+
+def test_a_requests_video_keys_are_made_off_the_event_loop():
+    """A video's key hashes every frame (up to ~500,000 of them in a request, or a 256 MiB file): made on the
+    event loop, it held every other request for ~1 s. For a body parsed on a thread (over 256 KiB) it is made
+    there, beside the body's parse."""
+    prelude = ("import threading, glmvit_cupy.vllm_ec as v; real = v.video_key_of; "
+               "v.video_key_of = lambda *a, **k: (threading.current_thread() is threading.main_thread() and "
+               "print('video key made on the event loop', file=sys.stderr, flush=True), real(*a, **k))[1]")
+    proc, client = launch("--cache-mib", 0, prelude=prelude)
+    frames = [base64.b64encode(b"P5\n2 1\n255\n" + bytes([i % 256, i // 256 % 256])).decode() for i in range(30_000)]
+    try:
+        status, _ = post_video(client, {"videos": [{"frames": frames, "fps": 2.0}], "max_frames": 4,
+                                        "max_image_tokens": 64})
+    finally:
+        stop(proc)
+    out = proc.stdout.read()
+    assert status == 200 and "video key made on the event loop" not in out, (status, out[-2000:])
+
+
+def test_a_damaged_tiff_in_a_clients_image_never_reaches_the_log():
+    """libtiff writes its errors to the process's stderr ("ZIPDecode: Decoding error at scanline 0, incorrect
+    data check.") on every decode: a client sending such images would fill the server's log, as Pillow's
+    corrupt-EXIF warnings would. The image is a 422 naming it, and nothing is logged."""
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 50, 3), dtype=np.uint8)).save(
+        buf, format="TIFF", compression="tiff_deflate")
+    data = bytearray(buf.getvalue())
+    data[300] ^= 0xFF  # inside the deflate stream: libtiff's ZIPDecode fails
+    proc, client = launch("--cache-mib", 0)
+    try:
+        for _ in range(3):
+            with pytest.raises(ServerError) as e:
+                client.encode(bytes(data), max_image_tokens=64)
+            assert e.value.status == 422, e.value
+    finally:
+        stop(proc)
+    out = proc.stdout.read()
+    assert "ZIPDecode" not in out and "scanline" not in out, out

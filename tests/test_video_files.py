@@ -492,3 +492,17 @@ def test_the_pixel_cap_holds_on_the_frames_decoded_not_the_size_declared(tmp_pat
     monkeypatch.setattr(video_files, "_stream", real)  # declared as decoded: refused before decoding, as ever
     with pytest.raises(ImageError, match=r"its 12 sampled frames have 36,864 pixels, over the limit of 15,359"):
         video_files.load_video(path, every, max_total_pixels=5 * 64 * 48 - 1)
+
+
+def test_a_video_files_bytes_never_open_another_file(tmp_path, monkeypatch):
+    """FFmpeg's concat demuxer, found from the bytes' own first line, opens the files its script names,
+    relative to the working folder: bytes a client sent must not reach the files of the machine reading them.
+    A path still reads as a path."""
+    (tmp_path / "secret.mp4").write_bytes((GOLDEN / "h264_2997.mp4").read_bytes())
+    monkeypatch.chdir(tmp_path)
+    script = b"ffconcat version 1.0\nfile secret.mp4\n"
+    with pytest.raises(ImageError):
+        video_files.probe(script, "video 0")
+    with pytest.raises(ImageError):
+        video_files.VideoFile(script).read(lambda total, fps, duration: [0], None, None, "video 0")
+    assert video_files.probe(str(tmp_path / "secret.mp4"), "video 0")[2] == 15

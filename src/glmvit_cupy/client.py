@@ -122,9 +122,13 @@ class Client:
             try:
                 _, raw = self._send("POST", "/v1/encode" + query, data, "application/octet-stream", images)
             except ServerError as e:
-                if e.status != 415 or e.index is not None or "image/*" in e.error:
+                older = e.index is None and "image/*" not in e.error  # a server older than image file bodies
+                # Or bytes that start as JSON does ({ or [): the server took them for a JSON request sent as a
+                # file, which this client never sends; as JSON, they are judged as the image they were given as.
+                json_like = e.index == 0 and "sent as an image file" in e.error
+                if e.status != 415 or not (older or json_like):
                     raise
-                # A server older than image file bodies: the image goes as JSON
+                # The image goes as JSON
                 body = {"images": [base64.b64encode(data).decode("ascii")], **limits}
                 _, raw = self._post("/v1/encode", body, images)
         else:

@@ -54,7 +54,11 @@ def _open(source, name: str, max_pixels: int | None = None):
     try:
         # A path is made absolute: FFmpeg reads "take:2.mp4" or "http:x.mp4" as a protocol's URL, "/.../take:2.mp4"
         # as the file.
-        container = av.open(io.BytesIO(bytes(source)) if is_bytes else os.path.abspath(os.fspath(source)))
+        # No protocol for a file's bytes (a server's client sent them): a demuxer that opens other files or URLs
+        # named inside it (FFmpeg's concat script, probed from its content: "ffconcat version 1.0\nfile x.mp4")
+        # would otherwise read the server's own files, relative to its working folder. A path: local files only.
+        container = av.open(io.BytesIO(bytes(source)) if is_bytes else os.path.abspath(os.fspath(source)),
+                            container_options={"protocol_whitelist": "none" if is_bytes else "file"})
     except (av.FFmpegError, OSError, ValueError) as e:
         try:
             empty = len(memoryview(source).cast("B")) == 0 if is_bytes else os.path.getsize(source) == 0

@@ -63,7 +63,7 @@ from ..preprocessing import decode
 from .batcher import Batcher, Budget, Decoders, QueueFull
 from .cache import EmbeddingCache
 from .decoding import (LARGE_IMAGE_PIXELS, OffProcess, dims, have_pyav, header_size, pixels_held, prepare_image,
-                       prepare_video, video_pixels)
+                       prepare_video, quiet_libtiff, video_pixels)
 from .flights import Flights
 from .metrics import Metrics
 from .requests import (BODY_LIMIT, LIMIT_FIELDS, Refused, decode_frames, decoded, image_file_limits,
@@ -135,6 +135,7 @@ _JSON_START = re.compile(rb"\s*[{\[]")  # matched at a body's start: whitespace,
 
 def create_app(load_backend, settings: Settings) -> Starlette:
     """The service; load_backend() builds the Backend, on a thread, while /health answers 503."""
+    quiet_libtiff()  # a client's damaged TIFF writes nothing to the server's log
     metrics = Metrics()
     cache = EmbeddingCache(int(settings.cache_mib * 2**20))
     state = {"status": "loading", "backend": None, "batcher": None, "error": None, "in_flight": 0}
@@ -598,8 +599,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         are) and passes run as one task on a lane's thread, between image passes (the engine is one thread's).
         A video's key (vllm_ec.video_key_of: its frame files or video file, and settings) finds it in the cache and names its
         vLLM file."""
-        videos, common = await parse(read_videos, await json_body(request))
-        return await unless_gone(request, encode_videos(videos, common))
+        videos, common, keys = await parse(read_videos, await json_body(request))
+        return await unless_gone(request, encode_videos(videos, common, keys))
 
     def read_videos(held: list):
         """(videos, their settings) of the request body in `held`, frames decoded from base64, or Refused; on
@@ -611,11 +612,13 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                                    "the video extra, is not installed on it); send the video's frames instead, as "
                                    "image files: {\"frames\": [base64 image file, ...], \"fps\": frames a second}", i)
         decode_frames(videos, settings.max_image_mib)
-        return videos, common
-
-    async def encode_videos(videos, common):
+        # Here, on the parsing thread as an image's sha256 is: hashing a request's frames (500,000 of them, or a
+        # 256 MiB file) on the event loop stalled every other request for about a second.
         keys = [vllm_ec.video_key_of(v["frames"] or [v["file"]], v["fps"], v["duration"], common,
                                      kind="frames" if v["frames"] else "file") for v in videos]
+        return videos, common, keys
+
+    async def encode_videos(videos, common, keys):
         first = {}
         for i, k in enumerate(keys):
             first.setdefault((k, settings.checkpoint), i)

@@ -29,6 +29,28 @@ from .requests import Refused
 LARGE_IMAGE_PIXELS = 1 << 24  # an image over this (16.8 MP) is decoded on at most all but one decoding thread
 
 
+def quiet_libtiff() -> None:
+    """libtiff's own error and warning handlers off in this process: they write every message to stderr
+    ("ZIPDecode: Decoding error at scanline 0, incorrect data check."), a line in the server's log for each
+    damaged TIFF a client sends; Pillow reads libtiff's return codes, not its messages, and names the image
+    in the 422. The libtiff Pillow loaded is found among the process's mapped files (Linux; elsewhere, left
+    as it is)."""
+    import ctypes
+
+    from PIL import Image  # noqa: F401 - loads Pillow's core, and with it its libtiff
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/libtiff" in line}
+        for path in paths:
+            lib = ctypes.CDLL(path)
+            for name in ("TIFFSetErrorHandler", "TIFFSetWarningHandler"):
+                getattr(lib, name).restype = ctypes.c_void_p
+                getattr(lib, name)(None)
+    except (OSError, AttributeError):  # not Linux, or a libtiff without them: its messages stay
+        pass
+
+
 def _child_ignores_signals(server: int):
     """A decoding process leaves SIGINT and SIGTERM to the server (a terminal's Ctrl-C reaches the whole
     process group): the server ends it. It also ends once the server (process id `server`) is gone, however
