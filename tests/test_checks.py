@@ -58,3 +58,19 @@ def test_nonfinite_counts_nan_and_infinities_of_bf16_by_bits_and_of_float32_by_v
         emb = rng.standard_normal((5, 7)).astype(ml_dtypes.bfloat16)
         emb[int(rng.integers(5)), int(rng.integers(7))] = one
         assert checks.nonfinite(emb) == 1, one
+
+
+def test_a_limit_lowered_to_the_capacity_is_said_to_be_one():
+    """encode(images) with neither limit given, on a model of capacity_tokens=8: max_image_tokens defaults to
+    the capacity, and the message said 'min_image_tokens=16 is above max_image_tokens=8', naming a value the
+    caller never passed and not the capacity that made it."""
+    with pytest.raises(ValueError, match=r"max_image_tokens=8 \(.*capacity_tokens.*\)") as e:
+        checks.image_limits(8, 16, None)
+    assert "capacity_tokens" in str(e.value)
+
+
+@pytest.mark.parametrize("grid", [[[1, 2, 2], [1, 2]], [[1, 2, 2], [1, [2], 2]]])
+def test_a_ragged_grid_is_named(grid):
+    """A ragged list is not an array: NumPy's own 'inhomogeneous shape' message named no argument."""
+    with pytest.raises(ValueError, match="grid_thw"):
+        checks.check_grid(grid, 2)

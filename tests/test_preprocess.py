@@ -977,3 +977,26 @@ def test_a_damaged_avif_is_an_image_error_naming_it(rng):
         preprocess([ok, data])
     with pytest.raises(ImageError, match=r"image 1 \(AvifImageFile\): cannot convert PIL image to RGB \(RuntimeError"):
         preprocess([ok, Image.open(io.BytesIO(data))])
+
+
+@pytest.mark.parametrize("limit", [np.int32(1_200_000_000), np.uint32(2**31), np.int64(2**62)])
+def test_a_numpy_integer_max_pixels_is_the_limit_it_says(limit):
+    """max_pixels as a NumPy integer (check_max_pixels takes one) went into Pillow's MAX_IMAGE_PIXELS as it
+    was, where Pillow's 2 * MAX_IMAGE_PIXELS wrapped negative: every image, a 64 x 48 PNG too, was refused as
+    a decompression bomb 'over the limit of 1,200,000,000 pixels (it is 3,072)'."""
+    png = io.BytesIO()
+    Image.new("RGB", (64, 48)).save(png, "PNG")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor an overflow RuntimeWarning from Pillow's arithmetic
+        assert preprocess([png.getvalue()], max_pixels=limit)[1].tolist() == [[1, 8, 10]]
+        assert preprocess([io.BytesIO(png.getvalue())], max_pixels=limit)[1].tolist() == [[1, 8, 10]]
+
+
+@pytest.mark.parametrize("kw", [dict(patching=Patching(patch_size=10**160)), dict(patching=Patching(merge_size=10**200)),
+                                dict(patching=Patching(temporal_patch_size=10**320))])
+@pytest.mark.parametrize("min_image_tokens", [0, 16])
+def test_an_absurd_patching_is_a_value_error_not_an_overflow(kw, min_image_tokens):
+    """A Patching takes any positive integer; one past float range made smart_resize's float math (and the
+    canvas message's own formatting) raise OverflowError, not the documented ValueError."""
+    with pytest.raises(ValueError, match="pixel values"):
+        preprocess([np.zeros((30, 40, 3), np.uint8)], min_image_tokens=min_image_tokens, **kw)

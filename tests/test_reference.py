@@ -217,3 +217,10 @@ def test_a_towers_dtype_is_the_one_it_computes_in_and_another_is_refused(tower):
             reference.encode_pixels(tower, pv, grid, dtype=other)
     with pytest.raises(ValueError, match="stats must be a dict"):
         reference.encode_pixels(tower, pv, grid, stats=[])
+
+
+def test_ragged_rows_are_named(tower):
+    """pixel_values as a ragged list: a ValueError naming pixel_values, not NumPy's bare 'inhomogeneous shape'."""
+    row = [0.0] * tower.geo.patch_dim
+    with pytest.raises(ValueError, match="pixel_values"):
+        reference.encode_pixels(tower, [row, row, row, row[:5]], [[1, 2, 2]])

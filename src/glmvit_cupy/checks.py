@@ -54,7 +54,7 @@ def check_max_pixels(max_pixels):
     if max_pixels is not None and (not is_integer(max_pixels) or max_pixels < 1):
         raise ValueError(f"max_pixels={max_pixels!r} must be a positive integer (pixels an encoded image may have "
                          "before it is refused as a decompression bomb) or None for Pillow's own limit")
-    return max_pixels
+    return None if max_pixels is None else int(max_pixels)
 
 
 def check_token_limits(min_image_tokens, max_image_tokens, what: str = "image", ordered: bool = True,
@@ -97,9 +97,13 @@ def check_capacity(capacity_tokens) -> int:
 def image_limits(capacity_tokens: int, min_image_tokens, max_image_tokens) -> tuple[int, int]:
     """The per-image token limits of an encode(images) call: max_image_tokens=None means the
     reference default (8000), lowered to the model's capacity so that every image fits a pass."""
+    notes = ("", "")
     if max_image_tokens is None:
         max_image_tokens = min(DEFAULT_MAX_IMAGE_TOKENS, capacity_tokens)
-    min_image_tokens, max_image_tokens = check_token_limits(min_image_tokens, max_image_tokens)
+        notes = ("", f" (the default: {DEFAULT_MAX_IMAGE_TOKENS:,}, lowered to this model's capacity_tokens="
+                     f"{capacity_tokens}; lower min_image_tokens or raise capacity_tokens)"
+                 if capacity_tokens < DEFAULT_MAX_IMAGE_TOKENS else " (the default)")
+    min_image_tokens, max_image_tokens = check_token_limits(min_image_tokens, max_image_tokens, notes=notes)
     if max_image_tokens > capacity_tokens:
         raise ValueError(f"max_image_tokens={max_image_tokens} exceeds this model's capacity of {capacity_tokens} "
                          f"tokens per forward pass; pass max_image_tokens <= {capacity_tokens} or build the model "
@@ -111,7 +115,11 @@ def check_grid(grid_thw, merge: int) -> np.ndarray:
     """A batch's grid_thw (host array-like, one (frames, patch rows, patch columns) per image) as int64
     [images, 3], or ValueError naming what is wrong: the GPU encoder and its replicas check alike.
     merge: the tower's spatial_merge_size (patches merge in merge x merge blocks)."""
-    grid = np.asarray(grid_thw)
+    try:
+        grid = np.asarray(grid_thw)
+    except (ValueError, TypeError) as e:  # a ragged list: NumPy's message names no argument
+        raise ValueError(f"grid_thw must be an integer array of shape [images, 3]; {quoted(grid_thw, 60)} is not "
+                         f"one ({e})") from None
     if grid.ndim != 2 or grid.shape[1] != 3 or not np.issubdtype(grid.dtype, np.integer):
         raise ValueError(f"grid_thw must be an integer array of shape [images, 3], got {grid.dtype} {grid.shape}")
     if grid.shape[0] == 0:

@@ -168,7 +168,11 @@ class Tower:
 
     def _forward(self, pixel_values, grid_thw, stats=None):
         g = self.geo
-        pixel_values = np.asarray(pixel_values)
+        try:
+            pixel_values = np.asarray(pixel_values)
+        except (ValueError, TypeError) as e:  # a ragged list: NumPy's message names no argument
+            raise ValueError(f"pixel_values must be an array of shape [patches, {g.patch_dim}]; the rows given are "
+                             f"not one ({e})") from None
         grid_thw, _ = check_pixels(g, pixel_values, grid_thw)  # the GPU path's checks and messages
         with np.errstate(over="ignore"):  # a float64 past float32's range: infinity, refused just below
             x = pixel_values.astype(self.dtype)

@@ -283,8 +283,8 @@ def _open(image, limit) -> Image.Image:
     current = pillow_limit()  # under the lock: not a limit another thread has raised for its own open
     if current is None or (limit is not None and limit <= current):
         return Image.open(image)
-    with _pillow_limit:
-        old, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, limit
+    with _pillow_limit:  # a Python int: Pillow doubles it, and a NumPy integer's double wraps negative
+        old, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None if limit is None else int(limit)
         try:
             return Image.open(image)
         finally:

@@ -18,7 +18,7 @@ import numpy as np
 from PIL import Image
 
 from ..checks import check_max_pixels, check_resize, check_token_limits, is_integer
-from ..errors import ImageError
+from ..errors import ImageError, quoted
 from . import resample
 from .decode import load, name_of, rgb_pixels
 
@@ -105,6 +105,20 @@ def smart_resize(height: int, width: int, *, min_image_tokens: int = 16, max_ima
     def up(v):
         return math.ceil(v / factor) * factor
 
+    def past_limit(h, w):
+        values = temporal_factor * h * w * 3
+        if values > PIXEL_VALUE_LIMIT:
+            said = f"{values:.3g}" if values < 1e300 else quoted(values)  # an int past float range: no .3g
+            raise ValueError(f"a {height}x{width} {what} would become a {quoted(h)}x{quoted(w)} canvas of "
+                             f"{temporal_factor} frames, {said} pixel values, past the {PIXEL_VALUE_LIMIT:,} one "
+                             f"image or frame group may have (min_image_tokens={min_image_tokens}, max_image_tokens="
+                             f"{max_image_tokens}, a {quoted(factor)}-pixel token side, {quoted(temporal_factor)} "
+                             "frames a patch): lower max_image_tokens, or min_image_tokens where it scaled the image "
+                             "up, or the patching's sizes")
+
+    if per_token * 3 > PIXEL_VALUE_LIMIT:  # every canvas holds a token: said before the float math can overflow
+        past_limit(up(height), up(width))
+
     h, w = up(height), up(width)
     if frames * h * w < min_px:
         s = math.sqrt(min_px / (num_frames * height * width))
@@ -125,12 +139,7 @@ def smart_resize(height: int, width: int, *, min_image_tokens: int = 16, max_ima
                 lo = ch + 1
             else:
                 hi = ch - 1
-    if temporal_factor * h * w * 3 > PIXEL_VALUE_LIMIT:
-        raise ValueError(f"a {height}x{width} {what} would become a {h}x{w} canvas of {temporal_factor} frames, "
-                         f"{temporal_factor * h * w * 3:.3g} pixel values, past the {PIXEL_VALUE_LIMIT:,} one image "
-                         f"or frame group may have (min_image_tokens={min_image_tokens}, max_image_tokens="
-                         f"{max_image_tokens}, a {factor}-pixel token side, {temporal_factor} frames a patch): lower "
-                         "max_image_tokens, or min_image_tokens where it scaled the image up, or the patching's sizes")
+    past_limit(h, w)
     return h, w
 
 
