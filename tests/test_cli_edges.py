@@ -1140,3 +1140,76 @@ def test_a_file_that_became_a_folder_is_named_for_what_it_is(tmp_path):
     (tmp_path / "x.png").mkdir()
     ((path, got),) = list(prepared([str(tmp_path / "x.png")], 1, lambda *a: None))
     assert "a folder, not a file: it could not be listed when the inputs were read, or took a file's place" in str(got)
+
+
+def test_an_input_naming_the_output_folders_lock_keeps_the_folder_locked(folder, tmp_path, monkeypatch):
+    """The lock is a POSIX record lock (lockf): closing any descriptor of the lock file in the process drops it.
+    An input naming the lock file (read, refused as an image, closed) must not let a second run in."""
+    out = tmp_path / "out"
+    assert run(folder / "a.png", "--checkpoint", TOWER, "--out", out, "--cpu") == 0
+    probes = []
+    real = output.Output.add_batch
+
+    def add_batch(self, entries):
+        real(self, entries)
+        if not probes:  # a second run into the same folder while this one writes it
+            probes.append(command(folder / "a.png", "--checkpoint", TOWER, "--out", out, "--cpu"))
+
+    monkeypatch.setattr(output.Output, "add_batch", add_batch)
+    assert run(out / LOCK, folder / "b.png", "--checkpoint", TOWER, "--out", out, "--cpu", "--workers", 1) == 1
+    assert probes[0].returncode == 2, probes[0].stderr
+    assert "another process is writing" in probes[0].stderr
+
+
+
+def test_a_folder_on_a_file_system_without_locks_is_not_said_to_be_written_by_another_run(folder, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """lockf fails with ENOLCK (an NFS mount without lockd, a FUSE file system without locks): no other run holds
+    the folder, so saying one does (wait for that run to end) sends the user waiting for nothing, for ever."""
+    import errno
+    import fcntl
+
+    def no_locks(*a):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert run(folder, "--checkpoint", TOWER, "--out", tmp_path / "out", "--cpu") == 2
+    err = capsys.readouterr().err
+    assert "another process" not in err and "No locks available" in err, err
+
+
+
+def test_workers_past_what_the_system_can_start_is_no_traceback(tmp_path, monkeypatch, capsys):
+    """--workers has no upper bound: 5000 under a memory or pids limit (ulimit -v, a container's pids.max) ends the
+    run in RuntimeError: can't start new thread, a traceback (status 1, which the docs give to failed inputs)."""
+    import threading
+
+    folder = cases.png_folder(tmp_path / "imgs", *[(28 + i, 28) for i in range(40)])
+    real = threading.Thread.start
+
+    def start(self):
+        if threading.active_count() > 8:  # the system's limit on threads (ulimit -v, pids.max), met
+            raise RuntimeError("can't start new thread")
+        return real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    rc = run(folder, "--checkpoint", TOWER, "--out", tmp_path / "out", "--cpu", "--workers", 5000)
+    assert rc in (0, 2), rc
+    assert rc == 2 or len(read_embeddings(tmp_path / "out")[1]) == 40
+
+
+
+def test_a_glob_ending_in_a_slash_matches_folders_only_as_the_shells_does(tmp_path):
+    """'photos/*/' is the shell's (and glob.glob's) way to name the folders in photos, not its files: the run takes
+    photos/top.png as well, encoding (and keying into the folder) a file the user left out."""
+    import glob
+
+    from glmvit_cupy.cli.inputs import expand_inputs
+
+    top = cases.png_folder(tmp_path / "photos", (60, 80))
+    (top / "a.png").rename(top / "top.png")
+    cases.png_folder(top / "sub", (64, 64))
+    pattern = f"{top}/*/"
+    assert glob.glob(pattern) == [f"{top}/sub/"]
+    assert expand_inputs([pattern]) == [f"{top}/sub/a.png"]

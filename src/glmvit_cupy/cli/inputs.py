@@ -215,6 +215,8 @@ def expand_glob(pattern: str) -> list[str]:
         else:
             paths = [os.path.join(p, part) for p in paths
                      if (os.path.lexists if last else os.path.isdir)(os.path.join(p, part))]
+    if pattern.endswith(os.sep):  # 'photos/*/': folders only, as the shell and glob.glob give it
+        paths = [p for p in paths if os.path.isdir(p)]
     return [_tidy(p) if p.startswith(os.curdir + os.sep) else p for p in paths]
 
 

@@ -52,6 +52,7 @@ MAX_IMAGE_MIB = 64  # as glmvit-serve's --max-image-mib: an image file is read w
 # A video file is hashed in pieces and decoded as it streams, never held whole: its limit bounds the time spent
 # on a file (hashing runs at about 1 GB/s), not memory, so it is large.
 MAX_VIDEO_MIB = 64 * 1024
+MAX_WORKERS = 256  # --workers at most
 
 
 class _Deprecated(argparse.Action):
@@ -276,6 +277,9 @@ def run(args) -> int:
             return fail(f"{flag} {value} must be at least {low}")
         if value is not None and "tokens" in flag and value > TOKEN_LIMIT:
             return fail(f"{flag} {value} must be at most {TOKEN_LIMIT:,}")
+    if args.workers > MAX_WORKERS:  # each a thread holding a decoded image: thousands fail to start (pids, memory)
+        return fail(f"--workers {args.workers} must be at most {MAX_WORKERS}: each is a thread reading and decoding "
+                    "one image; past the CPUs they add nothing")
     for flag, value in (("--max-image-mib", args.max_image_mib), ("--max-video-mib", args.max_video_mib)):
         if not 2**-20 <= value <= 2**40:  # one byte to 1 EiB: past any file
             return fail(f"{flag} {value:g} must be a number of MiB from one byte ({2**-20:.3g}) to {2**40:,}")
@@ -346,6 +350,10 @@ def run(args) -> int:
         return fail(e)
     for folder in listed:  # a folder an earlier run could not list, listed now: its files stand for it
         out.unfail(image_key(folder))
+    own = [p for p in paths if out.is_lock(p)]  # never opened: closing it would drop this run's lock on the folder
+    for p in own:
+        print(skipped(p, f"the lock file of --out {shown(args.out)}, not an image; never read"), file=sys.stderr)
+    paths = [p for p in paths if p not in own]
     keys = {p: image_key(p) for p in paths}  # a realpath each: once
     todo = [p for p in paths if not out.done(keys[p], stamp_of(p))]
     changed = sum(out.done(keys[p]) for p in todo)  # encoded before, changed since
@@ -375,7 +383,7 @@ def run(args) -> int:
             out.flush()
         except OutputError as e:
             return stopped_writing(e)
-        return FAILED if blocked else DONE
+        return FAILED if blocked or own else DONE
     todo_videos = [p for p in todo if is_video(p)]
     todo = [p for p in todo if not is_video(p)]
     if args.cpu:
@@ -395,7 +403,7 @@ def run(args) -> int:
     try:
         rc = encode_all(args, todo, enc, out) if todo else DONE
         rc = max(rc, encode_videos(args, todo_videos, enc, out, per_video) if todo_videos else DONE)
-        return max(rc, FAILED if blocked else DONE)
+        return max(rc, FAILED if blocked or own else DONE)
     except KeyboardInterrupt as e:
         n = len(out) - saved_before
         word, status = interruption(e)
