@@ -104,22 +104,35 @@ def _stream(container):
     return container.streams.best("video") or container.streams.video[0]
 
 
-def probe(source, name: str = "video", max_pixels: int | None = None, fps=None, duration=None
+def probe(source, name: str = "video", max_pixels: int | None = None, fps=None, duration=None, stop=None
           ) -> tuple[int, int, int, float | None, float]:
     """(width, height, frames, fps, duration in seconds) of a video file's video stream (_stream), as the
     reference processor's decoder reads them (torchcodec, seek_mode="exact"): a scan of the stream's packets,
     nothing decoded. Frames over max_pixels (None: Pillow's limit) are refused as the decode refuses them. fps /
     duration: a caller's, as load_video takes them: where one is given, packets that span no time are read
-    (fps None), as load_video reads them."""
+    (fps None), as load_video reads them. stop: a threading.Event that ends the scan early (Dropped)."""
     with _open(source, name, max_pixels) as container:
         stream = _stream(container)
         return (stream.width, stream.height,
-                *_probe(container, stream, source, name, _positive(fps) or _positive(duration)))
+                *_probe(container, stream, source, name, _positive(fps) or _positive(duration), stop))
 
 
-def _probe(container, stream, source, name, timing_given: bool = False):
-    """frames = the stream's packets (less those flagged discard), duration = the latest pts + duration less
-    the earliest pts, fps = frames / duration. A container's own frame count and rate can differ from these
+class Dropped(ImageError):
+    """A read stopped by its caller's stop event (the request it was for went away)."""
+
+
+STOP_EVERY = 1 << 14  # packets scanned between looks at the stop event (~50 ms)
+
+
+def _stopped(stop, name) -> None:
+    if stop is not None and stop.is_set():
+        raise Dropped(f"{name}: not read: the request it came with was dropped")
+
+
+def _probe(container, stream, source, name, timing_given: bool = False, stop=None, found: dict | None = None):
+    """(frames, fps, duration), and found["start"] = the earliest pts (None: none) where found is given: frames =
+    the stream's packets (less those flagged discard), duration = the latest pts + duration less the earliest
+    pts, fps = frames / duration. A container's own frame count and rate can differ from these
     (variable frame rate, a count it never wrote): the reference samples by these."""
     av = _av()
     frames, first, end = 0, None, None
@@ -129,9 +142,13 @@ def _probe(container, stream, source, name, timing_given: bool = False):
                 continue
             pts = packet.pts if packet.pts is not None else packet.dts
             frames += 1
+            if not frames % STOP_EVERY:
+                _stopped(stop, name)
             if pts is not None:
                 first = pts if first is None else min(first, pts)
                 end = pts + (packet.duration or 0) if end is None else max(end, pts + (packet.duration or 0))
+    except Dropped:  # its request went away: said as it is
+        raise
     except (av.FFmpegError, OSError, ValueError) as e:  # a damaged or truncated container
         raise ImageError(f"{name}: reading the packets of {_label(source)} failed after {frames} ({e})") from None
     try:
@@ -151,6 +168,8 @@ def _probe(container, stream, source, name, timing_given: bool = False):
     if frames <= 0 or (duration <= 0 and not timing_given):
         said = f"{name}: {_label(source)} holds {frames} video frames over {duration:g} s; cannot sample it"
         raise Untimed(said) if frames > 0 else ImageError(said)
+    if found is not None:
+        found["start"] = first
     return frames, (frames / duration if duration > 0 else None), duration
 
 
@@ -167,7 +186,7 @@ def timing(total: int, file_fps, file_duration: float, fps=None, duration=None) 
 
 
 def load_video(source, pick, *, fps=None, duration=None, name: str = "video", max_total_pixels: int | None = None,
-               max_pixels: int | None = None):
+               max_pixels: int | None = None, stop=None):
     """A video file (path or bytes) -> (frames: HxWx3 uint8 arrays, those at pick(total, fps, duration)'s
     indices, in its order; meta: {"fps", "duration", "total_frames", "frames_indices"}). fps / duration: the
     caller's where the file's are wrong (None: the file's, as _probe reads them; a caller's fps alone gives
@@ -180,7 +199,10 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
     with _open(source, name, max_pixels) as container:  # one open: probed, then decoded (twice if the count was high)
         stream = _stream(container)
         declared = (stream.width, stream.height)  # as _open checked it; a scan of the packets can change it
-        total, file_fps, file_duration = _probe(container, stream, source, name, _positive(fps) or _positive(duration))
+        found = {}
+        total, file_fps, file_duration = _probe(container, stream, source, name, _positive(fps) or _positive(duration),
+                                                stop, found)
+        start = found.get("start")
         stream.thread_type = "AUTO"  # frame threads: decoding is the cost
         own_duration = duration is None  # the file's, or frames / the caller's fps
         fps, duration = timing(total, file_fps, file_duration, fps, duration)
@@ -196,13 +218,15 @@ def load_video(source, pick, *, fps=None, duration=None, name: str = "video", ma
             raise ImageError(f"{name}: its {unique} sampled frames have {unique * declared[0] * declared[1]:,} "
                              f"pixels, over the limit of {max_total_pixels:,} (the commands' --max-video-pixels); a shorter "
                              "or smaller video fits")
-        kept, decoded = _decode(container, stream, source, name, indices, declared, max_pixels, max_total_pixels)
+        kept, decoded = _decode(container, stream, source, name, indices, declared, max_pixels, max_total_pixels,
+                                start, stop)
         if len(kept) < unique and decoded < total:  # the count was high: pick again from what is there
             total = decoded
             duration = total / fps if own_duration else duration
             indices = pick(total, fps, duration)
             kept = None  # the first pass's frames let go of before the second's are kept
-            kept, _ = _decode(container, stream, source, name, indices, declared, max_pixels, max_total_pixels)
+            kept, _ = _decode(container, stream, source, name, indices, declared, max_pixels, max_total_pixels,
+                              start, stop)
     missing = sorted(set(int(i) for i in indices) - set(kept))
     if missing:  # the file decodes differently from one pass to the next
         raise ImageError(f"{name}: decoding {_label(source)} gave no frame {missing[0]} of the {total} it has")
@@ -215,18 +239,18 @@ class VideoFile:
     """A video file (a path, or its bytes) with a cap on its sampled frames' pixels together and on one frame's
     (max_pixels), for plan_video (a plain path is one with no cap together and Pillow's for a frame)."""
 
-    def __init__(self, source, max_total_pixels: int | None = None, max_pixels: int | None = None):
+    def __init__(self, source, max_total_pixels: int | None = None, max_pixels: int | None = None, stop=None):
         if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
             raise ImageError(f"VideoFile: a path or a video file's bytes expected, got {type(source).__name__}")
-        self.source, self.max_total_pixels, self.max_pixels = source, max_total_pixels, max_pixels
+        self.source, self.max_total_pixels, self.max_pixels, self.stop = source, max_total_pixels, max_pixels, stop
 
     def read(self, pick, fps, duration, name: str):
         return load_video(self.source, pick, fps=fps, duration=duration, name=name,
-                          max_total_pixels=self.max_total_pixels, max_pixels=self.max_pixels)
+                          max_total_pixels=self.max_total_pixels, max_pixels=self.max_pixels, stop=self.stop)
 
 
-def _decode(container, stream, source, name, indices, declared, max_pixels, max_total_pixels=None
-            ) -> tuple[dict, int]:
+def _decode(container, stream, source, name, indices, declared, max_pixels, max_total_pixels=None, start=None,
+            stop=None) -> tuple[dict, int]:
     """({index: HxWx3 uint8} for the wanted indices that decoding reached, frames decoded), one sequential
     pass from the start, stopping after the last wanted frame; each kept frame converted by _RGB. max_pixels:
     the frame limit _open gave FFmpeg (None: Pillow's), which an error names; max_total_pixels: the kept
@@ -238,8 +262,13 @@ def _decode(container, stream, source, name, indices, declared, max_pixels, max_
     (dw, dh), first, changed = declared, None, None  # the header's size, which the limits were checked by
     held, over = 0, False  # the kept frames' pixels as decoded: a header of 0x0 checked nothing before
     try:
-        container.seek(0)
+        if start is not None and start < 0:  # frames before 0 (timestamps that wrapped): seek(0) would pass them
+            container.seek(start, stream=stream)  # as the reference seeks to its scan's first frame
+        else:
+            container.seek(0)
         for i, frame in enumerate(container.decode(stream)):
+            if not i % 256:
+                _stopped(stop, name)
             if i in wanted:  # stopped at the first sampled frame of another size: none such is ever kept
                 size = (frame.width, frame.height)
                 first = first or size

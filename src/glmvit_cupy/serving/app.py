@@ -634,20 +634,24 @@ def create_app(load_backend, settings: Settings) -> Starlette:
             reserve_queue(1, "tasks")
             pixels, queued = 0, False
             try:
-                loop = asyncio.get_running_loop()
                 icons: list = []
+                # On the decoding threads, in turn with other requests' work (a file of millions of tiny packets
+                # takes minutes to scan), and stopped once every client of it has gone.
+                stop = threading.Event()
                 try:
-                    need = await loop.run_in_executor(None, lambda: [
-                        video_pixels(videos[i], i, common, limit, settings.max_video_pixels, patching, icons)
-                        for i in idx])
+                    (need,) = await decoders.run([(lambda: [
+                        video_pixels(videos[i], i, common, limit, settings.max_video_pixels, patching, icons, stop)
+                        for i in idx], True)], on_cancel=stop.set)
+                    if isinstance(need, BaseException):
+                        raise need
                 except Refused:  # a frame over --max-pixels: the video failed, as one its decode refuses
                     metrics.videos.labels("failed").inc()
                     raise
                 take_pixels(sum(need), "videos", len(icons))
                 pixels = sum(need)
                 args = (common, limit, settings.max_video_pixels, patching)
-                done = await decoders.run([(functools.partial(prepare_video, videos[i], i, *args), True)
-                                           for i in idx])
+                done = await decoders.run([(functools.partial(prepare_video, videos[i], i, *args, stop), True)
+                                           for i in idx], on_cancel=stop.set)
                 decode_failures(idx, done, metrics.videos.labels("failed"))
                 for i, got in zip(idx, done):
                     if got[2]["frame_tokens"] > settings.capacity_tokens:

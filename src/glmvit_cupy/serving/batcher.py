@@ -540,9 +540,10 @@ class Decoders:
         self.busy = self.busy_large = 0
         self._waiting: collections.OrderedDict = collections.OrderedDict()  # request -> deque of its jobs
 
-    async def run(self, calls: list[tuple[Callable[[], object], bool]]) -> list:
+    async def run(self, calls: list[tuple[Callable[[], object], bool]], on_cancel=None) -> list:
         """[(fn, large), ...] of one request -> their values or exceptions, in order. Cancelled, the jobs not
-        started are dropped and those running are waited for (their threads hold memory until they end)."""
+        started are dropped and those running are waited for (their threads hold memory until they end), once
+        on_cancel() has told them to stop where they can."""
         loop = asyncio.get_running_loop()
         jobs = [_Decode(fn, large, loop.create_future()) for fn, large in calls]
         token = object()
@@ -552,6 +553,8 @@ class Decoders:
             return await asyncio.gather(*[j.result for j in jobs], return_exceptions=True)
         except asyncio.CancelledError:
             self._waiting.pop(token, None)
+            if on_cancel is not None:
+                on_cancel()
             running = [j.ended for j in jobs if j.ended is not None and not j.ended.done()]
             if running:
                 await asyncio.wait(running)

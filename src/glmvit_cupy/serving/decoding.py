@@ -161,7 +161,7 @@ def sampled_frames(total: int, fps, duration, common: dict):
     """The frame indices plan_video will take of `total` (None where it will refuse them, saying why)."""
     try:
         if not common["sample"]:
-            return list(range(total))
+            return range(total)  # not a list: a file of millions of tiny packets would make one of them
         if fps is None:
             return None
         return [int(i) for i in sample_frames(total, fps, duration=duration, target_fps=common["target_fps"],
@@ -171,7 +171,7 @@ def sampled_frames(total: int, fps, duration, common: dict):
 
 
 def video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pixels: int, patching,
-                 icons: list | None = None) -> int:
+                 icons: list | None = None, stop=None) -> int:
     """The pixels a request video holds from admission to its pass, read from its frame files' headers or its
     container (nothing decoded): its sampled frames', or their canvases' if more, and FRAME_OVERHEAD_PIXELS a
     frame; 0 where that cannot be told (decoding refuses it, saying why). A sampled frame file over
@@ -182,14 +182,18 @@ def video_pixels(video: dict, index: int, common: dict, limit: int, max_video_pi
             from ..preprocessing.video_files import probe, timing
 
             w, h, total, file_fps, file_duration = probe(video["file"], f"video {index}", limit, video["fps"],
-                                                         video["duration"])
+                                                         video["duration"], stop)
             fps, duration = timing(total, file_fps, file_duration, video["fps"], video["duration"])  # as read
         except Exception:  # noqa: BLE001  (fps 0, say: refused, saying why, when the video is read)
             return 0
         picked = sampled_frames(total, fps, duration, common)
         if picked is None:
             return 0
-        size, decoded = (w, h), len(set(picked)) * w * h
+        unique = len(picked) if isinstance(picked, range) else len(set(picked))
+        size, decoded = (w, h), unique * w * h
+        if w <= 0 or h <= 0:  # a header of no size (0x0, or one FFmpeg found invalid): its frames are known only
+            # decoded, and the decode holds each up to the frame limit, all of them up to max_video_pixels
+            return min(unique * limit, max_video_pixels) + len(picked) * FRAME_OVERHEAD_PIXELS
     else:
         picked = sampled_frames(len(video["frames"]), video["fps"], video["duration"], common)
         if picked is None:
@@ -218,10 +222,10 @@ def prepare_image(data: bytes, index: int, lo: int, hi: int, max_pixels, backend
                                         name=f"image {index}"))  # as the request numbers it
 
 
-def prepare_video(video: dict, index: int, common: dict, max_pixels, max_total_pixels, patching):
+def prepare_video(video: dict, index: int, common: dict, max_pixels, max_total_pixels, patching, stop=None):
     """One request video -> video.plan_video's (frames, grid, info): sampled first, then only the sampled
     frames decoded (frame files as images are, a video file by PyAV; what cannot be is an ImageError naming
     it); the backend makes their pixels."""
-    source = (VideoFile(video["file"], max_total_pixels, max_pixels) if video["file"] is not None else
+    source = (VideoFile(video["file"], max_total_pixels, max_pixels, stop) if video["file"] is not None else
               FrameFiles(video["frames"], max_pixels, max_total_pixels))
     return plan_video(source, index, fps=video["fps"], duration=video["duration"], patching=patching, **common)
