@@ -1174,9 +1174,12 @@ def test_a_folder_on_a_file_system_without_locks_is_not_said_to_be_written_by_an
 
     monkeypatch.setattr(fcntl, "lockf", no_locks)
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    assert run(folder, "--checkpoint", TOWER, "--out", tmp_path / "out", "--cpu") == 2
-    err = capsys.readouterr().err
-    assert "another process" not in err and "No locks available" in err, err
+    (tmp_path / "there").mkdir()
+    for out in (tmp_path / "out", tmp_path / "there"):  # a new folder, an existing one: nothing made is left
+        assert run(folder, "--checkpoint", TOWER, "--out", out, "--cpu") == 2
+        err = capsys.readouterr().err
+        assert "another process" not in err and "No locks available" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["imgs", "there"] and os.listdir(tmp_path / "there") == []
 
 
 

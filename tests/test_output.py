@@ -638,13 +638,13 @@ def test_a_run_that_ends_as_another_starts_is_never_undone_by_it(tmp_path, monke
     first.add_batch(batch(["/img/a"]))
     real = output._lock_folder
 
-    def the_first_ends_meanwhile(where):
+    def the_first_ends_meanwhile(where, *made):
         if first._lock is not None:
             first.fail("/img/a", "cannot decode")
             first.flush()
             first._lock.close()
             first._lock = None
-        return real(where)
+        return real(where, *made)
 
     monkeypatch.setattr(output, "_lock_folder", the_first_ends_meanwhile)
     second = Output(folder, SETTINGS)
@@ -1211,8 +1211,8 @@ def test_a_refused_run_unlinks_the_lock_file_it_made_while_it_holds_it(tmp_path,
     events = []
     real_lock, real_unlink = output._lock_folder, os.unlink
 
-    def lock_folder(path):
-        f = real_lock(path)
+    def lock_folder(path, *made):
+        f = real_lock(path, *made)
         close = f.close
         f.close = lambda: (events.append("close"), close())
         return f

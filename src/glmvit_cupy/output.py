@@ -304,9 +304,10 @@ def _this_folders(folder: str, found: dict, own: str | None, where: str, quiet=(
 LOCK = ".glmvit-encode.lock"  # held by the process writing a folder: two runs into one --out would overwrite shards
 
 
-def _lock_folder(folder: str):
+def _lock_folder(folder: str, made: bool = False):
     """The open lock file of `folder`, locked for this process (a POSIX record lock: the kernel drops it when the
-    process ends, however it ends), or OutputError when another process holds it."""
+    process ends, however it ends), or OutputError when another process holds it. made: the lock file is this
+    run's to make (none was there), removed again where the file system has no locks."""
     import fcntl
 
     path = os.path.join(folder, LOCK)
@@ -335,6 +336,9 @@ def _lock_folder(folder: str):
     except OSError as e:
         f.close()
         if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):  # ENOLCK, ENOSYS: no locks there at all
+            if made:  # no run can hold a lock there: nothing of this one's is left behind
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             raise OutputError(f"cannot lock {shown(path)}: {_reason(e)}; glmvit-encode locks the folder it writes, so "
                               "that no two runs write it at once: give an --out on a file system with locks (a local "
                               "disk, or NFS with its lock service running)") from None
@@ -366,7 +370,8 @@ class Output:
         # An existing folder is locked before its manifest is read: a run writing it may end meanwhile, rewriting
         # the manifest (a file it failed, an entry it dropped) after this one has read it.
         made = not os.path.lexists(os.path.join(folder, LOCK))  # a refused run leaves no lock file it made
-        self._lock = _lock_folder(folder) if os.path.isdir(folder) else None
+        new = not os.path.lexists(folder)  # nor a folder it made
+        self._lock = _lock_folder(folder, made) if os.path.isdir(folder) else None
         try:
             if os.path.exists(path):
                 self._resume(path, settings)
@@ -378,7 +383,7 @@ class Output:
                                       f"{shown(os.readlink(folder))}, which leads nowhere; remove the link or make "
                                       "what it points to") from None
                 raise OutputError(f"cannot create the output folder {shown(folder)}: {_reason(e)}") from None
-            self._lock = self._lock or _lock_folder(folder)
+            self._lock = self._lock or _lock_folder(folder, made)
             self._recover(settings)
             self._check_temporaries()
             if self._record_id:  # before any shard records the id: an unlisted shard of it is then this folder's
@@ -389,6 +394,9 @@ class Output:
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(folder, LOCK))
                 self._lock.close()
+            if new:  # emptied of its lock file above: only an empty folder goes
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
             raise
         # Past every shard here (a leftover .tmp's number too) and every one the manifest on disk names: a shard
         # lost since keeps its name until the manifest no longer lists it, else a run stopped before its manifest
