@@ -15,7 +15,9 @@ skips every path already in --out (failed ones included: their error is recorded
 
 import argparse
 import glob
+import json
 import os
+import stat
 import signal
 import sys
 import threading
@@ -25,8 +27,37 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout without installing
 from glmvit_cupy.cli.common import interruption, stopped_by_sigterm  # noqa: E402 - Ctrl-C and SIGTERM as glmvit-encode
 from glmvit_cupy.files import open_lock_file  # noqa: E402 - a lock file never opened through a link
+from glmvit_cupy.output import path_text  # noqa: E402 - a path that is not UTF-8: the repr() of its bytes
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+MAX_IMAGE_MIB = 64  # as glmvit-encode's: a file is read whole, so a larger one fails its row unread
+SETTINGS = ".ray_encode.settings.json"  # in --out: what shapes its embeddings (a resume must match it)
+STAGING = ".staging-"  # in --out: Ray writes a run's files here; each is moved up once whole
+
+
+def store(out):
+    """(pyarrow file system, root, join) of --out: a local folder, or a URI (file://, s3://, gs://, ...)."""
+    import pyarrow.fs as pafs
+
+    if "://" in out:
+        fs, root = pafs.FileSystem.from_uri(out)
+        return fs, root.rstrip("/") or "/", lambda a, b: f"{a.rstrip('/')}/{b}"
+    return pafs.LocalFileSystem(), out, os.path.join
+
+
+def listed(fs, folder):
+    """The FileInfos of a folder's entries (none where it does not exist)."""
+    from pyarrow.fs import FileSelector
+
+    return fs.get_file_info(FileSelector(folder, allow_not_found=True))
+
+
+def move(fs, src, dst):
+    """src -> dst (a rename where the file system has them); OSError saying why not."""
+    if isinstance(fs, __import__("pyarrow.fs", fromlist=["LocalFileSystem"]).LocalFileSystem):
+        os.replace(src, dst)
+    else:
+        fs.move(src, dst)
 
 
 def local_files(spec):
@@ -49,39 +80,65 @@ def local_files(spec):
 
 
 def done_paths(out) -> tuple[set, set]:
-    """(paths already in the output's Parquet files, the files there that are not this example's). A file
-    that cannot be read (Ray writes under the final name, so a run killed mid-write leaves one cut short;
-    or a damaged page) is moved aside as .NAME.unreadable (a hidden name, which Parquet readers pass over),
-    saying so: its rows are encoded again. A Parquet file without a text path column is not one of ours:
-    passed over, saying so. Paths held by more than one row (two runs at once where the folder cannot be
-    locked, or a killed run's workers finishing their last writes during a re-run) are counted and said."""
+    """(paths already in the output's Parquet files, the files there that are not this example's). Files a run
+    staged (.staging-*/, hidden) and did not move up, because it was stopped, are moved up where they read
+    whole. A file that cannot be read (a damaged page, or one a killed run was writing) is moved aside as
+    .NAME.unreadable (a hidden name, which Parquet readers pass over), saying so: its rows are encoded again. A
+    Parquet file without a text path column is not one of ours: passed over, saying so. Paths held by more than
+    one row (two runs at once where the folder cannot be locked, or a killed run's workers finishing their last
+    writes during a re-run) are counted and said."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from pyarrow.fs import FileType
 
-    files = glob.glob(os.path.join(out, "*.parquet")) if os.path.isdir(out) else []
+    fs, root, join = store(out)
+
+    def aside(f, why):
+        hidden = join(root, f".{f.rsplit('/', 1)[-1]}.unreadable")
+        try:
+            move(fs, f, hidden)
+        except OSError as moved:
+            raise SystemExit(f"ray_encode: {f} cannot be read ({why}) and cannot be moved aside "
+                             f"({moved.strerror or moved}): remove it, and re-run") from None
+        print(f"ray_encode: {f} cannot be read ({why}); moved aside as {os.path.basename(hidden)}, its rows "
+              "are encoded again")
+
+    def problem(f):
+        try:
+            pq.read_metadata(f, filesystem=fs)
+        except (pa.ArrowException, OSError) as e:  # no footer (cut short), or not Parquet
+            return " ".join(str(e).split())[:160]
+        return None
+
+    entries = listed(fs, root)
+    for stage in (e for e in entries if e.type == FileType.Directory and e.base_name.startswith(STAGING)):
+        for e in listed(fs, stage.path):
+            if e.type == FileType.File and e.base_name.endswith(".parquet"):
+                why = problem(e.path)
+                if why is None:
+                    move(fs, e.path, join(root, e.base_name))
+                else:
+                    aside(e.path, why)
+        if not listed(fs, stage.path):
+            fs.delete_dir(stage.path)
+    files = sorted(join(root, e.base_name) for e in listed(fs, root) if e.type == FileType.File
+                   and e.base_name.endswith(".parquet") and not e.base_name.startswith("."))
     paths, foreign, rows = set(), set(), 0
     for f in files:
         try:
-            schema = pq.read_schema(f)
+            schema = pq.read_schema(f, filesystem=fs)
             kind = schema.field("path").type if "path" in schema.names else None
             if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
                 print(f"ray_encode: {f} has no path column of text ({kind or 'none'}), so it is not one of this "
                       "example's files: passed over")
                 foreign.add(f)
                 continue
-            found = [p for p in pq.read_table(f, columns=["path"]).column("path").to_pylist() if p is not None]
+            found = [p for p in pq.read_table(f, columns=["path"], filesystem=fs).column("path").to_pylist()
+                     if p is not None]
             paths.update(found)
             rows += len(found)
         except (pa.ArrowException, OSError) as e:  # no footer (cut short), or a damaged page
-            why = " ".join(str(e).split())[:160]
-            aside = os.path.join(out, f".{os.path.basename(f)}.unreadable")
-            try:
-                os.replace(f, aside)
-            except OSError as moved:
-                raise SystemExit(f"ray_encode: {f} cannot be read ({why}) and cannot be moved aside "
-                                 f"({moved.strerror}): remove it, and re-run") from None
-            print(f"ray_encode: {f} cannot be read ({why}); moved aside as {os.path.basename(aside)}, its rows "
-                  "are encoded again")
+            aside(f, " ".join(str(e).split())[:160])
     if rows > len(paths):
         n = rows - len(paths)
         print(f"ray_encode: {n} {'row' if n == 1 else 'rows'} of {out} {'repeats' if n == 1 else 'repeat'} a path "
@@ -90,6 +147,31 @@ def done_paths(out) -> tuple[set, set]:
               "run finishing their last writes during a re-run): the repeats hold the same file's embedding; "
               "keep one row a path when reading (pandas: drop_duplicates('path'))")
     return paths | {os.path.realpath(p) for p in paths if "://" not in p}, foreign  # other spellings too
+
+
+def check_settings(out, settings: dict):
+    """The settings that shape an --out's embeddings, recorded in it by its first run; ValueError where a
+    resume's differ (its rows would sit beside rows of other settings, with nothing to tell them apart)."""
+    fs, root, join = store(out)
+    path = join(root, SETTINGS)
+    try:
+        with fs.open_input_stream(path) as f:
+            had = json.loads(f.read(1 << 20))
+    except FileNotFoundError:
+        had = None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read ({e}): remove it only if every file in {out} was encoded with "
+                         "this run's settings") from None
+    if had is None:
+        fs.create_dir(root, recursive=True)  # a URI's folder, before Ray makes it
+        with fs.open_output_stream(path) as f:
+            f.write(json.dumps(settings, indent=1, sort_keys=True).encode())
+        return
+    differs = [k for k in sorted(set(had) | set(settings)) if had.get(k) != settings.get(k)]
+    if differs:
+        told = "; ".join(f"{k} {str(had.get(k))[:16]} there, {str(settings.get(k))[:16]} now" for k in differs)
+        raise ValueError(f"--out {out} holds embeddings of other settings ({told}): one folder holds one setting "
+                         "(use another --out, or the same settings to resume)")
 
 
 LOCK = ".ray_encode.lock"  # in --out (a hidden name, which Parquet readers pass over)
@@ -165,7 +247,11 @@ def run(argv) -> int:
     ap.add_argument("--max-pixels", type=int, default=None, metavar="N",
                     help="pixels an image may have before it is refused as a decompression bomb (default: "
                          "Pillow's limit, 89,478,485)")
+    ap.add_argument("--max-image-mib", type=float, default=MAX_IMAGE_MIB, metavar="MIB",
+                    help=f"a larger file fails its row unread (default {MAX_IMAGE_MIB}; a file is read whole)")
     args = ap.parse_args(argv)
+    if not 0 < args.max_image_mib < float("inf"):
+        ap.error(f"--max-image-mib {args.max_image_mib:g}: give a positive size in MiB")
     if args.max_pixels is not None and args.max_pixels < 1:
         ap.error(f"--max-pixels {args.max_pixels}: give a positive number of pixels")
     if args.cpu and args.num_gpus is not None:
@@ -194,8 +280,60 @@ def run(argv) -> int:
             lock.close()
 
 
+def read_files(max_bytes: int):
+    """A map_batches function (pandas) of a local listing: "source" (a path's bytes) -> "bytes" (the file's),
+    and "read_error", why a file could not be read (gone since it was listed, over --max-image-mib, no longer
+    a regular file): that row fails, not the job, as Ray's own reader would fail it. Made here, a closure,
+    so Ray ships it by value (the workers cannot import this example)."""
+    def read(batch):
+        import pandas as pd
+
+        blobs, errors = [], []
+        for source, name in zip(batch.pop("source"), batch["path"]):
+            try:
+                fd = os.open(os.fsdecode(bytes(source)), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+                with os.fdopen(fd, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    if not stat.S_ISREG(st.st_mode):
+                        raise OSError("not a regular file")
+                    if st.st_size > max_bytes:
+                        raise OSError(f"{st.st_size / 2**20:,.1f} MiB, over --max-image-mib {max_bytes / 2**20:g}")
+                    data = f.read(max_bytes + 1)
+                if len(data) > max_bytes:
+                    raise OSError(f"over --max-image-mib {max_bytes / 2**20:g} (it grew while read)")
+                blobs.append(data), errors.append(None)
+            except OSError as e:
+                blobs.append(b""), errors.append(f"{name}: cannot read the file ({e.strerror or e})")
+        batch["bytes"], batch["read_error"] = blobs, pd.array(errors, dtype="string")
+        return batch
+
+    return read
+
+
+def finisher():
+    """A map_batches function (pandas): embedding_bytes, with a row's read error (if any) as its error, the
+    reading's column dropped (a closure, shipped by value as read_files')."""
+    def finish(batch):
+        import pandas as pd
+
+        import glmvit_cupy.ray as gvr
+
+        if "read_error" in batch:
+            read = batch.pop("read_error")
+            batch["error"] = pd.array([e if pd.isna(r) else r for r, e in zip(read, batch["error"])], dtype="string")
+        return gvr.embedding_bytes(batch)
+
+    return finish
+
+
 def encode(args, ray) -> int:
+    import uuid
+
+    import pyarrow.parquet as pq
+
     import glmvit_cupy.ray as gvr
+    from glmvit_cupy.checkpoint.bind import bind_tower
+    from glmvit_cupy.checks import check_capacity, image_limits
 
     files = local_files(args.input)
     if files is not None and not files:
@@ -203,28 +341,46 @@ def encode(args, ray) -> int:
         return 2
     done, foreign = done_paths(args.out)
     if files is not None:
-        files = [f for f in files if f not in done]
+        files = [f for f in files if path_text(f) not in done]
         if not files:
             print(f"ray_encode: all images of {args.input} are already in {args.out}")
             return 0
+    # What shapes an embedding, fixed for the folder (the pixel and size limits only accept or refuse a file).
+    capacity = check_capacity(args.capacity_tokens)
+    low, high = image_limits(capacity, 16, args.max_image_tokens)
+    binding = bind_tower(args.checkpoint)
+    check_settings(args.out, {"weights": binding.fingerprint, "cpu": args.cpu, "min_image_tokens": low,
+                              "max_image_tokens": high})  # the tower by its fingerprint: wherever it lies
     if not ray.is_initialized():
         ray.init(address=args.address, include_dashboard=False)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, stopped_by_sigterm)  # Ray's own handler dumps a stack and exits 15
-    ds = ray.data.read_binary_files(files if files is not None else args.input, include_paths=True)
-    if files is None and done:
-        ds = ds.filter(lambda row: row["path"] not in done)
+    if files is not None:  # read here, a row at a time: a file Ray cannot open would fail the whole job
+        ds = ray.data.from_items([{"path": path_text(f), "source": os.fsencode(f)} for f in files])
+        ds = ds.map_batches(read_files(int(args.max_image_mib * 2**20)), batch_format="pandas")
+    else:
+        ds = ray.data.read_binary_files(args.input, include_paths=True)
+        if done:
+            ds = ds.filter(lambda row: row["path"] not in done)
     out = gvr.encode_dataset(ds, args.checkpoint, cpu=args.cpu, num_gpus=args.num_gpus, concurrency=args.concurrency,
                              capacity_tokens=args.capacity_tokens, max_image_tokens=args.max_image_tokens,
                              max_pixels=args.max_pixels)
+    fs, root, join = store(args.out)
+    stage = join(root, f"{STAGING}{uuid.uuid4().hex}")  # hidden: readers of --out see whole files only
+    staged = join(args.out, os.path.basename(stage)) if "://" in args.out else stage
     t0 = time.perf_counter()
-    out.map_batches(gvr.embedding_bytes, batch_format="pandas").write_parquet(args.out)
+    out.map_batches(finisher(), batch_format="pandas").write_parquet(staged)
     dt = time.perf_counter() - t0
-    import pyarrow.parquet as pq
+    from pyarrow.fs import FileType
 
-    # One a path: a path's repeats (another run's rows of it) are not images of this run.
-    rows = {r["path"]: r["error"] for f in glob.glob(os.path.join(args.out, "*.parquet")) if f not in foreign
-            for r in pq.read_table(f, columns=["path", "error"]).to_pylist() if r["path"] not in done}
+    rows = {}
+    for e in listed(fs, stage):
+        if e.type == FileType.File and e.base_name.endswith(".parquet"):
+            rows.update((r["path"], r["error"]) for r in
+                        pq.read_table(e.path, columns=["path", "error"], filesystem=fs).to_pylist())
+            move(fs, e.path, join(root, e.base_name))
+    if not listed(fs, stage):
+        fs.delete_dir(stage)
     failed = sum(e is not None for e in rows.values())
     print(f"ray_encode: {len(rows)} image{'s' if len(rows) != 1 else ''} in {dt:.1f} s ({len(rows) / dt:.1f} "
           f"images/s), {failed} failed; {len(done)} were already done; output in {args.out}")

@@ -93,3 +93,14 @@ def said_within(call, error, seconds: float = 20.0) -> str:
     t.join(seconds)
     assert not t.is_alive(), f"still running after {seconds:g} s: it blocked"
     return said[0]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray of 2 CPUs for one test module (the `ray` extra's tests)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()

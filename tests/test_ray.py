@@ -25,14 +25,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     d = tmp_path_factory.mktemp("imgs")
     for i, (h, w) in enumerate([(100, 150), (64, 64), (140, 90), (90, 200)]):

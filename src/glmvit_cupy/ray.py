@@ -202,6 +202,12 @@ class EncodeVideo(Encode):
         return self._finish(batch, errors, rows, lambda: self.backend.encode_video_on(0, planned))
 
 
+# The columns each pipeline adds, or adds and drops on the way (an input column of one of these names is refused).
+IMAGE_COLUMNS = ("canvas", "content_hw", "grid_thw", "tokens", "embedding", "error")
+VIDEO_COLUMNS = ("frames", "grid_thw", "tokens", "frames_indices", "timestamps", "fps", "embedding", "error",
+                 *_VIDEO_INFO)
+
+
 def embedding_bytes(batch):
     """For Parquet and other columnar files (a pandas batch): `embedding` replaced by `embedding_bf16`,
     its bf16 bits as bytes (little-endian, row-major [tokens, out_hidden]; empty for a failed row).
@@ -212,16 +218,26 @@ def embedding_bytes(batch):
     return batch
 
 
-def _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint):
+def _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint, added, batch_size):
     """(num_gpus, concurrency, patching) for the encoder actors, every argument checked on the driver."""
     import ray
 
     from .checkpoint.bind import bind_tower
     from .checks import check_positive
 
-    if bytes_column not in ds.columns():
-        raise ValueError(f"the dataset has no column {bytes_column!r} (it has {ds.columns()}); "
+    columns = ds.columns()
+    if columns is None:  # no schema: a dataset of no rows (ray.data.from_items([]))
+        raise ValueError("the dataset has no columns (no rows to read them from); "
                          "ray.data.read_binary_files(..., include_paths=True) gives 'bytes' and 'path'")
+    if bytes_column not in columns:
+        raise ValueError(f"the dataset has no column {bytes_column!r} (it has {columns}); "
+                         "ray.data.read_binary_files(..., include_paths=True) gives 'bytes' and 'path'")
+    taken = sorted(set(columns).difference([bytes_column]).intersection(added))
+    if taken:  # "every input column but the bytes is kept": these would be overwritten or dropped
+        raise ValueError(f"the dataset's column{'s' if len(taken) > 1 else ''} {', '.join(map(repr, taken))} "
+                         f"{'are' if len(taken) > 1 else 'is'} one the pipeline adds (or uses on the way): "
+                         "rename it first (ds.rename_columns), or drop it")
+    check_positive("batch_size", batch_size, " (rows to a Prepare or Encode call)")
     if cpu and num_gpus is not None:
         raise ValueError(f"num_gpus={num_gpus!r} with cpu=True: the float32 reference runs in CPU actors that use no "
                          "GPU; drop num_gpus, or drop cpu=True to encode on GPUs")
@@ -256,7 +272,8 @@ def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = F
     capacity_tokens = check_capacity(capacity_tokens)  # on the driver, before any row is read
     min_image_tokens, max_image_tokens = image_limits(capacity_tokens, min_image_tokens, max_image_tokens)
     check_max_pixels(max_pixels)
-    num_gpus, concurrency, patching = _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint)
+    num_gpus, concurrency, patching = _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint,
+                                              IMAGE_COLUMNS, batch_size)
     # On GPUs the decoded image travels and the actor's GPU resizes it (bit for bit as Pillow); the float32
     # reference takes Pillow's canvas.
     prepared = ds.map_batches(Prepare(bytes_column, min_image_tokens, max_image_tokens, max_pixels,
@@ -292,7 +309,8 @@ def encode_video_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bo
     target_fps = float(target_fps)
     if max_video_pixels is not None:
         check_positive("max_video_pixels", max_video_pixels, " (a video's sampled frames' pixels together), or None")
-    num_gpus, concurrency, patching = _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint)
+    num_gpus, concurrency, patching = _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint,
+                                              VIDEO_COLUMNS, batch_size)
     settings = {"target_fps": target_fps, "max_frames": max_frames, "min_image_tokens": min_video_tokens,
                 "max_image_tokens": max_video_tokens}
     prepared = ds.map_batches(PrepareVideo(bytes_column, settings, max_video_pixels, patching, capacity_tokens),
