@@ -603,8 +603,8 @@ def create_app(load_backend, settings: Settings) -> Starlette:
         return await unless_gone(request, encode_videos(videos, common, keys))
 
     def read_videos(held: list):
-        """(videos, their settings) of the request body in `held`, frames decoded from base64, or Refused; on
-        the parsing thread, as read_images."""
+        """(videos, their settings, their keys) of the request body in `held`, frames decoded from base64, or
+        Refused; on the parsing thread, as read_images."""
         videos, common = parse_videos(held.pop())
         for i, v in enumerate(videos):
             if v["file"] is not None and not have_pyav():
@@ -613,7 +613,7 @@ def create_app(load_backend, settings: Settings) -> Starlette:
                                    "image files: {\"frames\": [base64 image file, ...], \"fps\": frames a second}", i)
         decode_frames(videos, settings.max_image_mib)
         # Here, on the parsing thread as an image's sha256 is: hashing a request's frames (500,000 of them, or a
-        # 256 MiB file) on the event loop stalled every other request for about a second.
+        # 256 MiB file) on the event loop would hold every other request for about a second.
         keys = [vllm_ec.video_key_of(v["frames"] or [v["file"]], v["fps"], v["duration"], common,
                                      kind="frames" if v["frames"] else "file") for v in videos]
         return videos, common, keys
