@@ -699,7 +699,8 @@ def test_numbers_past_what_python_holds_are_a_checkpoint_error(tmp_path, edit, s
 
 
 def test_a_folder_that_cannot_be_listed_is_a_checkpoint_error(tmp_path, monkeypatch):
-    """No permission to list the folder (root reads every folder, so the refusal is simulated)."""
+    """No permission to list the folder (root reads every folder, so the refusal is simulated): bind_tower and
+    WeightStore.open say so alike."""
     real = os.listdir
 
     def refused(path):
@@ -710,6 +711,8 @@ def test_a_folder_that_cannot_be_listed_is_a_checkpoint_error(tmp_path, monkeypa
     monkeypatch.setattr(os, "listdir", refused)
     with pytest.raises(CheckpointError, match="the checkpoint folder cannot be read .*Permission denied"):
         bind_tower(tmp_path)
+    with pytest.raises(CheckpointError, match="cannot be listed .*Permission denied"):
+        WeightStore.open(tmp_path)
 
 
 def test_the_fingerprint_follows_the_tower_not_its_path(tmp_path):

@@ -23,7 +23,7 @@ from ..errors import AbsentTower, CheckpointError, NoVisionConfig, quoted
 from ..files import not_regular, read_json_file
 from .hub import resolve
 from .names import VISION_PREFIXES, is_vision_name, module_shapes, tower_layout, tower_prefixes, towers_elsewhere
-from .shards import INDEX_NAME, WeightStore
+from .shards import INDEX_NAME, WeightStore, list_folder
 
 log = logging.getLogger("glmvit_cupy")
 
@@ -248,12 +248,7 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
     """
     path = resolve(path)
     if os.path.isdir(path):
-        try:
-            listing = os.listdir(path)
-        except OSError as e:  # no permission to list it, an I/O error
-            raise CheckpointError(f"{path}: the checkpoint folder cannot be read ({e}); it must be a readable "
-                                  "folder holding config.json and *.safetensors shards") from None
-        if not listing:
+        if not list_folder(path):
             raise CheckpointError(f"{path}: empty directory; expected config.json and *.safetensors shards")
         geo = _geometry_beside(path, path)
         source = path

@@ -262,6 +262,16 @@ def read_header(path: str) -> dict:
     return infos
 
 
+def list_folder(path: str) -> list[str]:
+    """os.listdir of a checkpoint folder, or CheckpointError naming it (no permission to list it, an I/O error)."""
+    try:
+        return os.listdir(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: the checkpoint folder cannot be read as it cannot be listed ({e}); it must be "
+                              f"a readable folder holding config.json and *.safetensors shards (or {INDEX_NAME})") \
+            from None
+
+
 def _shard_list(path) -> tuple[list[str], dict | None, str]:
     """Resolve what open() was given into (shard files, index weight_map or None, display name)."""
     if isinstance(path, (list, tuple)):
@@ -291,12 +301,7 @@ def _shard_list(path) -> tuple[list[str], dict | None, str]:
     index = os.path.join(path, INDEX_NAME)
     if os.path.lexists(index):  # a FIFO or broken link there is refused by name, not passed over
         return _from_index(index)
-    try:
-        listing = os.listdir(path)
-    except OSError as e:  # no permission to list it, an I/O error
-        raise CheckpointError(f"{path}: the checkpoint folder cannot be listed ({e}); it must be a readable folder "
-                              f"holding *.safetensors shards (or {INDEX_NAME})") from None
-    files = sorted(os.path.join(path, f) for f in listing if f.endswith(".safetensors"))
+    files = sorted(os.path.join(path, f) for f in list_folder(path) if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"{path}: the directory holds no *.safetensors shards and no {INDEX_NAME}")
     return files, None, path
