@@ -234,10 +234,7 @@ def shard_entries(folder: str, skip=()) -> dict[str, tuple[dict, dict]]:
                        if _embedding_problem(k, e, tensors[k], _expect(header)) is None}
         except OSError as e:  # no permission, an I/O error: the shard may well be whole, as for a listed one
             if not isinstance(e, FileNotFoundError) and not os.path.isdir(path):
-                raise OutputError(f"cannot open {shown(path)}: {_reason(e)}; glmvit-encode reads every shard to know "
-                                  "which images are done and drops none it cannot open for a reason that may pass: "
-                                  "make it readable (chmod u+r, or check the mount), or move it away so that its "
-                                  "images are encoded again") from None
+                raise _unopened(path, e) from None
             continue
         except Exception as e:  # no metadata (an older run's shard, listed in its manifest), unreadable, or not ours
             log.warning("%s: cannot be read whole (truncated or damaged: %s), or its metadata does not name its "
@@ -246,6 +243,13 @@ def shard_entries(folder: str, skip=()) -> dict[str, tuple[dict, dict]]:
             continue
         out[name] = (header, entries)
     return out
+
+
+def _unopened(path: str, e: OSError) -> OutputError:
+    """The error for a shard that cannot be opened for a reason that may pass (no permission, an I/O error)."""
+    return OutputError(f"cannot open {shown(path)}: {_reason(e)}; glmvit-encode reads every shard to know which "
+                       "images are done and drops none it cannot open for a reason that may pass: make it readable "
+                       "(chmod u+r, or check the mount), or move it away so that its images are encoded again")
 
 
 def _listed(folder: str) -> list[str]:
@@ -729,10 +733,7 @@ def _shard_tensors(path) -> tuple[dict, dict | None] | None:
     except OSError as e:  # no permission, an I/O error: the shard may well be whole; dropping it would lose it
         if os.path.isdir(path):  # a folder in its place: not a shard
             return None
-        raise OutputError(f"cannot open {shown(path)}: {_reason(e)}; glmvit-encode reads every shard to know which "
-                          "images are done and drops none it cannot open for a reason that may pass: make it "
-                          "readable (chmod u+r, or check the mount), or move it away so that its images are encoded "
-                          "again") from None
+        raise _unopened(path, e) from None
     except Exception:  # SafetensorError (damaged), ValueError (metadata): not done
         return None
 
