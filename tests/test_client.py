@@ -455,6 +455,21 @@ def test_untimed_pickles_as_itself():
     assert str(e) == f"clip.mkv: 20 frames over 0 s; {Untimed.ADVICE}"
 
 
+def _read_request(conn):
+    """Read one whole request (its headers, then Content-Length bytes of body), so that closing the socket
+    after it sends a FIN: a close with unread bytes in the receive buffer sends a reset (RST) instead, which
+    the client reads as ConnectionResetError, not as a server that closed without answering."""
+    conn.settimeout(10)
+    got = b""
+    while b"\r\n\r\n" not in got and (chunk := conn.recv(65536)):
+        got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+    left = int(length[1]) - len(body) if length else 0
+    while left > 0 and (chunk := conn.recv(min(left, 65536))):
+        left -= len(chunk)
+
+
 class _Junk:
     """A server that answers every request with the same raw bytes (then, with `endless`, a chunk a read
     forever), then closes."""
@@ -475,8 +490,8 @@ class _Junk:
             except OSError:
                 return
             with conn:
-                conn.recv(65536)
                 try:
+                    _read_request(conn)
                     self._answer(conn)
                 except OSError:
                     pass
