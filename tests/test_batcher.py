@@ -159,29 +159,44 @@ def test_the_next_pass_launches_before_the_running_one_ends(task_s):
     on without a gap, and the images arriving meanwhile still share passes. Launching only once the pass
     has ended leaves the GPU idle for a launch between passes. A task run first (a request's videos, 0.3 s
     on the engine thread) is not a launch and does not change the pace."""
-    engine = Timeline(gpu_s=0.06, launch_s=0.02)
-    batcher = Batcher(engine, capacity_tokens=1000, max_wait_s=0.005, max_queue=256)
+    def timed_run():
+        engine = Timeline(gpu_s=0.06, launch_s=0.02)
+        batcher = Batcher(engine, capacity_tokens=1000, max_wait_s=0.005, max_queue=256)
 
-    async def go():
-        if task_s:
-            await batcher.submit_task(lambda lane: time.sleep(task_s) or [0])
-        futures = []
-        for i in range(90):
-            futures.append(batcher.submit([item(1, i)]))
-            await asyncio.sleep(0.004)
-        return [await asyncio.gather(*f) for f in futures]
+        async def go():
+            if task_s:
+                await batcher.submit_task(lambda lane: time.sleep(task_s) or [0])
+            futures = []
+            for i in range(90):
+                futures.append(batcher.submit([item(1, i)]))
+                await asyncio.sleep(0.004)
+            return [await asyncio.gather(*f) for f in futures]
 
-    try:
-        out = asyncio.run(go())
-    finally:
-        batcher.stop()
-    assert all(o[0].shape == (1, 2) for o in out)
-    gaps = [b[0] - a[1] for a, b in zip(engine.runs, engine.runs[1:])]
-    later = gaps[2:-1]  # the pace is learned from the first passes; the last pass waits for nobody
-    assert later and sum(later) / len(later) < 0.005, [round(1e3 * g, 1) for g in gaps]
-    # About half a launch early (1.5 launches before the end, less the launch): never a pass too soon.
-    assert max(engine.leads) < 0.035, [round(1e3 * g, 1) for g in engine.leads]
-    assert len(engine.batches) <= 90 / 4, [len(tags) for _, tags in engine.batches]
+        try:
+            out = asyncio.run(go())
+        finally:
+            batcher.stop()
+        assert all(o[0].shape == (1, 2) for o in out)
+        gaps = [b[0] - a[1] for a, b in zip(engine.runs, engine.runs[1:])]
+        later = sorted(gaps[2:-1])  # the pace is learned from the first passes; the last pass waits for nobody
+        # The median gap, not the mean: there are only a handful of passes, and one late wake-up of the engine
+        # thread is a gap of its own; launching once the pass ends makes every gap a launch (20 ms) long.
+        if not (later and later[len(later) // 2] < 0.005):
+            return f"gaps between passes (ms): {[round(1e3 * g, 1) for g in gaps]}"
+        # About half a launch early (1.5 launches before the end, less the launch): never a pass too soon.
+        if not max(engine.leads) < 0.035:
+            return f"launches ended this long before the GPU was free (ms): {[round(1e3 * g, 1) for g in engine.leads]}"
+        if not len(engine.batches) <= 90 / 4:
+            return f"images a pass: {[len(tags) for _, tags in engine.batches]}"
+        return None
+
+    # Wall-clock timing of threads that sleep: on a busy host the engine thread wakes late (a gap of 20-90 ms
+    # seen) or a launch's sleep runs long (the pace, which averages launches, then launches early). Each such
+    # delay spoils one run at most: a batcher that launches at the wrong time fails every run.
+    failed = []
+    while len(failed) < 3 and (why := timed_run()) is not None:
+        failed.append(why)
+    assert len(failed) < 3, failed
 
 
 def test_the_pace_fits_a_fixed_part_and_a_part_per_token():
@@ -350,10 +365,15 @@ def test_each_pass_reports_its_time_by_part():
     engine.launch_on = working_launch
     seen = []
     batcher = Batcher(engine, capacity_tokens=8, max_wait_s=0.02, max_queue=64, on_pass=seen.append)
+    t0 = time.perf_counter()
     run(batcher, [[item(4, "a"), item(4, "b")]])
+    took = time.perf_counter() - t0
     (t,) = seen
     assert isinstance(t, PassTimes) and (t.images, t.tokens, t.lane) == (2, 8, 0)
-    assert t.gpu >= 0.025 and t.fetch >= 0.009 and 0.05 <= t.launch < 0.2 and t.queued >= 0.0
+    assert t.gpu >= 0.025 and t.fetch >= 0.009 and t.launch >= 0.05 and t.queued >= 0.0
+    # The parts follow one another, none counted twice: together within the run's own wall time. (Not a
+    # bound in seconds: on a busy host the 20 ms of CPU work alone has taken 0.2 s of wall time.)
+    assert sum(getattr(t, p) for p in PassTimes.PARTS) <= took, (t, took)
     assert 0.02 <= t.launch_cpu < 0.045 and t.fetch_cpu < 0.005
     assert set(PassTimes.PARTS) <= set(vars(t)) and {p + "_cpu" for p in PassTimes.CPU_PARTS} <= set(vars(t))
 

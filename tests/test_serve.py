@@ -41,19 +41,42 @@ def png(h, w, seed) -> bytes:
     return buf.getvalue()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def served_port(proc, wait_s: float) -> int:
+    """The port a server started with --port 0 took, from its start line ("glmvit-serve: ... on
+    http://127.0.0.1:PORT (...)"). The kernel picks the port as the server binds it: a port picked free by the
+    test and passed to the server could be taken by another process (a parallel run, a Ray worker) before
+    the server binds it, and the test would then fail, or talk to that other server. Read byte by byte from
+    the pipe, so that proc.stdout's later reads (communicate's, with a timeout, read the pipe itself) still get
+    every line after it."""
+    import re
+    import select
+
+    deadline = time.monotonic() + wait_s
+    fd, said = proc.stdout.fileno(), b""
+    while True:
+        line = b""
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                proc.kill()
+                raise AssertionError(f"the server did not say its port in {wait_s:g} s: "
+                                     f"{(said + line).decode(errors='replace')}")
+            byte = os.read(fd, 1)
+            if not byte:  # it ended before it listened
+                proc.wait()
+                raise AssertionError((said + line).decode(errors="replace"))
+            line += byte
+        said += line
+        if found := re.search(rb" on http://127\.0\.0\.1:(\d+) ", line):
+            return int(found[1])
 
 
 def start(tmp_path, *flags, checkpoint=TOWER, cpu=True, wait_s=15.0):
-    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.serving.main", "--checkpoint", checkpoint,
-                             *(["--cpu"] if cpu else []), "--port", str(port), *map(str, flags)], env=env,
+                             *(["--cpu"] if cpu else []), "--port", "0", *map(str, flags)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return proc, healthy(proc, Client(f"http://127.0.0.1:{port}", timeout=60), wait_s)
+    return proc, healthy(proc, Client(f"http://127.0.0.1:{served_port(proc, wait_s)}", timeout=60), wait_s)
 
 
 def healthy(proc, client, wait_s: float):
@@ -603,9 +626,10 @@ def test_loading_answers_503(tmp_path):
         raise RuntimeError("no model in this test")
 
     app = create_app(slow_load, Settings(checkpoint="test"))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
+    sock = socket.create_server(("127.0.0.1", 0))  # bound here: no other process can take the port meanwhile
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     client = Client(f"http://127.0.0.1:{port}", timeout=10)
     for _ in range(200):
@@ -619,7 +643,9 @@ def test_loading_answers_503(tmp_path):
     got, err = post(client, b'{"images": ["aGVsbG8="]}')
     assert got == 503 and "still loading" in err["error"]
     release.set()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10  # the loading thread fails once it wakes: soon, but not at once on a busy host
+    while "still loading" in post(client, b'{"images": ["aGVsbG8="]}')[1]["error"] and time.monotonic() < deadline:
+        time.sleep(0.05)
     got, err = post(client, b'{"images": ["aGVsbG8="]}')
     assert got == 503 and "failed to load (RuntimeError: no model in this test)" in err["error"]
     app.state.glmvit["status"] = "stopping"  # what SIGTERM sets before uvicorn drains the connections

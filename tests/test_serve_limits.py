@@ -27,7 +27,7 @@ pytest.importorskip("starlette", reason="the serve extra (starlette, uvicorn, pr
 pytest.importorskip("uvicorn", reason="the serve extra is not installed")
 
 from tests.golden import cases  # noqa: E402
-from tests.test_serve import SRC, TOWER, free_port, healthy, metric, png, post, post_video  # noqa: E402
+from tests.test_serve import SRC, TOWER, healthy, metric, png, post, post_video, served_port  # noqa: E402
 
 from glmvit_cupy import ServerError  # noqa: E402
 from glmvit_cupy.client import Client  # noqa: E402
@@ -36,7 +36,6 @@ from glmvit_cupy.client import Client  # noqa: E402
 def launch(*flags, checkpoint=TOWER, data_limit=None, prelude="pass", wait_s=20.0, cwd=None):
     """glmvit-serve --cpu in a subprocess (its memory capped at data_limit bytes of RLIMIT_DATA; `prelude`:
     Python run before main; cwd: its working folder): (process, client), once /health says ok."""
-    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
 
     def cap():
@@ -46,10 +45,10 @@ def launch(*flags, checkpoint=TOWER, data_limit=None, prelude="pass", wait_s=20.
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
     code = f"import sys; {prelude}; from glmvit_cupy.serving.main import main; sys.exit(main())"
-    proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", checkpoint, "--cpu", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", checkpoint, "--cpu", "--port", "0",
                              *map(str, flags)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=cap, cwd=cwd)
-    return proc, healthy(proc, Client(f"http://127.0.0.1:{port}", timeout=60), wait_s)
+    return proc, healthy(proc, Client(f"http://127.0.0.1:{served_port(proc, wait_s)}", timeout=60), wait_s)
 
 
 def stop(proc):
@@ -1290,7 +1289,7 @@ def test_ctrl_c_while_starting_is_one_line_and_status_130():
                "b.bind_tower = lambda *a, **k: (print('binding', flush=True), time.sleep(30), f(*a, **k))[2]")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
     code = f"import sys; {prelude}; from glmvit_cupy.serving.main import main; sys.exit(main())"
-    proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", TOWER, "--cpu", "--port", str(free_port())],
+    proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", TOWER, "--cpu", "--port", "0"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
@@ -1316,10 +1315,9 @@ def test_a_model_that_fails_to_load_is_logged_and_the_process_exits_1(tmp_path, 
     tensors[name] = tensors[name].copy()
     tensors[name][0, 0] = np.nan  # a damaged download
     ckpt = write_checkpoint(tmp_path / "nan", geo, tensors=tensors)
-    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-m", "glmvit_cupy.serving.main", "--checkpoint", ckpt, "--cpu",
-                             "--port", str(port), "--workers", str(workers)], env=env, stdout=subprocess.PIPE,
+                             "--port", "0", "--workers", str(workers)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         code = proc.wait(30)

@@ -251,16 +251,15 @@ def launch_alone(*flags, prelude="pass", env_extra=None):
     import subprocess
     import sys
 
-    from tests.test_serve import SRC, free_port, healthy
+    from tests.test_serve import SRC, healthy, served_port
     from glmvit_cupy.client import Client
 
-    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]), **(env_extra or {}))
     code = f"import sys; {prelude}; from glmvit_cupy.serving.main import main; sys.exit(main())"
-    proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", TOWER, "--cpu", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", TOWER, "--cpu", "--port", "0",
                              *map(str, flags)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    return proc, healthy(proc, Client(f"http://127.0.0.1:{port}", timeout=60), 20)
+    return proc, healthy(proc, Client(f"http://127.0.0.1:{served_port(proc, 20)}", timeout=60), 20)
 
 
 def in_thread(fn):
