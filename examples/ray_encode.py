@@ -149,9 +149,11 @@ def done_paths(out) -> tuple[set, set]:
     return paths | {os.path.realpath(p) for p in paths if "://" not in p}, foreign  # other spellings too
 
 
-def check_settings(out, settings: dict):
+def check_settings(out, settings: dict, holds: bool):
     """The settings that shape an --out's embeddings, recorded in it by its first run; ValueError where a
-    resume's differ (its rows would sit beside rows of other settings, with nothing to tell them apart)."""
+    resume's differ (its rows would sit beside rows of other settings, with nothing to tell them apart).
+    holds: --out holds rows already; where it holds none (a first run that stopped before its first write,
+    say one without --cpu on a cluster without GPUs), this run's settings replace those recorded."""
     fs, root, join = store(out)
     path = join(root, SETTINGS)
     try:
@@ -162,7 +164,7 @@ def check_settings(out, settings: dict):
     except (OSError, ValueError) as e:
         raise ValueError(f"{path} cannot be read ({e}): remove it only if every file in {out} was encoded with "
                          "this run's settings") from None
-    if had is None:
+    if had is None or (not holds and had != settings):
         fs.create_dir(root, recursive=True)  # a URI's folder, before Ray makes it
         with fs.open_output_stream(path) as f:
             f.write(json.dumps(settings, indent=1, sort_keys=True).encode())
@@ -350,7 +352,8 @@ def encode(args, ray) -> int:
     low, high = image_limits(capacity, 16, args.max_image_tokens)
     binding = bind_tower(args.checkpoint)
     check_settings(args.out, {"weights": binding.fingerprint, "cpu": args.cpu, "min_image_tokens": low,
-                              "max_image_tokens": high})  # the tower by its fingerprint: wherever it lies
+                              "max_image_tokens": high},  # the tower by its fingerprint: wherever it lies
+                   holds=bool(done))
     if not ray.is_initialized():
         ray.init(address=args.address, include_dashboard=False)
         if threading.current_thread() is threading.main_thread():

@@ -41,6 +41,33 @@ def test_example_refuses_to_resume_with_settings_that_change_embeddings(local_ra
     assert out_paths(out) == [str(folder / "img0.png")]
 
 
+def test_example_a_first_run_that_wrote_nothing_binds_no_settings(local_ray, tmp_path, capsys, monkeypatch):
+    """A first run that stopped before its first write (without --cpu on a cluster without GPUs, which
+    says to pass --cpu) recorded its settings all the same: the run with --cpu it suggests was refused as
+    "holds embeddings of other settings" in a folder that held none. Its settings now replace them; once
+    a row is written, they bind (the refusal above)."""
+    import ray_encode
+
+    import glmvit_cupy.ray as gvr
+
+    folder, out = images(tmp_path / "imgs", 2), tmp_path / "out"
+
+    def no_gpus(*args, **kwargs):
+        raise ValueError("the Ray cluster has 0 GPUs (stand-in)")
+
+    with monkeypatch.context() as m:
+        m.setattr(gvr, "encode_dataset", no_gpus)
+        assert ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out)]) == 2
+    assert (out / ray_encode.SETTINGS).exists() and not list(out.glob("*.parquet"))
+    capsys.readouterr()
+    assert ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 0
+    assert "ray_encode: 2 images in" in capsys.readouterr().out
+    assert out_paths(out) == sorted(str(p) for p in folder.iterdir())
+    images(folder, 3)  # one more to encode
+    assert ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out)]) == 2  # rows now: bound
+    assert "cpu True there, False now" in capsys.readouterr().err
+
+
 def test_example_resumes_into_an_out_given_as_a_uri(local_ray, tmp_path, capsys):
     """--out as a URI (file:// here; s3://, gs:// alike): a re-run skips what is there, as for a folder,
     and the summary counts this run's images."""
