@@ -1282,6 +1282,27 @@ def test_a_second_sigterm_stops_at_once_without_a_traceback():
         stop(proc)
 
 
+def test_a_client_that_connects_once_the_address_is_printed_is_answered():
+    """The start line names the address before uvicorn runs (the app is built, the server made): a client
+    that connected then was refused (ECONNREFUSED: the socket was bound but not listening), so a script
+    that starts the server and calls it at once failed. The socket listens from the start line on: the
+    connection waits for uvicorn and is answered."""
+    prelude = ("import time, glmvit_cupy.serving.app as m; f = m.create_app; "
+               "m.create_app = lambda *a, **k: (time.sleep(2), f(*a, **k))[1]")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    code = f"import sys; {prelude}; from glmvit_cupy.serving.main import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", TOWER, "--cpu", "--port", "0"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = Client(f"http://127.0.0.1:{served_port(proc, 20)}", timeout=60)
+        try:  # at once, while create_app still sleeps
+            assert client.health()["status"] == "ok"
+        except ServerError as e:  # answered: still loading
+            assert e.status == 503 and "still loading" in str(e), e
+    finally:
+        stop(proc)
+
+
 def test_ctrl_c_while_starting_is_one_line_and_status_130():
     """Ctrl-C while the command imports, checks the checkpoint or binds (before the server's own handlers):
     one line and exit status 130, no traceback."""

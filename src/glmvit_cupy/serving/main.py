@@ -150,14 +150,16 @@ def check_settings(args) -> str | None:
     return None
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (port 0: a free one), or OSError; uvicorn listens on it."""
+def listen(host: str, port: int, backlog: int) -> socket.socket:
+    """A socket bound to host:port (port 0: a free one) and listening, or OSError: a client that connects
+    while the server starts waits in the backlog for uvicorn to accept it, not refused."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen(backlog)
     except OSError:
         sock.close()
         raise
@@ -256,7 +258,7 @@ def serve(argv) -> int:
         return 2
     host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address, as a URL writes it
     try:
-        sock = listen(args.host, args.port)
+        sock = listen(args.host, args.port, backlog)
     except socket.gaierror as e:
         print(f"glmvit-serve: cannot listen on --host {args.host} ({e.strerror or e}): give an address or a name "
               "this machine resolves (127.0.0.1, 0.0.0.0, ::)", file=sys.stderr)
