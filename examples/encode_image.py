@@ -29,7 +29,8 @@ PHOTO = os.path.join(HERE, "grace_hopper.jpg")
 def random_checkpoint():
     from glmvit_cupy.checkpoint.synthetic import cached_checkpoint
 
-    path = os.path.join(os.path.expanduser("~"), ".cache", "glmvit_cupy", "random-official-seed0")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(cache, "glmvit_cupy", "random-official-seed0")
     if not os.path.exists(os.path.join(path, "config.json")):
         print(f"writing a random-weight checkpoint of the official geometry to {path} (1.05 GiB, once; "
               "delete the folder to free the space)")
@@ -115,7 +116,8 @@ def run(argv) -> int:
     ap.add_argument("images", nargs="*", help="image files (default: the bundled photo)")
     ap.add_argument("--checkpoint", help="checkpoint folder, shard, index or Hub id (org/name: the hub extra); "
                     "default: random weights, said loudly")
-    ap.add_argument("--save", help="write embeddings to a .safetensors (bf16, one tensor per image) or .npy file")
+    ap.add_argument("--save", help="write embeddings to a .safetensors (bf16, one tensor per image) or .npy file "
+                    "(float32, all images' rows in one array, in order)")
     ap.add_argument("--cpu", action="store_true", help="use the float32 NumPy reference even if a GPU exists")
     ap.add_argument("--max-image-tokens", type=int, default=8000, help="per-image token limit (default 8000)")
     args = ap.parse_args(argv)

@@ -58,7 +58,7 @@ def run(argv) -> int:
         check_save(args.save)
     if args.video and args.frames:
         ap.error("give frame files or --video, not both")
-    if args.video and os.path.splitext(args.video)[1].lower() in STILL_IMAGES:  # said before any work
+    if args.video and os.path.isfile(args.video) and os.path.splitext(args.video)[1].lower() in STILL_IMAGES:
         raise ValueError(f"--video {args.video}: is an image file, not a video; give a video's frames as image "
                          f"files in order, without --video, and their rate as --fps (e.g. encode_video.py "
                          f"{args.video} f1.png ... --fps 24)")
@@ -78,7 +78,7 @@ def run(argv) -> int:
         flags = in_flags(str(e).replace("sample_frames: ", ""),  # the library's function, no part of this script
                          {"max_image_tokens": "--max-video-tokens", "target_fps": "--target-fps", "fps": "--fps"})
         raise ValueError(flags) from None
-    source = args.video or f"{len(frames)} frames"
+    source = args.video or f"{len(frames)} frame{'' if len(frames) == 1 else 's'}"
     rate = f"{info['fps']:g} fps" if info["fps"] else "an unknown frame rate"  # a file's: its container's
     print(f"{source} of {info['size'][1]}x{info['size'][0]} px at {rate} -> frames "
           f"{info['frames_indices']} -> canvas {info['canvas'][1]}x{info['canvas'][0]}, grid {tuple(info['grid'])}, "

@@ -57,6 +57,25 @@ def test_no_images_or_a_missing_file_are_refused_naming_them(tmp_path, monkeypat
     assert e.value.filename == str(tmp_path / "nope.jpg")
 
 
+def test_an_empty_file_is_refused_naming_it_before_anything_is_sent(tmp_path, monkeypatch):
+    """An empty image file went as an empty body, and the server's answer was written for curl ("the body is
+    empty: send one image file (or JSON, as application/json)"): the caller now hears which of its files
+    is empty, before anything is sent, for an image alone, among others, a video file and a frame."""
+    import io
+
+    sent = Answer()
+    monkeypatch.setattr(Client, "_exchange", sent)
+    (tmp_path / "empty.jpg").write_bytes(b"")
+    for call, says in [(lambda: Client().encode(tmp_path / "empty.jpg"), r"image 0: '.*empty\.jpg' is empty"),
+                       (lambda: Client().encode([b"abcd", b""]), r"image 1: the file given is empty"),
+                       (lambda: Client().encode([io.BytesIO(b"")]), r"image 0: the file object gave 0 bytes"),
+                       (lambda: Client().encode_video([tmp_path / "empty.jpg"]), r"video 0: '.*empty\.jpg' is"),
+                       (lambda: Client().encode_video([[b"abcd", b""]]), r"video 0 frame 1: the file given is")]:
+        with pytest.raises(ValueError, match=says + ".*; an image or video file was expected"):
+            call()
+    assert sent.sent == []
+
+
 def test_a_path_that_is_not_a_regular_file_is_refused_unread(tmp_path, monkeypatch):
     """A FIFO would block the client forever, /dev/zero read without end: both refused by what they are,
     before anything is sent; an empty array names the image too."""
@@ -145,9 +164,9 @@ def test_one_image_or_video_not_in_a_list_is_one_not_a_sequence(tmp_path, monkey
     # A binary file object is one image (its bytes, from where it stands), not the lines it iterates to.
     with open(path, "rb") as f:
         Client().encode(f)
-    with open(path, "rb") as f:
-        Client().encode([f, f])  # the second read finds the file at its end: sent as it is, the server refuses it
-    assert answer.sent[-2]["images"] == answer.sent[-1]["images"][:1] and answer.sent[-1]["images"][1] == ""
+    with open(path, "rb") as f, pytest.raises(ValueError, match=r"image 1: the file object gave 0 bytes from where "
+                                                              r"it stands \(at its end\? one object given twice"):
+        Client().encode([f, f])  # the second read finds the file at its end: refused, nothing sent
     with open(path) as f, pytest.raises(ValueError, match=r"image 0: a file object that reads str, not bytes"):
         Client().encode(f)
     with pytest.raises(ValueError, match=r"images: an array of shape \[7, 9\]; an image is an HxWx3 uint8 array"):

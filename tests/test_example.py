@@ -139,7 +139,10 @@ def test_video_example_on_the_cpu_saves_what_the_reference_computes(tmp_path, ca
     want = reference.encode_pixels(bind_tower(TOWER), pv, grid).astype(ml_dtypes.bfloat16)
     assert np.array_equal(load_file(out)["video"].view(np.uint16), want.view(np.uint16))
     assert encode_video.main(["--video", str(tmp_path / "none.mp4"), "--checkpoint", TOWER, "--cpu"]) == 2
-    assert "none.mp4' is not a file" in capsys.readouterr().err
+    assert "none.mp4' is not found (no such file)" in capsys.readouterr().err
+    (tmp_path / "frames.jpg").mkdir()  # a folder, whatever its name says: not taken for an image file
+    assert encode_video.main(["--video", str(tmp_path / "frames.jpg"), "--checkpoint", TOWER, "--cpu"]) == 2
+    assert "frames.jpg' is a folder; a video file was expected" in capsys.readouterr().err
 
 
 def test_video_example_mistakes_are_said_in_the_scripts_terms(capsys):
@@ -170,3 +173,18 @@ def test_the_ray_example_without_the_ray_extra_is_one_line_and_status_2(monkeypa
     err = capsys.readouterr().err
     assert err.startswith("ray_encode: the ray extra is not installed") and "pip install -e '.[ray]'" in err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_the_random_checkpoint_goes_to_the_users_cache_folder(tmp_path, monkeypatch, capsys):
+    """Without --checkpoint the example writes its random checkpoint under $XDG_CACHE_HOME where it is set
+    (the freedesktop rule for a user's cache), else under ~/.cache."""
+    import glmvit_cupy.checkpoint.synthetic as synthetic
+
+    monkeypatch.setattr(synthetic, "cached_checkpoint", lambda path, geometry, seed: path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert encode_image.random_checkpoint() == str(tmp_path / "cache" / "glmvit_cupy" / "random-official-seed0")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert encode_image.random_checkpoint() == str(tmp_path / "home" / ".cache" / "glmvit_cupy" /
+                                                   "random-official-seed0")
+    assert "writing a random-weight checkpoint" in capsys.readouterr().out

@@ -728,7 +728,7 @@ def test_sigterm_ends_the_process_in_bounded_time_beside_a_stalled_body():
         time.sleep(0.3)
         code, out, took = terminated(proc, 10, "a stalled client")
         assert code == 0 and took < 10
-        assert "1 requests in flight" in out and "still in flight (or replies still being sent) after 1 s (--drain-timeout)" in out, out
+        assert "1 request in flight" in out and "still in flight (or replies still being sent) after 1 s (--drain-timeout)" in out, out
         assert "Traceback" not in out and "Exception in ASGI application" not in out, out  # one line, no trace
         s.settimeout(5)
         answer = s.recv(65536)
@@ -1004,7 +1004,7 @@ def test_sigterm_drains_with_503_then_exits_saying_so(sig, workers):
         assert done["r"][0][0].shape[0] == 16
         assert proc.wait(30) == 0
         out = proc.stdout.read()
-        drained = f"{sig}: draining, 1 requests in flight" if workers == 1 else f"{sig}: draining the 2 HTTP workers"
+        drained = f"{sig}: draining, 1 request in flight" if workers == 1 else f"{sig}: draining the 2 HTTP workers"
         assert drained in out and "stopped (exit 0)" in out, out
     finally:
         stop(proc)

@@ -88,8 +88,11 @@ def test_a_frame_count_higher_than_the_file_holds_is_sampled_again(tmp_path, mon
 
 
 def test_files_that_cannot_be_read_are_refused_by_name(tmp_path, monkeypatch):
-    with pytest.raises(ImageError, match=r"video 0: '.*nope.mp4' is not a file"):
+    with pytest.raises(ImageError, match=r"video 0: '.*nope.mp4' is not found \(no such file\); a video file"):
         plan_video(tmp_path / "nope.mp4")
+    (tmp_path / "clips.mp4").mkdir()
+    with pytest.raises(ImageError, match=r"video 0: '.*clips.mp4' is a folder; a video file was expected"):
+        plan_video(tmp_path / "clips.mp4")
     (tmp_path / "text.mp4").write_text("not a video at all")
     with pytest.raises(ImageError, match=r"video 0: cannot open '.*text.mp4' as a video"):
         plan_video(tmp_path / "text.mp4")

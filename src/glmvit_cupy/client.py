@@ -611,8 +611,10 @@ def _file_b64(frame, what: str) -> str:
 
 def _file_bytes(frame, what: str) -> bytes:
     """An image, frame or video file's bytes: a path's or bytes as they are, an HxWx3 uint8 array as a PNG
-    (lossless). OSError for a path that is not a readable regular file; ValueError naming `what` for anything else (an array of another shape or type would be read
-    differently than preprocess reads it: an alpha channel dropped, not composited)."""
+    (lossless). OSError for a path that is not a readable regular file; ValueError naming `what` for an empty
+    file and anything else (an array of another shape or type would be read differently than preprocess reads
+    it: an alpha channel dropped, not composited)."""
+    given = frame
     if isinstance(frame, np.ndarray):
         if frame.dtype != np.uint8 or frame.ndim != 3 or frame.shape[2] != 3:
             raise ValueError(f"{what}: an array is sent as an HxWx3 uint8 RGB image, got {frame.dtype} "
@@ -648,6 +650,12 @@ def _file_bytes(frame, what: str) -> bytes:
     elif not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ValueError(f"{what}: {type(frame).__name__} is not an image file's path or bytes, nor an HxWx3 uint8 "
                          "array")
+    if not len(frame):  # the server would answer that a request's body is empty, as to curl
+        if hasattr(given, "read") and not isinstance(given, (bytes, bytearray, memoryview)):
+            raise ValueError(f"{what}: the file object gave 0 bytes from where it stands (at its end? one object "
+                             "given twice, or read before); an image or video file was expected")
+        named = f"{os.fspath(given)!r} is" if isinstance(given, (str, os.PathLike)) else "the file given is"
+        raise ValueError(f"{what}: {named} empty (0 bytes); an image or video file was expected")
     return bytes(frame)
 
 

@@ -199,7 +199,7 @@ def plan_video(video, index: int = 0, *, fps=None, sample: bool = True, duration
             raise ValueError(f"{name}: {e}") from None
 
     if isinstance(video, (str, os.PathLike)):
-        if os.path.splitext(os.fspath(video))[1].lower() in STILL_IMAGES:
+        if os.path.isfile(video) and os.path.splitext(os.fspath(video))[1].lower() in STILL_IMAGES:
             raise ValueError(f"{name}: {os.fspath(video)} is an image file, and a path is a video file: give a "
                              "video's frames decoded, as a list of HxWx3 uint8 arrays (np.asarray(Image.open(p)."
                              "convert('RGB')) each)")

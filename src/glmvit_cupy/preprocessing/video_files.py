@@ -50,7 +50,9 @@ def _open(source, name: str, max_pixels: int | None = None):
     av, label = _av(), _label(source)
     is_bytes = isinstance(source, (bytes, bytearray, memoryview))
     if not is_bytes and not os.path.isfile(source):
-        raise ImageError(f"{name}: {label} is not a file")
+        what = ("a folder" if os.path.isdir(source) else "not a regular file" if os.path.lexists(source)
+                else "not found (no such file)")
+        raise ImageError(f"{name}: {label} is {what}; a video file was expected")
     try:
         # A path is made absolute: FFmpeg reads "take:2.mp4" or "http:x.mp4" as a protocol's URL, "/.../take:2.mp4"
         # as the file.

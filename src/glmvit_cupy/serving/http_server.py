@@ -475,7 +475,8 @@ def build_server(app, args, max_connections: int, backlog: int, ready: str | Non
                     state["status"] = "stopping"
                 if worker:  # the server process has said so
                     return
-                log(f"{name}: draining, {state['in_flight']} requests in flight; /health and new requests get 503; "
+                n = state["in_flight"]
+                log(f"{name}: draining, {n} request{'' if n == 1 else 's'} in flight; /health and new requests get 503; "
                     f"exiting once they are answered, within {args.drain_timeout:g} s (a second signal: now)")
                 return
             if not worker:
