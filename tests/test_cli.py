@@ -68,6 +68,36 @@ def test_encode_folder_skips_bad_image_and_matches_reference(images, tmp_path, c
     assert "skipped" in captured.out and "broken.png" in captured.out and "1 failed" in captured.out
 
 
+def test_the_bar_counts_no_failure_before_it_counts_its_image(tmp_path, monkeypatch):
+    """The bar's failed= counted a failure when the image was prepared, its position only when the writer's
+    thread recorded it: "25% 1/4 ... failed=3". A slow writer (each write 0.1 s later) shows every postfix
+    the bar draws: its failures never outnumber the images it has counted."""
+    import time
+
+    import tqdm
+
+    from glmvit_cupy import output
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    Image.fromarray(cases._smooth(64, 64, 2)).save(folder / "a.png")
+    for i in range(3):
+        (folder / f"bad{i}.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    seen = []
+
+    class Bar(tqdm.tqdm):
+        def set_postfix(self, *args, **kwargs):
+            seen.append((self.n, kwargs["failed"]))
+            return super().set_postfix(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    slow = output.Writer._run
+    monkeypatch.setattr(output.Writer, "_run", lambda self, fn, a: (time.sleep(0.1), slow(self, fn, a))[1])
+    assert run([folder, "--checkpoint", cases.TOWER_DIR, "--out", tmp_path / "out", "--cpu"]) == 1
+    assert seen and all(failed <= n for n, failed in seen), seen
+    assert seen[-1] == (4, 3), seen
+
+
 def test_a_tower_of_other_patches_and_merges_is_encoded_with_its_own_patching(images, tmp_path):
     """A 3 x 3-merge tower of 16-pixel single-frame patches: the command's canvases, grids and tokens are the
     tower's (48-pixel tokens, 768 values a row), and each embedding is the reference's of those pixels."""

@@ -492,6 +492,7 @@ def encode_all(args, todo, enc, out) -> int:
     from tqdm import tqdm
 
     tokens_done, failed = 0, 0
+    shown_failed = 0  # failures the bar has counted: skip runs on the writer's thread, after `failed` counts them
     unusable = []  # images whose embedding came back unusable (the writer's thread appends them)
     blocked = []  # images saved whose vLLM file could not be written (something in the way of its key)
     t0 = time.perf_counter()
@@ -527,9 +528,12 @@ def encode_all(args, todo, enc, out) -> int:
         postfix()
 
     def postfix():
-        bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}", failed=failed + len(unusable))
+        bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}",
+                        failed=shown_failed + len(unusable))
 
     def skip(path, why):
+        nonlocal shown_failed
+        shown_failed += 1
         out.fail(image_key(path), str(why))
         bar.write(skipped(path, why))
         bar.update(1)
