@@ -17,7 +17,6 @@ import argparse
 import glob
 import json
 import os
-import stat
 import signal
 import sys
 import threading
@@ -26,7 +25,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout without installing
 from glmvit_cupy.cli.common import interruption, stopped_by_sigterm  # noqa: E402 - Ctrl-C and SIGTERM as glmvit-encode
-from glmvit_cupy.files import open_lock_file  # noqa: E402 - a lock file never opened through a link
+from glmvit_cupy.files import open_lock_file, open_regular  # noqa: E402 - lock files and inputs, checked
 from glmvit_cupy.output import path_text  # noqa: E402 - a path that is not UTF-8: the repr() of its bytes
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -292,15 +291,14 @@ def read_files(max_bytes: int):
 
         blobs, errors = [], []
         for source, name in zip(batch.pop("source"), batch["path"]):
-            try:
-                fd = os.open(os.fsdecode(bytes(source)), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-                with os.fdopen(fd, "rb") as f:
+            try:  # a FIFO or a device: refused, never read (a FIFO's read waits for a writer)
+                with open_regular(os.fsdecode(bytes(source)), "the image", OSError) as f:
                     st = os.fstat(f.fileno())
-                    if not stat.S_ISREG(st.st_mode):
-                        raise OSError("not a regular file")
                     if st.st_size > max_bytes:
                         raise OSError(f"{st.st_size / 2**20:,.1f} MiB, over --max-image-mib {max_bytes / 2**20:g}")
-                    data = f.read(max_bytes + 1)
+                    data = f.read(st.st_size + 1)  # read(n) allocates n bytes: what the file holds, not the limit
+                    if len(data) > st.st_size:  # it grew since: up to one byte past the limit
+                        data += f.read(max_bytes + 1 - len(data))
                 if len(data) > max_bytes:
                     raise OSError(f"over --max-image-mib {max_bytes / 2**20:g} (it grew while read)")
                 blobs.append(data), errors.append(None)
