@@ -214,28 +214,22 @@ def _shard_number(name: str) -> int:
 def shard_entries(folder: str, skip=()) -> dict[str, tuple[dict, dict]]:
     """{shard name: (its run's header, {key: entry})} for the shards in `folder` (except those in `skip`)
     that name their images in their metadata. A shard that cannot be read is left out (its images are
-    not done)."""
-    from safetensors import safe_open
-
+    not done); one that cannot be opened for a reason that may pass is an OutputError (_shard_tensors)."""
     out = {}
     for name in sorted(_listed(folder), key=_shard_number):
         path = os.path.join(folder, name)
-        if not SHARD.match(name) or name in skip or not_regular(path):  # a FIFO named like one is never opened
+        if not SHARD.match(name) or name in skip:
             continue
+        read = _shard_tensors(path)  # None for a FIFO named like one (never opened), a folder, or one gone since
         try:
-            with safe_open(path, framework="numpy") as f:
-                meta = json.loads((f.metadata() or {}).get("glmvit", "null"))
-                tensors = _described(f)
-            header, images = meta["header"], meta["images"]
-            if not (isinstance(header, dict) and isinstance(images, dict)):
-                raise TypeError("its header and images are not objects")
+            if read is None or read[1] is None:
+                if not os.path.isfile(path):
+                    continue
+                raise ValueError("safetensors refused it, or it has no glmvit metadata")  # or an older run's shard
+            tensors, (header, images) = read[0], (read[1]["header"], read[1]["images"])
             entries = {k: dict(v, shard=name) for k, v in images.items() if k in tensors}  # TypeError: not ours
             entries = {k: e for k, e in entries.items()  # only what the shard holds as its entry describes it
                        if _embedding_problem(k, e, tensors[k], _expect(header)) is None}
-        except OSError as e:  # no permission, an I/O error: the shard may well be whole, as for a listed one
-            if not isinstance(e, FileNotFoundError) and not os.path.isdir(path):
-                raise _unopened(path, e) from None
-            continue
         except Exception as e:  # no metadata (an older run's shard, listed in its manifest), unreadable, or not ours
             log.warning("%s: cannot be read whole (truncated or damaged: %s), or its metadata does not name its "
                         "images; none of them is taken from it (a resume encodes them again)", path,
