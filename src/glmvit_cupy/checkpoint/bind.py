@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -147,16 +148,19 @@ def _numbered_gap(folder: str) -> str:
         m = _NUMBERED.fullmatch(n)
         if m and 0 < int(m[2]) <= int(m[3]) <= 99_999:
             groups.setdefault((m[1], m[3]), set()).add(int(m[2]))
+    short = sorted(((key, held) for key, held in groups.items() if len(held) < int(key[1])),
+                   key=lambda g: (-len(g[1]), g[0]))  # a tower's group holds the most shards: it comes first
     said = []
-    for (prefix, total), held in sorted(groups.items()):
-        absent = [f"{prefix}-{k:0{len(total)}d}-of-{total}.safetensors" for k in range(1, int(total) + 1)
-                  if k not in held]
-        if absent:
-            said.append(f"{folder} holds {len(held):,} of the {int(total):,} shards their names count: no "
-                        f"{', '.join(absent[:3])}{f' and {len(absent) - 3:,} more' if len(absent) > 3 else ''}")
+    for (prefix, total), held in short[:3]:  # 3 groups, each by its first 3 absent names
+        absent = list(itertools.islice((f"{prefix}-{k:0{len(total)}d}-of-{total}.safetensors"
+                                        for k in range(1, int(total) + 1) if k not in held), 3))
+        count = int(total) - len(held)
+        said.append(f"{folder} holds {len(held):,} of the {int(total):,} shards their names count: no "
+                    f"{', '.join(absent)}{f' and {count - 3:,} more' if count > 3 else ''}")
     if not said:
         return ""
-    return "; ".join(said) + "; a shard is missing (a download cut short?): download it again"
+    more = f"; {len(short) - 3:,} more groups of numbered shards lack some" if len(short) > 3 else ""
+    return "; ".join(said) + more + "; a shard is missing (a download cut short?): download it again"
 
 
 def _missing_error(store: WeightStore, prefix: str, layout: dict, missing: list, alone: str,
