@@ -21,6 +21,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout without installing
 
 from glmvit_cupy import VisionGeometry, bind_tower, gpu, preprocess  # noqa: E402
+from glmvit_cupy.checks import embedding_problem  # noqa: E402
+from glmvit_cupy.output import shown  # noqa: E402
 from glmvit_cupy.preprocessing.image import Patching, prepare  # noqa: E402
 
 PHOTO = os.path.join(HERE, "grace_hopper.jpg")
@@ -45,7 +47,26 @@ def save(path, names, arrays):
         save_file({k: np.ascontiguousarray(a) for k, a in zip(keys, arrays)}, path)
     else:
         np.save(path, np.concatenate(arrays).astype(np.float32))  # NumPy files cannot hold bf16
-    print(f"saved {len(arrays)} embedding(s) to {path}")
+    print(f"saved {len(arrays)} embedding(s) to {shown(path)}")
+
+
+def report(prog, names, arrays, path) -> int:
+    """Each embedding's shape and statistics, then --save (path) if given: 0; 1 where an embedding holds NaN
+    or infinity (weights that make the forward overflow), said by name, and nothing saved."""
+    problems = [embedding_problem(a, shown(n)) for n, a in zip(names, arrays)]
+    for n, a, problem in zip(names, arrays, problems):
+        if problem is None:
+            f = a.astype(np.float32)
+            print(f"{shown(n)}: embeddings {a.shape} {a.dtype}, mean {f.mean():+.4f}, std {f.std():.4f}")
+        else:
+            print(f"{prog}: {problem}", file=sys.stderr)
+    if any(problems):
+        if path:
+            print(f"{prog}: nothing saved to {shown(path)}", file=sys.stderr)
+        return 1
+    if path:
+        save(path, names, arrays)
+    return 0
 
 
 def check_save(path):
@@ -85,7 +106,7 @@ def guarded(run, argv, prog: str) -> int:
     try:
         return run(argv)
     except (ValueError, OSError, GpuUnavailable, GpuOutOfMemory) as e:  # ImageError, CheckpointError: ValueErrors
-        print(f"{prog}: {e}", file=sys.stderr)
+        print(f"{prog}: {shown(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted; nothing saved", file=sys.stderr)
@@ -93,7 +114,7 @@ def guarded(run, argv, prog: str) -> int:
     except Exception as e:
         if type(e).__name__ != "SafetensorError":  # a write --save's check could not foresee (a full disk)
             raise
-        print(f"{prog}: writing --save failed ({e})", file=sys.stderr)
+        print(f"{prog}: writing --save failed ({shown(e)})", file=sys.stderr)
         return 2
 
 
@@ -107,7 +128,8 @@ def checkpoint(path):
 
 
 def main(argv=None) -> int:
-    """0, or 2 with one line on stderr for a bad image, checkpoint, flag or an unusable GPU."""
+    """0; 1 where an embedding holds NaN or infinity (weights that make the forward overflow: said, nothing
+    saved); 2 with one line on stderr for a bad image, checkpoint, flag or an unusable GPU."""
     return guarded(run, argv, "encode_image.py")
 
 
@@ -136,7 +158,7 @@ def run(argv) -> int:
                 for i, im in enumerate(images)]
     t_pre = time.perf_counter() - t
     for _, grid, info in prepared:
-        print(f"{info['source']}: {info['size'][1]}x{info['size'][0]} px -> canvas {info['canvas'][1]}x"
+        print(f"{shown(info['source'])}: {info['size'][1]}x{info['size'][0]} px -> canvas {info['canvas'][1]}x"
               f"{info['canvas'][0]}, grid {grid}, {info['tokens']} tokens")
     print(f"preprocess: {1e3 * t_pre:.1f} ms")
 
@@ -168,12 +190,7 @@ def run(argv) -> int:
         import ml_dtypes
 
         arrays = [a.astype(ml_dtypes.bfloat16) for a in np.split(ref, splits)]
-    for (_, _, info), a in zip(prepared, arrays):
-        f = a.astype(np.float32)
-        print(f"{info['source']}: embeddings {a.shape} {a.dtype}, mean {f.mean():+.4f}, std {f.std():.4f}")
-    if args.save:
-        save(args.save, [info["source"] for _, _, info in prepared], arrays)
-    return 0
+    return report("encode_image.py", [info["source"] for _, _, info in prepared], arrays, args.save)
 
 
 if __name__ == "__main__":

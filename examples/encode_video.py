@@ -22,10 +22,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout without installing
 sys.path.insert(0, HERE)
 
-from encode_image import PHOTO, check_save, checkpoint, guarded, save  # noqa: E402
+from encode_image import PHOTO, check_save, checkpoint, guarded, report  # noqa: E402
 
 from glmvit_cupy import TooShort, bind_tower, gpu, preprocess_video  # noqa: E402
 from glmvit_cupy.checks import in_flags  # noqa: E402
+from glmvit_cupy.output import shown  # noqa: E402
 from glmvit_cupy.preprocessing.decode import load_rgb  # noqa: E402
 from glmvit_cupy.preprocessing.image import Patching  # noqa: E402
 from glmvit_cupy.preprocessing.video import STILL_IMAGES  # noqa: E402
@@ -78,7 +79,7 @@ def run(argv) -> int:
         flags = in_flags(str(e).replace("sample_frames: ", ""),  # the library's function, no part of this script
                          {"max_image_tokens": "--max-video-tokens", "target_fps": "--target-fps", "fps": "--fps"})
         raise ValueError(flags) from None
-    source = args.video or f"{len(frames)} frame{'' if len(frames) == 1 else 's'}"
+    source = shown(args.video) if args.video else f"{len(frames)} frame{'' if len(frames) == 1 else 's'}"
     rate = f"{info['fps']:g} fps" if info["fps"] else "an unknown frame rate"  # a file's: its container's
     print(f"{source} of {info['size'][1]}x{info['size'][0]} px at {rate} -> frames "
           f"{info['frames_indices']} -> canvas {info['canvas'][1]}x{info['canvas'][0]}, grid {tuple(info['grid'])}, "
@@ -110,11 +111,7 @@ def run(argv) -> int:
         t = time.perf_counter()
         emb = reference.encode_pixels(binding, pv, grid).astype(ml_dtypes.bfloat16)
         print(f"CPU reference: {time.perf_counter() - t:.1f} s")
-    f = emb.astype(np.float32)
-    print(f"video: embeddings {emb.shape} {emb.dtype}, mean {f.mean():+.4f}, std {f.std():.4f}")
-    if args.save:
-        save(args.save, ["video"], [emb])
-    return 0
+    return report("encode_video.py", ["video"], [emb], args.save)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,40 @@ def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
     assert encode_image.main([]) == 130 and "encode_image.py: interrupted; nothing saved" in capsys.readouterr().err
 
 
+def test_embeddings_of_weights_that_overflow_are_said_and_not_saved(images, tmp_path, capsys):
+    """Finite weights large enough to overflow the forward (cases.overflowing_tower): the example printed
+    "mean +nan, std nan" and saved the NaN embeddings with status 0. Each image is named with the reason,
+    nothing is saved, status 1; the video example likewise."""
+    import encode_video
+
+    bad = cases.overflowing_tower(tmp_path / "bad")
+    out = tmp_path / "e.safetensors"
+    assert encode_image.main(images + ["--checkpoint", bad, "--cpu", "--save", str(out)]) == 1
+    said = capsys.readouterr()
+    for path in images:
+        assert f"encode_image.py: {path}: the tower's output holds" in said.err, said.err
+    assert f"nothing saved to {out}" in said.err and "nan" not in said.out and not out.exists()
+    assert encode_video.main(images[:1] * 2 + ["--fps", "2", "--checkpoint", bad, "--cpu", "--save", str(out)]) == 1
+    said = capsys.readouterr()
+    assert "encode_video.py: video: the tower's output holds" in said.err and not out.exists(), said.err
+
+
+def test_control_characters_in_file_names_are_escaped(images, tmp_path, capsys):
+    """A file name holding a newline or an escape sequence forged a line of output ("all good") and drove the
+    terminal; the examples write it escaped, as glmvit-encode does."""
+    evil = tmp_path / "a\x1b[31mred\nencode_image.py: all good\x07.png"
+    evil.write_bytes(open(images[0], "rb").read())
+    assert encode_image.main([str(evil), "--checkpoint", TOWER, "--cpu"]) == 0
+    said = capsys.readouterr().out
+    assert "\x1b" not in said and "\x07" not in said and "\\x1b[31mred\\x0aencode_image.py: all good\\x07.png" in said
+    assert not any(line.startswith("encode_image.py: all good") for line in said.splitlines()), said
+    junk = tmp_path / "b\x1b[2Jjunk.png"
+    junk.write_bytes(b"not an image")
+    assert encode_image.main([str(junk), "--checkpoint", TOWER, "--cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "b\\x1b[2Jjunk.png" in err, err
+
+
 def test_video_example_on_the_cpu_saves_what_the_reference_computes(tmp_path, capsys):
     """examples/encode_video.py: frames from files, sampled and preprocessed as HF's video processor, the
     embeddings the float32 reference's; a bad flag is one line and status 2."""
