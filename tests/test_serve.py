@@ -737,6 +737,19 @@ def test_bad_settings_are_refused_at_start_not_per_request(capsys, flags, says):
     assert says in capsys.readouterr().err
 
 
+def test_control_characters_in_a_checkpoints_names_are_escaped_at_start(capsys, tmp_path):
+    """A shard whose name holds a newline and escape sequences (a folder without an index: the error names
+    it) forged a "glmvit-serve:" line and drove the terminal; it is written escaped, as glmvit-encode does."""
+    from glmvit_cupy.serving import main as serve_main
+
+    (tmp_path / "config.json").write_text(open(os.path.join(TOWER, "config.json")).read())
+    (tmp_path / "evil\x1b[31mRED\nglmvit-serve: all good\x07.safetensors").write_bytes(b"xx")
+    assert serve_main.main(["--checkpoint", str(tmp_path), "--cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err and "evil\\x1b[31mRED\\x0aglmvit-serve: all good\\x07" in err, err
+    assert not any(line.startswith("glmvit-serve: all good") for line in err.splitlines()), err
+
+
 def test_a_vllm_folder_that_cannot_be_written_is_refused_at_start(capsys, tmp_path):
     """--vllm-ec-dir naming a file (or a folder that cannot be made): exit 2 at start, saying why, not a 500
     on every request after a "ready"."""

@@ -192,6 +192,14 @@ def open_files_for(max_connections: int | None) -> tuple[int, int, str | None]:
     return cap, backlog, None
 
 
+def say(message: str) -> None:
+    """One line on stderr, its file names and errors escaped (output.shown): a control character in a shard's
+    or folder's name would forge a line or drive the terminal."""
+    from ..output import shown
+
+    print(f"glmvit-serve: {shown(message)}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     try:
         return serve(argv)
@@ -206,14 +214,15 @@ def serve(argv) -> int:
     try:
         import uvicorn  # noqa: F401 - the serve extra, checked before anything starts
     except ImportError as e:
-        print(f"glmvit-serve: the serve extra is not installed ({e}): pip install -e '.[serve]' in the glmvit-cupy "
-              "checkout", file=sys.stderr)
+        say(f"the serve extra is not installed ({e}): pip install -e '.[serve]' in the glmvit-cupy "
+            "checkout")
         return 2
     from .. import gpu, vllm_ec
     from ..backend import Backend
     from ..checkpoint.bind import bind_tower
     from ..checks import DEFAULT_MAX_IMAGE_TOKENS, device_list
     from ..errors import CheckpointError, OutputError
+    from ..output import shown
     from ..preprocessing.image import Patching
     from .app import Settings, create_app
     from .http_server import build_server, log
@@ -221,7 +230,7 @@ def serve(argv) -> int:
 
     why = check_settings(args)
     if why:  # the operator's mistake, said at start: not a 422 blaming every client later
-        print(f"glmvit-serve: {why}", file=sys.stderr)
+        say(why)
         return 2
     if args.cpu and args.devices:
         print("glmvit-serve: --cpu serves the float32 reference on the host, without a GPU: leave out --devices",
@@ -232,40 +241,40 @@ def serve(argv) -> int:
         binding = bind_tower(args.checkpoint)
         patching = Patching.of(binding.geometry)  # the server takes images: a tower of RGB patches
     except (CheckpointError, argparse.ArgumentTypeError, ValueError) as e:
-        print(f"glmvit-serve: {e}", file=sys.stderr)
+        say(str(e))
         return 2
     lo = default_limits(args.capacity_tokens)[0]
     least = lo * patching.factor ** 2  # every image's canvas under the default limits holds at least this
     if args.max_pixels_in_flight < least:
-        print(f"glmvit-serve: --max-pixels-in-flight {args.max_pixels_in_flight:,} is below the {least:,} pixels of "
-              f"the smallest canvas ({lo} tokens, a request's default min_image_tokens): no image could be served; "
-              f"raise it to at least {least:,}", file=sys.stderr)
+        say(f"--max-pixels-in-flight {args.max_pixels_in_flight:,} is below the {least:,} pixels of "
+            f"the smallest canvas ({lo} tokens, a request's default min_image_tokens): no image could be served; "
+            f"raise it to at least {least:,}")
         return 2
     why = None if args.cpu else gpu.problem()
     if why:  # the hint names this command's own way to run without a GPU
         why = why.replace(gpu.CPU_HINT, "glmvit-serve --cpu serves the float32 reference on the CPU without any of it")
-        print(f"glmvit-serve: cannot use the GPU: {why}", file=sys.stderr)
+        say(f"cannot use the GPU: {why}")
         return 2
     if args.vllm_ec_dir:
         try:
             vllm_ec.check_folder(args.vllm_ec_dir)  # a wrong folder stops the start, not every request after it
         except OutputError as e:
-            print(f"glmvit-serve: {e}", file=sys.stderr)
+            say(str(e))
             return 2
     max_connections, backlog, why = open_files_for(args.max_connections)
     if why:
-        print(f"glmvit-serve: {why}", file=sys.stderr)
+        say(why)
         return 2
     host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address, as a URL writes it
     try:
         sock = listen(args.host, args.port, backlog)
     except socket.gaierror as e:
-        print(f"glmvit-serve: cannot listen on --host {args.host} ({e.strerror or e}): give an address or a name "
-              "this machine resolves (127.0.0.1, 0.0.0.0, ::)", file=sys.stderr)
+        say(f"cannot listen on --host {args.host} ({e.strerror or e}): give an address or a name "
+            "this machine resolves (127.0.0.1, 0.0.0.0, ::)")
         return 3
     except OSError as e:  # before the model loads: nothing to undo
-        print(f"glmvit-serve: cannot listen on {host}:{args.port} ({e.strerror or e}): choose another --port "
-              "(0: any free one) or --host", file=sys.stderr)
+        say(f"cannot listen on {host}:{args.port} ({e.strerror or e}): choose another --port "
+            "(0: any free one) or --host")
         return 3
     port = sock.getsockname()[1]
     settings = Settings(checkpoint=os.path.abspath(binding.path), capacity_tokens=args.capacity_tokens,
@@ -287,7 +296,7 @@ def serve(argv) -> int:
     # Pillow warns about corrupt EXIF or metadata in a client's image (UserWarning, a new line per request):
     # a client could fill the log with them. The image is decoded or refused (422) either way.
     warnings.filterwarnings("ignore", module=r"PIL\.")
-    print(f"glmvit-serve: {binding.path} on http://{host}:{port} "
+    print(f"glmvit-serve: {shown(binding.path)} on http://{host}:{port} "
           f"({'cpu, float32 reference' if args.cpu else 'gpu'}; /health says when it is loaded)", flush=True)
     if args.workers is None:  # one process is bound by the interpreter lock near one core of host work
         args.workers = 1 if args.cpu else max(1, min(8, (os.cpu_count() or 1) // 2))
