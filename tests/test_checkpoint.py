@@ -553,6 +553,47 @@ def test_the_reference_refuses_nan_and_inf_weights_by_name(tmp_path, tensors):
     reference.Tower(bind_tower(path))
 
 
+def test_all_zero_weights_are_refused_by_name_zero_biases_are_not(tmp_path, tensors):
+    """A shard preallocated and never written reads as zeros and passed every check: its images got all-zero
+    embeddings, and one all-zero norm weight gave every image the same embedding. A weight whose every value is
+    +0 or -0 is refused by name; one nonzero value anywhere (past the sampled runs too), and zero biases, pass."""
+    from safetensors import safe_open
+
+    norm = dict(tensors)
+    norm["post_layernorm.weight"] = np.zeros_like(tensors["post_layernorm.weight"])
+    with pytest.raises(CheckpointError) as e:
+        bind_tower(write_checkpoint(tmp_path / "norm", GEO, tensors=norm))
+    said = str(e.value)
+    assert "1 tower weight is all zeros: 'model.visual.post_layernorm.weight' (in model-0000" in said, said
+    assert "download it again" in said, said
+    edge = dict(tensors)
+    for suffix in tensors:
+        if suffix.endswith("bias"):
+            edge[suffix] = np.zeros_like(tensors[suffix])
+    big = "blocks.0.mlp.down_proj.weight"
+    flat = np.zeros(tensors[big].size, np.uint16)
+    flat[257] = 0x8000  # -0: zero all the same
+    flat[-1] = 0x0001   # one subnormal, the last value, outside every sampled run
+    edge[big] = flat.view(ml_dtypes.bfloat16).reshape(tensors[big].shape)
+    bind_tower(write_checkpoint(tmp_path / "edge", GEO, tensors=edge))
+    flat[-1] = 0x8000
+    edge[big] = flat.view(ml_dtypes.bfloat16).reshape(tensors[big].shape)
+    with pytest.raises(CheckpointError, match=f"all zeros: 'model.visual.{big}'"):
+        bind_tower(write_checkpoint(tmp_path / "edge0", GEO, tensors=edge))
+    # A shard whose data section is all zeros (its header intact): every weight in it is named.
+    folder = write_checkpoint(tmp_path / "shard", GEO, tensors=tensors, shards=2)
+    shard = os.path.join(folder, "model-00002-of-00002.safetensors")
+    with safe_open(shard, "numpy") as f:
+        held = [n for n in f.keys() if n.startswith("model.visual.") and n.endswith("weight")]
+    raw = open(shard, "rb").read()
+    start = 8 + int.from_bytes(raw[:8], "little")
+    open(shard, "wb").write(raw[:start] + bytes(len(raw) - start))
+    with pytest.raises(CheckpointError) as e:
+        bind_tower(folder)
+    said = str(e.value)
+    assert f"{len(held)} tower weights are all zeros: " in said and "(in model-00002-of-00002.safetensors)" in said, said
+
+
 def _swap(folder, name, kind):
     p = folder / name
     p.unlink()

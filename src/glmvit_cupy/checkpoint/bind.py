@@ -69,6 +69,24 @@ class TowerBinding:
         if bad:
             raise self.nonfinite_error(bad)
 
+    def zero_weights(self) -> list[str]:
+        """The tower's weights (the tensors named *weight: matrices, norms, embeddings; not the biases) whose
+        every value is zero, which no trained tower has: a shard preallocated and never written (a download
+        cut short) reads as zeros and passes every other check, giving the same embedding, or zeros, for
+        every image. Each is sampled first (16 runs of 256 values: ~22 MB read at the official geometry) and
+        read whole only where every sampled value is zero."""
+        zero = []
+        for s in self.layout:
+            if not s.endswith("weight"):
+                continue
+            bits = self.host(s).reshape(-1).view(np.uint16)
+            step = max(256, bits.size // 16)
+            if any((bits[i:i + 256] & 0x7FFF).any() for i in range(0, bits.size, step)):
+                continue
+            if not (bits & 0x7FFF).any():  # +0 and -0
+                zero.append(s)
+        return zero
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """The tower's identity: the sha256 hex of its geometry (vision_config: rms_norm_eps, swiglu_limit and
@@ -325,7 +343,18 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
     if unused:  # the reference ignores them too (HF: "unexpected keys"), but a config that skips blocks is worth a word
         log.warning("%s: %d tower tensors are not read under vision_config (depth = %d), e.g. %s", path, len(unused),
                     geo.depth, ", ".join(quoted(n, 200) for n in unused[:3]))
-    return TowerBinding(path=path, prefix=prefix, geometry=geo, store=store, layout=layout)
+    binding = TowerBinding(path=path, prefix=prefix, geometry=geo, store=store, layout=layout)
+    zero = binding.zero_weights()
+    if zero:
+        files = sorted({os.path.basename(store.info(prefix + s).file) for s in zero})
+        raise CheckpointError(
+            f"checkpoint {path}: {len(zero)} tower weight{'s are' if len(zero) > 1 else ' is'} all zeros: "
+            + ", ".join(quoted(prefix + s, 200) for s in zero[:5]) + (f" and {len(zero) - 5} more" if len(zero) > 5
+                                                                       else "")
+            + f" (in {', '.join(files[:3])}{' and others' if len(files) > 3 else ''}). A trained tower has no "
+            "all-zero weight, and every image would get the same embedding: the file was not fully written (a "
+            "download cut short, a preallocated file?): download it again")
+    return binding
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> dict:
