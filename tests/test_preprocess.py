@@ -840,6 +840,46 @@ def test_a_progressive_jpeg_of_too_many_scans_is_refused_before_it_is_decoded(tm
             decode.load(given, "many.jpg")
 
 
+def _strip_tiff(rows: int, big_endian: bool = False) -> bytes:
+    """A 1 x rows grey TIFF of one-row strips that all point at one byte (SHORT offsets and counts)."""
+    e = ">" if big_endian else "<"
+    fields = [(256, 3, 1, 1), (257, 4, 1, rows), (258, 3, 1, 8), (259, 3, 1, 1), (262, 3, 1, 1), (273, 3, rows, 0),
+              (277, 3, 1, 1), (278, 4, 1, 1), (279, 3, rows, 0)]
+    offsets = 10 + 2 + 12 * len(fields) + 4
+    out = (b"MM\0*" if big_endian else b"II*\0") + struct.pack(e + "I", 10) + b"\x80\0" + struct.pack(e + "H", len(fields))
+    for tag, kind, count, value in fields:
+        if tag in (273, 279):
+            value = offsets if tag == 273 else offsets + 2 * rows
+            out += struct.pack(e + "HHII", tag, kind, count, value)
+        elif kind == 3:
+            out += struct.pack(e + "HHIHH", tag, kind, count, value, 0)
+        else:
+            out += struct.pack(e + "HHII", tag, kind, count, value)
+    out += struct.pack(e + "I", 0)
+    return out + np.full(rows, 8, e + "u2").tobytes() + np.ones(rows, e + "u2").tobytes()
+
+
+@pytest.mark.parametrize("big_endian", [False, True])
+def test_a_tiff_of_too_many_strips_is_refused_before_pillow_opens_it(tmp_path, big_endian):
+    """A 23 MB TIFF of 6,000,000 one-row strips sharing one byte took 86 s and 2 GB to open and decode (Pillow
+    builds and decodes a tile a strip), counted as a 6 MP image. Past MAX_TIFF_BLOCKS it is refused by its
+    directory's count, as bytes and as a file; one within it decodes as Pillow decodes it."""
+    from glmvit_cupy.preprocessing import decode
+
+    small = _strip_tiff(300, big_endian)
+    assert decode.tiff_blocks(small) == 300
+    with Image.open(io.BytesIO(small)) as f:
+        assert np.array_equal(np.asarray(decode.load(small, "ok.tif")), np.asarray(f.convert("RGB")))
+    many = _strip_tiff(decode.MAX_TIFF_BLOCKS + 1, big_endian)
+    (tmp_path / "many.tif").write_bytes(many)
+    for given in (many, str(tmp_path / "many.tif"), io.BytesIO(many)):
+        with pytest.raises(ImageError, match=f"many.tif: a TIFF stored in {decode.MAX_TIFF_BLOCKS + 1:,} strips or "
+                                             f"tiles, more than the {decode.MAX_TIFF_BLOCKS:,}"):
+            decode.load(given, "many.tif")
+    for other in (b"", b"II*\0", b"II*\0\xff\xff\xff\x7f", b"\x89PNG\r\n\x1a\n" + bytes(30)):  # cut short, not a TIFF
+        assert decode.tiff_blocks(other) == 0
+
+
 @pytest.mark.parametrize("where", ["in its ICC profile", "after its end"])
 def test_bytes_reading_as_scan_markers_outside_the_scans_count_for_none(where, rng):
     """Only the scans libjpeg decodes count against MAX_JPEG_SCANS: FF DA inside a segment's payload (a large
@@ -936,8 +976,9 @@ def test_a_video_file_given_as_an_image_is_said_as_a_video(tmp_path):
         renamed.write_bytes((videos / source).read_bytes())
         for form in (str(renamed), renamed.read_bytes()):
             with pytest.raises(ImageError, match=re.escape(f"cannot decode image: it is a video file ({kind}), not an "
-                                                           "image; a video is read as one by its name's extension")):
+                                                           "image; a video is read as one by its name's extension")) as e:
                 preprocess(form)
+            assert "glmvit-serve's POST /v1/encode_video (Client.encode_video)" in str(e.value)  # the service's way too
     with pytest.raises(ImageError, match="not in an image format Pillow reads"):
         preprocess(b"\0\0\0\x18ftypheic" + bytes(20))  # a HEIC's box: an image format Pillow lacks, not a video
 

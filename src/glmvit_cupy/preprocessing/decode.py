@@ -48,6 +48,11 @@ MAX_JPEG_SCANS = 64
 # Segments a JPEG's markers are walked through to count its scans (a Python step each): encoders write some
 # tens, a file with a large ICC profile or XMP block some hundreds (one a 64 KB piece).
 MAX_JPEG_SEGMENTS = 1 << 16
+# Strips or tiles a TIFF's image may be stored in. Pillow builds a tile for each as it opens the file and decodes
+# each apart (~2 us and ~14 us a block): a 23 MB TIFF of 6,000,000 one-row strips that share one byte took 86 s
+# and 2 GB to decode, counted as 6 MP. Writers aim at ~8 KB strips or 256 x 256 tiles: 11,000-66,000 strips
+# at Pillow's 89.5 MP limit; this many decode in ~2 s.
+MAX_TIFF_BLOCKS = 1 << 17
 # Formats Pillow decodes by running an outside program on the file (EPS: Ghostscript, a PostScript interpreter):
 # refused, so an untrusted file is never handed to one.
 RUNS_A_PROGRAM = frozenset({"EPS"})
@@ -253,6 +258,28 @@ def jpeg_scans_in(data: bytes) -> int:
     return pairs
 
 
+def tiff_blocks(file) -> int:
+    """How many strips or tiles a TIFF's first image is stored in, from the count of its first directory's
+    StripOffsets or TileOffsets (classic TIFF and BigTIFF), nothing else read: what Pillow would make a tile of
+    each as it opens the file. 0 for another format, or a header cut short (opening it says why)."""
+    try:
+        with _reading(file) as f:
+            head = f.read(16)
+            big = head[2:4] in (b"+\0", b"\0+")
+            if head[:2] not in (b"II", b"MM") or head[2:4] not in (b"*\0", b"\0*", b"+\0", b"\0+"):
+                return 0
+            order = "<" if head[:2] == b"II" else ">"
+            f.seek(struct.unpack_from(order + ("Q" if big else "I"), head, 8 if big else 4)[0])
+            raw = f.read(8 if big else 2)
+            entries = struct.unpack(order + ("Q" if big else "H"), raw)[0]
+            size, entry = (20, order + "HHQ") if big else (12, order + "HHI")
+            table = f.read(size * min(entries, 4096))
+            counts = [struct.unpack_from(entry, table, i * size) for i in range(len(table) // size)]
+            return max((count for tag, _, count in counts if tag in (273, 324)), default=0)
+    except (OSError, ValueError, OverflowError, struct.error):
+        return 0
+
+
 def _file_bytes(image) -> bytes:
     if isinstance(image, (str, os.PathLike)):
         with open(image, "rb") as f:
@@ -331,6 +358,11 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
                 raise ImageError(f"{bomb} (an icon holding an image of {inside:,})")
             if offload is not None:  # opening it here would decode it here, on this thread
                 return offload(_file_bytes(image), name, max_pixels)
+        blocks = tiff_blocks(image)
+        if blocks > MAX_TIFF_BLOCKS:  # before Pillow opens it: opening builds a tile a block
+            raise ImageError(f"{name}: a TIFF stored in {blocks:,} strips or tiles, more than the {MAX_TIFF_BLOCKS:,} "
+                             "an image may have here (each is decoded apart; writers use some thousands): re-save it "
+                             "with larger strips, or as PNG")
         img = _open(image, limit)
         if img.format in RUNS_A_PROGRAM:
             img.close()
@@ -385,8 +417,9 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
         video = _video_kind(image)
         if video:
             raise ImageError(f"{name}: cannot decode image: it is a video file ({video}), not an image; a video is "
-                             "read as one by its name's extension (.mp4, .mkv, .webm, ...) in glmvit-encode, or with "
-                             "encode_video in Python") from None
+                             "read as one by its name's extension (.mp4, .mkv, .webm, ...) in glmvit-encode, with "
+                             "encode_video in Python, and by glmvit-serve's POST /v1/encode_video "
+                             "(Client.encode_video)") from None
         kind = _starts_as(image)
         if kind:
             raise ImageError(f"{name}: cannot decode image: it starts as a {kind} file, but Pillow cannot open it "
