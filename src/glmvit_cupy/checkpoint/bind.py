@@ -347,13 +347,12 @@ def bind_tower(path: str | os.PathLike) -> TowerBinding:
     zero = binding.zero_weights()
     if zero:
         files = sorted({os.path.basename(store.info(prefix + s).file) for s in zero})
+        named = ", ".join(quoted(prefix + s, 200) for s in zero[:5]) + (f" and {len(zero) - 5} more" * (len(zero) > 5))
         raise CheckpointError(
-            f"checkpoint {path}: {len(zero)} tower weight{'s are' if len(zero) > 1 else ' is'} all zeros: "
-            + ", ".join(quoted(prefix + s, 200) for s in zero[:5]) + (f" and {len(zero) - 5} more" if len(zero) > 5
-                                                                       else "")
-            + f" (in {', '.join(files[:3])}{' and others' if len(files) > 3 else ''}). A trained tower has no "
-            "all-zero weight, and every image would get the same embedding: the file was not fully written (a "
-            "download cut short, a preallocated file?): download it again")
+            f"checkpoint {path}: {len(zero)} tower weight{'s are' if len(zero) > 1 else ' is'} all zeros: {named} "
+            f"(in {', '.join(files[:3])}{' and others' * (len(files) > 3)}). A trained tower has no all-zero weight, "
+            "and every image would get the same embedding: the file was not fully written (a download cut short, a "
+            "preallocated file?): download it again")
     return binding
 
 
