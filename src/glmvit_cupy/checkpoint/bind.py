@@ -99,6 +99,7 @@ class TowerBinding:
             info = self.store.info(self.prefix + s)
             h.update(json.dumps([s, info.dtype, list(info.shape)]).encode())
             h.update(self.store.get(self.prefix + s).view(np.uint8).data)
+        self.store.check_unchanged()  # the shards mapped at binding (zero_weights) may be written to since
         return h.hexdigest()
 
     def summary(self) -> dict:

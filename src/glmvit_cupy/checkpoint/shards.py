@@ -521,6 +521,25 @@ class WeightStore:
             self._maps[file] = mm
         return mm
 
+    def check_unchanged(self) -> None:
+        """CheckpointError naming a mapped shard that is no longer the file its header was read from (another
+        file under its name, another size, or another header): a copy or download still writing it, whose
+        bytes read since may not be the tensors the header describes. A shard is checked as it is mapped;
+        this checks again after a read that must be of one file state (the fingerprint)."""
+        for file in list(self._maps):
+            mine = next((i for i in self._infos.values() if i.file == file), None)
+            if mine is None or not mine.identity:
+                continue
+            try:
+                now = identity(os.stat(file))
+            except OSError as e:
+                raise CheckpointError(f"{file}: the shard cannot be looked up again ({e.strerror or e}); load the "
+                                      "checkpoint again once nothing is writing to it") from None
+            changed = _changed(file, mine, now) if now != mine.identity else None
+            if changed:
+                raise CheckpointError(f"{file}: the shard changed since its header was read ({changed}); load the "
+                                      "checkpoint again once nothing is writing to it")
+
     def close(self):
         """Drop the maps (views handed out keep their pages alive until they are freed)."""
         self._maps.clear()
