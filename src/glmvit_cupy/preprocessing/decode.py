@@ -361,8 +361,8 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
         blocks = tiff_blocks(image)
         if blocks > MAX_TIFF_BLOCKS:  # before Pillow opens it: opening builds a tile a block
             raise ImageError(f"{name}: a TIFF stored in {blocks:,} strips or tiles, more than the {MAX_TIFF_BLOCKS:,} "
-                             "an image may have here (each is decoded apart; writers use some thousands): re-save it "
-                             "with larger strips, or as PNG")
+                             "an image may have here (each is decoded apart; writers use far fewer): re-save it with "
+                             "larger strips, or as PNG")
         img = _open(image, limit)
         if img.format in RUNS_A_PROGRAM:
             img.close()
