@@ -346,6 +346,11 @@ def _changed(file: str, info: TensorInfo, now: tuple) -> str | None:
     return None
 
 
+def _changed_error(file: str, changed: str) -> CheckpointError:
+    return CheckpointError(f"{file}: the shard changed since its header was read ({changed}); load the checkpoint "
+                           "again once nothing is writing to it")
+
+
 class WeightStore:
     """Read-only, memory-mapped view of a checkpoint's tensors."""
 
@@ -516,8 +521,7 @@ class WeightStore:
             changed = _changed(file, mine[0], now) if mine and mine[0].identity and now != mine[0].identity else None
             if changed:
                 mm.close()
-                raise CheckpointError(f"{file}: the shard changed since its header was read ({changed}); load the "
-                                      "checkpoint again once nothing is writing to it")
+                raise _changed_error(file, changed)
             self._maps[file] = mm
         return mm
 
@@ -537,8 +541,7 @@ class WeightStore:
                                       "checkpoint again once nothing is writing to it") from None
             changed = _changed(file, mine, now) if now != mine.identity else None
             if changed:
-                raise CheckpointError(f"{file}: the shard changed since its header was read ({changed}); load the "
-                                      "checkpoint again once nothing is writing to it")
+                raise _changed_error(file, changed)
 
     def close(self):
         """Drop the maps (views handed out keep their pages alive until they are freed)."""

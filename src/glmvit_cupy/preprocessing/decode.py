@@ -352,13 +352,14 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
     bomb = (f"{name}: refused as a possible decompression bomb: over the limit of {limit or 0:,} pixels; pass "
             "max_pixels (glmvit-encode --max-pixels) to allow larger images")
     try:
-        if is_ico(image):  # opening it decodes it: refused first on the sizes its images' headers give
+        head = _head(image, 4)  # read once for both checks below
+        if head == ICO_MAGIC:  # opening it decodes it: refused first on the sizes its images' headers give
             inside = ico_pixels(image)
             if limit is not None and inside > limit:
                 raise ImageError(f"{bomb} (an icon holding an image of {inside:,})")
             if offload is not None:  # opening it here would decode it here, on this thread
                 return offload(_file_bytes(image), name, max_pixels)
-        blocks = tiff_blocks(image)
+        blocks = tiff_blocks(image) if head is not None and head[:2] in (b"II", b"MM") else 0
         if blocks > MAX_TIFF_BLOCKS:  # before Pillow opens it: opening builds a tile a block
             raise ImageError(f"{name}: a TIFF stored in {blocks:,} strips or tiles, more than the {MAX_TIFF_BLOCKS:,} "
                              "an image may have here (each is decoded apart; writers use far fewer): re-save it with "
