@@ -1,7 +1,7 @@
 """The service's batcher with fake engines (no GPU, no HTTP): requests served in turn, one image a pass where
 passes share nothing, the engine thread doing only packing and launching (waiting for the GPU, copying back
 and per-image work belong to other threads), at most `ahead` passes out per lane, one lane per replica,
-dropped and failed work, and each pass's time by part."""
+dropped and failed work, and each pass's time by part, counted before its results go back."""
 
 import asyncio
 import threading
@@ -602,3 +602,54 @@ def test_drop_keeps_a_video_request_whose_parts_left_all_run_and_counts_one_it_d
     assert (gone, cancelled, kept) == (True, True, False)
     assert sorted(getattr(d.task, "videos", 0) for d in dropped) == [1, 1] and len(embs) == 1 and embs[0].shape == (4, 2)
     assert [tags for _, tags in engine.batches] == [["a"], ["c"]] and batcher._in_pass == set()
+
+
+def test_a_pass_is_counted_before_its_results_are_handed_back():
+    """on_pass (the /metrics accounting) runs before any of the pass's futures resolves: a client that reads
+    /metrics once it has its answer finds its pass counted. The hook here takes 50 ms, so results handed
+    back first would reach the request before it counts."""
+    engine = Engine()
+    counted = []
+
+    def slow_count(times):
+        time.sleep(0.05)
+        counted.append(times)
+
+    batcher = Batcher(engine, capacity_tokens=8, max_wait_s=0.0, max_queue=64, on_pass=slow_count)
+
+    async def go():
+        futures = batcher.submit([item(2, "a"), item(2, "b")])
+        seen = []
+        for f in asyncio.as_completed(futures):
+            await f
+            seen.append(len(counted))
+        return seen
+
+    try:
+        seen = asyncio.run(go())
+    finally:
+        batcher.stop()
+    assert seen == [1, 1] and counted[0].images == 2
+
+
+def test_a_failing_on_pass_loses_no_results(caplog):
+    """A metrics hook that raises is logged; the pass's results reach their requests all the same, and the
+    lane's completion thread goes on to the next passes."""
+    engine = Engine()
+
+    def broken(times):
+        raise ValueError("metrics are broken")
+
+    batcher = Batcher(engine, capacity_tokens=2, max_wait_s=0.0, max_queue=64, on_pass=broken)
+
+    async def go():  # bounded: a completion thread that died with the hook would leave the later passes hanging
+        return await asyncio.wait_for(asyncio.gather(*batcher.submit([item(2, i) for i in range(3)])), 10)
+
+    with caplog.at_level("ERROR", logger="glmvit_cupy"):
+        try:
+            outs = asyncio.run(go())
+        finally:
+            batcher.stop(timeout=1)
+    assert [o.shape for o in outs] == [(2, 2)] * 3 and len(engine.batches) == 3
+    failures = [r for r in caplog.records if r.exc_info and "metrics are broken" in str(r.exc_info[1])]
+    assert len(failures) == 3 and "on_pass" in failures[0].getMessage()

@@ -19,7 +19,8 @@ alike and runs on the engine thread on its own. A future cancelled before its pa
 its clients went away) is dropped: it leaves the queue at once, or the batch being gathered, and never
 reaches a pass; the pass and the other images in it go on. The queue is bounded: a request reserves its
 room before its images are decoded (reserve), so one that would overflow it is refused whole before any
-work is done. Each pass's time by part (PassTimes) goes to on_pass: what an operator reads in /metrics.
+work is done. Each pass's time by part (PassTimes) goes to on_pass, what an operator reads in /metrics,
+before the pass's results go back: a client that has its answer finds its pass counted.
 
 Budget counts an amount held server-wide (the pixels of images admitted and not yet through their passes,
 the bytes of request bodies held). Decoders
@@ -32,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import logging
 import queue
 import threading
 import time
@@ -40,6 +42,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..scheduling import batching
+
+log = logging.getLogger("glmvit_cupy")
 
 
 class QueueFull(Exception):
@@ -70,8 +74,10 @@ class PassTimes:
     """One forward pass, in seconds by part: queued (its oldest image's wait before the launch), launch
     (the engine thread packing, staging and launching it: the only part on that thread), gpu (the
     completion thread waiting for the GPU after the launch), fetch (copying the embeddings back),
-    resolve (handing them to their requests). launch_cpu and fetch_cpu: the CPU time its thread spent in
-    launch and fetch; the rest of those parts' wall time the thread waited (for the GIL, the driver).
+    resolve (readying them for their requests: each one's value, by event loop; the hand-off itself, one
+    call a loop, follows on_pass, so that the pass is counted before any request has its result).
+    launch_cpu and fetch_cpu: the CPU time its thread spent in launch and fetch; the rest of those parts'
+    wall time the thread waited (for the GIL, the driver).
     """
     lane: int
     images: int
@@ -456,16 +462,24 @@ class Batcher:
                 del pending  # the pass's device outputs go before the next pass is taken
                 slots.release()
             t0 = time.perf_counter()
+            by_loop: dict = {}  # each job's value, by the event loop its future resolves on
             for i, job in enumerate(batch):
-                value = error if error is not None else outs[i]
+                by_loop.setdefault(job.loop, []).append((job, error if error is not None else outs[i]))
+            if times is not None:
+                # Counted before any result is handed back: a client that reads /metrics once it has its
+                # answer finds its pass there. A failing hook costs the pass's metrics, never its results.
+                times.resolve = time.perf_counter() - t0
                 try:
-                    job.loop.call_soon_threadsafe(self._resolve, job, value)
+                    self.on_pass(times)
+                except Exception:
+                    log.exception("on_pass (the metrics of a pass of %d images on lane %d) failed; its results "
+                                  "are handed back all the same", times.images, lane)
+            for loop, values in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(self._resolve_all, values)
                 except RuntimeError:  # the loop is closed: nobody is waiting any more
                     with self._cv:
-                        self._in_pass.discard(job.future)
-            if times is not None:
-                times.resolve = time.perf_counter() - t0
-                self.on_pass(times)
+                        self._in_pass.difference_update(job.future for job, _ in values)
             with self._cv:
                 self._taken -= 1
 
@@ -483,6 +497,11 @@ class Batcher:
             self._cv.notify_all()
         for t in self._threads:
             t.join(timeout)
+
+    def _resolve_all(self, values: list) -> None:
+        """A pass's (job, value) pairs of one loop, each to its future (_resolve), on that loop."""
+        for job, value in values:
+            self._resolve(job, value)
 
     def _resolve(self, job: Job, value) -> None:
         """A job's value (or error) to its future, on its loop, where drop() runs too: a job stays in_pass until

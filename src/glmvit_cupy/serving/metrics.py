@@ -46,7 +46,7 @@ class Metrics:
                                       "its embeddings on the host", registry=r)
         parts = ("queued: its oldest image's wait before the launch; launch: the engine thread packing, staging and "
                  "launching it; gpu: waiting for the GPU after the launch; fetch: copying the embeddings back; "
-                 "resolve: handing them to their requests")
+                 "resolve: readying them for their requests, each pass counted before they have them")
         self.pass_parts = Histogram("glmvit_pass_part_seconds", "A forward pass's time by part (" + parts + ")",
                                     ["part"], registry=r, buckets=FINE)
         self.pass_cpu = Histogram("glmvit_pass_thread_cpu_seconds", "CPU time the thread of a forward pass's part spent "
