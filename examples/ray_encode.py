@@ -30,6 +30,7 @@ from glmvit_cupy.output import path_text  # noqa: E402 - a path that is not UTF-
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 MAX_IMAGE_MIB = 64  # as glmvit-encode's: a file is read whole, so a larger one fails its row unread
+MIN_IMAGE_TOKENS = 16  # the fewest tokens an image is resized to (encode_dataset's min_image_tokens default)
 SETTINGS = ".ray_encode.settings.json"  # in --out: what shapes its embeddings (a resume must match it)
 STAGING = ".staging-"  # in --out: Ray writes a run's files here; each is moved up once whole
 
@@ -259,6 +260,23 @@ def run(argv) -> int:
         ap.error("--num-gpus with --cpu: the float32 reference runs in CPU actors that use no GPU; drop one of them")
     if args.num_gpus is not None and not 0 < args.num_gpus < float("inf"):
         ap.error(f"--num-gpus {args.num_gpus:g}: GPUs per encoder actor must be above 0 (0.5: two actors share one)")
+    # The flags' values are checked here, and a local input listed below, before --out is made and before Ray
+    # starts (seconds, and processes to stop). The check for GPUs waits for Ray: ray.init without --address
+    # may join a running cluster (RAY_ADDRESS, or the last `ray start` on this host), whose GPUs this host
+    # need not have.
+    if args.concurrency is not None and args.concurrency < 1:
+        ap.error(f"--concurrency {args.concurrency}: give a positive number of encoder actors, or leave it out "
+                 "for one a GPU (one with --cpu)")
+    if args.capacity_tokens < MIN_IMAGE_TOKENS:
+        ap.error(f"--capacity-tokens {args.capacity_tokens}: give at least {MIN_IMAGE_TOKENS} (a pass holds a whole "
+                 f"image, and an image is resized to {MIN_IMAGE_TOKENS} tokens or more); the default is 8000")
+    if args.max_image_tokens is not None and not MIN_IMAGE_TOKENS <= args.max_image_tokens <= args.capacity_tokens:
+        ap.error(f"--max-image-tokens {args.max_image_tokens}: give from {MIN_IMAGE_TOKENS} (the fewest tokens an "
+                 f"image is resized to) up to --capacity-tokens ({args.capacity_tokens}: every image fits a pass), "
+                 "or raise --capacity-tokens")
+    from glmvit_cupy.checks import check_capacity, image_limits
+
+    limits = image_limits(check_capacity(args.capacity_tokens), MIN_IMAGE_TOKENS, args.max_image_tokens)
 
     try:  # before --out is made: nothing is left behind
         import ray
@@ -267,6 +285,11 @@ def run(argv) -> int:
               file=sys.stderr)
         return 2
 
+    files = local_files(args.input)
+    if files is not None and not files:
+        print(f"ray_encode: no images found in {args.input} (a folder is walked for "
+              f"{', '.join(IMAGE_EXTENSIONS)}; a glob takes every file it matches)", file=sys.stderr)
+        return 2
     if "://" not in args.out:  # a local --out is made (or refused, saying why) before Ray starts
         if os.path.lexists(args.out) and not os.path.isdir(args.out):
             raise ValueError(f"--out {args.out} is a file, not a folder; give a folder (it is created if absent)")
@@ -275,7 +298,7 @@ def run(argv) -> int:
     else:
         lock = None
     try:
-        return encode(args, ray)
+        return encode(args, ray, limits, files)
     finally:
         if lock is not None:
             lock.close()
@@ -326,19 +349,16 @@ def finisher():
     return finish
 
 
-def encode(args, ray) -> int:
+def encode(args, ray, limits: tuple[int, int], files: list | None) -> int:
+    """The run once its flags are checked: limits, the (min, max) image tokens they come to; files, the local
+    input's image files (local_files), or None for a cloud prefix, which Ray lists."""
     import uuid
 
     import pyarrow.parquet as pq
 
     import glmvit_cupy.ray as gvr
     from glmvit_cupy.checkpoint.bind import bind_tower
-    from glmvit_cupy.checks import check_capacity, image_limits
 
-    files = local_files(args.input)
-    if files is not None and not files:
-        print(f"ray_encode: no images found in {args.input}", file=sys.stderr)
-        return 2
     done, foreign = done_paths(args.out)
     if files is not None:
         files = [f for f in files if path_text(f) not in done]
@@ -346,8 +366,7 @@ def encode(args, ray) -> int:
             print(f"ray_encode: all images of {args.input} are already in {args.out}")
             return 0
     # What shapes an embedding, fixed for the folder (the pixel and size limits only accept or refuse a file).
-    capacity = check_capacity(args.capacity_tokens)
-    low, high = image_limits(capacity, 16, args.max_image_tokens)
+    low, high = limits
     binding = bind_tower(args.checkpoint)
     check_settings(args.out, {"weights": binding.fingerprint, "cpu": args.cpu, "min_image_tokens": low,
                               "max_image_tokens": high},  # the tower by its fingerprint: wherever it lies

@@ -141,6 +141,67 @@ def test_example_refuses_num_gpus_with_cpu(capsys):
         assert e.value.code == 2 and says in capsys.readouterr().err
 
 
+@pytest.fixture
+def no_ray_start(monkeypatch):
+    """Ray taken as not started, and starting it an error: what runs before ray.init is all that runs."""
+    def start(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", start)
+    monkeypatch.setattr(ray, "cluster_resources", start)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--concurrency", "0"], "--concurrency 0: give a positive number of encoder actors, or leave it out"),
+    (["--capacity-tokens", "8"], "--capacity-tokens 8: give at least 16"),
+    (["--max-image-tokens", "9000"], "--max-image-tokens 9000: give from 16 (the fewest tokens an image is resized "
+                                     "to) up to --capacity-tokens (8000"),
+    (["--max-image-tokens", "8"], "--max-image-tokens 8: give from 16"),
+])
+def test_example_refuses_a_bad_flag_before_out_is_made_and_ray_starts(no_ray_start, folder, tmp_path, capsys, argv,
+                                                                        says):
+    """--concurrency 0 was refused only once Ray had started (seconds, and its processes), by encode_dataset;
+    bad token limits once --out and its lock were made. Each is refused at once, naming the flag and what
+    it takes, leaving nothing behind."""
+    import ray_encode
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        ray_encode.main([str(folder), "--checkpoint", TOWER, "--out", str(out)] + argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_example_with_no_images_makes_no_out_and_starts_no_ray(no_ray_start, tmp_path, capsys):
+    import ray_encode
+
+    empty, out = tmp_path / "empty", tmp_path / "out"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not an image")
+    assert ray_encode.main([str(empty), "--checkpoint", TOWER, "--out", str(out), "--cpu"]) == 2
+    assert f"no images found in {empty} (a folder is walked for .jpg" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_encode_dataset_checks_its_own_arguments_before_the_dataset_and_the_cluster(no_ray_start):
+    """An argument wrong in itself is refused before the dataset is asked for its columns (which may read
+    its first files) and before the cluster is asked for its GPUs."""
+    import glmvit_cupy.ray as gvr
+
+    class Unread:
+        def columns(self):
+            raise AssertionError("the dataset was read")
+
+    for kwargs, says in (({"concurrency": 0}, r"concurrency=0 must be a positive integer \(encoder actors\)"),
+                         ({"batch_size": 0}, "batch_size=0 must be a positive integer"),
+                         ({"num_gpus": 0}, "num_gpus=0: GPUs per encoder actor must be a number above 0"),
+                         ({"cpu": True, "num_gpus": 1}, "num_gpus=1 with cpu=True")):
+        for encode in (gvr.encode_dataset, gvr.encode_video_dataset):
+            with pytest.raises(ValueError, match=says):
+                encode(Unread(), TOWER, **kwargs)
+
+
 def test_example_passes_max_pixels_to_the_pipeline(local_ray, folder, tmp_path):
     """--max-pixels is the pipeline's decompression-bomb limit, which its refusals name: a 64 x 64 image (4,096
     pixels) passes 5,000, the 100 x 150 one (15,000) is a failed row saying why."""

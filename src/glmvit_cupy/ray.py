@@ -219,12 +219,26 @@ def embedding_bytes(batch):
 
 
 def _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint, added, batch_size):
-    """(num_gpus, concurrency, patching) for the encoder actors, every argument checked on the driver."""
+    """(num_gpus, concurrency, patching) for the encoder actors, every argument checked on the driver: the
+    arguments' own values first, then the checkpoint, then what needs Ray (the dataset's columns, which may
+    read its first files; the cluster's GPUs, which only Ray knows: the driver's host may have none)."""
     import ray
 
     from .checkpoint.bind import bind_tower
     from .checks import check_positive
 
+    check_positive("batch_size", batch_size, " (rows to a Prepare or Encode call)")
+    if cpu and num_gpus is not None:
+        raise ValueError(f"num_gpus={num_gpus!r} with cpu=True: the float32 reference runs in CPU actors that use no "
+                         "GPU; drop num_gpus, or drop cpu=True to encode on GPUs")
+    if num_gpus is None:
+        num_gpus = 1
+    elif isinstance(num_gpus, bool) or not isinstance(num_gpus, (int, float)) or not 0 < num_gpus < float("inf"):
+        raise ValueError(f"num_gpus={num_gpus!r}: GPUs per encoder actor must be a number above 0 "
+                         "(1: a GPU each, 0.5: two actors share one)")
+    if concurrency is not None:
+        concurrency = check_positive("concurrency", concurrency, " (encoder actors), or None: one a GPU")
+    patching = Patching.of(bind_tower(checkpoint).geometry)  # a bad checkpoint fails here, not in every actor
     columns = ds.columns()
     if columns is None:  # no schema: a dataset of no rows (ray.data.from_items([]))
         raise ValueError("the dataset has no columns (no rows to read them from); "
@@ -237,23 +251,13 @@ def _actors(ds, bytes_column, cpu, num_gpus, concurrency, checkpoint, added, bat
         raise ValueError(f"the dataset's column{'s' if len(taken) > 1 else ''} {', '.join(map(repr, taken))} "
                          f"{'are' if len(taken) > 1 else 'is'} one the pipeline adds (or uses on the way): "
                          "rename it first (ds.rename_columns), or drop it")
-    check_positive("batch_size", batch_size, " (rows to a Prepare or Encode call)")
-    if cpu and num_gpus is not None:
-        raise ValueError(f"num_gpus={num_gpus!r} with cpu=True: the float32 reference runs in CPU actors that use no "
-                         "GPU; drop num_gpus, or drop cpu=True to encode on GPUs")
-    if num_gpus is None:
-        num_gpus = 1
-    elif isinstance(num_gpus, bool) or not isinstance(num_gpus, (int, float)) or not 0 < num_gpus < float("inf"):
-        raise ValueError(f"num_gpus={num_gpus!r}: GPUs per encoder actor must be a number above 0 "
-                         "(1: a GPU each, 0.5: two actors share one)")
-    patching = Patching.of(bind_tower(checkpoint).geometry)  # a bad checkpoint fails here, not in every actor
     gpus = ray.cluster_resources().get("GPU", 0)
     if not cpu and gpus < num_gpus:
         raise ValueError(f"the Ray cluster has {gpus:g} GPUs, and each encoder actor asks for {num_gpus:g}: its "
                          "actors would wait forever; add GPU nodes, or pass cpu=True for the float32 reference")
     if concurrency is None:
         concurrency = 1 if cpu else max(1, int(gpus // num_gpus))
-    return num_gpus, check_positive("concurrency", concurrency, " (encoder actors), or None: one a GPU"), patching
+    return num_gpus, concurrency, patching
 
 
 def encode_dataset(ds, checkpoint, *, bytes_column: str = "bytes", cpu: bool = False, num_gpus: float | None = None,
