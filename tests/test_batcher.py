@@ -653,3 +653,31 @@ def test_a_failing_on_pass_loses_no_results(caplog):
     assert [o.shape for o in outs] == [(2, 2)] * 3 and len(engine.batches) == 3
     failures = [r for r in caplog.records if r.exc_info and "metrics are broken" in str(r.exc_info[1])]
     assert len(failures) == 3 and "on_pass" in failures[0].getMessage()
+
+
+def test_a_failing_on_drop_loses_no_other_results(caplog):
+    """A request cancelled while its image is in a pass: the finished value counts as dropped (on_drop). A hook
+    that raises there is logged, and the pass's other images still reach their requests."""
+    engine = Engine(gpu_s=0.15)
+    calls = []
+
+    def broken(job):
+        calls.append(job.item[2]["tag"])
+        raise ValueError("drop metrics are broken")
+
+    batcher = Batcher(engine, capacity_tokens=3, max_wait_s=0.0, max_queue=64, on_drop=broken)
+
+    async def go():
+        futures = batcher.submit([item(1, i) for i in range(3)])
+        await asyncio.sleep(0.05)  # all three are in one pass
+        futures[0].cancel()
+        return await asyncio.wait_for(asyncio.gather(*futures[1:]), 10)
+
+    with caplog.at_level("ERROR", logger="glmvit_cupy"):
+        try:
+            outs = asyncio.run(go())
+        finally:
+            batcher.stop(timeout=1)
+    assert engine.batches == [(0, [0, 1, 2])] and calls == [0]
+    assert [o.shape for o in outs] == [(1, 2)] * 2
+    assert any(r.exc_info and "drop metrics are broken" in str(r.exc_info[1]) for r in caplog.records)

@@ -499,9 +499,14 @@ class Batcher:
             t.join(timeout)
 
     def _resolve_all(self, values: list) -> None:
-        """A pass's (job, value) pairs of one loop, each to its future (_resolve), on that loop."""
+        """A pass's (job, value) pairs of one loop, each to its future (_resolve), on that loop. A failing
+        on_drop hook costs that drop's count, never the other jobs' results."""
         for job, value in values:
-            self._resolve(job, value)
+            try:
+                self._resolve(job, value)
+            except Exception:
+                log.exception("handing a pass's result to its request failed (the on_drop hook); the pass's "
+                              "other results are handed back all the same")
 
     def _resolve(self, job: Job, value) -> None:
         """A job's value (or error) to its future, on its loop, where drop() runs too: a job stays in_pass until
