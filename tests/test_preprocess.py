@@ -880,6 +880,42 @@ def test_a_tiff_of_too_many_strips_is_refused_before_pillow_opens_it(tmp_path, b
         assert decode.tiff_blocks(other) == 0
 
 
+def _chunky_png(rng, extra: int, where: str) -> bytes:
+    """A random 24 x 16 RGB PNG with `extra` empty ancillary chunks before its image data or after it."""
+    def chunk(kind, data=b""):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8)).save(buf, "PNG")
+    png = buf.getvalue()
+    junk = chunk(b"zzZz") * extra
+    if where == "before its image data":
+        return png[:33] + junk + png[33:]
+    end = png.rindex(b"IEND") - 4
+    return png[:end] + junk + png[end:]
+
+
+@pytest.mark.parametrize("where", ["before its image data", "after its image data"])
+def test_a_png_of_too_many_chunks_is_refused_before_pillow_opens_it(tmp_path, rng, where):
+    """A 12 MB PNG of 1,000,000 empty ancillary chunks took 3.5 s to open and decode (Pillow reads each in a
+    Python step), before its image data or after it. Past MAX_PNG_CHUNKS it is refused, as bytes and as a file,
+    by walking the chunks' lengths; one within it decodes as Pillow decodes it."""
+    from glmvit_cupy.preprocessing import decode
+
+    some = _chunky_png(rng, 300, where)
+    assert decode.png_chunks(some) == 303  # IHDR, IDAT, IEND and 300 more
+    with Image.open(io.BytesIO(some)) as f:
+        assert np.array_equal(np.asarray(decode.load(some, "ok.png")), np.asarray(f.convert("RGB")))
+    many = _chunky_png(rng, decode.MAX_PNG_CHUNKS, where)
+    assert decode.png_chunks(many) == decode.MAX_PNG_CHUNKS + 1  # counting stops past the limit
+    (tmp_path / "many.png").write_bytes(many)
+    for given in (many, str(tmp_path / "many.png"), io.BytesIO(many)):
+        with pytest.raises(ImageError, match=f"many.png: a PNG of over {decode.MAX_PNG_CHUNKS:,} chunks"):
+            decode.load(given, "many.png")
+    for other in (b"", b"\x89PNG\r\n\x1a\n", b"GIF89a" + bytes(30), some[:40]):  # cut short, not a PNG
+        assert decode.png_chunks(other) <= 2
+
+
 @pytest.mark.parametrize("where", ["in its ICC profile", "after its end"])
 def test_bytes_reading_as_scan_markers_outside_the_scans_count_for_none(where, rng):
     """Only the scans libjpeg decodes count against MAX_JPEG_SCANS: FF DA inside a segment's payload (a large
