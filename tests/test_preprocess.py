@@ -194,10 +194,11 @@ def test_damaged_headers_of_other_formats_are_image_errors():
             preprocess([bytes(data)])
 
 
-def test_a_pngs_header_size_is_read_from_ihdr_without_opening_it(rng, monkeypatch):
+def test_a_pngs_header_size_is_read_from_ihdr_without_opening_it(rng, monkeypatch, tmp_path):
     """glmvit-serve reads small images' sizes on its event loop: Pillow's open inflates every zTXt chunk before
     the image data (58 chunks of 1 MB in a 61 KB file: ~0.1 s), so a PNG is sized from its IHDR, as Pillow
-    sizes it, and never opened there. Other formats still are."""
+    sizes it, and never opened there, as bytes or as a file (video frames given as paths). Other formats
+    still are."""
     from PIL import PngImagePlugin
 
     from glmvit_cupy.preprocessing import decode
@@ -215,6 +216,8 @@ def test_a_pngs_header_size_is_read_from_ihdr_without_opening_it(rng, monkeypatc
         with monkeypatch.context() as m:
             m.setattr(decode.Image, "open", lambda *a, **k: pytest.fail("a PNG was opened to size it"))
             assert decode.header_size(data) == (h * w, (w, h))
+            (tmp_path / "t.png").write_bytes(data)
+            assert decode.header_size(str(tmp_path / "t.png")) == (h * w, (w, h))
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)).save(buf, "BMP")
     assert decode.header_size(buf.getvalue()) == (600, (30, 20))
@@ -880,15 +883,17 @@ def test_a_tiff_of_too_many_strips_is_refused_before_pillow_opens_it(tmp_path, b
         assert decode.tiff_blocks(other) == 0
 
 
-def _chunky_png(rng, extra: int, where: str) -> bytes:
-    """A random 24 x 16 RGB PNG with `extra` empty ancillary chunks before its image data or after it."""
-    def chunk(kind, data=b""):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+def _png_chunk(kind: bytes, data: bytes = b"") -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
+
+def _chunky_png(rng, extra: int, where: str, junk: bytes = _png_chunk(b"zzZz")) -> bytes:
+    """A random 24 x 16 RGB PNG with `extra` copies of the chunk `junk` (an empty ancillary one) before its
+    image data or after it."""
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8)).save(buf, "PNG")
     png = buf.getvalue()
-    junk = chunk(b"zzZz") * extra
+    junk = junk * extra
     if where == "before its image data":
         return png[:33] + junk + png[33:]
     end = png.rindex(b"IEND") - 4
@@ -903,17 +908,77 @@ def test_a_png_of_too_many_chunks_is_refused_before_pillow_opens_it(tmp_path, rn
     from glmvit_cupy.preprocessing import decode
 
     some = _chunky_png(rng, 300, where)
-    assert decode.png_chunks(some) == 303  # IHDR, IDAT, IEND and 300 more
+    assert decode.png_chunks(some) == (303, 0)  # IHDR, IDAT, IEND and 300 more
     with Image.open(io.BytesIO(some)) as f:
         assert np.array_equal(np.asarray(decode.load(some, "ok.png")), np.asarray(f.convert("RGB")))
     many = _chunky_png(rng, decode.MAX_PNG_CHUNKS, where)
-    assert decode.png_chunks(many) == decode.MAX_PNG_CHUNKS + 1  # counting stops past the limit
+    assert decode.png_chunks(many) == (decode.MAX_PNG_CHUNKS + 1, 0)  # counting stops past the limit
     (tmp_path / "many.png").write_bytes(many)
     for given in (many, str(tmp_path / "many.png"), io.BytesIO(many)):
         with pytest.raises(ImageError, match=f"many.png: a PNG of over {decode.MAX_PNG_CHUNKS:,} chunks"):
             decode.load(given, "many.png")
     for other in (b"", b"\x89PNG\r\n\x1a\n", b"GIF89a" + bytes(30), some[:40]):  # cut short, not a PNG
-        assert decode.png_chunks(other) <= 2
+        assert decode.png_chunks(other)[0] <= 2
+
+
+def test_a_png_of_more_than_one_colour_profile_is_refused(tmp_path, rng):
+    """Pillow inflates every iCCP chunk as it opens a PNG (outside its text-memory cap): 19,000 chunks of ~1 KB
+    that inflate to ~1 MB each took 42.8 s. The PNG format allows one profile; a file of more is refused by its
+    chunks' count, and one of one decodes as Pillow decodes it."""
+    from glmvit_cupy.preprocessing import decode
+
+    profile = _png_chunk(b"iCCP", b"x\0\0" + zlib.compress(b"\0" * (1 << 16), 9))
+    one = _chunky_png(rng, 1, "before its image data", profile)
+    assert decode.png_chunks(one) == (4, 1)
+    with Image.open(io.BytesIO(one)) as f:
+        assert np.array_equal(np.asarray(decode.load(one, "one.png")), np.asarray(f.convert("RGB")))
+    two = _chunky_png(rng, 2, "before its image data", profile)
+    (tmp_path / "two.png").write_bytes(two)
+    for given in (two, str(tmp_path / "two.png")):
+        with pytest.raises(ImageError, match="two.png: a PNG of 2 colour profiles \\(iCCP chunks\\); the PNG format "
+                                             "allows one"):
+            decode.load(given, "two.png")
+
+
+def _overlapping_tiff(width: int, rows: int, gap: int) -> bytes:
+    """An uncompressed RGB TIFF of two strips, `rows` rows and one, the second starting `gap` bytes after the
+    first (the first's data is rows x width x 3 bytes)."""
+    row = width * 3
+    pixels = np.random.default_rng(3).integers(0, 256, row * rows + row + gap, dtype=np.uint8).tobytes()
+    fields = [(256, 4, 1, width), (257, 4, 1, rows + 1), (258, 3, 1, 8), (259, 3, 1, 1), (262, 3, 1, 2),
+              (273, 4, 2, None), (277, 3, 1, 3), (278, 4, 1, rows), (279, 4, 2, None)]
+    ifd = 8 + len(pixels) + (len(pixels) & 1)
+    arrays = ifd + 2 + 12 * len(fields) + 4
+    out = b"II*\0" + struct.pack("<I", ifd) + pixels + bytes(len(pixels) & 1) + struct.pack("<H", len(fields))
+    for tag, kind, count, value in fields:
+        if tag == 273:
+            value = arrays
+        elif tag == 279:
+            value = arrays + 8
+        out += struct.pack("<HHIHH" if kind == 3 else "<HHII", tag, kind, count, value, *((0,) if kind == 3 else ()))
+    out += struct.pack("<I", 0)
+    return out + struct.pack("<II", 8, 8 + gap) + struct.pack("<II", row * rows, row)
+
+
+def test_a_tiff_of_overlapping_uncompressed_strips_is_refused(tmp_path):
+    """Pillow reads an uncompressed strip up to the next strip's offset at a time and decodes its growing buffer
+    after each read: two strips one byte apart took 5.1 s for a 4.8 MB file, over a minute for 18 MB. A strip
+    whose data (one bit a pixel at least) runs past the next one's start is refused; strips end to end decode as
+    Pillow decodes them."""
+    from glmvit_cupy.preprocessing import decode
+
+    whole = _overlapping_tiff(40, 6, 40 * 6 * 3)
+    with Image.open(io.BytesIO(whole)) as f:
+        assert decode.tiff_overlap(f.tile) is None
+        assert np.array_equal(np.asarray(decode.load(whole, "ok.tif")), np.asarray(f.convert("RGB")))
+    bad = _overlapping_tiff(4000, 20, 1)
+    with Image.open(io.BytesIO(bad)) as f:
+        assert decode.tiff_overlap(f.tile) == (8, 500 * 20, 1)
+    (tmp_path / "bad.tif").write_bytes(bad)
+    for given in (bad, str(tmp_path / "bad.tif")):
+        with pytest.raises(ImageError, match="bad.tif: a TIFF whose uncompressed strips or tiles overlap \\(the one "
+                                             "at byte 8 holds at least 10,000 bytes, and the next starts 1 byte after it"):
+            decode.load(given, "bad.tif")
 
 
 @pytest.mark.parametrize("where", ["in its ICC profile", "after its end"])

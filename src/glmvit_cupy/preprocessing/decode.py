@@ -171,8 +171,8 @@ def header_size(file, understated: int = 0) -> tuple[int, tuple | None]:
         return 0, None
     if is_ico(file):  # not opened: that would decode it
         return understated or 0, None
-    png = _ihdr_size(bytes(file[:33]), checked=True) if isinstance(file, ENCODED_BYTES) else None
-    if png is not None:  # not opened: Pillow inflates every zTXt chunk before IDAT as it opens (~0.1 s for 60 KB)
+    png = _ihdr_size(_head(file, 33) or b"", checked=True)
+    if png is not None:  # not opened: Pillow inflates every zTXt and iCCP chunk before IDAT as it opens
         return png[0] * png[1], png
     try:
         with _open(_bytes_io(file) if isinstance(file, ENCODED_BYTES) else file, understated or None) as im:
@@ -284,25 +284,41 @@ def tiff_blocks(file) -> int:
         return 0
 
 
-def png_chunks(file, limit: int = MAX_PNG_CHUNKS) -> int:
-    """How many chunks a PNG holds, counted from their length fields up to IEND, the end of the file or
-    limit + 1 (where counting stops), nothing else read. 0 for another format."""
+def png_chunks(file, limit: int = MAX_PNG_CHUNKS) -> tuple[int, int]:
+    """(chunks, colour profiles): how many chunks a PNG holds and how many of them are iCCP, counted from their
+    headers up to IEND, the end of the file or limit + 1 chunks (where counting stops), nothing else read.
+    (0, 0) for another format."""
+    count = profiles = 0
     try:
         with _reading(file) as f:
             if f.read(8) != PNG_MAGIC:
-                return 0
-            count = 0
+                return 0, 0
             while count <= limit:
                 head = f.read(8)
                 if len(head) < 8:
                     break
                 count += 1
+                profiles += head[4:] == b"iCCP"
                 if head[4:] == b"IEND":
                     break
                 f.seek(struct.unpack_from(">I", head)[0] + 4, os.SEEK_CUR)
-            return count
     except (OSError, ValueError, OverflowError, struct.error):
-        return 0
+        pass
+    return count, profiles
+
+
+def tiff_overlap(tiles) -> tuple[int, int, int] | None:
+    """(offset, bytes, gap) of the first uncompressed strip or tile of an opened TIFF whose data (at least
+    `bytes`: one bit a pixel) runs past the next block's start `gap` bytes on, or None. Pillow reads such a
+    block `gap` bytes at a time and decodes its growing buffer again after each read: a 4.8 MB TIFF of two
+    strips one byte apart took 5.1 s, an 18 MB one over a minute. Writers never overlap uncompressed blocks."""
+    ordered = sorted(tiles, key=lambda tile: tile[2])
+    for tile, after in zip(ordered, ordered[1:]):
+        x0, y0, x1, y1 = tile[1]
+        least = (x1 - x0 + 7) // 8 * (y1 - y0)
+        if tile[0] == "raw" and 0 < after[2] - tile[2] < least:
+            return tile[2], least, after[2] - tile[2]
+    return None
 
 
 def _file_bytes(image) -> bytes:
@@ -389,10 +405,13 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
             raise ImageError(f"{name}: a TIFF stored in {blocks:,} strips or tiles, more than the {MAX_TIFF_BLOCKS:,} "
                              "an image may have here (each is decoded apart; writers use far fewer): re-save it with "
                              "larger strips, or as PNG")
-        chunks = png_chunks(image) if head == PNG_MAGIC[:4] else 0
+        chunks, profiles = png_chunks(image) if head == PNG_MAGIC[:4] else (0, 0)
         if chunks > MAX_PNG_CHUNKS:  # before Pillow opens it: opening and decoding read every chunk
             raise ImageError(f"{name}: a PNG of over {MAX_PNG_CHUNKS:,} chunks, more than an image may have here "
                              "(writers use a few beside its image data; each is read apart): re-save it")
+        if profiles > 1:  # Pillow inflates each as it opens the file: 2,000 of ~1 MB each took 4.7 s
+            raise ImageError(f"{name}: a PNG of {profiles:,} colour profiles (iCCP chunks); the PNG format allows "
+                             "one: re-save it")
         img = _open(image, limit)
         if img.format in RUNS_A_PROGRAM:
             img.close()
@@ -401,6 +420,13 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
         w, h = img.size
         if limit is not None and w * h > limit:
             raise ImageError(f"{bomb} (it is {w} x {h} = {w * h:,})")
+        overlap = tiff_overlap(img.tile) if img.format == "TIFF" else None
+        if overlap is not None:
+            at, least, gap = overlap
+            img.close()
+            raise ImageError(f"{name}: a TIFF whose uncompressed strips or tiles overlap (the one at byte {at:,} holds "
+                             f"at least {least:,} bytes, and the next starts {gap:,} byte{'s' * (gap != 1)} after it; it would be "
+                             "read that many bytes at a time): re-save it")
         if img.format in ("JPEG", "MPO") and img.info.get("progressive"):
             scans = jpeg_scans(img.fp)
             if scans > MAX_JPEG_SCANS:
