@@ -174,6 +174,10 @@ def header_size(file, understated: int = 0) -> tuple[int, tuple | None]:
     png = _ihdr_size(_head(file, 33) or b"", checked=True)
     if png is not None:  # not opened: Pillow inflates every zTXt and iCCP chunk before IDAT as it opens
         return png[0] * png[1], png
+    head = _head(file, 4) or b""
+    if (head[:3] == b"\xff\xd8\xff" and jpeg_header_segments(file) > MAX_JPEG_SEGMENTS) or \
+            (head[:2] in (b"II", b"MM") and tiff_blocks(file) > MAX_TIFF_BLOCKS):
+        return 0, None  # not opened (opening walks every segment, or builds a tile a strip): decoding refuses it
     try:
         with _open(_bytes_io(file) if isinstance(file, ENCODED_BYTES) else file, understated or None) as im:
             w, h = im.size
@@ -260,6 +264,29 @@ def jpeg_scans_in(data: bytes) -> int:
         scans += found[1][0] == 0xDA
         at += int.from_bytes(data[at:at + 2], "big")  # a segment's length counts its own two bytes
     return pairs
+
+
+def jpeg_header_segments(file, limit: int = MAX_JPEG_SEGMENTS) -> int:
+    """How many marker segments a JPEG holds before its first scan (what Pillow walks in a Python step each as
+    it opens the file, keeping every APP segment), counted from their lengths up to the first start of scan, a
+    byte that is no marker, the end of the file or limit + 1 (where counting stops). 0 for another format."""
+    count = 0
+    try:
+        with _reading(file) as f:
+            if f.read(2) != b"\xff\xd8":
+                return 0
+            while count <= limit:
+                head = f.read(2)
+                while head[:1] == b"\xff" and head[1:] == b"\xff":  # fill bytes before a marker
+                    head = head[1:] + f.read(1)
+                if len(head) < 2 or head[0] != 0xFF or head[1] == 0xDA:
+                    break
+                count += 1
+                if head[1] not in (0x01, *range(0xD0, 0xD9)):  # TEM, RSTn and SOI have no length
+                    f.seek(int.from_bytes(f.read(2), "big") - 2, os.SEEK_CUR)
+    except (OSError, ValueError, OverflowError):
+        pass
+    return count
 
 
 def tiff_blocks(file) -> int:
@@ -405,6 +432,11 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
             raise ImageError(f"{name}: a TIFF stored in {blocks:,} strips or tiles, more than the {MAX_TIFF_BLOCKS:,} "
                              "an image may have here (each is decoded apart; writers use far fewer): re-save it with "
                              "larger strips, or as PNG")
+        segments = jpeg_header_segments(image) if head is not None and head[:3] == b"\xff\xd8\xff" else 0
+        if segments > MAX_JPEG_SEGMENTS:  # before Pillow opens it: opening walks and keeps every segment
+            raise ImageError(f"{name}: a JPEG of over {MAX_JPEG_SEGMENTS:,} marker segments before its image data, "
+                             "more than an image may have here (writers use some tens; each is read apart): "
+                             "re-save it")
         chunks, profiles = png_chunks(image) if head == PNG_MAGIC[:4] else (0, 0)
         if chunks > MAX_PNG_CHUNKS:  # before Pillow opens it: opening and decoding read every chunk
             raise ImageError(f"{name}: a PNG of over {MAX_PNG_CHUNKS:,} chunks, more than an image may have here "
