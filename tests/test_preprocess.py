@@ -968,6 +968,33 @@ def test_a_jpeg_of_too_many_header_segments_is_refused_before_pillow_opens_it(tm
         assert decode.jpeg_header_segments(other) <= 1
 
 
+def test_netpbm_files_of_long_headers_or_many_comments_are_refused(tmp_path, rng):
+    """Pillow reads a Netpbm header a byte a Python call at a time (10 MB of whitespace: 2.6 s) and removes each
+    comment of a plain (ASCII) file's data by copying its block (500,000 in 1 MB: 9.5 s). Past MAX_PNM_HEADER
+    header bytes or MAX_PNM_COMMENTS comments a file is refused, and not opened to be sized; within them (a
+    comment in the header, as GIMP writes) it decodes as Pillow decodes it."""
+    from glmvit_cupy.preprocessing import decode
+
+    pixels = rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)
+    binary = b"P6\n# CREATOR: GIMP PNM Filter Version 1.1\n5 6\n255\n" + pixels.tobytes()
+    plain = b"P3\n5 6\n255\n" + b"# a note\n" * 300 + " ".join(map(str, pixels.ravel())).encode()
+    for name, data in (("binary.ppm", binary), ("plain.ppm", plain)):
+        assert decode.pnm_costs(data)[1] == (300 if name == "plain.ppm" else 0)
+        assert np.array_equal(np.asarray(decode.load(data, name)), pixels)
+        assert decode.header_size(data) == (30, (5, 6))
+    spaced = b"P6\n" + b" " * decode.MAX_PNM_HEADER + b"5 6\n255\n" + pixels.tobytes()
+    noted = b"P1\n5 6\n" + b"#\n" * (decode.MAX_PNM_COMMENTS + 1) + b"0 1 " * 15
+    assert decode.pnm_costs(spaced)[0] == decode.MAX_PNM_HEADER + 1 and decode.header_size(spaced) == (0, None)
+    for name, data, said in (("spaced.ppm", spaced, f"over {decode.MAX_PNM_HEADER:,} header bytes"),
+                             ("noted.pbm", noted, f"{decode.MAX_PNM_COMMENTS + 1:,} comments")):
+        (tmp_path / name).write_bytes(data)
+        for given in (data, str(tmp_path / name), io.BytesIO(data)):
+            with pytest.raises(ImageError, match=f"{name}: a Netpbm file of {said}, more than an image may have"):
+                decode.load(given, name)
+    for other in (b"", b"P", b"PK\x03\x04" + bytes(30), b"P6\n5"):  # cut short, not Netpbm
+        assert decode.pnm_costs(other)[1] == 0 and decode.pnm_costs(other)[0] <= 4
+
+
 def _overlapping_tiff(width: int, rows: int, gap: int) -> bytes:
     """An uncompressed RGB TIFF of two strips, `rows` rows and one, the second starting `gap` bytes after the
     first (the first's data is rows x width x 3 bytes)."""

@@ -57,6 +57,11 @@ MAX_TIFF_BLOCKS = 1 << 17
 # chunk): a 12 MB PNG of 1,000,000 empty ancillary chunks around a 64 x 64 image took 3.5 s. Writers put a few
 # chunks around IDATs of 8-64 KB: ~8,000 chunks in a 64 MB file; this many empty ones decode in ~0.4 s.
 MAX_PNG_CHUNKS = 1 << 17
+# A Netpbm (PBM, PGM, PPM) file's header bytes and a plain (ASCII) one's comments. Pillow reads a header a byte
+# a Python call at a time (10 MB of whitespace in one: 2.6 s) and removes each comment of a plain file's data by
+# copying its 1 MiB block (500,000 in a 1 MB file: 9.5 s). Writers put one comment line, if any, in the header.
+MAX_PNM_HEADER = 1 << 16
+MAX_PNM_COMMENTS = 1 << 10
 # Formats Pillow decodes by running an outside program on the file (EPS: Ghostscript, a PostScript interpreter):
 # refused, so an untrusted file is never handed to one.
 RUNS_A_PROGRAM = frozenset({"EPS"})
@@ -176,8 +181,9 @@ def header_size(file, understated: int = 0) -> tuple[int, tuple | None]:
         return png[0] * png[1], png
     head = _head(file, 4) or b""
     if (head[:3] == b"\xff\xd8\xff" and jpeg_header_segments(file) > MAX_JPEG_SEGMENTS) or \
-            (head[:2] in (b"II", b"MM") and tiff_blocks(file) > MAX_TIFF_BLOCKS):
-        return 0, None  # not opened (opening walks every segment, or builds a tile a strip): decoding refuses it
+            (head[:2] in (b"II", b"MM") and tiff_blocks(file) > MAX_TIFF_BLOCKS) or \
+            (head[:1] == b"P" and pnm_costs(file)[0] > MAX_PNM_HEADER):
+        return 0, None  # not opened (opening walks every segment or header byte, or builds a tile a strip)
     try:
         with _open(_bytes_io(file) if isinstance(file, ENCODED_BYTES) else file, understated or None) as im:
             w, h = im.size
@@ -287,6 +293,35 @@ def jpeg_header_segments(file, limit: int = MAX_JPEG_SEGMENTS) -> int:
     except (OSError, ValueError, OverflowError):
         pass
     return count
+
+
+def pnm_costs(file) -> tuple[int, int]:
+    """(header bytes, comments) of a Netpbm file as Pillow reads it: the bytes up to its last header token's
+    end (magic, width, height and, but for a bitmap, the maximum value; whitespace and # comments between),
+    MAX_PNM_HEADER + 1 past that many; and for a plain (ASCII) one, the # in the whole file. (0, 0) for another
+    format."""
+    try:
+        with _reading(file) as f:
+            data = f.read(MAX_PNM_HEADER + 1)
+            if len(data) < 2 or data[:1] != b"P" or data[1:2] not in b"123456fF":
+                return 0, 0
+            at, tokens = 2, (3 if data[1:2] in b"14" else 4) - 1
+            while tokens and at < len(data):
+                if data[at:at + 1] == b"#":  # to the end of its line
+                    ends = [i for i in (data.find(b"\n", at), data.find(b"\r", at)) if i >= 0]
+                    at = min(ends) + 1 if ends else len(data)
+                elif data[at:at + 1].isspace():
+                    at += 1
+                else:
+                    while at < len(data) and not data[at:at + 1].isspace() and data[at:at + 1] != b"#":
+                        at += 1
+                    tokens -= 1
+            comments = 0
+            if data[1:2] in b"123":
+                comments = data.count(b"#") + sum(block.count(b"#") for block in iter(lambda: f.read(1 << 20), b""))
+            return at, comments
+    except (OSError, ValueError):
+        return 0, 0
 
 
 def tiff_blocks(file) -> int:
@@ -437,6 +472,11 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
             raise ImageError(f"{name}: a JPEG of over {MAX_JPEG_SEGMENTS:,} marker segments before its image data, "
                              "more than an image may have here (writers use some tens; each is read apart): "
                              "re-save it")
+        header, comments = pnm_costs(image) if head is not None and head[:1] == b"P" else (0, 0)
+        if header > MAX_PNM_HEADER or comments > MAX_PNM_COMMENTS:  # before Pillow opens it
+            raise ImageError(f"{name}: a Netpbm file of " + (f"over {MAX_PNM_HEADER:,} header bytes"
+                             if header > MAX_PNM_HEADER else f"{comments:,} comments") + ", more than an image may "
+                             "have here (Pillow reads each byte or comment apart; writers use a line or two): re-save it")
         chunks, profiles = png_chunks(image) if head == PNG_MAGIC[:4] else (0, 0)
         if chunks > MAX_PNG_CHUNKS:  # before Pillow opens it: opening and decoding read every chunk
             raise ImageError(f"{name}: a PNG of over {MAX_PNG_CHUNKS:,} chunks, more than an image may have here "
