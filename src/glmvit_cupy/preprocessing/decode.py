@@ -474,9 +474,9 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
                              "re-save it")
         header, comments = pnm_costs(image) if head is not None and head[:1] == b"P" else (0, 0)
         if header > MAX_PNM_HEADER or comments > MAX_PNM_COMMENTS:  # before Pillow opens it
-            raise ImageError(f"{name}: a Netpbm file of " + (f"over {MAX_PNM_HEADER:,} header bytes"
-                             if header > MAX_PNM_HEADER else f"{comments:,} comments") + ", more than an image may "
-                             "have here (Pillow reads each byte or comment apart; writers use a line or two): re-save it")
+            what = f"over {MAX_PNM_HEADER:,} header bytes" if header > MAX_PNM_HEADER else f"{comments:,} comments"
+            raise ImageError(f"{name}: a Netpbm file of {what}, more than an image may have here (Pillow reads each "
+                             "byte or comment apart; writers use a line or two): re-save it")
         chunks, profiles = png_chunks(image) if head == PNG_MAGIC[:4] else (0, 0)
         if chunks > MAX_PNG_CHUNKS:  # before Pillow opens it: opening and decoding read every chunk
             raise ImageError(f"{name}: a PNG of over {MAX_PNG_CHUNKS:,} chunks, more than an image may have here "
@@ -496,9 +496,10 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
         if overlap is not None:
             at, least, gap = overlap
             img.close()
+            apart = f"{gap:,} byte{'s' * (gap != 1)}"
             raise ImageError(f"{name}: a TIFF whose uncompressed strips or tiles overlap (the one at byte {at:,} holds "
-                             f"at least {least:,} bytes, and the next starts {gap:,} byte{'s' * (gap != 1)} after it; it would be "
-                             "read that many bytes at a time): re-save it")
+                             f"at least {least:,} bytes, and the next starts {apart} after it; it would be read that "
+                             "many bytes at a time): re-save it")
         if img.format in ("JPEG", "MPO") and img.info.get("progressive"):
             scans = jpeg_scans(img.fp)
             if scans > MAX_JPEG_SCANS:
