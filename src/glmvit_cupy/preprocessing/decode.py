@@ -179,10 +179,7 @@ def header_size(file, understated: int = 0) -> tuple[int, tuple | None]:
     png = _ihdr_size(_head(file, 33) or b"", checked=True)
     if png is not None:  # not opened: Pillow inflates every zTXt and iCCP chunk before IDAT as it opens
         return png[0] * png[1], png
-    head = _head(file, 4) or b""
-    if (head[:3] == b"\xff\xd8\xff" and jpeg_header_segments(file) > MAX_JPEG_SEGMENTS) or \
-            (head[:2] in (b"II", b"MM") and tiff_blocks(file) > MAX_TIFF_BLOCKS) or \
-            (head[:1] == b"P" and pnm_costs(file)[0] > MAX_PNM_HEADER):
+    if slow_structure(file, _head(file, 4)) is not None:
         return 0, None  # not opened (opening walks every segment or header byte, or builds a tile a strip)
     try:
         with _open(_bytes_io(file) if isinstance(file, ENCODED_BYTES) else file, understated or None) as im:
@@ -270,6 +267,34 @@ def jpeg_scans_in(data: bytes) -> int:
         scans += found[1][0] == 0xDA
         at += int.from_bytes(data[at:at + 2], "big")  # a segment's length counts its own two bytes
     return pairs
+
+
+def slow_structure(file, head: bytes | None) -> str | None:
+    """What makes an image file (its first four bytes `head`) one Pillow would take far longer to open or decode
+    than its pixels warrant, found before it is opened, or None: a TIFF of over MAX_TIFF_BLOCKS strips or tiles,
+    a JPEG of over MAX_JPEG_SEGMENTS header segments, a Netpbm file of a long header or many comments, a PNG of
+    over MAX_PNG_CHUNKS chunks or more than one colour profile; said with what to do instead."""
+    head = head or b""
+    if head[:2] in (b"II", b"MM") and (blocks := tiff_blocks(file)) > MAX_TIFF_BLOCKS:
+        return (f"a TIFF stored in {blocks:,} strips or tiles, more than the {MAX_TIFF_BLOCKS:,} an image may have "
+                "here (each is decoded apart; writers use far fewer): re-save it with larger strips, or as PNG")
+    if head[:3] == b"\xff\xd8\xff" and jpeg_header_segments(file) > MAX_JPEG_SEGMENTS:
+        return (f"a JPEG of over {MAX_JPEG_SEGMENTS:,} marker segments before its image data, more than an image "
+                "may have here (writers use some tens; each is read apart): re-save it")
+    if head[:1] == b"P":
+        header, comments = pnm_costs(file)
+        if header > MAX_PNM_HEADER or comments > MAX_PNM_COMMENTS:
+            what = f"over {MAX_PNM_HEADER:,} header bytes" if header > MAX_PNM_HEADER else f"{comments:,} comments"
+            return (f"a Netpbm file of {what}, more than an image may have here (Pillow reads each byte or comment "
+                    "apart; writers use a line or two): re-save it")
+    if head == PNG_MAGIC[:4]:
+        chunks, profiles = png_chunks(file)
+        if chunks > MAX_PNG_CHUNKS:
+            return (f"a PNG of over {MAX_PNG_CHUNKS:,} chunks, more than an image may have here (writers use a few "
+                    "beside its image data; each is read apart): re-save it")
+        if profiles > 1:  # Pillow inflates each as it opens the file: 2,000 of ~1 MB each took 4.7 s
+            return f"a PNG of {profiles:,} colour profiles (iCCP chunks); the PNG format allows one: re-save it"
+    return None
 
 
 def jpeg_header_segments(file, limit: int = MAX_JPEG_SEGMENTS) -> int:
@@ -455,35 +480,16 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
     bomb = (f"{name}: refused as a possible decompression bomb: over the limit of {limit or 0:,} pixels; pass "
             "max_pixels (glmvit-encode --max-pixels) to allow larger images")
     try:
-        head = _head(image, 4)  # read once for both checks below
+        head = _head(image, 4)  # read once for the checks below
         if head == ICO_MAGIC:  # opening it decodes it: refused first on the sizes its images' headers give
             inside = ico_pixels(image)
             if limit is not None and inside > limit:
                 raise ImageError(f"{bomb} (an icon holding an image of {inside:,})")
             if offload is not None:  # opening it here would decode it here, on this thread
                 return offload(_file_bytes(image), name, max_pixels)
-        blocks = tiff_blocks(image) if head is not None and head[:2] in (b"II", b"MM") else 0
-        if blocks > MAX_TIFF_BLOCKS:  # before Pillow opens it: opening builds a tile a block
-            raise ImageError(f"{name}: a TIFF stored in {blocks:,} strips or tiles, more than the {MAX_TIFF_BLOCKS:,} "
-                             "an image may have here (each is decoded apart; writers use far fewer): re-save it with "
-                             "larger strips, or as PNG")
-        segments = jpeg_header_segments(image) if head is not None and head[:3] == b"\xff\xd8\xff" else 0
-        if segments > MAX_JPEG_SEGMENTS:  # before Pillow opens it: opening walks and keeps every segment
-            raise ImageError(f"{name}: a JPEG of over {MAX_JPEG_SEGMENTS:,} marker segments before its image data, "
-                             "more than an image may have here (writers use some tens; each is read apart): "
-                             "re-save it")
-        header, comments = pnm_costs(image) if head is not None and head[:1] == b"P" else (0, 0)
-        if header > MAX_PNM_HEADER or comments > MAX_PNM_COMMENTS:  # before Pillow opens it
-            what = f"over {MAX_PNM_HEADER:,} header bytes" if header > MAX_PNM_HEADER else f"{comments:,} comments"
-            raise ImageError(f"{name}: a Netpbm file of {what}, more than an image may have here (Pillow reads each "
-                             "byte or comment apart; writers use a line or two): re-save it")
-        chunks, profiles = png_chunks(image) if head == PNG_MAGIC[:4] else (0, 0)
-        if chunks > MAX_PNG_CHUNKS:  # before Pillow opens it: opening and decoding read every chunk
-            raise ImageError(f"{name}: a PNG of over {MAX_PNG_CHUNKS:,} chunks, more than an image may have here "
-                             "(writers use a few beside its image data; each is read apart): re-save it")
-        if profiles > 1:  # Pillow inflates each as it opens the file: 2,000 of ~1 MB each took 4.7 s
-            raise ImageError(f"{name}: a PNG of {profiles:,} colour profiles (iCCP chunks); the PNG format allows "
-                             "one: re-save it")
+        costly = slow_structure(image, head)
+        if costly is not None:  # before Pillow opens it: its parser would read each block, segment or byte apart
+            raise ImageError(f"{name}: {costly}")
         img = _open(image, limit)
         if img.format in RUNS_A_PROGRAM:
             img.close()
