@@ -995,6 +995,90 @@ def test_netpbm_files_of_long_headers_or_many_comments_are_refused(tmp_path, rng
         assert decode.pnm_costs(other)[1] == 0 and decode.pnm_costs(other)[0] <= 4
 
 
+def _gif(rng, before: bytes) -> bytes:
+    """A 24 x 16 GIF of random colours with `before` inserted ahead of its first image (after the colour
+    table)."""
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8)).convert("P").save(buf, "GIF")
+    gif = buf.getvalue()
+    at = 13 + (3 << ((gif[10] & 7) + 1) if gif[10] & 0x80 else 0)
+    return gif[:at] + before + gif[at:]
+
+
+def test_a_gif_of_too_many_blocks_before_its_image_is_refused(tmp_path, rng):
+    """Pillow reads a GIF's extensions before its first image in a Python step each as it opens the file:
+    2,000,000 empty comments (10 MB) took 3.5 s. Past MAX_GIF_BLOCKS blocks (extensions and their sub-blocks)
+    the file is refused by walking their lengths, and not opened to be sized; within them it decodes as Pillow
+    decodes it."""
+    from glmvit_cupy.preprocessing import decode
+
+    plain = decode.gif_blocks(_gif(rng, b""))
+    some = _gif(rng, b"\x21\xfe\x05notes\x00" * 300 + b"\x21\xfe" + b"\x01x" * 300 + b"\0")
+    assert decode.gif_blocks(some) == plain + 300 * 2 + 301
+    with Image.open(io.BytesIO(some)) as f:
+        assert np.array_equal(np.asarray(decode.load(some, "ok.gif")), np.asarray(f.convert("RGB")))
+    assert decode.header_size(some) == (384, (24, 16))
+    for many in (_gif(rng, b"\x21\xfe\x01x\x00" * (decode.MAX_GIF_BLOCKS // 2 + 1)),
+                 _gif(rng, b"\x21\xfe" + b"\x01x" * decode.MAX_GIF_BLOCKS + b"\0")):
+        assert decode.gif_blocks(many) == decode.MAX_GIF_BLOCKS + 1  # counting stops past the limit
+        assert decode.header_size(many) == (0, None)  # never opened
+        (tmp_path / "many.gif").write_bytes(many)
+        for given in (many, str(tmp_path / "many.gif"), io.BytesIO(many)):
+            with pytest.raises(ImageError, match=f"many.gif: a GIF of over {decode.MAX_GIF_BLOCKS:,} blocks before"):
+                decode.load(given, "many.gif")
+    for other in (b"", b"GIF89a", b"\x89PNG\r\n\x1a\n" + bytes(30), some[:40]):  # cut short, not a GIF
+        assert decode.gif_blocks(other) <= 2
+
+
+def _rle_bmp(width: int, height: int, rows: bytes, bits: int = 8) -> bytes:
+    """A palette BMP of RLE (bits 8: RLE8, 4: RLE4) data `rows`, grey palette."""
+    colours = 1 << bits
+    palette = b"".join(bytes([i * 255 // (colours - 1)] * 3 + [0]) for i in range(colours))
+    at = 14 + 40 + len(palette)
+    return (b"BM" + struct.pack("<IHHI", at + len(rows), 0, 0, at) +
+            struct.pack("<IiiHHIIiiII", 40, width, height, 1, bits, 1 if bits == 8 else 2, len(rows), 2835, 2835,
+                        colours, 0) + palette + rows)
+
+
+@pytest.mark.parametrize("kind", ["QOI", "DDS", "PPM, maximum value 1,000", "BMP, RLE8 rows ended early"])
+def test_images_pillow_decodes_in_python_are_bounded_and_decoded_off_the_process(rng, monkeypatch, kind):
+    """Pillow decodes some formats with decoders written in Python, a step a pixel holding the GIL (QOI
+    ~0.85 us a pixel, a PPM of maximum value 1,000 ~1.7 us; a BMP's RLE ~0.1 us a pixel of a row ended early: a
+    38 KB file of 88 MP took 12.2 s and 709 MB). Past MAX_PYTHON_DECODED pixels (a BMP's RLE: its own limit) such
+    an image is refused after its header is read, before it is decoded; within it, it decodes as Pillow decodes
+    it, and a process that offloads slow decoders (glmvit-serve) hands it to its decoding processes, a BMP too."""
+    from glmvit_cupy.preprocessing import decode
+
+    def make(w, h, small):
+        if kind.startswith("BMP"):
+            row = b"\x01\x07\x00\x00" if not small else bytes([0, w]) + rng.integers(0, 256, w, np.uint8).tobytes()
+            return _rle_bmp(w, h, (row + (b"\0" * (w % 2) if small else b"") + b"\0\0" * small) * h + b"\0\1")
+        if kind.startswith("PPM"):
+            return b"P6\n%d %d\n1000\n" % (w, h) + (rng.integers(0, 1001, (h, w, 3)).astype(">u2").tobytes()
+                                                    if small else b"")
+        buf = io.BytesIO()
+        image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) if small else Image.new("RGB", (w, h))
+        image.save(buf, kind)
+        return buf.getvalue()
+
+    most = decode.MAX_PYTHON_DECODED_BY["bmp_rle"] if kind.startswith("BMP") else decode.MAX_PYTHON_DECODED
+    data = make(24, 16, small=True)
+    with Image.open(io.BytesIO(data)) as f:
+        assert decode.python_decoder(f) is not None
+        assert np.array_equal(np.asarray(decode.load(data, "ok")), np.asarray(f.convert("RGB")))
+    handed, apart = [], rng.integers(0, 256, (16, 24, 3), dtype=np.uint8)
+    monkeypatch.setattr(decode, "offload", lambda data, name, max_pixels: handed.append(name) or apart)
+    assert np.array_equal(np.asarray(decode.load(data, "ok")), apart) and handed == ["ok"]
+    monkeypatch.setattr(decode, "offload", None)
+    large = make(most // 2048 + 1, 2048, small=False)  # one row over the limit
+    from PIL import ImageFile
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: pytest.fail("decoded"))  # refused from its header
+    with pytest.raises(ImageError, match=rf"large: a {kind.split(',')[0]} image of {most // 2048 + 1} x 2048 = "
+                                         rf"{(most // 2048 + 1) * 2048:,} pixels whose data Pillow decodes in Python"):
+        decode.load(large, "large")
+
+
 def _overlapping_tiff(width: int, rows: int, gap: int) -> bytes:
     """An uncompressed RGB TIFF of two strips, `rows` rows and one, the second starting `gap` bytes after the
     first (the first's data is rows x width x 3 bytes)."""

@@ -39,7 +39,8 @@ DECODE_BLOCK = 1 << 26  # bytes of the file handed to Pillow's decoder at once
 # decode (an 81 MP file: 10 s in which no other thread of the process runs); an ICNS icon may hold one,
 # and its header's size need not be the decoded image's. A process that must keep answering meanwhile
 # (glmvit-serve) sets `offload` to decode every format but these, whose C decoders run without the GIL
-# on the size their header says, in another process; None decodes everything here.
+# on the size their header says, in another process (and a BMP whose RLE Pillow decodes in Python); None
+# decodes everything here.
 DECODED_IN_PROCESS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"})
 offload = None  # offload(file bytes, name, max_pixels) -> HxWx3 uint8 array, or raises ImageError
 # A progressive JPEG is decoded once per scan: a 156 KB 16 MP file of its last scan repeated 2,000 times takes
@@ -62,6 +63,17 @@ MAX_PNG_CHUNKS = 1 << 17
 # copying its 1 MiB block (500,000 in a 1 MB file: 9.5 s). Writers put one comment line, if any, in the header.
 MAX_PNM_HEADER = 1 << 16
 MAX_PNM_COMMENTS = 1 << 10
+# Blocks (extensions and their sub-blocks) a GIF may have before its first image. Pillow reads each in a Python
+# step as it opens the file (~0.7 us an extension): 2,000,000 empty comments, a 10 MB file, took 3.5 s. Writers
+# put a few extensions there (loop count, frame timing, a comment or XMP in some hundred sub-blocks).
+MAX_GIF_BLOCKS = 1 << 17
+# Pixels an image may have whose data Pillow decodes with a decoder written in Python (Image.DECODERS: QOI, BLP,
+# a DDS's uncompressed RGB, a Netpbm file's plain or non-8-bit data, 16-bit SGI, XPM, MSP, a BMP's RLE). It takes
+# a Python step a pixel, holding the GIL: ~0.85 us for QOI, ~0.94 a DDS, ~1.7 a PPM of maximum value 1,000 (a
+# 2-core host), so one at Pillow's 89.5 MP limit takes one to three minutes; this many take ~4 s at most. A
+# BMP's RLE takes a step a run, and one a pixel (~0.1 us) only of rows ended early: it may have more.
+MAX_PYTHON_DECODED = 1 << 22
+MAX_PYTHON_DECODED_BY = {"bmp_rle": 1 << 24}
 # Formats Pillow decodes by running an outside program on the file (EPS: Ghostscript, a PostScript interpreter):
 # refused, so an untrusted file is never handed to one.
 RUNS_A_PROGRAM = frozenset({"EPS"})
@@ -273,8 +285,12 @@ def slow_structure(file, head: bytes | None) -> str | None:
     """What makes an image file (its first four bytes `head`) one Pillow would take far longer to open or decode
     than its pixels warrant, found before it is opened, or None: a TIFF of over MAX_TIFF_BLOCKS strips or tiles,
     a JPEG of over MAX_JPEG_SEGMENTS header segments, a Netpbm file of a long header or many comments, a PNG of
-    over MAX_PNG_CHUNKS chunks or more than one colour profile; said with what to do instead."""
+    over MAX_PNG_CHUNKS chunks or more than one colour profile, a GIF of over MAX_GIF_BLOCKS blocks before its
+    image; said with what to do instead."""
     head = head or b""
+    if head[:3] == b"GIF" and gif_blocks(file) > MAX_GIF_BLOCKS:
+        return (f"a GIF of over {MAX_GIF_BLOCKS:,} blocks before its first image, more than an image may have here "
+                "(writers use a few; each is read apart): re-save it")
     if head[:2] in (b"II", b"MM") and (blocks := tiff_blocks(file)) > MAX_TIFF_BLOCKS:
         return (f"a TIFF stored in {blocks:,} strips or tiles, more than the {MAX_TIFF_BLOCKS:,} an image may have "
                 "here (each is decoded apart; writers use far fewer): re-save it with larger strips, or as PNG")
@@ -318,6 +334,36 @@ def jpeg_header_segments(file, limit: int = MAX_JPEG_SEGMENTS) -> int:
     except (OSError, ValueError, OverflowError):
         pass
     return count
+
+
+def gif_blocks(file, limit: int = MAX_GIF_BLOCKS) -> int:
+    """How many blocks a GIF holds before its first image (each extension and each of its sub-blocks, what
+    Pillow reads in a Python step each as it opens the file), counted from their lengths up to the first image,
+    the trailer, a byte that starts no block, the end of the file or limit + 1 (where counting stops). 0 for
+    another format."""
+    count = 0
+    try:
+        with _reading(file) as f:
+            head = f.read(13)  # signature, then the logical screen's width, height, flags, background, aspect
+            if len(head) < 13 or head[:3] != b"GIF":
+                return 0
+            if head[10] & 0x80:  # a global colour table of 2 ** (n + 1) RGB entries
+                f.seek(3 << ((head[10] & 7) + 1), os.SEEK_CUR)
+            while count <= limit and f.read(1) == b"\x21":  # an extension: its label, then sub-blocks to a 0
+                f.read(1)
+                count += 1
+                while count <= limit and (size := f.read(1)) not in (b"", b"\0"):
+                    count += 1
+                    f.seek(size[0], os.SEEK_CUR)
+    except (OSError, ValueError, OverflowError):
+        pass
+    return count
+
+
+def python_decoder(img: Image.Image) -> str | None:
+    """The name of the Python-written decoder (Image.DECODERS) Pillow would decode an opened image's data with,
+    or None where its decoders are C ones."""
+    return next((tile[0] for tile in img.tile if tile[0] in getattr(Image, "DECODERS", {})), None)
 
 
 def pnm_costs(file) -> tuple[int, int]:
@@ -498,6 +544,13 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
         w, h = img.size
         if limit is not None and w * h > limit:
             raise ImageError(f"{bomb} (it is {w} x {h} = {w * h:,})")
+        slow = python_decoder(img)
+        most = MAX_PYTHON_DECODED_BY.get(slow, MAX_PYTHON_DECODED)
+        if slow is not None and w * h > most:
+            img.close()
+            raise ImageError(f"{name}: a {img.format} image of {w} x {h} = {w * h:,} pixels whose data Pillow decodes "
+                             f"in Python ({slow!r} decoder, a step a pixel: about a second a million), more than the "
+                             f"{most:,} allowed such an image here: convert it to PNG")
         overlap = tiff_overlap(img.tile) if img.format == "TIFF" else None
         if overlap is not None:
             at, least, gap = overlap
@@ -512,7 +565,7 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
                 raise ImageError(f"{name}: a progressive JPEG of {scans:,} scans, more than the {MAX_JPEG_SCANS} "
                                  "an image may have here (encoders write about 10; each scan decodes the whole "
                                  "image again): re-encode it")
-        if offload is not None and img.format not in DECODED_IN_PROCESS:
+        if offload is not None and (img.format not in DECODED_IN_PROCESS or slow is not None):
             data = _file_bytes(image)
             img.close()
             return offload(data, name, max_pixels)
