@@ -10,7 +10,8 @@ files in --out, one row per image: path, tokens, grid_thw, error (null if fine) 
 the embedding's bf16 bits (little-endian, row-major [tokens, out_hidden]; empty for a failed image);
 back to an array with
 `np.frombuffer(row["embedding_bf16"], ml_dtypes.bfloat16).reshape(row["tokens"], -1)`. Re-running
-skips every path already in --out (failed ones included: their error is recorded).
+skips every path already in --out (failed ones included: their error is recorded); with --retry-failed it
+encodes the failed ones again, and each one's new row replaces its failed one.
 """
 
 import argparse
@@ -21,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))  # run from a checkout without installing
@@ -33,6 +35,7 @@ MAX_IMAGE_MIB = 64  # as glmvit-encode's: a file is read whole, so a larger one 
 MIN_IMAGE_TOKENS = 16  # the fewest tokens an image is resized to (encode_dataset's min_image_tokens default)
 SETTINGS = ".ray_encode.settings.json"  # in --out: what shapes its embeddings (a resume must match it)
 STAGING = ".staging-"  # in --out: Ray writes a run's files here; each is moved up once whole
+REWRITE = ".rewrite"  # a file of --out being written again without its replaced rows: .NAME.rewrite, hidden
 
 
 def store(out):
@@ -79,14 +82,50 @@ def local_files(spec):
     return sorted({os.path.realpath(p) for p in found}.difference(os.path.realpath(p) for p in odd))
 
 
-def done_paths(out) -> tuple[set, set]:
-    """(paths already in the output's Parquet files, the files there that are not this example's). Files a run
+class Done(NamedTuple):
+    """What --out holds: paths (as written), foreign (Parquet files there that are not this
+    example's), failed (the paths whose every row there is a failed one, as written) and files (this example's
+    Parquet files there)."""
+    paths: set
+    foreign: set
+    failed: set
+    files: list
+
+
+def drop_failed(out, file, paths) -> int:
+    """The failed rows (an error) of Parquet file `file` in --out whose path is one of `paths`, removed: the
+    file written again without them under a hidden name, then moved over it; deleted where no row is left.
+    How many rows were removed."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    fs, root, join = store(out)
+    table = pq.read_table(file, filesystem=fs)
+    if "error" not in table.column_names:
+        return 0
+    drop = pc.and_(pc.is_in(table["path"], value_set=pa.array(sorted(paths), pa.string())),
+                   pc.is_valid(table["error"])).fill_null(False)
+    count = pc.sum(drop).as_py() or 0
+    if count == len(table):
+        fs.delete_file(file)
+    elif count:
+        again = join(root, f".{file.rsplit('/', 1)[-1]}{REWRITE}")
+        pq.write_table(table.filter(pc.invert(drop)), again, filesystem=fs)
+        move(fs, again, file)
+    return count
+
+
+def done_paths(out) -> Done:
+    """What the output's Parquet files hold (Done). Files a run
     staged (.staging-*/, hidden) and did not move up, because it was stopped, are moved up where they read
     whole. A file that cannot be read (a damaged page, or one a killed run was writing) is moved aside as
     .NAME.unreadable (a hidden name, which Parquet readers pass over), saying so: its rows are encoded again. A
     Parquet file without a text path column is not one of ours: passed over, saying so. Paths held by more than
     one row (two runs at once where the folder cannot be locked, or a killed run's workers finishing their last
-    writes during a re-run) are counted and said."""
+    writes during a re-run) are counted and said. A failed row of a path another row holds encoded (left by a
+    --retry-failed run stopped before it removed the rows it replaced) is removed; so is a hidden file such a
+    run was writing again (.NAME.rewrite: the file it came from is whole)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from pyarrow.fs import FileType
@@ -111,6 +150,9 @@ def done_paths(out) -> tuple[set, set]:
         return None
 
     entries = listed(fs, root)
+    for e in entries:
+        if e.type == FileType.File and e.base_name.startswith(".") and e.base_name.endswith(f".parquet{REWRITE}"):
+            fs.delete_file(e.path)
     for stage in (e for e in entries if e.type == FileType.Directory and e.base_name.startswith(STAGING)):
         for e in listed(fs, stage.path):
             if e.type == FileType.File and e.base_name.endswith(".parquet"):
@@ -123,7 +165,7 @@ def done_paths(out) -> tuple[set, set]:
             fs.delete_dir(stage.path)
     files = sorted(join(root, e.base_name) for e in listed(fs, root) if e.type == FileType.File
                    and e.base_name.endswith(".parquet") and not e.base_name.startswith("."))
-    paths, foreign, rows = set(), set(), 0
+    paths, foreign, ours, rows, encoded, failed = set(), set(), [], 0, set(), {}
     for f in files:
         try:
             schema = pq.read_schema(f, filesystem=fs)
@@ -133,12 +175,22 @@ def done_paths(out) -> tuple[set, set]:
                       "example's files: passed over")
                 foreign.add(f)
                 continue
-            found = [p for p in pq.read_table(f, columns=["path"], filesystem=fs).column("path").to_pylist()
-                     if p is not None]
-            paths.update(found)
+            columns = ["path", "error"] if "error" in schema.names else ["path"]
+            found = [r for r in pq.read_table(f, columns=columns, filesystem=fs).to_pylist() if r["path"] is not None]
+            paths.update(r["path"] for r in found)
             rows += len(found)
+            for r in found:
+                if r.get("error") is None:
+                    encoded.add(r["path"])
+                else:
+                    failed.setdefault(r["path"], set()).add(f)
+            ours.append(f)
         except (pa.ArrowException, OSError) as e:  # no footer (cut short), or a damaged page
             aside(f, " ".join(str(e).split())[:160])
+    replaced = {p for p in failed if p in encoded}
+    if replaced:
+        rows -= sum(drop_failed(out, f, replaced) for f in sorted(set().union(*(failed[p] for p in replaced))))
+        ours = [f for f in ours if fs.get_file_info(f).type == FileType.File]  # one of failed rows only: deleted
     if rows > len(paths):
         n = rows - len(paths)
         print(f"ray_encode: {n} {'row' if n == 1 else 'rows'} of {out} {'repeats' if n == 1 else 'repeat'} a path "
@@ -146,7 +198,12 @@ def done_paths(out) -> tuple[set, set]:
               "into it at once: a cloud --out, or a file system without locks; or the Ray workers of a killed "
               "run finishing their last writes during a re-run): the repeats hold the same file's embedding; "
               "keep one row a path when reading (pandas: drop_duplicates('path'))")
-    return paths | {os.path.realpath(p) for p in paths if "://" not in p}, foreign  # other spellings too
+    return Done(paths, foreign, set(failed) - encoded, ours)
+
+
+def spellings(paths) -> set:
+    """paths, with the real path of each local one: the same files given otherwise are found too."""
+    return paths | {os.path.realpath(p) for p in paths if "://" not in p}
 
 
 def check_settings(out, settings: dict, holds: bool):
@@ -249,6 +306,8 @@ def run(argv) -> int:
     ap.add_argument("--max-pixels", type=int, default=None, metavar="N",
                     help="pixels an image may have before it is refused as a decompression bomb (default: "
                          "Pillow's limit, 89,478,485)")
+    ap.add_argument("--retry-failed", action="store_true",
+                    help="encode again the images whose rows in --out failed; each new row replaces the failed one")
     ap.add_argument("--max-image-mib", type=float, default=MAX_IMAGE_MIB, metavar="MIB",
                     help=f"a larger file fails its row unread (default {MAX_IMAGE_MIB}; a file is read whole)")
     args = ap.parse_args(argv)
@@ -359,11 +418,16 @@ def encode(args, ray, limits: tuple[int, int], files: list | None) -> int:
     import glmvit_cupy.ray as gvr
     from glmvit_cupy.checkpoint.bind import bind_tower
 
-    done, foreign = done_paths(args.out)
+    held = done_paths(args.out)
+    retried = held.failed if args.retry_failed else set()
+    done = spellings(held.paths - retried)  # every spelling of a local path: the same files given otherwise too
     if files is not None:
         files = [f for f in files if path_text(f) not in done]
         if not files:
-            print(f"ray_encode: all images of {args.input} are already in {args.out}")
+            n = len(held.failed)
+            again = (f" ({n} failed: {'its error is' if n == 1 else 'their errors are'} recorded there; "
+                     f"--retry-failed encodes {'it' if n == 1 else 'them'} again)") if n else ""
+            print(f"ray_encode: all images of {args.input} are already in {args.out}{again}")
             return 0
     # What shapes an embedding, fixed for the folder (the pixel and size limits only accept or refuse a file).
     low, high = limits
@@ -401,9 +465,21 @@ def encode(args, ray, limits: tuple[int, int], files: list | None) -> int:
             move(fs, e.path, join(root, e.base_name))
     if not listed(fs, stage):
         fs.delete_dir(stage)
-    failed = sum(e is not None for e in rows.values())
+    if retried:  # each retried path's new row replaces its failed one (this run's files are moved up whole first)
+        new = spellings(set(rows))
+        replaced = {p for p in retried if p in new or ("://" not in p and os.path.realpath(p) in new)}
+        import pyarrow as pa
+
+        for f in held.files:
+            try:
+                drop_failed(args.out, f, replaced)
+            except (pa.ArrowException, OSError) as e:
+                print(f"ray_encode: {f}: its failed rows of the images encoded again were not removed ("
+                      f"{' '.join(str(e).split())[:160]}); the next run removes those now encoded")
+    failed, before = sum(e is not None for e in rows.values()), len(held.paths - retried)
     print(f"ray_encode: {len(rows)} image{'s' if len(rows) != 1 else ''} in {dt:.1f} s ({len(rows) / dt:.1f} "
-          f"images/s), {failed} failed; {len(done)} were already done; output in {args.out}")
+          f"images/s), {failed} failed; {before} {'was' if before == 1 else 'were'} already done; output in "
+          f"{args.out}")
     return 0
 
 

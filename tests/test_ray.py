@@ -499,7 +499,7 @@ def test_example_says_when_a_path_is_held_by_several_rows(tmp_path, capsys):
 
     pq.write_table(pa.table({"path": ["/x/a.png", "/x/b.png"]}), tmp_path / "one.parquet")
     pq.write_table(pa.table({"path": ["/x/b.png", None]}), tmp_path / "two.parquet")
-    done, foreign = ray_encode.done_paths(str(tmp_path))
-    assert {"/x/a.png", "/x/b.png"} <= done and None not in done and not foreign
+    held = ray_encode.done_paths(str(tmp_path))
+    assert held.paths == {"/x/a.png", "/x/b.png"} and not held.foreign and not held.failed
     said = capsys.readouterr().out
     assert f"1 row of {tmp_path} repeats a path" in said and "drop_duplicates('path')" in said, said

@@ -183,6 +183,43 @@ def test_encode_dataset_checks_batch_size(local_ray):
             gvr.encode_video_dataset(ds, TOWER, cpu=True, batch_size=bad)
 
 
+def test_example_retry_failed_encodes_failed_images_again_and_replaces_their_rows(local_ray, tmp_path, capsys):
+    """A re-run skips the images whose rows failed (their errors are recorded) and says how to try them again:
+    with --retry-failed it encodes them again, and each one's new row replaces its failed one (one row a path;
+    the file holding it is written again). A failed row of a path another row holds encoded (a retry stopped
+    before it removed it) is removed by the next run, as is the hidden file such a retry was writing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray_encode
+
+    folder, out = images(tmp_path / "imgs", 2), tmp_path / "out"
+    (folder / "bad.png").write_bytes(b"not an image")
+    args = [str(folder), "--checkpoint", TOWER, "--out", str(out), "--cpu"]
+    assert ray_encode.main(args) == 0
+    rows = pq.read_table(out, columns=["path", "error"]).to_pylist()
+    assert sorted((os.path.basename(r["path"]), r["error"] is None) for r in rows) == \
+        [("bad.png", False), ("img0.png", True), ("img1.png", True)], rows
+    capsys.readouterr()
+    assert ray_encode.main(args) == 0
+    said = capsys.readouterr().out
+    assert "already in" in said and "(1 failed: its error is recorded there; --retry-failed encodes it" in said, said
+    Image.fromarray(cases._smooth(90, 120, 7)).save(folder / "bad.png", format="PNG")  # mended
+    assert ray_encode.main(args + ["--retry-failed"]) == 0
+    said = capsys.readouterr().out
+    assert "ray_encode: 1 image in" in said and "0 failed; 2 were already done" in said, said
+    rows = pq.read_table(out, columns=["path", "error"]).to_pylist()
+    assert sorted(r["path"] for r in rows) == sorted(str(p) for p in folder.iterdir()), rows  # one row a path
+    assert all(r["error"] is None for r in rows), rows
+    encoded = str(folder / "img0.png")  # as a retry stopped before removing the failed row it replaced leaves it
+    pq.write_table(pa.table({"path": [encoded], "error": ["img0.png: cannot decode image"]}), out / "stale.parquet")
+    (out / ".part-1.parquet.rewrite").write_bytes(b"PAR1 half written")
+    assert ray_encode.main(args) == 0
+    assert "already in" in capsys.readouterr().out
+    assert not (out / "stale.parquet").exists() and not (out / ".part-1.parquet.rewrite").exists()
+    assert sorted(r["path"] for r in pq.read_table(out, columns=["path"]).to_pylist()) == \
+        sorted(str(p) for p in folder.iterdir())
+
+
 def test_example_output_is_whole_where_readers_look_and_a_stopped_runs_staged_files_are_kept(local_ray, tmp_path,
                                                                                             capsys):
     """Ray writes each Parquet file under its final name, so a reader of --out (pq.read_table(out)) saw files
