@@ -72,9 +72,8 @@ def _child_ignores_signals(server: int):
 class OffProcess:
     """decode.offload for the service: the formats not in decode.DECODED_IN_PROCESS (JPEG 2000, whose
     decoder holds the GIL; ICNS, ...) and images Pillow decodes in Python (a BMP's RLE) decoded in processes
-    of their own, started on first use, so that the
-    event loop and the other threads run meanwhile (one 81 MP JPEG 2000 froze the server for 12 s). The
-    decoding thread that asked waits for it without the GIL."""
+    of their own, started on first use, so that the event loop and the other threads run meanwhile (one 81 MP
+    JPEG 2000 froze the server for 12 s). The decoding thread that asked waits for it without the GIL."""
 
     def __init__(self, workers: int):
         self.workers, self._pool, self._lock, self._closed = workers, None, threading.Lock(), False
