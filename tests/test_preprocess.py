@@ -941,6 +941,90 @@ def test_a_png_of_more_than_one_colour_profile_is_refused(tmp_path, rng):
             decode.load(given, "two.png")
 
 
+def _jpeg_segment(marker: int, payload: bytes) -> bytes:
+    return b"\xff" + bytes([marker]) + struct.pack(">H", len(payload) + 2) + payload
+
+
+def test_a_baseline_jpeg_of_many_scans_is_refused(rng):
+    """libjpeg decodes a baseline JPEG whose scans hold fewer components than its frame once per scan, over the
+    whole image: 100 KB of 10,000 empty one-component scans of a 16 MP frame took 13.8 s. Every JPEG's scans are
+    counted, not only a progressive one's; a baseline file of one scan a component decodes as Pillow decodes
+    it."""
+    from glmvit_cupy.preprocessing import decode
+
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8)).save(buf, "JPEG")
+    plain = buf.getvalue()
+    assert decode.jpeg_scans_in(plain) == 1
+    with Image.open(io.BytesIO(plain)) as f:
+        assert np.array_equal(np.asarray(decode.load(plain, "ok.jpg")), np.asarray(f.convert("RGB")))
+    with Image.open(io.BytesIO(plain)) as f:  # its tables, then scans of the luma component only, no data
+        tables = b"".join(_jpeg_segment(m, p) for m, p in _jpeg_segments(plain) if m in (0xDB, 0xC4))
+        frame = next(_jpeg_segment(m, p) for m, p in _jpeg_segments(plain) if m == 0xC0)
+        assert not f.info.get("progressive")
+    scan = _jpeg_segment(0xDA, b"\x01\x01\x00\x00\x3f\x00")
+    many = b"\xff\xd8" + tables + frame + scan * (decode.MAX_JPEG_SCANS + 1) + b"\xff\xd9"
+    with Image.open(io.BytesIO(many)) as f:
+        assert f.format == "JPEG" and not f.info.get("progressive")
+    with pytest.raises(ImageError, match=f"many.jpg: a JPEG of {decode.MAX_JPEG_SCANS + 1} scans, more than the "
+                                         f"{decode.MAX_JPEG_SCANS} an image may have here"):
+        decode.load(many, "many.jpg")
+
+
+def _jpeg_segments(data: bytes):
+    """(marker, payload) of a JPEG's segments from SOI to its first scan."""
+    at = 2
+    while data[at + 1] != 0xDA:
+        size = int.from_bytes(data[at + 2:at + 4], "big")
+        yield data[at + 1], data[at + 4:at + 2 + size]
+        at += 2 + size
+
+
+def test_an_iptc_file_holding_another_image_file_is_refused(rng):
+    """Pillow loads an IPTC/NAA file by opening the image file its field (8, 10) holds, in any format, past every
+    check here and the pixel limit (a 140 KB PNG of 144 MP inside one decoded, where alone it is refused): such a
+    file is refused by its format."""
+    from glmvit_cupy.preprocessing import decode
+
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8)).save(buf, "PNG")
+
+    def field(record, dataset, data, long=False):
+        size = b"\x84\x00" + struct.pack(">I", len(data)) if long else struct.pack(">H", len(data))
+        return b"\x1c" + bytes([record, dataset]) + size + data
+
+    iptc = (field(3, 60, b"\x01\x00") + field(3, 20, struct.pack(">I", 24)) + field(3, 30, struct.pack(">I", 16)) +
+            field(3, 120, b"\x05") + field(8, 10, buf.getvalue(), long=True))
+    with Image.open(io.BytesIO(iptc)) as f:
+        assert f.format == "IPTC"
+    with pytest.raises(ImageError, match="inner.iptc: an IPTC file is not decoded here \\(it holds another image file"):
+        decode.load(iptc, "inner.iptc")
+
+
+def test_a_tiffs_strips_are_counted_past_many_other_entries():
+    """A TIFF's strip count was read from its first directory's first 4,096 entries: 5,000 entries of another tag
+    before StripOffsets hid 7,500,000 one-row strips (45 s, 2.7 GB). Every entry of a classic TIFF's directory is
+    read."""
+    from glmvit_cupy.preprocessing import decode
+
+    strips, padding = decode.MAX_TIFF_BLOCKS + 1, 5000
+
+    def entry(tag, kind, count, value):
+        return struct.pack("<HHII", tag, kind, count, value)
+
+    entries = padding + 9
+    pixels = 8 + 2 + 12 * entries + 4
+    offsets, counts = pixels + 8, pixels + 8 + 4 * strips
+    table = [entry(65000, 3, 1, 0)] * padding + [
+        entry(256, 4, 1, 8), entry(257, 4, 1, strips), entry(258, 3, 1, 8), entry(259, 3, 1, 1), entry(262, 3, 1, 1),
+        entry(273, 4, strips, offsets), entry(277, 3, 1, 1), entry(278, 4, 1, 1), entry(279, 4, strips, counts)]
+    tiff = (b"II*\0" + struct.pack("<IH", 8, entries) + b"".join(table) + bytes(4) + b"\x80" * 8 +
+            struct.pack("<I", pixels) * strips + struct.pack("<I", 8) * strips)
+    assert decode.tiff_blocks(tiff) == strips
+    with pytest.raises(ImageError, match=f"padded.tif: a TIFF stored in {strips:,} strips or tiles"):
+        decode.load(tiff, "padded.tif")
+
+
 def test_a_jpeg_of_too_many_header_segments_is_refused_before_pillow_opens_it(tmp_path, rng):
     """Pillow walks a JPEG's marker segments before its first scan in a Python step each as it opens the file,
     and keeps every APP segment: 5,000,000 empty APP5 segments (a 20 MB file) took 7.4 s and 705 MB. Past

@@ -44,7 +44,9 @@ DECODE_BLOCK = 1 << 26  # bytes of the file handed to Pillow's decoder at once
 DECODED_IN_PROCESS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"})
 offload = None  # offload(file bytes, name, max_pixels) -> HxWx3 uint8 array, or raises ImageError
 # A progressive JPEG is decoded once per scan: a 156 KB 16 MP file of its last scan repeated 2,000 times takes
-# ~24 s to decode. Encoders write about 10 scans (Pillow and libjpeg 10, mozjpeg up to ~20).
+# ~24 s to decode. So is a baseline one whose scans hold fewer components than its frame (100 KB of 10,000
+# empty one-component scans of a 16 MP frame: 13.8 s). Encoders write about 10 scans (Pillow and libjpeg 10,
+# mozjpeg up to ~20; a baseline file one, or one a component).
 MAX_JPEG_SCANS = 64
 # Segments a JPEG's markers are walked through to count its scans (a Python step each): encoders write some
 # tens, a file with a large ICC profile or XMP block some hundreds (one a 64 KB piece).
@@ -77,6 +79,9 @@ MAX_PYTHON_DECODED_BY = {"bmp_rle": 1 << 24}
 # Formats Pillow decodes by running an outside program on the file (EPS: Ghostscript, a PostScript interpreter):
 # refused, so an untrusted file is never handed to one.
 RUNS_A_PROGRAM = frozenset({"EPS"})
+# Formats whose file holds another image file that Pillow opens as it loads (IPTC/NAA), in any format and without
+# the checks above or the pixel limit: refused.
+HOLDS_AN_IMAGE_FILE = frozenset({"IPTC"})
 
 
 def decode_rgb(data: bytes, name: str, max_pixels: int | None = None) -> np.ndarray:
@@ -410,7 +415,7 @@ def tiff_blocks(file) -> int:
             raw = f.read(8 if big else 2)
             entries = struct.unpack(order + ("Q" if big else "H"), raw)[0]
             size, entry = (20, order + "HHQ") if big else (12, order + "HHI")
-            table = f.read(size * min(entries, 4096))
+            table = f.read(size * min(entries, 1 << 16))  # a classic TIFF's most; entries may come before them
             counts = [struct.unpack_from(entry, table, i * size) for i in range(len(table) // size)]
             return max((count for tag, _, count in counts if tag in (273, 324)), default=0)
     except (OSError, ValueError, OverflowError, struct.error):
@@ -541,6 +546,10 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
             img.close()
             raise ImageError(f"{name}: an {img.format} file is not decoded here (Pillow decodes it by running "
                              "Ghostscript, an outside program, on it); convert it to PNG first")
+        if img.format in HOLDS_AN_IMAGE_FILE:
+            img.close()
+            raise ImageError(f"{name}: an {img.format} file is not decoded here (it holds another image file, which "
+                             "Pillow would open unchecked); take the image out of it, or convert it to PNG first")
         w, h = img.size
         if limit is not None and w * h > limit:
             raise ImageError(f"{bomb} (it is {w} x {h} = {w * h:,})")
@@ -559,10 +568,11 @@ def _decode_named(image, name, max_pixels=None, host_buffer=None):
             raise ImageError(f"{name}: a TIFF whose uncompressed strips or tiles overlap (the one at byte {at:,} holds "
                              f"at least {least:,} bytes, and the next starts {apart} after it; it would be read that "
                              "many bytes at a time): re-save it")
-        if img.format in ("JPEG", "MPO") and img.info.get("progressive"):
+        if img.format in ("JPEG", "MPO"):  # a baseline one too: scans of fewer components than its frame
             scans = jpeg_scans(img.fp)
             if scans > MAX_JPEG_SCANS:
-                raise ImageError(f"{name}: a progressive JPEG of {scans:,} scans, more than the {MAX_JPEG_SCANS} "
+                kind = "progressive JPEG" if img.info.get("progressive") else "JPEG"
+                raise ImageError(f"{name}: a {kind} of {scans:,} scans, more than the {MAX_JPEG_SCANS} "
                                  "an image may have here (encoders write about 10; each scan decodes the whole "
                                  "image again): re-encode it")
         if offload is not None and (img.format not in DECODED_IN_PROCESS or slow is not None):
