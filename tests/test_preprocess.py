@@ -1025,6 +1025,31 @@ def test_a_tiffs_strips_are_counted_past_many_other_entries():
         decode.load(tiff, "padded.tif")
 
 
+def test_a_tiff_tag_of_many_fractions_is_refused(rng):
+    """Pillow makes a Python Fraction of each RATIONAL value of a tag it reads (XResolution, as it opens the
+    file): 7,800,000 in a 62 MB TIFF took 17.8 s and 1.3 GB. A first directory's entry of over MAX_TIFF_FRACTIONS
+    is refused before the file is opened; a TIFF Pillow writes (its resolution one fraction each) decodes."""
+    from glmvit_cupy.preprocessing import decode
+
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8)).save(buf, "TIFF", dpi=(72, 72))
+    plain = buf.getvalue()
+    assert decode.tiff_fractions(plain) == 1
+    with Image.open(io.BytesIO(plain)) as f:
+        assert np.array_equal(np.asarray(decode.load(plain, "ok.tif")), np.asarray(f.convert("RGB")))
+    count = decode.MAX_TIFF_FRACTIONS + 1
+    entries = [(256, 4, 1, 24), (257, 4, 1, 16), (258, 3, 1, 8), (259, 3, 1, 1), (262, 3, 1, 1), (273, 4, 1, 0),
+               (277, 3, 1, 1), (278, 4, 1, 16), (279, 4, 1, 384), (282, 5, count, 0)]
+    data = 8 + 2 + 12 * len(entries) + 4
+    entries = [e if e[0] not in (273, 282) else e[:3] + (data if e[0] == 273 else data + 384,) for e in entries]
+    tiff = (b"II*\0" + struct.pack("<IH", 8, len(entries)) + b"".join(struct.pack("<HHII", *e) for e in entries) +
+            bytes(4) + rng.integers(0, 256, 384, dtype=np.uint8).tobytes() + struct.pack("<II", 72, 1) * count)
+    assert decode.tiff_fractions(tiff) == count
+    assert decode.header_size(tiff) == (0, None)  # never opened
+    with pytest.raises(ImageError, match=f"many.tif: a TIFF with a tag of {count:,} fractions"):
+        decode.load(tiff, "many.tif")
+
+
 def test_a_jpeg_of_too_many_header_segments_is_refused_before_pillow_opens_it(tmp_path, rng):
     """Pillow walks a JPEG's marker segments before its first scan in a Python step each as it opens the file,
     and keeps every APP segment: 5,000,000 empty APP5 segments (a 20 MB file) took 7.4 s and 705 MB. Past

@@ -56,6 +56,9 @@ MAX_JPEG_SEGMENTS = 1 << 16
 # and 2 GB to decode, counted as 6 MP. Writers aim at ~8 KB strips or 256 x 256 tiles: 11,000-66,000 strips
 # at Pillow's 89.5 MP limit; this many one-row strips decode in 1.1 s (a 2-core host).
 MAX_TIFF_BLOCKS = 1 << 17
+# Values of type RATIONAL a TIFF tag may hold. Pillow makes a Python Fraction of each as it reads the tag (it reads
+# XResolution as it opens the file): one of 7,800,000 (62 MB) took 17.8 s and 1.3 GB. Writers store 1-9 in a tag.
+MAX_TIFF_FRACTIONS = 1 << 12
 # Chunks a PNG may have. Pillow reads every chunk in a Python step as it opens and decodes the file (~3 us a
 # chunk): a 12 MB PNG of 1,000,000 empty ancillary chunks around a 64 x 64 image took 3.5 s. Writers put a few
 # chunks around IDATs of 8-64 KB: ~8,000 chunks in a 64 MB file; this many empty ones decode in ~0.4 s.
@@ -288,7 +291,8 @@ def jpeg_scans_in(data: bytes) -> int:
 
 def slow_structure(file, head: bytes | None) -> str | None:
     """What makes an image file (its first four bytes `head`) one Pillow would take far longer to open or decode
-    than its pixels warrant, found before it is opened, or None: a TIFF of over MAX_TIFF_BLOCKS strips or tiles,
+    than its pixels warrant, found before it is opened, or None: a TIFF of over MAX_TIFF_BLOCKS strips or tiles
+    or a tag of over MAX_TIFF_FRACTIONS fractions,
     a JPEG of over MAX_JPEG_SEGMENTS header segments, a Netpbm file of a long header or many comments, a PNG of
     over MAX_PNG_CHUNKS chunks or more than one colour profile, a GIF of over MAX_GIF_BLOCKS blocks before its
     image; said with what to do instead."""
@@ -299,6 +303,10 @@ def slow_structure(file, head: bytes | None) -> str | None:
     if head[:2] in (b"II", b"MM") and (blocks := tiff_blocks(file)) > MAX_TIFF_BLOCKS:
         return (f"a TIFF stored in {blocks:,} strips or tiles, more than the {MAX_TIFF_BLOCKS:,} an image may have "
                 "here (each is decoded apart; writers use far fewer): re-save it with larger strips, or as PNG")
+    if head[:2] in (b"II", b"MM") and (fractions := tiff_fractions(file)) > MAX_TIFF_FRACTIONS:
+        return (f"a TIFF with a tag of {fractions:,} fractions (RATIONAL values), more than the "
+                f"{MAX_TIFF_FRACTIONS:,} a tag may have here (Pillow makes an object of each; writers store one to "
+                "a few): re-save it")
     if head[:3] == b"\xff\xd8\xff" and jpeg_header_segments(file) > MAX_JPEG_SEGMENTS:
         return (f"a JPEG of over {MAX_JPEG_SEGMENTS:,} marker segments before its image data, more than an image "
                 "may have here (writers use some tens; each is read apart): re-save it")
@@ -402,24 +410,35 @@ def pnm_costs(file) -> tuple[int, int]:
 
 def tiff_blocks(file) -> int:
     """How many strips or tiles a TIFF's first image is stored in, from the count of its first directory's
-    StripOffsets or TileOffsets (classic TIFF and BigTIFF), nothing else read: what Pillow would make a tile of
-    each as it opens the file. 0 for another format, or a header cut short (opening it says why)."""
+    StripOffsets or TileOffsets: what Pillow would make a tile of each as it opens the file. 0 for another
+    format, or a header cut short (opening it says why)."""
+    return max((count for tag, _, count in tiff_entries(file) if tag in (273, 324)), default=0)
+
+
+def tiff_fractions(file) -> int:
+    """The most values of type RATIONAL or SRATIONAL an entry of a TIFF's first directory holds: Pillow makes a
+    Python fraction of each as it reads such a tag (XResolution as it opens the file). 0 for another format."""
+    return max((count for _, kind, count in tiff_entries(file) if kind in (5, 10)), default=0)
+
+
+def tiff_entries(file) -> list[tuple[int, int, int]]:
+    """(tag, type, count) of each entry of a TIFF's first directory (classic TIFF and BigTIFF; the first 65,536,
+    a classic directory's most), nothing else read; [] for another format, or a header cut short."""
     try:
         with _reading(file) as f:
             head = f.read(16)
             big = head[2:4] in (b"+\0", b"\0+")
             if head[:2] not in (b"II", b"MM") or head[2:4] not in (b"*\0", b"\0*", b"+\0", b"\0+"):
-                return 0
+                return []
             order = "<" if head[:2] == b"II" else ">"
             f.seek(struct.unpack_from(order + ("Q" if big else "I"), head, 8 if big else 4)[0])
             raw = f.read(8 if big else 2)
             entries = struct.unpack(order + ("Q" if big else "H"), raw)[0]
             size, entry = (20, order + "HHQ") if big else (12, order + "HHI")
-            table = f.read(size * min(entries, 1 << 16))  # a classic TIFF's most; entries may come before them
-            counts = [struct.unpack_from(entry, table, i * size) for i in range(len(table) // size)]
-            return max((count for tag, _, count in counts if tag in (273, 324)), default=0)
+            table = f.read(size * min(entries, 1 << 16))
+            return [struct.unpack_from(entry, table, i * size) for i in range(len(table) // size)]
     except (OSError, ValueError, OverflowError, struct.error):
-        return 0
+        return []
 
 
 def png_chunks(file, limit: int = MAX_PNG_CHUNKS) -> tuple[int, int]:
