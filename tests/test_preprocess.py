@@ -1069,10 +1069,8 @@ def test_a_jpeg_of_too_many_header_segments_is_refused_before_pillow_opens_it(tm
     many = jpeg[:2] + b"\xff\xe5\0\x02" * decode.MAX_JPEG_SEGMENTS + jpeg[2:]
     assert decode.jpeg_header_segments(many) == decode.MAX_JPEG_SEGMENTS + 1  # counting stops past the limit
     assert decode.header_size(some) == (384, (24, 16)) and decode.header_size(many) == (0, None)  # never opened
-    (tmp_path / "many.jpg").write_bytes(many)
-    for given in (many, str(tmp_path / "many.jpg"), io.BytesIO(many)):
-        with pytest.raises(ImageError, match=f"many.jpg: a JPEG of over {decode.MAX_JPEG_SEGMENTS:,} marker segments"):
-            decode.load(given, "many.jpg")
+    _refused_every_way(tmp_path, many, "many.jpg",
+                       f"many.jpg: a JPEG of over {decode.MAX_JPEG_SEGMENTS:,} marker segments")
     for other in (b"", b"\xff\xd8", b"\x89PNG\r\n\x1a\n" + bytes(30), jpeg[:7]):  # cut short, not a JPEG
         assert decode.jpeg_header_segments(other) <= 1
 
@@ -1104,6 +1102,16 @@ def test_netpbm_files_of_long_headers_or_many_comments_are_refused(tmp_path, rng
         assert decode.pnm_costs(other)[1] == 0 and decode.pnm_costs(other)[0] <= 4
 
 
+def _refused_every_way(tmp_path, data: bytes, name: str, match: str) -> None:
+    """decode.load refuses a file with `match`, given as its bytes, as a path and as a file object."""
+    from glmvit_cupy.preprocessing import decode
+
+    (tmp_path / name).write_bytes(data)
+    for given in (data, str(tmp_path / name), io.BytesIO(data)):
+        with pytest.raises(ImageError, match=match):
+            decode.load(given, name)
+
+
 def _gif(rng, before: bytes) -> bytes:
     """A 24 x 16 GIF of random colours with `before` inserted ahead of its first image (after the colour
     table)."""
@@ -1131,10 +1139,8 @@ def test_a_gif_of_too_many_blocks_before_its_image_is_refused(tmp_path, rng):
                  _gif(rng, b"\x21\xfe" + b"\x01x" * decode.MAX_GIF_BLOCKS + b"\0")):
         assert decode.gif_blocks(many) == decode.MAX_GIF_BLOCKS + 1  # counting stops past the limit
         assert decode.header_size(many) == (0, None)  # never opened
-        (tmp_path / "many.gif").write_bytes(many)
-        for given in (many, str(tmp_path / "many.gif"), io.BytesIO(many)):
-            with pytest.raises(ImageError, match=f"many.gif: a GIF of over {decode.MAX_GIF_BLOCKS:,} blocks before"):
-                decode.load(given, "many.gif")
+        _refused_every_way(tmp_path, many, "many.gif",
+                           f"many.gif: a GIF of over {decode.MAX_GIF_BLOCKS:,} blocks before")
     for other in (b"", b"GIF89a", b"\x89PNG\r\n\x1a\n" + bytes(30), some[:40]):  # cut short, not a GIF
         assert decode.gif_blocks(other) <= 2
 

@@ -300,10 +300,11 @@ def slow_structure(file, head: bytes | None) -> str | None:
     if head[:3] == b"GIF" and gif_blocks(file) > MAX_GIF_BLOCKS:
         return (f"a GIF of over {MAX_GIF_BLOCKS:,} blocks before its first image, more than an image may have here "
                 "(writers use a few; each is read apart): re-save it")
-    if head[:2] in (b"II", b"MM") and (blocks := tiff_blocks(file)) > MAX_TIFF_BLOCKS:
+    entries = tiff_entries(file) if head[:2] in (b"II", b"MM") else []  # read once for both checks
+    if (blocks := tiff_blocks(file, entries)) > MAX_TIFF_BLOCKS:
         return (f"a TIFF stored in {blocks:,} strips or tiles, more than the {MAX_TIFF_BLOCKS:,} an image may have "
                 "here (each is decoded apart; writers use far fewer): re-save it with larger strips, or as PNG")
-    if head[:2] in (b"II", b"MM") and (fractions := tiff_fractions(file)) > MAX_TIFF_FRACTIONS:
+    if (fractions := tiff_fractions(file, entries)) > MAX_TIFF_FRACTIONS:
         return (f"a TIFF with a tag of {fractions:,} fractions (RATIONAL values), more than the "
                 f"{MAX_TIFF_FRACTIONS:,} a tag may have here (Pillow makes an object of each; writers store one to "
                 "a few): re-save it")
@@ -408,17 +409,20 @@ def pnm_costs(file) -> tuple[int, int]:
         return 0, 0
 
 
-def tiff_blocks(file) -> int:
+def tiff_blocks(file, entries: list | None = None) -> int:
     """How many strips or tiles a TIFF's first image is stored in, from the count of its first directory's
     StripOffsets or TileOffsets: what Pillow would make a tile of each as it opens the file. 0 for another
-    format, or a header cut short (opening it says why)."""
-    return max((count for tag, _, count in tiff_entries(file) if tag in (273, 324)), default=0)
+    format, or a header cut short (opening it says why). entries: its tiff_entries, where already read."""
+    entries = tiff_entries(file) if entries is None else entries
+    return max((count for tag, _, count in entries if tag in (273, 324)), default=0)
 
 
-def tiff_fractions(file) -> int:
+def tiff_fractions(file, entries: list | None = None) -> int:
     """The most values of type RATIONAL or SRATIONAL an entry of a TIFF's first directory holds: Pillow makes a
-    Python fraction of each as it reads such a tag (XResolution as it opens the file). 0 for another format."""
-    return max((count for _, kind, count in tiff_entries(file) if kind in (5, 10)), default=0)
+    Python fraction of each as it reads such a tag (XResolution as it opens the file). 0 for another format.
+    entries: its tiff_entries, where already read."""
+    entries = tiff_entries(file) if entries is None else entries
+    return max((count for _, kind, count in entries if kind in (5, 10)), default=0)
 
 
 def tiff_entries(file) -> list[tuple[int, int, int]]:
