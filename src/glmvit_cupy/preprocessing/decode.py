@@ -196,10 +196,11 @@ def header_size(file, understated: int = 0) -> tuple[int, tuple | None]:
         return 0, None
     if is_ico(file):  # not opened: that would decode it
         return understated or 0, None
-    png = _ihdr_size(_head(file, 33) or b"", checked=True)
+    head = _head(file, 33) or b""  # read once: a PNG's IHDR, and the first bytes that name other formats
+    png = _ihdr_size(head, checked=True)
     if png is not None:  # not opened: Pillow inflates every zTXt and iCCP chunk before IDAT as it opens
         return png[0] * png[1], png
-    if slow_structure(file, _head(file, 4)) is not None:
+    if slow_structure(file, head[:4]) is not None:
         return 0, None  # not opened (opening walks every segment or header byte, or builds a tile a strip)
     try:
         with _open(_bytes_io(file) if isinstance(file, ENCODED_BYTES) else file, understated or None) as im:
